@@ -1,0 +1,79 @@
+//! CUDA Driver API result codes. Numeric values are CUDA's, so a reply's
+//! status can be handed to an unmodified program as a `CUresult`.
+
+macro_rules! cuda_results {
+    ($($name:ident = $val:expr, $text:expr;)*) => {
+        /// A `CUresult`: the status carried in every reply header.
+        #[allow(non_camel_case_types)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(u32)]
+        pub enum CuResult { $($name = $val),* }
+
+        impl CuResult {
+            /// Maps a raw code; unknown codes become `CUDA_ERROR_UNKNOWN`.
+            pub fn from_u32(v: u32) -> CuResult {
+                match v { $($val => CuResult::$name,)* _ => CuResult::CUDA_ERROR_UNKNOWN }
+            }
+            /// Whether `v` is a code this crate knows.
+            pub fn is_known(v: u32) -> bool {
+                matches!(v, $($val)|*)
+            }
+            /// The enumerator name, as `cuGetErrorName` returns it.
+            pub fn name(self) -> &'static str {
+                match self { $(CuResult::$name => stringify!($name)),* }
+            }
+            /// A short description, as `cuGetErrorString` returns it.
+            pub fn description(self) -> &'static str {
+                match self { $(CuResult::$name => $text),* }
+            }
+            /// NUL-terminated name for the C ABI.
+            pub fn name_c(self) -> &'static [u8] {
+                match self { $(CuResult::$name => concat!(stringify!($name), "\0").as_bytes()),* }
+            }
+            /// NUL-terminated description for the C ABI.
+            pub fn description_c(self) -> &'static [u8] {
+                match self { $(CuResult::$name => concat!($text, "\0").as_bytes()),* }
+            }
+        }
+    };
+}
+
+cuda_results! {
+    CUDA_SUCCESS = 0, "no error";
+    CUDA_ERROR_INVALID_VALUE = 1, "invalid argument";
+    CUDA_ERROR_OUT_OF_MEMORY = 2, "out of memory";
+    CUDA_ERROR_NOT_INITIALIZED = 3, "initialization error";
+    CUDA_ERROR_DEINITIALIZED = 4, "driver shutting down";
+    CUDA_ERROR_DEVICE_UNAVAILABLE = 46, "device unavailable";
+    CUDA_ERROR_NO_DEVICE = 100, "no CUDA-capable device is detected";
+    CUDA_ERROR_INVALID_DEVICE = 101, "invalid device ordinal";
+    CUDA_ERROR_INVALID_IMAGE = 200, "device kernel image is invalid";
+    CUDA_ERROR_INVALID_CONTEXT = 201, "invalid device context";
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209, "no kernel image is available for execution on the device";
+    CUDA_ERROR_INVALID_PTX = 218, "a PTX JIT compilation failed";
+    CUDA_ERROR_INVALID_SOURCE = 300, "device kernel image is invalid";
+    CUDA_ERROR_INVALID_HANDLE = 400, "invalid resource handle";
+    CUDA_ERROR_NOT_FOUND = 500, "named symbol not found";
+    CUDA_ERROR_NOT_READY = 600, "device not ready";
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700, "an illegal memory access was encountered";
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701, "too many resources requested for launch";
+    CUDA_ERROR_LAUNCH_TIMEOUT = 702, "the launch timed out and was terminated";
+    CUDA_ERROR_ILLEGAL_INSTRUCTION = 715, "an illegal instruction was encountered";
+    CUDA_ERROR_MISALIGNED_ADDRESS = 716, "misaligned address";
+    CUDA_ERROR_LAUNCH_FAILED = 719, "unspecified launch failure";
+    CUDA_ERROR_NOT_PERMITTED = 800, "operation not permitted";
+    CUDA_ERROR_NOT_SUPPORTED = 801, "operation not supported";
+    CUDA_ERROR_UNKNOWN = 999, "unknown error";
+}
+
+impl CuResult {
+    pub fn is_ok(self) -> bool {
+        self == CuResult::CUDA_SUCCESS
+    }
+}
+
+impl std::fmt::Display for CuResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.name(), *self as u32)
+    }
+}

@@ -1,0 +1,664 @@
+//! Compute messages. A message is a [`MsgHeader`] followed by
+//! `payload_len` bytes: the opcode's fixed body, then a variable trailer
+//! whose length the body states exactly.
+
+use crate::cuda::CuResult;
+use crate::wire::{wire_struct, Reader, Wire};
+use crate::WireError;
+
+/// "VGPC" read as a little-endian u32.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"VGPC");
+/// Protocol version; bumped on any incompatible change.
+pub const VERSION: u16 = 1;
+/// Largest payload either side accepts (module images are the biggest).
+pub const MAX_PAYLOAD: u32 = 32 << 20;
+/// Largest inline copy; bigger copies go through the shared buffer.
+pub const MAX_INLINE_DATA: u64 = 4 << 20;
+/// Largest module image.
+pub const MAX_IMAGE: u64 = 16 << 20;
+/// Longest function name.
+pub const MAX_NAME: u32 = 1024;
+/// Largest kernel parameter buffer (CUDA's own limit is 4 KiB for most targets).
+pub const MAX_PARAM_BYTES: u32 = 4096;
+/// Most kernel parameters in one function.
+pub const MAX_PARAMS: u32 = 512;
+/// Longest error text in a reply.
+pub const MAX_ERROR_TEXT: usize = 1024;
+/// The default (legacy) stream handle.
+pub const DEFAULT_STREAM: u32 = 0;
+
+wire_struct! {
+    /// Leads every request and reply.
+    pub struct MsgHeader {
+        pub magic: u32,
+        pub version: u16,
+        pub opcode: u16,
+        /// Chosen by the requester, echoed in the reply.
+        pub seq: u32,
+        /// 0 in requests; a `CUresult` in replies.
+        pub status: u32,
+        pub payload_len: u32,
+        /// Must be zero.
+        pub reserved: u32,
+    }
+}
+
+impl MsgHeader {
+    pub fn new(opcode: Opcode, seq: u32, status: u32, payload_len: u32) -> Self {
+        MsgHeader { magic: MAGIC, version: VERSION, opcode: opcode as u16, seq, status, payload_len, reserved: 0 }
+    }
+
+    /// Decodes and validates a header: magic, version, reserved field,
+    /// opcode and payload bound. Callers can trust `payload_len` afterwards.
+    pub fn decode(bytes: &[u8]) -> Result<MsgHeader, WireError> {
+        let h = MsgHeader::get(&mut Reader::new(bytes))?;
+        if h.magic != MAGIC {
+            return Err(WireError::BadMagic(h.magic));
+        }
+        if h.version != VERSION {
+            return Err(WireError::BadVersion(h.version));
+        }
+        if h.reserved != 0 {
+            return Err(WireError::NonZeroReserved("header"));
+        }
+        Opcode::from_u16(h.opcode)?;
+        if h.payload_len > MAX_PAYLOAD {
+            return Err(WireError::TooLarge { what: "payload", len: h.payload_len as u64, max: MAX_PAYLOAD as u64 });
+        }
+        Ok(h)
+    }
+
+    pub fn opcode(&self) -> Opcode {
+        // decode() validated it; an unvalidated header maps to Ping.
+        Opcode::from_u16(self.opcode).unwrap_or(Opcode::Ping)
+    }
+}
+
+macro_rules! opcodes {
+    ($($name:ident = $v:expr),* $(,)?) => {
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(u16)]
+        pub enum Opcode { $($name = $v),* }
+        impl Opcode {
+            pub fn from_u16(v: u16) -> Result<Opcode, WireError> {
+                match v { $($v => Ok(Opcode::$name),)* _ => Err(WireError::BadOpcode(v)) }
+            }
+            pub const ALL: &'static [Opcode] = &[$(Opcode::$name),*];
+        }
+    };
+}
+
+opcodes! {
+    Ping = 1,
+    GetDeviceInfo = 2,
+    GetTenantInfo = 3,
+    CtxCreate = 4,
+    CtxDestroy = 5,
+    CtxSynchronize = 6,
+    MemAlloc = 7,
+    MemFree = 8,
+    MemGetInfo = 9,
+    Memset = 10,
+    MemcpyHtoD = 11,
+    MemcpyDtoH = 12,
+    MemcpyDtoD = 13,
+    ModuleLoad = 14,
+    ModuleUnload = 15,
+    ModuleGetFunction = 16,
+    LaunchKernel = 17,
+    StreamCreate = 18,
+    StreamDestroy = 19,
+    StreamSynchronize = 20,
+    EventCreate = 21,
+    EventRecord = 22,
+    EventSynchronize = 23,
+    EventElapsedTime = 24,
+    EventDestroy = 25,
+    RegisterShm = 26,
+}
+
+/// Where a copy's host-side bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum DataLoc {
+    /// In the message trailer (HtoD) or reply trailer (DtoH).
+    Inline = 0,
+    /// In the tenant's registered shared buffer, at `shm_offset`.
+    Shared = 1,
+}
+
+/// Module image formats. Only PTX runs on the CPU reference device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum ImageFormat {
+    Ptx = 0,
+    Cubin = 1,
+    Fatbin = 2,
+}
+
+impl ImageFormat {
+    /// Classifies an image the way the driver does: by its leading bytes.
+    pub fn sniff(image: &[u8]) -> ImageFormat {
+        if image.starts_with(b"\x7fELF") {
+            ImageFormat::Cubin
+        } else if image.len() >= 4 && u32::from_le_bytes([image[0], image[1], image[2], image[3]]) == 0xBA55_ED50 {
+            ImageFormat::Fatbin
+        } else {
+            ImageFormat::Ptx
+        }
+    }
+}
+
+wire_struct! { pub struct CtxCreateReq { pub flags: u32, pub reserved: u32 } }
+wire_struct! { pub struct CtxReq { pub ctx: u32, pub reserved: u32 } }
+wire_struct! { pub struct MemAllocReq { pub ctx: u32, pub reserved: u32, pub size: u64 } }
+wire_struct! { pub struct MemFreeReq { pub ctx: u32, pub reserved: u32, pub dptr: u64 } }
+wire_struct! {
+    pub struct MemsetReq {
+        pub ctx: u32, pub stream: u32, pub dptr: u64,
+        pub value: u32,
+        /// 1, 2 or 4.
+        pub elem_size: u32,
+        pub count: u64,
+    }
+}
+wire_struct! {
+    pub struct MemcpyHtoDReq {
+        pub ctx: u32, pub stream: u32, pub dst: u64, pub size: u64,
+        /// A [`DataLoc`].
+        pub loc: u32, pub reserved: u32, pub shm_offset: u64,
+    }
+}
+wire_struct! {
+    pub struct MemcpyDtoHReq {
+        pub ctx: u32, pub stream: u32, pub src: u64, pub size: u64,
+        pub loc: u32, pub reserved: u32, pub shm_offset: u64,
+    }
+}
+wire_struct! { pub struct MemcpyDtoDReq { pub ctx: u32, pub stream: u32, pub dst: u64, pub src: u64, pub size: u64 } }
+wire_struct! { pub struct ModuleLoadReq { pub ctx: u32, pub format: u32, pub image_len: u64 } }
+wire_struct! { pub struct ModuleReq { pub ctx: u32, pub module: u32 } }
+wire_struct! { pub struct GetFunctionReq { pub ctx: u32, pub module: u32, pub name_len: u32, pub reserved: u32 } }
+wire_struct! {
+    pub struct LaunchReq {
+        pub ctx: u32, pub func: u32, pub stream: u32, pub shared_bytes: u32,
+        pub grid: [u32; 3], pub block: [u32; 3],
+        pub params_len: u32, pub reserved: u32,
+    }
+}
+wire_struct! { pub struct HandleReq { pub ctx: u32, pub handle: u32 } }
+wire_struct! { pub struct EventRecordReq { pub ctx: u32, pub event: u32, pub stream: u32, pub reserved: u32 } }
+wire_struct! { pub struct EventElapsedReq { pub ctx: u32, pub start: u32, pub end: u32, pub reserved: u32 } }
+wire_struct! { pub struct RegisterShmReq { pub size: u64 } }
+
+wire_struct! {
+    /// Device and tenant limits, as the tenant sees them.
+    pub struct DeviceInfo {
+        pub name: [u8; 64],
+        pub uuid: [u8; 16],
+        /// The tenant's quota: what `cuMemGetInfo` reports as total.
+        pub total_mem: u64,
+        pub free_mem: u64,
+        pub cc_major: u32, pub cc_minor: u32,
+        pub sm_count: u32, pub warp_size: u32,
+        pub max_threads_per_block: u32, pub max_shared_per_block: u32,
+        pub max_block: [u32; 3], pub max_grid: [u32; 3],
+        pub numa_node: i32, pub ordinal: u32,
+        /// Instructions one launch may execute before it is stopped (0: unlimited).
+        pub instruction_budget: u64,
+    }
+}
+
+wire_struct! {
+    /// The tenant's own usage, for `vgpu-smi`.
+    pub struct TenantInfo {
+        pub name: [u8; 64],
+        pub quota: u64, pub used: u64,
+        pub kernels: u64, pub device_ns: u64,
+        pub bytes_scrubbed: u64,
+        pub weight: u32, pub reserved: u32,
+    }
+}
+
+wire_struct! { pub struct HandleReply { pub handle: u32, pub reserved: u32 } }
+wire_struct! { pub struct PtrReply { pub dptr: u64 } }
+wire_struct! { pub struct MemInfoReply { pub free: u64, pub total: u64 } }
+wire_struct! { pub struct ElapsedReply { pub ms_bits: u32, pub reserved: u32 } }
+wire_struct! { pub struct FunctionReply { pub func: u32, pub num_params: u32, pub params_size: u32, pub reserved: u32 } }
+wire_struct! {
+    /// One kernel parameter: where its bytes go in the parameter buffer.
+    pub struct ParamDesc { pub offset: u32, pub size: u32 }
+}
+
+/// A decoded request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Request {
+    Ping,
+    GetDeviceInfo,
+    GetTenantInfo,
+    CtxCreate(CtxCreateReq),
+    CtxDestroy(CtxReq),
+    CtxSynchronize(CtxReq),
+    MemAlloc(MemAllocReq),
+    MemFree(MemFreeReq),
+    MemGetInfo,
+    Memset(MemsetReq),
+    MemcpyHtoD(MemcpyHtoDReq, Vec<u8>),
+    MemcpyDtoH(MemcpyDtoHReq),
+    MemcpyDtoD(MemcpyDtoDReq),
+    ModuleLoad(ModuleLoadReq, Vec<u8>),
+    ModuleUnload(ModuleReq),
+    ModuleGetFunction(GetFunctionReq, String),
+    LaunchKernel(LaunchReq, Vec<u8>),
+    StreamCreate(CtxCreateReq),
+    StreamDestroy(HandleReq),
+    StreamSynchronize(HandleReq),
+    EventCreate(CtxCreateReq),
+    EventRecord(EventRecordReq),
+    EventSynchronize(HandleReq),
+    EventElapsedTime(EventElapsedReq),
+    EventDestroy(HandleReq),
+    RegisterShm(RegisterShmReq),
+}
+
+fn zero(v: u32, what: &'static str) -> Result<(), WireError> {
+    if v != 0 {
+        return Err(WireError::NonZeroReserved(what));
+    }
+    Ok(())
+}
+
+fn bounded(what: &'static str, len: u64, max: u64) -> Result<(), WireError> {
+    if len > max {
+        return Err(WireError::TooLarge { what, len, max });
+    }
+    Ok(())
+}
+
+fn data_loc(v: u32) -> Result<DataLoc, WireError> {
+    match v {
+        0 => Ok(DataLoc::Inline),
+        1 => Ok(DataLoc::Shared),
+        _ => Err(WireError::BadField { what: "data location", value: v as u64 }),
+    }
+}
+
+fn image_format(v: u32) -> Result<ImageFormat, WireError> {
+    match v {
+        0 => Ok(ImageFormat::Ptx),
+        1 => Ok(ImageFormat::Cubin),
+        2 => Ok(ImageFormat::Fatbin),
+        _ => Err(WireError::BadField { what: "image format", value: v as u64 }),
+    }
+}
+
+fn trailer(r: &mut Reader<'_>, len: u64, what: &'static str) -> Result<Vec<u8>, WireError> {
+    if r.remaining() as u64 != len {
+        return Err(WireError::LengthMismatch { what, stated: len, actual: r.remaining() as u64 });
+    }
+    Ok(r.rest().to_vec())
+}
+
+fn end(r: &Reader<'_>) -> Result<(), WireError> {
+    if r.remaining() != 0 {
+        return Err(WireError::TrailingBytes(r.remaining()));
+    }
+    Ok(())
+}
+
+impl Request {
+    pub fn opcode(&self) -> Opcode {
+        match self {
+            Request::Ping => Opcode::Ping,
+            Request::GetDeviceInfo => Opcode::GetDeviceInfo,
+            Request::GetTenantInfo => Opcode::GetTenantInfo,
+            Request::CtxCreate(_) => Opcode::CtxCreate,
+            Request::CtxDestroy(_) => Opcode::CtxDestroy,
+            Request::CtxSynchronize(_) => Opcode::CtxSynchronize,
+            Request::MemAlloc(_) => Opcode::MemAlloc,
+            Request::MemFree(_) => Opcode::MemFree,
+            Request::MemGetInfo => Opcode::MemGetInfo,
+            Request::Memset(_) => Opcode::Memset,
+            Request::MemcpyHtoD(..) => Opcode::MemcpyHtoD,
+            Request::MemcpyDtoH(_) => Opcode::MemcpyDtoH,
+            Request::MemcpyDtoD(_) => Opcode::MemcpyDtoD,
+            Request::ModuleLoad(..) => Opcode::ModuleLoad,
+            Request::ModuleUnload(_) => Opcode::ModuleUnload,
+            Request::ModuleGetFunction(..) => Opcode::ModuleGetFunction,
+            Request::LaunchKernel(..) => Opcode::LaunchKernel,
+            Request::StreamCreate(_) => Opcode::StreamCreate,
+            Request::StreamDestroy(_) => Opcode::StreamDestroy,
+            Request::StreamSynchronize(_) => Opcode::StreamSynchronize,
+            Request::EventCreate(_) => Opcode::EventCreate,
+            Request::EventRecord(_) => Opcode::EventRecord,
+            Request::EventSynchronize(_) => Opcode::EventSynchronize,
+            Request::EventElapsedTime(_) => Opcode::EventElapsedTime,
+            Request::EventDestroy(_) => Opcode::EventDestroy,
+            Request::RegisterShm(_) => Opcode::RegisterShm,
+        }
+    }
+
+    /// Encodes header + payload.
+    pub fn encode(&self, seq: u32) -> Vec<u8> {
+        let mut p = Vec::new();
+        match self {
+            Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo => {}
+            Request::CtxCreate(b) | Request::StreamCreate(b) | Request::EventCreate(b) => b.put(&mut p),
+            Request::CtxDestroy(b) | Request::CtxSynchronize(b) => b.put(&mut p),
+            Request::MemAlloc(b) => b.put(&mut p),
+            Request::MemFree(b) => b.put(&mut p),
+            Request::Memset(b) => b.put(&mut p),
+            Request::MemcpyHtoD(b, d) => {
+                b.put(&mut p);
+                p.extend_from_slice(d);
+            }
+            Request::MemcpyDtoH(b) => b.put(&mut p),
+            Request::MemcpyDtoD(b) => b.put(&mut p),
+            Request::ModuleLoad(b, img) => {
+                b.put(&mut p);
+                p.extend_from_slice(img);
+            }
+            Request::ModuleUnload(b) => b.put(&mut p),
+            Request::ModuleGetFunction(b, name) => {
+                b.put(&mut p);
+                p.extend_from_slice(name.as_bytes());
+            }
+            Request::LaunchKernel(b, params) => {
+                b.put(&mut p);
+                p.extend_from_slice(params);
+            }
+            Request::StreamDestroy(b)
+            | Request::StreamSynchronize(b)
+            | Request::EventSynchronize(b)
+            | Request::EventDestroy(b) => b.put(&mut p),
+            Request::EventRecord(b) => b.put(&mut p),
+            Request::EventElapsedTime(b) => b.put(&mut p),
+            Request::RegisterShm(b) => b.put(&mut p),
+        }
+        let mut out = Vec::with_capacity(MsgHeader::SIZE + p.len());
+        MsgHeader::new(self.opcode(), seq, 0, p.len() as u32).put(&mut out);
+        out.extend_from_slice(&p);
+        out
+    }
+
+    /// Decodes a whole message (header + payload) and validates every field.
+    pub fn decode(msg: &[u8]) -> Result<(MsgHeader, Request), WireError> {
+        let mut r = Reader::new(msg);
+        let h = MsgHeader::decode(r.take(MsgHeader::SIZE)?)?;
+        if h.status != 0 {
+            return Err(WireError::BadField { what: "request status", value: h.status as u64 });
+        }
+        if r.remaining() as u64 != h.payload_len as u64 {
+            return Err(WireError::LengthMismatch { what: "payload", stated: h.payload_len as u64, actual: r.remaining() as u64 });
+        }
+        let req = Request::decode_payload(h.opcode(), &mut r)?;
+        end(&r)?;
+        Ok((h, req))
+    }
+
+    /// Decodes the payload of a request whose header was already validated.
+    pub fn decode_payload(op: Opcode, r: &mut Reader<'_>) -> Result<Request, WireError> {
+        Ok(match op {
+            Opcode::Ping => Request::Ping,
+            Opcode::GetDeviceInfo => Request::GetDeviceInfo,
+            Opcode::GetTenantInfo => Request::GetTenantInfo,
+            Opcode::MemGetInfo => Request::MemGetInfo,
+            Opcode::CtxCreate | Opcode::StreamCreate | Opcode::EventCreate => {
+                let b = CtxCreateReq::get(r)?;
+                zero(b.reserved, "create.reserved")?;
+                match op {
+                    Opcode::CtxCreate => Request::CtxCreate(b),
+                    Opcode::StreamCreate => Request::StreamCreate(b),
+                    _ => Request::EventCreate(b),
+                }
+            }
+            Opcode::CtxDestroy | Opcode::CtxSynchronize => {
+                let b = CtxReq::get(r)?;
+                zero(b.reserved, "ctx.reserved")?;
+                if op == Opcode::CtxDestroy { Request::CtxDestroy(b) } else { Request::CtxSynchronize(b) }
+            }
+            Opcode::MemAlloc => {
+                let b = MemAllocReq::get(r)?;
+                zero(b.reserved, "alloc.reserved")?;
+                if b.size == 0 {
+                    return Err(WireError::BadField { what: "alloc size", value: 0 });
+                }
+                Request::MemAlloc(b)
+            }
+            Opcode::MemFree => {
+                let b = MemFreeReq::get(r)?;
+                zero(b.reserved, "free.reserved")?;
+                Request::MemFree(b)
+            }
+            Opcode::Memset => {
+                let b = MemsetReq::get(r)?;
+                if !matches!(b.elem_size, 1 | 2 | 4) {
+                    return Err(WireError::BadField { what: "memset element size", value: b.elem_size as u64 });
+                }
+                if b.elem_size < 4 && b.value >> (8 * b.elem_size) != 0 {
+                    return Err(WireError::BadField { what: "memset value", value: b.value as u64 });
+                }
+                b.count.checked_mul(b.elem_size as u64).ok_or(WireError::BadField { what: "memset count", value: b.count })?;
+                Request::Memset(b)
+            }
+            Opcode::MemcpyHtoD => {
+                let b = MemcpyHtoDReq::get(r)?;
+                zero(b.reserved, "htod.reserved")?;
+                let data = match data_loc(b.loc)? {
+                    DataLoc::Inline => {
+                        bounded("inline copy", b.size, MAX_INLINE_DATA)?;
+                        if b.shm_offset != 0 {
+                            return Err(WireError::BadField { what: "shm offset of inline copy", value: b.shm_offset });
+                        }
+                        trailer(r, b.size, "inline data")?
+                    }
+                    DataLoc::Shared => {
+                        b.shm_offset.checked_add(b.size).ok_or(WireError::BadField { what: "shm range", value: b.shm_offset })?;
+                        Vec::new()
+                    }
+                };
+                Request::MemcpyHtoD(b, data)
+            }
+            Opcode::MemcpyDtoH => {
+                let b = MemcpyDtoHReq::get(r)?;
+                zero(b.reserved, "dtoh.reserved")?;
+                match data_loc(b.loc)? {
+                    DataLoc::Inline => {
+                        bounded("inline copy", b.size, MAX_INLINE_DATA)?;
+                        if b.shm_offset != 0 {
+                            return Err(WireError::BadField { what: "shm offset of inline copy", value: b.shm_offset });
+                        }
+                    }
+                    DataLoc::Shared => {
+                        b.shm_offset.checked_add(b.size).ok_or(WireError::BadField { what: "shm range", value: b.shm_offset })?;
+                    }
+                }
+                Request::MemcpyDtoH(b)
+            }
+            Opcode::MemcpyDtoD => Request::MemcpyDtoD(MemcpyDtoDReq::get(r)?),
+            Opcode::ModuleLoad => {
+                let b = ModuleLoadReq::get(r)?;
+                image_format(b.format)?;
+                bounded("module image", b.image_len, MAX_IMAGE)?;
+                if b.image_len == 0 {
+                    return Err(WireError::BadField { what: "module image length", value: 0 });
+                }
+                let img = trailer(r, b.image_len, "module image")?;
+                Request::ModuleLoad(b, img)
+            }
+            Opcode::ModuleUnload => Request::ModuleUnload(ModuleReq::get(r)?),
+            Opcode::ModuleGetFunction => {
+                let b = GetFunctionReq::get(r)?;
+                zero(b.reserved, "getfunction.reserved")?;
+                bounded("function name", b.name_len as u64, MAX_NAME as u64)?;
+                let raw = trailer(r, b.name_len as u64, "function name")?;
+                let name = String::from_utf8(raw).map_err(|_| WireError::BadUtf8("function name"))?;
+                if name.is_empty() || name.contains('\0') {
+                    return Err(WireError::BadField { what: "function name length", value: name.len() as u64 });
+                }
+                Request::ModuleGetFunction(b, name)
+            }
+            Opcode::LaunchKernel => {
+                let b = LaunchReq::get(r)?;
+                zero(b.reserved, "launch.reserved")?;
+                for (i, d) in b.grid.iter().chain(b.block.iter()).enumerate() {
+                    if *d == 0 {
+                        let what = if i < 3 { "grid dimension" } else { "block dimension" };
+                        return Err(WireError::BadField { what, value: 0 });
+                    }
+                }
+                bounded("kernel parameters", b.params_len as u64, MAX_PARAM_BYTES as u64)?;
+                let params = trailer(r, b.params_len as u64, "kernel parameters")?;
+                Request::LaunchKernel(b, params)
+            }
+            Opcode::StreamDestroy | Opcode::StreamSynchronize | Opcode::EventSynchronize | Opcode::EventDestroy => {
+                let b = HandleReq::get(r)?;
+                match op {
+                    Opcode::StreamDestroy => Request::StreamDestroy(b),
+                    Opcode::StreamSynchronize => Request::StreamSynchronize(b),
+                    Opcode::EventSynchronize => Request::EventSynchronize(b),
+                    _ => Request::EventDestroy(b),
+                }
+            }
+            Opcode::EventRecord => {
+                let b = EventRecordReq::get(r)?;
+                zero(b.reserved, "record.reserved")?;
+                Request::EventRecord(b)
+            }
+            Opcode::EventElapsedTime => {
+                let b = EventElapsedReq::get(r)?;
+                zero(b.reserved, "elapsed.reserved")?;
+                Request::EventElapsedTime(b)
+            }
+            Opcode::RegisterShm => {
+                let b = RegisterShmReq::get(r)?;
+                if b.size == 0 || b.size > (1 << 32) {
+                    return Err(WireError::BadField { what: "shared buffer size", value: b.size });
+                }
+                Request::RegisterShm(b)
+            }
+        })
+    }
+}
+
+/// A decoded reply body. Which variant a success carries depends on the
+/// request's opcode; errors carry text.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    Empty,
+    DeviceInfo(DeviceInfo),
+    TenantInfo(TenantInfo),
+    Handle(u32),
+    Ptr(u64),
+    MemInfo(MemInfoReply),
+    Function(FunctionReply, Vec<ParamDesc>),
+    Elapsed(f32),
+    Data(Vec<u8>),
+    Error(CuResult, String),
+}
+
+impl Reply {
+    pub fn error(code: CuResult, msg: impl Into<String>) -> Reply {
+        Reply::Error(code, msg.into())
+    }
+
+    /// Encodes header + payload for a reply to `op`.
+    pub fn encode(&self, op: Opcode, seq: u32) -> Vec<u8> {
+        let mut p = Vec::new();
+        let mut status = 0u32;
+        match self {
+            Reply::Empty => {}
+            Reply::DeviceInfo(d) => d.put(&mut p),
+            Reply::TenantInfo(t) => t.put(&mut p),
+            Reply::Handle(h) => HandleReply { handle: *h, reserved: 0 }.put(&mut p),
+            Reply::Ptr(d) => PtrReply { dptr: *d }.put(&mut p),
+            Reply::MemInfo(m) => m.put(&mut p),
+            Reply::Function(f, params) => {
+                f.put(&mut p);
+                for d in params {
+                    d.put(&mut p);
+                }
+            }
+            Reply::Elapsed(ms) => ElapsedReply { ms_bits: ms.to_bits(), reserved: 0 }.put(&mut p),
+            Reply::Data(d) => p.extend_from_slice(d),
+            Reply::Error(code, msg) => {
+                status = if code.is_ok() { CuResult::CUDA_ERROR_UNKNOWN as u32 } else { *code as u32 };
+                let mut end = msg.len().min(MAX_ERROR_TEXT);
+                while !msg.is_char_boundary(end) {
+                    end -= 1;
+                }
+                p.extend_from_slice(&msg.as_bytes()[..end]);
+            }
+        }
+        let mut out = Vec::with_capacity(MsgHeader::SIZE + p.len());
+        MsgHeader::new(op, seq, status, p.len() as u32).put(&mut out);
+        out.extend_from_slice(&p);
+        out
+    }
+
+    /// Decodes a reply payload to a request with opcode `op`.
+    pub fn decode_payload(op: Opcode, status: u32, payload: &[u8]) -> Result<Reply, WireError> {
+        let mut r = Reader::new(payload);
+        if status != 0 {
+            if !CuResult::is_known(status) {
+                return Err(WireError::BadField { what: "reply status", value: status as u64 });
+            }
+            bounded("error text", payload.len() as u64, MAX_ERROR_TEXT as u64)?;
+            let text = String::from_utf8_lossy(payload).into_owned();
+            return Ok(Reply::Error(CuResult::from_u32(status), text));
+        }
+        let reply = match op {
+            Opcode::GetDeviceInfo => Reply::DeviceInfo(DeviceInfo::get(&mut r)?),
+            Opcode::GetTenantInfo => Reply::TenantInfo(TenantInfo::get(&mut r)?),
+            Opcode::CtxCreate | Opcode::StreamCreate | Opcode::EventCreate | Opcode::ModuleLoad => {
+                let h = HandleReply::get(&mut r)?;
+                zero(h.reserved, "handle.reserved")?;
+                Reply::Handle(h.handle)
+            }
+            Opcode::MemAlloc => Reply::Ptr(PtrReply::get(&mut r)?.dptr),
+            Opcode::MemGetInfo => Reply::MemInfo(MemInfoReply::get(&mut r)?),
+            Opcode::ModuleGetFunction => {
+                let f = FunctionReply::get(&mut r)?;
+                zero(f.reserved, "function.reserved")?;
+                bounded("parameter count", f.num_params as u64, MAX_PARAMS as u64)?;
+                bounded("parameter bytes", f.params_size as u64, MAX_PARAM_BYTES as u64)?;
+                let mut params = Vec::with_capacity(f.num_params as usize);
+                for _ in 0..f.num_params {
+                    let d = ParamDesc::get(&mut r)?;
+                    let end = d.offset.checked_add(d.size).ok_or(WireError::BadField { what: "param offset", value: d.offset as u64 })?;
+                    if end > f.params_size || d.size == 0 {
+                        return Err(WireError::BadField { what: "param layout", value: end as u64 });
+                    }
+                    params.push(d);
+                }
+                Reply::Function(f, params)
+            }
+            Opcode::EventElapsedTime => {
+                let e = ElapsedReply::get(&mut r)?;
+                zero(e.reserved, "elapsed.reserved")?;
+                Reply::Elapsed(f32::from_bits(e.ms_bits))
+            }
+            Opcode::MemcpyDtoH => Reply::Data(r.rest().to_vec()),
+            _ => Reply::Empty,
+        };
+        end(&r)?;
+        Ok(reply)
+    }
+}
+
+/// Copies a name into a fixed NUL-padded field, truncating on a char boundary.
+pub fn fixed_name<const N: usize>(s: &str) -> [u8; N] {
+    let mut out = [0u8; N];
+    let mut end = s.len().min(N - 1);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    out[..end].copy_from_slice(&s.as_bytes()[..end]);
+    out
+}
+
+/// Reads a NUL-padded fixed name field.
+pub fn name_str(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}

@@ -1,0 +1,102 @@
+//! Property tests: the decoders never panic, whatever bytes arrive, and every
+//! request a well-behaved client encodes decodes back to itself.
+
+use proptest::prelude::*;
+use virtio_gpu_compute::*;
+
+fn header(op: u16, len: u32) -> Vec<u8> {
+    let mut v = Vec::new();
+    MsgHeader { magic: MAGIC, version: VERSION, opcode: op, seq: 7, status: 0, payload_len: len, reserved: 0 }.put(&mut v);
+    v
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(20_000))]
+
+    #[test]
+    fn request_decoder_never_panics_on_random_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = Request::decode(&bytes);
+        let _ = MsgHeader::decode(&bytes);
+    }
+
+    #[test]
+    fn request_decoder_never_panics_on_valid_headers(op in 0u16..40, body in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let mut m = header(op, body.len() as u32);
+        m.extend_from_slice(&body);
+        let _ = Request::decode(&m);
+        // A header that lies about the payload length is rejected, not trusted.
+        let mut lying = header(op, body.len() as u32 + 1);
+        lying.extend_from_slice(&body);
+        prop_assert!(Request::decode(&lying).is_err());
+    }
+
+    #[test]
+    fn reply_decoder_never_panics(op in 1u16..27, status in prop_oneof![Just(0u32), any::<u32>()], body in proptest::collection::vec(any::<u8>(), 0..300)) {
+        if let Ok(op) = Opcode::from_u16(op) {
+            let _ = Reply::decode_payload(op, status, &body);
+        }
+    }
+
+    #[test]
+    fn launch_round_trips(grid in [1u32..100, 1..100, 1..100], block in [1u32..32, 1..32, 1..2], params in proptest::collection::vec(any::<u8>(), 0..64)) {
+        let req = Request::LaunchKernel(LaunchReq { ctx: 1, func: 2, stream: 0, shared_bytes: 16, grid, block, params_len: params.len() as u32, reserved: 0 }, params);
+        let (h, back) = Request::decode(&req.encode(9)).unwrap();
+        prop_assert_eq!(h.seq, 9);
+        prop_assert_eq!(back, req);
+    }
+}
+
+#[test]
+fn every_opcode_rejects_truncated_body() {
+    for op in Opcode::ALL {
+        let m = header(*op as u16, 0);
+        match Request::decode(&m) {
+            Ok((_, r)) => assert!(matches!(r, Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo), "{op:?} accepted an empty body"),
+            Err(e) => assert!(matches!(e, WireError::Truncated), "{op:?}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn bad_magic_version_and_reserved_are_rejected() {
+    let mut m = Request::Ping.encode(1);
+    m[0] ^= 1;
+    assert!(matches!(Request::decode(&m), Err(WireError::BadMagic(_))));
+    let mut m = Request::Ping.encode(1);
+    m[4] = 99;
+    assert!(matches!(Request::decode(&m), Err(WireError::BadVersion(99))));
+    let mut m = Request::Ping.encode(1);
+    m[20] = 1;
+    assert!(matches!(Request::decode(&m), Err(WireError::NonZeroReserved(_))));
+}
+
+#[test]
+fn oversized_payload_is_rejected_from_the_header_alone() {
+    let h = header(Opcode::ModuleLoad as u16, MAX_PAYLOAD + 1);
+    assert!(matches!(MsgHeader::decode(&h), Err(WireError::TooLarge { .. })));
+}
+
+#[test]
+fn zero_launch_dimension_and_bad_memset_width_are_rejected() {
+    let req = Request::LaunchKernel(LaunchReq { ctx: 1, func: 1, stream: 0, shared_bytes: 0, grid: [1, 0, 1], block: [1, 1, 1], params_len: 0, reserved: 0 }, vec![]);
+    assert!(matches!(Request::decode(&req.encode(1)), Err(WireError::BadField { what: "grid dimension", .. })));
+    let req = Request::Memset(MemsetReq { ctx: 1, stream: 0, dptr: 0, value: 0, elem_size: 3, count: 1 });
+    assert!(Request::decode(&req.encode(1)).is_err());
+    let req = Request::Memset(MemsetReq { ctx: 1, stream: 0, dptr: 0, value: 0x1ff, elem_size: 1, count: 1 });
+    assert!(Request::decode(&req.encode(1)).is_err());
+}
+
+#[test]
+fn error_reply_carries_code_and_text() {
+    let bytes = Reply::error(CuResult::CUDA_ERROR_INVALID_PTX, "line 3: unsupported instruction 'tex.2d'").encode(Opcode::ModuleLoad, 4);
+    let h = MsgHeader::decode(&bytes).unwrap();
+    let r = Reply::decode_payload(h.opcode(), h.status, &bytes[MsgHeader::SIZE..]).unwrap();
+    assert_eq!(r, Reply::Error(CuResult::CUDA_ERROR_INVALID_PTX, "line 3: unsupported instruction 'tex.2d'".into()));
+}
+
+#[test]
+fn image_formats_are_sniffed_by_magic() {
+    assert_eq!(ImageFormat::sniff(b"\x7fELF...."), ImageFormat::Cubin);
+    assert_eq!(ImageFormat::sniff(&0xBA55_ED50u32.to_le_bytes()), ImageFormat::Fatbin);
+    assert_eq!(ImageFormat::sniff(b".version 7.0"), ImageFormat::Ptx);
+}
