@@ -1,0 +1,427 @@
+use super::*;
+
+const VECTOR_ADD: &str = include_str!("../../../samples/kernels/vectorAdd.ptx");
+const SAXPY: &str = include_str!("../../../samples/kernels/saxpy.ptx");
+const MATRIX_MUL: &str = include_str!("../../../samples/kernels/matrixMul.ptx");
+const REDUCTION: &str = include_str!("../../../samples/kernels/reduction.ptx");
+const FAULTS: &str = include_str!("../../../samples/kernels/faults.ptx");
+
+/// Global memory made of separate allocations, like one tenant's view.
+struct VecMem {
+    allocs: Vec<(u64, Vec<u8>)>,
+}
+
+impl VecMem {
+    fn new() -> Self {
+        VecMem { allocs: Vec::new() }
+    }
+    fn alloc(&mut self, bytes: &[u8]) -> u64 {
+        let base = 0x7000_0000_0000 + self.allocs.len() as u64 * 0x1000_0000;
+        self.allocs.push((base, bytes.to_vec()));
+        base
+    }
+    fn alloc_f32(&mut self, v: &[f32]) -> u64 {
+        self.alloc(&v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>())
+    }
+    fn find(&mut self, addr: u64, len: usize) -> Result<&mut [u8], ExecError> {
+        for (base, data) in self.allocs.iter_mut() {
+            if addr >= *base && addr - *base + len as u64 <= data.len() as u64 {
+                let off = (addr - *base) as usize;
+                return Ok(&mut data[off..off + len]);
+            }
+        }
+        Err(ExecError::IllegalAddress { kind: "global", addr, len, line: 0 })
+    }
+    fn f32s(&self, base: u64) -> Vec<f32> {
+        let d = &self.allocs.iter().find(|a| a.0 == base).unwrap().1;
+        d.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+    fn bytes(&self, base: u64) -> &[u8] {
+        &self.allocs.iter().find(|a| a.0 == base).unwrap().1
+    }
+}
+
+impl GlobalMem for VecMem {
+    fn load(&mut self, addr: u64, out: &mut [u8]) -> Result<(), ExecError> {
+        out.copy_from_slice(self.find(addr, out.len())?);
+        Ok(())
+    }
+    fn store(&mut self, addr: u64, data: &[u8]) -> Result<(), ExecError> {
+        self.find(addr, data.len())?.copy_from_slice(data);
+        Ok(())
+    }
+}
+
+struct Params(Vec<u8>);
+impl Params {
+    fn new() -> Self {
+        Params(Vec::new())
+    }
+    fn put(mut self, bytes: &[u8]) -> Self {
+        let a = bytes.len();
+        while self.0.len() % a != 0 {
+            self.0.push(0);
+        }
+        self.0.extend_from_slice(bytes);
+        self
+    }
+    fn u64(self, v: u64) -> Self {
+        self.put(&v.to_le_bytes())
+    }
+    fn u32(self, v: u32) -> Self {
+        self.put(&v.to_le_bytes())
+    }
+    fn f32(self, v: f32) -> Self {
+        self.put(&v.to_le_bytes())
+    }
+}
+
+fn cfg(grid: [u32; 3], block: [u32; 3]) -> LaunchConfig {
+    LaunchConfig { grid, block, dynamic_shared: 0 }
+}
+
+#[test]
+fn vector_add_matches_host() {
+    let m = Module::parse(VECTOR_ADD).unwrap();
+    let k = m.kernel("vectorAdd").unwrap();
+    assert_eq!(k.params.iter().map(|p| (p.offset, p.size)).collect::<Vec<_>>(), vec![(0, 8), (8, 8), (16, 8), (24, 4)]);
+    let n = 1000;
+    let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+    let b: Vec<f32> = (0..n).map(|i| 1000.0 - i as f32).collect();
+    let mut mem = VecMem::new();
+    let (pa, pb, pc) = (mem.alloc_f32(&a), mem.alloc_f32(&b), mem.alloc_f32(&vec![0.0; n]));
+    let p = Params::new().u64(pa).u64(pb).u64(pc).u32(n as u32);
+    launch(k, &cfg([4, 1, 1], [256, 1, 1]), &p.0, &mut mem, &Limits::default()).unwrap();
+    let c = mem.f32s(pc);
+    for i in 0..n {
+        assert_eq!(c[i], a[i] + b[i], "element {i}");
+    }
+}
+
+#[test]
+fn saxpy_lays_out_mixed_parameters_and_fuses() {
+    let m = Module::parse(SAXPY).unwrap();
+    let k = m.kernel("saxpy").unwrap();
+    assert_eq!(k.params_size, 24);
+    let n = 300;
+    let x: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let y: Vec<f32> = (0..n).map(|i| 2.0 * i as f32 + 1.0).collect();
+    let mut mem = VecMem::new();
+    let (px, py) = (mem.alloc_f32(&x), mem.alloc_f32(&y));
+    let p = Params::new().u32(n as u32).f32(3.0).u64(px).u64(py);
+    launch(k, &cfg([2, 1, 1], [256, 1, 1]), &p.0, &mut mem, &Limits::default()).unwrap();
+    let out = mem.f32s(py);
+    for i in 0..n {
+        assert_eq!(out[i], 3.0f32.mul_add(x[i], y[i]));
+    }
+}
+
+#[test]
+fn tiled_matrix_mul_matches_host_reference() {
+    let m = Module::parse(MATRIX_MUL).unwrap();
+    let k = m.kernel("matrixMul").unwrap();
+    let (ha, wa, wb) = (64usize, 48usize, 32usize);
+    let a: Vec<f32> = (0..ha * wa).map(|i| ((i * 7) % 13) as f32 - 6.0).collect();
+    let b: Vec<f32> = (0..wa * wb).map(|i| ((i * 5) % 11) as f32 * 0.25).collect();
+    let mut mem = VecMem::new();
+    let (pa, pb, pc) = (mem.alloc_f32(&a), mem.alloc_f32(&b), mem.alloc_f32(&vec![0.0; ha * wb]));
+    let p = Params::new().u64(pc).u64(pa).u64(pb).u32(wa as u32).u32(wb as u32);
+    launch(k, &cfg([(wb / 16) as u32, (ha / 16) as u32, 1], [16, 16, 1]), &p.0, &mut mem, &Limits::default()).unwrap();
+    let c = mem.f32s(pc);
+    for r in 0..ha {
+        for col in 0..wb {
+            let want: f32 = (0..wa).map(|i| a[r * wa + i] * b[i * wb + col]).sum();
+            assert!((c[r * wb + col] - want).abs() < 1e-3, "C[{r}][{col}] = {} want {want}", c[r * wb + col]);
+        }
+    }
+}
+
+#[test]
+fn reduction_uses_shared_memory_shuffles_and_atomics() {
+    let m = Module::parse(REDUCTION).unwrap();
+    let k = m.kernel("reduce").unwrap();
+    let n = 10_000;
+    let x: Vec<f32> = (0..n).map(|i| (i % 17) as f32).collect();
+    let mut mem = VecMem::new();
+    let (px, pout, pblocks) = (mem.alloc_f32(&x), mem.alloc_f32(&[0.0]), mem.alloc(&[0; 4]));
+    let p = Params::new().u64(px).u64(pout).u64(pblocks).u32(n as u32);
+    launch(k, &cfg([8, 1, 1], [256, 1, 1]), &p.0, &mut mem, &Limits::default()).unwrap();
+    let want: f32 = x.iter().sum();
+    assert_eq!(mem.f32s(pout)[0], want);
+    assert_eq!(mem.bytes(pblocks), &8u32.to_le_bytes());
+}
+
+#[test]
+fn butterfly_shuffle_gives_every_lane_the_warp_total() {
+    let m = Module::parse(REDUCTION).unwrap();
+    let k = m.kernel("warpSumBfly").unwrap();
+    let v: Vec<u8> = (0..128u32).flat_map(|i| i.to_le_bytes()).collect();
+    let mut mem = VecMem::new();
+    let (pin, pout) = (mem.alloc(&v), mem.alloc(&[0; 512]));
+    launch(k, &cfg([2, 1, 1], [64, 1, 1]), &Params::new().u64(pin).u64(pout).0, &mut mem, &Limits::default()).unwrap();
+    let out: Vec<u32> = mem.bytes(pout).chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    for (i, v) in out.iter().enumerate() {
+        let w = (i / 32) as u32;
+        let want: u32 = (w * 32..w * 32 + 32).sum();
+        assert_eq!(*v, want, "lane {i}");
+    }
+}
+
+const OPS: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry ops(.param .u64 ops_param_0, .param .u32 ops_param_1, .param .u64 ops_param_2)
+{
+    .reg .pred %p<8>;
+    .reg .b32 %r<30>;
+    .reg .b64 %rd<10>;
+    .reg .f32 %f<10>;
+    ld.param.u64 %rd1, [ops_param_0];
+    cvta.to.global.u64 %rd1, %rd1;
+    ld.param.u32 %r1, [ops_param_1];
+    ld.param.u64 %rd2, [ops_param_2];
+    rem.s32 %r2, %r1, 3;
+    st.global.u32 [%rd1], %r2;
+    rem.u32 %r3, %r1, 10;
+    st.global.u32 [%rd1+4], %r3;
+    min.s32 %r4, %r1, 5;
+    st.global.u32 [%rd1+8], %r4;
+    max.u32 %r5, %r1, 5;
+    st.global.u32 [%rd1+12], %r5;
+    and.b32 %r6, %r1, 0xFF;
+    or.b32 %r7, %r6, 0x100;
+    xor.b32 %r8, %r7, 3;
+    st.global.u32 [%rd1+16], %r8;
+    shl.b32 %r9, %r8, 4;
+    st.global.u32 [%rd1+20], %r9;
+    shr.s32 %r10, %r1, 1;
+    st.global.u32 [%rd1+24], %r10;
+    shr.u32 %r11, %r1, 28;
+    st.global.u32 [%rd1+28], %r11;
+    setp.lt.s32 %p1, %r1, 0;
+    selp.u32 %r12, 11, 22, %p1;
+    st.global.u32 [%rd1+32], %r12;
+    setp.lt.u32 %p2, %r1, 0;
+    selp.u32 %r13, 11, 22, %p2;
+    st.global.u32 [%rd1+36], %r13;
+    setp.gt.s64 %p3, %rd2, 0;
+    setp.gt.u64 %p4, %rd2, 0;
+    selp.u32 %r14, 1, 0, %p3;
+    selp.u32 %r15, 2, 0, %p4;
+    or.b32 %r16, %r14, %r15;
+    st.global.u32 [%rd1+40], %r16;
+    cvt.rn.f32.s32 %f1, %r1;
+    mov.f32 %f2, 0f40000000;
+    fma.rn.f32 %f3, %f1, %f2, 0f3F800000;
+    st.global.f32 [%rd1+44], %f3;
+    cvt.rzi.s32.f32 %r17, %f3;
+    st.global.u32 [%rd1+48], %r17;
+    mul.wide.s32 %rd3, %r1, 1000000;
+    st.global.u64 [%rd1+56], %rd3;
+    mad.lo.s32 %r18, %r1, %r1, 1;
+    st.global.u32 [%rd1+64], %r18;
+    cvt.u64.u32 %rd4, %r1;
+    st.global.u64 [%rd1+72], %rd4;
+    cvt.s64.s32 %rd5, %r1;
+    st.global.u64 [%rd1+80], %rd5;
+    setp.eq.f32 %p5, %f3, 0fC1500000;
+    mov.u32 %r19, 77;
+    @%p5 st.global.u32 [%rd1+88], %r19;
+    @!%p5 st.global.u32 [%rd1+92], %r19;
+    min.f32 %f4, %f3, %f2;
+    max.f32 %f5, %f3, %f2;
+    sub.f32 %f6, %f5, %f4;
+    st.global.f32 [%rd1+96], %f6;
+    div.rn.f32 %f7, %f6, %f2;
+    st.global.f32 [%rd1+100], %f7;
+    setp.ge.u64 %p6, %rd2, %rd4;
+    selp.u32 %r20, 1, 0, %p6;
+    st.global.u32 [%rd1+104], %r20;
+    setp.lt.s32.and %p7, %r1, 0, %p6;
+    selp.u32 %r21, 5, 6, %p7;
+    st.global.u32 [%rd1+108], %r21;
+    mov.b64 {%r22, %r23}, %rd2;
+    st.global.u32 [%rd1+112], %r23;
+    ret;
+}
+"#;
+
+#[test]
+fn integer_float_predicate_and_conversion_ops() {
+    let m = Module::parse(OPS).unwrap();
+    let k = m.kernel("ops").unwrap();
+    let mut mem = VecMem::new();
+    let out = mem.alloc(&[0; 128]);
+    let x: i32 = -7;
+    let y: u64 = 0xFFFF_FFFF_0000_0010;
+    launch(k, &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(out).u32(x as u32).u64(y).0, &mut mem, &Limits::default()).unwrap();
+    let b = mem.bytes(out);
+    let u32at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    let u64at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let f32at = |o: usize| f32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    assert_eq!(u32at(0) as i32, -1, "rem.s32");
+    assert_eq!(u32at(4), (x as u32) % 10, "rem.u32");
+    assert_eq!(u32at(8) as i32, -7, "min.s32");
+    assert_eq!(u32at(12), x as u32, "max.u32");
+    assert_eq!(u32at(16), 0x1FA, "and/or/xor");
+    assert_eq!(u32at(20), 0x1FA0, "shl");
+    assert_eq!(u32at(24) as i32, -4, "shr.s32");
+    assert_eq!(u32at(28), 0xF, "shr.u32");
+    assert_eq!(u32at(32), 11, "setp.lt.s32");
+    assert_eq!(u32at(36), 22, "setp.lt.u32");
+    assert_eq!(u32at(40), 2, "setp s64/u64");
+    assert_eq!(f32at(44), -13.0, "cvt + fma");
+    assert_eq!(u32at(48) as i32, -13, "cvt.rzi");
+    assert_eq!(u64at(56) as i64, -7_000_000, "mul.wide.s32");
+    assert_eq!(u32at(64), 50, "mad.lo");
+    assert_eq!(u64at(72), 0xFFFF_FFF9, "cvt.u64.u32");
+    assert_eq!(u64at(80) as i64, -7, "cvt.s64.s32");
+    assert_eq!(u32at(88), 77, "guarded store taken");
+    assert_eq!(u32at(92), 0, "negated guard skipped");
+    assert_eq!(f32at(96), 15.0, "min/max/sub.f32");
+    assert_eq!(f32at(100), 7.5, "div.f32");
+    assert_eq!(u32at(104), 1, "setp.ge.u64");
+    assert_eq!(u32at(108), 5, "setp with .and");
+    assert_eq!(u32at(112), 0xFFFF_FFFF, "mov.b64 unpack");
+}
+
+#[test]
+fn special_registers_cover_three_dimensions() {
+    let src = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry coords(.param .u64 p)
+{
+    .reg .b32 %r<20>;
+    .reg .b64 %rd<6>;
+    ld.param.u64 %rd1, [p];
+    mov.u32 %r1, %tid.x; mov.u32 %r2, %tid.y; mov.u32 %r3, %tid.z;
+    mov.u32 %r4, %ntid.x; mov.u32 %r5, %ntid.y; mov.u32 %r6, %ntid.z;
+    mov.u32 %r7, %ctaid.x; mov.u32 %r8, %ctaid.y; mov.u32 %r9, %ctaid.z;
+    mov.u32 %r10, %nctaid.x; mov.u32 %r11, %nctaid.y; mov.u32 %r12, %nctaid.z;
+    // linear block id and thread id
+    mad.lo.u32 %r13, %r9, %r11, %r8;
+    mad.lo.u32 %r13, %r13, %r10, %r7;
+    mad.lo.u32 %r14, %r3, %r5, %r2;
+    mad.lo.u32 %r14, %r14, %r4, %r1;
+    mul.lo.u32 %r15, %r4, %r5;
+    mul.lo.u32 %r15, %r15, %r6;
+    mad.lo.u32 %r16, %r13, %r15, %r14;
+    mul.wide.u32 %rd2, %r16, 16;
+    add.s64 %rd3, %rd1, %rd2;
+    st.global.v4.u32 [%rd3], {%r1, %r2, %r3, %r13};
+    ret;
+}
+"#;
+    let m = Module::parse(src).unwrap();
+    let k = m.kernel("coords").unwrap();
+    let (grid, block) = ([2u32, 3, 2], [4u32, 2, 3]);
+    let total = 12 * 24;
+    let mut mem = VecMem::new();
+    let out = mem.alloc(&vec![0; total * 16]);
+    launch(k, &cfg(grid, block), &Params::new().u64(out).0, &mut mem, &Limits::default()).unwrap();
+    let b = mem.bytes(out);
+    let mut i = 0;
+    for bz in 0..2 {
+        for by in 0..3 {
+            for bx in 0..2 {
+                for tz in 0..3 {
+                    for ty in 0..2 {
+                        for tx in 0..4 {
+                            let w: Vec<u32> = b[i * 16..i * 16 + 16].chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+                            assert_eq!(w, vec![tx, ty, tz, (bz * 3 + by) * 2 + bx]);
+                            i += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn infinite_loop_stops_at_the_instruction_budget() {
+    let m = Module::parse(FAULTS).unwrap();
+    let k = m.kernel("spin").unwrap();
+    let mut mem = VecMem::new();
+    let limits = Limits { budget: 100_000, ..Limits::default() };
+    assert_eq!(launch(k, &cfg([1, 1, 1], [32, 1, 1]), &[], &mut mem, &limits).unwrap_err(), ExecError::Budget(100_000));
+}
+
+#[test]
+fn out_of_bounds_and_foreign_pointers_fault() {
+    let m = Module::parse(FAULTS).unwrap();
+    let poke = m.kernel("pokeOffset").unwrap();
+    let mut mem = VecMem::new();
+    let mine = mem.alloc(&[0; 64]);
+    // Just past the end of the allocation.
+    let e = launch(poke, &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(mine).u64(64).0, &mut mem, &Limits::default()).unwrap_err();
+    assert!(matches!(e, ExecError::IllegalAddress { kind: "global", .. }), "{e}");
+    // An address no allocation of this tenant covers.
+    let e = launch(poke, &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(mine).u64(0x1000_0000).0, &mut mem, &Limits::default()).unwrap_err();
+    assert!(matches!(e, ExecError::IllegalAddress { .. }), "{e}");
+    assert!(e.to_string().contains("line"), "{e}");
+    // Misaligned.
+    let e = launch(poke, &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(mine).u64(2).0, &mut mem, &Limits::default()).unwrap_err();
+    assert!(matches!(e, ExecError::Misaligned { .. }), "{e}");
+    assert_eq!(mem.bytes(mine), &[0; 64], "no partial write");
+}
+
+#[test]
+fn shared_memory_out_of_bounds_faults() {
+    let src = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry s() {\n .reg .b32 %r<3>;\n .shared .align 4 .b8 buf[16];\n mov.u32 %r1, buf;\n st.shared.u32 [%r1+16], %r1;\n ret;\n}\n";
+    let m = Module::parse(src).unwrap();
+    let e = launch(m.kernel("s").unwrap(), &cfg([1, 1, 1], [1, 1, 1]), &[], &mut VecMem::new(), &Limits::default()).unwrap_err();
+    assert!(matches!(e, ExecError::IllegalAddress { kind: "shared", line: 8, .. }), "{e}");
+}
+
+#[test]
+fn unsupported_instruction_names_itself() {
+    let src = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry t(.param .u64 p) {\n .reg .f32 %f<5>;\n .reg .b64 %rd<3>;\n tex.2d.v4.f32.f32 {%f1, %f2, %f3, %f4}, [%rd1, {%f1, %f2}];\n ret;\n}\n";
+    let e = Module::parse(src).unwrap_err();
+    assert_eq!(e.line, 7);
+    assert!(e.msg.contains("unsupported instruction 'tex.2d.v4.f32.f32'"), "{e}");
+    let e = Module::parse(".version 7.0\n.address_size 64\n.visible .entry t() {\n .local .align 4 .b8 stack[16];\n ret;\n}\n").unwrap_err();
+    assert!(e.msg.contains(".local"), "{e}");
+    let e = Module::parse(".version 7.0\n.address_size 32\n").unwrap_err();
+    assert!(e.msg.contains("64-bit"), "{e}");
+}
+
+#[test]
+fn bad_launch_shapes_are_rejected() {
+    let m = Module::parse(VECTOR_ADD).unwrap();
+    let k = m.kernel("vectorAdd").unwrap();
+    let mut mem = VecMem::new();
+    assert!(matches!(launch(k, &cfg([1, 1, 1], [2048, 1, 1]), &[0; 28], &mut mem, &Limits::default()), Err(ExecError::BadLaunch(_))));
+    assert!(matches!(launch(k, &cfg([1, 1, 1], [32, 1, 1]), &[0; 8], &mut mem, &Limits::default()), Err(ExecError::BadLaunch(_))));
+    let big_shared = LaunchConfig { grid: [1, 1, 1], block: [32, 1, 1], dynamic_shared: 1 << 20 };
+    assert!(matches!(launch(k, &big_shared, &[0; 28], &mut mem, &Limits::default()), Err(ExecError::BadLaunch(_))));
+}
+
+#[test]
+fn parser_survives_garbage() {
+    // Random-ish mutations of a real module: errors, never panics.
+    let base = REDUCTION.as_bytes();
+    let mut seed = 0x1234_5678u64;
+    for _ in 0..2000 {
+        let mut v = base.to_vec();
+        for _ in 0..4 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let i = (seed as usize) % v.len();
+            v[i] = (seed >> 32) as u8 & 0x7f;
+        }
+        if let Ok(s) = std::str::from_utf8(&v) {
+            if let Ok(m) = Module::parse(s) {
+                for k in &m.kernels {
+                    let mut mem = VecMem::new();
+                    let limits = Limits { budget: 200_000, ..Limits::default() };
+                    let _ = launch(k, &cfg([1, 1, 1], [64, 1, 1]), &[0; 64], &mut mem, &limits);
+                }
+            }
+        }
+    }
+}
