@@ -1,4 +1,11 @@
 //! vgpu-mediatord: the control plane, device workers, scheduler, scrubber
 //! and backends of the vGPU stack (DESIGN §2, §5, §6).
 
+pub mod backend;
+pub mod config;
+pub mod control;
+pub mod ipc;
 pub mod ptx;
+pub mod sched;
+pub mod size;
+pub mod worker;

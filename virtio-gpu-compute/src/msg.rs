@@ -151,6 +151,10 @@ impl ImageFormat {
 
 wire_struct! { pub struct CtxCreateReq { pub flags: u32, pub reserved: u32 } }
 wire_struct! { pub struct CtxReq { pub ctx: u32, pub reserved: u32 } }
+wire_struct! {
+    /// Creates a stream or event in a context.
+    pub struct ObjCreateReq { pub ctx: u32, pub flags: u32 }
+}
 wire_struct! { pub struct MemAllocReq { pub ctx: u32, pub reserved: u32, pub size: u64 } }
 wire_struct! { pub struct MemFreeReq { pub ctx: u32, pub reserved: u32, pub dptr: u64 } }
 wire_struct! {
@@ -250,10 +254,10 @@ pub enum Request {
     ModuleUnload(ModuleReq),
     ModuleGetFunction(GetFunctionReq, String),
     LaunchKernel(LaunchReq, Vec<u8>),
-    StreamCreate(CtxCreateReq),
+    StreamCreate(ObjCreateReq),
     StreamDestroy(HandleReq),
     StreamSynchronize(HandleReq),
-    EventCreate(CtxCreateReq),
+    EventCreate(ObjCreateReq),
     EventRecord(EventRecordReq),
     EventSynchronize(HandleReq),
     EventElapsedTime(EventElapsedReq),
@@ -343,7 +347,8 @@ impl Request {
         let mut p = Vec::new();
         match self {
             Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo => {}
-            Request::CtxCreate(b) | Request::StreamCreate(b) | Request::EventCreate(b) => b.put(&mut p),
+            Request::CtxCreate(b) => b.put(&mut p),
+            Request::StreamCreate(b) | Request::EventCreate(b) => b.put(&mut p),
             Request::CtxDestroy(b) | Request::CtxSynchronize(b) => b.put(&mut p),
             Request::MemAlloc(b) => b.put(&mut p),
             Request::MemFree(b) => b.put(&mut p),
@@ -403,15 +408,13 @@ impl Request {
             Opcode::GetDeviceInfo => Request::GetDeviceInfo,
             Opcode::GetTenantInfo => Request::GetTenantInfo,
             Opcode::MemGetInfo => Request::MemGetInfo,
-            Opcode::CtxCreate | Opcode::StreamCreate | Opcode::EventCreate => {
+            Opcode::CtxCreate => {
                 let b = CtxCreateReq::get(r)?;
                 zero(b.reserved, "create.reserved")?;
-                match op {
-                    Opcode::CtxCreate => Request::CtxCreate(b),
-                    Opcode::StreamCreate => Request::StreamCreate(b),
-                    _ => Request::EventCreate(b),
-                }
+                Request::CtxCreate(b)
             }
+            Opcode::StreamCreate => Request::StreamCreate(ObjCreateReq::get(r)?),
+            Opcode::EventCreate => Request::EventCreate(ObjCreateReq::get(r)?),
             Opcode::CtxDestroy | Opcode::CtxSynchronize => {
                 let b = CtxReq::get(r)?;
                 zero(b.reserved, "ctx.reserved")?;

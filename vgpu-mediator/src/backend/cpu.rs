@@ -1,0 +1,407 @@
+//! The CPU reference device: device memory is an anonymous host mapping of
+//! the configured size; kernels are PTX, run by the interpreter.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
+
+use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch};
+use crate::ptx::{self, ExecError, GlobalMem, Module};
+
+/// Allocation granule and alignment, as CUDA guarantees 256-byte alignment.
+pub const GRANULE: u64 = 256;
+/// Device addresses of CPU device N start at `DEVICE_VA_BASE + N * DEVICE_VA_STRIDE`.
+pub const DEVICE_VA_BASE: u64 = 0x7000_0000_0000;
+pub const DEVICE_VA_STRIDE: u64 = 1 << 40;
+/// Default per-launch instruction budget: a few seconds of interpretation.
+pub const DEFAULT_BUDGET: u64 = 2_000_000_000;
+
+/// Host memory standing in for device memory.
+struct Arena {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the arena is a plain memory mapping owned for the life of the
+// backend; concurrent access is coordinated by the worker (each byte range
+// belongs to one live allocation of one tenant, whose operations are
+// serialised by that tenant's lock).
+unsafe impl Send for Arena {}
+// SAFETY: as above; all access goes through raw-pointer copies on ranges
+// checked to lie inside the mapping.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    fn new(len: usize) -> std::io::Result<Arena> {
+        // SAFETY: anonymous private mapping with no address hint; the
+        // result is checked for MAP_FAILED before use.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Arena { ptr: ptr.cast(), len })
+    }
+
+    fn check(&self, off: u64, n: u64) -> Result<usize, BackendError> {
+        match off.checked_add(n) {
+            Some(end) if end <= self.len as u64 => Ok(off as usize),
+            _ => Err(BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, format!("range {off:#x}+{n} outside device memory"))),
+        }
+    }
+
+    fn write(&self, off: u64, data: &[u8]) -> Result<(), BackendError> {
+        let o = self.check(off, data.len() as u64)?;
+        // SAFETY: [o, o+len) is inside the mapping (checked above) and the
+        // source is a distinct host buffer.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(o), data.len()) };
+        Ok(())
+    }
+
+    fn read(&self, off: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        let o = self.check(off, out.len() as u64)?;
+        // SAFETY: [o, o+len) is inside the mapping (checked above) and the
+        // destination is a distinct host buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(o), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn copy(&self, dst: u64, src: u64, n: u64) -> Result<(), BackendError> {
+        let d = self.check(dst, n)?;
+        let s = self.check(src, n)?;
+        // SAFETY: both ranges are inside the mapping; `copy` allows overlap.
+        unsafe { std::ptr::copy(self.ptr.add(s), self.ptr.add(d), n as usize) };
+        Ok(())
+    }
+
+    fn fill(&self, off: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
+        let n = count.checked_mul(elem.len() as u64).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "memset size overflows"))?;
+        let o = self.check(off, n)?;
+        if elem.iter().all(|b| *b == elem[0]) {
+            // SAFETY: [o, o+n) is inside the mapping (checked above).
+            unsafe { std::ptr::write_bytes(self.ptr.add(o), elem[0], n as usize) };
+        } else {
+            for i in 0..count {
+                // SAFETY: element i lies inside [o, o+n), checked above.
+                unsafe { std::ptr::copy_nonoverlapping(elem.as_ptr(), self.ptr.add(o + (i as usize) * elem.len()), elem.len()) };
+            }
+        }
+        Ok(())
+    }
+
+    /// Zeroes `[off, off+n)`. Whole pages are dropped with MADV_DONTNEED,
+    /// which makes the kernel hand back zero-filled pages on next touch (and
+    /// returns the memory to the host); the ragged edges are zeroed by hand.
+    fn scrub(&self, off: u64, n: u64) -> Result<(), BackendError> {
+        let o = self.check(off, n)? as u64;
+        let page = 4096u64;
+        let start = o.div_ceil(page) * page;
+        let end = (o + n) / page * page;
+        if end > start + page {
+            // SAFETY: [start, end) is page-aligned and inside the mapping;
+            // the mapping is private anonymous, so MADV_DONTNEED zero-fills.
+            let rc = unsafe { libc::madvise(self.ptr.add(start as usize).cast(), (end - start) as usize, libc::MADV_DONTNEED) };
+            if rc == 0 {
+                self.fill(o, start - o, &[0])?;
+                return self.fill(end, o + n - end, &[0]);
+            }
+        }
+        self.fill(o, n, &[0])
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len describe the mapping made in `new`; nothing
+        // borrows it once the backend is dropped.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// First-fit range allocator over the arena; frees coalesce.
+#[derive(Debug)]
+struct RangeAlloc {
+    free: BTreeMap<u64, u64>,
+}
+
+impl RangeAlloc {
+    fn new(size: u64) -> Self {
+        let mut free = BTreeMap::new();
+        if size > 0 {
+            free.insert(0, size);
+        }
+        RangeAlloc { free }
+    }
+
+    fn alloc(&mut self, n: u64) -> Option<u64> {
+        let (&off, &len) = self.free.iter().find(|(_, l)| **l >= n)?;
+        self.free.remove(&off);
+        if len > n {
+            self.free.insert(off + n, len - n);
+        }
+        Some(off)
+    }
+
+    fn free(&mut self, off: u64, n: u64) {
+        let mut start = off;
+        let mut len = n;
+        if let Some((&p, &pl)) = self.free.range(..off).next_back() {
+            if p + pl == off {
+                self.free.remove(&p);
+                start = p;
+                len += pl;
+            }
+        }
+        if let Some(&nl) = self.free.get(&(off + n)) {
+            self.free.remove(&(off + n));
+            len += nl;
+        }
+        self.free.insert(start, len);
+    }
+}
+
+pub struct CpuBackend {
+    desc: DeviceDesc,
+    va_base: u64,
+    arena: Arena,
+    alloc: Mutex<RangeAlloc>,
+    scrubbed: AtomicU64,
+    quarantined: AtomicBool,
+}
+
+struct CpuModule(Module);
+
+impl DeviceModule for CpuModule {
+    fn function(&self, name: &str) -> Option<FunctionDesc> {
+        let index = self.0.kernels.iter().position(|k| k.name == name)?;
+        let k = &self.0.kernels[index];
+        Some(FunctionDesc {
+            index,
+            params: k.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(),
+            params_size: k.params_size,
+        })
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Global memory as one tenant's kernel sees it.
+struct TenantView<'a> {
+    backend: &'a CpuBackend,
+    owned: &'a AllocTable,
+    hit: (u64, u64),
+}
+
+impl TenantView<'_> {
+    fn check(&mut self, addr: u64, n: usize) -> Result<u64, ExecError> {
+        let n64 = n as u64;
+        let (s, l) = self.hit;
+        if addr >= s && addr.wrapping_add(n64) <= s + l && addr.checked_add(n64).is_some() {
+            return Ok(addr - self.backend.va_base);
+        }
+        match self.owned.find(addr, n64) {
+            Some(hit) => {
+                self.hit = hit;
+                Ok(addr - self.backend.va_base)
+            }
+            None => Err(ExecError::IllegalAddress { kind: "global", addr, len: n, line: 0 }),
+        }
+    }
+}
+
+impl GlobalMem for TenantView<'_> {
+    fn load(&mut self, addr: u64, out: &mut [u8]) -> Result<(), ExecError> {
+        let off = self.check(addr, out.len())?;
+        self.backend.arena.read(off, out).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: out.len(), line: 0 })
+    }
+    fn store(&mut self, addr: u64, data: &[u8]) -> Result<(), ExecError> {
+        let off = self.check(addr, data.len())?;
+        self.backend.arena.write(off, data).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: data.len(), line: 0 })
+    }
+}
+
+impl CpuBackend {
+    pub fn new(ordinal: u32, memory: u64, budget: u64) -> std::io::Result<CpuBackend> {
+        let memory = memory / GRANULE * GRANULE;
+        let mut uuid = [0u8; 16];
+        uuid[..8].copy_from_slice(b"vgpu-cpu");
+        uuid[8..12].copy_from_slice(&ordinal.to_be_bytes());
+        Ok(CpuBackend {
+            desc: DeviceDesc {
+                kind: "cpu",
+                name: format!("vGPU CPU reference device {ordinal}"),
+                uuid,
+                memory,
+                cc: (7, 0),
+                sm_count: 1,
+                max_threads_per_block: 1024,
+                max_shared_per_block: 48 * 1024,
+                max_block: [1024, 1024, 64],
+                max_grid: [i32::MAX as u32, 65535, 65535],
+                instruction_budget: budget,
+                numa_node: -1,
+            },
+            va_base: DEVICE_VA_BASE + ordinal as u64 * DEVICE_VA_STRIDE,
+            arena: Arena::new(memory.max(GRANULE) as usize)?,
+            alloc: Mutex::new(RangeAlloc::new(memory)),
+            scrubbed: AtomicU64::new(0),
+            quarantined: AtomicBool::new(false),
+        })
+    }
+
+    fn off(&self, addr: u64) -> Result<u64, BackendError> {
+        addr.checked_sub(self.va_base).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, format!("{addr:#x} is not a device address")))
+    }
+
+    /// Reads back a few words of a scrubbed range; any non-zero byte means
+    /// the scrub cannot be trusted.
+    fn verify_scrub(&self, off: u64, n: u64) -> bool {
+        let mut word = [0u8; 8];
+        let samples = [off, off + n / 2, off + n.saturating_sub(8)];
+        samples.iter().all(|&o| {
+            let len = 8.min(off + n - o.min(off + n)) as usize;
+            self.arena.read(o, &mut word[..len]).is_ok() && word[..len].iter().all(|b| *b == 0)
+        })
+    }
+}
+
+impl Backend for CpuBackend {
+    fn desc(&self) -> &DeviceDesc {
+        &self.desc
+    }
+
+    fn alloc(&self, size: u64) -> Result<(u64, u64), BackendError> {
+        if self.quarantined.load(Ordering::Relaxed) {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "device quarantined after a failed scrub"));
+        }
+        let n = size.checked_next_multiple_of(GRANULE).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "size overflows"))?;
+        let off = self
+            .alloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .alloc(n)
+            .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("device has no free range of {n} bytes")))?;
+        // Scrub before hand-out: nobody sees the previous owner's bytes.
+        self.arena.scrub(off, n)?;
+        if !self.verify_scrub(off, n) {
+            self.quarantined.store(true, Ordering::Relaxed);
+            return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "scrub verification failed; device quarantined"));
+        }
+        self.scrubbed.fetch_add(n, Ordering::Relaxed);
+        Ok((self.va_base + off, n))
+    }
+
+    fn free(&self, addr: u64, len: u64) {
+        if let Ok(off) = self.off(addr) {
+            self.alloc.lock().unwrap_or_else(|e| e.into_inner()).free(off, len);
+        }
+    }
+
+    fn bytes_scrubbed(&self) -> u64 {
+        self.scrubbed.load(Ordering::Relaxed)
+    }
+
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+        self.arena.write(self.off(addr)?, data)
+    }
+
+    fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        self.arena.read(self.off(addr)?, out)
+    }
+
+    fn fill(&self, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
+        self.arena.fill(self.off(addr)?, count, elem)
+    }
+
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<(), BackendError> {
+        self.arena.copy(self.off(dst)?, self.off(src)?, len)
+    }
+
+    fn load_module(&self, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError> {
+        if format != ImageFormat::Ptx {
+            return Err(BackendError::new(
+                CuResult::CUDA_ERROR_NOT_SUPPORTED,
+                format!("{format:?} images are unsupported on this device: the CPU reference device runs PTX only"),
+            ));
+        }
+        let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image))
+            .map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
+        let m = Module::parse(text).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, e.to_string()))?;
+        Ok(Arc::new(CpuModule(m)))
+    }
+
+    fn launch(&self, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError> {
+        let m = module
+            .as_any()
+            .downcast_ref::<CpuModule>()
+            .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
+        let k = m.0.kernels.get(func).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "no such function"))?;
+        let mut view = TenantView { backend: self, owned, hit: (0, 0) };
+        let limits = ptx::Limits {
+            max_threads_per_block: self.desc.max_threads_per_block,
+            max_block: self.desc.max_block,
+            max_grid: self.desc.max_grid,
+            max_shared: self.desc.max_shared_per_block,
+            budget: self.desc.instruction_budget,
+        };
+        let cfg = ptx::LaunchConfig { grid: l.grid, block: l.block, dynamic_shared: l.shared_bytes };
+        match ptx::launch(k, &cfg, params, &mut view, &limits) {
+            Ok(stats) => Ok(stats.instructions),
+            Err(e) => {
+                let code = match &e {
+                    ExecError::IllegalAddress { .. } => CuResult::CUDA_ERROR_ILLEGAL_ADDRESS,
+                    ExecError::Misaligned { .. } => CuResult::CUDA_ERROR_MISALIGNED_ADDRESS,
+                    ExecError::Budget(_) => CuResult::CUDA_ERROR_LAUNCH_TIMEOUT,
+                    ExecError::BadLaunch(_) => CuResult::CUDA_ERROR_INVALID_VALUE,
+                    ExecError::Deadlock(_) => CuResult::CUDA_ERROR_LAUNCH_FAILED,
+                };
+                Err(BackendError::new(code, format!("kernel '{}': {e}", k.name)))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freed_range_is_reused_and_handed_out_zeroed() {
+        let b = CpuBackend::new(0, 1 << 20, 0).unwrap();
+        let (a, n) = b.alloc(100_000).unwrap();
+        b.fill(a, n, &[0xAB]).unwrap();
+        b.free(a, n);
+        let (a2, n2) = b.alloc(100_000).unwrap();
+        assert_eq!((a, n), (a2, n2), "first fit reuses the range");
+        let mut buf = vec![1u8; n2 as usize];
+        b.read(a2, &mut buf).unwrap();
+        assert!(buf.iter().all(|x| *x == 0));
+        assert_eq!(b.bytes_scrubbed(), 2 * n);
+    }
+
+    #[test]
+    fn allocator_coalesces_and_reports_exhaustion() {
+        let b = CpuBackend::new(1, 4 * GRANULE, 0).unwrap();
+        let x = b.alloc(GRANULE).unwrap();
+        let y = b.alloc(GRANULE).unwrap();
+        let z = b.alloc(2 * GRANULE).unwrap();
+        assert_eq!(b.alloc(1).unwrap_err().code, CuResult::CUDA_ERROR_OUT_OF_MEMORY);
+        b.free(x.0, x.1);
+        b.free(y.0, y.1);
+        assert_eq!(b.alloc(2 * GRANULE).unwrap().0, x.0, "neighbouring frees merge");
+        b.free(z.0, z.1);
+    }
+
+    #[test]
+    fn non_ptx_images_are_unsupported_on_this_device() {
+        let b = CpuBackend::new(0, 1 << 16, 0).unwrap();
+        let e = b.load_module(b"\x7fELF\x02\x01\x01", ImageFormat::Cubin).err().unwrap();
+        assert_eq!(e.code, CuResult::CUDA_ERROR_NOT_SUPPORTED);
+        assert!(e.msg.contains("unsupported on this device"));
+    }
+}

@@ -1,0 +1,98 @@
+//! The backend seam: one backend instance serves one device worker.
+//!
+//! Backends own device memory and execution. Everything tenant-shaped
+//! (quotas, handles, pointer ownership, contexts) lives above this trait in
+//! the worker, so every backend enforces the same rules.
+
+pub mod cpu;
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{msg}")]
+pub struct BackendError {
+    pub code: CuResult,
+    pub msg: String,
+}
+
+impl BackendError {
+    pub fn new(code: CuResult, msg: impl Into<String>) -> Self {
+        BackendError { code, msg: msg.into() }
+    }
+}
+
+/// What a device offers; reported to tenants and the control plane.
+#[derive(Debug, Clone)]
+pub struct DeviceDesc {
+    pub kind: &'static str,
+    pub name: String,
+    pub uuid: [u8; 16],
+    pub memory: u64,
+    pub cc: (u32, u32),
+    pub sm_count: u32,
+    pub max_threads_per_block: u32,
+    pub max_shared_per_block: u32,
+    pub max_block: [u32; 3],
+    pub max_grid: [u32; 3],
+    pub instruction_budget: u64,
+    pub numa_node: i32,
+}
+
+/// One tenant's live allocations: start address -> length. Kernel and copy
+/// accesses must fall entirely inside one of them.
+#[derive(Debug, Default, Clone)]
+pub struct AllocTable(pub BTreeMap<u64, u64>);
+
+impl AllocTable {
+    /// The allocation `[start, start+len)` that wholly contains `[addr, addr+n)`.
+    pub fn find(&self, addr: u64, n: u64) -> Option<(u64, u64)> {
+        let (start, len) = self.0.range(..=addr).next_back()?;
+        let end = addr.checked_add(n)?;
+        if end <= start + len { Some((*start, *len)) } else { None }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct FunctionDesc {
+    pub index: usize,
+    pub params: Vec<ParamDesc>,
+    pub params_size: u32,
+}
+
+/// A module loaded on a device.
+pub trait DeviceModule: Send + Sync {
+    fn function(&self, name: &str) -> Option<FunctionDesc>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Launch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+}
+
+pub trait Backend: Send + Sync {
+    fn desc(&self) -> &DeviceDesc;
+    /// Reserves at least `size` bytes, zeroed before this returns. Returns
+    /// the device address and the reserved length.
+    fn alloc(&self, size: u64) -> Result<(u64, u64), BackendError>;
+    fn free(&self, addr: u64, len: u64);
+    /// Bytes zeroed on hand-out so far.
+    fn bytes_scrubbed(&self) -> u64;
+    /// The memory operations below trust that the caller checked the range
+    /// against its tenant's [`AllocTable`]; backends check it against the
+    /// device as a second line of defence.
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), BackendError>;
+    fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), BackendError>;
+    fn fill(&self, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError>;
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<(), BackendError>;
+    fn load_module(&self, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError>;
+    /// Runs a kernel to completion; every access is checked against `owned`.
+    /// Returns instructions executed (0 where the backend cannot count).
+    fn launch(&self, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError>;
+}

@@ -1,0 +1,486 @@
+//! Tenant state and request dispatch for one device, independent of the
+//! backend: quotas, handles, pointer ownership, contexts and accounting.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use virtio_gpu_compute::*;
+
+use super::shm::Shm;
+use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, Launch};
+use crate::ipc::{DeviceStats, TenantStats};
+use crate::sched::Scheduler;
+
+/// Errors that leave a context unusable, as on a real GPU.
+fn is_sticky(code: CuResult) -> bool {
+    matches!(
+        code,
+        CuResult::CUDA_ERROR_ILLEGAL_ADDRESS | CuResult::CUDA_ERROR_MISALIGNED_ADDRESS | CuResult::CUDA_ERROR_LAUNCH_TIMEOUT | CuResult::CUDA_ERROR_LAUNCH_FAILED
+    )
+}
+
+pub struct Tenant {
+    pub name: String,
+    pub quota: u64,
+    pub weight: u32,
+    state: Mutex<TenantState>,
+    kernels: AtomicU64,
+    device_ns: AtomicU64,
+    scrubbed: AtomicU64,
+    used: AtomicU64,
+    pub connections: AtomicU32,
+}
+
+#[derive(Default)]
+struct TenantState {
+    owned: AllocTable,
+    alloc_ctx: HashMap<u64, u32>,
+    used: u64,
+    ctxs: HashMap<u32, Ctx>,
+    next: u32,
+}
+
+#[derive(Default)]
+struct Ctx {
+    modules: HashMap<u32, Arc<dyn DeviceModule>>,
+    funcs: HashMap<u32, (u32, FunctionDesc)>,
+    streams: HashSet<u32>,
+    events: HashMap<u32, Option<Instant>>,
+    /// Set by a kernel fault; every later call on the context returns it.
+    sticky: Option<(CuResult, String)>,
+}
+
+impl TenantState {
+    fn handle(&mut self) -> u32 {
+        self.next = self.next.wrapping_add(1).max(1);
+        while self.ctxs.contains_key(&self.next) {
+            self.next = self.next.wrapping_add(1).max(1);
+        }
+        self.next
+    }
+}
+
+/// Per-connection state: the contexts this client created (destroyed when
+/// it disconnects, as process exit does on a GPU) and its shared buffer.
+#[derive(Default)]
+pub struct Conn {
+    pub ctxs: Vec<u32>,
+    pub shm: Option<Shm>,
+}
+
+type R<T> = Result<T, Reply>;
+
+fn err(code: CuResult, msg: impl Into<String>) -> Reply {
+    Reply::Error(code, msg.into())
+}
+
+impl From<BackendError> for Reply {
+    fn from(e: BackendError) -> Reply {
+        Reply::Error(e.code, e.msg)
+    }
+}
+
+pub struct DeviceService {
+    pub backend: Arc<dyn Backend>,
+    pub sched: Scheduler,
+    pub ordinal: u32,
+    tenants: RwLock<HashMap<String, Arc<Tenant>>>,
+    started: Instant,
+}
+
+impl DeviceService {
+    pub fn new(ordinal: u32, backend: Arc<dyn Backend>, sched: Scheduler) -> Self {
+        DeviceService { backend, sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
+    }
+
+    pub fn add_tenant(&self, name: &str, quota: u64, weight: u32) -> Result<Arc<Tenant>, String> {
+        let mut map = self.tenants.write().unwrap_or_else(|e| e.into_inner());
+        if map.contains_key(name) {
+            return Err(format!("tenant {name} already exists on this device"));
+        }
+        let t = Arc::new(Tenant {
+            name: name.to_string(),
+            quota,
+            weight,
+            state: Mutex::new(TenantState::default()),
+            kernels: AtomicU64::new(0),
+            device_ns: AtomicU64::new(0),
+            scrubbed: AtomicU64::new(0),
+            used: AtomicU64::new(0),
+            connections: AtomicU32::new(0),
+        });
+        map.insert(name.to_string(), t.clone());
+        Ok(t)
+    }
+
+    /// Drops the tenant and frees everything it still holds.
+    pub fn remove_tenant(&self, name: &str) -> Option<Arc<Tenant>> {
+        let t = self.tenants.write().unwrap_or_else(|e| e.into_inner()).remove(name)?;
+        let mut st = t.state.lock().unwrap_or_else(|e| e.into_inner());
+        let ids: Vec<u32> = st.ctxs.keys().copied().collect();
+        for id in ids {
+            self.destroy_ctx(&t, &mut st, id);
+        }
+        drop(st);
+        Some(t)
+    }
+
+    pub fn stats(&self) -> DeviceStats {
+        let d = self.backend.desc();
+        let tenants: Vec<TenantStats> = self
+            .tenants
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|t| TenantStats {
+                name: t.name.clone(),
+                quota: t.quota,
+                used: t.used.load(Ordering::Relaxed),
+                kernels: t.kernels.load(Ordering::Relaxed),
+                device_ns: t.device_ns.load(Ordering::Relaxed),
+                bytes_scrubbed: t.scrubbed.load(Ordering::Relaxed),
+                weight: t.weight,
+                connections: t.connections.load(Ordering::Relaxed),
+            })
+            .collect();
+        DeviceStats {
+            kind: d.kind.to_string(),
+            name: d.name.clone(),
+            memory: d.memory,
+            allocated: tenants.iter().map(|t| t.used).sum(),
+            bytes_scrubbed: self.backend.bytes_scrubbed(),
+            busy_ns: self.sched.busy().as_nanos() as u64,
+            uptime_ns: self.started.elapsed().as_nanos() as u64,
+            lanes: self.sched.lanes() as u32,
+            tenants,
+        }
+    }
+
+    /// Called when a client disconnects: its contexts go away.
+    pub fn disconnect(&self, t: &Tenant, conn: &mut Conn) {
+        let mut st = t.state.lock().unwrap_or_else(|e| e.into_inner());
+        for id in conn.ctxs.drain(..) {
+            self.destroy_ctx(t, &mut st, id);
+        }
+        conn.shm = None;
+    }
+
+    fn destroy_ctx(&self, t: &Tenant, st: &mut TenantState, id: u32) -> bool {
+        if st.ctxs.remove(&id).is_none() {
+            return false;
+        }
+        let mine: Vec<u64> = st.alloc_ctx.iter().filter(|(_, c)| **c == id).map(|(a, _)| *a).collect();
+        for a in mine {
+            self.free_alloc(t, st, a);
+        }
+        true
+    }
+
+    fn free_alloc(&self, t: &Tenant, st: &mut TenantState, addr: u64) -> bool {
+        let Some(len) = st.owned.0.remove(&addr) else { return false };
+        st.alloc_ctx.remove(&addr);
+        st.used -= len;
+        t.used.store(st.used, Ordering::Relaxed);
+        self.backend.free(addr, len);
+        true
+    }
+
+    fn device_info(&self, t: &Tenant, used: u64) -> DeviceInfo {
+        let d = self.backend.desc();
+        DeviceInfo {
+            name: fixed_name(&d.name),
+            uuid: d.uuid,
+            total_mem: t.quota,
+            free_mem: t.quota.saturating_sub(used),
+            cc_major: d.cc.0,
+            cc_minor: d.cc.1,
+            sm_count: d.sm_count,
+            warp_size: 32,
+            max_threads_per_block: d.max_threads_per_block,
+            max_shared_per_block: d.max_shared_per_block,
+            max_block: d.max_block,
+            max_grid: d.max_grid,
+            numa_node: d.numa_node,
+            ordinal: self.ordinal,
+            instruction_budget: d.instruction_budget,
+        }
+    }
+
+    /// Handles one request from tenant `t`. Never panics on bad input: every
+    /// handle, pointer and length is checked against the tenant's own state.
+    pub fn handle(&self, t: &Tenant, conn: &mut Conn, req: Request) -> Reply {
+        match self.dispatch(t, conn, req) {
+            Ok(r) | Err(r) => r,
+        }
+    }
+
+    fn ctx<'s>(st: &'s mut TenantState, id: u32) -> R<&'s mut Ctx> {
+        let c = st.ctxs.get_mut(&id).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {id}")))?;
+        if let Some((code, msg)) = &c.sticky {
+            return Err(err(*code, format!("context is unusable after an earlier fault: {msg}")));
+        }
+        Ok(c)
+    }
+
+    fn stream_ok(c: &Ctx, s: u32) -> R<()> {
+        if s == DEFAULT_STREAM || c.streams.contains(&s) { Ok(()) } else { Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no stream {s}"))) }
+    }
+
+    fn owned(st: &TenantState, addr: u64, len: u64, what: &str) -> R<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        if st.owned.find(addr, len).is_none() {
+            return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{what} range {addr:#x}+{len} is not inside one of this tenant's allocations")));
+        }
+        Ok(())
+    }
+
+    fn shm(conn: &Conn, off: u64, len: u64) -> R<&Shm> {
+        let shm = conn.shm.as_ref().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_VALUE, "no shared buffer registered"))?;
+        if off.checked_add(len).is_none_or(|e| e > shm.len() as u64) {
+            return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("shared buffer range {off}+{len} exceeds its {} bytes", shm.len())));
+        }
+        Ok(shm)
+    }
+
+    fn timed<T>(&self, t: &Tenant, f: impl FnOnce() -> T) -> T {
+        let (out, dt) = self.sched.run(&t.name, t.weight, f);
+        t.device_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+
+    fn dispatch(&self, t: &Tenant, conn: &mut Conn, req: Request) -> R<Reply> {
+        let mut st = t.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = &mut *st;
+        Ok(match req {
+            Request::Ping => Reply::Empty,
+            Request::GetDeviceInfo => Reply::DeviceInfo(self.device_info(t, st.used)),
+            Request::GetTenantInfo => Reply::TenantInfo(TenantInfo {
+                name: fixed_name(&t.name),
+                quota: t.quota,
+                used: st.used,
+                kernels: t.kernels.load(Ordering::Relaxed),
+                device_ns: t.device_ns.load(Ordering::Relaxed),
+                bytes_scrubbed: t.scrubbed.load(Ordering::Relaxed),
+                weight: t.weight,
+                reserved: 0,
+            }),
+            Request::MemGetInfo => Reply::MemInfo(MemInfoReply { free: t.quota.saturating_sub(st.used), total: t.quota }),
+            Request::RegisterShm(_) => return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm must carry a memfd")),
+            Request::CtxCreate(b) => {
+                if b.flags & !0x1f != 0 {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("unsupported context flags {:#x}", b.flags)));
+                }
+                if st.ctxs.len() >= 256 {
+                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many contexts"));
+                }
+                let id = st.handle();
+                st.ctxs.insert(id, Ctx::default());
+                conn.ctxs.push(id);
+                Reply::Handle(id)
+            }
+            Request::CtxDestroy(b) => {
+                if !self.destroy_ctx(t, st, b.ctx) {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {}", b.ctx)));
+                }
+                conn.ctxs.retain(|c| *c != b.ctx);
+                Reply::Empty
+            }
+            Request::CtxSynchronize(b) => {
+                Self::ctx(st, b.ctx)?;
+                Reply::Empty
+            }
+            Request::MemAlloc(b) => {
+                Self::ctx(st, b.ctx)?;
+                if b.size > t.quota.saturating_sub(st.used) {
+                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {} bytes exceeds the quota ({} of {} bytes used)", b.size, st.used, t.quota)));
+                }
+                let (addr, len) = self.backend.alloc(b.size)?;
+                if st.used + len > t.quota {
+                    // Granule rounding pushed it over: still over quota.
+                    self.backend.free(addr, len);
+                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "allocation exceeds the quota"));
+                }
+                t.scrubbed.fetch_add(len, Ordering::Relaxed);
+                st.owned.0.insert(addr, len);
+                st.alloc_ctx.insert(addr, b.ctx);
+                st.used += len;
+                t.used.store(st.used, Ordering::Relaxed);
+                Reply::Ptr(addr)
+            }
+            Request::MemFree(b) => {
+                Self::ctx(st, b.ctx)?;
+                if st.alloc_ctx.get(&b.dptr) != Some(&b.ctx) {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{:#x} is not an allocation of this context", b.dptr)));
+                }
+                self.free_alloc(t, st, b.dptr);
+                Reply::Empty
+            }
+            Request::Memset(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                Self::stream_ok(c, b.stream)?;
+                let n = b.count * b.elem_size as u64;
+                Self::owned(st, b.dptr, n, "memset")?;
+                let elem = &b.value.to_le_bytes()[..b.elem_size as usize];
+                if b.dptr % b.elem_size as u64 != 0 {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "misaligned memset destination"));
+                }
+                self.timed(t, || self.backend.fill(b.dptr, b.count, elem))?;
+                Reply::Empty
+            }
+            Request::MemcpyHtoD(b, data) => {
+                let c = Self::ctx(st, b.ctx)?;
+                Self::stream_ok(c, b.stream)?;
+                Self::owned(st, b.dst, b.size, "copy destination")?;
+                if b.loc == DataLoc::Inline as u32 {
+                    self.timed(t, || self.backend.write(b.dst, &data))?;
+                } else {
+                    let shm = Self::shm(conn, b.shm_offset, b.size)?;
+                    self.timed(t, || shm.with_slice(b.shm_offset, b.size, |s| self.backend.write(b.dst, s)))?;
+                }
+                Reply::Empty
+            }
+            Request::MemcpyDtoH(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                Self::stream_ok(c, b.stream)?;
+                Self::owned(st, b.src, b.size, "copy source")?;
+                if b.loc == DataLoc::Inline as u32 {
+                    let mut out = vec![0u8; b.size as usize];
+                    self.timed(t, || self.backend.read(b.src, &mut out))?;
+                    Reply::Data(out)
+                } else {
+                    let shm = Self::shm(conn, b.shm_offset, b.size)?;
+                    self.timed(t, || shm.with_slice_mut(b.shm_offset, b.size, |s| self.backend.read(b.src, s)))?;
+                    Reply::Empty
+                }
+            }
+            Request::MemcpyDtoD(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                Self::stream_ok(c, b.stream)?;
+                Self::owned(st, b.src, b.size, "copy source")?;
+                Self::owned(st, b.dst, b.size, "copy destination")?;
+                self.timed(t, || self.backend.copy(b.dst, b.src, b.size))?;
+                Reply::Empty
+            }
+            Request::ModuleLoad(b, image) => {
+                if Self::ctx(st, b.ctx)?.modules.len() >= 1024 {
+                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many modules"));
+                }
+                let format = ImageFormat::sniff(&image);
+                let m = self.backend.load_module(&image, format)?;
+                let id = st.handle();
+                Self::ctx(st, b.ctx)?.modules.insert(id, m);
+                Reply::Handle(id)
+            }
+            Request::ModuleUnload(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                if c.modules.remove(&b.module).is_none() {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no module {}", b.module)));
+                }
+                c.funcs.retain(|_, (m, _)| *m != b.module);
+                Reply::Empty
+            }
+            Request::ModuleGetFunction(b, name) => {
+                let c = Self::ctx(st, b.ctx)?;
+                let m = c.modules.get(&b.module).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no module {}", b.module)))?;
+                let f = m.function(&name).ok_or_else(|| err(CuResult::CUDA_ERROR_NOT_FOUND, format!("no kernel named '{name}' in module {}", b.module)))?;
+                if c.funcs.len() >= 65536 {
+                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many functions"));
+                }
+                let reply = FunctionReply { func: 0, num_params: f.params.len() as u32, params_size: f.params_size, reserved: 0 };
+                let params = f.params.clone();
+                let id = st.handle();
+                Self::ctx(st, b.ctx)?.funcs.insert(id, (b.module, f));
+                Reply::Function(FunctionReply { func: id, ..reply }, params)
+            }
+            Request::LaunchKernel(b, params) => {
+                let c = Self::ctx(st, b.ctx)?;
+                Self::stream_ok(c, b.stream)?;
+                let (mid, f) = c.funcs.get(&b.func).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {}", b.func)))?;
+                if (params.len() as u32) < f.params_size {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{} parameter bytes given, the kernel takes {}", params.len(), f.params_size)));
+                }
+                let m = c.modules.get(mid).cloned().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded"))?;
+                let index = f.index;
+                let l = Launch { grid: b.grid, block: b.block, shared_bytes: b.shared_bytes };
+                let owned = &st.owned;
+                let res = self.timed(t, || self.backend.launch(&*m, index, &l, &params, owned));
+                t.kernels.fetch_add(1, Ordering::Relaxed);
+                if let Err(e) = res {
+                    if is_sticky(e.code) {
+                        if let Some(c) = st.ctxs.get_mut(&b.ctx) {
+                            c.sticky = Some((e.code, e.msg.clone()));
+                        }
+                    }
+                    return Err(e.into());
+                }
+                Reply::Empty
+            }
+            Request::StreamCreate(b) => {
+                if Self::ctx(st, b.ctx)?.streams.len() >= 4096 {
+                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many streams"));
+                }
+                let id = st.handle();
+                Self::ctx(st, b.ctx)?.streams.insert(id);
+                Reply::Handle(id)
+            }
+            Request::EventCreate(b) => {
+                if Self::ctx(st, b.ctx)?.events.len() >= 65536 {
+                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many events"));
+                }
+                let id = st.handle();
+                Self::ctx(st, b.ctx)?.events.insert(id, None);
+                Reply::Handle(id)
+            }
+            Request::StreamDestroy(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                if !c.streams.remove(&b.handle) {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no stream {}", b.handle)));
+                }
+                Reply::Empty
+            }
+            Request::StreamSynchronize(b) => {
+                // Work runs to completion in order before its reply, so a
+                // synchronize only validates the handle.
+                let c = Self::ctx(st, b.ctx)?;
+                Self::stream_ok(c, b.handle)?;
+                Reply::Empty
+            }
+            Request::EventRecord(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                Self::stream_ok(c, b.stream)?;
+                let e = c.events.get_mut(&b.event).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {}", b.event)))?;
+                *e = Some(Instant::now());
+                Reply::Empty
+            }
+            Request::EventSynchronize(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                c.events.get(&b.handle).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {}", b.handle)))?;
+                Reply::Empty
+            }
+            Request::EventElapsedTime(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                let get = |h: u32| -> R<Instant> {
+                    match c.events.get(&h) {
+                        Some(Some(i)) => Ok(*i),
+                        Some(None) => Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("event {h} was never recorded"))),
+                        None => Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {h}"))),
+                    }
+                };
+                let (s, e) = (get(b.start)?, get(b.end)?);
+                let ms = if e >= s { (e - s).as_secs_f64() * 1e3 } else { -((s - e).as_secs_f64() * 1e3) };
+                Reply::Elapsed(ms as f32)
+            }
+            Request::EventDestroy(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                if c.events.remove(&b.handle).is_none() {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {}", b.handle)));
+                }
+                Reply::Empty
+            }
+        })
+    }
+}

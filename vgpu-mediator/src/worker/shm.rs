@@ -1,0 +1,98 @@
+//! A tenant's shared bulk-data buffer: a memfd it passed with SCM_RIGHTS,
+//! mapped into the worker so copies move straight between it and device
+//! memory.
+//!
+//! The memfd must carry F_SEAL_SHRINK: otherwise the tenant could truncate
+//! it under a copy and fault the worker with SIGBUS.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    #[error("shared buffer must be a memfd sealed with F_SEAL_SHRINK")]
+    NotSealed,
+    #[error("shared buffer is {actual} bytes, {stated} were stated")]
+    TooSmall { stated: u64, actual: u64 },
+    #[error("mapping the shared buffer failed: {0}")]
+    Map(std::io::Error),
+}
+
+pub struct Shm {
+    ptr: *mut u8,
+    len: usize,
+    _file: File,
+}
+
+// SAFETY: the mapping is owned by this value and only reached through the
+// bounds-checked raw-pointer accessors below.
+unsafe impl Send for Shm {}
+// SAFETY: as above.
+unsafe impl Sync for Shm {}
+
+impl Shm {
+    pub fn map(file: File, size: u64) -> Result<Shm, ShmError> {
+        let fd = file.as_raw_fd();
+        // SAFETY: F_GET_SEALS only reads the seal set of an fd we own.
+        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(ShmError::NotSealed);
+        }
+        let actual = file.metadata().map_err(ShmError::Map)?.len();
+        if actual < size || size == 0 || size > isize::MAX as u64 {
+            return Err(ShmError::TooSmall { stated: size, actual });
+        }
+        // SAFETY: a fresh shared mapping of `size` bytes of an fd we own;
+        // the file cannot shrink below `size` (sealed), so every page of the
+        // mapping stays backed. MAP_FAILED is checked below.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), size as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(ShmError::Map(std::io::Error::last_os_error()));
+        }
+        Ok(Shm { ptr: ptr.cast(), len: size as usize, _file: file })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn range(&self, off: u64, n: u64) -> Option<usize> {
+        match off.checked_add(n) {
+            Some(end) if end <= self.len as u64 => Some(off as usize),
+            _ => None,
+        }
+    }
+
+    /// Runs `f` over `[off, off+n)`. The tenant may write the buffer
+    /// concurrently; that can only change its own data, and nothing here
+    /// makes decisions on these bytes.
+    pub fn with_slice<T, E: From<crate::backend::BackendError>>(&self, off: u64, n: u64, f: impl FnOnce(&[u8]) -> Result<T, E>) -> Result<T, E> {
+        let o = self.range(off, n).ok_or_else(|| E::from(range_error(off, n)))?;
+        // SAFETY: [o, o+n) lies inside the live mapping (checked above).
+        let s = unsafe { std::slice::from_raw_parts(self.ptr.add(o), n as usize) };
+        f(s)
+    }
+
+    pub fn with_slice_mut<T, E: From<crate::backend::BackendError>>(&self, off: u64, n: u64, f: impl FnOnce(&mut [u8]) -> Result<T, E>) -> Result<T, E> {
+        let o = self.range(off, n).ok_or_else(|| E::from(range_error(off, n)))?;
+        // SAFETY: [o, o+n) lies inside the live mapping (checked above); the
+        // worker holds the tenant's lock, so no other worker thread uses it.
+        let s = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(o), n as usize) };
+        f(s)
+    }
+}
+
+fn range_error(off: u64, n: u64) -> crate::backend::BackendError {
+    crate::backend::BackendError::new(virtio_gpu_compute::CuResult::CUDA_ERROR_INVALID_VALUE, format!("shared buffer range {off}+{n} out of bounds"))
+}
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len are the mapping made in `map`, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
