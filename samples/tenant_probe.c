@@ -1,0 +1,132 @@
+/*
+ * tenant_probe: small tenant-side checks the test suite drives.
+ *   quota BYTES         allocations up to BYTES succeed, one byte more fails with
+ *                       CUDA_ERROR_OUT_OF_MEMORY; cuMemGetInfo reports BYTES total
+ *   fill BYTES          allocate, fill with 0xA5, print "ptr=0x..", free, exit
+ *   check BYTES         allocate, print "ptr=0x..", verify the bytes read back zero
+ *   hold BYTES          allocate, fill 0x5A, print "ptr=0x..", wait for a line on
+ *                       stdin, then verify the pattern is intact
+ *   steal PTR           use another tenant's pointer in copies and a kernel; every
+ *                       attempt must fail; prints each result
+ *   ptx FILE KERNEL     load a PTX file and launch KERNEL<<<1,1>>>() without
+ *                       parameters; prints the result name
+ */
+#include "common.h"
+
+static CUcontext ctx;
+
+static void init(void) {
+    CUdevice dev;
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&dev, 0));
+    CHECK(cuCtxCreate(&ctx, NULL, 0, dev));
+}
+
+static const char *name_of(CUresult r) {
+    const char *s = "?";
+    cuGetErrorName(r, &s);
+    return s;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: tenant_probe MODE ARG\n");
+        return 2;
+    }
+    const char *mode = argv[1];
+    init();
+    if (!strcmp(mode, "quota")) {
+        size_t quota = strtoull(argv[2], NULL, 0), free_b = 0, total = 0;
+        CHECK(cuMemGetInfo(&free_b, &total));
+        if (total != quota) {
+            fprintf(stderr, "quota: total %zu != quota %zu\n", total, quota);
+            return 1;
+        }
+        CUdeviceptr half, rest, over;
+        CHECK(cuMemAlloc(&half, quota / 2));
+        CHECK(cuMemAlloc(&rest, quota - quota / 2));
+        CUresult r = cuMemAlloc(&over, 1);
+        printf("over_quota=%s\n", name_of(r));
+        CHECK(cuMemGetInfo(&free_b, &total));
+        printf("free_after=%zu total=%zu\n", free_b, total);
+        CHECK(cuMemFree(half));
+        CUresult again = cuMemAlloc(&over, quota / 2);
+        printf("after_free=%s\n", name_of(again));
+        return r == CUDA_ERROR_OUT_OF_MEMORY && again == CUDA_SUCCESS && free_b == 0 ? 0 : 1;
+    }
+    size_t bytes = strtoull(argv[2], NULL, 0);
+    if (!strcmp(mode, "fill") || !strcmp(mode, "check") || !strcmp(mode, "hold")) {
+        CUdeviceptr p;
+        CHECK(cuMemAlloc(&p, bytes));
+        printf("ptr=0x%llx\n", (unsigned long long)p);
+        fflush(stdout);
+        unsigned char *h = malloc(bytes);
+        if (!strcmp(mode, "check")) {
+            CHECK(cuMemcpyDtoH(h, p, bytes));
+            for (size_t i = 0; i < bytes; i++) {
+                if (h[i] != 0) {
+                    printf("dirty at %zu: 0x%02x\n", i, h[i]);
+                    return 1;
+                }
+            }
+            printf("clean=%zu\n", bytes);
+            return 0;
+        }
+        unsigned char pat = !strcmp(mode, "fill") ? 0xA5 : 0x5A;
+        CHECK(cuMemsetD8(p, pat, bytes));
+        if (!strcmp(mode, "fill")) {
+            CHECK(cuMemFree(p));
+            return 0;
+        }
+        char line[64];
+        if (!fgets(line, sizeof line, stdin)) return 1;
+        CHECK(cuMemcpyDtoH(h, p, bytes));
+        for (size_t i = 0; i < bytes; i++) {
+            if (h[i] != pat) {
+                printf("changed at %zu\n", i);
+                return 1;
+            }
+        }
+        printf("intact=%zu\n", bytes);
+        return 0;
+    }
+    if (!strcmp(mode, "steal")) {
+        CUdeviceptr victim = strtoull(argv[2], NULL, 0), mine;
+        CHECK(cuMemAlloc(&mine, 4096));
+        unsigned char buf[4096];
+        memset(buf, 0x77, sizeof buf);
+        CUresult r1 = cuMemcpyDtoH(buf, victim, 64);
+        CUresult r2 = cuMemcpyHtoD(victim, buf, 64);
+        CUresult r3 = cuMemcpyDtoD(mine, victim, 64);
+        CUresult r4 = cuMemsetD8(victim, 0, 64);
+        CUmodule mod;
+        CUfunction peek;
+        CHECK(cuModuleLoadData(&mod, load_ptx("faults.ptx")));
+        CHECK(cuModuleGetFunction(&peek, mod, "peek"));
+        void *args[] = {&victim, &mine};
+        CUresult r5 = cuLaunchKernel(peek, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL);
+        printf("dtoh=%s htod=%s dtod=%s memset=%s kernel=%s\n", name_of(r1), name_of(r2), name_of(r3), name_of(r4), name_of(r5));
+        int leaked = 0;
+        for (int i = 0; i < 64; i++) leaked |= buf[i] != 0x77;
+        printf("leaked=%d\n", leaked);
+        return r1 && r2 && r3 && r4 && r5 == CUDA_ERROR_ILLEGAL_ADDRESS && !leaked ? 0 : 1;
+    }
+    if (!strcmp(mode, "ptx") && argc > 3) {
+        CUmodule mod;
+        CUfunction f;
+        char log[1024] = "";
+        CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+        void *vals[] = {log, (void *)(size_t)sizeof log};
+        CUresult r = cuModuleLoadDataEx(&mod, load_ptx(argv[2]), 2, opts, vals);
+        if (r != CUDA_SUCCESS) {
+            printf("load=%s log=%s\n", name_of(r), log);
+            return 0;
+        }
+        CHECK(cuModuleGetFunction(&f, mod, argv[3]));
+        r = cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+        printf("launch=%s\n", name_of(r));
+        return 0;
+    }
+    fprintf(stderr, "unknown mode %s\n", mode);
+    return 2;
+}
