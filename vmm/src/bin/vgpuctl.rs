@@ -1,1 +1,194 @@
-fn main(){}
+//! vgpuctl: the admin CLI for vgpu-mediatord (and, later, VMs).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::{json, Value};
+use vmm::http;
+
+#[derive(Parser)]
+#[command(name = "vgpuctl", version, about = "Manage vGPU devices and tenants")]
+struct Cli {
+    /// The mediator's run directory (its API is RUN_DIR/api.sock).
+    #[arg(long, env = "VGPU_RUN_DIR", default_value = "/run/vgpu")]
+    run_dir: PathBuf,
+    /// Path of the API socket, overriding --run-dir.
+    #[arg(long)]
+    api: Option<PathBuf>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, global = true)]
+    output: Output,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// vGPU tenants.
+    #[command(subcommand)]
+    Tenant(TenantCmd),
+    /// Physical and reference devices.
+    #[command(subcommand)]
+    Device(DeviceCmd),
+    /// Prometheus metrics, as the API serves them.
+    Metrics,
+}
+
+#[derive(Subcommand)]
+enum TenantCmd {
+    /// Create a tenant and print its socket path.
+    Create {
+        name: String,
+        /// Memory quota: bytes, or with a KiB/MiB/GiB suffix.
+        #[arg(long)]
+        memory: String,
+        /// Compute share weight.
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+        /// Device to place it on (default: the one with most free memory).
+        #[arg(long)]
+        device: Option<String>,
+    },
+    List,
+    Show { name: String },
+    Delete { name: String },
+}
+
+#[derive(Subcommand)]
+enum DeviceCmd {
+    List,
+}
+
+fn human(b: u64) -> String {
+    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if b >= 1 << shift {
+            let v = b as f64 / (1u64 << shift) as f64;
+            return if v.fract() == 0.0 { format!("{v:.0}{unit}") } else { format!("{v:.1}{unit}") };
+        }
+    }
+    format!("{b}B")
+}
+
+fn u(v: &Value, k: &str) -> u64 {
+    v.get(k).and_then(Value::as_u64).unwrap_or(0)
+}
+
+fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+    v.get(k).and_then(Value::as_str).unwrap_or("")
+}
+
+fn table(rows: Vec<Vec<String>>) {
+    let w: Vec<usize> = (0..rows[0].len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+    for r in rows {
+        let line: Vec<String> = r.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = w[i])).collect();
+        println!("{}", line.join("  ").trim_end());
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vgpuctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn call(cli: &Cli, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
+    let body = body.map(|b| b.to_string());
+    let r = http::request(&api, method, path, body.as_deref().map(str::as_bytes))?;
+    let v: Value = if r.body.is_empty() { Value::Null } else { serde_json::from_slice(&r.body).unwrap_or(Value::String(r.text())) };
+    if !(200..300).contains(&r.status) {
+        let msg = v.get("error").and_then(Value::as_str).map(str::to_string).unwrap_or_else(|| r.text());
+        anyhow::bail!("{msg} (HTTP {})", r.status);
+    }
+    Ok(v)
+}
+
+fn run(cli: &Cli) -> anyhow::Result<()> {
+    let json_out = cli.output == Output::Json;
+    let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    match &cli.cmd {
+        Cmd::Tenant(TenantCmd::Create { name, memory, weight, device }) => {
+            let mut body = json!({ "name": name, "memory": memory, "weight": weight });
+            if let Some(d) = device {
+                body["device"] = json!(d);
+            }
+            let v = call(cli, "POST", "/tenants", Some(body))?;
+            if json_out { print_json(&v) } else { println!("{}", s(&v, "socket")) }
+        }
+        Cmd::Tenant(TenantCmd::List) => {
+            let v = call(cli, "GET", "/tenants", None)?;
+            if json_out {
+                print_json(&v);
+            } else {
+                let mut rows = vec![vec!["NAME".into(), "DEVICE".into(), "QUOTA".into(), "WEIGHT".into(), "SOCKET".into()]];
+                for t in v.as_array().into_iter().flatten() {
+                    rows.push(vec![s(t, "name").into(), s(t, "device").into(), human(u(t, "memory")), u(t, "weight").to_string(), s(t, "socket").into()]);
+                }
+                table(rows);
+            }
+        }
+        Cmd::Tenant(TenantCmd::Show { name }) => {
+            let v = call(cli, "GET", &format!("/tenants/{name}"), None)?;
+            if json_out {
+                print_json(&v);
+            } else {
+                println!("name:      {}\ndevice:    {}\nquota:     {}\nweight:    {}\nsocket:    {}", s(&v, "name"), s(&v, "device"), human(u(&v, "memory")), u(&v, "weight"), s(&v, "socket"));
+                match v.get("usage").filter(|x| !x.is_null()) {
+                    Some(us) => println!(
+                        "used:      {}\nkernels:   {}\ndevice-s:  {:.3}\nscrubbed:  {}\nclients:   {}",
+                        human(u(us, "used")),
+                        u(us, "kernels"),
+                        u(us, "device_ns") as f64 / 1e9,
+                        human(u(us, "bytes_scrubbed")),
+                        u(us, "connections")
+                    ),
+                    None => println!("usage:     unavailable (device worker restarting)"),
+                }
+            }
+        }
+        Cmd::Tenant(TenantCmd::Delete { name }) => {
+            call(cli, "DELETE", &format!("/tenants/{name}"), None)?;
+            if json_out { print_json(&json!({ "deleted": name })) } else { println!("deleted {name}") }
+        }
+        Cmd::Device(DeviceCmd::List) => {
+            let v = call(cli, "GET", "/devices", None)?;
+            if json_out {
+                print_json(&v);
+            } else {
+                let mut rows = vec![["NAME", "KIND", "STATE", "MEMORY", "RESERVED", "ALLOCATED", "TENANTS", "UTIL", "RESTARTS"].map(String::from).to_vec()];
+                for d in v.as_array().into_iter().flatten() {
+                    rows.push(vec![
+                        s(d, "name").into(),
+                        s(d, "kind").into(),
+                        s(d, "state").into(),
+                        human(u(d, "memory_total")),
+                        human(u(d, "memory_reserved")),
+                        human(u(d, "memory_allocated")),
+                        u(d, "tenants").to_string(),
+                        format!("{:.1}%", d.get("utilization").and_then(Value::as_f64).unwrap_or(0.0) * 100.0),
+                        u(d, "worker_restarts").to_string(),
+                    ]);
+                }
+                table(rows);
+            }
+        }
+        Cmd::Metrics => {
+            let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
+            let r = http::request(&api, "GET", "/metrics", None)?;
+            print!("{}", r.text());
+        }
+    }
+    Ok(())
+}
