@@ -35,7 +35,9 @@ struct Listening {
     tenant: Arc<Tenant>,
     socket: PathBuf,
     stop: Arc<AtomicBool>,
-    streams: Arc<Mutex<Vec<UnixStream>>>,
+    /// Live client connections, kept so removal can drop them; each entry
+    /// is removed again when its connection ends.
+    streams: Arc<Mutex<HashMap<u64, UnixStream>>>,
 }
 
 /// Runs the worker until the control plane closes its stdin.
@@ -90,21 +92,36 @@ fn add_tenant(svc: &Arc<DeviceService>, name: &str, quota: u64, weight: u32, soc
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
     let tenant = svc.add_tenant(name, quota, weight)?;
     let stop = Arc::new(AtomicBool::new(false));
-    let streams = Arc::new(Mutex::new(Vec::new()));
+    let streams = Arc::new(Mutex::new(HashMap::new()));
     let (svc2, t2, stop2, streams2) = (svc.clone(), tenant.clone(), stop.clone(), streams.clone());
     std::thread::Builder::new()
         .name(format!("accept-{name}"))
         .spawn(move || {
+            let mut next_id = 0u64;
             for s in listener.incoming() {
                 if stop2.load(Ordering::Acquire) {
                     break;
                 }
                 let Ok(s) = s else { continue };
+                next_id += 1;
+                let id = next_id;
                 if let Ok(c) = s.try_clone() {
-                    streams2.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+                    streams2.lock().unwrap_or_else(|e| e.into_inner()).insert(id, c);
                 }
-                let (svc, t) = (svc2.clone(), t2.clone());
-                let _ = std::thread::Builder::new().name(format!("tenant-{}", t.name)).spawn(move || serve(svc, t, s));
+                let (svc, t, reg) = (svc2.clone(), t2.clone(), streams2.clone());
+                let spawned = std::thread::Builder::new().name(format!("tenant-{}", t.name)).spawn(move || {
+                    serve(svc, t, &s);
+                    // The registry holds a clone of this socket: close it
+                    // explicitly so the client sees EOF, and forget it.
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                    reg.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                });
+                if spawned.is_err() {
+                    warn!(tenant = %t2.name, "cannot start a connection thread; refusing the client");
+                    if let Some(c) = streams2.lock().unwrap_or_else(|e| e.into_inner()).remove(&id) {
+                        let _ = c.shutdown(std::net::Shutdown::Both);
+                    }
+                }
             }
         })
         .map_err(|e| e.to_string())?;
@@ -117,7 +134,7 @@ fn stop_listening(l: &Listening) {
     // Wake the accept loop so it sees the flag, then drop every client.
     let _ = UnixStream::connect(&l.socket);
     let _ = std::fs::remove_file(&l.socket);
-    for s in l.streams.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+    for (_, s) in l.streams.lock().unwrap_or_else(|e| e.into_inner()).drain() {
         let _ = s.shutdown(std::net::Shutdown::Both);
     }
     info!(tenant = %l.tenant.name, "tenant removed");
@@ -144,13 +161,14 @@ fn read_full(s: &UnixStream, buf: &mut [u8], fd: &mut Option<File>) -> std::io::
 }
 
 /// Serves one client connection until it closes or breaks framing.
-fn serve(svc: Arc<DeviceService>, t: Arc<Tenant>, mut s: UnixStream) {
+fn serve(svc: Arc<DeviceService>, t: Arc<Tenant>, s: &UnixStream) {
+    let mut s = s;
     t.connections.fetch_add(1, Ordering::Relaxed);
     let mut conn = Conn::default();
     let mut hdr = [0u8; MsgHeader::SIZE];
     loop {
         let mut fd = None;
-        match read_full(&s, &mut hdr, &mut fd) {
+        match read_full(s, &mut hdr, &mut fd) {
             Ok(true) => {}
             Ok(false) => break,
             Err(e) => {
