@@ -1,0 +1,216 @@
+//! Test harness shared by the end-to-end tests and the benchmark: starts a
+//! mediator in a private run directory, talks to its API, builds the C
+//! sample programs with `cc` once, and runs them as tenants.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use virtio_gpu_compute::{MsgHeader, Opcode, Reply, Request, Wire};
+
+/// Directory holding the workspace's built binaries (target/release or
+/// target/debug, whichever built this test).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut d = exe.parent().expect("exe dir").to_path_buf();
+    if d.ends_with("deps") {
+        d.pop();
+    }
+    d
+}
+
+pub fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace").to_path_buf()
+}
+
+pub fn bin(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(p.exists(), "{} is missing: build the workspace first (cargo build --release --workspace)", p.display());
+    p
+}
+
+/// The shim's directory, with the `libcuda.so.1` name programs load.
+pub fn lib_dir() -> PathBuf {
+    let d = bin_dir();
+    let so = d.join("libcuda.so");
+    assert!(so.exists(), "{} is missing: build the workspace first", so.display());
+    let so1 = d.join("libcuda.so.1");
+    if !so1.exists() {
+        let _ = std::os::unix::fs::symlink("libcuda.so", &so1);
+    }
+    d
+}
+
+/// Compiles the C programs in samples/ once per test binary.
+pub fn samples() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let out = bin_dir().join(format!("samples-{}", std::process::id()));
+        std::fs::create_dir_all(&out).expect("samples dir");
+        let ws = workspace();
+        let lib = lib_dir();
+        for p in ["vectorAdd", "matrixMul", "reduction", "tenant_probe"] {
+            let st = Command::new("cc")
+                .args(["-O2", "-Wall", "-Werror", "-I"])
+                .arg(ws.join("guest-driver-shim/include"))
+                .arg(format!("-DKERNEL_DIR=\"{}\"", ws.join("samples/kernels").display()))
+                .arg("-o")
+                .arg(out.join(p))
+                .arg(ws.join(format!("samples/{p}.c")))
+                .arg("-L")
+                .arg(&lib)
+                .args(["-lcuda", "-lm"])
+                .status()
+                .expect("running cc (install gcc)");
+            assert!(st.success(), "compiling samples/{p}.c failed");
+        }
+        out
+    })
+}
+
+/// A program from samples/ run as the tenant behind `socket`.
+pub fn sample(name: &str, socket: &Path) -> Command {
+    let mut c = Command::new(samples().join(name));
+    c.env("VGPU_SOCKET", socket).env("LD_LIBRARY_PATH", lib_dir()).env("VGPU_LOG", "1");
+    c
+}
+
+pub fn run_ok(mut c: impl std::borrow::BorrowMut<Command>) -> String {
+    let c = c.borrow_mut();
+    let o: Output = c.output().expect("spawn");
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{c:?} failed ({}):\n{text}", o.status);
+    text
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+pub struct Mediator {
+    child: Child,
+    pub run_dir: PathBuf,
+}
+
+impl Mediator {
+    pub fn start(args: &[&str]) -> Mediator {
+        let run_dir = PathBuf::from(format!("/tmp/vgpu-t{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        let child = Command::new(bin("vgpu-mediatord"))
+            .arg("--run-dir")
+            .arg(&run_dir)
+            .args(args)
+            .env("VGPU_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start vgpu-mediatord");
+        let m = Mediator { child, run_dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(m.api_path()).is_err() {
+            assert!(Instant::now() < deadline, "mediator API did not come up");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        m
+    }
+
+    pub fn api_path(&self) -> PathBuf {
+        self.run_dir.join("api.sock")
+    }
+
+    /// Calls the REST API; returns status and parsed JSON (or the raw text).
+    pub fn api(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let b = body.map(|b| b.to_string());
+        let r = vmm::http::request(&self.api_path(), method, path, b.as_deref().map(str::as_bytes)).expect("api request");
+        let v = serde_json::from_slice(&r.body).unwrap_or(Value::String(r.text()));
+        (r.status, v)
+    }
+
+    pub fn tenant(&self, name: &str, memory: &str) -> PathBuf {
+        let (st, v) = self.api("POST", "/tenants", Some(serde_json::json!({ "name": name, "memory": memory })));
+        assert_eq!(st, 201, "creating {name}: {v}");
+        PathBuf::from(v["socket"].as_str().expect("socket"))
+    }
+
+    pub fn metrics(&self) -> String {
+        vmm::http::request(&self.api_path(), "GET", "/metrics", None).expect("metrics").text()
+    }
+
+    /// A metric's value for the given label set, e.g. `tenant="a",device="cpu0"`.
+    pub fn metric(&self, name: &str, labels: &str) -> Option<f64> {
+        let key = format!("{name}{{{labels}}} ");
+        self.metrics().lines().find_map(|l| l.strip_prefix(&key).and_then(|v| v.trim().parse().ok()))
+    }
+
+    pub fn device(&self, name: &str) -> Value {
+        let (_, v) = self.api("GET", "/devices", None);
+        v.as_array().and_then(|a| a.iter().find(|d| d["name"] == name).cloned()).expect("device")
+    }
+
+    pub fn vgpuctl(&self) -> Command {
+        let mut c = Command::new(bin("vgpuctl"));
+        c.arg("--run-dir").arg(&self.run_dir);
+        c
+    }
+}
+
+impl Drop for Mediator {
+    fn drop(&mut self) {
+        // SAFETY: signals our own child process.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+    }
+}
+
+/// A raw protocol connection, for driving the wire format directly.
+pub struct Raw {
+    pub s: UnixStream,
+    seq: u32,
+}
+
+impl Raw {
+    pub fn connect(socket: &Path) -> Raw {
+        let s = UnixStream::connect(socket).expect("connect tenant socket");
+        s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        Raw { s, seq: 0 }
+    }
+
+    pub fn send_bytes(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.s.write_all(b)
+    }
+
+    /// Reads one reply: None when the peer closed the connection.
+    pub fn read_reply(&mut self) -> Option<(MsgHeader, Reply)> {
+        let mut h = [0u8; MsgHeader::SIZE];
+        self.s.read_exact(&mut h).ok()?;
+        let hdr = MsgHeader::decode(&h).expect("daemon sent a bad header");
+        let mut p = vec![0u8; hdr.payload_len as usize];
+        self.s.read_exact(&mut p).ok()?;
+        let r = Reply::decode_payload(hdr.opcode(), hdr.status, &p).expect("daemon sent a bad reply");
+        Some((hdr, r))
+    }
+
+    pub fn call(&mut self, req: Request) -> Reply {
+        self.seq += 1;
+        self.send_bytes(&req.encode(self.seq)).expect("send");
+        let (h, r) = self.read_reply().expect("reply");
+        assert_eq!(h.seq, self.seq);
+        r
+    }
+
+    pub fn ping(&mut self) -> bool {
+        self.seq += 1;
+        self.send_bytes(&Request::Ping.encode(self.seq)).is_ok() && matches!(self.read_reply(), Some((h, Reply::Empty)) if h.opcode() == Opcode::Ping)
+    }
+}

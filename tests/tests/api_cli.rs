@@ -1,0 +1,134 @@
+//! The REST API and vgpuctl: tenant lifecycle, device listing, JSON output,
+//! socket permissions, config files, and clear errors for bad input.
+
+use std::os::unix::fs::PermissionsExt;
+
+use serde_json::json;
+use vgpu_tests::*;
+
+fn out(mut c: std::process::Command) -> (bool, String) {
+    let o = c.output().expect("run");
+    (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+}
+
+#[test]
+fn vgpuctl_manages_tenants_and_lists_devices() {
+    let m = Mediator::start(&["--cpu-devices", "2", "--device-memory", "128MiB"]);
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "create", "web", "--memory", "64MiB", "--weight", "3"]);
+    let (ok, sock) = out(c);
+    assert!(ok, "{sock}");
+    let sock = std::path::PathBuf::from(sock.trim());
+    assert!(sock.ends_with("tenants/web.sock"));
+    let mode = std::fs::metadata(&sock).expect("socket").permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "tenant socket must be 0600");
+    assert_eq!(std::fs::metadata(sock.parent().expect("dir")).expect("dir").permissions().mode() & 0o777, 0o700);
+
+    // Placement spreads by free memory.
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "create", "batch", "--memory", "100MiB"]);
+    assert!(out(c).0);
+    let (_, v) = m.api("GET", "/tenants/batch", None);
+    let (_, w) = m.api("GET", "/tenants/web", None);
+    assert_ne!(v["device"], w["device"]);
+
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "list"]);
+    let (ok, text) = out(c);
+    assert!(ok && text.contains("web") && text.contains("64MiB") && text.contains("batch"), "{text}");
+
+    let mut c = m.vgpuctl();
+    c.args(["-o", "json", "tenant", "show", "web"]);
+    let (ok, text) = out(c);
+    assert!(ok, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["memory"], 64u64 << 20);
+    assert_eq!(v["weight"], 3);
+    assert_eq!(v["usage"]["quota"], 64u64 << 20);
+
+    let mut c = m.vgpuctl();
+    c.args(["device", "list", "-o", "json"]);
+    let (ok, text) = out(c);
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    assert!(ok && v.as_array().map(|a| a.len()) == Some(2), "{text}");
+
+    let mut c = m.vgpuctl();
+    c.args(["device", "list"]);
+    let (ok, text) = out(c);
+    assert!(ok && text.contains("cpu1") && text.contains("running"), "{text}");
+
+    // Clear errors.
+    for (args, want) in [
+        (vec!["tenant", "create", "web", "--memory", "1MiB"], "already exists"),
+        (vec!["tenant", "create", "../evil", "--memory", "1MiB"], "invalid tenant name"),
+        (vec!["tenant", "create", "huge", "--memory", "1TiB"], "unreserved"),
+        (vec!["tenant", "create", "odd", "--memory", "12XB"], "invalid size"),
+        (vec!["tenant", "show", "nobody"], "no tenant nobody"),
+        (vec!["tenant", "delete", "nobody"], "no tenant nobody"),
+    ] {
+        let mut c = m.vgpuctl();
+        c.args(&args);
+        let (ok, text) = out(c);
+        assert!(!ok && text.contains(want), "{args:?}: {text}");
+    }
+
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "delete", "web"]);
+    assert!(out(c).0);
+    assert!(!sock.exists(), "socket removed with the tenant");
+    assert!(std::os::unix::net::UnixStream::connect(&sock).is_err());
+
+    let mut c = m.vgpuctl();
+    c.args(["metrics"]);
+    let (ok, text) = out(c);
+    assert!(ok && text.contains("vgpu_tenant_memory_quota_bytes{tenant=\"batch\""), "{text}");
+}
+
+#[test]
+fn api_rejects_malformed_requests() {
+    let m = Mediator::start(&[]);
+    let r = vmm::http::request(&m.api_path(), "POST", "/tenants", Some(b"{not json")).expect("request");
+    assert_eq!(r.status, 400);
+    let (st, v) = m.api("POST", "/tenants", Some(json!({"name": "x", "memory": "1MiB", "colour": "red"})));
+    assert_eq!(st, 400, "{v}");
+    let (st, _) = m.api("POST", "/tenants", Some(json!({"name": "x", "memory": 0})));
+    assert_eq!(st, 400);
+    let (st, _) = m.api("POST", "/tenants", Some(json!({"name": "x", "memory": "1MiB", "device": "gpu9"})));
+    assert_eq!(st, 400);
+    let (st, _) = m.api("GET", "/nothing", None);
+    assert_eq!(st, 404);
+}
+
+#[test]
+fn config_file_creates_tenants_and_bad_config_is_refused() {
+    let dir = std::env::temp_dir().join(format!("vgpu-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let cfg = dir.join("good.toml");
+    std::fs::write(&cfg, "[devices]\ncpu = 1\nmemory = \"96MiB\"\n\n[[tenants]]\nname = \"fromfile\"\nmemory = \"32MiB\"\nweight = 2\n").expect("write");
+    let m = Mediator::start(&["--config", cfg.to_str().expect("utf8")]);
+    let (st, v) = m.api("GET", "/tenants/fromfile", None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["weight"], 2);
+    assert_eq!(m.device("cpu0")["memory_total"], 96u64 << 20);
+    assert!(run_ok(sample("vectorAdd", std::path::Path::new(v["socket"].as_str().expect("socket")))).contains("PASSED"));
+
+    // A second mediator on the same run dir refuses to start.
+    let o = std::process::Command::new(bin("vgpu-mediatord")).arg("--run-dir").arg(&m.run_dir).output().expect("run");
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("another mediator"));
+
+    for (name, text, want) in [
+        ("unknown.toml", "[devices]\ncpus = 2\n", "unknown field"),
+        ("size.toml", "[devices]\nmemory = \"lots\"\n", "invalid size"),
+        ("name.toml", "[[tenants]]\nname = \"a b\"\nmemory = \"1MiB\"\n", "invalid tenant name"),
+    ] {
+        let p = dir.join(name);
+        std::fs::write(&p, text).expect("write");
+        let o = std::process::Command::new(bin("vgpu-mediatord")).arg("--run-dir").arg(dir.join("rd")).arg("--config").arg(&p).output().expect("run");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{name}: {err}");
+    }
+    let o = std::process::Command::new(bin("vgpu-mediatord")).arg("--run-dir").arg(dir.join("rd")).args(["--device-memory", "12XB"]).output().expect("run");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("invalid size"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
