@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what building and testing the workspace needs on a fresh Debian
+# machine of this kind, then builds the workspace once (release profile).
+# Sourced by demo.sh and test.sh; safe to run again.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+need_pkgs=()
+command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
+command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+if ((${#need_pkgs[@]})); then
+    echo "setup: installing ${need_pkgs[*]}" >&2
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+    if [ -x "$HOME/.cargo/bin/cargo" ]; then
+        export PATH="$HOME/.cargo/bin:$PATH"
+    else
+        echo "setup: cargo is missing; install a Rust toolchain (rustup) first" >&2
+        exit 1
+    fi
+fi
+
+# One build, shared by the demo, the tests and the benchmark.
+echo "setup: building the workspace (release)" >&2
+cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
+
+# Programs link and load libcuda.so.1, as they would against NVIDIA's driver.
+ln -sf libcuda.so "$ROOT/target/release/libcuda.so.1"
