@@ -7,5 +7,5 @@ pub mod control;
 pub mod ipc;
 pub mod ptx;
 pub mod sched;
-pub mod size;
+pub use virtio_gpu_compute::size;
 pub mod worker;

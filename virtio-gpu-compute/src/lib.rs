@@ -10,6 +10,7 @@
 pub mod capset;
 pub mod cuda;
 pub mod msg;
+pub mod size;
 pub mod wire;
 
 pub use cuda::CuResult;

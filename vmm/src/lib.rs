@@ -1,4 +1,13 @@
-//! The vgpu VMM library. This stage holds the admin side: a small HTTP/1.1
-//! client for the REST APIs served over unix sockets, used by `vgpuctl`.
+//! The vgpu VMM: one process per VM on rust-vmm crates (KVM, guest memory,
+//! loader, serial), with a PCI bus, the virtio-pci transport and a per-VM
+//! REST API; plus the HTTP client `vgpuctl` uses for the daemons' APIs.
 
+pub mod api;
+pub mod boot;
+pub mod bus;
+pub mod config;
+pub mod devices;
 pub mod http;
+pub mod memory;
+pub mod numa;
+pub mod vm;

@@ -1,4 +1,5 @@
-//! Byte sizes as operators write them: plain bytes, or a KiB/MiB/GiB/TiB
+//! Byte sizes as operators write them (shared by the mediator, the VMM and
+//! the CLI): plain bytes, or a KiB/MiB/GiB/TiB
 //! suffix (also K/M/G/T). In JSON and TOML a size is a number or a string.
 
 use std::fmt;
@@ -48,17 +49,19 @@ impl Serialize for Size {
     }
 }
 
+/// A size as configs write it: a bare number or a string with a unit.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum NumberOrText {
+    Number(u64),
+    Text(String),
+}
+
 impl<'de> Deserialize<'de> for Size {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Size, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            N(u64),
-            S(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::N(n) => Ok(Size(n)),
-            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        match NumberOrText::deserialize(d)? {
+            NumberOrText::Number(n) => Ok(Size(n)),
+            NumberOrText::Text(s) => s.parse().map_err(serde::de::Error::custom),
         }
     }
 }

@@ -1,0 +1,113 @@
+//! The per-VM REST API over a unix socket (docs/api/vmm.yaml):
+//! `GET /vm`, `PUT /vm/pause`, `/vm/resume`, `/vm/shutdown`, `/vm/kill`.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, put};
+use axum::{Json, Router};
+use serde_json::json;
+
+use crate::devices::i8042::I8042;
+use crate::vm::{Control, ExitReason, VmInfo};
+
+#[derive(Clone)]
+pub struct ApiState {
+    pub control: Arc<Control>,
+    pub info: VmInfo,
+    pub keyboard: Arc<Mutex<I8042>>,
+}
+
+fn error(code: StatusCode, msg: impl Into<String>) -> Response {
+    (code, Json(json!({ "error": msg.into() }))).into_response()
+}
+
+async fn vm_info(State(s): State<ApiState>) -> Json<VmInfo> {
+    let mut info = s.info.clone();
+    info.state = s.control.state();
+    Json(info)
+}
+
+async fn pause(State(s): State<ApiState>) -> Response {
+    match tokio::task::spawn_blocking(move || s.control.pause()).await {
+        Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Err(e)) => error(StatusCode::CONFLICT, e),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+async fn resume(State(s): State<ApiState>) -> Response {
+    match s.control.resume() {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error(StatusCode::CONFLICT, e),
+    }
+}
+
+async fn shutdown(State(s): State<ApiState>) -> Response {
+    if s.control.state() != crate::vm::RunState::Running {
+        return error(StatusCode::CONFLICT, "the VM is not running; resume it before asking the guest to shut down");
+    }
+    s.keyboard.lock().unwrap_or_else(|e| e.into_inner()).ctrl_alt_del();
+    StatusCode::ACCEPTED.into_response()
+}
+
+async fn kill(State(s): State<ApiState>) -> Response {
+    s.control.request_exit(ExitReason::Killed);
+    StatusCode::NO_CONTENT.into_response()
+}
+
+pub fn router(s: ApiState) -> Router {
+    Router::new()
+        .route("/vm", get(vm_info))
+        .route("/vm/pause", put(pause))
+        .route("/vm/resume", put(resume))
+        .route("/vm/shutdown", put(shutdown))
+        .route("/vm/kill", put(kill))
+        .with_state(s)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("API socket {path}: {err}")]
+    Bind { path: String, err: std::io::Error },
+}
+
+/// Binds `path` (mode 0600) and serves the API on its own thread.
+pub fn spawn(path: &Path, s: ApiState) -> Result<PathBuf, ApiError> {
+    let bind_err = |err| ApiError::Bind { path: path.display().to_string(), err };
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(bind_err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "another VMM is serving it")));
+        }
+        std::fs::remove_file(path).map_err(bind_err)?;
+    }
+    let listener = std::os::unix::net::UnixListener::bind(path).map_err(bind_err)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_err)?;
+    }
+    listener.set_nonblocking(true).map_err(bind_err)?;
+    std::thread::Builder::new()
+        .name("vmm-api".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => return tracing::error!("API runtime: {e}"),
+            };
+            rt.block_on(async move {
+                match tokio::net::UnixListener::from_std(listener) {
+                    Ok(l) => {
+                        if let Err(e) = axum::serve(l, router(s)).await {
+                            tracing::error!("API server: {e}");
+                        }
+                    }
+                    Err(e) => tracing::error!("API socket: {e}"),
+                }
+            });
+        })
+        .map_err(bind_err)?;
+    Ok(path.to_path_buf())
+}

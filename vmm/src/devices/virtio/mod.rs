@@ -1,0 +1,36 @@
+//! Virtio devices and their PCI transport.
+
+pub mod pci_transport;
+pub mod rng;
+
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+pub use pci_transport::VirtioPci;
+
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+
+/// How a device raises its used-buffer interrupt for a queue.
+pub trait Interrupt: Send + Sync {
+    fn signal_queue(&self, queue: usize);
+}
+
+/// What a device model implements; the transport does the rest.
+pub trait VirtioDevice: Send {
+    /// Virtio device id (4 = entropy, 16 = GPU, ...).
+    fn device_type(&self) -> u16;
+    fn features(&self) -> u64;
+    fn queue_max_sizes(&self) -> Vec<u16>;
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        data.fill(0);
+        let _ = offset;
+    }
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    /// Starts serving: `kicks[i]` fires when the driver notifies queue `i`.
+    fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, kicks: Vec<EventFd>, irq: Arc<dyn Interrupt>) -> Result<(), String>;
+    /// Stops serving and forgets the queues (device reset).
+    fn reset(&mut self);
+}

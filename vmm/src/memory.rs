@@ -1,0 +1,157 @@
+//! Guest RAM: one memfd (so it can be shared with the mediator over
+//! vhost-user), optionally hugetlb-backed, optionally bound to a NUMA node
+//! before any page is touched.
+//!
+//! Layout: RAM from 0 up to the 32-bit MMIO hole, the rest above 4 GiB.
+
+use std::fs::File;
+use std::os::fd::FromRawFd;
+
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+
+use crate::config::{meminfo_field, Hugepages};
+
+/// Start of the 32-bit MMIO hole (PCI BARs, IOAPIC, LAPIC).
+pub const MMIO_HOLE_START: u64 = 0xC000_0000;
+/// First address above the hole.
+pub const HIGH_RAM_START: u64 = 1 << 32;
+/// PCI BARs are allocated from here up to the IOAPIC.
+pub const PCI_MMIO_START: u64 = MMIO_HOLE_START;
+pub const PCI_MMIO_END: u64 = 0xFEC0_0000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("memfd_create failed: {0}")]
+    Memfd(std::io::Error),
+    #[error("sizing guest memory to {size} bytes failed: {err}")]
+    Truncate { size: u64, err: std::io::Error },
+    #[error("not enough {size} hugepages: the guest needs {need}, the host has {free} free (reserve more in /proc/sys/vm/nr_hugepages or /sys/kernel/mm/hugepages)")]
+    NotEnoughHugepages { size: &'static str, need: u64, free: u64 },
+    #[error("mapping guest memory failed: {0}")]
+    Map(String),
+    #[error(transparent)]
+    Numa(#[from] crate::numa::NumaError),
+}
+
+pub struct GuestRam {
+    pub mem: GuestMemoryMmap,
+    /// The memfd behind every region (offset = guest address below the hole,
+    /// guest address minus the hole size above it).
+    pub file: File,
+    pub size: u64,
+    pub hugepages: Hugepages,
+    pub numa_node: Option<u32>,
+}
+
+/// (guest address, length, file offset) of each RAM range for `size` bytes.
+pub fn ram_ranges(size: u64) -> Vec<(u64, u64, u64)> {
+    if size <= MMIO_HOLE_START {
+        vec![(0, size, 0)]
+    } else {
+        vec![(0, MMIO_HOLE_START, 0), (HIGH_RAM_START, size - MMIO_HOLE_START, MMIO_HOLE_START)]
+    }
+}
+
+fn hugepage_label(h: Hugepages) -> &'static str {
+    match h {
+        Hugepages::TwoMiB => "2M",
+        Hugepages::OneGiB => "1G",
+        Hugepages::None => "4K",
+    }
+}
+
+/// Free hugepages of the given size: sysfs per size, /proc/meminfo for the
+/// default size as a fallback.
+pub fn free_hugepages(h: Hugepages) -> Option<u64> {
+    let kib = h.page_size() / 1024;
+    let p = format!("/sys/kernel/mm/hugepages/hugepages-{kib}kB/free_hugepages");
+    if let Ok(s) = std::fs::read_to_string(p) {
+        return s.trim().parse().ok();
+    }
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    if meminfo_field(&text, "Hugepagesize")? * 1024 == h.page_size() {
+        meminfo_field(&text, "HugePages_Free")
+    } else {
+        Some(0)
+    }
+}
+
+impl GuestRam {
+    pub fn new(size: u64, hugepages: Hugepages, numa_node: Option<u32>) -> Result<GuestRam, MemoryError> {
+        let mut flags = libc::MFD_CLOEXEC;
+        match hugepages {
+            Hugepages::None => {}
+            Hugepages::TwoMiB => flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+            Hugepages::OneGiB => flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_1GB,
+        }
+        if hugepages != Hugepages::None {
+            let need = size / hugepages.page_size();
+            let free = free_hugepages(hugepages).unwrap_or(0);
+            if free < need {
+                return Err(MemoryError::NotEnoughHugepages { size: hugepage_label(hugepages), need, free });
+            }
+        }
+        // SAFETY: memfd_create with a static NUL-terminated name; the
+        // result is checked and then owned by `file`.
+        let fd = unsafe { libc::memfd_create(c"vgpu-guest-ram".as_ptr(), flags) };
+        if fd < 0 {
+            return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
+        }
+        // SAFETY: fd is a fresh descriptor nobody else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(size).map_err(|err| MemoryError::Truncate { size, err })?;
+
+        let mut regions = Vec::new();
+        for (gpa, len, off) in ram_ranges(size) {
+            // Hugetlb mappings reserve their pages at mmap time, so a short
+            // pool fails here rather than with SIGBUS inside the guest.
+            let mut mflags = libc::MAP_SHARED;
+            if hugepages == Hugepages::None {
+                mflags |= libc::MAP_NORESERVE;
+            }
+            let fo = FileOffset::new(file.try_clone().map_err(|e| MemoryError::Map(e.to_string()))?, off);
+            let region = MmapRegion::build(Some(fo), len as usize, libc::PROT_READ | libc::PROT_WRITE, mflags).map_err(|e| match hugepages {
+                Hugepages::None => MemoryError::Map(e.to_string()),
+                _ => MemoryError::Map(format!("{e} (the hugepage pool could not back {} bytes)", len)),
+            })?;
+            if let Some(node) = numa_node {
+                crate::numa::mbind(region.as_ptr().cast(), len as usize, node)?;
+            }
+            let r = GuestRegionMmap::new(region, GuestAddress(gpa)).ok_or_else(|| MemoryError::Map(format!("region at {gpa:#x} overflows")))?;
+            regions.push(r);
+        }
+        let mem = GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Map(e.to_string()))?;
+        Ok(GuestRam { mem, file, size, hugepages, numa_node })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{Bytes, GuestMemoryBackend};
+
+    #[test]
+    fn small_guest_is_one_range_and_large_guest_skips_the_mmio_hole() {
+        assert_eq!(ram_ranges(256 << 20), vec![(0, 256 << 20, 0)]);
+        let r = ram_ranges(4 << 30);
+        assert_eq!(r, vec![(0, MMIO_HOLE_START, 0), (HIGH_RAM_START, (4 << 30) - MMIO_HOLE_START, MMIO_HOLE_START)]);
+    }
+
+    #[test]
+    fn guest_ram_is_a_shared_memfd() {
+        let ram = GuestRam::new(16 << 20, Hugepages::None, None).unwrap();
+        ram.mem.write_obj(0xdead_beefu32, GuestAddress(0x1000)).unwrap();
+        let mut b = [0u8; 4];
+        std::os::unix::fs::FileExt::read_exact_at(&ram.file, &mut b, 0x1000).unwrap();
+        assert_eq!(u32::from_le_bytes(b), 0xdead_beef);
+        assert_eq!(ram.mem.last_addr(), GuestAddress((16 << 20) - 1));
+    }
+
+    #[test]
+    fn absent_numa_node_is_refused() {
+        match GuestRam::new(4 << 20, Hugepages::None, Some(1000)) {
+            Err(MemoryError::Numa(_)) => {}
+            other => panic!("{:?}", other.map(|r| r.size)),
+        }
+    }
+}
