@@ -214,3 +214,4 @@ impl Raw {
         self.send_bytes(&Request::Ping.encode(self.seq)).is_ok() && matches!(self.read_reply(), Some((h, Reply::Empty)) if h.opcode() == Opcode::Ping)
     }
 }
+pub mod vmm_harness;

@@ -76,6 +76,26 @@ pub fn free_hugepages(h: Hugepages) -> Option<u64> {
     }
 }
 
+/// Faults in every page of a fresh mapping, for writing.
+fn populate(addr: *mut u8, len: usize, page: usize) -> Result<(), MemoryError> {
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    // SAFETY: [addr, addr+len) is a mapping this process just created and
+    // owns; populating it does not change its contents (all zero).
+    if unsafe { libc::madvise(addr.cast(), len, MADV_POPULATE_WRITE) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EINVAL) {
+        return Err(MemoryError::Map(format!("populating hugepages: {e}")));
+    }
+    // Kernels before 5.14: touch one byte per page.
+    for off in (0..len).step_by(page) {
+        // SAFETY: off < len, inside the mapping; the byte is zero and stays zero.
+        unsafe { std::ptr::write_volatile(addr.add(off), 0) };
+    }
+    Ok(())
+}
+
 impl GuestRam {
     pub fn new(size: u64, hugepages: Hugepages, numa_node: Option<u32>) -> Result<GuestRam, MemoryError> {
         let mut flags = libc::MFD_CLOEXEC;
@@ -116,6 +136,11 @@ impl GuestRam {
             })?;
             if let Some(node) = numa_node {
                 crate::numa::mbind(region.as_ptr().cast(), len as usize, node)?;
+            }
+            if hugepages != Hugepages::None {
+                // Take the pages now, on the bound node: the guest's memory
+                // is then resident and can never fault for lack of pages.
+                populate(region.as_ptr(), len as usize, hugepages.page_size() as usize)?;
             }
             let r = GuestRegionMmap::new(region, GuestAddress(gpa)).ok_or_else(|| MemoryError::Map(format!("region at {gpa:#x} overflows")))?;
             regions.push(r);

@@ -44,7 +44,7 @@ impl ExitReason {
     pub fn exit_code(&self) -> i32 {
         match self {
             ExitReason::Reset | ExitReason::PowerOff => 0,
-            ExitReason::Killed => 2,
+            ExitReason::Killed => 4,
             ExitReason::TripleFault => 3,
             ExitReason::Error(_) => 1,
         }

@@ -1,6 +1,6 @@
 //! `vgpu-vmm`: runs one VM until the guest resets, powers off, faults, or
 //! is killed through the API. Exit status: 0 guest reset/power-off,
-//! 1 error, 2 killed, 3 triple fault.
+//! 1 error, 2 bad command line, 3 triple fault, 4 killed.
 
 use std::path::PathBuf;
 

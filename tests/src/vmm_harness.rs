@@ -1,0 +1,145 @@
+//! Harness for the KVM tier: builds the bare-metal test guest once (and
+//! proves it has no SSE), runs `vgpu-vmm` on it with the serial console in
+//! a file, and talks to the VM's API socket.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use crate::{bin, workspace};
+
+/// True when this host lets us create VMs; otherwise prints why the test
+/// is skipped (loudly: it shows in the test output).
+pub fn kvm_available(test: &str) -> bool {
+    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPED {test}: /dev/kvm is not usable here ({e}); the KVM tier needs it");
+            false
+        }
+    }
+}
+
+/// Builds images/test-guest (release) once per test binary and checks with
+/// objdump that no SSE/MMX/AVX register appears in it.
+pub fn test_guest() -> &'static Path {
+    static G: OnceLock<PathBuf> = OnceLock::new();
+    G.get_or_init(|| {
+        let dir = workspace().join("images/test-guest");
+        let st = Command::new(env!("CARGO")).args(["build", "--release", "--quiet"]).current_dir(&dir).status().expect("running cargo for the test guest");
+        assert!(st.success(), "building images/test-guest failed");
+        let g = dir.join("target/x86_64-unknown-linux-gnu/release/vgpu-test-guest");
+        let dis = Command::new("objdump").arg("-d").arg(&g).output().expect("objdump (binutils) is needed to check the test guest");
+        let text = String::from_utf8_lossy(&dis.stdout);
+        assert!(dis.status.success() && text.contains("<_start>"), "objdump could not read the test guest");
+        let bad: Vec<&str> = text.lines().filter(|l| l.contains("%xmm") || l.contains("%ymm") || l.contains("%mm")).collect();
+        assert!(bad.is_empty(), "the test guest uses SSE/MMX registers:\n{}", bad.join("\n"));
+        g
+    })
+}
+
+pub struct Guest {
+    pub child: Child,
+    pub serial: PathBuf,
+    pub api: PathBuf,
+    dir: PathBuf,
+}
+
+fn scratch_dir() -> PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let d = std::env::temp_dir().join(format!("vgpu-vm-{}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+impl Guest {
+    /// Starts the test guest with `test=MODE` and extra VMM flags.
+    pub fn start(mode: &str, extra: &[&str]) -> Guest {
+        let dir = scratch_dir();
+        let serial = dir.join("serial.log");
+        let api = dir.join("api.sock");
+        let child = Command::new(bin("vgpu-vmm"))
+            .arg("--kernel")
+            .arg(test_guest())
+            .args(["--memory", "16", "--cmdline", &format!("test={mode}")])
+            .arg("--serial")
+            .arg(&serial)
+            .arg("--api-socket")
+            .arg(&api)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start vgpu-vmm");
+        Guest { child, serial, api, dir }
+    }
+
+    pub fn serial_text(&self) -> String {
+        std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+
+    /// Waits until the serial console shows `needle`.
+    pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let t = self.serial_text();
+            if t.contains(needle) {
+                return t;
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("the VMM exited ({st}) before printing {needle:?}; serial:\n{t}");
+            }
+            assert!(Instant::now() < deadline, "no {needle:?} on the serial console within {timeout:?}; serial:\n{t}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn wait_api(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&self.api).is_err() {
+            assert!(Instant::now() < deadline, "VMM API did not come up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn api_call(&self, method: &str, path: &str) -> (u16, String) {
+        let r = vmm::http::request(&self.api, method, path, None).expect("VMM API request");
+        (r.status, r.text())
+    }
+
+    /// Waits for the VMM to exit; returns its status, stderr and the
+    /// serial console's text (the scratch directory goes with `self`).
+    pub fn wait_exit(mut self, timeout: Duration) -> (ExitStatus, String, String) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().expect("wait") {
+                let mut err = String::new();
+                if let Some(mut e) = self.child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                return (st, err, self.serial_text());
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("the VMM did not exit within {timeout:?}; serial:\n{}", self.serial_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `vgpu-vmm` with `args` to completion.
+pub fn vmm_run(args: &[&str]) -> std::process::Output {
+    Command::new(bin("vgpu-vmm")).args(args).stdin(Stdio::null()).output().expect("run vgpu-vmm")
+}
