@@ -9,6 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 need_pkgs=()
 command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+command -v objdump >/dev/null 2>&1 || need_pkgs+=(binutils)
 if ((${#need_pkgs[@]})); then
     echo "setup: installing ${need_pkgs[*]}" >&2
     SUDO=""
@@ -29,6 +30,10 @@ fi
 # One build, shared by the demo, the tests and the benchmark.
 echo "setup: building the workspace (release)" >&2
 cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
+
+# The bare-metal KVM-tier guest: its own crate, target flags and linker script.
+echo "setup: building images/test-guest" >&2
+(cd "$ROOT/images/test-guest" && cargo build --release --quiet 2>/dev/null) || (cd "$ROOT/images/test-guest" && cargo build --release)
 
 # Programs link and load libcuda.so.1, as they would against NVIDIA's driver.
 ln -sf libcuda.so "$ROOT/target/release/libcuda.so.1"
