@@ -18,6 +18,9 @@ if ((${#need_pkgs[@]})); then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
 fi
 
+# The nested test host: QEMU 10 (bookworm-backports), busybox, cpio.
+bash "$ROOT/images/nested/packages.sh"
+
 if ! command -v cargo >/dev/null 2>&1; then
     if [ -x "$HOME/.cargo/bin/cargo" ]; then
         export PATH="$HOME/.cargo/bin:$PATH"
@@ -34,6 +37,10 @@ cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
 # The bare-metal KVM-tier guest: its own crate, target flags and linker script.
 echo "setup: building images/test-guest" >&2
 (cd "$ROOT/images/test-guest" && cargo build --release --quiet 2>/dev/null) || (cd "$ROOT/images/test-guest" && cargo build --release)
+
+# Debian's kernel package and the L1/L2 initramfs images of the nested tier.
+echo "setup: building the nested test host images" >&2
+bash "$ROOT/images/nested/build.sh"
 
 # Programs link and load libcuda.so.1, as they would against NVIDIA's driver.
 ln -sf libcuda.so "$ROOT/target/release/libcuda.so.1"

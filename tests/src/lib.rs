@@ -215,3 +215,4 @@ impl Raw {
     }
 }
 pub mod vmm_harness;
+pub mod nested;

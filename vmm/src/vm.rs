@@ -381,6 +381,8 @@ impl Vm {
         let keyboard = Arc::new(Mutex::new(I8042::new(kbd_irq, exit_tx)));
         buses.pio.insert(i8042::DATA_PORT, 5, keyboard.clone()).map_err(|e| dev_err(e.to_string()))?;
 
+        buses.pio.insert(crate::devices::cmos::PORT, 2, Arc::new(Mutex::new(crate::devices::cmos::Cmos::default()))).map_err(|e| dev_err(e.to_string()))?;
+
         let routing = Arc::new(IrqRouting::new(vm.clone()));
         routing.set_msi(u32::MAX, None).map_err(dev_err)?; // install the default table
         let mut pci = PciRoot::new(buses.mmio.clone());

@@ -1,6 +1,8 @@
 //! VMM figures, printed from one run: time from process start to the first
 //! guest entry (as the VMM logs it), wall time of a whole test-guest run,
-//! and the VMM's resident memory excluding guest RAM. Usage:
+//! the VMM's resident memory excluding guest RAM, and (when QEMU is
+//! installed) the nested tier's time from VMM start to a stock Linux
+//! guest's userspace marker. Usage:
 //! `vgpu-vmm-bench [RUNS]` after `cargo build --release --workspace`.
 
 use std::process::{Command, Stdio};
@@ -51,4 +53,13 @@ fn main() {
     let (anon, file, shmem) = (status_kib(pid, "RssAnon"), status_kib(pid, "RssFile"), status_kib(pid, "RssShmem"));
     println!("vmm_rss_overhead_kib               anon={anon} file={file} total={} (guest RAM touched: shmem={shmem} KiB of 256 MiB)", anon + file);
     let _ = g.api_call("PUT", "/vm/kill");
+    drop(g);
+
+    // Nested tier: a stock Debian kernel under vgpu-vmm inside QEMU TCG.
+    if vgpu_tests::nested::qemu_available("the nested-tier figure") {
+        let out = vgpu_tests::nested::run("boot", 900);
+        let secs = vgpu_tests::nested::value(&out, "VMM-TO-MARKER-SECONDS").unwrap_or("?");
+        let kernel = out.lines().find(|l| l.contains("reboot: Restarting system")).unwrap_or("").trim().to_string();
+        println!("nested_vmm_start_to_linux_marker_s {secs} (2 vCPUs, 256 MiB, Debian linux-image-amd64, L1 on QEMU TCG; last guest line: {kernel})");
+    }
 }

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Builds the nested test host under target/nested/:
+#   kernel/            Debian's generic linux-image-amd64, unpacked (L1 and L2 kernel)
+#   l2.cpio.gz         L2 initramfs: busybox, the virtio modules, /init (images/nested/l2-init)
+#   l1.cpio.gz         L1 initramfs: busybox, kvm + kvm-amd, vgpu-vmm and its libraries,
+#                      the L2 kernel and initramfs, and images/nested/scenarios/*
+# Needs the workspace built (release) and images/nested/packages.sh run.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="$ROOT/target/nested"
+BIN="$ROOT/target/release"
+mkdir -p "$OUT"
+
+# 1. The kernel package, downloaded (not installed) and unpacked once.
+if [ ! -f "$OUT/kernel/.done" ]; then
+    rm -rf "$OUT/kernel" "$OUT/debs"
+    mkdir -p "$OUT/debs" "$OUT/kernel"
+    meta_dep="$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')"
+    if [ -z "$meta_dep" ]; then
+        SUDO=""
+        [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+        $SUDO apt-get update -qq
+        meta_dep="$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')"
+    fi
+    [ -n "$meta_dep" ] || { echo "nested: cannot resolve linux-image-amd64 (run apt-get update)" >&2; exit 1; }
+    (cd "$OUT/debs" && apt-get download -qq "$meta_dep" 2>/dev/null || apt-get download "$meta_dep")
+    dpkg-deb -x "$OUT"/debs/linux-image-*.deb "$OUT/kernel"
+    touch "$OUT/kernel/.done"
+fi
+KVER="$(ls "$OUT/kernel/lib/modules" | head -1)"
+MODDIR="$OUT/kernel/lib/modules/$KVER/kernel"
+VMLINUZ="$OUT/kernel/boot/vmlinuz-$KVER"
+echo "$VMLINUZ" > "$OUT/vmlinuz.path"
+
+# Prints the .ko paths for the named modules, dependencies first.
+declare -A seen=()
+mods() {
+    local m f deps
+    for m in "$@"; do
+        [ -n "$m" ] || continue
+        [ -z "${seen[$m]:-}" ] || continue
+        seen[$m]=1
+        f="$(find "$MODDIR" -name "$m.ko" -o -name "${m//_/-}.ko" | head -1)"
+        [ -n "$f" ] || { echo "nested: module $m not found in $KVER" >&2; exit 1; }
+        deps="$(strings -a "$f" | sed -n 's/^depends=//p' | head -1 | tr ',' ' ')"
+        # shellcheck disable=SC2086
+        mods $deps
+        echo "$f"
+    done
+}
+
+# Copies a dynamically linked program and the libraries it loads.
+copy_prog() {
+    local prog="$1" dest="$2" lib
+    install -D -m 0755 "$prog" "$dest/bin/$(basename "$prog")"
+    for lib in $(ldd "$prog" | grep -oE '/[^ ]+\.so[^ ]*'); do
+        install -D -m 0755 "$lib" "$dest$lib"
+    done
+}
+
+base_tree() {
+    local d="$1"
+    rm -rf "$d"
+    mkdir -p "$d"/{bin,sbin,proc,sys,dev,tmp,mnt,modules,run}
+    cp "$(command -v busybox)" "$d/bin/busybox"
+    for a in sh mount umount insmod mkdir cat echo grep sed awk ls sleep dd od hexdump head tail wc poweroff reboot sync dmesg seq tr cut; do
+        ln -sf busybox "$d/bin/$a"
+    done
+}
+
+pack() {
+    (cd "$1" && find . -print0 | cpio --null -o -H newc --quiet) | gzip -1 > "$2"
+}
+
+# 2. L2: the guest our VMM boots.
+L2="$OUT/l2-root"
+base_tree "$L2"
+i=0
+for f in $(mods virtio_pci virtio-rng); do
+    i=$((i + 1))
+    cp "$f" "$L2/modules/$(printf '%02d' $i)-$(basename "$f")"
+done
+install -m 0755 "$ROOT/images/nested/l2-init" "$L2/init"
+pack "$L2" "$OUT/l2.cpio.gz"
+
+# 3. L1: the host our VMM runs in.
+L1="$OUT/l1-root"
+base_tree "$L1"
+i=0
+for f in $(mods kvm-amd); do
+    i=$((i + 1))
+    cp "$f" "$L1/modules/$(printf '%02d' $i)-$(basename "$f")"
+done
+copy_prog "$BIN/vgpu-vmm" "$L1"
+mkdir -p "$L1/l2" "$L1/scenarios"
+cp "$VMLINUZ" "$L1/l2/vmlinuz"
+cp "$OUT/l2.cpio.gz" "$L1/l2/initrd"
+cp "$ROOT"/images/nested/scenarios/*.sh "$L1/scenarios/"
+install -m 0755 "$ROOT/images/nested/l1-init" "$L1/init"
+pack "$L1" "$OUT/l1.cpio.gz"
+echo "nested: built $OUT/l1.cpio.gz ($(du -h "$OUT/l1.cpio.gz" | cut -f1)) for kernel $KVER" >&2

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Boots L1 under QEMU TCG with emulated SVM and runs one scenario from
+# images/nested/scenarios inside it; the console goes to stdout. L1 powers
+# off when the scenario ends. Usage: run.sh SCENARIO [TIMEOUT_SECONDS]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="$ROOT/target/nested"
+SCENARIO="$1"
+TIMEOUT="${2:-600}"
+exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
+    -accel tcg,thread=multi -cpu max,svm=on -smp 2 -m 2048 \
+    -machine q35 -nographic -no-reboot -nodefaults -serial stdio \
+    -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/l1.cpio.gz" \
+    -append "console=ttyS0 panic=-1 quiet loglevel=3 scenario=$SCENARIO"
