@@ -92,6 +92,7 @@ for f in $(mods kvm-amd); do
     cp "$f" "$L1/modules/$(printf '%02d' $i)-$(basename "$f")"
 done
 copy_prog "$BIN/vgpu-vmm" "$L1"
+copy_prog "$BIN/vgpuctl" "$L1"
 mkdir -p "$L1/l2" "$L1/scenarios"
 cp "$VMLINUZ" "$L1/l2/vmlinuz"
 cp "$OUT/l2.cpio.gz" "$L1/l2/initrd"

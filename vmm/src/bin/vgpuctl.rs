@@ -1,4 +1,4 @@
-//! vgpuctl: the admin CLI for vgpu-mediatord (and, later, VMs).
+//! vgpuctl: the admin CLI for vgpu-mediatord and for each VM's vgpu-vmm.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -39,6 +39,27 @@ enum Cmd {
     Device(DeviceCmd),
     /// Prometheus metrics, as the API serves them.
     Metrics,
+    /// One VM, through its vgpu-vmm API socket.
+    Vm {
+        /// The VM's API socket (vgpu-vmm --api-socket).
+        #[arg(long)]
+        socket: PathBuf,
+        #[command(subcommand)]
+        cmd: VmCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum VmCmd {
+    /// State, vCPUs, memory backing and NUMA placement.
+    Info,
+    /// Stop every vCPU.
+    Pause,
+    Resume,
+    /// Ask the guest to shut down (Ctrl-Alt-Del).
+    Shutdown,
+    /// End the VM at once.
+    Kill,
 }
 
 #[derive(Subcommand)]
@@ -105,8 +126,12 @@ fn main() -> ExitCode {
 
 fn call(cli: &Cli, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
     let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
+    call_at(&api, method, path, body)
+}
+
+fn call_at(api: &std::path::Path, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
     let body = body.map(|b| b.to_string());
-    let r = http::request(&api, method, path, body.as_deref().map(str::as_bytes))?;
+    let r = http::request(api, method, path, body.as_deref().map(str::as_bytes))?;
     let v: Value = if r.body.is_empty() { Value::Null } else { serde_json::from_slice(&r.body).unwrap_or(Value::String(r.text())) };
     if !(200..300).contains(&r.status) {
         let msg = v.get("error").and_then(Value::as_str).map(str::to_string).unwrap_or_else(|| r.text());
@@ -184,11 +209,49 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 table(rows);
             }
         }
+        Cmd::Vm { socket, cmd } => vm(socket, cmd, json_out)?,
         Cmd::Metrics => {
             let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
             let r = http::request(&api, "GET", "/metrics", None)?;
             print!("{}", r.text());
         }
+    }
+    Ok(())
+}
+
+fn vm(socket: &std::path::Path, cmd: &VmCmd, json_out: bool) -> anyhow::Result<()> {
+    let (path, done) = match cmd {
+        VmCmd::Info => {
+            let v = call_at(socket, "GET", "/vm", None)?;
+            if json_out {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+                return Ok(());
+            }
+            let c = &v["config"];
+            println!(
+                "state:     {}\npid:       {}\nvcpus:     {}\nmemory:    {} ({})\nnuma node: {}\nvcpu cpus: {}\nkernel:    {}\ncmdline:   {}",
+                s(&v, "state"),
+                u(&v, "pid"),
+                u(&v, "vcpus"),
+                human(u(&v, "memory_bytes")),
+                s(&v, "memory_backing"),
+                v.get("numa_node").and_then(Value::as_u64).map_or("none".into(), |n| n.to_string()),
+                v.get("vcpu_cpus").and_then(Value::as_array).map_or("any".into(), |a| a.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")),
+                s(c, "kernel"),
+                s(c, "cmdline"),
+            );
+            return Ok(());
+        }
+        VmCmd::Pause => ("/vm/pause", "paused"),
+        VmCmd::Resume => ("/vm/resume", "resumed"),
+        VmCmd::Shutdown => ("/vm/shutdown", "shutdown requested"),
+        VmCmd::Kill => ("/vm/kill", "killed"),
+    };
+    call_at(socket, "PUT", path, None)?;
+    if json_out {
+        println!("{}", json!({ "result": done }));
+    } else {
+        println!("{done}");
     }
     Ok(())
 }

@@ -45,9 +45,14 @@ impl I8042 {
         }
     }
 
-    /// Queues Ctrl-Alt-Del (press and release, scancode set 2).
+    /// Queues Ctrl-Alt-Del, pressed and released. The keyboard speaks
+    /// scancode set 2; with translation on (CTR bit 6, as Linux leaves it)
+    /// the controller hands the guest set 1, as a real i8042 does.
     pub fn ctrl_alt_del(&mut self) {
-        for b in [0x14, 0x11, 0xe0, 0x71, 0xe0, 0xf0, 0x71, 0xf0, 0x11, 0xf0, 0x14] {
+        const SET2: [u8; 11] = [0x14, 0x11, 0xe0, 0x71, 0xe0, 0xf0, 0x71, 0xf0, 0x11, 0xf0, 0x14];
+        const SET1: [u8; 8] = [0x1d, 0x38, 0xe0, 0x53, 0xe0, 0xd3, 0xb8, 0x9d];
+        let codes: &[u8] = if self.ctr & CTR_XLATE != 0 { &SET1 } else { &SET2 };
+        for &b in codes {
             self.push(b);
         }
     }
@@ -166,6 +171,13 @@ mod tests {
             d.read(0, &mut b);
             got.push(b[0]);
         }
-        assert_eq!(&got[..4], &[0x14, 0x11, 0xe0, 0x71]);
+        // Translation is on by default: set 1 (Ctrl, Alt, Del makes).
+        assert_eq!(&got[..4], &[0x1d, 0x38, 0xe0, 0x53]);
+        // With translation off the keyboard's own set 2 comes through.
+        d.write(4, &[0x60]);
+        d.write(0, &[CTR_KBD_INT | CTR_SYS]);
+        d.ctrl_alt_del();
+        d.read(0, &mut b);
+        assert_eq!(b[0], 0x14);
     }
 }
