@@ -11,6 +11,8 @@ fuzz_target!(|data: &[u8]| {
     let _ = MsgHeader::decode(data);
     let _ = Request::decode(data);
     let _ = CapsetInfo::decode(data);
+    let _ = virtio_gpu_compute::virtio_gpu::decode_command(data);
+    let _ = virtio_gpu_compute::virtio_gpu::SubmitHeader::split(data);
     if let Ok((h, _)) = Request::decode(data) {
         // A decoded request re-encodes to bytes that decode to the same request.
         let (_, req) = Request::decode(data).expect("decoded once");

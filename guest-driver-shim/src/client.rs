@@ -100,9 +100,9 @@ impl Client {
             let req = match self.t.shared() {
                 Some(shm) => {
                     shm[..part.len()].copy_from_slice(part);
-                    Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream, dst: at, size: part.len() as u64, loc: DataLoc::Shared as u32, reserved: 0, shm_offset: 0 }, Vec::new())
+                    Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream, dst: at, size: part.len() as u64, loc: DataLoc::Shared as u32, blob: 0, shm_offset: 0 }, Vec::new())
                 }
-                None => Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream, dst: at, size: part.len() as u64, loc: DataLoc::Inline as u32, reserved: 0, shm_offset: 0 }, part.to_vec()),
+                None => Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream, dst: at, size: part.len() as u64, loc: DataLoc::Inline as u32, blob: 0, shm_offset: 0 }, part.to_vec()),
             };
             self.empty(req)?;
         }
@@ -115,7 +115,7 @@ impl Client {
             let at = src + (i * chunk) as u64;
             let shared = self.t.shared().is_some();
             let loc = if shared { DataLoc::Shared } else { DataLoc::Inline } as u32;
-            match self.call(Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream, src: at, size: part.len() as u64, loc, reserved: 0, shm_offset: 0 }))? {
+            match self.call(Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream, src: at, size: part.len() as u64, loc, blob: 0, shm_offset: 0 }))? {
                 // A copy through the shared buffer carries no reply data.
                 Reply::Data(d) if shared && d.is_empty() => {
                     let shm = self.t.shared().ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_UNKNOWN, "shared buffer vanished"))?;

@@ -103,7 +103,7 @@ fn hostile_client_gets_errors_while_the_other_tenant_is_served() {
     expect_error(r.call(Request::LaunchKernel(l, vec![])), CuResult::CUDA_ERROR_INVALID_HANDLE);
     expect_error(r.call(Request::StreamDestroy(HandleReq { ctx, handle: 4242 })), CuResult::CUDA_ERROR_INVALID_HANDLE);
     expect_error(r.call(Request::EventElapsedTime(EventElapsedReq { ctx, start: 1, end: 2, reserved: 0 })), CuResult::CUDA_ERROR_INVALID_HANDLE);
-    let dtoh = MemcpyDtoHReq { ctx, stream: 0, src: 0x7000_0000_0000, size: 1 << 30, loc: DataLoc::Shared as u32, reserved: 0, shm_offset: 0 };
+    let dtoh = MemcpyDtoHReq { ctx, stream: 0, src: 0x7000_0000_0000, size: 1 << 30, loc: DataLoc::Shared as u32, blob: 0, shm_offset: 0 };
     expect_error(r.call(Request::MemcpyDtoH(dtoh)), CuResult::CUDA_ERROR_INVALID_VALUE);
     expect_error(r.call(Request::RegisterShm(RegisterShmReq { size: 4096 })), CuResult::CUDA_ERROR_INVALID_VALUE);
 

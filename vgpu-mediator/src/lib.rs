@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod config;
 pub mod control;
+pub mod gpu;
 pub mod ipc;
 pub mod ptx;
 pub mod sched;

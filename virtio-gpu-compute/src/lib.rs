@@ -11,6 +11,7 @@ pub mod capset;
 pub mod cuda;
 pub mod msg;
 pub mod size;
+pub mod virtio_gpu;
 pub mod wire;
 
 pub use cuda::CuResult;

@@ -125,6 +125,9 @@ pub enum DataLoc {
     Inline = 0,
     /// In the tenant's registered shared buffer, at `shm_offset`.
     Shared = 1,
+    /// In a guest blob resource (`blob`), at `shm_offset` bytes into it:
+    /// VM tenants' data, used in place in guest memory.
+    Blob = 2,
 }
 
 /// Module image formats. Only PTX runs on the CPU reference device.
@@ -170,13 +173,18 @@ wire_struct! {
     pub struct MemcpyHtoDReq {
         pub ctx: u32, pub stream: u32, pub dst: u64, pub size: u64,
         /// A [`DataLoc`].
-        pub loc: u32, pub reserved: u32, pub shm_offset: u64,
+        pub loc: u32,
+        /// The blob resource when `loc` is Blob; 0 otherwise.
+        pub blob: u32,
+        /// Offset in the shared buffer or the blob.
+        pub shm_offset: u64,
     }
 }
 wire_struct! {
     pub struct MemcpyDtoHReq {
         pub ctx: u32, pub stream: u32, pub src: u64, pub size: u64,
-        pub loc: u32, pub reserved: u32, pub shm_offset: u64,
+        /// A [`DataLoc`]; `blob` and `shm_offset` as in [`MemcpyHtoDReq`].
+        pub loc: u32, pub blob: u32, pub shm_offset: u64,
     }
 }
 wire_struct! { pub struct MemcpyDtoDReq { pub ctx: u32, pub stream: u32, pub dst: u64, pub src: u64, pub size: u64 } }
@@ -283,6 +291,7 @@ fn data_loc(v: u32) -> Result<DataLoc, WireError> {
     match v {
         0 => Ok(DataLoc::Inline),
         1 => Ok(DataLoc::Shared),
+        2 => Ok(DataLoc::Blob),
         _ => Err(WireError::BadField { what: "data location", value: v as u64 }),
     }
 }
@@ -294,6 +303,19 @@ fn image_format(v: u32) -> Result<ImageFormat, WireError> {
         2 => Ok(ImageFormat::Fatbin),
         _ => Err(WireError::BadField { what: "image format", value: v as u64 }),
     }
+}
+
+/// Validates a copy's location fields: the blob id only with Blob, and an
+/// offset range that does not overflow.
+fn copy_loc(loc: u32, blob: u32, offset: u64, size: u64) -> Result<DataLoc, WireError> {
+    let loc = data_loc(loc)?;
+    match loc {
+        DataLoc::Blob if blob == 0 => return Err(WireError::BadField { what: "blob resource id", value: 0 }),
+        DataLoc::Inline | DataLoc::Shared if blob != 0 => return Err(WireError::NonZeroReserved("blob of a non-blob copy")),
+        _ => {}
+    }
+    offset.checked_add(size).ok_or(WireError::BadField { what: "copy range", value: offset })?;
+    Ok(loc)
 }
 
 fn trailer(r: &mut Reader<'_>, len: u64, what: &'static str) -> Result<Vec<u8>, WireError> {
@@ -446,8 +468,7 @@ impl Request {
             }
             Opcode::MemcpyHtoD => {
                 let b = MemcpyHtoDReq::get(r)?;
-                zero(b.reserved, "htod.reserved")?;
-                let data = match data_loc(b.loc)? {
+                let data = match copy_loc(b.loc, b.blob, b.shm_offset, b.size)? {
                     DataLoc::Inline => {
                         bounded("inline copy", b.size, MAX_INLINE_DATA)?;
                         if b.shm_offset != 0 {
@@ -455,26 +476,20 @@ impl Request {
                         }
                         trailer(r, b.size, "inline data")?
                     }
-                    DataLoc::Shared => {
-                        b.shm_offset.checked_add(b.size).ok_or(WireError::BadField { what: "shm range", value: b.shm_offset })?;
-                        Vec::new()
-                    }
+                    DataLoc::Shared | DataLoc::Blob => Vec::new(),
                 };
                 Request::MemcpyHtoD(b, data)
             }
             Opcode::MemcpyDtoH => {
                 let b = MemcpyDtoHReq::get(r)?;
-                zero(b.reserved, "dtoh.reserved")?;
-                match data_loc(b.loc)? {
+                match copy_loc(b.loc, b.blob, b.shm_offset, b.size)? {
                     DataLoc::Inline => {
                         bounded("inline copy", b.size, MAX_INLINE_DATA)?;
                         if b.shm_offset != 0 {
                             return Err(WireError::BadField { what: "shm offset of inline copy", value: b.shm_offset });
                         }
                     }
-                    DataLoc::Shared => {
-                        b.shm_offset.checked_add(b.size).ok_or(WireError::BadField { what: "shm range", value: b.shm_offset })?;
-                    }
+                    DataLoc::Shared | DataLoc::Blob => {}
                 }
                 Request::MemcpyDtoH(b)
             }

@@ -38,6 +38,17 @@ proptest! {
     }
 
     #[test]
+    fn virtio_gpu_command_decoder_never_panics(ty in prop_oneof![0x0100u32..0x0110, 0x0200u32..0x020a, 0x0300u32..0x0302, any::<u32>()], body in proptest::collection::vec(any::<u8>(), 0..400)) {
+        use virtio_gpu_compute::virtio_gpu::*;
+        let mut m = Vec::new();
+        CtrlHdr { ty, flags: 0, fence_id: 0, ctx_id: 1, ring_idx: 0, padding: [0; 3] }.put(&mut m);
+        m.extend_from_slice(&body);
+        let _ = decode_command(&m);
+        let _ = decode_command(&body);
+        let _ = SubmitHeader::split(&body);
+    }
+
+    #[test]
     fn launch_round_trips(grid in [1u32..100, 1..100, 1..100], block in [1u32..32, 1..32, 1..2], params in proptest::collection::vec(any::<u8>(), 0..64)) {
         let req = Request::LaunchKernel(LaunchReq { ctx: 1, func: 2, stream: 0, shared_bytes: 16, grid, block, params_len: params.len() as u32, reserved: 0 }, params);
         let (h, back) = Request::decode(&req.encode(9)).unwrap();

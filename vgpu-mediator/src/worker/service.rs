@@ -62,15 +62,35 @@ impl TenantState {
     }
 }
 
+/// Guest blob resources a VM tenant's copies may name. The virtio-gpu
+/// device provides them, limited to the blobs attached to the context.
+pub trait BlobAccess: Send + Sync {
+    /// The host memory behind bytes [off, off+len) of blob `res`, as
+    /// contiguous runs in order. The runs stay mapped while `self` lives.
+    fn pieces(&self, res: u32, off: u64, len: u64) -> Result<Vec<(*mut u8, usize)>, String>;
+}
+
 /// Per-connection state: the contexts this client created (destroyed when
-/// it disconnects, as process exit does on a GPU) and its shared buffer.
+/// it disconnects, as process exit does on a GPU), its shared buffer, and
+/// for a VM tenant's virtio-gpu context the blobs it may copy through.
 #[derive(Default)]
 pub struct Conn {
     pub ctxs: Vec<u32>,
     pub shm: Option<Shm>,
+    pub blobs: Option<Arc<dyn BlobAccess>>,
 }
 
 type R<T> = Result<T, Reply>;
+
+/// Calls `f(device address, host run, length)` for consecutive runs of a
+/// blob copy starting at device address `at`.
+fn each_piece(pieces: &[(*mut u8, usize)], mut at: u64, mut f: impl FnMut(u64, *mut u8, usize) -> Result<(), BackendError>) -> Result<(), BackendError> {
+    for &(p, n) in pieces {
+        f(at, p, n)?;
+        at += n as u64;
+    }
+    Ok(())
+}
 
 fn err(code: CuResult, msg: impl Into<String>) -> Reply {
     Reply::Error(code, msg.into())
@@ -246,6 +266,11 @@ impl DeviceService {
         Ok(shm)
     }
 
+    fn blob(conn: &Conn, res: u32, off: u64, len: u64) -> R<Vec<(*mut u8, usize)>> {
+        let b = conn.blobs.as_ref().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_VALUE, "blob copies need a virtio-gpu context"))?;
+        b.pieces(res, off, len).map_err(|e| err(CuResult::CUDA_ERROR_INVALID_VALUE, e))
+    }
+
     fn timed<T>(&self, t: &Tenant, f: impl FnOnce() -> T) -> T {
         let (out, dt) = self.sched.run(&t.name, t.weight, f);
         t.device_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
@@ -337,6 +362,17 @@ impl DeviceService {
                 Self::owned(st, b.dst, b.size, "copy destination")?;
                 if b.loc == DataLoc::Inline as u32 {
                     self.timed(t, || self.backend.write(b.dst, &data))?;
+                } else if b.loc == DataLoc::Blob as u32 {
+                    let pieces = Self::blob(conn, b.blob, b.shm_offset, b.size)?;
+                    self.timed(t, || {
+                        each_piece(&pieces, b.dst, |at, p, n| {
+                            // SAFETY: BlobAccess hands out runs inside guest
+                            // RAM mapped for the life of `conn.blobs`; the
+                            // guest may change them concurrently, which only
+                            // changes the bytes copied, as on real DMA.
+                            self.backend.write(at, unsafe { std::slice::from_raw_parts(p, n) })
+                        })
+                    })?;
                 } else {
                     let shm = Self::shm(conn, b.shm_offset, b.size)?;
                     self.timed(t, || shm.with_slice(b.shm_offset, b.size, |s| self.backend.write(b.dst, s)))?;
@@ -351,6 +387,16 @@ impl DeviceService {
                     let mut out = vec![0u8; b.size as usize];
                     self.timed(t, || self.backend.read(b.src, &mut out))?;
                     Reply::Data(out)
+                } else if b.loc == DataLoc::Blob as u32 {
+                    let pieces = Self::blob(conn, b.blob, b.shm_offset, b.size)?;
+                    self.timed(t, || {
+                        each_piece(&pieces, b.src, |at, p, n| {
+                            // SAFETY: as for HtoD; the runs are writable guest
+                            // RAM that no other host code aliases.
+                            self.backend.read(at, unsafe { std::slice::from_raw_parts_mut(p, n) })
+                        })
+                    })?;
+                    Reply::Empty
                 } else {
                     let shm = Self::shm(conn, b.shm_offset, b.size)?;
                     self.timed(t, || shm.with_slice_mut(b.shm_offset, b.size, |s| self.backend.read(b.src, s)))?;

@@ -1,0 +1,362 @@
+//! The virtio-gpu compute device model for one VM tenant: capsets, compute
+//! contexts, GUEST blob resources backed by guest RAM, and SUBMIT_3D
+//! carrying compute messages that the device worker's service executes.
+//!
+//! It works on one command at a time and returns the response bytes; the
+//! vhost-user backend moves them between the virtqueues and this model.
+//! Nothing a guest sends can make it panic or reach memory outside guest
+//! RAM: every command is decoded with checked lengths, every blob entry is
+//! checked against the guest's memory regions, and every copy through a
+//! blob is limited to the blobs attached to the submitting context.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, RwLock};
+
+use virtio_gpu_compute::capset::CapsetInfo;
+use virtio_gpu_compute::virtio_gpu::*;
+use virtio_gpu_compute::{CuResult, Opcode, Reply, Request, Wire, MAX_PAYLOAD, VERSION};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+use crate::worker::service::{BlobAccess, Conn, DeviceService, Tenant};
+
+/// How the device presents itself.
+#[derive(Debug, Clone)]
+pub struct GpuConfig {
+    /// Capset id of the compute context type (DESIGN §4: 24 by default, ≤ 31).
+    pub capset_id: u32,
+    /// 1 for guests before Linux 6.4 (which refuse 0), 0 for headless.
+    pub num_scanouts: u32,
+    /// Largest blob one resource may be.
+    pub max_blob_bytes: u64,
+}
+
+impl Default for GpuConfig {
+    fn default() -> Self {
+        GpuConfig { capset_id: virtio_gpu_compute::capset::DEFAULT_CAPSET_ID, num_scanouts: 1, max_blob_bytes: 1 << 30 }
+    }
+}
+
+/// A GUEST blob: runs of guest-physical memory, each inside one region.
+struct Blob {
+    entries: Vec<(u64, u64)>,
+    size: u64,
+}
+
+type Resources = Arc<RwLock<HashMap<u32, Blob>>>;
+
+/// The blobs one context may copy through: those attached to it.
+struct CtxBlobs {
+    mem: GuestMemoryMmap,
+    resources: Resources,
+    attached: RwLock<HashSet<u32>>,
+}
+
+impl BlobAccess for CtxBlobs {
+    fn pieces(&self, res: u32, off: u64, len: u64) -> Result<Vec<(*mut u8, usize)>, String> {
+        if !self.attached.read().unwrap_or_else(|e| e.into_inner()).contains(&res) {
+            return Err(format!("blob {res} is not attached to this context"));
+        }
+        let table = self.resources.read().unwrap_or_else(|e| e.into_inner());
+        let blob = table.get(&res).ok_or_else(|| format!("no blob {res}"))?;
+        let end = off.checked_add(len).filter(|e| *e <= blob.size).ok_or_else(|| format!("range {off}+{len} exceeds blob {res} of {} bytes", blob.size))?;
+        let mut out = Vec::new();
+        let mut pos = 0u64;
+        for &(gpa, n) in &blob.entries {
+            let (a, b) = (pos.max(off), (pos + n).min(end));
+            if a < b {
+                let at = GuestAddress(gpa + (a - pos));
+                let slice = self.mem.get_slice(at, (b - a) as usize).map_err(|e| format!("blob {res}: {e}"))?;
+                out.push((slice.ptr_guard_mut().as_ptr(), (b - a) as usize));
+            }
+            pos += n;
+            if pos >= end {
+                break;
+            }
+        }
+        Ok(out)
+    }
+}
+
+struct GpuCtx {
+    conn: Conn,
+    blobs: Arc<CtxBlobs>,
+    /// Last fence signalled on each ring of this context.
+    fences: HashMap<u8, u64>,
+}
+
+/// A rejected command: the response type and why (logged).
+struct Refusal(u32, String);
+
+type Res<T> = Result<T, Refusal>;
+
+fn refuse<T>(ty: u32, why: impl Into<String>) -> Res<T> {
+    Err(Refusal(ty, why.into()))
+}
+
+pub struct GpuDevice {
+    cfg: GpuConfig,
+    mem: GuestMemoryMmap,
+    svc: Arc<DeviceService>,
+    tenant: Arc<Tenant>,
+    resources: Resources,
+    ctxs: HashMap<u32, GpuCtx>,
+    /// Commands refused so far (for metrics and tests).
+    pub refused: u64,
+}
+
+impl GpuDevice {
+    pub fn new(cfg: GpuConfig, mem: GuestMemoryMmap, svc: Arc<DeviceService>, tenant: Arc<Tenant>) -> GpuDevice {
+        GpuDevice { cfg, mem, svc, tenant, resources: Arc::new(RwLock::new(HashMap::new())), ctxs: HashMap::new(), refused: 0 }
+    }
+
+    /// The device config space: events_read, events_clear, num_scanouts, num_capsets.
+    pub fn config_space(&self) -> [u8; 16] {
+        let mut c = [0u8; 16];
+        c[8..12].copy_from_slice(&self.cfg.num_scanouts.to_le_bytes());
+        c[12..16].copy_from_slice(&1u32.to_le_bytes());
+        c
+    }
+
+    /// Features the device offers (besides VERSION_1).
+    pub fn features() -> u64 {
+        F_VIRGL | F_RESOURCE_BLOB | F_CONTEXT_INIT
+    }
+
+    /// The capset payload: magic, protocol version, the tenant's limits.
+    fn capset(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        CapsetInfo { magic: virtio_gpu_compute::MAGIC, version: VERSION as u32, quota: self.tenant.quota, max_payload: MAX_PAYLOAD, reserved: 0 }.put(&mut v);
+        v
+    }
+
+    /// Handles one command; returns the response to write back. Every
+    /// command gets one: nothing is dropped.
+    pub fn process(&mut self, cmd: &[u8]) -> Vec<u8> {
+        let (hdr, c) = match decode_command(cmd) {
+            Ok(x) => x,
+            Err(e) => {
+                self.refused += 1;
+                tracing::warn!(tenant = %self.tenant.name, "bad virtio-gpu command: {e}");
+                // Echo what can be read of the header; the driver matches
+                // responses to its buffers, not to their contents.
+                let h = CtrlHdr::get(&mut virtio_gpu_compute::Reader::new(cmd)).unwrap_or(CtrlHdr { ty: 0, flags: 0, fence_id: 0, ctx_id: 0, ring_idx: 0, padding: [0; 3] });
+                let mut out = Vec::new();
+                h.response(ty::RESP_ERR_UNSPEC).put(&mut out);
+                return out;
+            }
+        };
+        match self.dispatch(&hdr, c) {
+            Ok(body) => body,
+            Err(Refusal(t, why)) => {
+                self.refused += 1;
+                tracing::warn!(tenant = %self.tenant.name, cmd = format_args!("{:#x}", hdr.ty), "virtio-gpu command refused: {why}");
+                let mut out = Vec::new();
+                hdr.response(t).put(&mut out);
+                out
+            }
+        }
+    }
+
+    fn ok(hdr: &CtrlHdr) -> Vec<u8> {
+        let mut out = Vec::new();
+        hdr.response(ty::RESP_OK_NODATA).put(&mut out);
+        out
+    }
+
+    fn dispatch(&mut self, hdr: &CtrlHdr, c: GpuCommand) -> Res<Vec<u8>> {
+        match c {
+            GpuCommand::GetDisplayInfo => {
+                let mut out = Vec::new();
+                hdr.response(ty::RESP_OK_DISPLAY_INFO).put(&mut out);
+                for i in 0..MAX_SCANOUTS {
+                    let on = (i as u32) < self.cfg.num_scanouts;
+                    let r = if on { Rect { x: 0, y: 0, width: 1024, height: 768 } } else { Rect { x: 0, y: 0, width: 0, height: 0 } };
+                    r.put(&mut out);
+                    (on as u32).put(&mut out);
+                    0u32.put(&mut out);
+                }
+                Ok(out)
+            }
+            GpuCommand::GetCapsetInfo(r) => {
+                if r.capset_index != 0 {
+                    return refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("capset index {} (the device has one)", r.capset_index));
+                }
+                let mut out = Vec::new();
+                hdr.response(ty::RESP_OK_CAPSET_INFO).put(&mut out);
+                CapsetInfoResp { capset_id: self.cfg.capset_id, capset_max_version: VERSION as u32, capset_max_size: CapsetInfo::SIZE as u32, padding: 0 }.put(&mut out);
+                Ok(out)
+            }
+            GpuCommand::GetCapset(r) => {
+                if r.capset_id != self.cfg.capset_id || r.capset_version > VERSION as u32 {
+                    return refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("capset {} version {}", r.capset_id, r.capset_version));
+                }
+                let mut out = Vec::new();
+                hdr.response(ty::RESP_OK_CAPSET).put(&mut out);
+                out.extend_from_slice(&self.capset());
+                Ok(out)
+            }
+            GpuCommand::CtxCreate(b) => {
+                let capset = b.context_init & CTX_CAPSET_ID_MASK;
+                if capset != self.cfg.capset_id {
+                    return refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("context type {capset} is not this device's compute capset {}", self.cfg.capset_id));
+                }
+                if hdr.ctx_id == 0 || self.ctxs.contains_key(&hdr.ctx_id) {
+                    return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("context id {} is in use or invalid", hdr.ctx_id));
+                }
+                let blobs = Arc::new(CtxBlobs { mem: self.mem.clone(), resources: self.resources.clone(), attached: RwLock::new(HashSet::new()) });
+                let conn = Conn { blobs: Some(blobs.clone()), ..Default::default() };
+                self.ctxs.insert(hdr.ctx_id, GpuCtx { conn, blobs, fences: HashMap::new() });
+                Ok(Self::ok(hdr))
+            }
+            GpuCommand::CtxDestroy => {
+                let Some(mut c) = self.ctxs.remove(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
+                // As a process exit: the context's device memory is freed
+                // (and zeroed before anyone gets it again).
+                self.svc.disconnect(&self.tenant, &mut c.conn);
+                Ok(Self::ok(hdr))
+            }
+            GpuCommand::CtxAttachResource(b) | GpuCommand::CtxDetachResource(b) => {
+                let attach = hdr.ty == ty::CTX_ATTACH_RESOURCE;
+                let Some(c) = self.ctxs.get(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
+                if !self.resources.read().unwrap_or_else(|e| e.into_inner()).contains_key(&b.resource_id) {
+                    return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id));
+                }
+                let mut a = c.blobs.attached.write().unwrap_or_else(|e| e.into_inner());
+                if attach {
+                    a.insert(b.resource_id);
+                } else {
+                    a.remove(&b.resource_id);
+                }
+                Ok(Self::ok(hdr))
+            }
+            GpuCommand::ResourceCreateBlob(b, entries) => {
+                self.create_blob(&b, &entries)?;
+                Ok(Self::ok(hdr))
+            }
+            GpuCommand::ResourceUnref(b) => {
+                if self.resources.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id).is_none() {
+                    return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id));
+                }
+                for c in self.ctxs.values() {
+                    c.blobs.attached.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id);
+                }
+                Ok(Self::ok(hdr))
+            }
+            GpuCommand::Submit3d(payload) => {
+                self.submit(hdr, &payload)?;
+                Ok(Self::ok(hdr))
+            }
+            GpuCommand::Display2d(_) | GpuCommand::Cursor(_) => Ok(Self::ok(hdr)),
+            GpuCommand::Unsupported(t) => refuse(ty::RESP_ERR_UNSPEC, format!("unsupported command type {t:#x}")),
+        }
+    }
+
+    fn create_blob(&mut self, b: &CreateBlobBody, entries: &[MemEntry]) -> Res<()> {
+        let bad = |why: String| refuse(ty::RESP_ERR_INVALID_PARAMETER, why);
+        if b.blob_mem != BLOB_MEM_GUEST {
+            return bad(format!("blob_mem {} (only GUEST blobs exist on this device)", b.blob_mem));
+        }
+        if b.blob_flags & !(BLOB_FLAG_USE_MAPPABLE | BLOB_FLAG_USE_SHAREABLE | BLOB_FLAG_USE_CROSS_DEVICE) != 0 {
+            return bad(format!("unknown blob flags {:#x}", b.blob_flags));
+        }
+        if b.resource_id == 0 || self.resources.read().unwrap_or_else(|e| e.into_inner()).contains_key(&b.resource_id) {
+            return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("resource id {} is in use or invalid", b.resource_id));
+        }
+        if b.size == 0 || b.size > self.cfg.max_blob_bytes {
+            return bad(format!("blob size {} (1..={})", b.size, self.cfg.max_blob_bytes));
+        }
+        if entries.is_empty() {
+            return bad("a GUEST blob needs at least one memory entry".into());
+        }
+        let mut total = 0u64;
+        let mut runs = Vec::with_capacity(entries.len());
+        for e in entries {
+            let len = e.length as u64;
+            // Each entry must lie inside one guest RAM region: nothing
+            // outside guest memory (MMIO holes, the VMM's own memory) can
+            // be named.
+            let inside = len > 0
+                && self.mem.find_region(GuestAddress(e.addr)).is_some_and(|r| {
+                    let start = r.start_addr().0;
+                    e.addr.checked_add(len).is_some_and(|end| end <= start + r.len())
+                });
+            if !inside {
+                return bad(format!("blob entry {:#x}+{len:#x} is not inside guest RAM", e.addr));
+            }
+            total += len;
+            runs.push((e.addr, len));
+        }
+        if total != b.size {
+            return bad(format!("blob entries cover {total} bytes, the blob is {}", b.size));
+        }
+        self.resources.write().unwrap_or_else(|e| e.into_inner()).insert(b.resource_id, Blob { entries: runs, size: b.size });
+        Ok(())
+    }
+
+    fn submit(&mut self, hdr: &CtrlHdr, payload: &[u8]) -> Res<()> {
+        if hdr.flags & FLAG_INFO_RING_IDX != 0 && hdr.ring_idx >= MAX_RINGS {
+            return refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("ring_idx {} (at most {})", hdr.ring_idx, MAX_RINGS - 1));
+        }
+        let Some(c) = self.ctxs.get_mut(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
+        let (sh, msg) = SubmitHeader::split(payload).or_else(|e| refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("submit header: {e}")))?;
+        let reply_pieces = c.blobs.pieces(sh.reply_blob, sh.reply_offset, sh.reply_capacity as u64).or_else(|e| refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("reply buffer: {e}")))?;
+        let (op, seq, reply) = match Request::decode(msg) {
+            Err(e) => {
+                let h = virtio_gpu_compute::MsgHeader::decode(msg).ok();
+                (h.map(|h| h.opcode()).unwrap_or(Opcode::Ping), h.map_or(0, |h| h.seq), Reply::error(e.cuda(), format!("bad compute message: {e}")))
+            }
+            Ok((h, Request::RegisterShm(_))) => (h.opcode(), h.seq, Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "VM contexts move data through blobs, not shared buffers")),
+            Ok((h, req)) => {
+                let (svc, tenant) = (self.svc.clone(), self.tenant.clone());
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(&tenant, &mut c.conn, req)));
+                (h.opcode(), h.seq, r.unwrap_or_else(|_| Reply::error(CuResult::CUDA_ERROR_UNKNOWN, "internal error")))
+            }
+        };
+        let mut bytes = reply.encode(op, seq);
+        if bytes.len() > sh.reply_capacity as usize {
+            bytes = Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, format!("reply of {} bytes exceeds the reply buffer's {}", bytes.len(), sh.reply_capacity)).encode(op, seq);
+            if bytes.len() > sh.reply_capacity as usize {
+                bytes = Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "").encode(op, seq);
+            }
+            if bytes.len() > sh.reply_capacity as usize {
+                return refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("reply buffer of {} bytes cannot hold a reply header", sh.reply_capacity));
+            }
+        }
+        let mut src = &bytes[..];
+        for (p, n) in reply_pieces {
+            let k = n.min(src.len());
+            // SAFETY: `p` is a run of guest RAM inside the reply blob, which
+            // pieces() checked against the blob and the guest's regions.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, k) };
+            src = &src[k..];
+            if src.is_empty() {
+                break;
+            }
+        }
+        if hdr.flags & FLAG_FENCE != 0 {
+            // The work ran to completion above, so its fence is signalled
+            // with this response.
+            let ring = if hdr.flags & FLAG_INFO_RING_IDX != 0 { hdr.ring_idx } else { 0 };
+            c.fences.insert(ring, hdr.fence_id);
+        }
+        Ok(())
+    }
+
+    /// The last fence signalled on (ctx, ring), if any.
+    pub fn last_fence(&self, ctx: u32, ring: u8) -> Option<u64> {
+        self.ctxs.get(&ctx).and_then(|c| c.fences.get(&ring).copied())
+    }
+
+    /// Contexts alive now.
+    pub fn contexts(&self) -> usize {
+        self.ctxs.len()
+    }
+}
+
+impl Drop for GpuDevice {
+    fn drop(&mut self) {
+        for (_, mut c) in self.ctxs.drain() {
+            self.svc.disconnect(&self.tenant, &mut c.conn);
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! The device model against mock guest memory and the real CPU device:
+//! the command sequence the Linux driver and the shim produce, vectorAdd
+//! through blobs, and every kind of hostile command the issue lists.
+
+use std::sync::Arc;
+
+use virtio_gpu_compute::capset::CapsetInfo;
+use virtio_gpu_compute::virtio_gpu::*;
+use virtio_gpu_compute::*;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use super::{GpuConfig, GpuDevice};
+use crate::backend::cpu::CpuBackend;
+use crate::sched::{Fifo, Scheduler};
+use crate::worker::service::{DeviceService, Tenant};
+
+const RAM: usize = 16 << 20;
+const CTX: u32 = 1;
+const DATA: u32 = 10;
+const REPLY: u32 = 11;
+const REPLY_GPA: u64 = 0x20_0000;
+
+fn service() -> Arc<DeviceService> {
+    let backend = Arc::new(CpuBackend::new(0, 64 << 20, 100_000_000).unwrap());
+    Arc::new(DeviceService::new(0, backend, Scheduler::new(2, Box::new(Fifo))))
+}
+
+fn device_on(svc: &Arc<DeviceService>, name: &str, quota: u64) -> (GpuDevice, GuestMemoryMmap, Arc<Tenant>) {
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM)]).unwrap();
+    let t = svc.add_tenant(name, quota, 1).unwrap();
+    (GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), t.clone()), mem, t)
+}
+
+fn hdr(ty: u32, ctx: u32, flags: u32, ring: u8) -> Vec<u8> {
+    let mut v = Vec::new();
+    CtrlHdr { ty, flags, fence_id: 99, ctx_id: ctx, ring_idx: ring, padding: [0; 3] }.put(&mut v);
+    v
+}
+
+fn resp_type(r: &[u8]) -> u32 {
+    u32::from_le_bytes(r[..4].try_into().unwrap())
+}
+
+fn ctx_create(dev: &mut GpuDevice, ctx: u32, capset: u32) -> u32 {
+    let mut m = hdr(ty::CTX_CREATE, ctx, 0, 0);
+    CtxCreateBody { nlen: 4, context_init: capset, debug_name: [b'x'; 64] }.put(&mut m);
+    resp_type(&dev.process(&m))
+}
+
+fn create_blob(dev: &mut GpuDevice, res: u32, entries: &[(u64, u32)]) -> u32 {
+    let mut m = hdr(ty::RESOURCE_CREATE_BLOB, CTX, 0, 0);
+    let size = entries.iter().map(|e| e.1 as u64).sum();
+    CreateBlobBody { resource_id: res, blob_mem: BLOB_MEM_GUEST, blob_flags: BLOB_FLAG_USE_MAPPABLE, nr_entries: entries.len() as u32, blob_id: 0, size }.put(&mut m);
+    for (addr, length) in entries {
+        MemEntry { addr: *addr, length: *length, padding: 0 }.put(&mut m);
+    }
+    resp_type(&dev.process(&m))
+}
+
+fn attach(dev: &mut GpuDevice, res: u32) -> u32 {
+    let mut m = hdr(ty::CTX_ATTACH_RESOURCE, CTX, 0, 0);
+    ResourceIdBody { resource_id: res, padding: 0 }.put(&mut m);
+    resp_type(&dev.process(&m))
+}
+
+/// Sets up context 1 with a 64 KiB data blob in two pieces and a reply blob.
+fn ready(dev: &mut GpuDevice) {
+    assert_eq!(ctx_create(dev, CTX, 24), ty::RESP_OK_NODATA);
+    assert_eq!(create_blob(dev, DATA, &[(0x10_0000, 0x8000), (0x30_0000, 0x8000)]), ty::RESP_OK_NODATA);
+    assert_eq!(create_blob(dev, REPLY, &[(REPLY_GPA, 0x1000)]), ty::RESP_OK_NODATA);
+    assert_eq!(attach(dev, DATA), ty::RESP_OK_NODATA);
+    assert_eq!(attach(dev, REPLY), ty::RESP_OK_NODATA);
+}
+
+fn submit_raw(dev: &mut GpuDevice, msg: &[u8], flags: u32, ring: u8) -> u32 {
+    let mut payload = Vec::new();
+    SubmitHeader { magic: SUBMIT_MAGIC, reply_blob: REPLY, reply_offset: 0, reply_capacity: 0x1000, reserved: 0 }.put(&mut payload);
+    payload.extend_from_slice(msg);
+    let mut m = hdr(ty::SUBMIT_3D, CTX, flags, ring);
+    SubmitBody { size: payload.len() as u32, padding: 0 }.put(&mut m);
+    m.extend_from_slice(&payload);
+    resp_type(&dev.process(&m))
+}
+
+/// Submits one compute request and reads its reply from the reply blob.
+fn call(dev: &mut GpuDevice, mem: &GuestMemoryMmap, req: Request) -> Reply {
+    let op = req.opcode();
+    assert_eq!(submit_raw(dev, &req.encode(5), FLAG_FENCE | FLAG_INFO_RING_IDX, 3), ty::RESP_OK_NODATA);
+    let mut h = [0u8; MsgHeader::SIZE];
+    mem.read_slice(&mut h, GuestAddress(REPLY_GPA)).unwrap();
+    let h = MsgHeader::decode(&h).unwrap();
+    assert_eq!((h.opcode, h.seq), (op as u16, 5));
+    let mut body = vec![0u8; h.payload_len as usize];
+    mem.read_slice(&mut body, GuestAddress(REPLY_GPA + MsgHeader::SIZE as u64)).unwrap();
+    Reply::decode_payload(op, h.status, &body).unwrap()
+}
+
+fn handle(r: Reply) -> u32 {
+    match r {
+        Reply::Handle(h) => h,
+        o => panic!("{o:?}"),
+    }
+}
+
+fn ptr(r: Reply) -> u64 {
+    match r {
+        Reply::Ptr(p) => p,
+        o => panic!("{o:?}"),
+    }
+}
+
+/// Blob byte offset to guest address (the data blob is in two pieces).
+fn data_gpa(off: u64) -> u64 {
+    if off < 0x8000 { 0x10_0000 + off } else { 0x30_0000 + off - 0x8000 }
+}
+
+fn write_f32s(mem: &GuestMemoryMmap, off: u64, v: &[f32]) {
+    for (i, x) in v.iter().enumerate() {
+        mem.write_obj(x.to_bits(), GuestAddress(data_gpa(off + 4 * i as u64))).unwrap();
+    }
+}
+
+fn read_f32s(mem: &GuestMemoryMmap, off: u64, n: usize) -> Vec<f32> {
+    (0..n).map(|i| f32::from_bits(mem.read_obj(GuestAddress(data_gpa(off + 4 * i as u64))).unwrap())).collect()
+}
+
+#[test]
+fn capset_probe_answers_by_index_and_id() {
+    let svc = service();
+    let (mut dev, _, _) = device_on(&svc, "vm", 32 << 20);
+    let mut m = hdr(ty::GET_CAPSET_INFO, 0, 0, 0);
+    CapsetInfoReq { capset_index: 0, padding: 0 }.put(&mut m);
+    let r = dev.process(&m);
+    assert_eq!(resp_type(&r), ty::RESP_OK_CAPSET_INFO);
+    let info = CapsetInfoResp::get(&mut Reader::new(&r[CtrlHdr::SIZE..])).unwrap();
+    assert_eq!((info.capset_id, info.capset_max_size), (24, CapsetInfo::SIZE as u32));
+
+    let mut m = hdr(ty::GET_CAPSET, 0, 0, 0);
+    GetCapsetReq { capset_id: 24, capset_version: 1 }.put(&mut m);
+    let r = dev.process(&m);
+    assert_eq!(resp_type(&r), ty::RESP_OK_CAPSET);
+    let c = CapsetInfo::decode(&r[CtrlHdr::SIZE..]).unwrap();
+    assert_eq!(c.quota, 32 << 20, "the capset carries the tenant's quota");
+
+    let mut m = hdr(ty::GET_CAPSET_INFO, 0, 0, 0);
+    CapsetInfoReq { capset_index: 1, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_ERR_INVALID_PARAMETER);
+    let mut m = hdr(ty::GET_CAPSET, 0, 0, 0);
+    GetCapsetReq { capset_id: 4, capset_version: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_ERR_INVALID_PARAMETER);
+    assert_eq!(&dev.config_space()[8..16], &[1, 0, 0, 0, 1, 0, 0, 0], "one scanout, one capset");
+    let r = dev.process(&hdr(ty::GET_DISPLAY_INFO, 0, 0, 0));
+    assert_eq!(resp_type(&r), ty::RESP_OK_DISPLAY_INFO);
+    assert_eq!(r.len(), CtrlHdr::SIZE + 16 * 24);
+}
+
+#[test]
+fn vector_add_runs_through_blobs_and_fences_signal() {
+    let svc = service();
+    let (mut dev, mem, t) = device_on(&svc, "vm", 32 << 20);
+    ready(&mut dev);
+    let n = 1000usize;
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let bytes = (n * 4) as u64;
+    let (a, b, c) = (0u64, 0x4000u64, 0x9000u64); // b straddles the blob's two pieces
+    let da = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: bytes })));
+    let db = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: bytes })));
+    let dc = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: bytes })));
+    let va: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let vb: Vec<f32> = (0..n).map(|i| 2.0 * i as f32 + 0.5).collect();
+    write_f32s(&mem, a, &va);
+    write_f32s(&mem, b, &vb);
+    for (dst, off) in [(da, a), (db, b)] {
+        let r = call(&mut dev, &mem, Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream: 0, dst, size: bytes, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: off }, vec![]));
+        assert_eq!(r, Reply::Empty);
+    }
+    let ptx = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../samples/kernels/vectorAdd.ptx")).unwrap();
+    let module = handle(call(&mut dev, &mem, Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: ptx.len() as u64 }, ptx)));
+    let name = "vectorAdd".to_string();
+    let func = match call(&mut dev, &mem, Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: name.len() as u32, reserved: 0 }, name)) {
+        Reply::Function(f, _) => f.func,
+        o => panic!("{o:?}"),
+    };
+    let mut params = Vec::new();
+    for p in [da, db, dc] {
+        params.extend_from_slice(&p.to_le_bytes());
+    }
+    params.extend_from_slice(&(n as i32).to_le_bytes());
+    let grid = (n as u32).div_ceil(256);
+    let l = LaunchReq { ctx, func, stream: 0, shared_bytes: 0, grid: [grid, 1, 1], block: [256, 1, 1], params_len: params.len() as u32, reserved: 0 };
+    assert_eq!(call(&mut dev, &mem, Request::LaunchKernel(l, params)), Reply::Empty);
+    let r = call(&mut dev, &mem, Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: dc, size: bytes, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: c }));
+    // The bytes went straight into the blob: the reply carries none.
+    assert!(matches!(&r, Reply::Data(d) if d.is_empty()), "{r:?}");
+    let got = read_f32s(&mem, c, n);
+    for i in 0..n {
+        assert_eq!(got[i], va[i] + vb[i], "element {i}");
+    }
+    assert_eq!(dev.last_fence(CTX, 3), Some(99), "the fence on (ctx 1, ring 3) is signalled");
+
+    // Destroying the virtio context frees the tenant's device memory.
+    assert!(svc.stats().tenants.iter().any(|s| s.name == "vm" && s.used > 0));
+    let m = hdr(ty::CTX_DESTROY, CTX, 0, 0);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    assert!(svc.stats().tenants.iter().any(|s| s.name == "vm" && s.used == 0));
+    drop(t);
+}
+
+#[test]
+fn over_quota_allocation_in_a_vm_context_is_out_of_memory() {
+    let svc = service();
+    let (mut dev, mem, _) = device_on(&svc, "small", 1 << 20);
+    ready(&mut dev);
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    match call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 2 << 20 })) {
+        Reply::Error(c, _) => assert_eq!(c, CuResult::CUDA_ERROR_OUT_OF_MEMORY),
+        o => panic!("{o:?}"),
+    }
+    match call(&mut dev, &mem, Request::MemGetInfo) {
+        Reply::MemInfo(i) => assert_eq!(i.total, 1 << 20),
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn blobs_outside_guest_ram_or_unattached_are_refused() {
+    let svc = service();
+    let (mut dev, mem, _) = device_on(&svc, "vm", 32 << 20);
+    ready(&mut dev);
+    let bad = ty::RESP_ERR_INVALID_PARAMETER;
+    assert_eq!(create_blob(&mut dev, 20, &[(RAM as u64, 0x1000)]), bad, "past the end of guest RAM");
+    assert_eq!(create_blob(&mut dev, 20, &[(RAM as u64 - 0x800, 0x1000)]), bad, "straddling the end of guest RAM");
+    assert_eq!(create_blob(&mut dev, 20, &[(u64::MAX - 0x10, 0x1000)]), bad, "address overflow");
+    assert_eq!(create_blob(&mut dev, 20, &[(0xfee0_0000, 0x1000)]), bad, "the LAPIC page");
+    assert_eq!(create_blob(&mut dev, 20, &[(0x1000, 0)]), bad, "an empty entry");
+    assert_eq!(create_blob(&mut dev, 20, &[]), bad, "no entries");
+    assert_eq!(create_blob(&mut dev, DATA, &[(0x1000, 0x1000)]), ty::RESP_ERR_INVALID_RESOURCE_ID, "id in use");
+
+    // A blob that exists but is not attached to the context cannot be used.
+    assert_eq!(create_blob(&mut dev, 21, &[(0x50_0000, 0x1000)]), ty::RESP_OK_NODATA);
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let d = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })));
+    match call(&mut dev, &mem, Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: d, size: 4096, loc: DataLoc::Blob as u32, blob: 21, shm_offset: 0 })) {
+        Reply::Error(c, m) => assert!(c == CuResult::CUDA_ERROR_INVALID_VALUE && m.contains("not attached"), "{m}"),
+        o => panic!("{o:?}"),
+    }
+    // A range past the blob's end is refused too.
+    match call(&mut dev, &mem, Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: d, size: 4096, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: 0x10000 - 100 })) {
+        Reply::Error(c, _) => assert_eq!(c, CuResult::CUDA_ERROR_INVALID_VALUE),
+        o => panic!("{o:?}"),
+    }
+    // After unref the blob is gone from every context.
+    let mut m = hdr(ty::RESOURCE_UNREF, CTX, 0, 0);
+    ResourceIdBody { resource_id: DATA, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    match call(&mut dev, &mem, Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: d, size: 16, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: 0 })) {
+        Reply::Error(..) => {}
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn hostile_commands_get_error_responses_and_the_device_keeps_serving() {
+    let svc = service();
+    let (mut dev, mem, _) = device_on(&svc, "evil", 8 << 20);
+    let (mut other, other_mem, _) = device_on(&svc, "good", 8 << 20);
+    ready(&mut dev);
+    ready(&mut other);
+
+    assert_eq!(resp_type(&dev.process(&hdr(0x0999, CTX, 0, 0))), ty::RESP_ERR_UNSPEC, "unknown type");
+    assert_eq!(resp_type(&dev.process(&hdr(ty::RESOURCE_CREATE_3D, CTX, 0, 0))), ty::RESP_ERR_UNSPEC, "3D resources do not exist here");
+    assert_eq!(resp_type(&dev.process(&hdr(ty::SUBMIT_3D, CTX, 0, 0)[..12])), ty::RESP_ERR_UNSPEC, "truncated header");
+    let mut m = hdr(ty::SUBMIT_3D, CTX, 0, 0);
+    SubmitBody { size: 4096, padding: 0 }.put(&mut m);
+    m.extend_from_slice(&[0; 64]);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_ERR_UNSPEC, "submit larger than its descriptor");
+    let mut m = hdr(ty::RESOURCE_CREATE_BLOB, CTX, 0, 0);
+    CreateBlobBody { resource_id: 30, blob_mem: BLOB_MEM_GUEST, blob_flags: 1, nr_entries: 1 << 30, blob_id: 0, size: 1 << 40 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_ERR_UNSPEC, "absurd entry count");
+    assert_eq!(create_blob(&mut dev, 31, &[(0x10_0000, u32::MAX)]), ty::RESP_ERR_INVALID_PARAMETER, "absurd length");
+    assert_eq!(ctx_create(&mut dev, 2, 4), ty::RESP_ERR_INVALID_PARAMETER, "foreign capset (venus)");
+    assert_eq!(ctx_create(&mut dev, 3, 0), ty::RESP_ERR_INVALID_PARAMETER, "a default (virgl) context");
+    assert_eq!(ctx_create(&mut dev, CTX, 24), ty::RESP_ERR_INVALID_CONTEXT_ID, "context id in use");
+    let ping = Request::Ping.encode(1);
+    assert_eq!(submit_raw(&mut dev, &ping, FLAG_FENCE | FLAG_INFO_RING_IDX, 64), ty::RESP_ERR_INVALID_PARAMETER, "ring_idx 64");
+    assert_eq!(submit_raw(&mut dev, &ping, FLAG_FENCE | FLAG_INFO_RING_IDX, 255), ty::RESP_ERR_INVALID_PARAMETER, "ring_idx 255");
+    let mut m = hdr(ty::SUBMIT_3D, 77, 0, 0);
+    SubmitBody { size: 0, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_ERR_INVALID_CONTEXT_ID, "submit to a context that does not exist");
+    assert_eq!(submit_raw(&mut dev, b"garbage that is no compute message", 0, 0), ty::RESP_OK_NODATA, "the command is fine; the message's error goes in the reply");
+    let mut h = [0u8; MsgHeader::SIZE];
+    mem.read_slice(&mut h, GuestAddress(REPLY_GPA)).unwrap();
+    assert_eq!(MsgHeader::decode(&h).unwrap().status, CuResult::CUDA_ERROR_INVALID_VALUE as u32);
+    assert!(dev.refused >= 10);
+
+    // The same device still serves this tenant, and the other tenant on
+    // the worker is unaffected.
+    assert_eq!(call(&mut dev, &mem, Request::Ping), Reply::Empty);
+    let ctx = handle(call(&mut other, &other_mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let d = ptr(call(&mut other, &other_mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })));
+    assert!(d != 0);
+}
+
+#[test]
+fn fresh_allocation_in_a_vm_never_shows_another_tenants_bytes() {
+    let svc = service();
+    let (mut a, mem_a, _) = device_on(&svc, "a", 8 << 20);
+    let (mut b, mem_b, _) = device_on(&svc, "b", 8 << 20);
+    ready(&mut a);
+    ready(&mut b);
+    let size = 0x8000u64;
+    let ca = handle(call(&mut a, &mem_a, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let pa = ptr(call(&mut a, &mem_a, Request::MemAlloc(MemAllocReq { ctx: ca, reserved: 0, size })));
+    for off in (0..size).step_by(4) {
+        mem_a.write_obj(0xdead_beefu32, GuestAddress(data_gpa(off))).unwrap();
+    }
+    let r = call(&mut a, &mem_a, Request::MemcpyHtoD(MemcpyHtoDReq { ctx: ca, stream: 0, dst: pa, size, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: 0 }, vec![]));
+    assert_eq!(r, Reply::Empty);
+    // A's context goes away (as its process would): its memory is freed.
+    assert_eq!(resp_type(&a.process(&hdr(ty::CTX_DESTROY, CTX, 0, 0))), ty::RESP_OK_NODATA);
+
+    let cb = handle(call(&mut b, &mem_b, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let pb = ptr(call(&mut b, &mem_b, Request::MemAlloc(MemAllocReq { ctx: cb, reserved: 0, size })));
+    assert_eq!(pb, pa, "B's allocation reuses A's range");
+    for off in (0..size).step_by(4) {
+        mem_b.write_obj(0x5555_5555u32, GuestAddress(data_gpa(off))).unwrap();
+    }
+    call(&mut b, &mem_b, Request::MemcpyDtoH(MemcpyDtoHReq { ctx: cb, stream: 0, src: pb, size, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: 0 }));
+    for off in (0..size).step_by(4) {
+        let v: u32 = mem_b.read_obj(GuestAddress(data_gpa(off))).unwrap();
+        assert_eq!(v, 0, "B read A's bytes at offset {off}");
+    }
+}
