@@ -64,6 +64,18 @@ pub struct TenantSpec {
     /// Device name (e.g. `cpu0`); placed automatically when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// `process` (a host process or container, through a tenant socket) or
+    /// `vm` (a VM's virtio-gpu device, through a vhost-user socket).
+    #[serde(default)]
+    pub kind: TenantKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenantKind {
+    #[default]
+    Process,
+    Vm,
 }
 
 fn weight_one() -> u32 {

@@ -7,7 +7,15 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum WorkerCmd {
-    AddTenant { name: String, quota: u64, weight: u32, socket: PathBuf },
+    AddTenant {
+        name: String,
+        quota: u64,
+        weight: u32,
+        socket: PathBuf,
+        /// Serve the socket as a VM's vhost-user virtio-gpu backend.
+        #[serde(default)]
+        vm: bool,
+    },
     RemoveTenant { name: String },
     Stats,
 }

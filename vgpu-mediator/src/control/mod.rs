@@ -219,11 +219,15 @@ impl Control {
                 .map(|(s, _)| s)
                 .ok_or_else(|| ControlError::InsufficientMemory(format!("no device has {} of unreserved memory", spec.memory)))?,
         };
-        let socket = self.run_dir.join("tenants").join(format!("{}.sock", spec.name));
+        let vm = spec.kind == crate::config::TenantKind::Vm;
+        let socket = match vm {
+            true => crate::gpu::vhost::socket_path(&self.run_dir.join("tenants"), &spec.name),
+            false => self.run_dir.join("tenants").join(format!("{}.sock", spec.name)),
+        };
         if socket.as_os_str().len() >= 108 {
             return Err(ControlError::BadRequest(format!("socket path {} is too long for a unix socket; use a shorter run dir or name", socket.display())));
         }
-        let rec = TenantRecord { name: spec.name.clone(), kind: "process", memory: spec.memory.0, weight: spec.weight, device: slot.spec.name.clone(), socket };
+        let rec = TenantRecord { name: spec.name.clone(), kind: if vm { "vm" } else { "process" }, memory: spec.memory.0, weight: spec.weight, device: slot.spec.name.clone(), socket };
         add_on_worker(slot, &rec)?;
         tenants.insert(rec.name.clone(), rec.clone());
         info!(tenant = %rec.name, device = %rec.device, quota = rec.memory, "tenant created");
@@ -248,7 +252,8 @@ impl Control {
 }
 
 fn add_on_worker(slot: &DeviceSlot, t: &TenantRecord) -> Result<(), ControlError> {
-    match slot.call(&WorkerCmd::AddTenant { name: t.name.clone(), quota: t.memory, weight: t.weight, socket: t.socket.clone() })? {
+    let vm = t.kind == "vm";
+    match slot.call(&WorkerCmd::AddTenant { name: t.name.clone(), quota: t.memory, weight: t.weight, socket: t.socket.clone(), vm })? {
         WorkerMsg::Ok => Ok(()),
         WorkerMsg::Err(e) => Err(ControlError::Worker(e)),
         other => Err(ControlError::Worker(format!("unexpected reply {other:?}"))),

@@ -46,7 +46,7 @@ type Resources = Arc<RwLock<HashMap<u32, Blob>>>;
 
 /// The blobs one context may copy through: those attached to it.
 struct CtxBlobs {
-    mem: GuestMemoryMmap,
+    mem: RwLock<GuestMemoryMmap>,
     resources: Resources,
     attached: RwLock<HashSet<u32>>,
 }
@@ -65,7 +65,8 @@ impl BlobAccess for CtxBlobs {
             let (a, b) = (pos.max(off), (pos + n).min(end));
             if a < b {
                 let at = GuestAddress(gpa + (a - pos));
-                let slice = self.mem.get_slice(at, (b - a) as usize).map_err(|e| format!("blob {res}: {e}"))?;
+                let mem = self.mem.read().unwrap_or_else(|e| e.into_inner());
+                let slice = mem.get_slice(at, (b - a) as usize).map_err(|e| format!("blob {res}: {e}"))?;
                 out.push((slice.ptr_guard_mut().as_ptr(), (b - a) as usize));
             }
             pos += n;
@@ -107,6 +108,20 @@ pub struct GpuDevice {
 impl GpuDevice {
     pub fn new(cfg: GpuConfig, mem: GuestMemoryMmap, svc: Arc<DeviceService>, tenant: Arc<Tenant>) -> GpuDevice {
         GpuDevice { cfg, mem, svc, tenant, resources: Arc::new(RwLock::new(HashMap::new())), ctxs: HashMap::new(), refused: 0 }
+    }
+
+    /// Guest memory changed (a new vhost-user memory table): blobs keep
+    /// their guest addresses and resolve them in the new mapping.
+    pub fn set_memory(&mut self, mem: GuestMemoryMmap) {
+        for c in self.ctxs.values() {
+            *c.blobs.mem.write().unwrap_or_else(|e| e.into_inner()) = mem.clone();
+        }
+        self.mem = mem;
+    }
+
+    /// The guest memory the device resolves blobs in.
+    pub fn memory(&self) -> GuestMemoryMmap {
+        self.mem.clone()
     }
 
     /// The device config space: events_read, events_clear, num_scanouts, num_capsets.
@@ -203,7 +218,7 @@ impl GpuDevice {
                 if hdr.ctx_id == 0 || self.ctxs.contains_key(&hdr.ctx_id) {
                     return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("context id {} is in use or invalid", hdr.ctx_id));
                 }
-                let blobs = Arc::new(CtxBlobs { mem: self.mem.clone(), resources: self.resources.clone(), attached: RwLock::new(HashSet::new()) });
+                let blobs = Arc::new(CtxBlobs { mem: RwLock::new(self.mem.clone()), resources: self.resources.clone(), attached: RwLock::new(HashSet::new()) });
                 let conn = Conn { blobs: Some(blobs.clone()), ..Default::default() };
                 self.ctxs.insert(hdr.ctx_id, GpuCtx { conn, blobs, fences: HashMap::new() });
                 Ok(Self::ok(hdr))

@@ -3,6 +3,7 @@
 //! transport that feeds it from the VM's virtqueues builds on it.
 
 pub mod device;
+pub mod vhost;
 
 pub use device::{GpuConfig, GpuDevice};
 

@@ -61,7 +61,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         let reply = match serde_json::from_str::<WorkerCmd>(&line) {
             Err(e) => WorkerMsg::Err(format!("bad command: {e}")),
             Ok(WorkerCmd::Stats) => WorkerMsg::Stats(svc.stats()),
-            Ok(WorkerCmd::AddTenant { name, quota, weight, socket }) => match add_tenant(&svc, &name, quota, weight, &socket) {
+            Ok(WorkerCmd::AddTenant { name, quota, weight, socket, vm }) => match if vm { add_vm_tenant(&svc, &name, quota, weight, &socket) } else { add_tenant(&svc, &name, quota, weight, &socket) } {
                 Ok(l) => {
                     listening.insert(name, l);
                     WorkerMsg::Ok
@@ -127,6 +127,31 @@ fn add_tenant(svc: &Arc<DeviceService>, name: &str, quota: u64, weight: u32, soc
         .map_err(|e| e.to_string())?;
     info!(tenant = name, quota, socket = %socket.display(), "tenant added");
     Ok(Listening { tenant, socket: socket.to_path_buf(), stop, streams })
+}
+
+/// A VM tenant: its vhost-user virtio-gpu backend serves `socket`.
+fn add_vm_tenant(svc: &Arc<DeviceService>, name: &str, quota: u64, weight: u32, socket: &Path) -> Result<Listening, String> {
+    let _ = std::fs::remove_file(socket);
+    let tenant = svc.add_tenant(name, quota, weight)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (svc2, t2, stop2, path) = (svc.clone(), tenant.clone(), stop.clone(), socket.to_path_buf());
+    std::thread::Builder::new()
+        .name(format!("vhost-{name}"))
+        .spawn(move || crate::gpu::vhost::serve(path, crate::gpu::GpuConfig::default(), svc2, t2, stop2))
+        .map_err(|e| e.to_string())?;
+    // Answer only once the socket exists, so a VMM started right after
+    // `tenant create` can connect.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !socket.exists() {
+        if std::time::Instant::now() > deadline {
+            stop.store(true, Ordering::Release);
+            svc.remove_tenant(name);
+            return Err(format!("the vhost-user socket {} did not appear", socket.display()));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    info!(tenant = name, quota, socket = %socket.display(), "VM tenant added (vhost-user)");
+    Ok(Listening { tenant, socket: socket.to_path_buf(), stop, streams: Arc::new(Mutex::new(HashMap::new())) })
 }
 
 fn stop_listening(l: &Listening) {

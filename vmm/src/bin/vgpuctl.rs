@@ -76,6 +76,9 @@ enum TenantCmd {
         /// Device to place it on (default: the one with most free memory).
         #[arg(long)]
         device: Option<String>,
+        /// A VM tenant: prints the vhost-user socket for `vgpu-vmm --vgpu socket=PATH`.
+        #[arg(long)]
+        vm: bool,
     },
     List,
     Show { name: String },
@@ -144,8 +147,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let json_out = cli.output == Output::Json;
     let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     match &cli.cmd {
-        Cmd::Tenant(TenantCmd::Create { name, memory, weight, device }) => {
-            let mut body = json!({ "name": name, "memory": memory, "weight": weight });
+        Cmd::Tenant(TenantCmd::Create { name, memory, weight, device, vm }) => {
+            let mut body = json!({ "name": name, "memory": memory, "weight": weight, "kind": if *vm { "vm" } else { "process" } });
             if let Some(d) = device {
                 body["device"] = json!(d);
             }
@@ -157,9 +160,9 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if json_out {
                 print_json(&v);
             } else {
-                let mut rows = vec![vec!["NAME".into(), "DEVICE".into(), "QUOTA".into(), "WEIGHT".into(), "SOCKET".into()]];
+                let mut rows = vec![vec!["NAME".into(), "KIND".into(), "DEVICE".into(), "QUOTA".into(), "WEIGHT".into(), "SOCKET".into()]];
                 for t in v.as_array().into_iter().flatten() {
-                    rows.push(vec![s(t, "name").into(), s(t, "device").into(), human(u(t, "memory")), u(t, "weight").to_string(), s(t, "socket").into()]);
+                    rows.push(vec![s(t, "name").into(), s(t, "kind").into(), s(t, "device").into(), human(u(t, "memory")), u(t, "weight").to_string(), s(t, "socket").into()]);
                 }
                 table(rows);
             }

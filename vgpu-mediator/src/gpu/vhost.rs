@@ -1,0 +1,200 @@
+//! The vhost-user backend of a VM tenant's virtio-gpu device, served by the
+//! device worker that hosts the tenant: the VMM shares guest memory
+//! (SET_MEM_TABLE) and the two virtqueues (control, cursor); commands are
+//! read from guest memory, run by [`GpuDevice`], and answered in place.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
+use virtio_queue::QueueOwnedT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+
+use super::{GpuConfig, GpuDevice};
+use crate::worker::service::{DeviceService, Tenant};
+
+const QUEUE_SIZE: usize = 256;
+const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
+/// Largest command the device reads from a chain: a full SUBMIT_3D or a
+/// blob with the most entries, plus headers.
+const MAX_COMMAND: usize = virtio_gpu_compute::virtio_gpu::MAX_SUBMIT as usize + 4096;
+
+pub struct GpuBackend {
+    cfg: GpuConfig,
+    svc: Arc<DeviceService>,
+    tenant: Arc<Tenant>,
+    mem: Option<GuestMemoryAtomic<GuestMemoryMmap>>,
+    device: Option<GpuDevice>,
+    event_idx: bool,
+    /// Commands answered, for tests and metrics.
+    pub commands: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VhostError {
+    #[error("vhost-user daemon for {tenant}: {err}")]
+    Daemon { tenant: String, err: String },
+}
+
+impl GpuBackend {
+    pub fn new(cfg: GpuConfig, svc: Arc<DeviceService>, tenant: Arc<Tenant>) -> GpuBackend {
+        GpuBackend { cfg, svc, tenant, mem: None, device: None, event_idx: false, commands: 0 }
+    }
+
+    /// Serves every available chain of one queue.
+    fn serve_queue(&mut self, vring: &VringRwLock) -> std::io::Result<()> {
+        let (Some(atomic), Some(dev)) = (self.mem.as_ref(), self.device.as_mut()) else { return Ok(()) };
+        let mem = atomic.memory();
+        loop {
+            let chains: Vec<_> = match vring.get_mut().get_queue_mut().iter(mem.clone()) {
+                Ok(it) => it.collect(),
+                Err(e) => {
+                    tracing::warn!(tenant = %self.tenant.name, "virtio-gpu queue unusable: {e}");
+                    return Ok(());
+                }
+            };
+            let done = chains.is_empty();
+            for chain in chains {
+                let head = chain.head_index();
+                let mut cmd = Vec::new();
+                let response = match chain.clone().reader(&mem) {
+                    Ok(mut r) if r.available_bytes() <= MAX_COMMAND => match std::io::Read::read_to_end(&mut r, &mut cmd) {
+                        Ok(_) => dev.process(&cmd),
+                        Err(_) => dev.process(&[]),
+                    },
+                    // Unreadable or oversized chains still get a response.
+                    _ => dev.process(&[]),
+                };
+                let written = match chain.writer(&mem) {
+                    Ok(mut w) => {
+                        let n = response.len().min(w.available_bytes());
+                        match std::io::Write::write_all(&mut w, &response[..n]) {
+                            Ok(()) => n as u32,
+                            Err(_) => 0,
+                        }
+                    }
+                    Err(_) => 0,
+                };
+                self.commands += 1;
+                if let Err(e) = vring.add_used(head, written) {
+                    tracing::warn!(tenant = %self.tenant.name, "virtio-gpu used ring: {e}");
+                }
+            }
+            // With EVENT_IDX, re-arming notifications reports buffers that
+            // arrived meanwhile; otherwise drain until the ring is empty.
+            if self.event_idx && vring.enable_notification().unwrap_or(false) {
+                continue;
+            }
+            if done {
+                break;
+            }
+        }
+        if vring.needs_notification().unwrap_or(true) {
+            vring.signal_used_queue()?;
+        }
+        Ok(())
+    }
+}
+
+impl VhostUserBackendMut for GpuBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        2
+    }
+
+    fn max_queue_size(&self) -> usize {
+        QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | GpuDevice::features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ
+    }
+
+    fn set_event_idx(&mut self, enabled: bool) {
+        self.event_idx = enabled;
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let space = match &self.device {
+            Some(d) => d.config_space(),
+            None => {
+                let mut c = [0u8; 16];
+                c[8..12].copy_from_slice(&self.cfg.num_scanouts.to_le_bytes());
+                c[12..16].copy_from_slice(&1u32.to_le_bytes());
+                c
+            }
+        };
+        let (o, n) = (offset as usize, size as usize);
+        match o.checked_add(n) {
+            Some(end) if end <= space.len() => space[o..end].to_vec(),
+            _ => Vec::new(),
+        }
+    }
+
+    fn update_memory(&mut self, atomic: GuestMemoryAtomic<GuestMemoryMmap>) -> std::io::Result<()> {
+        let snapshot: GuestMemoryMmap = (*atomic.memory()).clone();
+        match self.device.as_mut() {
+            Some(d) => d.set_memory(snapshot),
+            None => self.device = Some(GpuDevice::new(self.cfg.clone(), snapshot, self.svc.clone(), self.tenant.clone())),
+        }
+        self.mem = Some(atomic);
+        Ok(())
+    }
+
+    fn reset_device(&mut self) {
+        // A reset device forgets every context and resource (freeing the
+        // tenant's device memory), as the driver expects.
+        if let Some(d) = self.device.take() {
+            let mem = d.memory();
+            drop(d);
+            self.device = Some(GpuDevice::new(self.cfg.clone(), mem, self.svc.clone(), self.tenant.clone()));
+        }
+    }
+
+    fn handle_event(&mut self, device_event: u16, evset: EventSet, vrings: &[VringRwLock], _thread_id: usize) -> std::io::Result<()> {
+        if evset != EventSet::IN {
+            return Ok(());
+        }
+        match vrings.get(device_event as usize) {
+            Some(v) => {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve_queue(v)));
+                r.unwrap_or_else(|_| {
+                    tracing::error!(tenant = %self.tenant.name, "virtio-gpu queue handler panicked");
+                    Ok(())
+                })
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// Serves `socket` for one VM tenant until `stop` is set: one VMM
+/// connection at a time; when it ends the device state goes with it and a
+/// new connection (a restarted VMM) gets a fresh device.
+pub fn serve(socket: PathBuf, cfg: GpuConfig, svc: Arc<DeviceService>, tenant: Arc<Tenant>, stop: Arc<std::sync::atomic::AtomicBool>) {
+    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        let backend = Arc::new(RwLock::new(GpuBackend::new(cfg.clone(), svc.clone(), tenant.clone())));
+        let daemon = VhostUserDaemon::new(format!("vgpu-{}", tenant.name), backend, GuestMemoryAtomic::new(GuestMemoryMmap::new()));
+        let mut daemon = match daemon {
+            Ok(d) => d,
+            Err(e) => return tracing::error!("{}", VhostError::Daemon { tenant: tenant.name.clone(), err: e.to_string() }),
+        };
+        if let Err(e) = daemon.serve(&socket) {
+            tracing::warn!(tenant = %tenant.name, "vhost-user connection ended: {e}");
+        }
+    }
+}
+
+/// The vhost-user socket path of a VM tenant in `dir`.
+pub fn socket_path(dir: &Path, tenant: &str) -> PathBuf {
+    dir.join(format!("{tenant}.vhost.sock"))
+}
