@@ -139,6 +139,36 @@ pub struct VmConfig {
     /// Offer a virtio-rng device backed by the host's getrandom.
     #[serde(default = "yes")]
     pub rng: bool,
+    /// A virtio-gpu compute device served by the mediator over vhost-user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu: Option<VgpuConfig>,
+}
+
+/// `--vgpu socket=PATH[,headless]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VgpuConfig {
+    /// The VM tenant's vhost-user socket (`vgpuctl tenant create NAME --vm`).
+    pub socket: PathBuf,
+    /// Report no scanout (guests with Linux 6.4 or later accept that).
+    #[serde(default)]
+    pub headless: bool,
+}
+
+impl std::str::FromStr for VgpuConfig {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut socket = None;
+        let mut headless = false;
+        for part in s.split(',') {
+            match part.split_once('=') {
+                Some(("socket", p)) if !p.is_empty() => socket = Some(PathBuf::from(p)),
+                None if part == "headless" => headless = true,
+                _ => return Err(format!("invalid --vgpu part '{part}': use socket=PATH[,headless]")),
+            }
+        }
+        Ok(VgpuConfig { socket: socket.ok_or("--vgpu needs socket=PATH")?, headless })
+    }
 }
 
 fn yes() -> bool {
@@ -168,6 +198,7 @@ impl VmConfig {
             serial: SerialOut::Stdout,
             api_socket: None,
             rng: true,
+            vgpu: None,
         }
     }
 

@@ -392,6 +392,12 @@ impl Vm {
             pci.add(d.clone()).map_err(dev_err)?;
             devices.push(d);
         }
+        if let Some(v) = &cfg.vgpu {
+            let gpu = crate::devices::virtio::vhost_gpu::VhostGpu::connect(&v.socket, v.headless).map_err(|e| dev_err(e.to_string()))?;
+            let d = Arc::new(Mutex::new(VirtioPci::new(Box::new(gpu), ram.mem.clone(), routing.clone()).map_err(dev_err)?));
+            pci.add(d.clone()).map_err(dev_err)?;
+            devices.push(d);
+        }
         buses.pio.insert(CONFIG_ADDRESS_PORT, 8, Arc::new(Mutex::new(pci))).map_err(|e| dev_err(e.to_string()))?;
 
         // SAFETY: the handler does nothing; it only makes KVM_RUN return EINTR.

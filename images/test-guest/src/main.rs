@@ -9,7 +9,11 @@
 //!   then the rng test again to show the VMM still serves the guest;
 //! - `test=count`: print a rising counter until a key arrives on the
 //!   i8042 (the API's Ctrl-Alt-Del), then reset;
-//! - `test=triple`: load an empty IDT and fault: a triple fault.
+//! - `test=triple`: load an empty IDT and fault: a triple fault;
+//! - `test=vgpu`: find the virtio-gpu device, probe the capset, create a
+//!   compute context and GUEST blobs, and run vectorAdd through SUBMIT_3D;
+//! - `test=vgpu-hostile`: malformed virtio-gpu commands first, each of
+//!   which must get its error response, then the vectorAdd.
 //!
 //! Every run ends with a result line and an i8042 reset. There is no SSE
 //! anywhere (see .cargo/config.toml); work is kept to thousands of
@@ -128,6 +132,10 @@ fn wr32(a: u64, v: u32) {
     // SAFETY: as in rd8.
     unsafe { write_volatile(a as *mut u32, v) }
 }
+fn rd64(a: u64) -> u64 {
+    // SAFETY: as in rd8.
+    unsafe { read_volatile(a as *const u64) }
+}
 fn wr64(a: u64, v: u64) {
     // SAFETY: as in rd8.
     unsafe { write_volatile(a as *mut u64, v) }
@@ -214,8 +222,9 @@ const USED: u64 = 0x20_2000;
 const BUF: u64 = 0x20_3000;
 const QSIZE: u16 = 8;
 
-/// Brings the device up with one queue; returns its notify address.
-fn virtio_init(v: &VirtioPci) -> u64 {
+/// Brings the device up with the given low feature bits (plus VERSION_1)
+/// and one ring set per queue; returns each queue's notify address.
+fn virtio_init(v: &VirtioPci, features_lo: u32, rings: &[(u64, u64, u64)], notify: &mut [u64]) {
     let c = v.common;
     wr8(c + 0x14, 0); // reset
     if rd8(c + 0x14) != 0 {
@@ -226,32 +235,37 @@ fn virtio_init(v: &VirtioPci) -> u64 {
     if rd32(c + 0x04) & 1 == 0 {
         fail("device lacks VIRTIO_F_VERSION_1");
     }
+    wr32(c + 0x00, 0);
+    if rd32(c + 0x04) & features_lo != features_lo {
+        fail("device lacks a needed feature");
+    }
     wr32(c + 0x08, 0);
-    wr32(c + 0x0c, 0);
+    wr32(c + 0x0c, features_lo);
     wr32(c + 0x08, 1);
     wr32(c + 0x0c, 1); // VERSION_1
     wr8(c + 0x14, 1 | 2 | 8);
     if rd8(c + 0x14) & 8 == 0 {
         fail("FEATURES_OK not accepted");
     }
-    wr16(c + 0x16, 0); // queue 0
-    if rd16(c + 0x18) < QSIZE {
-        fail("queue too small");
+    for (q, &(desc, avail, used)) in rings.iter().enumerate() {
+        wr16(c + 0x16, q as u16);
+        if rd16(c + 0x18) < QSIZE {
+            fail("queue too small");
+        }
+        wr16(c + 0x18, QSIZE);
+        for a in (desc..desc + 0x3000).step_by(8) {
+            wr64(a, 0);
+        }
+        wr64(c + 0x20, desc);
+        wr64(c + 0x28, avail);
+        wr64(c + 0x30, used);
+        wr16(c + 0x1c, 1);
+        notify[q] = v.notify + rd16(c + 0x1e) as u64 * v.notify_mult as u64;
     }
-    wr16(c + 0x18, QSIZE);
-    for a in (DESC..BUF + 0x1000).step_by(8) {
-        wr64(a, 0);
-    }
-    wr64(c + 0x20, DESC);
-    wr64(c + 0x28, AVAIL);
-    wr64(c + 0x30, USED);
-    wr16(c + 0x1c, 1);
-    let notify_off = rd16(c + 0x1e) as u64;
     wr8(c + 0x14, 1 | 2 | 8 | 4); // DRIVER_OK
     if rd8(c + 0x14) & 0x40 != 0 {
         fail("device needs reset after DRIVER_OK");
     }
-    v.notify + notify_off * v.notify_mult as u64
 }
 
 /// Offers one device-writable buffer of `len` bytes and waits for it.
@@ -282,7 +296,12 @@ fn rng_test() {
     puts("virtio-rng at slot ");
     put_dec(slot as u64);
     puts("\n");
-    let notify = virtio_init(&v);
+    let mut notify = [0u64; 1];
+    virtio_init(&v, 0, &[(DESC, AVAIL, USED)], &mut notify);
+    let notify = notify[0];
+    for a in (BUF..BUF + 0x1000).step_by(8) {
+        wr64(a, 0);
+    }
     let a = virtio_request(notify, 0, 16);
     let b = virtio_request(notify, 1, 16);
     if a != 16 || b != 16 {
@@ -340,6 +359,319 @@ fn hostile_test() {
     rng_test();
 }
 
+
+// ---- virtio-gpu compute ------------------------------------------------
+// Guest memory for the GPU test (all inside a 16 MiB guest).
+const GQ0: (u64, u64, u64) = (0x21_0000, 0x21_1000, 0x21_2000);
+const GQ1: (u64, u64, u64) = (0x22_0000, 0x22_1000, 0x22_2000);
+const GREQ: u64 = 0x23_0000; // command being sent
+const GRESP: u64 = 0x24_0000; // virtio-gpu response
+const DATA_BLOB: u64 = 0x40_0000; // 64 KiB: vectors a, b, c
+const REPLY_BLOB: u64 = 0x50_0000; // 4 KiB: compute replies
+const MSG: u64 = 0x60_0000; // compute message under construction
+const RES_DATA: u32 = 1;
+const RES_REPLY: u32 = 2;
+const GPU_CTX: u32 = 1;
+const CAPSET: u32 = 24;
+const N: u32 = 1024;
+static VECTOR_ADD_PTX: &[u8] = include_bytes!("../../../samples/kernels/vectorAdd.ptx");
+
+struct Gpu {
+    notify: u64,
+    sent: u16,
+}
+
+/// A little-endian writer over guest memory.
+struct W(u64);
+impl W {
+    fn u8(&mut self, v: u8) -> &mut Self {
+        wr8(self.0, v);
+        self.0 += 1;
+        self
+    }
+    fn u16(&mut self, v: u16) -> &mut Self {
+        wr16(self.0, v);
+        self.0 += 2;
+        self
+    }
+    fn u32(&mut self, v: u32) -> &mut Self {
+        wr32(self.0, v);
+        self.0 += 4;
+        self
+    }
+    fn u64(&mut self, v: u64) -> &mut Self {
+        wr64(self.0, v);
+        self.0 += 8;
+        self
+    }
+    fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        for &x in b {
+            self.u8(x);
+        }
+        self
+    }
+}
+
+/// ctrl_hdr: type, flags, fence_id, ctx_id, ring_idx, padding.
+fn ctrl_hdr(w: &mut W, ty: u32, flags: u32, ctx: u32, ring: u8) {
+    w.u32(ty).u32(flags).u64(1).u32(ctx).u8(ring).u8(0).u16(0);
+}
+
+impl Gpu {
+    /// Sends the command at GREQ (len bytes) with a response buffer at
+    /// GRESP on the control queue; waits; returns the response type.
+    fn cmd(&mut self, len: u32) -> u32 {
+        let (desc, avail, used) = GQ0;
+        let slot = self.sent % QSIZE;
+        let d0 = desc + (slot as u64 * 2 % QSIZE as u64) * 16;
+        let i0 = (slot * 2) % QSIZE;
+        let i1 = (i0 + 1) % QSIZE;
+        let d1 = desc + i1 as u64 * 16;
+        wr32(GRESP, 0);
+        wr64(d0, GREQ);
+        wr32(d0 + 8, len);
+        wr16(d0 + 12, 1); // NEXT
+        wr16(d0 + 14, i1);
+        wr64(d1, GRESP);
+        wr32(d1 + 8, 4096);
+        wr16(d1 + 12, 2); // WRITE
+        wr16(d1 + 14, 0);
+        wr16(avail + 4 + slot as u64 * 2, i0);
+        // SAFETY: orders the ring entry before the index the device reads.
+        unsafe { asm!("mfence", options(nostack)) };
+        self.sent = self.sent.wrapping_add(1);
+        wr16(avail + 2, self.sent);
+        wr16(self.notify, 0);
+        let mut spins = 0u32;
+        while rd16(used + 2) != self.sent {
+            spins += 1;
+            if spins > 20_000_000 {
+                fail("virtio-gpu command timed out");
+            }
+            core::hint::spin_loop();
+        }
+        rd32(GRESP)
+    }
+
+    fn simple(&mut self, ty: u32, ctx: u32, a: u32, b: u32) -> u32 {
+        let mut w = W(GREQ);
+        ctrl_hdr(&mut w, ty, 0, ctx, 0);
+        w.u32(a).u32(b);
+        self.cmd(32)
+    }
+
+    fn ctx_create(&mut self, ctx: u32, capset: u32) -> u32 {
+        let mut w = W(GREQ);
+        ctrl_hdr(&mut w, 0x0200, 0, ctx, 0);
+        w.u32(4).u32(capset).bytes(b"test");
+        for _ in 0..60 {
+            w.u8(0);
+        }
+        self.cmd(24 + 72)
+    }
+
+    fn create_blob(&mut self, res: u32, addr: u64, len: u32, nr_entries: u32) -> u32 {
+        let mut w = W(GREQ);
+        ctrl_hdr(&mut w, 0x010c, 0, GPU_CTX, 0);
+        w.u32(res).u32(1).u32(1).u32(nr_entries).u64(0).u64(len as u64);
+        w.u64(addr).u32(len).u32(0);
+        self.cmd(24 + 32 + 16)
+    }
+
+    /// SUBMIT_3D of the compute message at MSG (len bytes): reply in the
+    /// reply blob. Returns (virtio response type, CUresult of the reply).
+    fn submit(&mut self, len: u32, flags: u32, ring: u8) -> (u32, u32) {
+        let mut w = W(GREQ);
+        ctrl_hdr(&mut w, 0x0207, flags, GPU_CTX, ring);
+        w.u32(24 + len).u32(0);
+        w.bytes(b"VGPS").u32(RES_REPLY).u64(0).u32(4096).u32(0);
+        for i in 0..len as u64 {
+            w.u8(rd8(MSG + i));
+        }
+        wr32(REPLY_BLOB + 12, 0xffff_ffff);
+        let t = self.cmd(24 + 8 + 24 + len);
+        (t, rd32(REPLY_BLOB + 12))
+    }
+
+    /// Runs one compute call whose body the caller wrote after the header
+    /// at MSG + 24; returns the reply status (0 = CUDA_SUCCESS).
+    fn call(&mut self, opcode: u16, body_len: u32) -> u32 {
+        let mut w = W(MSG);
+        w.bytes(b"VGPC").u16(1).u16(opcode).u32(7).u32(0).u32(body_len).u32(0);
+        let (t, status) = self.submit(24 + body_len, 3, 0); // FENCE | INFO_RING_IDX, ring 0
+        if t != 0x1100 {
+            fail("SUBMIT_3D was refused");
+        }
+        status
+    }
+}
+
+/// The bits of the f32 nearest `v` (exact below 2^24), with integers only.
+fn f32_bits(v: u32) -> u32 {
+    if v == 0 {
+        return 0;
+    }
+    let e = 31 - v.leading_zeros();
+    let mant = if e <= 23 { (v << (23 - e)) & 0x7f_ffff } else { (v >> (e - 23)) & 0x7f_ffff };
+    ((127 + e) << 23) | mant
+}
+
+fn gpu_init() -> Gpu {
+    let Some((slot, v)) = find_virtio(16) else { fail("no virtio-gpu on PCI") };
+    puts("virtio-gpu at slot ");
+    put_dec(slot as u64);
+    puts("\n");
+    let mut notify = [0u64; 2];
+    // VIRGL | RESOURCE_BLOB | CONTEXT_INIT
+    virtio_init(&v, 1 | 8 | 16, &[GQ0, GQ1], &mut notify);
+    Gpu { notify: notify[0], sent: 0 }
+}
+
+fn vgpu_setup(g: &mut Gpu) {
+    // Capset probe: GET_CAPSET_INFO takes an index.
+    if g.simple(0x0108, 0, 0, 0) != 0x1102 || rd32(GRESP + 24) != CAPSET {
+        fail("capset info");
+    }
+    puts("capset id ");
+    put_dec(rd32(GRESP + 24) as u64);
+    puts("\n");
+    if g.simple(0x0109, 0, CAPSET, 1) != 0x1103 || rd32(GRESP + 24) != u32::from_le_bytes(*b"VGPC") {
+        fail("capset payload");
+    }
+    if g.ctx_create(GPU_CTX, CAPSET) != 0x1100 {
+        fail("CTX_CREATE");
+    }
+    if g.create_blob(RES_DATA, DATA_BLOB, 0x1_0000, 1) != 0x1100 || g.create_blob(RES_REPLY, REPLY_BLOB, 0x1000, 1) != 0x1100 {
+        fail("RESOURCE_CREATE_BLOB");
+    }
+    if g.simple(0x0202, GPU_CTX, RES_DATA, 0) != 0x1100 || g.simple(0x0202, GPU_CTX, RES_REPLY, 0) != 0x1100 {
+        fail("CTX_ATTACH_RESOURCE");
+    }
+}
+
+fn vector_add(g: &mut Gpu) {
+    let body = MSG + 24;
+    W(body).u32(0).u32(0);
+    if g.call(4, 8) != 0 {
+        fail("cuCtxCreate");
+    }
+    let ctx = rd32(REPLY_BLOB + 24);
+    let bytes = (N * 4) as u64;
+    let mut dptr = [0u64; 3];
+    for p in dptr.iter_mut() {
+        W(body).u32(ctx).u32(0).u64(bytes);
+        if g.call(7, 16) != 0 {
+            fail("cuMemAlloc");
+        }
+        *p = rd64(REPLY_BLOB + 24);
+    }
+    for i in 0..N as u64 {
+        wr32(DATA_BLOB + 4 * i, f32_bits(i as u32));
+        wr32(DATA_BLOB + bytes + 4 * i, f32_bits(2 * i as u32));
+        wr32(DATA_BLOB + 2 * bytes + 4 * i, 0xdead_beef);
+    }
+    for (k, p) in dptr.iter().take(2).enumerate() {
+        // HtoD from the data blob, in place: loc 2 = Blob.
+        W(body).u32(ctx).u32(0).u64(*p).u64(bytes).u32(2).u32(RES_DATA).u64(k as u64 * bytes);
+        if g.call(11, 40) != 0 {
+            fail("cuMemcpyHtoD");
+        }
+    }
+    W(body).u32(ctx).u32(0).u64(VECTOR_ADD_PTX.len() as u64).bytes(VECTOR_ADD_PTX);
+    if g.call(14, 16 + VECTOR_ADD_PTX.len() as u32) != 0 {
+        fail("cuModuleLoadData");
+    }
+    let module = rd32(REPLY_BLOB + 24);
+    W(body).u32(ctx).u32(module).u32(9).u32(0).bytes(b"vectorAdd");
+    if g.call(16, 16 + 9) != 0 {
+        fail("cuModuleGetFunction");
+    }
+    let func = rd32(REPLY_BLOB + 24);
+    let mut w = W(body);
+    w.u32(ctx).u32(func).u32(0).u32(0).u32(N / 256).u32(1).u32(1).u32(256).u32(1).u32(1).u32(28).u32(0);
+    w.u64(dptr[0]).u64(dptr[1]).u64(dptr[2]).u32(N);
+    if g.call(17, 48 + 28) != 0 {
+        fail("cuLaunchKernel");
+    }
+    W(body).u32(ctx).u32(0).u64(dptr[2]).u64(bytes).u32(2).u32(RES_DATA).u64(2 * bytes);
+    if g.call(12, 40) != 0 {
+        fail("cuMemcpyDtoH");
+    }
+    for i in 0..N as u64 {
+        if rd32(DATA_BLOB + 2 * bytes + 4 * i) != f32_bits(3 * i as u32) {
+            puts("element ");
+            put_dec(i);
+            puts(": ");
+            put_hex(rd32(DATA_BLOB + 2 * bytes + 4 * i) as u64, 8);
+            puts("\n");
+            fail("vectorAdd result");
+        }
+    }
+    puts("VGPU vectorAdd PASSED n=1024 c[1023]=");
+    put_hex(rd32(DATA_BLOB + 2 * bytes + 4 * 1023) as u64, 8);
+    puts("\n");
+}
+
+fn expect(t: u32, want: u32, what: &str) {
+    puts(what);
+    puts(": ");
+    put_hex(t as u64, 4);
+    puts("\n");
+    if t != want {
+        fail(what);
+    }
+}
+
+fn vgpu_hostile(g: &mut Gpu) {
+    let mut w = W(GREQ);
+    ctrl_hdr(&mut w, 0x0999, 0, GPU_CTX, 0);
+    expect(g.cmd(24), 0x1200, "unknown command type");
+    expect(g.cmd(10), 0x1200, "truncated header");
+    let mut w = W(GREQ);
+    ctrl_hdr(&mut w, 0x0207, 0, GPU_CTX, 0);
+    w.u32(4096).u32(0);
+    expect(g.cmd(24 + 8 + 16), 0x1200, "submit larger than its descriptor");
+    expect(g.create_blob(9, DATA_BLOB, 0x1000, 0x4000_0000), 0x1200, "absurd blob entry count");
+    expect(g.create_blob(9, 0xf000_0000, 0x1000, 1), 0x1205, "blob outside guest RAM");
+    expect(g.create_blob(9, DATA_BLOB, 0xffff_f000, 1), 0x1205, "absurd blob length");
+    expect(g.ctx_create(5, 4), 0x1205, "foreign capset in CTX_CREATE");
+    W(MSG).bytes(b"VGPC").u16(1).u16(1).u32(1).u32(0).u32(0).u32(0);
+    expect(g.submit(24, 3, 64).0, 0x1205, "ring_idx 64");
+}
+
+/// After a vectorAdd, watches the device status until the VMM reports
+/// DEVICE_NEEDS_RESET (its backend went away), printing ticks meanwhile.
+fn vgpu_watch() {
+    let Some((_, v)) = find_virtio(16) else { fail("no virtio-gpu on PCI") };
+    let mut g = gpu_init();
+    vgpu_setup(&mut g);
+    vector_add(&mut g);
+    let mut n = 0u64;
+    loop {
+        n += 1;
+        if n % 2000 == 0 {
+            puts("tick ");
+            put_dec(n / 2000);
+            puts("\n");
+        }
+        if rd8(v.common + 0x14) & 0x40 != 0 {
+            puts("DEVICE NEEDS RESET seen; the guest is still running\n");
+            puts("TEST PASSED vgpu-watch\n");
+            reset();
+        }
+    }
+}
+
+fn vgpu_test(hostile: bool) {
+    let mut g = gpu_init();
+    vgpu_setup(&mut g);
+    if hostile {
+        vgpu_hostile(&mut g);
+        puts("hostile commands answered\n");
+    }
+    vector_add(&mut g);
+}
+
 fn count_test() {
     let mut n = 0u64;
     loop {
@@ -379,6 +711,14 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
         triple_fault();
     } else if has(cmd, b"test=count") {
         count_test();
+    } else if has(cmd, b"test=vgpu-watch") {
+        vgpu_watch();
+    } else if has(cmd, b"test=vgpu-hostile") {
+        vgpu_test(true);
+        puts("TEST PASSED vgpu-hostile\n");
+    } else if has(cmd, b"test=vgpu") {
+        vgpu_test(false);
+        puts("TEST PASSED vgpu\n");
     } else if has(cmd, b"test=hostile") {
         hostile_test();
         puts("TEST PASSED hostile\n");
@@ -387,6 +727,31 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
         puts("TEST PASSED rng\n");
     }
     reset()
+}
+
+/// `memcmp`/`bcmp` for code LLVM generates (slice comparisons). Volatile
+/// reads keep LLVM from turning this loop back into a call to itself.
+///
+/// # Safety
+/// `a` and `b` must be readable for `n` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
+    for i in 0..n {
+        // SAFETY: the caller guarantees both ranges are readable.
+        let (x, y) = unsafe { (read_volatile(a.add(i)), read_volatile(b.add(i))) };
+        if x != y {
+            return x as i32 - y as i32;
+        }
+    }
+    0
+}
+
+/// # Safety
+/// As for [`memcmp`].
+#[no_mangle]
+pub unsafe extern "C" fn bcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
+    // SAFETY: same contract.
+    unsafe { memcmp(a, b, n) }
 }
 
 #[panic_handler]

@@ -151,7 +151,9 @@ impl GpuDevice {
             Ok(x) => x,
             Err(e) => {
                 self.refused += 1;
-                tracing::warn!(tenant = %self.tenant.name, "bad virtio-gpu command: {e}");
+                if self.log_refusal() {
+                    tracing::warn!(tenant = %self.tenant.name, refused = self.refused, "bad virtio-gpu command: {e}");
+                }
                 // Echo what can be read of the header; the driver matches
                 // responses to its buffers, not to their contents.
                 let h = CtrlHdr::get(&mut virtio_gpu_compute::Reader::new(cmd)).unwrap_or(CtrlHdr { ty: 0, flags: 0, fence_id: 0, ctx_id: 0, ring_idx: 0, padding: [0; 3] });
@@ -164,12 +166,19 @@ impl GpuDevice {
             Ok(body) => body,
             Err(Refusal(t, why)) => {
                 self.refused += 1;
-                tracing::warn!(tenant = %self.tenant.name, cmd = format_args!("{:#x}", hdr.ty), "virtio-gpu command refused: {why}");
+                if self.log_refusal() {
+                    tracing::warn!(tenant = %self.tenant.name, refused = self.refused, cmd = format_args!("{:#x}", hdr.ty), "virtio-gpu command refused: {why}");
+                }
                 let mut out = Vec::new();
                 hdr.response(t).put(&mut out);
                 out
             }
         }
+    }
+
+    /// The first refusals, then every 1024th: a guest cannot flood the log.
+    fn log_refusal(&self) -> bool {
+        self.refused <= 16 || self.refused % 1024 == 0
     }
 
     fn ok(hdr: &CtrlHdr) -> Vec<u8> {

@@ -11,6 +11,7 @@ use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, Vrin
 use virtio_queue::QueueOwnedT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 
 use super::{GpuConfig, GpuDevice};
 use crate::worker::service::{DeviceService, Tenant};
@@ -29,6 +30,8 @@ pub struct GpuBackend {
     mem: Option<GuestMemoryAtomic<GuestMemoryMmap>>,
     device: Option<GpuDevice>,
     event_idx: bool,
+    /// Stops the framework's queue thread when the connection ends.
+    exit: Option<(EventConsumer, EventNotifier)>,
     /// Commands answered, for tests and metrics.
     pub commands: u64,
 }
@@ -41,7 +44,8 @@ pub enum VhostError {
 
 impl GpuBackend {
     pub fn new(cfg: GpuConfig, svc: Arc<DeviceService>, tenant: Arc<Tenant>) -> GpuBackend {
-        GpuBackend { cfg, svc, tenant, mem: None, device: None, event_idx: false, commands: 0 }
+        let exit = new_event_consumer_and_notifier(EventFlag::NONBLOCK).map_err(|e| tracing::error!("vhost exit event: {e}")).ok();
+        GpuBackend { cfg, svc, tenant, mem: None, device: None, event_idx: false, exit, commands: 0 }
     }
 
     /// Serves every available chain of one queue.
@@ -158,6 +162,11 @@ impl VhostUserBackendMut for GpuBackend {
             drop(d);
             self.device = Some(GpuDevice::new(self.cfg.clone(), mem, self.svc.clone(), self.tenant.clone()));
         }
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        let (c, n) = self.exit.as_ref()?;
+        Some((c.try_clone().ok()?, n.try_clone().ok()?))
     }
 
     fn handle_event(&mut self, device_event: u16, evset: EventSet, vrings: &[VringRwLock], _thread_id: usize) -> std::io::Result<()> {

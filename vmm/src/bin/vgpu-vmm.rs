@@ -40,6 +40,10 @@ struct Cli {
     /// Do not offer the virtio-rng device.
     #[arg(long)]
     no_rng: bool,
+    /// A virtio-gpu compute device: socket=PATH[,headless], PATH being the
+    /// VM tenant's vhost-user socket from `vgpuctl tenant create NAME --vm`.
+    #[arg(long)]
+    vgpu: Option<vmm::config::VgpuConfig>,
 }
 
 fn build_config(cli: Cli) -> anyhow::Result<VmConfig> {
@@ -77,6 +81,9 @@ fn build_config(cli: Cli) -> anyhow::Result<VmConfig> {
     }
     if cli.no_rng {
         cfg.rng = false;
+    }
+    if cli.vgpu.is_some() {
+        cfg.vgpu = cli.vgpu;
     }
     Ok(cfg)
 }

@@ -2,6 +2,7 @@
 
 pub mod pci_transport;
 pub mod rng;
+pub mod vhost_gpu;
 
 use std::sync::Arc;
 
@@ -16,6 +17,9 @@ pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 /// How a device raises its used-buffer interrupt for a queue.
 pub trait Interrupt: Send + Sync {
     fn signal_queue(&self, queue: usize);
+    /// The device can no longer work (its backend is gone): the driver
+    /// sees DEVICE_NEEDS_RESET and a configuration-change interrupt.
+    fn device_broken(&self);
 }
 
 /// What a device model implements; the transport does the rest.
@@ -23,6 +27,8 @@ pub trait VirtioDevice: Send {
     /// Virtio device id (4 = entropy, 16 = GPU, ...).
     fn device_type(&self) -> u16;
     fn features(&self) -> u64;
+    /// The features the driver accepted, before activation.
+    fn ack_features(&mut self, _features: u64) {}
     fn queue_max_sizes(&self) -> Vec<u16>;
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         data.fill(0);

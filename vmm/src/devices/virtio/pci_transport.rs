@@ -2,7 +2,7 @@
 //! and device-config capabilities in BAR0, MSI-X vectors delivered through
 //! KVM irqfds and GSI routes, and queue notifications through ioeventfds.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, NoDatamatch};
@@ -50,6 +50,8 @@ struct Vectors {
     masked_all: AtomicBool,
     queue_vector: Mutex<Vec<u16>>,
     isr: AtomicU8,
+    config_vector: AtomicU16,
+    broken: AtomicBool,
 }
 
 impl Interrupt for Vectors {
@@ -61,6 +63,16 @@ impl Interrupt for Vectors {
         let v = self.queue_vector.lock().unwrap_or_else(|e| e.into_inner()).get(queue).copied().unwrap_or(NO_VECTOR);
         if let Some(fd) = self.fds.get(v as usize) {
             let _ = fd.write(1);
+        }
+    }
+
+    fn device_broken(&self) {
+        self.broken.store(true, Ordering::Release);
+        self.isr.fetch_or(2, Ordering::AcqRel);
+        if self.enabled.load(Ordering::Acquire) {
+            if let Some(fd) = self.fds.get(self.config_vector.load(Ordering::Acquire) as usize) {
+                let _ = fd.write(1);
+            }
         }
     }
 }
@@ -137,6 +149,8 @@ impl VirtioPci {
             masked_all: AtomicBool::new(false),
             queue_vector: Mutex::new(vec![NO_VECTOR; nq]),
             isr: AtomicU8::new(0),
+            config_vector: AtomicU16::new(NO_VECTOR),
+            broken: AtomicBool::new(false),
         });
         let queues = max_sizes.iter().map(|&m| QueueRegs { size: m, vector: NO_VECTOR, ..Default::default() }).collect();
         Ok(VirtioPci {
@@ -215,6 +229,10 @@ impl VirtioPci {
             queues.push(q);
         }
         *self.vectors.queue_vector.lock().unwrap_or_else(|e| e.into_inner()) = self.queues.iter().map(|q| q.vector).collect();
+        if self.vectors.broken.load(Ordering::Acquire) {
+            return self.needs_reset("its backend is gone");
+        }
+        self.dev.ack_features(self.driver_features);
         let irq: Arc<dyn Interrupt> = self.vectors.clone();
         match self.dev.activate(self.mem.clone(), queues, kicks, irq) {
             Ok(()) => self.active = true,
@@ -264,7 +282,10 @@ impl VirtioPci {
             },
             (0x10, 2) => self.msix_config as u64,
             (0x12, 2) => self.queues.len() as u64,
-            (0x14, 1) => self.status as u64,
+            (0x14, 1) => {
+                let broken = self.vectors.broken.load(Ordering::Acquire);
+                (self.status | if broken { STATUS_NEEDS_RESET } else { 0 }) as u64
+            }
             (0x15, 1) => self.generation as u64,
             (0x16, 2) => self.queue_select as u64,
             (0x18, 2) => q.map_or(0, |q| q.size as u64),
@@ -299,7 +320,10 @@ impl VirtioPci {
                 1 => self.driver_features = (self.driver_features & 0xffff_ffff) | (v << 32),
                 _ => {}
             },
-            (0x10, 2) => self.msix_config = if v < nvec { v as u16 } else { NO_VECTOR },
+            (0x10, 2) => {
+                self.msix_config = if v < nvec { v as u16 } else { NO_VECTOR };
+                self.vectors.config_vector.store(self.msix_config, Ordering::Release);
+            }
             (0x14, 1) => self.write_status(v as u8),
             (0x16, 2) => self.queue_select = v as u16,
             _ if running => {}

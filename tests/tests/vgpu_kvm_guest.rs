@@ -1,0 +1,107 @@
+//! KVM tier for the virtio-gpu compute device: the bare-metal test guest,
+//! under vgpu-vmm on this machine's /dev/kvm, finds the device on PCI,
+//! probes the capset, creates a compute context and GUEST blobs, and runs
+//! vectorAdd through SUBMIT_3D on the mediator's CPU device over
+//! vhost-user. Also: malformed commands from the guest, a host tenant on
+//! the same device meanwhile, and the backend dying under a running VM.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::json;
+use vgpu_tests::vmm_harness::*;
+use vgpu_tests::*;
+
+fn vm_tenant(m: &Mediator, name: &str, memory: &str) -> PathBuf {
+    let (code, v) = m.api("POST", "/tenants", Some(json!({ "name": name, "memory": memory, "kind": "vm" })));
+    assert_eq!(code, 201, "{v}");
+    assert_eq!(v["kind"], "vm");
+    PathBuf::from(v["socket"].as_str().expect("socket"))
+}
+
+fn vgpu_arg(sock: &std::path::Path) -> String {
+    format!("socket={}", sock.display())
+}
+
+#[test]
+fn guest_runs_vector_add_through_the_virtio_gpu_compute_context() {
+    if !kvm_available("guest_runs_vector_add_through_the_virtio_gpu_compute_context") {
+        return;
+    }
+    let m = Mediator::start(&[]);
+    let sock = vm_tenant(&m, "vm1", "64MiB");
+    let arg = vgpu_arg(&sock);
+    let g = Guest::start("vgpu", &["--vgpu", &arg]);
+    let (st, err, out) = g.wait_exit(Duration::from_secs(120));
+    assert_eq!(st.code(), Some(0), "{err}\n{out}");
+    assert!(out.contains("virtio-gpu at slot"), "{out}");
+    assert!(out.contains("capset id 24"), "{out}");
+    // 3 × 1023 = 3069.0f = 0x453fd000, checked bit-exactly by the guest.
+    assert!(out.contains("VGPU vectorAdd PASSED n=1024 c[1023]=453fd000"), "{out}");
+    assert_eq!(m.metric("vgpu_tenant_kernels_total", "tenant=\"vm1\",device=\"cpu0\""), Some(1.0));
+    // The VM is gone: its contexts and memory went with its connection.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while m.metric("vgpu_tenant_memory_used_bytes", "tenant=\"vm1\",device=\"cpu0\"") != Some(0.0) {
+        assert!(std::time::Instant::now() < deadline, "VM tenant memory not freed after the VM exited");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The same tenant serves the next VM.
+    let g = Guest::start("vgpu", &["--vgpu", &arg]);
+    let (st, err, out) = g.wait_exit(Duration::from_secs(120));
+    assert_eq!(st.code(), Some(0), "{err}\n{out}");
+    assert!(out.contains("TEST PASSED vgpu"), "{out}");
+}
+
+#[test]
+fn hostile_guest_commands_get_errors_while_a_host_tenant_runs_on_the_device() {
+    if !kvm_available("hostile_guest_commands_get_errors_while_a_host_tenant_runs_on_the_device") {
+        return;
+    }
+    let m = Mediator::start(&[]);
+    let sock = vm_tenant(&m, "evil", "32MiB");
+    let host = m.tenant("host", "64MiB");
+    let victim = std::thread::spawn(move || {
+        for _ in 0..2 {
+            assert!(run_ok(sample("reduction", &host)).contains("PASSED"));
+        }
+    });
+    let arg = vgpu_arg(&sock);
+    let g = Guest::start("vgpu-hostile", &["--vgpu", &arg]);
+    let (st, err, out) = g.wait_exit(Duration::from_secs(120));
+    assert_eq!(st.code(), Some(0), "{err}\n{out}");
+    for (what, code) in [
+        ("unknown command type", "1200"),
+        ("truncated header", "1200"),
+        ("submit larger than its descriptor", "1200"),
+        ("absurd blob entry count", "1200"),
+        ("blob outside guest RAM", "1205"),
+        ("absurd blob length", "1205"),
+        ("foreign capset in CTX_CREATE", "1205"),
+        ("ring_idx 64", "1205"),
+    ] {
+        assert!(out.contains(&format!("{what}: {code}")), "{what} should get {code}:\n{out}");
+    }
+    assert!(out.contains("VGPU vectorAdd PASSED"), "the device kept serving the guest:\n{out}");
+    victim.join().expect("the host tenant kept working");
+    assert_eq!(m.device("cpu0")["worker_restarts"], 0, "the worker must not have crashed");
+}
+
+#[test]
+fn backend_death_is_a_device_error_and_the_vm_keeps_running() {
+    if !kvm_available("backend_death_is_a_device_error_and_the_vm_keeps_running") {
+        return;
+    }
+    let m = Mediator::start(&[]);
+    let sock = vm_tenant(&m, "vm1", "64MiB");
+    let arg = vgpu_arg(&sock);
+    let mut g = Guest::start("vgpu-watch", &["--vgpu", &arg]);
+    g.wait_for("tick 2", Duration::from_secs(120));
+    let pid = m.device("cpu0")["worker_pid"].as_u64().expect("worker pid") as i32;
+    // SAFETY: sends SIGKILL to the mediator's device worker, a child of the
+    // mediator this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let (st, err, out) = g.wait_exit(Duration::from_secs(60));
+    assert!(err.contains("backend hung up"), "{err}");
+    assert!(out.contains("DEVICE NEEDS RESET seen; the guest is still running"), "{out}");
+    assert_eq!(st.code(), Some(0), "{err}");
+}
