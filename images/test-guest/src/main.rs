@@ -383,27 +383,19 @@ struct Gpu {
 
 /// A little-endian writer over guest memory.
 struct W(u64);
+
+macro_rules! writers {
+    ($($name:ident: $t:ty => $store:ident),*) => {$(
+        fn $name(&mut self, v: $t) -> &mut Self {
+            $store(self.0, v);
+            self.0 += core::mem::size_of::<$t>() as u64;
+            self
+        }
+    )*};
+}
+
 impl W {
-    fn u8(&mut self, v: u8) -> &mut Self {
-        wr8(self.0, v);
-        self.0 += 1;
-        self
-    }
-    fn u16(&mut self, v: u16) -> &mut Self {
-        wr16(self.0, v);
-        self.0 += 2;
-        self
-    }
-    fn u32(&mut self, v: u32) -> &mut Self {
-        wr32(self.0, v);
-        self.0 += 4;
-        self
-    }
-    fn u64(&mut self, v: u64) -> &mut Self {
-        wr64(self.0, v);
-        self.0 += 8;
-        self
-    }
+    writers!(u8: u8 => wr8, u16: u16 => wr16, u32: u32 => wr32, u64: u64 => wr64);
     fn bytes(&mut self, b: &[u8]) -> &mut Self {
         for &x in b {
             self.u8(x);
