@@ -36,10 +36,17 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects to the tenant socket named by `VGPU_SOCKET`.
+    /// The tenant socket named by `VGPU_SOCKET`; without it, a virtio-gpu
+    /// render node that offers the compute capset.
     pub fn from_env() -> CallResult<Client> {
-        let path = std::env::var("VGPU_SOCKET").map_err(|_| CallError::new(CuResult::CUDA_ERROR_NO_DEVICE, "VGPU_SOCKET is not set and no virtio-gpu compute device was found"))?;
-        Client::connect_unix(&path)
+        match std::env::var("VGPU_SOCKET") {
+            Ok(path) => Client::connect_unix(&path),
+            Err(_) => {
+                let size = std::env::var("VGPU_SHM_SIZE").ok().and_then(|s| s.parse().ok()).unwrap_or(DEFAULT_SHM);
+                let t = crate::drm::DrmTransport::open(size).map_err(|e| CallError::new(CuResult::CUDA_ERROR_NO_DEVICE, format!("VGPU_SOCKET is not set and no virtio-gpu compute device was usable: {e}")))?;
+                Ok(Client::with_transport(Box::new(t)))
+            }
+        }
     }
 
     pub fn connect_unix(path: &str) -> CallResult<Client> {
@@ -100,7 +107,8 @@ impl Client {
             let req = match self.t.shared() {
                 Some(shm) => {
                     shm[..part.len()].copy_from_slice(part);
-                    Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream, dst: at, size: part.len() as u64, loc: DataLoc::Shared as u32, blob: 0, shm_offset: 0 }, Vec::new())
+                    let (loc, blob) = self.t.shared_loc();
+                    Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream, dst: at, size: part.len() as u64, loc: loc as u32, blob, shm_offset: 0 }, Vec::new())
                 }
                 None => Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream, dst: at, size: part.len() as u64, loc: DataLoc::Inline as u32, blob: 0, shm_offset: 0 }, part.to_vec()),
             };
@@ -114,8 +122,8 @@ impl Client {
         for (i, part) in dst.chunks_mut(chunk.max(1)).enumerate() {
             let at = src + (i * chunk) as u64;
             let shared = self.t.shared().is_some();
-            let loc = if shared { DataLoc::Shared } else { DataLoc::Inline } as u32;
-            match self.call(Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream, src: at, size: part.len() as u64, loc, blob: 0, shm_offset: 0 }))? {
+            let (loc, blob) = if shared { self.t.shared_loc() } else { (DataLoc::Inline, 0) };
+            match self.call(Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream, src: at, size: part.len() as u64, loc: loc as u32, blob, shm_offset: 0 }))? {
                 // A copy through the shared buffer carries no reply data.
                 Reply::Data(d) if shared && d.is_empty() => {
                     let shm = self.t.shared().ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_UNKNOWN, "shared buffer vanished"))?;

@@ -1,6 +1,6 @@
 //! How the shim reaches its vGPU. The unix-socket transport serves host
 //! processes and containers (`VGPU_SOCKET`); the virtio-gpu DRM transport
-//! for guests implements the same trait in a later stage.
+//! (`drm.rs`) serves guests.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -25,6 +25,11 @@ pub trait Transport: Send {
     fn call(&mut self, req: &Request, seq: u32) -> Result<Reply, TransportError>;
     /// The shared bulk-data buffer, if this transport has one.
     fn shared(&mut self) -> Option<&mut [u8]>;
+    /// How copies name the shared buffer: the tenant's registered memfd,
+    /// or (in a guest) a blob resource.
+    fn shared_loc(&self) -> (DataLoc, u32) {
+        (DataLoc::Shared, 0)
+    }
 }
 
 pub struct UnixTransport {

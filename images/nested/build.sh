@@ -41,7 +41,12 @@ mods() {
         [ -z "${seen[$m]:-}" ] || continue
         seen[$m]=1
         f="$(find "$MODDIR" -name "$m.ko" -o -name "${m//_/-}.ko" | head -1)"
-        [ -n "$f" ] || { echo "nested: module $m not found in $KVER" >&2; exit 1; }
+        if [ -z "$f" ]; then
+            # Built into the kernel: nothing to load.
+            grep -qE "/(${m}|${m//_/-})\.ko\$" "$OUT/kernel/lib/modules/$KVER/modules.builtin" && continue
+            echo "nested: module $m not found in $KVER" >&2
+            exit 1
+        fi
         deps="$(strings -a "$f" | sed -n 's/^depends=//p' | head -1 | tr ',' ' ')"
         # shellcheck disable=SC2086
         mods $deps
@@ -72,11 +77,37 @@ pack() {
     (cd "$1" && find . -print0 | cpio --null -o -H newc --quiet) | gzip -1 > "$2"
 }
 
+# The C samples, built against our cuda.h and libcuda.so, for both levels.
+SAMPLES="$OUT/samples"
+mkdir -p "$SAMPLES"
+for p in vectorAdd matrixMul reduction tenant_probe; do
+    cc -O2 -Wall -I "$ROOT/guest-driver-shim/include" -DKERNEL_DIR='"/opt/vgpu/kernels"' \
+        -o "$SAMPLES/$p" "$ROOT/samples/$p.c" -L "$BIN" -lcuda -lm
+done
+cc -O2 -Wall -o "$SAMPLES/drm_probe" "$ROOT/samples/drm_probe.c"
+
+# The shim and the samples, as a guest (or L1 host process) installs them.
+install_vgpu_userspace() {
+    local d="$1"
+    mkdir -p "$d/opt/vgpu/lib" "$d/opt/vgpu/kernels"
+    install -m 0755 "$BIN/libcuda.so" "$d/opt/vgpu/lib/libcuda.so.1"
+    for lib in $(ldd "$BIN/libcuda.so" | grep -oE '/[^ ]+\.so[^ ]*'); do
+        install -D -m 0755 "$lib" "$d$lib"
+    done
+    cp "$ROOT"/samples/kernels/*.ptx "$d/opt/vgpu/kernels/"
+    for p in vectorAdd matrixMul reduction tenant_probe; do
+        LD_LIBRARY_PATH="$BIN" copy_prog "$SAMPLES/$p" "$d"
+    done
+    copy_prog "$BIN/vgpu-smi" "$d"
+    copy_prog "$SAMPLES/drm_probe" "$d"
+}
+
 # 2. L2: the guest our VMM boots.
 L2="$OUT/l2-root"
 base_tree "$L2"
+install_vgpu_userspace "$L2"
 i=0
-for f in $(mods virtio_pci virtio-rng); do
+for f in $(mods virtio_pci virtio-rng virtio-gpu); do
     i=$((i + 1))
     cp "$f" "$L2/modules/$(printf '%02d' $i)-$(basename "$f")"
 done
@@ -93,6 +124,8 @@ for f in $(mods kvm-amd); do
 done
 copy_prog "$BIN/vgpu-vmm" "$L1"
 copy_prog "$BIN/vgpuctl" "$L1"
+copy_prog "$BIN/vgpu-mediatord" "$L1"
+install_vgpu_userspace "$L1"
 mkdir -p "$L1/l2" "$L1/scenarios"
 cp "$VMLINUZ" "$L1/l2/vmlinuz"
 cp "$OUT/l2.cpio.gz" "$L1/l2/initrd"

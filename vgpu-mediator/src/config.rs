@@ -161,7 +161,7 @@ memory = 1048576
         .unwrap();
         c.validate().unwrap();
         assert_eq!(c.devices.memory.0, 1 << 30);
-        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, device: Some("cpu1".into()) });
+        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, device: Some("cpu1".into()), kind: TenantKind::Process });
         assert_eq!(c.tenants[1].weight, 1);
         let api: TenantSpec = serde_json::from_str(r#"{"name":"bob","memory":"1MiB"}"#).unwrap();
         assert_eq!(api, c.tenants[1]);

@@ -113,6 +113,8 @@ pub enum GpuCommand {
     ResourceCreateBlob(CreateBlobBody, Vec<MemEntry>),
     ResourceUnref(ResourceIdBody),
     Submit3d(Vec<u8>),
+    /// A 2D resource (the kernel's framebuffer console makes one).
+    Create2d(Create2dBody),
     /// Display commands of the compatibility scanout: accepted, no effect.
     Display2d(u32),
     /// Cursor-queue commands: accepted, no effect.
@@ -166,10 +168,10 @@ pub fn decode_command(bytes: &[u8]) -> Result<(CtrlHdr, GpuCommand), WireError> 
             }
             GpuCommand::Submit3d(r.take(b.size as usize)?.to_vec())
         }
-        ty::RESOURCE_CREATE_2D | ty::SET_SCANOUT | ty::RESOURCE_FLUSH | ty::TRANSFER_TO_HOST_2D | ty::RESOURCE_ATTACH_BACKING | ty::RESOURCE_DETACH_BACKING => {
+        ty::RESOURCE_CREATE_2D => GpuCommand::Create2d(Create2dBody::get(&mut r)?),
+        ty::SET_SCANOUT | ty::RESOURCE_FLUSH | ty::TRANSFER_TO_HOST_2D | ty::RESOURCE_ATTACH_BACKING | ty::RESOURCE_DETACH_BACKING => {
             // Bodies are checked for presence only: the stubs ignore them.
             let min = match h.ty {
-                ty::RESOURCE_CREATE_2D => Create2dBody::SIZE,
                 ty::SET_SCANOUT => Rect::SIZE + 8,
                 ty::RESOURCE_FLUSH => Rect::SIZE + 8,
                 ty::TRANSFER_TO_HOST_2D => Rect::SIZE + 16,

@@ -1,7 +1,8 @@
 //! vgpu-smi: shows this tenant's vGPU, its memory against the quota, and
 //! its kernels and device time, as the device reports them.
 //!
-//! Usage: vgpu-smi [-o json] [--socket PATH]   (default: $VGPU_SOCKET)
+//! Usage: vgpu-smi [-o json] [--socket PATH]   (default: $VGPU_SOCKET, else
+//! the virtio-gpu render node inside a VM)
 
 use cuda::client::Client;
 use virtio_gpu_compute::name_str;
@@ -26,7 +27,7 @@ fn main() {
             "-o" | "--output" => json = args.next().as_deref() == Some("json"),
             "--socket" => socket = args.next(),
             "-h" | "--help" => {
-                println!("usage: vgpu-smi [-o json] [--socket PATH]\nShows the vGPU of the tenant whose socket is given (default: $VGPU_SOCKET).");
+                println!("usage: vgpu-smi [-o json] [--socket PATH]\nShows the vGPU of the tenant whose socket is given (default: $VGPU_SOCKET; in a VM, the virtio-gpu device).");
                 return;
             }
             other => {
@@ -35,11 +36,11 @@ fn main() {
             }
         }
     }
-    let Some(socket) = socket else {
-        eprintln!("vgpu-smi: no vGPU: set VGPU_SOCKET or pass --socket PATH");
-        std::process::exit(1);
+    let client = match &socket {
+        Some(path) => Client::connect_unix(path),
+        None => Client::from_env(),
     };
-    let r = Client::connect_unix(&socket).and_then(|mut c| Ok((c.device_info()?, c.tenant_info()?)));
+    let r = client.and_then(|mut c| Ok((c.device_info()?, c.tenant_info()?)));
     let (d, t) = match r {
         Ok(v) => v,
         Err(e) => {

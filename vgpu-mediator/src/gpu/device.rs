@@ -79,6 +79,9 @@ impl BlobAccess for CtxBlobs {
 }
 
 struct GpuCtx {
+    /// False for a context without our capset (the kernel's implicit
+    /// context for display clients): it may hold resources, not compute.
+    compute: bool,
     conn: Conn,
     blobs: Arc<CtxBlobs>,
     /// Last fence signalled on each ring of this context.
@@ -100,6 +103,8 @@ pub struct GpuDevice {
     svc: Arc<DeviceService>,
     tenant: Arc<Tenant>,
     resources: Resources,
+    /// 2D resources of the compatibility scanout (the framebuffer console).
+    display: HashSet<u32>,
     ctxs: HashMap<u32, GpuCtx>,
     /// Commands refused so far (for metrics and tests).
     pub refused: u64,
@@ -107,7 +112,7 @@ pub struct GpuDevice {
 
 impl GpuDevice {
     pub fn new(cfg: GpuConfig, mem: GuestMemoryMmap, svc: Arc<DeviceService>, tenant: Arc<Tenant>) -> GpuDevice {
-        GpuDevice { cfg, mem, svc, tenant, resources: Arc::new(RwLock::new(HashMap::new())), ctxs: HashMap::new(), refused: 0 }
+        GpuDevice { cfg, mem, svc, tenant, resources: Arc::new(RwLock::new(HashMap::new())), display: HashSet::new(), ctxs: HashMap::new(), refused: 0 }
     }
 
     /// Guest memory changed (a new vhost-user memory table): blobs keep
@@ -221,7 +226,10 @@ impl GpuDevice {
             }
             GpuCommand::CtxCreate(b) => {
                 let capset = b.context_init & CTX_CAPSET_ID_MASK;
-                if capset != self.cfg.capset_id {
+                // 0 is the kernel's default context, which it creates by
+                // itself for display clients: allowed, without compute.
+                // Any other foreign context type is refused.
+                if capset != self.cfg.capset_id && capset != 0 {
                     return refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("context type {capset} is not this device's compute capset {}", self.cfg.capset_id));
                 }
                 if hdr.ctx_id == 0 || self.ctxs.contains_key(&hdr.ctx_id) {
@@ -229,7 +237,7 @@ impl GpuDevice {
                 }
                 let blobs = Arc::new(CtxBlobs { mem: RwLock::new(self.mem.clone()), resources: self.resources.clone(), attached: RwLock::new(HashSet::new()) });
                 let conn = Conn { blobs: Some(blobs.clone()), ..Default::default() };
-                self.ctxs.insert(hdr.ctx_id, GpuCtx { conn, blobs, fences: HashMap::new() });
+                self.ctxs.insert(hdr.ctx_id, GpuCtx { compute: capset != 0, conn, blobs, fences: HashMap::new() });
                 Ok(Self::ok(hdr))
             }
             GpuCommand::CtxDestroy => {
@@ -242,6 +250,10 @@ impl GpuDevice {
             GpuCommand::CtxAttachResource(b) | GpuCommand::CtxDetachResource(b) => {
                 let attach = hdr.ty == ty::CTX_ATTACH_RESOURCE;
                 let Some(c) = self.ctxs.get(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
+                if self.display.contains(&b.resource_id) {
+                    // Display resources carry no compute data: nothing to track.
+                    return Ok(Self::ok(hdr));
+                }
                 if !self.resources.read().unwrap_or_else(|e| e.into_inner()).contains_key(&b.resource_id) {
                     return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id));
                 }
@@ -258,6 +270,9 @@ impl GpuDevice {
                 Ok(Self::ok(hdr))
             }
             GpuCommand::ResourceUnref(b) => {
+                if self.display.remove(&b.resource_id) {
+                    return Ok(Self::ok(hdr));
+                }
                 if self.resources.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id).is_none() {
                     return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id));
                 }
@@ -268,6 +283,17 @@ impl GpuDevice {
             }
             GpuCommand::Submit3d(payload) => {
                 self.submit(hdr, &payload)?;
+                Ok(Self::ok(hdr))
+            }
+            GpuCommand::Create2d(b) => {
+                let taken = b.resource_id == 0 || self.display.contains(&b.resource_id) || self.resources.read().unwrap_or_else(|e| e.into_inner()).contains_key(&b.resource_id);
+                if taken {
+                    return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("resource id {} is in use or invalid", b.resource_id));
+                }
+                if self.display.len() >= 64 {
+                    return refuse(ty::RESP_ERR_OUT_OF_MEMORY, "too many display resources");
+                }
+                self.display.insert(b.resource_id);
                 Ok(Self::ok(hdr))
             }
             GpuCommand::Display2d(_) | GpuCommand::Cursor(_) => Ok(Self::ok(hdr)),
@@ -283,7 +309,7 @@ impl GpuDevice {
         if b.blob_flags & !(BLOB_FLAG_USE_MAPPABLE | BLOB_FLAG_USE_SHAREABLE | BLOB_FLAG_USE_CROSS_DEVICE) != 0 {
             return bad(format!("unknown blob flags {:#x}", b.blob_flags));
         }
-        if b.resource_id == 0 || self.resources.read().unwrap_or_else(|e| e.into_inner()).contains_key(&b.resource_id) {
+        if b.resource_id == 0 || self.display.contains(&b.resource_id) || self.resources.read().unwrap_or_else(|e| e.into_inner()).contains_key(&b.resource_id) {
             return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("resource id {} is in use or invalid", b.resource_id));
         }
         if b.size == 0 || b.size > self.cfg.max_blob_bytes {
@@ -322,6 +348,9 @@ impl GpuDevice {
             return refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("ring_idx {} (at most {})", hdr.ring_idx, MAX_RINGS - 1));
         }
         let Some(c) = self.ctxs.get_mut(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
+        if !c.compute {
+            return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("context {} was not created with the compute capset", hdr.ctx_id));
+        }
         let (sh, msg) = SubmitHeader::split(payload).or_else(|e| refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("submit header: {e}")))?;
         let reply_pieces = c.blobs.pieces(sh.reply_blob, sh.reply_offset, sh.reply_capacity as u64).or_else(|e| refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("reply buffer: {e}")))?;
         let (op, seq, reply) = match Request::decode(msg) {

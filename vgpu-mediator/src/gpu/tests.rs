@@ -279,7 +279,18 @@ fn hostile_commands_get_error_responses_and_the_device_keeps_serving() {
     assert_eq!(resp_type(&dev.process(&m)), ty::RESP_ERR_UNSPEC, "absurd entry count");
     assert_eq!(create_blob(&mut dev, 31, &[(0x10_0000, u32::MAX)]), ty::RESP_ERR_INVALID_PARAMETER, "absurd length");
     assert_eq!(ctx_create(&mut dev, 2, 4), ty::RESP_ERR_INVALID_PARAMETER, "foreign capset (venus)");
-    assert_eq!(ctx_create(&mut dev, 3, 0), ty::RESP_ERR_INVALID_PARAMETER, "a default (virgl) context");
+    // The kernel's own default context (capset 0, made for display
+    // clients) is accepted, can hold a 2D framebuffer, but runs no compute.
+    assert_eq!(ctx_create(&mut dev, 3, 0), ty::RESP_OK_NODATA, "the kernel's default context");
+    let mut m = hdr(ty::RESOURCE_CREATE_2D, 3, 0, 0);
+    Create2dBody { resource_id: 40, format: 1, width: 1024, height: 768 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    let mut m = hdr(ty::CTX_ATTACH_RESOURCE, 3, 0, 0);
+    ResourceIdBody { resource_id: 40, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    let mut m = hdr(ty::SUBMIT_3D, 3, 0, 0);
+    SubmitBody { size: 0, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_ERR_INVALID_CONTEXT_ID, "no compute on a default context");
     assert_eq!(ctx_create(&mut dev, CTX, 24), ty::RESP_ERR_INVALID_CONTEXT_ID, "context id in use");
     let ping = Request::Ping.encode(1);
     assert_eq!(submit_raw(&mut dev, &ping, FLAG_FENCE | FLAG_INFO_RING_IDX, 64), ty::RESP_ERR_INVALID_PARAMETER, "ring_idx 64");

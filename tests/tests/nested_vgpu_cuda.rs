@@ -1,0 +1,77 @@
+//! Nested tier for the virtio-gpu compute device: a stock Debian kernel
+//! under vgpu-vmm, with no module other than Debian's virtio-gpu, runs the
+//! repo's CUDA samples through libcuda.so.1 and /dev/dri on the mediator's
+//! CPU device, while a host-socket tenant runs on the same device. One run
+//! of the `cuda` scenario; each test checks one promise in its output.
+
+use std::sync::OnceLock;
+
+use vgpu_tests::nested;
+
+fn output(test: &str) -> Option<&'static str> {
+    static OUT: OnceLock<Option<String>> = OnceLock::new();
+    if !nested::qemu_available(test) {
+        return None;
+    }
+    OUT.get_or_init(|| Some(nested::run("cuda", 900))).as_deref()
+}
+
+fn lines<'a>(out: &'a str, prefix: &str) -> Vec<&'a str> {
+    out.lines().filter_map(|l| l.trim_end_matches('\r').strip_prefix(prefix)).collect()
+}
+
+#[test]
+fn guest_runs_the_cuda_samples_through_dev_dri() {
+    let Some(out) = output("guest_runs_the_cuda_samples_through_dev_dri") else { return };
+    assert!(out.contains("L2-CUDA-DONE"), "the guest did not finish:\n{out}");
+    let samples = lines(out, "L2-SAMPLE: ");
+    for s in ["vectorAdd: PASSED", "matrixMul: PASSED", "reduction: PASSED"] {
+        assert!(samples.iter().any(|l| l.starts_with(s)), "{s} missing in the guest:\n{}", samples.join("\n"));
+    }
+    let smi = lines(out, "L2-SMI: ").join("\n");
+    assert!(smi.contains("Tenant     vm1") && smi.contains("32.0 MiB quota"), "vgpu-smi in the guest:\n{smi}");
+    assert_eq!(nested::value(out, "VMM-EXIT"), Some("0"), "{out}");
+}
+
+#[test]
+fn host_tenant_shares_the_device_and_metrics_show_both() {
+    let Some(out) = output("host_tenant_shares_the_device_and_metrics_show_both") else { return };
+    let host = lines(out, "HOST-SAMPLE: ");
+    assert!(host.iter().any(|l| l.starts_with("vectorAdd: PASSED")) && host.iter().any(|l| l.starts_with("reduction: PASSED")), "{out}");
+    let metric = |tenant: &str| {
+        lines(out, "METRIC: ")
+            .iter()
+            .find_map(|l| l.strip_prefix(&format!("vgpu_tenant_kernels_total{{tenant=\"{tenant}\",device=\"cpu0\"}} ")).and_then(|v| v.trim().parse::<f64>().ok()))
+            .unwrap_or(0.0)
+    };
+    assert!(metric("vm1") >= 3.0, "VM tenant kernels:\n{out}");
+    assert!(metric("host1") >= 2.0, "host tenant kernels:\n{out}");
+}
+
+#[test]
+fn vm_tenant_quota_and_scrub_hold_in_the_guest() {
+    let Some(out) = output("vm_tenant_quota_and_scrub_hold_in_the_guest") else { return };
+    let quota = lines(out, "L2-QUOTA: ");
+    assert!(quota.contains(&"over_quota=CUDA_ERROR_OUT_OF_MEMORY"), "{quota:?}");
+    assert!(quota.contains(&"free_after=0 total=33554432"), "cuMemGetInfo reports the quota: {quota:?}");
+    // The host tenant filled 16 MiB with 0xA5 and freed it; the guest's
+    // fresh allocation of the same size reads back as zeros.
+    let filled = lines(out, "HOST-FILL: ");
+    let scrub = lines(out, "L2-SCRUB: ");
+    assert!(scrub.contains(&"clean=16777216"), "{scrub:?}");
+    assert_eq!(filled.first().copied(), scrub.first().copied(), "the guest's allocation reused the host tenant's range");
+}
+
+#[test]
+fn capset_probe_succeeds_and_a_foreign_context_type_is_refused() {
+    let Some(out) = output("capset_probe_succeeds_and_a_foreign_context_type_is_refused") else { return };
+    let dmesg = lines(out, "L2-DMESG: ").join("\n");
+    assert!(dmesg.contains("features: +context_init"), "{dmesg}");
+    assert!(dmesg.contains("number of cap sets: 1") && dmesg.contains("cap set 0: id 24"), "{dmesg}");
+    assert!(!dmesg.contains("timed out") && !dmesg.contains("ERROR"), "the probe must be clean:\n{dmesg}");
+    let probe = lines(out, "L2-PROBE: ");
+    assert!(probe.contains(&"capsets=0x1000000"), "{probe:?}");
+    assert!(probe.contains(&"context_init capset=24: ok"), "{probe:?}");
+    assert!(probe.contains(&"context_init capset=4: EINVAL"), "{probe:?}");
+    assert!(lines(out, "L2-FOREIGN: ").iter().any(|l| l.contains("CUDA_ERROR_NO_DEVICE")), "the shim refuses a foreign capset cleanly");
+}
