@@ -36,6 +36,12 @@ impl Default for GpuConfig {
     }
 }
 
+/// Most blob resources, blob entries in all, and contexts one device keeps:
+/// a guest cannot grow the worker's memory without bound.
+pub const MAX_RESOURCES: usize = 16384;
+pub const MAX_TOTAL_ENTRIES: usize = 1 << 20;
+pub const MAX_CONTEXTS: usize = 1024;
+
 /// A GUEST blob: runs of guest-physical memory, each inside one region.
 struct Blob {
     entries: Vec<(u64, u64)>,
@@ -235,6 +241,9 @@ impl GpuDevice {
                 if hdr.ctx_id == 0 || self.ctxs.contains_key(&hdr.ctx_id) {
                     return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("context id {} is in use or invalid", hdr.ctx_id));
                 }
+                if self.ctxs.len() >= MAX_CONTEXTS {
+                    return refuse(ty::RESP_ERR_OUT_OF_MEMORY, format!("at most {MAX_CONTEXTS} contexts"));
+                }
                 let blobs = Arc::new(CtxBlobs { mem: RwLock::new(self.mem.clone()), resources: self.resources.clone(), attached: RwLock::new(HashSet::new()) });
                 let conn = Conn { blobs: Some(blobs.clone()), ..Default::default() };
                 self.ctxs.insert(hdr.ctx_id, GpuCtx { compute: capset != 0, conn, blobs, fences: HashMap::new() });
@@ -317,6 +326,13 @@ impl GpuDevice {
         }
         if entries.is_empty() {
             return bad("a GUEST blob needs at least one memory entry".into());
+        }
+        {
+            let table = self.resources.read().unwrap_or_else(|e| e.into_inner());
+            let in_use: usize = table.values().map(|b| b.entries.len()).sum();
+            if table.len() >= MAX_RESOURCES || in_use + entries.len() > MAX_TOTAL_ENTRIES {
+                return refuse(ty::RESP_ERR_OUT_OF_MEMORY, format!("resource limits reached ({} blobs, {in_use} entries)", table.len()));
+            }
         }
         let mut total = 0u64;
         let mut runs = Vec::with_capacity(entries.len());

@@ -342,3 +342,23 @@ fn fresh_allocation_in_a_vm_never_shows_another_tenants_bytes() {
         assert_eq!(v, 0, "B read A's bytes at offset {off}");
     }
 }
+
+#[test]
+fn a_guest_cannot_grow_the_workers_tables_without_bound() {
+    let svc = service();
+    let (mut dev, _, _) = device_on(&svc, "greedy", 8 << 20);
+    assert_eq!(ctx_create(&mut dev, CTX, 24), ty::RESP_OK_NODATA);
+    for id in 1..=super::device::MAX_RESOURCES as u32 {
+        assert_eq!(create_blob(&mut dev, id, &[(0x1000, 0x1000)]), ty::RESP_OK_NODATA, "blob {id}");
+    }
+    assert_eq!(create_blob(&mut dev, 1 << 20, &[(0x1000, 0x1000)]), ty::RESP_ERR_OUT_OF_MEMORY);
+    for id in 2..=super::device::MAX_CONTEXTS as u32 {
+        assert_eq!(ctx_create(&mut dev, id, 24), ty::RESP_OK_NODATA, "context {id}");
+    }
+    assert_eq!(ctx_create(&mut dev, 5000, 24), ty::RESP_ERR_OUT_OF_MEMORY);
+    // Freeing makes room again.
+    let mut m = hdr(ty::RESOURCE_UNREF, CTX, 0, 0);
+    ResourceIdBody { resource_id: 7, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    assert_eq!(create_blob(&mut dev, 1 << 20, &[(0x1000, 0x1000)]), ty::RESP_OK_NODATA);
+}
