@@ -20,6 +20,12 @@ pub trait Interrupt: Send + Sync {
     /// The device can no longer work (its backend is gone): the driver
     /// sees DEVICE_NEEDS_RESET and a configuration-change interrupt.
     fn device_broken(&self);
+    /// The eventfd that raises `queue`'s interrupt directly through KVM
+    /// (its MSI-X vector's irqfd), when MSI-X is in use: a backend can
+    /// signal it without passing through the VMM.
+    fn queue_irqfd(&self, _queue: usize) -> Option<EventFd> {
+        None
+    }
 }
 
 /// What a device model implements; the transport does the rest.

@@ -66,6 +66,14 @@ impl Interrupt for Vectors {
         }
     }
 
+    fn queue_irqfd(&self, queue: usize) -> Option<EventFd> {
+        if !self.enabled.load(Ordering::Acquire) {
+            return None;
+        }
+        let v = self.queue_vector.lock().unwrap_or_else(|e| e.into_inner()).get(queue).copied().unwrap_or(NO_VECTOR);
+        self.fds.get(v as usize).and_then(|fd| fd.try_clone().ok())
+    }
+
     fn device_broken(&self) {
         self.broken.store(true, Ordering::Release);
         self.isr.fetch_or(2, Ordering::AcqRel);

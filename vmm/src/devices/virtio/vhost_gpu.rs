@@ -3,8 +3,10 @@
 //! device config; commands never pass through it.
 //!
 //! Guest notifications reach the backend directly (the transport's
-//! ioeventfds are the vring kick fds). Used-buffer calls come back on
-//! eventfds that a small thread turns into the guest's MSI-X interrupts.
+//! ioeventfds are the vring kick fds), and so do its interrupts: with
+//! MSI-X on, each queue's call fd is its vector's KVM irqfd. A small
+//! thread forwards calls only for queues without a vector, and watches the
+//! connection.
 //! If the backend goes away, the device reports NEEDS_RESET and raises its
 //! config interrupt; the VM keeps running.
 
@@ -168,15 +170,30 @@ impl VirtioDevice for VhostGpu {
         if queues.len() != QUEUES {
             return Err(format!("virtio-gpu needs its {QUEUES} queues enabled"));
         }
-        let calls = (0..QUEUES).map(|_| EventFd::new(libc::EFD_NONBLOCK).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
+        // With MSI-X on, the backend signals each queue's vector irqfd
+        // itself; otherwise its calls are forwarded by the thread below.
+        let direct: Vec<Option<EventFd>> = (0..QUEUES).map(|q| irq.queue_irqfd(q)).collect();
+        let mut calls = Vec::new();
+        let mut forwarded = Vec::new();
+        for (q, d) in direct.into_iter().enumerate() {
+            match d {
+                Some(fd) => calls.push(fd),
+                None => {
+                    let fd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| e.to_string())?;
+                    forwarded.push((q, fd.try_clone().map_err(|e| e.to_string())?));
+                    calls.push(fd);
+                }
+            }
+        }
         self.setup(&mem, &queues, &kicks, &calls).map_err(|e| format!("vGPU backend {}: {e}", self.path.display()))?;
+        tracing::debug!(direct = QUEUES - forwarded.len(), forwarded = forwarded.len(), "vGPU queue interrupts");
         let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| e.to_string())?;
         let stop2 = stop.try_clone().map_err(|e| e.to_string())?;
         let watch = self.watch.try_clone().map_err(|e| e.to_string())?;
         let path = self.path.clone();
         let h = std::thread::Builder::new()
             .name("vgpu-irq".into())
-            .spawn(move || forward(calls, stop2, watch, irq, path))
+            .spawn(move || forward(forwarded, stop2, watch, irq, path))
             .map_err(|e| e.to_string())?;
         self.stop = Some(stop);
         self.forwarder = Some(h);
@@ -208,9 +225,10 @@ impl Drop for VhostGpu {
     }
 }
 
-/// Turns the backend's used-buffer calls into guest interrupts until told
-/// to stop; reports the device broken if the backend hangs up.
-fn forward(calls: Vec<EventFd>, stop: EventFd, watch: UnixStream, irq: Arc<dyn Interrupt>, path: PathBuf) {
+/// Turns the backend's used-buffer calls that do not go straight to KVM
+/// into guest interrupts until told to stop, and reports the device broken
+/// if the backend hangs up.
+fn forward(calls: Vec<(usize, EventFd)>, stop: EventFd, watch: UnixStream, irq: Arc<dyn Interrupt>, path: PathBuf) {
     let ep = match Epoll::new() {
         Ok(e) => e,
         Err(e) => return tracing::error!("vgpu interrupt forwarding: {e}"),
@@ -218,7 +236,7 @@ fn forward(calls: Vec<EventFd>, stop: EventFd, watch: UnixStream, irq: Arc<dyn I
     let stop_tok = calls.len() as u64;
     let hup_tok = stop_tok + 1;
     let mut ok = true;
-    for (i, c) in calls.iter().enumerate() {
+    for (i, (_, c)) in calls.iter().enumerate() {
         ok &= ep.ctl(ControlOperation::Add, c.as_raw_fd(), EpollEvent::new(EventSet::IN, i as u64)).is_ok();
     }
     ok &= ep.ctl(ControlOperation::Add, stop.as_raw_fd(), EpollEvent::new(EventSet::IN, stop_tok)).is_ok();
@@ -242,8 +260,9 @@ fn forward(calls: Vec<EventFd>, stop: EventFd, watch: UnixStream, irq: Arc<dyn I
                     return;
                 }
                 i => {
-                    let _ = calls[i as usize].read();
-                    irq.signal_queue(i as usize);
+                    let (q, fd) = &calls[i as usize];
+                    let _ = fd.read();
+                    irq.signal_queue(*q);
                 }
             }
         }
