@@ -2,12 +2,8 @@
 # libcuda.so.1 on the mediator's CPU device, while a host-socket tenant
 # runs on the same device. The host tenant first leaves a pattern in
 # device memory, which the guest's fresh allocation must not see.
-export LD_LIBRARY_PATH=/opt/vgpu/lib
-run=/tmp/vgpu
-mkdir -p $run
-vgpu-mediatord --run-dir $run --device-memory 256MiB 2>/tmp/mediator.err &
-i=0
-while [ ! -S $run/api.sock ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+. /scenarios/lib.sh
+start_mediator --device-memory 256MiB
 vm=$(vgpuctl --run-dir $run tenant create vm1 --memory 32MiB --vm)
 host=$(vgpuctl --run-dir $run tenant create host1 --memory 32MiB)
 VGPU_SOCKET=$host tenant_probe fill 16777216 2>&1 | sed 's/^/HOST-FILL: /'

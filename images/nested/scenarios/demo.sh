@@ -3,12 +3,8 @@
 # of vgpu-mediatord, all running CUDA samples at once. One vCPU per VM: two
 # 2-vCPU L2 guests on this 2-CPU emulated L1 have been seen to triple-fault
 # now and then (docs/vmm.md), which is still being investigated.
-export LD_LIBRARY_PATH=/opt/vgpu/lib
-run=/tmp/vgpu
-mkdir -p $run
-vgpu-mediatord --run-dir $run --device-memory 256MiB 2>/tmp/mediator.err &
-i=0
-while [ ! -S $run/api.sock ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+. /scenarios/lib.sh
+start_mediator --device-memory 256MiB
 echo "== vgpuctl: one CPU reference device; VM tenants vm-a (64MiB, weight 2), vm-b (32MiB) and a host tenant"
 vgpuctl --run-dir $run device list
 a=$(vgpuctl --run-dir $run tenant create vm-a --memory 64MiB --weight 2 --vm)

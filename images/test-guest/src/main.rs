@@ -631,6 +631,15 @@ fn vgpu_hostile(g: &mut Gpu) {
     expect(g.submit(24, 3, 64).0, 0x1205, "ring_idx 64");
 }
 
+/// Prints "tick K" every 2000 iterations of a busy loop.
+fn tick(n: u64) {
+    if n % 2000 == 0 {
+        puts("tick ");
+        put_dec(n / 2000);
+        puts("\n");
+    }
+}
+
 /// After a vectorAdd, watches the device status until the VMM reports
 /// DEVICE_NEEDS_RESET (its backend went away), printing ticks meanwhile.
 fn vgpu_watch() {
@@ -641,11 +650,7 @@ fn vgpu_watch() {
     let mut n = 0u64;
     loop {
         n += 1;
-        if n % 2000 == 0 {
-            puts("tick ");
-            put_dec(n / 2000);
-            puts("\n");
-        }
+        tick(n);
         if rd8(v.common + 0x14) & 0x40 != 0 {
             puts("DEVICE NEEDS RESET seen; the guest is still running\n");
             puts("TEST PASSED vgpu-watch\n");
@@ -668,11 +673,7 @@ fn count_test() {
     let mut n = 0u64;
     loop {
         n += 1;
-        if n % 2000 == 0 {
-            puts("tick ");
-            put_dec(n / 2000);
-            puts("\n");
-        }
+        tick(n);
         if inb(0x64) & 1 != 0 {
             let code = inb(0x60);
             puts("key ");
