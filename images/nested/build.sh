@@ -106,8 +106,10 @@ install_vgpu_userspace() {
 L2="$OUT/l2-root"
 base_tree "$L2"
 install_vgpu_userspace "$L2"
+# Resolved first: a failure inside $(...) in a for list would go unnoticed.
+l2_mods="$(mods virtio_pci virtio-rng virtio-gpu)"
 i=0
-for f in $(mods virtio_pci virtio-rng virtio-gpu); do
+for f in $l2_mods; do
     i=$((i + 1))
     cp "$f" "$L2/modules/$(printf '%02d' $i)-$(basename "$f")"
 done
@@ -117,8 +119,9 @@ pack "$L2" "$OUT/l2.cpio.gz"
 # 3. L1: the host our VMM runs in.
 L1="$OUT/l1-root"
 base_tree "$L1"
+l1_mods="$(mods kvm-amd)"
 i=0
-for f in $(mods kvm-amd); do
+for f in $l1_mods; do
     i=$((i + 1))
     cp "$f" "$L1/modules/$(printf '%02d' $i)-$(basename "$f")"
 done

@@ -186,6 +186,15 @@ pub fn decode_command(bytes: &[u8]) -> Result<(CtrlHdr, GpuCommand), WireError> 
     Ok((h, cmd))
 }
 
+/// The device config space: events_read, events_clear, num_scanouts,
+/// num_capsets (one: the compute capset).
+pub fn config_space(num_scanouts: u32) -> [u8; 16] {
+    let mut c = [0u8; 16];
+    c[8..12].copy_from_slice(&num_scanouts.to_le_bytes());
+    c[12..16].copy_from_slice(&1u32.to_le_bytes());
+    c
+}
+
 /// "VGPS": leads every compute message inside a SUBMIT_3D.
 pub const SUBMIT_MAGIC: u32 = u32::from_le_bytes(*b"VGPS");
 

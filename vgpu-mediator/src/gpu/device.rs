@@ -135,12 +135,9 @@ impl GpuDevice {
         self.mem.clone()
     }
 
-    /// The device config space: events_read, events_clear, num_scanouts, num_capsets.
+    /// The device config space.
     pub fn config_space(&self) -> [u8; 16] {
-        let mut c = [0u8; 16];
-        c[8..12].copy_from_slice(&self.cfg.num_scanouts.to_le_bytes());
-        c[12..16].copy_from_slice(&1u32.to_le_bytes());
-        c
+        config_space(self.cfg.num_scanouts)
     }
 
     /// Features the device offers (besides VERSION_1).

@@ -128,15 +128,7 @@ impl VhostUserBackendMut for GpuBackend {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        let space = match &self.device {
-            Some(d) => d.config_space(),
-            None => {
-                let mut c = [0u8; 16];
-                c[8..12].copy_from_slice(&self.cfg.num_scanouts.to_le_bytes());
-                c[12..16].copy_from_slice(&1u32.to_le_bytes());
-                c
-            }
-        };
+        let space = virtio_gpu_compute::virtio_gpu::config_space(self.cfg.num_scanouts);
         let (o, n) = (offset as usize, size as usize);
         match o.checked_add(n) {
             Some(end) if end <= space.len() => space[o..end].to_vec(),

@@ -19,6 +19,7 @@ use std::thread::JoinHandle;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use virtio_gpu_compute::virtio_gpu::{config_space, F_CONTEXT_INIT, F_RESOURCE_BLOB, F_VIRGL};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -29,9 +30,6 @@ use super::{Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
 const QUEUES: usize = 2;
 const QUEUE_SIZE: u16 = 256;
 const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
-const VIRTIO_GPU_F_VIRGL: u64 = 1 << 0;
-const VIRTIO_GPU_F_RESOURCE_BLOB: u64 = 1 << 3;
-const VIRTIO_GPU_F_CONTEXT_INIT: u64 = 1 << 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum VhostGpuError {
@@ -68,8 +66,8 @@ impl VhostGpu {
         let mut frontend = Frontend::from_stream(sock, QUEUES as u64);
         frontend.set_owner().map_err(|e| cerr(e.to_string()))?;
         let backend = frontend.get_features().map_err(|e| cerr(e.to_string()))?;
-        let want = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | VIRTIO_GPU_F_VIRGL | VIRTIO_GPU_F_RESOURCE_BLOB | VIRTIO_GPU_F_CONTEXT_INIT;
-        let needed = VIRTIO_F_VERSION_1 | VIRTIO_GPU_F_VIRGL | VIRTIO_GPU_F_RESOURCE_BLOB | VIRTIO_GPU_F_CONTEXT_INIT;
+        let needed = VIRTIO_F_VERSION_1 | F_VIRGL | F_RESOURCE_BLOB | F_CONTEXT_INIT;
+        let want = needed | VIRTIO_RING_F_EVENT_IDX;
         if backend & needed != needed {
             return Err(cerr(format!("backend features {backend:#x} lack the compute device's {needed:#x}")));
         }
@@ -156,11 +154,8 @@ impl VirtioDevice for VhostGpu {
         vec![QUEUE_SIZE; QUEUES]
     }
 
-    /// events_read, events_clear, num_scanouts, num_capsets.
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let mut c = [0u8; 16];
-        c[8..12].copy_from_slice(&self.num_scanouts.to_le_bytes());
-        c[12..16].copy_from_slice(&1u32.to_le_bytes());
+        let c = config_space(self.num_scanouts);
         for (i, d) in data.iter_mut().enumerate() {
             *d = c.get(offset as usize + i).copied().unwrap_or(0);
         }
@@ -201,12 +196,7 @@ impl VirtioDevice for VhostGpu {
     }
 
     fn reset(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.write(1);
-        }
-        if let Some(h) = self.forwarder.take() {
-            let _ = h.join();
-        }
+        self.stop_forwarder();
         // GET_VRING_BASE stops each ring on the backend.
         for i in 0..QUEUES {
             let _ = self.frontend.get_vring_base(i);
@@ -214,14 +204,20 @@ impl VirtioDevice for VhostGpu {
     }
 }
 
-impl Drop for VhostGpu {
-    fn drop(&mut self) {
+impl VhostGpu {
+    fn stop_forwarder(&mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.write(1);
         }
         if let Some(h) = self.forwarder.take() {
             let _ = h.join();
         }
+    }
+}
+
+impl Drop for VhostGpu {
+    fn drop(&mut self) {
+        self.stop_forwarder();
     }
 }
 
