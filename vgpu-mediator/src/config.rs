@@ -34,6 +34,35 @@ pub struct DevicesConfig {
     /// Execution lanes per device (0: one per host CPU).
     #[serde(default)]
     pub lanes: u32,
+    /// NVIDIA GPUs: `auto` serves every GPU and MIG instance NVML lists
+    /// (none on a machine without a driver), `off` none, `required` fails
+    /// start-up when there is none.
+    #[serde(default)]
+    pub cuda: CudaMode,
+    /// Device memory kept back from placement on each GPU or MIG instance,
+    /// for the per-tenant CUDA contexts and the worker's own.
+    #[serde(default = "default_cuda_reserve")]
+    pub cuda_reserve: Size,
+    /// A GPU kernel running longer than this is stopped by destroying its
+    /// tenant's context (milliseconds).
+    #[serde(default = "default_launch_timeout")]
+    pub cuda_launch_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum CudaMode {
+    #[default]
+    Auto,
+    Off,
+    Required,
+}
+
+fn default_cuda_reserve() -> Size {
+    Size(2 << 30)
+}
+fn default_launch_timeout() -> u64 {
+    30_000
 }
 
 fn one() -> u32 {
@@ -48,7 +77,15 @@ fn default_budget() -> u64 {
 
 impl Default for DevicesConfig {
     fn default() -> Self {
-        DevicesConfig { cpu: 1, memory: default_memory(), instruction_budget: default_budget(), lanes: 0 }
+        DevicesConfig {
+            cpu: 1,
+            memory: default_memory(),
+            instruction_budget: default_budget(),
+            lanes: 0,
+            cuda: CudaMode::Auto,
+            cuda_reserve: default_cuda_reserve(),
+            cuda_launch_timeout_ms: default_launch_timeout(),
+        }
     }
 }
 
@@ -101,8 +138,11 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.devices.cpu == 0 || self.devices.cpu > 64 {
-            return Err(ConfigError::Invalid(format!("devices.cpu must be 1..=64, not {}", self.devices.cpu)));
+        if self.devices.cpu > 64 || (self.devices.cpu == 0 && self.devices.cuda == CudaMode::Off) {
+            return Err(ConfigError::Invalid(format!("devices.cpu must be 1..=64 (0 only with GPUs), not {}", self.devices.cpu)));
+        }
+        if self.devices.cuda_launch_timeout_ms == 0 || self.devices.cuda_launch_timeout_ms > 3_600_000 {
+            return Err(ConfigError::Invalid(format!("devices.cuda_launch_timeout_ms must be 1..=3600000, not {}", self.devices.cuda_launch_timeout_ms)));
         }
         if self.devices.memory.0 < 1 << 20 || self.devices.memory.0 > 1 << 40 {
             return Err(ConfigError::Invalid(format!("devices.memory must be between 1MiB and 1TiB, not {}", self.devices.memory)));
@@ -176,5 +216,11 @@ memory = 1048576
         assert!(validate_name("a/b").is_err());
         assert!(validate_name("").is_err());
         assert!(validate_name("tenant-1").is_ok());
+        let c: Config = toml::from_str("[devices]\ncpu = 0\ncuda = \"off\"\n").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("0 only with GPUs"));
+        assert!(toml::from_str::<Config>("[devices]\ncuda = \"sometimes\"\n").is_err());
+        let c: Config = toml::from_str("[devices]\ncpu = 0\ncuda = \"required\"\ncuda_reserve = \"1GiB\"\n").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.devices.cuda_reserve.0, 1 << 30);
     }
 }

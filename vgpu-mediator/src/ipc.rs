@@ -35,6 +35,9 @@ pub struct DeviceStats {
     pub memory: u64,
     pub allocated: u64,
     pub bytes_scrubbed: u64,
+    /// A scrub failed verification: the device hands out no memory.
+    #[serde(default)]
+    pub quarantined: bool,
     pub busy_ns: u64,
     pub uptime_ns: u64,
     pub lanes: u32,

@@ -1,12 +1,14 @@
-//! `vgpu-mediatord`: serves vGPU tenants on CPU reference devices.
+//! `vgpu-mediatord`: serves vGPU tenants on NVIDIA GPUs, MIG instances and
+//! CPU reference devices.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use vgpu_mediator::config::{Config, DEFAULT_DEVICE_MEMORY};
-use vgpu_mediator::control::{api, Control, DeviceSpec};
+use vgpu_mediator::backend::discover;
+use vgpu_mediator::config::{Config, CudaMode, DEFAULT_DEVICE_MEMORY};
+use vgpu_mediator::control::{api, Control, CudaSpec, DeviceSpec};
 use vgpu_mediator::size::Size;
 use vgpu_mediator::worker;
 
@@ -25,6 +27,9 @@ struct Cli {
     /// Instructions one kernel launch may execute on a CPU device.
     #[arg(long)]
     instruction_budget: Option<u64>,
+    /// NVIDIA GPUs and MIG instances: auto, off or required.
+    #[arg(long, value_enum)]
+    cuda: Option<CudaMode>,
     /// TOML configuration file (same tenant schema as POST /tenants).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -45,6 +50,20 @@ enum Cmd {
         budget: u64,
         #[arg(long, default_value_t = 0)]
         lanes: u32,
+        #[arg(long, value_enum, default_value_t = worker::BackendKind::Cpu)]
+        backend: worker::BackendKind,
+        #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+        numa_node: i32,
+        #[arg(long, default_value_t = 30_000)]
+        launch_timeout_ms: u64,
+    },
+    /// Lists the GPUs and MIG instances NVML reports and the devices the
+    /// mediator would serve on them, as JSON.
+    Discover {
+        /// Write NVML's raw answers to this file instead, in the format the
+        /// discovery tests read (vgpu-mediator/tests/nvml/).
+        #[arg(long)]
+        record: Option<PathBuf>,
     },
 }
 
@@ -62,9 +81,13 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Some(Cmd::Worker { ordinal, memory, budget, lanes }) = cli.cmd {
-        let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-        return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes });
+    match cli.cmd {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms }) => {
+            let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms });
+        }
+        Some(Cmd::Discover { record }) => return discover_cmd(record),
+        None => {}
     }
     let mut cfg = match &cli.config {
         Some(p) => Config::load(p)?,
@@ -80,6 +103,9 @@ fn run() -> anyhow::Result<()> {
     if let Some(b) = cli.instruction_budget {
         cfg.devices.instruction_budget = b;
     }
+    if let Some(c) = cli.cuda {
+        cfg.devices.cuda = c;
+    }
     cfg.validate()?;
     let run_dir = cli.run_dir.or(cfg.run_dir.clone()).context("--run-dir (or run_dir in the config file) is required")?;
     std::fs::create_dir_all(run_dir.join("tenants")).with_context(|| format!("creating {}", run_dir.display()))?;
@@ -94,9 +120,11 @@ fn run() -> anyhow::Result<()> {
         }
         std::fs::remove_file(&api_path)?;
     }
-    let devices = (0..cfg.devices.cpu)
-        .map(|i| DeviceSpec { name: format!("cpu{i}"), ordinal: i, memory: cfg.devices.memory.0, budget: cfg.devices.instruction_budget, lanes: cfg.devices.lanes })
+    let mut devices: Vec<DeviceSpec> = (0..cfg.devices.cpu)
+        .map(|i| DeviceSpec { name: format!("cpu{i}"), ordinal: i, memory: cfg.devices.memory.0, budget: cfg.devices.instruction_budget, lanes: cfg.devices.lanes, cuda: None })
         .collect();
+    devices.extend(gpu_devices(&cfg)?);
+    anyhow::ensure!(!devices.is_empty(), "no devices to serve: no GPU was found and devices.cpu is 0");
     let exe = std::env::current_exe().context("locating own executable")?;
     let control = Control::new(&run_dir, exe, devices);
     control.start().map_err(anyhow::Error::msg)?;
@@ -108,6 +136,73 @@ fn run() -> anyhow::Result<()> {
     control.shutdown();
     let _ = std::fs::remove_file(&api_path);
     result
+}
+
+/// The GPUs and MIG instances to serve, per `devices.cuda`. In `auto`
+/// mode a machine without a usable driver serves CPU devices only, and the
+/// log says why.
+fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
+    let d = &cfg.devices;
+    if d.cuda == CudaMode::Off {
+        return Ok(Vec::new());
+    }
+    let none = |why: String| -> anyhow::Result<Vec<DeviceSpec>> {
+        if d.cuda == CudaMode::Required {
+            anyhow::bail!("devices.cuda is `required`, but {why}");
+        }
+        tracing::info!("serving CPU devices only: {why}");
+        Ok(Vec::new())
+    };
+    let answers = match discover::query_nvml() {
+        Ok(a) => a,
+        Err(e) => return none(e),
+    };
+    #[cfg(feature = "cuda")]
+    if let Err(e) = vgpu_mediator::backend::cuda::probe() {
+        return none(e);
+    }
+    let (planned, skipped) = discover::plan(&answers, &vgpu_topology::sysfs_root());
+    for s in &skipped {
+        tracing::warn!(gpu = %s.gpu, "not served: {}", s.reason);
+    }
+    let mut out = Vec::new();
+    for (i, g) in planned.into_iter().enumerate() {
+        let Some(memory) = g.memory.checked_sub(d.cuda_reserve.0).filter(|m| *m >= 1 << 20) else {
+            tracing::warn!(device = %g.name, memory = g.memory, reserve = d.cuda_reserve.0, "not served: devices.cuda_reserve leaves no memory for tenants");
+            continue;
+        };
+        tracing::info!(device = %g.name, model = %g.model, uuid = %g.uuid, numa_node = g.numa_node, memory, "serving GPU device");
+        out.push(DeviceSpec {
+            name: g.name,
+            ordinal: d.cpu + i as u32,
+            memory,
+            budget: 0,
+            lanes: d.lanes,
+            cuda: Some(CudaSpec { visible_devices: g.visible_devices, numa_node: g.numa_node, launch_timeout_ms: d.cuda_launch_timeout_ms }),
+        });
+    }
+    if out.is_empty() {
+        return none(format!("NVML (driver {}) lists no servable GPU or MIG instance", answers.driver_version));
+    }
+    Ok(out)
+}
+
+fn discover_cmd(record: Option<PathBuf>) -> anyhow::Result<()> {
+    let answers = discover::query_nvml().map_err(anyhow::Error::msg)?;
+    if let Some(path) = record {
+        std::fs::write(&path, serde_json::to_string_pretty(&answers)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+        println!("recorded {} GPU(s) to {}", answers.gpus.len(), path.display());
+        return Ok(());
+    }
+    let (devices, skipped) = discover::plan(&answers, &vgpu_topology::sysfs_root());
+    let out = serde_json::json!({
+        "driver_version": answers.driver_version,
+        "cuda_driver_version": answers.cuda_driver_version,
+        "devices": devices,
+        "skipped": skipped,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
 }
 
 async fn serve(control: Arc<Control>, api_path: PathBuf) -> anyhow::Result<()> {

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
-use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch};
+use super::{AllocTable, Backend, TenantSlot, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch};
 use crate::ptx::{self, ExecError, GlobalMem, Module};
 
 /// Allocation granule and alignment, as CUDA guarantees 256-byte alignment.
@@ -275,7 +275,7 @@ impl Backend for CpuBackend {
         &self.desc
     }
 
-    fn alloc(&self, size: u64) -> Result<(u64, u64), BackendError> {
+    fn alloc(&self, _slot: TenantSlot, size: u64) -> Result<(u64, u64), BackendError> {
         if self.quarantined.load(Ordering::Relaxed) {
             return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "device quarantined after a failed scrub"));
         }
@@ -296,7 +296,7 @@ impl Backend for CpuBackend {
         Ok((self.va_base + off, n))
     }
 
-    fn free(&self, addr: u64, len: u64) {
+    fn free(&self, _slot: TenantSlot, addr: u64, len: u64) {
         if let Ok(off) = self.off(addr) {
             self.alloc.lock().unwrap_or_else(|e| e.into_inner()).free(off, len);
         }
@@ -306,23 +306,27 @@ impl Backend for CpuBackend {
         self.scrubbed.load(Ordering::Relaxed)
     }
 
-    fn write(&self, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+    fn quarantined(&self) -> bool {
+        self.quarantined.load(Ordering::Relaxed)
+    }
+
+    fn write(&self, _slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError> {
         self.arena.write(self.off(addr)?, data)
     }
 
-    fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+    fn read(&self, _slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
         self.arena.read(self.off(addr)?, out)
     }
 
-    fn fill(&self, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
+    fn fill(&self, _slot: TenantSlot, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
         self.arena.fill(self.off(addr)?, count, elem)
     }
 
-    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<(), BackendError> {
+    fn copy(&self, _slot: TenantSlot, dst: u64, src: u64, len: u64) -> Result<(), BackendError> {
         self.arena.copy(self.off(dst)?, self.off(src)?, len)
     }
 
-    fn load_module(&self, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError> {
+    fn load_module(&self, _slot: TenantSlot, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError> {
         if format != ImageFormat::Ptx {
             return Err(BackendError::new(
                 CuResult::CUDA_ERROR_NOT_SUPPORTED,
@@ -335,7 +339,7 @@ impl Backend for CpuBackend {
         Ok(Arc::new(CpuModule(m)))
     }
 
-    fn launch(&self, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError> {
+    fn launch(&self, _slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError> {
         let m = module
             .as_any()
             .downcast_ref::<CpuModule>()
@@ -373,13 +377,13 @@ mod tests {
     #[test]
     fn freed_range_is_reused_and_handed_out_zeroed() {
         let b = CpuBackend::new(0, 1 << 20, 0).unwrap();
-        let (a, n) = b.alloc(100_000).unwrap();
-        b.fill(a, n, &[0xAB]).unwrap();
-        b.free(a, n);
-        let (a2, n2) = b.alloc(100_000).unwrap();
+        let (a, n) = b.alloc(0, 100_000).unwrap();
+        b.fill(0, a, n, &[0xAB]).unwrap();
+        b.free(0, a, n);
+        let (a2, n2) = b.alloc(0, 100_000).unwrap();
         assert_eq!((a, n), (a2, n2), "first fit reuses the range");
         let mut buf = vec![1u8; n2 as usize];
-        b.read(a2, &mut buf).unwrap();
+        b.read(0, a2, &mut buf).unwrap();
         assert!(buf.iter().all(|x| *x == 0));
         assert_eq!(b.bytes_scrubbed(), 2 * n);
     }
@@ -387,20 +391,20 @@ mod tests {
     #[test]
     fn allocator_coalesces_and_reports_exhaustion() {
         let b = CpuBackend::new(1, 4 * GRANULE, 0).unwrap();
-        let x = b.alloc(GRANULE).unwrap();
-        let y = b.alloc(GRANULE).unwrap();
-        let z = b.alloc(2 * GRANULE).unwrap();
-        assert_eq!(b.alloc(1).unwrap_err().code, CuResult::CUDA_ERROR_OUT_OF_MEMORY);
-        b.free(x.0, x.1);
-        b.free(y.0, y.1);
-        assert_eq!(b.alloc(2 * GRANULE).unwrap().0, x.0, "neighbouring frees merge");
-        b.free(z.0, z.1);
+        let x = b.alloc(0, GRANULE).unwrap();
+        let y = b.alloc(0, GRANULE).unwrap();
+        let z = b.alloc(0, 2 * GRANULE).unwrap();
+        assert_eq!(b.alloc(0, 1).unwrap_err().code, CuResult::CUDA_ERROR_OUT_OF_MEMORY);
+        b.free(0, x.0, x.1);
+        b.free(0, y.0, y.1);
+        assert_eq!(b.alloc(0, 2 * GRANULE).unwrap().0, x.0, "neighbouring frees merge");
+        b.free(0, z.0, z.1);
     }
 
     #[test]
     fn non_ptx_images_are_unsupported_on_this_device() {
         let b = CpuBackend::new(0, 1 << 16, 0).unwrap();
-        let e = b.load_module(b"\x7fELF\x02\x01\x01", ImageFormat::Cubin).err().unwrap();
+        let e = b.load_module(0, b"\x7fELF\x02\x01\x01", ImageFormat::Cubin).err().unwrap();
         assert_eq!(e.code, CuResult::CUDA_ERROR_NOT_SUPPORTED);
         assert!(e.msg.contains("unsupported on this device"));
     }

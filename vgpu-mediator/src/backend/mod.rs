@@ -5,6 +5,9 @@
 //! the worker, so every backend enforces the same rules.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod discover;
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -76,23 +79,51 @@ pub struct Launch {
     pub shared_bytes: u32,
 }
 
+/// A tenant as a backend knows it: the key of its backend-side state (its
+/// own CUDA context on a GPU). Backends without per-tenant state use 0.
+pub type TenantSlot = u64;
+
 pub trait Backend: Send + Sync {
     fn desc(&self) -> &DeviceDesc;
+    /// Sets up the backend-side state of a new tenant.
+    fn open_tenant(&self, _name: &str) -> Result<TenantSlot, BackendError> {
+        Ok(0)
+    }
+    /// Drops a tenant's backend-side state; the service has freed all of its
+    /// allocations and dropped its modules first.
+    fn close_tenant(&self, _slot: TenantSlot) {}
+    /// Called once a tenant whose kernel faulted holds no contexts any more.
+    /// A backend whose faults poison the tenant's device context (CUDA's
+    /// sticky errors) rebuilds it here so the tenant can start afresh.
+    fn recover_tenant(&self, _slot: TenantSlot) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Set when a scrub could not be verified: the device hands out nothing.
+    fn quarantined(&self) -> bool;
     /// Reserves at least `size` bytes, zeroed before this returns. Returns
     /// the device address and the reserved length.
-    fn alloc(&self, size: u64) -> Result<(u64, u64), BackendError>;
-    fn free(&self, addr: u64, len: u64);
+    fn alloc(&self, slot: TenantSlot, size: u64) -> Result<(u64, u64), BackendError>;
+    fn free(&self, slot: TenantSlot, addr: u64, len: u64);
     /// Bytes zeroed on hand-out so far.
     fn bytes_scrubbed(&self) -> u64;
     /// The memory operations below trust that the caller checked the range
     /// against its tenant's [`AllocTable`]; backends check it against the
     /// device as a second line of defence.
-    fn write(&self, addr: u64, data: &[u8]) -> Result<(), BackendError>;
-    fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), BackendError>;
-    fn fill(&self, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError>;
-    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<(), BackendError>;
-    fn load_module(&self, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError>;
-    /// Runs a kernel to completion; every access is checked against `owned`.
-    /// Returns instructions executed (0 where the backend cannot count).
-    fn launch(&self, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError>;
+    fn write(&self, slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError>;
+    fn read(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError>;
+    fn fill(&self, slot: TenantSlot, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError>;
+    fn copy(&self, slot: TenantSlot, dst: u64, src: u64, len: u64) -> Result<(), BackendError>;
+    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError>;
+    /// Runs a kernel to completion; on the CPU device every access is
+    /// checked against `owned`, on a GPU the tenant's own context confines
+    /// it. Returns instructions executed (0 where the backend cannot count).
+    fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError>;
+    /// Host memory that copies will come from again and again (a tenant's
+    /// shared buffer, a VM's RAM). A GPU backend page-locks it so the copy
+    /// engines reach it directly; the default does nothing.
+    fn register_host(&self, _ptr: *mut u8, _len: usize) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Undoes [`Backend::register_host`] before the memory is unmapped.
+    fn unregister_host(&self, _ptr: *mut u8) {}
 }

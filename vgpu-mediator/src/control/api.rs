@@ -68,12 +68,16 @@ fn device_views(c: &Control) -> Vec<DeviceView> {
             let mine: Vec<&TenantRecord> = tenants.iter().filter(|t| t.device == s.spec.name).collect();
             DeviceView {
                 name: s.spec.name.clone(),
-                kind: st.as_ref().map(|d| d.kind.clone()).unwrap_or_else(|| "cpu".into()),
+                kind: s.spec.kind().to_string(),
                 memory_total: s.spec.memory,
                 memory_reserved: mine.iter().map(|t| t.memory).sum(),
                 memory_allocated: st.as_ref().map(|d| d.allocated).unwrap_or(0),
                 tenants: mine.len(),
-                state: if st.is_some() { "running" } else { "restarting" },
+                state: match &st {
+                    Some(d) if d.quarantined => "quarantined",
+                    Some(_) => "running",
+                    None => "restarting",
+                },
                 worker_pid: s.pid.load(Ordering::Relaxed),
                 worker_restarts: s.restarts.load(Ordering::Relaxed),
                 utilization: st.as_ref().map(utilization).unwrap_or(0.0),
@@ -148,6 +152,7 @@ pub fn render_metrics(c: &Control) -> String {
     family("vgpu_device_memory_bytes", "gauge", "Device memory size.", dev(&|d| d.memory as f64));
     family("vgpu_device_memory_allocated_bytes", "gauge", "Device memory allocated by tenants.", dev(&|d| d.allocated as f64));
     family("vgpu_device_scrubbed_bytes_total", "counter", "Bytes zeroed before hand-out on the device.", dev(&|d| d.bytes_scrubbed as f64));
+    family("vgpu_device_quarantined", "gauge", "1 once a scrub failed verification: the device hands out no memory.", dev(&|d| d.quarantined as u8 as f64));
     family("vgpu_device_busy_seconds_total", "counter", "Lane-seconds the device spent running tenant work.", dev(&|d| d.busy_ns as f64 / 1e9));
     family("vgpu_device_utilization", "gauge", "Busy lane-time over available lane-time since the worker started.", dev(&utilization));
     let ten = |f: &dyn Fn(&TenantStats) -> f64| -> Vec<(String, f64)> {

@@ -38,9 +38,27 @@ pub enum ControlError {
 pub struct DeviceSpec {
     pub name: String,
     pub ordinal: u32,
+    /// Memory tenants may be placed into.
     pub memory: u64,
     pub budget: u64,
     pub lanes: u32,
+    /// Set for an NVIDIA GPU or MIG instance; None for a CPU device.
+    pub cuda: Option<CudaSpec>,
+}
+
+/// How a `cuda` worker finds its device.
+#[derive(Debug, Clone)]
+pub struct CudaSpec {
+    /// `CUDA_VISIBLE_DEVICES` for the worker: the GPU or MIG UUID.
+    pub visible_devices: String,
+    pub numa_node: i32,
+    pub launch_timeout_ms: u64,
+}
+
+impl DeviceSpec {
+    pub fn kind(&self) -> &'static str {
+        if self.cuda.is_some() { "cuda" } else { "cpu" }
+    }
 }
 
 struct WorkerConn {
@@ -271,6 +289,13 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec) -> std::io::Result<(Child, Worker
         .arg(spec.budget.to_string())
         .arg("--lanes")
         .arg(spec.lanes.to_string())
+        .args(match &spec.cuda {
+            Some(c) => vec!["--backend".to_string(), "cuda".into(), "--numa-node".into(), c.numa_node.to_string(), "--launch-timeout-ms".into(), c.launch_timeout_ms.to_string()],
+            None => Vec::new(),
+        })
+        // A GPU worker sees exactly its GPU or MIG instance, as device 0,
+        // from before cuInit; a CPU worker sees none.
+        .env("CUDA_VISIBLE_DEVICES", spec.cuda.as_ref().map(|c| c.visible_devices.as_str()).unwrap_or(""))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
 use virtio_queue::QueueOwnedT;
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 
@@ -34,6 +34,9 @@ pub struct GpuBackend {
     exit: Option<(EventConsumer, EventNotifier)>,
     /// Commands answered, for tests and metrics.
     pub commands: u64,
+    /// Guest RAM regions registered with the device backend (host
+    /// addresses), so copies DMA straight from guest pages.
+    registered: Vec<usize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -45,7 +48,13 @@ pub enum VhostError {
 impl GpuBackend {
     pub fn new(cfg: GpuConfig, svc: Arc<DeviceService>, tenant: Arc<Tenant>) -> GpuBackend {
         let exit = new_event_consumer_and_notifier(EventFlag::NONBLOCK).map_err(|e| tracing::error!("vhost exit event: {e}")).ok();
-        GpuBackend { cfg, svc, tenant, mem: None, device: None, event_idx: false, exit, commands: 0 }
+        GpuBackend { cfg, svc, tenant, mem: None, device: None, event_idx: false, exit, commands: 0, registered: Vec::new() }
+    }
+
+    fn unregister_guest_ram(&mut self) {
+        for p in self.registered.drain(..) {
+            self.svc.backend.unregister_host(p as *mut u8);
+        }
     }
 
     /// Serves every available chain of one queue.
@@ -138,6 +147,14 @@ impl VhostUserBackendMut for GpuBackend {
 
     fn update_memory(&mut self, atomic: GuestMemoryAtomic<GuestMemoryMmap>) -> std::io::Result<()> {
         let snapshot: GuestMemoryMmap = (*atomic.memory()).clone();
+        self.unregister_guest_ram();
+        for r in snapshot.iter() {
+            let Ok(p) = r.get_host_address(MemoryRegionAddress(0)) else { continue };
+            match self.svc.backend.register_host(p, r.len() as usize) {
+                Ok(()) => self.registered.push(p as usize),
+                Err(e) => tracing::warn!(tenant = %self.tenant.name, "guest RAM region stays unregistered; its copies are staged: {}", e.msg),
+            }
+        }
         match self.device.as_mut() {
             Some(d) => d.set_memory(snapshot),
             None => self.device = Some(GpuDevice::new(self.cfg.clone(), snapshot, self.svc.clone(), self.tenant.clone())),
@@ -175,6 +192,14 @@ impl VhostUserBackendMut for GpuBackend {
             }
             None => Ok(()),
         }
+    }
+}
+
+impl Drop for GpuBackend {
+    fn drop(&mut self) {
+        // The device (and every copy through guest RAM) goes first.
+        self.device = None;
+        self.unregister_guest_ram();
     }
 }
 

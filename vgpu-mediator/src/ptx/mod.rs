@@ -9,7 +9,7 @@ mod parse;
 
 pub use exec::{launch, ExecError, GlobalMem, LaunchConfig, Limits, Stats, SHARED_WINDOW};
 pub use ir::{Kernel, Param};
-pub use parse::Module;
+pub use parse::{Module, Signature};
 
 /// A module that cannot be loaded: the line and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

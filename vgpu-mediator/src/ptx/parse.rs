@@ -23,6 +23,33 @@ impl Module {
     pub fn kernel(&self, name: &str) -> Option<&Kernel> {
         self.kernels.iter().find(|k| k.name == name)
     }
+
+    /// The parameter layout of every `.entry`, without decoding bodies:
+    /// what a GPU backend needs to lay out launch parameters for PTX the
+    /// interpreter itself may not support.
+    pub fn signatures(src: &str) -> Result<Vec<Signature>, PtxError> {
+        let toks = lex(src)?;
+        let mut p = Parser { t: &toks, i: 0, module_shared: Vec::new(), module_shared_bytes: 0 };
+        let mut out = Vec::new();
+        while p.i < toks.len() {
+            let entry = matches!(&toks[p.i].tok, Tok::Word(w) if w == ".entry");
+            p.i += 1;
+            if entry {
+                let name = p.word()?.to_string();
+                let (params, params_size) = if p.is_punct('(') { p.params()? } else { (Vec::new(), 0) };
+                out.push(Signature { name, params, params_size });
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A kernel's name and parameter layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Signature {
+    pub name: String,
+    pub params: Vec<Param>,
+    pub params_size: u32,
 }
 
 #[derive(Clone)]

@@ -425,3 +425,40 @@ fn parser_survives_garbage() {
         }
     }
 }
+
+#[test]
+fn signatures_lay_out_parameters_without_decoding_bodies() {
+    // The body uses an instruction the interpreter does not support; the
+    // signature scan must not care.
+    let src = r#"
+.version 8.0
+.target sm_90
+.address_size 64
+.file 1 "k.cu"
+.visible .entry k(
+    .param .u64 .ptr .global .align 1 k_param_0,
+    .param .u32 k_param_1,
+    .param .align 16 .b8 k_param_2[24],
+    .param .u8 k_param_3
+)
+.maxntid 256, 1, 1
+{
+    tex.2d.v4.f32.f32 {%f1, %f2, %f3, %f4}, [t, {%f5, %f6}];
+    ret;
+}
+.entry noargs
+{
+    ret;
+}
+"#;
+    let sigs = Module::signatures(src).unwrap();
+    assert_eq!(sigs.len(), 2);
+    let k = &sigs[0];
+    assert_eq!(k.name, "k");
+    let layout: Vec<(u32, u32)> = k.params.iter().map(|p| (p.offset, p.size)).collect();
+    assert_eq!(layout, [(0, 8), (8, 4), (16, 24), (40, 1)]);
+    assert_eq!(k.params_size, 41);
+    assert_eq!(sigs[1].name, "noargs");
+    assert!(sigs[1].params.is_empty());
+    assert!(Module::parse(src).is_err(), "the full parser refuses the texture instruction");
+}

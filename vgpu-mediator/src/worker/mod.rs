@@ -19,6 +19,7 @@ use virtio_gpu_compute::*;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
 use crate::ipc::{WorkerCmd, WorkerMsg};
 use crate::sched::{Fifo, Scheduler};
 use service::{Conn, DeviceService, Tenant};
@@ -29,6 +30,42 @@ pub struct WorkerOptions {
     pub memory: u64,
     pub budget: u64,
     pub lanes: usize,
+    pub backend: BackendKind,
+    /// The device's NUMA node: the worker's threads run on its CPUs.
+    pub numa_node: i32,
+    pub launch_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+fn open_backend(opts: &WorkerOptions) -> anyhow::Result<Arc<dyn Backend>> {
+    match opts.backend {
+        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?)),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            let b = crate::backend::cuda::CudaBackend::new(opts.numa_node, std::time::Duration::from_millis(opts.launch_timeout_ms)).map_err(anyhow::Error::msg)?;
+            if !b.has_param_info() {
+                warn!("the driver has no cuFuncGetParamInfo: kernel parameters come from PTX declarations; cubin and fatbin images are refused");
+            }
+            Ok(Arc::new(b))
+        }
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda => anyhow::bail!("this vgpu-mediatord was built without the `cuda` feature"),
+    }
+}
+
+/// Runs the calling thread, and every thread it starts later, on `node`'s CPUs.
+fn pin_to_node(node: i32) {
+    let Ok(node) = u32::try_from(node) else { return };
+    let pinned = vgpu_topology::Topology::read(&vgpu_topology::sysfs_root()).and_then(|t| t.cpus_for(node).map(<[usize]>::to_vec)).and_then(|cpus| vgpu_topology::pin_current_thread(&cpus, node));
+    match pinned {
+        Ok(()) => info!(node, "device worker pinned to its device's NUMA node"),
+        Err(e) => warn!("device worker left unpinned: {e}"),
+    }
 }
 
 struct Listening {
@@ -44,7 +81,8 @@ struct Listening {
 pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     // SAFETY: umask only changes this process's file-creation mask.
     unsafe { libc::umask(0o077) };
-    let backend = Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?);
+    pin_to_node(opts.numa_node);
+    let backend = open_backend(&opts)?;
     let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, Box::new(Fifo))));
     let mut listening: HashMap<String, Listening> = HashMap::new();
     let stdout = std::io::stdout();
@@ -222,7 +260,7 @@ fn serve(svc: Arc<DeviceService>, t: Arc<Tenant>, s: &UnixStream) {
                 None => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm arrived without a file descriptor"),
                 Some(f) => match Shm::map(f, b.size) {
                     Ok(m) => {
-                        conn.shm = Some(m);
+                        svc.set_shm(&mut conn, Some(m));
                         Reply::Empty
                     }
                     Err(e) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, e.to_string()),

@@ -9,7 +9,7 @@ use std::time::Instant;
 use virtio_gpu_compute::*;
 
 use super::shm::Shm;
-use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, Launch};
+use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, Launch, TenantSlot};
 use crate::ipc::{DeviceStats, TenantStats};
 use crate::sched::Scheduler;
 
@@ -17,7 +17,11 @@ use crate::sched::Scheduler;
 fn is_sticky(code: CuResult) -> bool {
     matches!(
         code,
-        CuResult::CUDA_ERROR_ILLEGAL_ADDRESS | CuResult::CUDA_ERROR_MISALIGNED_ADDRESS | CuResult::CUDA_ERROR_LAUNCH_TIMEOUT | CuResult::CUDA_ERROR_LAUNCH_FAILED
+        CuResult::CUDA_ERROR_ILLEGAL_ADDRESS
+            | CuResult::CUDA_ERROR_MISALIGNED_ADDRESS
+            | CuResult::CUDA_ERROR_LAUNCH_TIMEOUT
+            | CuResult::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CuResult::CUDA_ERROR_LAUNCH_FAILED
     )
 }
 
@@ -25,6 +29,8 @@ pub struct Tenant {
     pub name: String,
     pub quota: u64,
     pub weight: u32,
+    /// The backend's key for this tenant (its own CUDA context on a GPU).
+    pub slot: TenantSlot,
     state: Mutex<TenantState>,
     kernels: AtomicU64,
     device_ns: AtomicU64,
@@ -40,6 +46,9 @@ struct TenantState {
     used: u64,
     ctxs: HashMap<u32, Ctx>,
     next: u32,
+    /// A kernel of this tenant faulted; once its last context is gone the
+    /// backend rebuilds the tenant's device context.
+    faulted: bool,
 }
 
 #[derive(Default)]
@@ -120,10 +129,12 @@ impl DeviceService {
         if map.contains_key(name) {
             return Err(format!("tenant {name} already exists on this device"));
         }
+        let slot = self.backend.open_tenant(name).map_err(|e| format!("setting up tenant {name} on the device: {}", e.msg))?;
         let t = Arc::new(Tenant {
             name: name.to_string(),
             quota,
             weight,
+            slot,
             state: Mutex::new(TenantState::default()),
             kernels: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
@@ -144,6 +155,7 @@ impl DeviceService {
             self.destroy_ctx(&t, &mut st, id);
         }
         drop(st);
+        self.backend.close_tenant(t.slot);
         Some(t)
     }
 
@@ -171,6 +183,7 @@ impl DeviceService {
             memory: d.memory,
             allocated: tenants.iter().map(|t| t.used).sum(),
             bytes_scrubbed: self.backend.bytes_scrubbed(),
+            quarantined: self.backend.quarantined(),
             busy_ns: self.sched.busy().as_nanos() as u64,
             uptime_ns: self.started.elapsed().as_nanos() as u64,
             lanes: self.sched.lanes() as u32,
@@ -184,7 +197,21 @@ impl DeviceService {
         for id in conn.ctxs.drain(..) {
             self.destroy_ctx(t, &mut st, id);
         }
-        conn.shm = None;
+        self.set_shm(conn, None);
+    }
+
+    /// Installs (or, with None, drops) a connection's shared buffer, keeping
+    /// the backend's host registration in step with the mapping.
+    pub fn set_shm(&self, conn: &mut Conn, shm: Option<Shm>) {
+        if let Some(old) = conn.shm.take() {
+            self.backend.unregister_host(old.as_ptr());
+        }
+        if let Some(new) = &shm {
+            if let Err(e) = self.backend.register_host(new.as_ptr(), new.len()) {
+                tracing::warn!("shared buffer stays unregistered; copies through it are staged: {}", e.msg);
+            }
+        }
+        conn.shm = shm;
     }
 
     fn destroy_ctx(&self, t: &Tenant, st: &mut TenantState, id: u32) -> bool {
@@ -195,6 +222,13 @@ impl DeviceService {
         for a in mine {
             self.free_alloc(t, st, a);
         }
+        if st.faulted && st.ctxs.is_empty() {
+            // Modules and allocations of the poisoned context are gone.
+            match self.backend.recover_tenant(t.slot) {
+                Ok(()) => st.faulted = false,
+                Err(e) => tracing::error!(tenant = %t.name, "rebuilding the tenant's device context failed: {}", e.msg),
+            }
+        }
         true
     }
 
@@ -203,7 +237,7 @@ impl DeviceService {
         st.alloc_ctx.remove(&addr);
         st.used -= len;
         t.used.store(st.used, Ordering::Relaxed);
-        self.backend.free(addr, len);
+        self.backend.free(t.slot, addr, len);
         true
     }
 
@@ -323,10 +357,10 @@ impl DeviceService {
                 if b.size > t.quota.saturating_sub(st.used) {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {} bytes exceeds the quota ({} of {} bytes used)", b.size, st.used, t.quota)));
                 }
-                let (addr, len) = self.backend.alloc(b.size)?;
+                let (addr, len) = self.backend.alloc(t.slot, b.size)?;
                 if st.used + len > t.quota {
                     // Granule rounding pushed it over: still over quota.
-                    self.backend.free(addr, len);
+                    self.backend.free(t.slot, addr, len);
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "allocation exceeds the quota"));
                 }
                 t.scrubbed.fetch_add(len, Ordering::Relaxed);
@@ -353,7 +387,7 @@ impl DeviceService {
                 if b.dptr % b.elem_size as u64 != 0 {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "misaligned memset destination"));
                 }
-                self.timed(t, || self.backend.fill(b.dptr, b.count, elem))?;
+                self.timed(t, || self.backend.fill(t.slot, b.dptr, b.count, elem))?;
                 Reply::Empty
             }
             Request::MemcpyHtoD(b, data) => {
@@ -361,7 +395,7 @@ impl DeviceService {
                 Self::stream_ok(c, b.stream)?;
                 Self::owned(st, b.dst, b.size, "copy destination")?;
                 if b.loc == DataLoc::Inline as u32 {
-                    self.timed(t, || self.backend.write(b.dst, &data))?;
+                    self.timed(t, || self.backend.write(t.slot, b.dst, &data))?;
                 } else if b.loc == DataLoc::Blob as u32 {
                     let pieces = Self::blob(conn, b.blob, b.shm_offset, b.size)?;
                     self.timed(t, || {
@@ -370,12 +404,12 @@ impl DeviceService {
                             // RAM mapped for the life of `conn.blobs`; the
                             // guest may change them concurrently, which only
                             // changes the bytes copied, as on real DMA.
-                            self.backend.write(at, unsafe { std::slice::from_raw_parts(p, n) })
+                            self.backend.write(t.slot, at, unsafe { std::slice::from_raw_parts(p, n) })
                         })
                     })?;
                 } else {
                     let shm = Self::shm(conn, b.shm_offset, b.size)?;
-                    self.timed(t, || shm.with_slice(b.shm_offset, b.size, |s| self.backend.write(b.dst, s)))?;
+                    self.timed(t, || shm.with_slice(b.shm_offset, b.size, |s| self.backend.write(t.slot, b.dst, s)))?;
                 }
                 Reply::Empty
             }
@@ -385,7 +419,7 @@ impl DeviceService {
                 Self::owned(st, b.src, b.size, "copy source")?;
                 if b.loc == DataLoc::Inline as u32 {
                     let mut out = vec![0u8; b.size as usize];
-                    self.timed(t, || self.backend.read(b.src, &mut out))?;
+                    self.timed(t, || self.backend.read(t.slot, b.src, &mut out))?;
                     Reply::Data(out)
                 } else if b.loc == DataLoc::Blob as u32 {
                     let pieces = Self::blob(conn, b.blob, b.shm_offset, b.size)?;
@@ -393,13 +427,13 @@ impl DeviceService {
                         each_piece(&pieces, b.src, |at, p, n| {
                             // SAFETY: as for HtoD; the runs are writable guest
                             // RAM that no other host code aliases.
-                            self.backend.read(at, unsafe { std::slice::from_raw_parts_mut(p, n) })
+                            self.backend.read(t.slot, at, unsafe { std::slice::from_raw_parts_mut(p, n) })
                         })
                     })?;
                     Reply::Empty
                 } else {
                     let shm = Self::shm(conn, b.shm_offset, b.size)?;
-                    self.timed(t, || shm.with_slice_mut(b.shm_offset, b.size, |s| self.backend.read(b.src, s)))?;
+                    self.timed(t, || shm.with_slice_mut(b.shm_offset, b.size, |s| self.backend.read(t.slot, b.src, s)))?;
                     Reply::Empty
                 }
             }
@@ -408,7 +442,7 @@ impl DeviceService {
                 Self::stream_ok(c, b.stream)?;
                 Self::owned(st, b.src, b.size, "copy source")?;
                 Self::owned(st, b.dst, b.size, "copy destination")?;
-                self.timed(t, || self.backend.copy(b.dst, b.src, b.size))?;
+                self.timed(t, || self.backend.copy(t.slot, b.dst, b.src, b.size))?;
                 Reply::Empty
             }
             Request::ModuleLoad(b, image) => {
@@ -416,7 +450,7 @@ impl DeviceService {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many modules"));
                 }
                 let format = ImageFormat::sniff(&image);
-                let m = self.backend.load_module(&image, format)?;
+                let m = self.backend.load_module(t.slot, &image, format)?;
                 let id = st.handle();
                 Self::ctx(st, b.ctx)?.modules.insert(id, m);
                 Reply::Handle(id)
@@ -453,10 +487,11 @@ impl DeviceService {
                 let index = f.index;
                 let l = Launch { grid: b.grid, block: b.block, shared_bytes: b.shared_bytes };
                 let owned = &st.owned;
-                let res = self.timed(t, || self.backend.launch(&*m, index, &l, &params, owned));
+                let res = self.timed(t, || self.backend.launch(t.slot, &*m, index, &l, &params, owned));
                 t.kernels.fetch_add(1, Ordering::Relaxed);
                 if let Err(e) = res {
                     if is_sticky(e.code) {
+                        st.faulted = true;
                         if let Some(c) = st.ctxs.get_mut(&b.ctx) {
                             c.sticky = Some((e.code, e.msg.clone()));
                         }

@@ -52,6 +52,11 @@ impl Shm {
         Ok(Shm { ptr: ptr.cast(), len: size as usize, _file: file })
     }
 
+    /// The start of the mapping, for host-memory registration only.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

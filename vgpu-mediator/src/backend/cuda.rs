@@ -1,0 +1,884 @@
+//! The `cuda` backend: a real NVIDIA GPU or MIG instance through the CUDA
+//! driver API, loaded at run time by cudarc.
+//!
+//! - Each tenant gets its own CUDA context, so the GPU's MMU confines its
+//!   kernels to its own allocations and a fault poisons only that context.
+//! - Memory is zeroed with a device memset before hand-out and again before
+//!   it is returned to the driver; a sampled read-back checks every
+//!   hand-out scrub, and a failed check quarantines the device.
+//! - Host-to-device and device-to-host copies go through two pinned staging
+//!   buffers per tenant (the CPU copy of one chunk overlaps the DMA of the
+//!   other), or straight from memory registered with `cuMemHostRegister`:
+//!   tenants' shared buffers and VM guest RAM.
+//!
+//! The worker process runs with `CUDA_VISIBLE_DEVICES` naming exactly its
+//! GPU or MIG instance, so the backend always uses device 0.
+
+use std::any::Any;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys as cu;
+use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
+
+use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, TenantSlot};
+
+/// The oldest driver this backend runs on (CUDA 12.2): the level the
+/// cudarc bindings are pinned to.
+pub const MIN_DRIVER_VERSION: i32 = 12020;
+/// Allocation granule, as on the CPU device, so quotas round the same way.
+pub const GRANULE: u64 = 256;
+/// Size of each of a tenant's two pinned staging buffers.
+pub const STAGE_BYTES: usize = 4 << 20;
+/// Bytes read back from each sample point of a scrub check.
+const SAMPLE_BYTES: usize = 256;
+/// Sample points per scrubbed allocation: both ends plus random ones.
+const SAMPLES: usize = 6;
+
+/// Every driver entry point this backend calls. cudarc resolves a symbol
+/// on first use and panics if it is missing, so [`probe`] checks them all
+/// up front.
+const REQUIRED: &[&str] = &[
+    "cuInit", "cuDriverGetVersion", "cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetName", "cuDeviceGetUuid_v2", "cuDeviceTotalMem_v2",
+    "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuCtxCreate_v2", "cuCtxDestroy_v2", "cuCtxSetCurrent",
+    "cuStreamCreate", "cuStreamDestroy_v2", "cuStreamSynchronize", "cuEventCreate", "cuEventDestroy_v2", "cuEventRecord", "cuEventSynchronize",
+    "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAllocHost_v2", "cuMemFreeHost", "cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemsetD8Async",
+    "cuMemsetD16Async", "cuMemsetD32Async", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoDAsync_v2", "cuModuleLoadData",
+    "cuModuleUnload", "cuModuleGetFunction", "cuLaunchKernel", "cuGetErrorName", "cuStreamQuery",
+];
+
+/// `cuFuncGetParamInfo` (CUDA 12.4+): looked up by name, so older drivers
+/// work and fall back to the PTX `.param` declarations.
+type ParamInfoFn = unsafe extern "C" fn(cu::CUfunction, usize, *mut usize, *mut usize) -> cu::CUresult;
+
+fn code_of(r: cu::CUresult) -> u32 {
+    r as u32
+}
+
+/// Errors after which CUDA refuses every further call on the context.
+pub fn is_sticky(raw: u32) -> bool {
+    matches!(raw, 700 | 702 | 710 | 714..=719)
+}
+
+fn error_name(r: cu::CUresult) -> String {
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves
+    // it null; it has no other effect.
+    let ok = unsafe { cu::cuGetErrorName(r, &mut p) } == cu::CUresult::CUDA_SUCCESS;
+    if ok && !p.is_null() {
+        // SAFETY: the driver returned a NUL-terminated static string.
+        unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    } else {
+        format!("CUDA error {}", code_of(r))
+    }
+}
+
+fn check(r: cu::CUresult, what: &str) -> Result<(), BackendError> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let raw = code_of(r);
+    let mut code = CuResult::from_u32(raw);
+    if is_sticky(raw) && code == CuResult::CUDA_ERROR_UNKNOWN {
+        // Sticky codes without a protocol name fail the context all the same.
+        code = CuResult::CUDA_ERROR_LAUNCH_FAILED;
+    }
+    Err(BackendError::new(code, format!("{what}: {}", error_name(r))))
+}
+
+/// Checks that a usable driver is present: the library loads, every entry
+/// point this backend calls exists, cuInit succeeds, the driver is new
+/// enough and shows at least one device. Never panics.
+pub fn probe() -> Result<i32, String> {
+    // SAFETY: loading the library runs its initialisers, which is what
+    // using the driver at all requires.
+    if !unsafe { cu::is_culib_present() } {
+        return Err("libcuda.so (the NVIDIA driver) is not installed".into());
+    }
+    // SAFETY: as above; the library is loaded once and kept.
+    let lib = unsafe { cu::culib() };
+    for name in REQUIRED {
+        // SAFETY: only the symbol's presence is checked; nothing is called.
+        if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
+            return Err(format!("the NVIDIA driver lacks {name}; it is too old for this backend (needs CUDA {})", version_text(MIN_DRIVER_VERSION)));
+        }
+    }
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        check(cu::cuInit(0), "cuInit").map_err(|e| e.msg)?;
+        let mut v = 0;
+        check(cu::cuDriverGetVersion(&mut v), "cuDriverGetVersion").map_err(|e| e.msg)?;
+        if v < MIN_DRIVER_VERSION {
+            return Err(format!("the NVIDIA driver supports CUDA {}; this backend needs {}", version_text(v), version_text(MIN_DRIVER_VERSION)));
+        }
+        let mut n = 0;
+        check(cu::cuDeviceGetCount(&mut n), "cuDeviceGetCount").map_err(|e| e.msg)?;
+        if n < 1 {
+            return Err("the NVIDIA driver sees no device (check CUDA_VISIBLE_DEVICES)".into());
+        }
+        Ok(v)
+    }
+}
+
+pub fn version_text(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+/// A page-locked host buffer from `cuMemAllocHost`.
+struct Pinned {
+    ptr: *mut u8,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from cuMemAllocHost and is freed once, with the
+        // owning context current (the tenant's context outlives its buffers).
+        unsafe { cu::cuMemFreeHost(self.ptr.cast()) };
+    }
+}
+
+/// One tenant's CUDA context and what hangs off it.
+struct TenantCtx {
+    ctx: cu::CUcontext,
+    stream: cu::CUstream,
+    /// Two pinned buffers and the events that say when each is free again.
+    stage: Option<([Pinned; 2], [cu::CUevent; 2])>,
+    /// A kernel faulted: the context refuses every call until rebuilt.
+    poisoned: bool,
+    /// False once the context was destroyed (a runaway kernel, or close).
+    alive: bool,
+    /// Bumped when the context is rebuilt; modules of older generations
+    /// died with their context.
+    generation: u64,
+}
+
+// SAFETY: CUDA handles may be used from any thread once their context is
+// made current there; every use goes through the tenant's mutex and sets
+// the context current first.
+unsafe impl Send for TenantCtx {}
+
+impl TenantCtx {
+    fn new(dev: cu::CUdevice, generation: u64) -> Result<TenantCtx, BackendError> {
+        let mut ctx: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; flags 0 is the default scheduling.
+        check(unsafe { cu::cuCtxCreate_v2(&mut ctx, 0, dev) }, "cuCtxCreate")?;
+        let mut stream: cu::CUstream = std::ptr::null_mut();
+        // SAFETY: cuCtxCreate made ctx current on this thread; valid out-pointer.
+        let r = unsafe { cu::cuStreamCreate(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) };
+        if let Err(e) = check(r, "cuStreamCreate") {
+            // SAFETY: the context was created above and holds nothing yet.
+            unsafe { cu::cuCtxDestroy_v2(ctx) };
+            return Err(e);
+        }
+        Ok(TenantCtx { ctx, stream, stage: None, poisoned: false, alive: true, generation })
+    }
+
+    fn current(&self) -> Result<(), BackendError> {
+        if self.poisoned || !self.alive {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "the tenant's device context is unusable after a kernel fault; destroy its contexts to start afresh"));
+        }
+        // SAFETY: ctx is a live context owned by this value.
+        check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    /// Records a sticky error so later calls fail fast, as CUDA would.
+    fn note(&mut self, r: Result<(), BackendError>) -> Result<(), BackendError> {
+        if let Err(e) = &r {
+            if matches!(
+                e.code,
+                CuResult::CUDA_ERROR_ILLEGAL_ADDRESS
+                    | CuResult::CUDA_ERROR_LAUNCH_TIMEOUT
+                    | CuResult::CUDA_ERROR_ILLEGAL_INSTRUCTION
+                    | CuResult::CUDA_ERROR_MISALIGNED_ADDRESS
+                    | CuResult::CUDA_ERROR_LAUNCH_FAILED
+            ) {
+                self.poisoned = true;
+            }
+        }
+        r
+    }
+
+    fn sync(&mut self, what: &str) -> Result<(), BackendError> {
+        // SAFETY: the stream belongs to the current context.
+        let r = check(unsafe { cu::cuStreamSynchronize(self.stream) }, what);
+        self.note(r)
+    }
+
+    fn staging(&mut self) -> Result<&mut ([Pinned; 2], [cu::CUevent; 2]), BackendError> {
+        if self.stage.is_none() {
+            let mut bufs = Vec::with_capacity(2);
+            let mut evs = [std::ptr::null_mut(); 2];
+            for ev in &mut evs {
+                let mut p: *mut c_void = std::ptr::null_mut();
+                // SAFETY: the tenant's context is current; valid out-pointers.
+                check(unsafe { cu::cuMemAllocHost_v2(&mut p, STAGE_BYTES) }, "cuMemAllocHost")?;
+                bufs.push(Pinned { ptr: p.cast() });
+                // SAFETY: as above.
+                check(unsafe { cu::cuEventCreate(ev, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+            }
+            let b1 = bufs.pop();
+            let b0 = bufs.pop();
+            if let (Some(b0), Some(b1)) = (b0, b1) {
+                self.stage = Some(([b0, b1], evs));
+            }
+        }
+        self.stage.as_mut().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "no staging buffers"))
+    }
+
+    fn destroy(&mut self) {
+        if !std::mem::replace(&mut self.alive, false) {
+            return;
+        }
+        self.poisoned = true;
+        // SAFETY: every handle below was created in this context, which is
+        // made current first; after this the value is dropped.
+        unsafe {
+            cu::cuCtxSetCurrent(self.ctx);
+            if let Some((bufs, evs)) = self.stage.take() {
+                drop(bufs);
+                for ev in evs {
+                    if !ev.is_null() {
+                        cu::cuEventDestroy_v2(ev);
+                    }
+                }
+            }
+            cu::cuStreamDestroy_v2(self.stream);
+            cu::cuCtxDestroy_v2(self.ctx);
+        }
+    }
+}
+
+type TenantRef = Arc<Mutex<TenantCtx>>;
+
+/// A module loaded into one tenant's context.
+struct CudaModule {
+    owner: TenantRef,
+    generation: u64,
+    module: cu::CUmodule,
+    /// Parameter layouts from the PTX text, for drivers without
+    /// cuFuncGetParamInfo.
+    ptx_params: Option<HashMap<String, (Vec<ParamDesc>, u32)>>,
+    param_info: Option<ParamInfoFn>,
+    /// Functions handed out so far, with their parameter layouts.
+    funcs: Mutex<Vec<(cu::CUfunction, Vec<ParamDesc>)>>,
+}
+
+// SAFETY: the module and function handles are only used with their
+// owner's context current, under the owner's mutex.
+unsafe impl Send for CudaModule {}
+// SAFETY: as above; `funcs` is behind a mutex.
+unsafe impl Sync for CudaModule {}
+
+impl CudaModule {
+    fn layout(&self, f: cu::CUfunction, name: &str) -> Option<(Vec<ParamDesc>, u32)> {
+        if let Some(info) = self.param_info {
+            let mut params = Vec::new();
+            let mut size = 0u32;
+            for i in 0..=virtio_gpu_compute::MAX_PARAM_BYTES as usize {
+                let (mut off, mut n) = (0usize, 0usize);
+                // SAFETY: f is a live function of the current context;
+                // valid out-pointers. Past the last parameter it returns
+                // CUDA_ERROR_INVALID_VALUE.
+                if unsafe { info(f, i, &mut off, &mut n) } != cu::CUresult::CUDA_SUCCESS {
+                    break;
+                }
+                let (off, n) = (u32::try_from(off).ok()?, u32::try_from(n).ok()?);
+                size = size.max(off.checked_add(n)?);
+                params.push(ParamDesc { offset: off, size: n });
+            }
+            return Some((params, size));
+        }
+        self.ptx_params.as_ref()?.get(name).cloned()
+    }
+}
+
+impl DeviceModule for CudaModule {
+    fn function(&self, name: &str) -> Option<FunctionDesc> {
+        let cname = CString::new(name).ok()?;
+        let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
+        if owner.generation != self.generation || owner.current().is_err() {
+            return None;
+        }
+        let mut f: cu::CUfunction = std::ptr::null_mut();
+        // SAFETY: the owning context is current and the module is live in
+        // it (same generation); valid out-pointer and C string.
+        if unsafe { cu::cuModuleGetFunction(&mut f, self.module, cname.as_ptr()) } != cu::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let (params, params_size) = self.layout(f, name)?;
+        let mut funcs = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
+        let index = funcs.iter().position(|x| x.0 == f).unwrap_or_else(|| {
+            funcs.push((f, params.clone()));
+            funcs.len() - 1
+        });
+        Some(FunctionDesc { index, params, params_size })
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl Drop for CudaModule {
+    fn drop(&mut self) {
+        let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
+        if owner.generation == self.generation && owner.current().is_ok() {
+            // SAFETY: the module is live in the current context.
+            unsafe { cu::cuModuleUnload(self.module) };
+        }
+    }
+}
+
+pub struct CudaBackend {
+    desc: DeviceDesc,
+    dev: cu::CUdevice,
+    /// The device's primary context: current while registering host memory.
+    home: cu::CUcontext,
+    tenants: Mutex<HashMap<TenantSlot, TenantRef>>,
+    next_slot: AtomicU64,
+    /// Host ranges registered with cuMemHostRegister: start -> length.
+    registered: RwLock<BTreeMap<usize, usize>>,
+    scrubbed: AtomicU64,
+    quarantined: AtomicBool,
+    param_info: Option<ParamInfoFn>,
+    launch_timeout: Duration,
+    sample_seed: AtomicU64,
+}
+
+// SAFETY: `home` is only used with cuCtxSetCurrent, which is thread-safe;
+// all other state is behind locks or atomics.
+unsafe impl Send for CudaBackend {}
+// SAFETY: as above.
+unsafe impl Sync for CudaBackend {}
+
+fn attr(dev: cu::CUdevice, a: cu::CUdevice_attribute) -> Result<u32, BackendError> {
+    let mut v = 0i32;
+    // SAFETY: valid out-pointer and device.
+    check(unsafe { cu::cuDeviceGetAttribute(&mut v, a, dev) }, "cuDeviceGetAttribute")?;
+    Ok(v.max(0) as u32)
+}
+
+impl CudaBackend {
+    /// Opens device 0 of this process (the worker's `CUDA_VISIBLE_DEVICES`
+    /// names exactly one GPU or MIG instance).
+    pub fn new(numa_node: i32, launch_timeout: Duration) -> Result<CudaBackend, String> {
+        probe()?;
+        Self::open(numa_node, launch_timeout).map_err(|e| e.msg)
+    }
+
+    fn open(numa_node: i32, launch_timeout: Duration) -> Result<CudaBackend, BackendError> {
+        use cu::CUdevice_attribute as A;
+        let mut dev: cu::CUdevice = 0;
+        // SAFETY: valid out-pointer; cuInit ran in probe().
+        check(unsafe { cu::cuDeviceGet(&mut dev, 0) }, "cuDeviceGet")?;
+        let mut name = [0 as std::ffi::c_char; 256];
+        // SAFETY: the buffer holds 256 bytes, as stated.
+        check(unsafe { cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev) }, "cuDeviceGetName")?;
+        // SAFETY: the driver NUL-terminates within the buffer.
+        let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+        // SAFETY: CUuuid is plain bytes; valid out-pointer.
+        let mut uuid: cu::CUuuid = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer and device.
+        check(unsafe { cu::cuDeviceGetUuid_v2(&mut uuid, dev) }, "cuDeviceGetUuid")?;
+        let mut memory = 0usize;
+        // SAFETY: valid out-pointer and device.
+        check(unsafe { cu::cuDeviceTotalMem_v2(&mut memory, dev) }, "cuDeviceTotalMem")?;
+        let mut home: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device; released in Drop.
+        check(unsafe { cu::cuDevicePrimaryCtxRetain(&mut home, dev) }, "cuDevicePrimaryCtxRetain")?;
+        // SAFETY: looks a symbol up by name; a missing one is None. The
+        // signature is cuFuncGetParamInfo's, per the CUDA 12.4 headers.
+        let param_info = unsafe { cu::culib().get::<ParamInfoFn>(b"cuFuncGetParamInfo").ok().map(|s| *s) };
+        let desc = DeviceDesc {
+            kind: "cuda",
+            name,
+            uuid: uuid.bytes.map(|b| b as u8),
+            memory: memory as u64,
+            cc: (attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?),
+            sm_count: attr(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            max_threads_per_block: attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+            max_shared_per_block: attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
+            max_block: [
+                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X)?,
+                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y)?,
+                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z)?,
+            ],
+            max_grid: [
+                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X)?,
+                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y)?,
+                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?,
+            ],
+            instruction_budget: 0,
+            numa_node,
+        };
+        Ok(CudaBackend {
+            desc,
+            dev,
+            home,
+            tenants: Mutex::new(HashMap::new()),
+            next_slot: AtomicU64::new(1),
+            registered: RwLock::new(BTreeMap::new()),
+            scrubbed: AtomicU64::new(0),
+            quarantined: AtomicBool::new(false),
+            param_info,
+            launch_timeout,
+            sample_seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
+        })
+    }
+
+    /// Waits for the tenant's kernel: spinning briefly (short kernels are
+    /// the common case), then sleeping. A kernel still running at the
+    /// deadline is stopped the only way CUDA allows, by destroying its
+    /// context; the tenant's contexts then fail until it destroys them.
+    fn wait_kernel(&self, t: &mut TenantCtx) -> Result<(), BackendError> {
+        let start = Instant::now();
+        let mut nap = Duration::from_micros(20);
+        loop {
+            // SAFETY: the stream belongs to the current context.
+            let r = unsafe { cu::cuStreamQuery(t.stream) };
+            if r != cu::CUresult::CUDA_ERROR_NOT_READY {
+                return t.note(check(r, "kernel"));
+            }
+            let waited = start.elapsed();
+            if waited >= self.launch_timeout {
+                tracing::warn!(device = %self.desc.name, ?waited, "kernel exceeded the launch timeout; destroying its tenant's context");
+                t.destroy();
+                return Err(BackendError::new(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, format!("kernel ran past the {:?} launch timeout and was stopped", self.launch_timeout)));
+            }
+            if waited < Duration::from_micros(200) {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// Whether cuFuncGetParamInfo was found in the driver.
+    pub fn has_param_info(&self) -> bool {
+        self.param_info.is_some()
+    }
+
+    fn tenant(&self, slot: TenantSlot) -> Result<TenantRef, BackendError> {
+        self.tenants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&slot)
+            .cloned()
+            .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "no device context for this tenant"))
+    }
+
+    /// Runs `f` with the tenant's context current.
+    fn with<T>(&self, slot: TenantSlot, f: impl FnOnce(&mut TenantCtx) -> Result<T, BackendError>) -> Result<T, BackendError> {
+        let t = self.tenant(slot)?;
+        let mut g = t.lock().unwrap_or_else(|e| e.into_inner());
+        g.current()?;
+        f(&mut g)
+    }
+
+    fn is_registered(&self, ptr: *const u8, len: usize) -> bool {
+        let p = ptr as usize;
+        let reg = self.registered.read().unwrap_or_else(|e| e.into_inner());
+        reg.range(..=p).next_back().is_some_and(|(s, l)| p.checked_add(len).is_some_and(|end| end <= s + l))
+    }
+
+    /// Offsets to read back after zeroing `n` bytes: both ends and a few
+    /// pseudo-random points in between, different on every call.
+    fn sample_points(&self, n: u64) -> Vec<u64> {
+        let last = n.saturating_sub(SAMPLE_BYTES as u64);
+        let mut pts = vec![0, last];
+        let mut x = self.sample_seed.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed) | 1;
+        for _ in 2..SAMPLES {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            pts.push(if last == 0 { 0 } else { x % last / 8 * 8 });
+        }
+        pts
+    }
+
+    /// Zeroes `[d, d+n)` on the tenant's stream and, with `verify`, reads
+    /// samples back; a non-zero byte quarantines the device.
+    fn scrub(&self, t: &mut TenantCtx, d: u64, n: u64, verify: bool) -> Result<(), BackendError> {
+        // SAFETY: [d, d+n) is an allocation of the current context.
+        let r = check(unsafe { cu::cuMemsetD8Async(d, 0, n as usize, t.stream) }, "scrub memset");
+        t.note(r)?;
+        if !verify {
+            return t.sync("scrub memset");
+        }
+        let mut buf = [0xAAu8; SAMPLE_BYTES];
+        for off in self.sample_points(n) {
+            let len = SAMPLE_BYTES.min((n - off) as usize);
+            // SAFETY: the source lies inside the allocation; the destination
+            // is a local buffer of at least `len` bytes. Pageable memory
+            // makes the copy synchronous with the stream's memset.
+            let r = check(unsafe { cu::cuMemcpyDtoHAsync_v2(buf.as_mut_ptr().cast(), d + off, len, t.stream) }, "scrub read-back");
+            t.note(r)?;
+            t.sync("scrub read-back")?;
+            if buf[..len].iter().any(|b| *b != 0) {
+                self.quarantined.store(true, Ordering::Relaxed);
+                tracing::error!(device = %self.desc.name, addr = d + off, "scrub verification read back non-zero bytes; device quarantined");
+                return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "scrub verification failed; device quarantined"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Host to device through the staging buffers: the CPU fills one while
+    /// the copy engine drains the other.
+    fn staged_write(t: &mut TenantCtx, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+        let stream = t.stream;
+        let r = (|| {
+            let (bufs, evs) = t.staging()?;
+            for (k, chunk) in data.chunks(STAGE_BYTES).enumerate() {
+                let b = k % 2;
+                if k >= 2 {
+                    // SAFETY: the event was recorded after this buffer's last copy.
+                    check(unsafe { cu::cuEventSynchronize(evs[b]) }, "staging wait")?;
+                }
+                // SAFETY: the pinned buffer holds STAGE_BYTES >= chunk.len()
+                // and the copy engine is done with it (waited above).
+                unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), bufs[b].ptr, chunk.len()) };
+                let at = addr + (k * STAGE_BYTES) as u64;
+                // SAFETY: destination inside a checked allocation; source is
+                // the pinned buffer, untouched until the event fires.
+                check(unsafe { cu::cuMemcpyHtoDAsync_v2(at, bufs[b].ptr.cast(), chunk.len(), stream) }, "cuMemcpyHtoDAsync")?;
+                // SAFETY: event and stream belong to the current context.
+                check(unsafe { cu::cuEventRecord(evs[b], stream) }, "cuEventRecord")?;
+            }
+            Ok(())
+        })();
+        t.note(r)?;
+        t.sync("host-to-device copy")
+    }
+
+    /// Device to host through the staging buffers: chunk k+1's DMA runs
+    /// while the CPU copies chunk k out.
+    fn staged_read(t: &mut TenantCtx, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        let stream = t.stream;
+        let r = (|| {
+            let (bufs, evs) = t.staging()?;
+            let mut pending: Option<(usize, usize, usize)> = None;
+            let drain = |p: (usize, usize, usize), out: &mut [u8]| -> Result<(), BackendError> {
+                let (b, off, n) = p;
+                // SAFETY: the event follows this buffer's DMA.
+                check(unsafe { cu::cuEventSynchronize(evs[b]) }, "staging wait")?;
+                // SAFETY: the DMA into the pinned buffer finished (waited
+                // above) and out[off..off+n] is in bounds by construction.
+                unsafe { std::ptr::copy_nonoverlapping(bufs[b].ptr, out.as_mut_ptr().add(off), n) };
+                Ok(())
+            };
+            let total = out.len();
+            let mut off = 0;
+            let mut k = 0;
+            while off < total {
+                let n = STAGE_BYTES.min(total - off);
+                let b = k % 2;
+                // SAFETY: source inside a checked allocation; destination is
+                // a pinned buffer whose previous contents were drained.
+                check(unsafe { cu::cuMemcpyDtoHAsync_v2(bufs[b].ptr.cast(), addr + off as u64, n, stream) }, "cuMemcpyDtoHAsync")?;
+                // SAFETY: event and stream belong to the current context.
+                check(unsafe { cu::cuEventRecord(evs[b], stream) }, "cuEventRecord")?;
+                if let Some(p) = pending.take() {
+                    drain(p, out)?;
+                }
+                pending = Some((b, off, n));
+                off += n;
+                k += 1;
+            }
+            if let Some(p) = pending {
+                drain(p, out)?;
+            }
+            Ok(())
+        })();
+        t.note(r)
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        for (_, t) in self.tenants.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            t.lock().unwrap_or_else(|e| e.into_inner()).destroy();
+        }
+        // SAFETY: balances the retain in `open`.
+        unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.dev) };
+    }
+}
+
+impl Backend for CudaBackend {
+    fn desc(&self) -> &DeviceDesc {
+        &self.desc
+    }
+
+    fn open_tenant(&self, _name: &str) -> Result<TenantSlot, BackendError> {
+        let t = TenantCtx::new(self.dev, 0)?;
+        let slot = self.next_slot.fetch_add(1, Ordering::Relaxed);
+        self.tenants.lock().unwrap_or_else(|e| e.into_inner()).insert(slot, Arc::new(Mutex::new(t)));
+        Ok(slot)
+    }
+
+    fn close_tenant(&self, slot: TenantSlot) {
+        if let Some(t) = self.tenants.lock().unwrap_or_else(|e| e.into_inner()).remove(&slot) {
+            let mut g = t.lock().unwrap_or_else(|e| e.into_inner());
+            g.destroy();
+            g.generation += 1;
+        }
+    }
+
+    fn recover_tenant(&self, slot: TenantSlot) -> Result<(), BackendError> {
+        let t = self.tenant(slot)?;
+        let mut g = t.lock().unwrap_or_else(|e| e.into_inner());
+        if !g.poisoned {
+            return Ok(());
+        }
+        // Destroying the context releases whatever it still held; nobody
+        // sees those bytes, because every hand-out is zeroed first.
+        g.destroy();
+        let next = TenantCtx::new(self.dev, g.generation + 1);
+        match next {
+            Ok(n) => {
+                *g = n;
+                Ok(())
+            }
+            Err(e) => {
+                // Leave a context that refuses everything, never a dangling one.
+                g.generation += 1;
+                Err(e)
+            }
+        }
+    }
+
+    fn quarantined(&self) -> bool {
+        self.quarantined.load(Ordering::Relaxed)
+    }
+
+    fn alloc(&self, slot: TenantSlot, size: u64) -> Result<(u64, u64), BackendError> {
+        if self.quarantined() {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "device quarantined after a failed scrub"));
+        }
+        let n = size.max(1).checked_next_multiple_of(GRANULE).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "size overflows"))?;
+        self.with(slot, |t| {
+            let mut d: cu::CUdeviceptr = 0;
+            // SAFETY: the tenant's context is current; valid out-pointer.
+            check(unsafe { cu::cuMemAlloc_v2(&mut d, n as usize) }, "cuMemAlloc")?;
+            if let Err(e) = self.scrub(t, d, n, true) {
+                // SAFETY: d was allocated above in this context.
+                unsafe { cu::cuMemFree_v2(d) };
+                return Err(e);
+            }
+            self.scrubbed.fetch_add(n, Ordering::Relaxed);
+            Ok((d, n))
+        })
+    }
+
+    fn free(&self, slot: TenantSlot, addr: u64, len: u64) {
+        let _ = self.with(slot, |t| {
+            // Zero before the driver gets it back, so not even a process
+            // outside the mediator can read it; allocation zeroes again.
+            let scrubbed = self.scrub(t, addr, len, false);
+            if scrubbed.is_ok() {
+                // SAFETY: addr is a live allocation of this context (the
+                // service checked ownership).
+                unsafe { cu::cuMemFree_v2(addr) };
+            }
+            scrubbed
+        });
+    }
+
+    fn bytes_scrubbed(&self) -> u64 {
+        self.scrubbed.load(Ordering::Relaxed)
+    }
+
+    fn write(&self, slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.with(slot, |t| {
+            if self.is_registered(data.as_ptr(), data.len()) {
+                // SAFETY: the source is registered (page-locked) host memory
+                // that stays mapped for the call; the destination lies in a
+                // checked allocation.
+                let r = check(unsafe { cu::cuMemcpyHtoDAsync_v2(addr, data.as_ptr().cast(), data.len(), t.stream) }, "cuMemcpyHtoDAsync");
+                t.note(r)?;
+                return t.sync("host-to-device copy");
+            }
+            Self::staged_write(t, addr, data)
+        })
+    }
+
+    fn read(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.with(slot, |t| {
+            if self.is_registered(out.as_ptr(), out.len()) {
+                // SAFETY: as for writes, in the other direction.
+                let r = check(unsafe { cu::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), addr, out.len(), t.stream) }, "cuMemcpyDtoHAsync");
+                t.note(r)?;
+                return t.sync("device-to-host copy");
+            }
+            Self::staged_read(t, addr, out)
+        })
+    }
+
+    fn fill(&self, slot: TenantSlot, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
+        self.with(slot, |t| {
+            let n = count as usize;
+            // SAFETY: [addr, addr + count*elem) lies in a checked allocation.
+            let r = unsafe {
+                match *elem {
+                    [b] => cu::cuMemsetD8Async(addr, b, n, t.stream),
+                    [a, b] => cu::cuMemsetD16Async(addr, u16::from_le_bytes([a, b]), n, t.stream),
+                    [a, b, c, d] => cu::cuMemsetD32Async(addr, u32::from_le_bytes([a, b, c, d]), n, t.stream),
+                    _ => return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "memset elements are 1, 2 or 4 bytes")),
+                }
+            };
+            t.note(check(r, "cuMemset"))?;
+            t.sync("memset")
+        })
+    }
+
+    fn copy(&self, slot: TenantSlot, dst: u64, src: u64, len: u64) -> Result<(), BackendError> {
+        self.with(slot, |t| {
+            // SAFETY: both ranges lie in checked allocations of this context.
+            let r = check(unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, len as usize, t.stream) }, "cuMemcpyDtoDAsync");
+            t.note(r)?;
+            t.sync("device-to-device copy")
+        })
+    }
+
+    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError> {
+        let owner = self.tenant(slot)?;
+        let ptx_params = match format {
+            ImageFormat::Ptx => {
+                let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image))
+                    .map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
+                let sigs = crate::ptx::Module::signatures(text).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, e.to_string()))?;
+                Some(
+                    sigs.into_iter()
+                        .map(|s| (s.name, (s.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), s.params_size)))
+                        .collect(),
+                )
+            }
+            _ if self.param_info.is_none() => {
+                return Err(BackendError::new(
+                    CuResult::CUDA_ERROR_NOT_SUPPORTED,
+                    "this driver has no cuFuncGetParamInfo (CUDA 12.4+), so kernel parameters of cubin and fatbin images cannot be laid out; load PTX instead",
+                ))
+            }
+            _ => None,
+        };
+        // The driver reads PTX up to a NUL; a copy guarantees one.
+        let mut owned_image;
+        let image = if format == ImageFormat::Ptx && image.last() != Some(&0) {
+            owned_image = image.to_vec();
+            owned_image.push(0);
+            &owned_image[..]
+        } else {
+            image
+        };
+        let g = owner.lock().unwrap_or_else(|e| e.into_inner());
+        g.current()?;
+        let mut module: cu::CUmodule = std::ptr::null_mut();
+        // SAFETY: the image is a complete PTX (NUL-terminated), cubin or
+        // fatbin buffer that outlives the call; the driver validates it.
+        check(unsafe { cu::cuModuleLoadData(&mut module, image.as_ptr().cast()) }, "cuModuleLoadData")?;
+        let generation = g.generation;
+        drop(g);
+        Ok(Arc::new(CudaModule { owner, generation, module, ptx_params, param_info: self.param_info, funcs: Mutex::new(Vec::new()) }))
+    }
+
+    fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<u64, BackendError> {
+        let m = module.as_any().downcast_ref::<CudaModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
+        let (f, layout) = m.funcs.lock().unwrap_or_else(|e| e.into_inner()).get(func).cloned().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "no such function"))?;
+        // The driver reads each parameter through its own pointer.
+        let mut args: Vec<*mut c_void> = Vec::with_capacity(layout.len());
+        for p in &layout {
+            let end = p.offset as usize + p.size as usize;
+            if end > params.len() {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, format!("parameter at {}+{} lies past the {} bytes given", p.offset, p.size, params.len())));
+            }
+            // The driver only reads through these pointers.
+            args.push(params[p.offset as usize..].as_ptr() as *mut c_void);
+        }
+        self.with(slot, |t| {
+            if t.generation != m.generation {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to a context that no longer exists"));
+            }
+            // SAFETY: f is live in the current context (same generation);
+            // `args` holds one pointer per declared parameter, each to at
+            // least its declared size of bytes inside `params`, which
+            // outlives the call. The driver checks the launch dimensions.
+            let r = unsafe {
+                cu::cuLaunchKernel(
+                    f,
+                    l.grid[0],
+                    l.grid[1],
+                    l.grid[2],
+                    l.block[0],
+                    l.block[1],
+                    l.block[2],
+                    l.shared_bytes,
+                    t.stream,
+                    if args.is_empty() { std::ptr::null_mut() } else { args.as_mut_ptr() },
+                    std::ptr::null_mut(),
+                )
+            };
+            t.note(check(r, "cuLaunchKernel"))?;
+            self.wait_kernel(t)?;
+            Ok(0)
+        })
+    }
+
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), BackendError> {
+        // SAFETY: home is the retained primary context.
+        check(unsafe { cu::cuCtxSetCurrent(self.home) }, "cuCtxSetCurrent")?;
+        // SAFETY: [ptr, ptr+len) is a live mapping the caller keeps until
+        // unregister_host; PORTABLE makes it usable from every context.
+        check(unsafe { cu::cuMemHostRegister_v2(ptr.cast(), len, cu::CU_MEMHOSTREGISTER_PORTABLE) }, "cuMemHostRegister")?;
+        self.registered.write().unwrap_or_else(|e| e.into_inner()).insert(ptr as usize, len);
+        Ok(())
+    }
+
+    fn unregister_host(&self, ptr: *mut u8) {
+        if self.registered.write().unwrap_or_else(|e| e.into_inner()).remove(&(ptr as usize)).is_some() {
+            // SAFETY: ptr was registered by register_host and is still mapped.
+            unsafe {
+                cu::cuCtxSetCurrent(self.home);
+                cu::cuMemHostUnregister(ptr.cast());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_says_why_there_is_no_driver_instead_of_panicking() {
+        // SAFETY: only checks whether the library can be loaded.
+        if unsafe { cu::is_culib_present() } {
+            eprintln!("SKIPPED probe_says_why_there_is_no_driver_instead_of_panicking: this machine has an NVIDIA driver");
+            return;
+        }
+        let e = probe().unwrap_err();
+        assert!(e.contains("libcuda.so"), "{e}");
+        assert!(CudaBackend::new(-1, Duration::from_secs(1)).is_err());
+    }
+
+    #[test]
+    fn sticky_codes_are_the_ones_cuda_never_recovers_from() {
+        for c in [700, 702, 710, 714, 715, 716, 717, 718, 719] {
+            assert!(is_sticky(c), "{c}");
+        }
+        for c in [0, 1, 2, 201, 400, 500, 600, 701, 720, 999] {
+            assert!(!is_sticky(c), "{c}");
+        }
+        assert_eq!(version_text(12020), "12.2");
+        assert_eq!(version_text(13010), "13.1");
+    }
+}
