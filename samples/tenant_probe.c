@@ -10,6 +10,9 @@
  *                       attempt must fail; prints each result
  *   ptx FILE KERNEL     load a PTX file and launch KERNEL<<<1,1>>>() without
  *                       parameters; prints the result name
+ *   fault OFFSET        a kernel writes OFFSET bytes past a 256-byte allocation;
+ *                       prints the launch result, what the context says after it,
+ *                       and whether a context created after destroying it works
  */
 #include "common.h"
 
@@ -125,6 +128,30 @@ int main(int argc, char **argv) {
         CHECK(cuModuleGetFunction(&f, mod, argv[3]));
         r = cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
         printf("launch=%s\n", name_of(r));
+        return 0;
+    }
+    if (!strcmp(mode, "fault")) {
+        long long off = strtoll(argv[2], NULL, 0);
+        CUdeviceptr p, q;
+        CUmodule mod;
+        CUfunction poke;
+        CHECK(cuMemAlloc(&p, 256));
+        CHECK(cuModuleLoadData(&mod, load_ptx("faults.ptx")));
+        CHECK(cuModuleGetFunction(&poke, mod, "pokeOffset"));
+        void *args[] = {&p, &off};
+        CUresult launch = cuLaunchKernel(poke, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL);
+        CUresult sync = cuCtxSynchronize();
+        CUresult after = cuMemAlloc(&q, 256);
+        printf("launch=%s sync=%s after=%s\n", name_of(launch), name_of(sync), name_of(after));
+        cuCtxDestroy(ctx);
+        CUdevice dev;
+        CHECK(cuDeviceGet(&dev, 0));
+        CHECK(cuCtxCreate(&ctx, NULL, 0, dev));
+        unsigned char h[256];
+        CUresult fresh = cuMemAlloc(&q, 256);
+        if (fresh == CUDA_SUCCESS) fresh = cuMemsetD8(q, 0x3C, 256);
+        if (fresh == CUDA_SUCCESS) fresh = cuMemcpyDtoH(h, q, 256);
+        printf("fresh=%s value=0x%02x\n", name_of(fresh), h[255]);
         return 0;
     }
     fprintf(stderr, "unknown mode %s\n", mode);

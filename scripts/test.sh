@@ -8,4 +8,13 @@ source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 # Tests start many short-lived daemons; 2 test threads fit the 2-core machines.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-2}"
-cargo test --release --workspace --no-fail-fast
+SKIPS="$ROOT/target/release/skipped-tests.txt"
+rm -f "$SKIPS"
+status=0
+cargo test --release --workspace --no-fail-fast || status=$?
+if [ -s "$SKIPS" ]; then
+    echo
+    echo "*** $(wc -l < "$SKIPS") test(s) skipped on this machine, and why:"
+    sort "$SKIPS" | sed 's/^/***   /'
+fi
+exit $status

@@ -96,7 +96,16 @@ pub struct Mediator {
 }
 
 impl Mediator {
+    /// A mediator on CPU reference devices only, whatever GPUs the machine
+    /// has, so these tests mean the same everywhere.
     pub fn start(args: &[&str]) -> Mediator {
+        let mut all = vec!["--cuda", "off"];
+        all.extend_from_slice(args);
+        Self::start_with(&all)
+    }
+
+    /// A mediator with exactly the given flags (GPU tests pass `--cuda`).
+    pub fn start_with(args: &[&str]) -> Mediator {
         let run_dir = PathBuf::from(format!("/tmp/vgpu-t{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
         let _ = std::fs::remove_dir_all(&run_dir);
         let child = Command::new(bin("vgpu-mediatord"))
@@ -216,3 +225,104 @@ impl Raw {
 }
 pub mod vmm_harness;
 pub mod nested;
+
+/// What `vgpu-mediatord discover` reports, or why there is no GPU here.
+pub fn discover_gpus() -> Result<Value, String> {
+    let out = Command::new(bin("vgpu-mediatord")).arg("discover").output().map_err(|e| format!("running vgpu-mediatord discover: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(err.trim().trim_start_matches("vgpu-mediatord: error: ").to_string());
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("discover printed bad JSON: {e}"))?;
+    if v["devices"].as_array().is_none_or(|d| d.is_empty()) {
+        return Err(format!("NVML lists no servable GPU or MIG instance: {}", v["skipped"]));
+    }
+    Ok(v)
+}
+
+/// A mediator serving only this machine's NVIDIA GPUs, and the name of
+/// the first one; None, after saying so loudly, where there is no GPU.
+pub fn gpu_mediator(test: &str, extra: &[&str]) -> Option<(Mediator, String)> {
+    match discover_gpus() {
+        Err(why) => {
+            report_skip(test, &format!("no NVIDIA GPU on this machine ({why}); run it on a GPU machine: cargo test --release -p vgpu-tests --test gpu_cuda"));
+            None
+        }
+        Ok(v) => {
+            let name = v["devices"][0]["name"].as_str().expect("device name").to_string();
+            let mut args = vec!["--cuda", "required", "--cpu-devices", "0"];
+            args.extend_from_slice(extra);
+            Some((Mediator::start_with(&args), name))
+        }
+    }
+}
+
+impl Mediator {
+    /// Creates a tenant on a named device.
+    pub fn tenant_on(&self, name: &str, memory: &str, device: &str) -> PathBuf {
+        let (st, v) = self.api("POST", "/tenants", Some(serde_json::json!({ "name": name, "memory": memory, "device": device })));
+        assert_eq!(st, 201, "creating {name} on {device}: {v}");
+        PathBuf::from(v["socket"].as_str().expect("socket"))
+    }
+}
+
+/// Says loudly that a test skipped and why: on stderr, and in
+/// `target/<profile>/skipped-tests.txt`, which scripts/test.sh prints after
+/// the run (libtest shows a passing test's stderr only with --nocapture).
+pub fn report_skip(test: &str, why: &str) {
+    let line = format!("SKIPPED {test}: {why}");
+    eprintln!("\n*** {line}\n");
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(bin_dir().join("skipped-tests.txt")) {
+        // One write per line: O_APPEND keeps concurrent tests' lines whole.
+        let _ = f.write_all(format!("{line}\n").as_bytes());
+    }
+}
+
+/// Checks the CPU-device and GPU tests share, so both devices pass the same ones.
+pub mod checks {
+    use std::io::{BufRead, BufReader, Write};
+    use std::path::Path;
+    use std::process::Stdio;
+
+    use super::{run_ok, sample};
+
+    /// vectorAdd, matrixMul and reduction with the given arguments, all at
+    /// once for every tenant; each must report PASSED.
+    pub fn samples_concurrently(sockets: &[&Path], vector_n: &str, matrix_n: &str) {
+        let mut jobs = Vec::new();
+        for sock in sockets {
+            for (prog, args) in [("vectorAdd", vec![vector_n]), ("matrixMul", vec![matrix_n]), ("reduction", vec![])] {
+                let mut c = sample(prog, sock);
+                c.args(&args);
+                jobs.push((prog, std::thread::spawn(move || run_ok(c))));
+            }
+        }
+        for (prog, j) in jobs {
+            let out = j.join().expect("job thread");
+            assert!(out.contains(&format!("{prog}: PASSED")), "{prog}: {out}");
+        }
+    }
+
+    /// The owner holds a pattern; the thief uses the owner's pointer in
+    /// copies, a memset and a kernel. Returns the thief's report after
+    /// checking that the owner's data is intact and nothing leaked.
+    pub fn steal_from(owner: &Path, thief: &Path) -> String {
+        let mut holder = sample("tenant_probe", owner);
+        holder.args(["hold", "4096"]).stdin(Stdio::piped()).stdout(Stdio::piped());
+        let mut child = holder.spawn().expect("spawn holder");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        out.read_line(&mut line).expect("ptr line");
+        let ptr = line.trim().strip_prefix("ptr=").expect("ptr").to_string();
+        let mut c = sample("tenant_probe", thief);
+        c.args(["steal", &ptr]);
+        let got = run_ok(c);
+        assert!(got.contains("leaked=0"), "{got}");
+        child.stdin.take().expect("stdin").write_all(b"go\n").expect("release holder");
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut out, &mut rest).expect("holder output");
+        assert!(child.wait().expect("wait").success(), "{rest}");
+        assert!(rest.contains("intact=4096"), "the owner's data changed: {rest}");
+        got
+    }
+}

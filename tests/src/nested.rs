@@ -12,7 +12,7 @@ pub fn qemu_available(test: &str) -> bool {
     match Command::new("qemu-system-x86_64").arg("--version").output() {
         Ok(o) if o.status.success() => true,
         _ => {
-            eprintln!("SKIPPED {test}: qemu-system-x86_64 is not installed; run images/nested/packages.sh (scripts/test.sh does)");
+            crate::report_skip(test, "qemu-system-x86_64 is not installed; run images/nested/packages.sh (scripts/test.sh does)");
             false
         }
     }

@@ -15,7 +15,7 @@ pub fn kvm_available(test: &str) -> bool {
     match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
         Ok(_) => true,
         Err(e) => {
-            eprintln!("SKIPPED {test}: /dev/kvm is not usable here ({e}); the KVM tier needs it");
+            crate::report_skip(test, &format!("/dev/kvm is not usable here ({e}); the KVM tier needs it"));
             false
         }
     }

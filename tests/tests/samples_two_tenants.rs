@@ -9,18 +9,7 @@ fn samples_run_concurrently_for_two_tenants_with_different_quotas() {
     let m = Mediator::start(&["--device-memory", "512MiB"]);
     let a = m.tenant("alpha", "256MiB");
     let b = m.tenant("beta", "64MiB");
-    let mut jobs = Vec::new();
-    for sock in [&a, &b] {
-        for (prog, args) in [("vectorAdd", vec!["100000"]), ("matrixMul", vec!["256"]), ("reduction", vec![])] {
-            let mut c = sample(prog, sock);
-            c.args(&args);
-            jobs.push((prog, std::thread::spawn(move || run_ok(c))));
-        }
-    }
-    for (prog, j) in jobs {
-        let out = j.join().expect("job thread");
-        assert!(out.contains(&format!("{prog}: PASSED")), "{prog}: {out}");
-    }
+    checks::samples_concurrently(&[&a, &b], "100000", "256");
     for t in ["alpha", "beta"] {
         let labels = format!("tenant=\"{t}\",device=\"cpu0\"");
         let kernels = m.metric("vgpu_tenant_kernels_total", &labels).expect("kernels metric");

@@ -1,0 +1,125 @@
+//! The `cuda` backend on a real NVIDIA GPU (or its first MIG instance):
+//! the same programs and checks the CPU device passes, on two tenants that
+//! share the GPU. Every test skips, loudly, on a machine without a GPU.
+//!
+//! Run on a GPU machine: cargo test --release -p vgpu-tests --test gpu_cuda
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+
+use vgpu_tests::*;
+
+#[test]
+fn gpu_samples_run_for_two_tenants_with_their_own_quotas() {
+    let Some((m, gpu)) = gpu_mediator("gpu_samples_run_for_two_tenants_with_their_own_quotas", &[]) else { return };
+    let dev = m.device(&gpu);
+    assert_eq!(dev["kind"], "cuda", "{dev}");
+    let a = m.tenant_on("alpha", "1GiB", &gpu);
+    let b = m.tenant_on("beta", "256MiB", &gpu);
+    checks::samples_concurrently(&[&a, &b], "1000000", "512");
+    // Each tenant's quota is its own, and cuMemGetInfo reports it.
+    for (sock, quota) in [(&a, 1u64 << 30), (&b, 256u64 << 20)] {
+        let mut c = sample("tenant_probe", sock);
+        c.args(["quota", &quota.to_string()]);
+        let out = run_ok(c);
+        assert!(out.contains("over_quota=CUDA_ERROR_OUT_OF_MEMORY"), "{out}");
+        assert!(out.contains("after_free=CUDA_SUCCESS"), "{out}");
+    }
+    for t in ["alpha", "beta"] {
+        let labels = format!("tenant=\"{t}\",device=\"{gpu}\"");
+        assert!(m.metric("vgpu_tenant_kernels_total", &labels).expect("kernels") >= 4.0);
+        assert!(m.metric("vgpu_tenant_scrubbed_bytes_total", &labels).expect("scrubbed") > 0.0);
+    }
+    // vgpu-smi names the real device.
+    let mut c = std::process::Command::new(bin("vgpu-smi"));
+    c.args(["-o", "json", "--socket"]).arg(&a);
+    let v: serde_json::Value = serde_json::from_str(&run_ok(c)).expect("json");
+    assert!(v["device"]["name"].as_str().unwrap_or("").contains("NVIDIA"), "{v}");
+}
+
+#[test]
+fn gpu_fresh_allocations_never_show_another_tenants_pattern() {
+    let Some((m, gpu)) = gpu_mediator("gpu_fresh_allocations_never_show_another_tenants_pattern", &[]) else { return };
+    let a = m.tenant_on("writer", "2GiB", &gpu);
+    let b = m.tenant_on("reader", "2GiB", &gpu);
+    let size = (512u64 << 20).to_string();
+    // A fills and frees; B's allocations read back zero.
+    let mut c = sample("tenant_probe", &a);
+    c.args(["fill", &size]);
+    run_ok(c);
+    let mut c = sample("tenant_probe", &b);
+    c.args(["check", &size]);
+    assert!(run_ok(c).contains(&format!("clean={size}")));
+    // A holds a pattern and its process dies: its context is destroyed and
+    // the memory reclaimed; B's next allocations are still clean.
+    let mut holder = sample("tenant_probe", &a);
+    holder.args(["hold", &size]).stdin(Stdio::piped()).stdout(Stdio::piped());
+    let mut child = holder.spawn().expect("spawn holder");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("ptr line");
+    child.kill().expect("kill holder");
+    let _ = child.wait();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while m.metric("vgpu_tenant_memory_used_bytes", &format!("tenant=\"writer\",device=\"{gpu}\"")) != Some(0.0) {
+        assert!(std::time::Instant::now() < deadline, "the killed tenant's memory was not reclaimed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for _ in 0..3 {
+        let mut c = sample("tenant_probe", &b);
+        c.args(["check", &size]);
+        assert!(run_ok(c).contains(&format!("clean={size}")));
+    }
+    assert_eq!(m.device(&gpu)["state"], "running", "no scrub check failed");
+}
+
+#[test]
+fn gpu_foreign_pointers_fail_and_leak_nothing() {
+    let Some((m, gpu)) = gpu_mediator("gpu_foreign_pointers_fail_and_leak_nothing", &[]) else { return };
+    let a = m.tenant_on("owner", "64MiB", &gpu);
+    let b = m.tenant_on("thief", "64MiB", &gpu);
+    // Copies and memsets are refused by the worker's ownership check; the
+    // kernel reaches the GPU, whose MMU faults it in the thief's context.
+    let got = checks::steal_from(&a, &b);
+    assert!(got.contains("dtoh=CUDA_ERROR_INVALID_VALUE"), "{got}");
+    assert!(got.contains("memset=CUDA_ERROR_INVALID_VALUE"), "{got}");
+    assert!(got.contains("kernel=CUDA_ERROR_ILLEGAL_ADDRESS"), "{got}");
+}
+
+#[test]
+fn gpu_kernel_fault_in_one_tenant_leaves_the_other_correct() {
+    let Some((m, gpu)) = gpu_mediator("gpu_kernel_fault_in_one_tenant_leaves_the_other_correct", &[]) else { return };
+    let a = m.tenant_on("crasher", "256MiB", &gpu);
+    let b = m.tenant_on("bystander", "1GiB", &gpu);
+    let steady = {
+        let b = b.clone();
+        std::thread::spawn(move || (0..5).map(|_| run_ok(sample("matrixMul", &b).arg("512"))).collect::<Vec<_>>())
+    };
+    let mut c = sample("tenant_probe", &a);
+    c.args(["fault", "1099511627776"]);
+    let out = run_ok(c);
+    assert!(out.contains("launch=CUDA_ERROR_ILLEGAL_ADDRESS"), "{out}");
+    assert!(out.contains("after=CUDA_ERROR_ILLEGAL_ADDRESS"), "the fault is sticky: {out}");
+    assert!(out.contains("fresh=CUDA_SUCCESS value=0x3c"), "the tenant starts afresh in a rebuilt context: {out}");
+    for o in steady.join().expect("bystander") {
+        assert!(o.contains("matrixMul: PASSED"), "{o}");
+    }
+    assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"), "the crasher works again");
+}
+
+#[test]
+fn gpu_runaway_kernel_is_stopped_and_others_continue() {
+    let cfg = std::env::temp_dir().join(format!("vgpu-gpu-timeout-{}.toml", std::process::id()));
+    std::fs::write(&cfg, "[devices]\ncpu = 0\ncuda = \"required\"\ncuda_launch_timeout_ms = 2000\n").expect("config");
+    let Some((m, gpu)) = gpu_mediator("gpu_runaway_kernel_is_stopped_and_others_continue", &["--config", cfg.to_str().expect("utf8")]) else { return };
+    let a = m.tenant_on("spinner", "64MiB", &gpu);
+    let b = m.tenant_on("worker", "64MiB", &gpu);
+    let mut c = sample("tenant_probe", &a);
+    c.args(["ptx", "faults.ptx", "spin"]);
+    let t = std::time::Instant::now();
+    let out = run_ok(c);
+    assert!(out.contains("launch=CUDA_ERROR_LAUNCH_TIMEOUT"), "{out}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(30), "stopped near the 2 s timeout");
+    assert!(run_ok(sample("vectorAdd", &b)).contains("PASSED"));
+    assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"), "the spinner's next process gets a fresh context");
+    let _ = std::fs::remove_file(&cfg);
+}
