@@ -68,7 +68,7 @@ fn main() {
 
     // 2. Copies through the shim's C API.
     std::env::set_var("VGPU_SOCKET", &sock);
-    // SAFETY (all calls below): arguments follow the CUDA API contract;
+    // SAFETY: for all calls below, arguments follow the CUDA API contract;
     // out-pointers are valid locals and host buffers are sized to the copy.
     unsafe {
         check(cu::cuInit(0), "cuInit");

@@ -37,7 +37,7 @@ const NULL_PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible 
 /// One role's figures, measured with whatever libcuda this process loaded.
 fn measure(native: bool, quick: bool) -> Value {
     let reps = if quick { 200 } else { 2000 };
-    // SAFETY (whole block): driver API calls with valid out-pointers and
+    // SAFETY: for the whole block, driver API calls with valid out-pointers and
     // buffers that outlive each call; the context is current throughout.
     unsafe {
         ck(cu::cuInit(0), "cuInit");
