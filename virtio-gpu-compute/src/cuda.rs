@@ -70,6 +70,19 @@ impl CuResult {
     pub fn is_ok(self) -> bool {
         self == CuResult::CUDA_SUCCESS
     }
+
+    /// Errors that leave a context unusable, as on a real GPU: every later
+    /// call on it returns the same error.
+    pub fn is_sticky(self) -> bool {
+        matches!(
+            self,
+            CuResult::CUDA_ERROR_ILLEGAL_ADDRESS
+                | CuResult::CUDA_ERROR_MISALIGNED_ADDRESS
+                | CuResult::CUDA_ERROR_LAUNCH_TIMEOUT
+                | CuResult::CUDA_ERROR_ILLEGAL_INSTRUCTION
+                | CuResult::CUDA_ERROR_LAUNCH_FAILED
+        )
+    }
 }
 
 impl std::fmt::Display for CuResult {

@@ -58,7 +58,8 @@ fn code_of(r: cu::CUresult) -> u32 {
     r as u32
 }
 
-/// Errors after which CUDA refuses every further call on the context.
+/// Raw driver codes after which CUDA refuses every further call on the
+/// context, including those the protocol has no name for.
 pub fn is_sticky(raw: u32) -> bool {
     matches!(raw, 700 | 702 | 710 | 714..=719)
 }
@@ -187,14 +188,7 @@ impl TenantCtx {
     /// Records a sticky error so later calls fail fast, as CUDA would.
     fn note(&mut self, r: Result<(), BackendError>) -> Result<(), BackendError> {
         if let Err(e) = &r {
-            if matches!(
-                e.code,
-                CuResult::CUDA_ERROR_ILLEGAL_ADDRESS
-                    | CuResult::CUDA_ERROR_LAUNCH_TIMEOUT
-                    | CuResult::CUDA_ERROR_ILLEGAL_INSTRUCTION
-                    | CuResult::CUDA_ERROR_MISALIGNED_ADDRESS
-                    | CuResult::CUDA_ERROR_LAUNCH_FAILED
-            ) {
+            if e.code.is_sticky() {
                 self.poisoned = true;
             }
         }

@@ -13,18 +13,6 @@ use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDe
 use crate::ipc::{DeviceStats, TenantStats};
 use crate::sched::Scheduler;
 
-/// Errors that leave a context unusable, as on a real GPU.
-fn is_sticky(code: CuResult) -> bool {
-    matches!(
-        code,
-        CuResult::CUDA_ERROR_ILLEGAL_ADDRESS
-            | CuResult::CUDA_ERROR_MISALIGNED_ADDRESS
-            | CuResult::CUDA_ERROR_LAUNCH_TIMEOUT
-            | CuResult::CUDA_ERROR_ILLEGAL_INSTRUCTION
-            | CuResult::CUDA_ERROR_LAUNCH_FAILED
-    )
-}
-
 pub struct Tenant {
     pub name: String,
     pub quota: u64,
@@ -490,7 +478,7 @@ impl DeviceService {
                 let res = self.timed(t, || self.backend.launch(t.slot, &*m, index, &l, &params, owned));
                 t.kernels.fetch_add(1, Ordering::Relaxed);
                 if let Err(e) = res {
-                    if is_sticky(e.code) {
+                    if e.code.is_sticky() {
                         st.faulted = true;
                         if let Some(c) = st.ctxs.get_mut(&b.ctx) {
                             c.sticky = Some((e.code, e.msg.clone()));
