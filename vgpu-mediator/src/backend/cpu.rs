@@ -5,6 +5,7 @@ use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
@@ -171,6 +172,8 @@ pub struct CpuBackend {
     alloc: Mutex<RangeAlloc>,
     scrubbed: AtomicU64,
     quarantined: AtomicBool,
+    /// Wall-clock limit of one launch.
+    launch_timeout: Option<Duration>,
 }
 
 struct CpuModule(Module);
@@ -184,6 +187,9 @@ impl DeviceModule for CpuModule {
             params: k.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(),
             params_size: k.params_size,
         })
+    }
+    fn host_bytes(&self) -> u64 {
+        self.0.host_bytes()
     }
     fn as_any(&self) -> &dyn Any {
         self
@@ -251,7 +257,14 @@ impl CpuBackend {
             alloc: Mutex::new(RangeAlloc::new(memory)),
             scrubbed: AtomicU64::new(0),
             quarantined: AtomicBool::new(false),
+            launch_timeout: None,
         })
+    }
+
+    /// Stops any launch that runs longer than `t` with CUDA_ERROR_LAUNCH_TIMEOUT.
+    pub fn with_launch_timeout(mut self, t: Duration) -> CpuBackend {
+        self.launch_timeout = Some(t);
+        self
     }
 
     fn off(&self, addr: u64) -> Result<u64, BackendError> {
@@ -326,7 +339,7 @@ impl Backend for CpuBackend {
         self.arena.copy(self.off(dst)?, self.off(src)?, len)
     }
 
-    fn load_module(&self, _slot: TenantSlot, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError> {
+    fn load_module(&self, _slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<Arc<dyn DeviceModule>, BackendError> {
         if format != ImageFormat::Ptx {
             return Err(BackendError::new(
                 CuResult::CUDA_ERROR_NOT_SUPPORTED,
@@ -335,7 +348,10 @@ impl Backend for CpuBackend {
         }
         let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image))
             .map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
-        let m = Module::parse(text).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, e.to_string()))?;
+        let m = Module::parse_within(text, host_limit).map_err(|e| {
+            let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
+            BackendError::new(code, e.to_string())
+        })?;
         Ok(Arc::new(CpuModule(m)))
     }
 
@@ -352,6 +368,7 @@ impl Backend for CpuBackend {
             max_grid: self.desc.max_grid,
             max_shared: self.desc.max_shared_per_block,
             budget: self.desc.instruction_budget,
+            timeout: self.launch_timeout,
         };
         let cfg = ptx::LaunchConfig { grid: l.grid, block: l.block, dynamic_shared: l.shared_bytes };
         match ptx::launch(k, &cfg, params, &mut view, &limits) {
@@ -360,7 +377,8 @@ impl Backend for CpuBackend {
                 let code = match &e {
                     ExecError::IllegalAddress { .. } => CuResult::CUDA_ERROR_ILLEGAL_ADDRESS,
                     ExecError::Misaligned { .. } => CuResult::CUDA_ERROR_MISALIGNED_ADDRESS,
-                    ExecError::Budget(_) => CuResult::CUDA_ERROR_LAUNCH_TIMEOUT,
+                    ExecError::Budget(_) | ExecError::Timeout(_) => CuResult::CUDA_ERROR_LAUNCH_TIMEOUT,
+                    ExecError::OutOfResources(_) => CuResult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,
                     ExecError::BadLaunch(_) => CuResult::CUDA_ERROR_INVALID_VALUE,
                     ExecError::Deadlock(_) => CuResult::CUDA_ERROR_LAUNCH_FAILED,
                 };
@@ -404,7 +422,7 @@ mod tests {
     #[test]
     fn non_ptx_images_are_unsupported_on_this_device() {
         let b = CpuBackend::new(0, 1 << 16, 0).unwrap();
-        let e = b.load_module(0, b"\x7fELF\x02\x01\x01", ImageFormat::Cubin).err().unwrap();
+        let e = b.load_module(0, b"\x7fELF\x02\x01\x01", ImageFormat::Cubin, u64::MAX).err().unwrap();
         assert_eq!(e.code, CuResult::CUDA_ERROR_NOT_SUPPORTED);
         assert!(e.msg.contains("unsupported on this device"));
     }

@@ -258,6 +258,8 @@ struct CudaModule {
     param_info: Option<ParamInfoFn>,
     /// Functions handed out so far, with their parameter layouts.
     funcs: Mutex<Vec<(cu::CUfunction, Vec<ParamDesc>)>>,
+    /// Host bytes charged to the tenant for this module.
+    host_bytes: u64,
 }
 
 // SAFETY: the module and function handles are only used with their
@@ -309,6 +311,10 @@ impl DeviceModule for CudaModule {
             funcs.len() - 1
         });
         Some(FunctionDesc { index, params, params_size })
+    }
+
+    fn host_bytes(&self) -> u64 {
+        self.host_bytes
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -744,13 +750,21 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError> {
+    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<Arc<dyn DeviceModule>, BackendError> {
         let owner = self.tenant(slot)?;
+        // The driver keeps (at least) a copy of the image on the host.
+        let host_bytes = image.len() as u64;
+        if host_bytes > host_limit {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("a {host_bytes}-byte module exceeds the {host_limit} bytes left in the tenant's host budget")));
+        }
         let ptx_params = match format {
             ImageFormat::Ptx => {
                 let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image))
                     .map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
-                let sigs = crate::ptx::Module::signatures(text).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, e.to_string()))?;
+                let sigs = crate::ptx::Module::signatures(text, host_limit - host_bytes).map_err(|e| {
+                    let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
+                    BackendError::new(code, e.to_string())
+                })?;
                 Some(
                     sigs.into_iter()
                         .map(|s| (s.name, (s.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), s.params_size)))
@@ -782,7 +796,7 @@ impl Backend for CudaBackend {
         check(unsafe { cu::cuModuleLoadData(&mut module, image.as_ptr().cast()) }, "cuModuleLoadData")?;
         let generation = g.generation;
         drop(g);
-        Ok(Arc::new(CudaModule { owner, generation, module, ptx_params, param_info: self.param_info, funcs: Mutex::new(Vec::new()) }))
+        Ok(Arc::new(CudaModule { owner, generation, module, ptx_params, param_info: self.param_info, funcs: Mutex::new(Vec::new()), host_bytes }))
     }
 
     fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<u64, BackendError> {

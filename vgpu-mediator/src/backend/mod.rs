@@ -69,6 +69,9 @@ pub struct FunctionDesc {
 /// A module loaded on a device.
 pub trait DeviceModule: Send + Sync {
     fn function(&self, name: &str) -> Option<FunctionDesc>;
+    /// Host memory the loaded module keeps in the worker, charged to its
+    /// tenant's host budget while the module is loaded.
+    fn host_bytes(&self) -> u64;
     fn as_any(&self) -> &dyn Any;
 }
 
@@ -113,7 +116,11 @@ pub trait Backend: Send + Sync {
     fn read(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError>;
     fn fill(&self, slot: TenantSlot, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError>;
     fn copy(&self, slot: TenantSlot, dst: u64, src: u64, len: u64) -> Result<(), BackendError>;
-    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat) -> Result<Arc<dyn DeviceModule>, BackendError>;
+    /// Loads a module whose host-side form (parsed or kept by the driver)
+    /// takes at most `host_limit` bytes, the rest of the tenant's host
+    /// budget; a larger one fails with CUDA_ERROR_OUT_OF_MEMORY before the
+    /// memory is taken.
+    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<Arc<dyn DeviceModule>, BackendError>;
     /// Runs a kernel to completion; on the CPU device every access is
     /// checked against `owned`, on a GPU the tenant's own context confines
     /// it. Returns instructions executed (0 where the backend cannot count).

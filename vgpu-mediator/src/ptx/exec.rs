@@ -8,6 +8,8 @@
 //! lockstep execution. Every access is bounds-checked: global memory
 //! through [`GlobalMem`], shared and parameter memory against their sizes.
 
+use std::time::{Duration, Instant};
+
 use super::ir::*;
 
 /// Generic addresses in `[SHARED_WINDOW, SHARED_WINDOW + shared size)` name
@@ -28,8 +30,12 @@ pub enum ExecError {
     IllegalAddress { kind: &'static str, addr: u64, len: usize, line: u32 },
     #[error("misaligned {len}-byte access at {addr:#x} at PTX line {line}")]
     Misaligned { addr: u64, len: usize, line: u32 },
-    #[error("launch exceeded its budget of {0} instructions")]
+    #[error("launch exceeded its budget of {0} instruction units")]
     Budget(u64),
+    #[error("launch ran past its {0:?} time limit")]
+    Timeout(Duration),
+    #[error("too many resources requested for launch: {0}")]
+    OutOfResources(String),
     #[error("invalid launch: {0}")]
     BadLaunch(String),
     #[error("threads deadlocked: {0}")]
@@ -60,13 +66,61 @@ pub struct Limits {
     pub max_block: [u32; 3],
     pub max_grid: [u32; 3],
     pub max_shared: u32,
-    /// Instructions one launch may execute (0: unlimited).
+    /// Cost units one launch may spend (0: unlimited). An instruction
+    /// costs one unit per register it writes or element it moves; setting
+    /// up a block and scanning its threads cost units too (see [`launch`]).
     pub budget: u64,
+    /// Wall-clock time one launch may run (None: unlimited).
+    pub timeout: Option<Duration>,
+}
+
+/// Largest per-block register file (threads × registers × 8 bytes) the
+/// interpreter allocates; larger launches fail with out-of-resources, as a
+/// GPU refuses a block whose registers do not fit an SM.
+pub const MAX_REGISTER_FILE: u64 = 64 << 20;
+/// Bytes of register file or shared memory zeroed per cost unit.
+const ZERO_BYTES_PER_UNIT: u64 = 64;
+/// Fixed cost of starting a block, in units.
+const BLOCK_UNITS: u64 = 16;
+/// How often (in units spent) a running launch looks at the clock.
+const CLOCK_EVERY: u64 = 1 << 12;
+
+/// What a launch may still spend.
+struct Meter {
+    left: u64,
+    budget: u64,
+    deadline: Option<(Instant, Duration)>,
+    next_clock: u64,
+}
+
+impl Meter {
+    /// Charges `units`; fails once the budget or the time limit is spent.
+    #[inline]
+    fn charge(&mut self, units: u64) -> Result<(), ExecError> {
+        if self.left < units {
+            self.left = 0;
+            return Err(ExecError::Budget(self.budget));
+        }
+        self.left -= units;
+        if self.left <= self.next_clock {
+            self.next_clock = self.left.saturating_sub(CLOCK_EVERY);
+            if let Some((at, limit)) = self.deadline {
+                if Instant::now() >= at {
+                    return Err(ExecError::Timeout(limit));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn spent(&self) -> u64 {
+        self.budget - self.left
+    }
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0 }
+        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0, timeout: None }
     }
 }
 
@@ -118,6 +172,13 @@ impl Coords {
 }
 
 /// Runs `k` over the grid. `params` is the packed parameter buffer.
+///
+/// Every cost of a launch is metered against `limits.budget`: each
+/// instruction (one unit per register written or element moved), each
+/// block's set-up (a fixed cost plus one unit per [`ZERO_BYTES_PER_UNIT`]
+/// bytes of register file and shared memory zeroed) and each scheduling
+/// round over a block's threads. `limits.timeout` bounds wall-clock time
+/// whatever the budget.
 pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn GlobalMem, limits: &Limits) -> Result<Stats, ExecError> {
     let nthreads = cfg.block.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64)).unwrap_or(u64::MAX);
     if nthreads == 0 || nthreads > limits.max_threads_per_block as u64 {
@@ -135,6 +196,15 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
     if (params.len() as u64) < k.params_size as u64 {
         return Err(ExecError::BadLaunch(format!("{} parameter bytes given, kernel '{}' takes {}", params.len(), k.name, k.params_size)));
     }
+    let regfile = nthreads.saturating_mul(k.num_regs as u64).saturating_mul(8);
+    if regfile > MAX_REGISTER_FILE {
+        return Err(ExecError::OutOfResources(format!("{nthreads} threads × {} registers need a {regfile}-byte register file per block (limit {MAX_REGISTER_FILE})", k.num_regs)));
+    }
+    let budget = if limits.budget == 0 { u64::MAX } else { limits.budget };
+    let mut meter = Meter { left: budget, budget, deadline: limits.timeout.map(|t| (Instant::now() + t, t)), next_clock: budget.saturating_sub(CLOCK_EVERY) };
+    let block_units = BLOCK_UNITS + nthreads + (regfile + shared) / ZERO_BYTES_PER_UNIT;
+    // The first block's allocation is charged before it is made.
+    meter.charge(block_units)?;
     let mut b = BlockState {
         n: nthreads as usize,
         nregs: k.num_regs as usize,
@@ -144,18 +214,19 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
         shared: vec![0; shared as usize],
     };
     let mut stats = Stats::default();
-    let budget = if limits.budget == 0 { u64::MAX } else { limits.budget };
-    let mut left = budget;
     for cz in 0..cfg.grid[2] {
         for cy in 0..cfg.grid[1] {
             for cx in 0..cfg.grid[0] {
-                b.reset();
-                run_block(k, &mut b, cfg, [cx, cy, cz], params, mem, &mut left, budget)?;
+                if stats.blocks > 0 {
+                    meter.charge(block_units)?;
+                    b.reset();
+                }
+                run_block(k, &mut b, cfg, [cx, cy, cz], params, mem, &mut meter)?;
                 stats.blocks += 1;
             }
         }
     }
-    stats.instructions = budget - left;
+    stats.instructions = meter.spent();
     Ok(stats)
 }
 
@@ -192,15 +263,18 @@ fn coords(t: usize, cfg: &LaunchConfig, ctaid: [u32; 3], n: usize) -> Coords {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_block(k: &Kernel, b: &mut BlockState, cfg: &LaunchConfig, ctaid: [u32; 3], params: &[u8], mem: &mut dyn GlobalMem, left: &mut u64, budget: u64) -> Result<(), ExecError> {
+fn run_block(k: &Kernel, b: &mut BlockState, cfg: &LaunchConfig, ctaid: [u32; 3], params: &[u8], mem: &mut dyn GlobalMem, meter: &mut Meter) -> Result<(), ExecError> {
     let n = b.n;
     let r = b.nregs;
+    // One scheduling round scans every thread and warp of the block.
+    let round_units = (n as u64).div_ceil(WARP as u64);
     loop {
+        meter.charge(round_units)?;
         for t in 0..n {
             if b.st[t] == St::Run {
                 let c = coords(t, cfg, ctaid, n);
                 let regs = &mut b.regs[t * r..(t + 1) * r];
-                b.st[t] = run_thread(k, regs, &mut b.pc[t], &c, &mut b.shared, params, mem, left, budget)?;
+                b.st[t] = run_thread(k, regs, &mut b.pc[t], &c, &mut b.shared, params, mem, meter)?;
             }
         }
         let mut released = false;
@@ -248,8 +322,11 @@ fn resolve_collective(k: &Kernel, b: &mut BlockState, w: usize, cfg: &LaunchConf
     }
     let Some(pc) = pc else { return Ok(false) };
     let inst = &k.insts[pc as usize];
-    let wait_mask: Vec<bool> = (0..b.n).map(|t| b.st[t] == St::Coll).collect();
-    let waiting = |t: usize| wait_mask[t];
+    let mut wait_mask = [false; WARP];
+    for t in lo..hi {
+        wait_mask[t - lo] = b.st[t] == St::Coll;
+    }
+    let waiting = |t: usize| t >= lo && t < hi && wait_mask[t - lo];
     let rd = |b: &BlockState, t: usize, s: &Src| -> u64 {
         match s {
             Src::Reg(x) => b.regs[t * r + *x as usize],
@@ -440,25 +517,25 @@ fn run_thread(
     shared: &mut [u8],
     params: &[u8],
     global: &mut dyn GlobalMem,
-    left: &mut u64,
-    budget: u64,
+    meter: &mut Meter,
 ) -> Result<St, ExecError> {
     let mut m = Mem { shared, params, global };
     let insts = &k.insts[..];
     let mut pc = *pc_out as usize;
     loop {
-        if *left == 0 {
-            return Err(ExecError::Budget(budget));
-        }
-        *left -= 1;
         let inst = &insts[pc];
+        meter.charge(match &inst.op {
+            Op::Ld { d, .. } | Op::Unpack { d, .. } => d.len().max(1) as u64,
+            Op::St { s, .. } | Op::Pack { s, .. } => s.len().max(1) as u64,
+            _ => 1,
+        })?;
         pc += 1;
         if let Some((p, neg)) = inst.guard {
             if ((regs[p as usize] & 1) != 0) == neg {
                 continue;
             }
         }
-        let clock = budget - *left;
+        let clock = meter.spent();
         match &inst.op {
             Op::Mov { ty, d, a } => regs[*d as usize] = ty.mask(rd(regs, a, c, clock)),
             Op::Ld { space, ty, d, addr, dst_bits } => {
@@ -691,9 +768,11 @@ fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
         Bin::And => ux & uy,
         Bin::Or => ux | uy,
         Bin::Xor => ux ^ uy,
-        Bin::Shl => if y as u32 >= bits { 0 } else { ty.mask(ux << y) },
+        // Shift amounts are unsigned and clamp at the operand width,
+        // however wide the register holding them.
+        Bin::Shl => if y >= bits as u64 { 0 } else { ty.mask(ux << y) },
         Bin::Shr => {
-            let s = (y as u32).min(bits);
+            let s = y.min(bits as u64) as u32;
             if signed {
                 ty.mask((sx >> s.min(63)) as u64)
             } else if s >= bits {

@@ -175,6 +175,24 @@ pub struct Param {
     pub size: u32,
 }
 
+impl Kernel {
+    /// Host bytes this decoded kernel keeps (its instructions, operand
+    /// vectors and parameter table), as charged to its tenant.
+    pub fn host_bytes(&self) -> u64 {
+        let ops: usize = self
+            .insts
+            .iter()
+            .map(|i| match &i.op {
+                Op::Ld { d, .. } | Op::Unpack { d, .. } => d.capacity() * 4,
+                Op::St { s, .. } | Op::Pack { s, .. } => s.capacity() * std::mem::size_of::<Src>(),
+                _ => 0,
+            })
+            .sum();
+        let params: usize = self.params.iter().map(|p| std::mem::size_of::<Param>() + p.name.capacity()).sum();
+        (std::mem::size_of::<Kernel>() + self.name.capacity() + self.insts.capacity() * std::mem::size_of::<Inst>() + ops + params) as u64
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Kernel {
     pub name: String,

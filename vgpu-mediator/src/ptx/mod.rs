@@ -17,11 +17,17 @@ pub use parse::{Module, Signature};
 pub struct PtxError {
     pub line: u32,
     pub msg: String,
+    /// The module would not fit the tenant's host budget (not a PTX fault).
+    pub budget: bool,
 }
 
 impl PtxError {
     pub fn at(line: u32, msg: impl Into<String>) -> PtxError {
-        PtxError { line, msg: msg.into() }
+        PtxError { line, msg: msg.into(), budget: false }
+    }
+
+    pub fn over_budget(line: u32, msg: impl Into<String>) -> PtxError {
+        PtxError { line, msg: msg.into(), budget: true }
     }
 }
 

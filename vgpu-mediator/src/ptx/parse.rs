@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use super::ir::*;
-use super::lex::{lex, Tok, Token};
+use super::lex::{self, lex, Tok, Token};
 use super::PtxError;
 
 /// A loaded module: its entry points, decoded once.
@@ -15,9 +15,26 @@ pub struct Module {
 
 impl Module {
     pub fn parse(src: &str) -> Result<Module, PtxError> {
+        Self::parse_within(src, u64::MAX)
+    }
+
+    /// Parses `src` if its transient and retained host memory fit in
+    /// `limit` bytes: the token count is taken before tokens are allocated,
+    /// and the decoded form is measured before it is kept.
+    pub fn parse_within(src: &str, limit: u64) -> Result<Module, PtxError> {
+        let tokens = lex::count(src)? as u64;
+        let transient = tokens.saturating_mul(lex::TOKEN_BYTES);
+        if transient > limit {
+            return Err(PtxError::over_budget(0, format!("parsing this module needs {transient} bytes of host memory for its {tokens} tokens; {limit} are left in the tenant's host budget")));
+        }
         let toks = lex(src)?;
-        let mut p = Parser { t: &toks, i: 0, module_shared: Vec::new(), module_shared_bytes: 0 };
+        let mut p = Parser { t: &toks, i: 0, module_shared: HashMap::new(), module_shared_bytes: 0, limit: limit - transient, decoded: 0 };
         p.module()
+    }
+
+    /// Host bytes the decoded module keeps, as charged to its tenant.
+    pub fn host_bytes(&self) -> u64 {
+        self.kernels.iter().map(Kernel::host_bytes).sum::<u64>() + std::mem::size_of::<Module>() as u64
     }
 
     pub fn kernel(&self, name: &str) -> Option<&Kernel> {
@@ -27,12 +44,16 @@ impl Module {
     /// The parameter layout of every `.entry`, without decoding bodies:
     /// what a GPU backend needs to lay out launch parameters for PTX the
     /// interpreter itself may not support.
-    pub fn signatures(src: &str) -> Result<Vec<Signature>, PtxError> {
+    pub fn signatures(src: &str, limit: u64) -> Result<Vec<Signature>, PtxError> {
+        let transient = (lex::count(src)? as u64).saturating_mul(lex::TOKEN_BYTES);
+        if transient > limit {
+            return Err(PtxError::over_budget(0, format!("reading this module's signatures needs {transient} bytes of host memory; {limit} are left in the tenant's host budget")));
+        }
         let toks = lex(src)?;
-        let mut p = Parser { t: &toks, i: 0, module_shared: Vec::new(), module_shared_bytes: 0 };
+        let mut p = Parser { t: &toks, i: 0, module_shared: HashMap::new(), module_shared_bytes: 0, limit: u64::MAX, decoded: 0 };
         let mut out = Vec::new();
         while p.i < toks.len() {
-            let entry = matches!(&toks[p.i].tok, Tok::Word(w) if w == ".entry");
+            let entry = matches!(&toks[p.i].tok, Tok::Word(w) if *w == ".entry");
             p.i += 1;
             if entry {
                 let name = p.word()?.to_string();
@@ -52,17 +73,24 @@ pub struct Signature {
     pub params_size: u32,
 }
 
-#[derive(Clone)]
-struct SharedVar {
-    name: String,
-    offset: u32,
-}
+/// Deepest operand nesting the grammar has (`{a|b, ...}`, `!p`); anything
+/// deeper is refused rather than recursed into.
+const MAX_OPERAND_DEPTH: u32 = 3;
+/// Most elements of a `{...}` operand: `.v4` and eight-way `mov` packs.
+const MAX_VECTOR: usize = 8;
+/// Largest `.align` a variable may ask for.
+const MAX_ALIGN: u64 = 1 << 16;
 
 struct Parser<'a> {
-    t: &'a [Token],
+    t: &'a [Token<'a>],
     i: usize,
-    module_shared: Vec<SharedVar>,
+    /// Module-scope `.shared` variables: name to offset. Every kernel sees
+    /// them; kernels look them up here rather than copying them.
+    module_shared: HashMap<String, u32>,
     module_shared_bytes: u32,
+    /// Host bytes the decoded kernels may take, and what they take so far.
+    limit: u64,
+    decoded: u64,
 }
 
 /// Operand as written, before it is resolved against a kernel's names.
@@ -81,8 +109,11 @@ enum Raw {
 
 struct Body<'k> {
     regs: HashMap<String, (u32, Ty)>,
+    /// `.reg .t %r<N>` ranges: prefix to (first slot, count, type).
+    reg_ranges: HashMap<String, (u32, u32, Ty)>,
     num_regs: u32,
-    shared: Vec<SharedVar>,
+    module_shared: &'k HashMap<String, u32>,
+    shared: HashMap<String, u32>,
     shared_bytes: u32,
     params: &'k [Param],
     labels: HashMap<String, u32>,
@@ -90,8 +121,29 @@ struct Body<'k> {
     insts: Vec<Inst>,
 }
 
-fn align_up(v: u32, a: u32) -> u32 {
-    if a <= 1 { v } else { v.div_ceil(a) * a }
+fn align_up(v: u32, a: u32) -> Option<u32> {
+    if a <= 1 { Some(v) } else { v.div_ceil(a).checked_mul(a) }
+}
+
+impl Body<'_> {
+    /// A register by name: declared singly, or as `%r<N>`'s member `%rK`.
+    fn reg(&self, name: &str) -> Option<(u32, Ty)> {
+        if let Some(r) = self.regs.get(name) {
+            return Some(*r);
+        }
+        let prefix = name.trim_end_matches(|c: char| c.is_ascii_digit());
+        let digits = &name[prefix.len()..];
+        if digits.is_empty() || (digits.len() > 1 && digits.starts_with('0')) {
+            return None;
+        }
+        let k: u32 = digits.parse().ok()?;
+        let (base, n, ty) = *self.reg_ranges.get(prefix)?;
+        (k < n).then_some((base + k, ty))
+    }
+
+    fn shared_var(&self, name: &str) -> Option<u32> {
+        self.shared.get(name).or_else(|| self.module_shared.get(name)).copied()
+    }
 }
 
 impl<'a> Parser<'a> {
@@ -103,11 +155,11 @@ impl<'a> Parser<'a> {
         Err(PtxError::at(self.line(), msg))
     }
 
-    fn peek(&self) -> Option<&'a Tok> {
+    fn peek(&self) -> Option<&'a Tok<'a>> {
         self.t.get(self.i).map(|t| &t.tok)
     }
 
-    fn next(&mut self) -> Result<&'a Tok, PtxError> {
+    fn next(&mut self) -> Result<&'a Tok<'a>, PtxError> {
         let t = self.t.get(self.i).map(|t| &t.tok);
         match t {
             Some(t) => {
@@ -131,7 +183,7 @@ impl<'a> Parser<'a> {
 
     fn word(&mut self) -> Result<&'a str, PtxError> {
         match self.next()? {
-            Tok::Word(w) => Ok(w.as_str()),
+            Tok::Word(w) => Ok(w),
             other => self.err(format!("expected a name, found {}", show(other))),
         }
     }
@@ -176,7 +228,7 @@ impl<'a> Parser<'a> {
             let Tok::Word(w) = t else {
                 return self.err(format!("unexpected {} at module scope", show(t)));
             };
-            match w.as_str() {
+            match *w {
                 ".version" | ".target" | ".file" | ".loc" => self.skip_line(),
                 ".address_size" => {
                     self.i += 1;
@@ -204,9 +256,9 @@ impl<'a> Parser<'a> {
                 ".shared" => {
                     self.i += 1;
                     let (name, size, align) = self.var_decl()?;
-                    let offset = align_up(self.module_shared_bytes, align);
+                    let offset = align_up(self.module_shared_bytes, align).ok_or_else(|| PtxError::at(self.line(), "shared memory overflow"))?;
                     self.module_shared_bytes = offset.checked_add(size).ok_or_else(|| PtxError::at(self.line(), "shared memory overflow"))?;
-                    self.module_shared.push(SharedVar { name, offset });
+                    self.module_shared.insert(name, offset);
                 }
                 ".global" | ".const" | ".local" | ".tex" | ".surf" | ".sampler" => {
                     return self.err(format!("module-scope {w} variables are unsupported on the CPU reference device"));
@@ -232,7 +284,7 @@ impl<'a> Parser<'a> {
         loop {
             let w = self.word()?;
             match w {
-                ".align" => align = self.int()? as u32,
+                ".align" => align = self.align()?,
                 ".v2" => vec = 2,
                 ".v4" => vec = 4,
                 _ if w.starts_with('.') => match Ty::parse(&w[1..]) {
@@ -265,6 +317,15 @@ impl<'a> Parser<'a> {
         }
     }
 
+    /// The operand of `.align`: a power of two no larger than [`MAX_ALIGN`].
+    fn align(&mut self) -> Result<u32, PtxError> {
+        let a = self.int()?;
+        if !a.is_power_of_two() || a > MAX_ALIGN {
+            return self.err(format!(".align {a} is not a power of two up to {MAX_ALIGN}"));
+        }
+        Ok(a as u32)
+    }
+
     fn params(&mut self) -> Result<(Vec<Param>, u32), PtxError> {
         let mut params = Vec::new();
         let mut off = 0u32;
@@ -278,7 +339,7 @@ impl<'a> Parser<'a> {
             let name = loop {
                 let w = self.word()?;
                 match w {
-                    ".align" => align = self.int()? as u32,
+                    ".align" => align = self.align()?,
                     ".ptr" | ".global" | ".shared" | ".const" | ".local" => {}
                     _ if w.starts_with('.') => match Ty::parse(&w[1..]) {
                         Some(t) if t != Ty::Pred => ty = Some(t),
@@ -298,7 +359,7 @@ impl<'a> Parser<'a> {
             if !align.is_power_of_two() || align > 256 {
                 return self.err(format!("bad alignment {align} for parameter '{name}'"));
             }
-            off = align_up(off, align);
+            off = align_up(off, align).unwrap_or(u32::MAX);
             if size == 0 || off.saturating_add(size) > virtio_gpu_compute::MAX_PARAM_BYTES {
                 return self.err(format!("parameter '{name}' does not fit the {}-byte parameter space", virtio_gpu_compute::MAX_PARAM_BYTES));
             }
@@ -323,10 +384,24 @@ impl<'a> Parser<'a> {
             }
         }
         self.i += 1;
+        let module_shared = std::mem::take(&mut self.module_shared);
+        let r = self.body(name, params, params_size, &module_shared);
+        self.module_shared = module_shared;
+        let k = r?;
+        self.decoded = self.decoded.saturating_add(k.host_bytes());
+        if self.decoded > self.limit {
+            return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
+        }
+        Ok(k)
+    }
+
+    fn body(&mut self, name: String, params: Vec<Param>, params_size: u32, module_shared: &HashMap<String, u32>) -> Result<Kernel, PtxError> {
         let mut b = Body {
             regs: HashMap::new(),
+            reg_ranges: HashMap::new(),
             num_regs: 0,
-            shared: self.module_shared.clone(),
+            module_shared,
+            shared: HashMap::new(),
             shared_bytes: self.module_shared_bytes,
             params: &params,
             labels: HashMap::new(),
@@ -335,6 +410,9 @@ impl<'a> Parser<'a> {
         };
         let mut depth = 1;
         while depth > 0 {
+            if b.insts.len() % 1024 == 1023 && self.decoded.saturating_add((b.insts.capacity() * std::mem::size_of::<Inst>()) as u64) > self.limit {
+                return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
+            }
             let line = self.line();
             match self.next()? {
                 Tok::Punct('{') => depth += 1,
@@ -347,20 +425,20 @@ impl<'a> Parser<'a> {
                         false
                     };
                     let g = self.word()?;
-                    let (slot, ty) = *b.regs.get(g).ok_or_else(|| PtxError::at(line, format!("unknown guard predicate '{g}'")))?;
+                    let (slot, ty) = b.reg(g).ok_or_else(|| PtxError::at(line, format!("unknown guard predicate '{g}'")))?;
                     if ty != Ty::Pred {
                         return Err(PtxError::at(line, format!("guard '{g}' is not a predicate")));
                     }
                     let opw = self.word()?;
                     self.instruction(&mut b, opw, Some((slot, neg)), line)?;
                 }
-                Tok::Word(w) => match w.as_str() {
+                Tok::Word(w) => match *w {
                     ".reg" => self.reg_decl(&mut b)?,
                     ".shared" => {
                         let (n, size, align) = self.var_decl()?;
-                        let offset = align_up(b.shared_bytes, align);
+                        let offset = align_up(b.shared_bytes, align).ok_or_else(|| PtxError::at(line, "shared memory overflow"))?;
                         b.shared_bytes = offset.checked_add(size).ok_or_else(|| PtxError::at(line, "shared memory overflow"))?;
-                        b.shared.push(SharedVar { name: n, offset });
+                        b.shared.insert(n, offset);
                     }
                     ".pragma" => self.skip_to_semicolon()?,
                     ".loc" | ".file" => {
@@ -406,21 +484,19 @@ impl<'a> Parser<'a> {
             } else {
                 None
             };
+            let n = count.unwrap_or(1);
+            if b.num_regs.saturating_add(n) > 1 << 16 {
+                return self.err("too many registers");
+            }
             match count {
                 Some(n) => {
-                    for k in 0..n {
-                        b.regs.insert(format!("{name}{k}"), (b.num_regs, ty));
-                        b.num_regs += 1;
-                    }
+                    b.reg_ranges.insert(name, (b.num_regs, n, ty));
                 }
                 None => {
                     b.regs.insert(name, (b.num_regs, ty));
-                    b.num_regs += 1;
                 }
             }
-            if b.num_regs > 1 << 16 {
-                return self.err("too many registers");
-            }
+            b.num_regs += n;
             match self.next()? {
                 Tok::Punct(',') => continue,
                 Tok::Punct(';') => return Ok(()),
@@ -430,10 +506,19 @@ impl<'a> Parser<'a> {
     }
 
     fn raw_operand(&mut self) -> Result<Raw, PtxError> {
+        self.operand_at(0)
+    }
+
+    /// One operand at nesting `depth`; nesting past [`MAX_OPERAND_DEPTH`] is
+    /// an error, so hostile input cannot exhaust the worker's stack.
+    fn operand_at(&mut self, depth: u32) -> Result<Raw, PtxError> {
+        if depth > MAX_OPERAND_DEPTH {
+            return self.err("operand nested too deeply");
+        }
         let first = match self.next()? {
             Tok::Punct('[') => {
                 let base = match self.next()? {
-                    Tok::Word(w) => Raw::Name(w.clone()),
+                    Tok::Word(w) => Raw::Name(w.to_string()),
                     Tok::Int(v) => Raw::Int(*v as i128),
                     other => return self.err(format!("bad address base {}", show(other))),
                 };
@@ -455,7 +540,10 @@ impl<'a> Parser<'a> {
             Tok::Punct('{') => {
                 let mut v = Vec::new();
                 loop {
-                    v.push(self.raw_operand()?);
+                    if v.len() == MAX_VECTOR {
+                        return self.err(format!("vector operand with more than {MAX_VECTOR} elements"));
+                    }
+                    v.push(self.operand_at(depth + 1)?);
                     match self.next()? {
                         Tok::Punct(',') => continue,
                         Tok::Punct('}') => break,
@@ -464,7 +552,7 @@ impl<'a> Parser<'a> {
                 }
                 Raw::Vec(v)
             }
-            Tok::Punct('!') => Raw::Not(Box::new(self.raw_operand()?)),
+            Tok::Punct('!') => Raw::Not(Box::new(self.operand_at(depth + 1)?)),
             Tok::Punct('-') => match self.next()? {
                 Tok::Int(v) => Raw::Int(-(*v as i128)),
                 Tok::F32(b) => Raw::F32(b ^ 0x8000_0000),
@@ -474,13 +562,13 @@ impl<'a> Parser<'a> {
             Tok::Int(v) => Raw::Int(*v as i128),
             Tok::F32(b) => Raw::F32(*b),
             Tok::F64(b) => Raw::F64(*b),
-            Tok::Word(w) if w == "_" => Raw::Sink,
-            Tok::Word(w) => Raw::Name(w.clone()),
+            Tok::Word(w) if *w == "_" => Raw::Sink,
+            Tok::Word(w) => Raw::Name(w.to_string()),
             other => return self.err(format!("bad operand {}", show(other))),
         };
         if self.is_punct('|') {
             self.i += 1;
-            let second = self.raw_operand()?;
+            let second = self.operand_at(depth + 1)?;
             return Ok(Raw::Pair(Box::new(first), Box::new(second)));
         }
         Ok(first)
@@ -584,8 +672,8 @@ impl Cx<'_, '_, '_> {
 
     fn reg(&self, r: &Raw) -> Result<u32, PtxError> {
         match r {
-            Raw::Name(n) => match self.b.regs.get(n) {
-                Some((slot, _)) => Ok(*slot),
+            Raw::Name(n) => match self.b.reg(n) {
+                Some((slot, _)) => Ok(slot),
                 None => self.err(format!("unknown register '{n}'")),
             },
             other => self.err(format!("expected a register, found {other:?}")),
@@ -594,7 +682,7 @@ impl Cx<'_, '_, '_> {
 
     fn reg_bits(&self, r: &Raw) -> u32 {
         match r {
-            Raw::Name(n) => self.b.regs.get(n).map(|(_, t)| t.bits()).unwrap_or(64),
+            Raw::Name(n) => self.b.reg(n).map(|(_, t)| t.bits()).unwrap_or(64),
             _ => 64,
         }
     }
@@ -606,14 +694,14 @@ impl Cx<'_, '_, '_> {
     fn src(&self, r: &Raw, ty: Ty) -> Result<Src, PtxError> {
         Ok(match r {
             Raw::Name(n) => {
-                if let Some((slot, _)) = self.b.regs.get(n) {
-                    Src::Reg(*slot)
+                if let Some((slot, _)) = self.b.reg(n) {
+                    Src::Reg(slot)
                 } else if let Some(s) = special(n) {
                     Src::Special(s)
                 } else if n == "WARP_SZ" {
                     Src::Imm(32)
-                } else if let Some(v) = self.b.shared.iter().rev().find(|v| &v.name == n) {
-                    Src::Imm(v.offset as u64)
+                } else if let Some(off) = self.b.shared_var(n) {
+                    Src::Imm(off as u64)
                 } else {
                     return self.err(format!("unknown operand '{n}'"));
                 }
@@ -644,10 +732,10 @@ impl Cx<'_, '_, '_> {
                 Some(p) => Src::Imm(p.offset as u64),
                 None => return self.err(format!("unknown parameter '{n}'")),
             },
-            Raw::Name(n) if self.b.regs.contains_key(n) => self.src(&Raw::Name(n.clone()), Ty::U64)?,
-            Raw::Name(n) => match self.b.shared.iter().rev().find(|v| &v.name == n) {
-                Some(v) if matches!(space, Space::Shared) => Src::Imm(v.offset as u64),
-                Some(v) if matches!(space, Space::Generic) => Src::Imm(super::exec::SHARED_WINDOW + v.offset as u64),
+            Raw::Name(n) if self.b.reg(n).is_some() => self.src(&Raw::Name(n.clone()), Ty::U64)?,
+            Raw::Name(n) => match self.b.shared_var(n) {
+                Some(off) if matches!(space, Space::Shared) => Src::Imm(off as u64),
+                Some(off) if matches!(space, Space::Generic) => Src::Imm(super::exec::SHARED_WINDOW + off as u64),
                 _ => return self.err(format!("unknown address base '{n}'")),
             },
             Raw::Int(v) => Src::Imm(*v as u64),

@@ -451,7 +451,7 @@ fn signatures_lay_out_parameters_without_decoding_bodies() {
     ret;
 }
 "#;
-    let sigs = Module::signatures(src).unwrap();
+    let sigs = Module::signatures(src, u64::MAX).unwrap();
     assert_eq!(sigs.len(), 2);
     let k = &sigs[0];
     assert_eq!(k.name, "k");
@@ -461,4 +461,148 @@ fn signatures_lay_out_parameters_without_decoding_bodies() {
     assert_eq!(sigs[1].name, "noargs");
     assert!(sigs[1].params.is_empty());
     assert!(Module::parse(src).is_err(), "the full parser refuses the texture instruction");
+}
+
+/// Regression tests for hostile modules and launches (issue: tenant-proof
+/// workers). Each failed, crashed or ran unbounded before its fix.
+mod hostile {
+    use super::*;
+
+    const HEAD: &str = ".version 7.0\n.target sm_70\n.address_size 64\n";
+
+    fn kernel_with(body: &str) -> String {
+        format!("{HEAD}.visible .entry k(.param .u64 out) {{\n .reg .b64 %rd<8>;\n .reg .b32 %r<8>;\n .reg .pred %p<2>;\n{body}\n ret;\n}}\n")
+    }
+
+    #[test]
+    fn deeply_nested_operands_are_refused_not_recursed_into() {
+        // A few thousand levels used to overflow the worker's stack,
+        // which no catch_unwind can stop: the whole worker aborted.
+        for (open, close) in [("!", ""), ("{", "}"), ("%r1|", "")] {
+            let deep = format!("{}%r1{}", open.repeat(20_000), close.repeat(20_000));
+            let src = kernel_with(&format!(" mov.u32 %r1, {deep};"));
+            let e = Module::parse(&src).unwrap_err();
+            assert!(e.msg.contains("nested too deeply"), "{open}: {e}");
+        }
+    }
+
+    #[test]
+    fn vector_operands_are_limited_to_eight_elements() {
+        let regs: Vec<String> = (0..9).map(|i| format!("%r{}", i % 8)).collect();
+        let src = kernel_with(&format!(" ld.global.v4.u32 {{{}}}, [%rd1];", regs.join(",")));
+        assert!(Module::parse(&src).unwrap_err().msg.contains("more than 8 elements"));
+    }
+
+    #[test]
+    fn module_scope_shared_variables_are_shared_by_entries_not_copied() {
+        // 12000 module-scope variables and 12000 entries took 6 s of a
+        // worker thread when each entry copied and scanned the list; with
+        // one indexed table it is linear. The bound is 30x the linear cost.
+        let mut src = String::from(HEAD);
+        for i in 0..12_000 {
+            src.push_str(&format!(".shared .align 4 .b8 s{i}[4];\n"));
+        }
+        for i in 0..12_000 {
+            src.push_str(&format!(".visible .entry e{i}() {{\n .reg .b32 %r<2>;\n mov.u32 %r1, s{i};\n ret;\n}}\n"));
+        }
+        let t = std::time::Instant::now();
+        let m = Module::parse(&src).unwrap();
+        let took = t.elapsed();
+        assert_eq!(m.kernels.len(), 12_000);
+        assert!(took < std::time::Duration::from_secs(3), "parsing took {took:?}");
+        // Each entry resolves the module-scope variable at its own offset.
+        assert_eq!(m.kernel("e11999").unwrap().insts[0].op, ir::Op::Mov { ty: ir::Ty::U32, d: 1, a: ir::Src::Imm(11_999 * 4) });
+    }
+
+    #[test]
+    fn oversized_alignment_is_refused_instead_of_wrapping() {
+        for decl in [".shared .align 2147483648 .b8 s[4];", ".shared .align 3 .b8 s[4];"] {
+            let src = format!("{HEAD}{decl}\n.visible .entry k() {{ ret; }}\n");
+            assert!(Module::parse(&src).unwrap_err().msg.contains(".align"), "{decl}");
+        }
+        let src = kernel_with(" .shared .align 65536 .b8 a[4];\n .shared .align 65536 .b8 b[4];");
+        assert_eq!(Module::parse(&src).unwrap().kernels[0].shared_bytes, 65536 + 4);
+    }
+
+    #[test]
+    fn register_ranges_resolve_without_one_name_per_register() {
+        let src = format!("{HEAD}.visible .entry k() {{\n .reg .b32 %r<65536>;\n mov.u32 %r65535, %r0;\n ret;\n}}\n");
+        let k = &Module::parse(&src).unwrap().kernels[0];
+        assert_eq!(k.num_regs, 65536);
+        assert_eq!(k.insts[0].op, ir::Op::Mov { ty: ir::Ty::U32, d: 65535, a: ir::Src::Reg(0) });
+        for bad in ["%r65536", "%r01"] {
+            let src = format!("{HEAD}.visible .entry k() {{\n .reg .b32 %r<65536>;\n mov.u32 {bad}, %r0;\n ret;\n}}\n");
+            assert!(Module::parse(&src).unwrap_err().msg.contains("unknown register"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn shifts_by_64_bit_amounts_clamp_instead_of_truncating() {
+        let src = kernel_with(" ld.param.u64 %rd1, [out];\n mov.b64 %rd2, 1;\n mov.b64 %rd3, 4294967296;\n shl.b64 %rd4, %rd2, %rd3;\n shr.u64 %rd5, %rd2, %rd3;\n st.global.u64 [%rd1], %rd4;\n st.global.u64 [%rd1+8], %rd5;");
+        let m = Module::parse(&src).unwrap();
+        let mut mem = VecMem::new();
+        let out = mem.alloc(&[0xff; 16]);
+        launch(&m.kernels[0], &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(out).0, &mut mem, &Limits::default()).unwrap();
+        assert_eq!(mem.bytes(out), &[0; 16], "1 << 2^32 and 1 >> 2^32 are 0");
+    }
+
+    #[test]
+    fn a_register_file_larger_than_the_limit_is_out_of_resources() {
+        let src = format!("{HEAD}.visible .entry k() {{\n .reg .b64 %rd<60000>;\n ret;\n}}\n");
+        let m = Module::parse(&src).unwrap();
+        let e = launch(&m.kernels[0], &cfg([1, 1, 1], [1024, 1, 1]), &[], &mut VecMem::new(), &Limits::default()).unwrap_err();
+        assert!(matches!(e, ExecError::OutOfResources(_)), "{e}");
+    }
+
+    #[test]
+    fn block_setup_is_charged_so_many_tiny_blocks_hit_the_budget() {
+        // One instruction per block: a million blocks used to cost a
+        // million units of a ten-million budget, whatever their set-up.
+        let src = format!("{HEAD}.visible .entry k() {{\n .reg .b64 %rd<64>;\n ret;\n}}\n");
+        let m = Module::parse(&src).unwrap();
+        let limits = Limits { budget: 10_000_000, ..Limits::default() };
+        let e = launch(&m.kernels[0], &cfg([1_000_000, 1, 1], [1, 1, 1]), &[], &mut VecMem::new(), &limits).unwrap_err();
+        assert_eq!(e, ExecError::Budget(10_000_000));
+        // Small grids still run, and report what they were charged.
+        let s = launch(&m.kernels[0], &cfg([4, 1, 1], [32, 1, 1]), &[], &mut VecMem::new(), &limits).unwrap();
+        assert!(s.instructions > 4 * 32, "{s:?}");
+    }
+
+    #[test]
+    fn vector_operands_cost_one_unit_per_element() {
+        let src = kernel_with(" ld.param.u64 %rd1, [out];\n ld.global.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];");
+        let m = Module::parse(&src).unwrap();
+        let mut mem = VecMem::new();
+        let out = mem.alloc(&[0; 16]);
+        let one = launch(&m.kernels[0], &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(out).0, &mut mem, &Limits::default()).unwrap();
+        let src = kernel_with(" ld.param.u64 %rd1, [out];\n ld.global.u32 %r1, [%rd1];");
+        let m = Module::parse(&src).unwrap();
+        let scalar = launch(&m.kernels[0], &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(out).0, &mut mem, &Limits::default()).unwrap();
+        assert_eq!(one.instructions, scalar.instructions + 3);
+    }
+
+    #[test]
+    fn a_launch_stops_at_its_wall_clock_limit_whatever_its_budget() {
+        let m = Module::parse(FAULTS).unwrap();
+        let limits = Limits { budget: 0, timeout: Some(std::time::Duration::from_millis(200)), ..Limits::default() };
+        let t = std::time::Instant::now();
+        let e = launch(m.kernel("spin").unwrap(), &cfg([1, 1, 1], [32, 1, 1]), &[], &mut VecMem::new(), &limits).unwrap_err();
+        assert_eq!(e, ExecError::Timeout(std::time::Duration::from_millis(200)));
+        assert!(t.elapsed() < std::time::Duration::from_secs(20), "stopped after {:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_module_larger_than_the_host_limit_is_refused_before_it_is_parsed() {
+        let src = kernel_with(&" add.u32 %r1, %r1, 1;\n".repeat(10_000));
+        let full = Module::parse(&src).unwrap();
+        assert!(full.host_bytes() > 10_000 * std::mem::size_of::<ir::Inst>() as u64);
+        // Too little for the tokens: refused before they are allocated.
+        let e = Module::parse_within(&src, 1 << 16).unwrap_err();
+        assert!(e.budget && e.msg.contains("tokens"), "{e}");
+        // Enough for the tokens, too little for the decoded form.
+        let tokens = lex::count(&src).unwrap() as u64 * lex::TOKEN_BYTES;
+        let e = Module::parse_within(&src, tokens + 4096).unwrap_err();
+        assert!(e.budget && e.msg.contains("decoded module"), "{e}");
+        assert!(Module::parse_within(&src, tokens + full.host_bytes() * 2).is_ok());
+    }
 }
