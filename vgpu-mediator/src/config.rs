@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use crate::size::Size;
 
 pub const DEFAULT_DEVICE_MEMORY: u64 = 512 << 20;
+/// Most connections one tenant may be allowed.
+pub const MAX_CONNECTIONS: u32 = 1024;
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -47,6 +49,75 @@ pub struct DevicesConfig {
     /// tenant's context (milliseconds).
     #[serde(default = "default_launch_timeout")]
     pub cuda_launch_timeout_ms: u64,
+    /// A kernel on a CPU device running longer than this fails with
+    /// CUDA_ERROR_LAUNCH_TIMEOUT (milliseconds), whatever its budget.
+    #[serde(default = "default_cpu_launch_timeout")]
+    pub launch_timeout_ms: u64,
+    /// Host memory each tenant's objects may keep in its worker (parsed
+    /// modules, handles, connections, payloads in flight), unless the
+    /// tenant's description says otherwise.
+    #[serde(default = "default_tenant_host_memory")]
+    pub tenant_host_memory: Size,
+    /// Client connections each tenant may hold at once, unless the
+    /// tenant's description says otherwise.
+    #[serde(default = "default_tenant_connections")]
+    pub tenant_connections: u32,
+    /// The unprivileged user device workers run as once their device is
+    /// open: a user name or `UID:GID`. Used when the mediator runs as root.
+    #[serde(default = "default_worker_user")]
+    pub worker_user: String,
+}
+
+/// A socket owner or process identity: `UID:GID`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl std::str::FromStr for Owner {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Owner, String> {
+        let (u, g) = s.split_once(':').ok_or_else(|| format!("owner {s:?} is not UID:GID"))?;
+        let num = |v: &str| v.parse::<u32>().ok().filter(|n| *n != u32::MAX).ok_or_else(|| format!("owner {s:?}: {v:?} is not a numeric id"));
+        Ok(Owner { uid: num(u)?, gid: num(g)? })
+    }
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.uid, self.gid)
+    }
+}
+
+impl Serialize for Owner {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Owner {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Owner, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Resolves a user name or `UID:GID` to ids.
+pub fn resolve_user(s: &str) -> Result<Owner, String> {
+    if let Ok(o) = s.parse::<Owner>() {
+        return Ok(o);
+    }
+    let name = std::ffi::CString::new(s).map_err(|_| format!("bad user name {s:?}"))?;
+    // SAFETY: an all-zero passwd is a valid out-parameter.
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut buf = vec![0 as libc::c_char; 16384];
+    let mut out: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer refers to a live buffer of the stated size.
+    let rc = unsafe { libc::getpwnam_r(name.as_ptr(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut out) };
+    if rc != 0 || out.is_null() {
+        return Err(format!("no user named {s:?} (create it with `useradd --system --no-create-home --shell /usr/sbin/nologin {s}`, or set devices.worker_user to UID:GID)"));
+    }
+    Ok(Owner { uid: pw.pw_uid, gid: pw.pw_gid })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
@@ -63,6 +134,18 @@ fn default_cuda_reserve() -> Size {
 }
 fn default_launch_timeout() -> u64 {
     30_000
+}
+fn default_cpu_launch_timeout() -> u64 {
+    10_000
+}
+fn default_tenant_host_memory() -> Size {
+    Size(256 << 20)
+}
+fn default_tenant_connections() -> u32 {
+    64
+}
+fn default_worker_user() -> String {
+    "vgpu".into()
 }
 
 fn one() -> u32 {
@@ -85,6 +168,10 @@ impl Default for DevicesConfig {
             cuda: CudaMode::Auto,
             cuda_reserve: default_cuda_reserve(),
             cuda_launch_timeout_ms: default_launch_timeout(),
+            launch_timeout_ms: default_cpu_launch_timeout(),
+            tenant_host_memory: default_tenant_host_memory(),
+            tenant_connections: default_tenant_connections(),
+            worker_user: default_worker_user(),
         }
     }
 }
@@ -105,6 +192,21 @@ pub struct TenantSpec {
     /// `vm` (a VM's virtio-gpu device, through a vhost-user socket).
     #[serde(default)]
     pub kind: TenantKind,
+    /// Owner of the tenant's socket, `UID:GID` (default root): the user or
+    /// container that may be this tenant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Owner>,
+    /// Mode of the tenant's socket, octal (default `0600`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Host memory the tenant's objects may keep in its worker (default
+    /// `devices.tenant_host_memory`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory: Option<Size>,
+    /// Client connections the tenant may hold at once (default
+    /// `devices.tenant_connections`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -144,6 +246,15 @@ impl Config {
         if self.devices.cuda_launch_timeout_ms == 0 || self.devices.cuda_launch_timeout_ms > 3_600_000 {
             return Err(ConfigError::Invalid(format!("devices.cuda_launch_timeout_ms must be 1..=3600000, not {}", self.devices.cuda_launch_timeout_ms)));
         }
+        if self.devices.launch_timeout_ms == 0 || self.devices.launch_timeout_ms > 3_600_000 {
+            return Err(ConfigError::Invalid(format!("devices.launch_timeout_ms must be 1..=3600000, not {}", self.devices.launch_timeout_ms)));
+        }
+        if self.devices.tenant_host_memory.0 < 1 << 20 {
+            return Err(ConfigError::Invalid(format!("devices.tenant_host_memory must be at least 1MiB, not {}", self.devices.tenant_host_memory)));
+        }
+        if self.devices.tenant_connections == 0 || self.devices.tenant_connections > MAX_CONNECTIONS {
+            return Err(ConfigError::Invalid(format!("devices.tenant_connections must be 1..={MAX_CONNECTIONS}, not {}", self.devices.tenant_connections)));
+        }
         if self.devices.memory.0 < 1 << 20 || self.devices.memory.0 > 1 << 40 {
             return Err(ConfigError::Invalid(format!("devices.memory must be between 1MiB and 1TiB, not {}", self.devices.memory)));
         }
@@ -163,7 +274,28 @@ impl TenantSpec {
         if self.weight == 0 || self.weight > 10_000 {
             return Err(format!("tenant {}: weight must be 1..=10000, not {}", self.name, self.weight));
         }
+        if let Some(m) = &self.mode {
+            match u32::from_str_radix(m, 8) {
+                Ok(v) if v & !0o777 == 0 && v & 0o600 == 0o600 => {}
+                _ => return Err(format!("tenant {}: mode {m:?} must be octal permission bits (at most 0777) that include 0600", self.name)),
+            }
+        }
+        if let Some(h) = self.host_memory {
+            if h.0 < 1 << 20 {
+                return Err(format!("tenant {}: host_memory must be at least 1MiB, not {h}", self.name));
+            }
+        }
+        if let Some(c) = self.max_connections {
+            if c == 0 || c > MAX_CONNECTIONS {
+                return Err(format!("tenant {}: max_connections must be 1..={MAX_CONNECTIONS}, not {c}", self.name));
+            }
+        }
         Ok(())
+    }
+
+    /// The socket's permission bits.
+    pub fn mode_bits(&self) -> u32 {
+        self.mode.as_deref().and_then(|m| u32::from_str_radix(m, 8).ok()).unwrap_or(0o600)
     }
 }
 
@@ -201,7 +333,7 @@ memory = 1048576
         .unwrap();
         c.validate().unwrap();
         assert_eq!(c.devices.memory.0, 1 << 30);
-        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, device: Some("cpu1".into()), kind: TenantKind::Process });
+        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, device: Some("cpu1".into()), kind: TenantKind::Process, owner: None, mode: None, host_memory: None, max_connections: None });
         assert_eq!(c.tenants[1].weight, 1);
         let api: TenantSpec = serde_json::from_str(r#"{"name":"bob","memory":"1MiB"}"#).unwrap();
         assert_eq!(api, c.tenants[1]);

@@ -5,17 +5,41 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+/// A command line: `id` pairs it with its reply.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CmdLine {
+    pub id: u64,
+    pub cmd: WorkerCmd,
+}
+
+/// A reply line (the `id` of its command) or an event (`id` 0).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MsgLine {
+    pub id: u64,
+    pub msg: WorkerMsg,
+}
+
+/// A tenant as the worker serves it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TenantCmd {
+    pub name: String,
+    pub quota: u64,
+    pub weight: u32,
+    pub socket: PathBuf,
+    /// Serve the socket as a VM's vhost-user virtio-gpu backend.
+    #[serde(default)]
+    pub vm: bool,
+    /// Host memory the tenant's objects may keep in the worker.
+    pub host_limit: u64,
+    /// Most client connections the tenant may hold open at once.
+    pub max_connections: u32,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum WorkerCmd {
-    AddTenant {
-        name: String,
-        quota: u64,
-        weight: u32,
-        socket: PathBuf,
-        /// Serve the socket as a VM's vhost-user virtio-gpu backend.
-        #[serde(default)]
-        vm: bool,
-    },
+    AddTenant(TenantCmd),
+    /// Revokes the tenant at once and replies; its teardown finishes in the
+    /// background and is reported with a `Removed` event.
     RemoveTenant { name: String },
     Stats,
 }
@@ -26,6 +50,8 @@ pub enum WorkerMsg {
     Ok,
     Err(String),
     Stats(DeviceStats),
+    /// Event: the tenant's memory is released and its quota may be reused.
+    Removed { name: String },
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -54,4 +80,9 @@ pub struct TenantStats {
     pub bytes_scrubbed: u64,
     pub weight: u32,
     pub connections: u32,
+    /// Host memory the tenant's objects keep in the worker, and its limit.
+    #[serde(default)]
+    pub host_used: u64,
+    #[serde(default)]
+    pub host_limit: u64,
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use vgpu_mediator::backend::discover;
-use vgpu_mediator::config::{Config, CudaMode, DEFAULT_DEVICE_MEMORY};
-use vgpu_mediator::control::{api, Control, CudaSpec, DeviceSpec};
+use vgpu_mediator::config::{self, Config, CudaMode, Owner, DEFAULT_DEVICE_MEMORY};
+use vgpu_mediator::control::{api, rundir, Control, CudaSpec, DeviceSpec, TenantDefaults};
 use vgpu_mediator::size::Size;
 use vgpu_mediator::worker;
 
@@ -24,9 +24,13 @@ struct Cli {
     /// Memory of each CPU device (bytes, or with a KiB/MiB/GiB suffix).
     #[arg(long)]
     device_memory: Option<Size>,
-    /// Instructions one kernel launch may execute on a CPU device.
+    /// Cost units (about one per instruction) one kernel launch may spend
+    /// on a CPU device; 0 for no budget (the time limit still applies).
     #[arg(long)]
     instruction_budget: Option<u64>,
+    /// Wall-clock limit of one kernel launch on a CPU device, milliseconds.
+    #[arg(long)]
+    launch_timeout_ms: Option<u64>,
     /// NVIDIA GPUs and MIG instances: auto, off or required.
     #[arg(long, value_enum)]
     cuda: Option<CudaMode>,
@@ -56,6 +60,9 @@ enum Cmd {
         numa_node: i32,
         #[arg(long, default_value_t = 30_000)]
         launch_timeout_ms: u64,
+        /// Drop to this UID:GID once the device is open.
+        #[arg(long)]
+        user: Option<Owner>,
     },
     /// Lists the GPUs and MIG instances NVML reports and the devices the
     /// mediator would serve on them, as JSON.
@@ -82,9 +89,9 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms }) => {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user }) => {
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms });
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user });
         }
         Some(Cmd::Discover { record }) => return discover_cmd(record),
         None => {}
@@ -103,16 +110,27 @@ fn run() -> anyhow::Result<()> {
     if let Some(b) = cli.instruction_budget {
         cfg.devices.instruction_budget = b;
     }
+    if let Some(t) = cli.launch_timeout_ms {
+        cfg.devices.launch_timeout_ms = t;
+    }
     if let Some(c) = cli.cuda {
         cfg.devices.cuda = c;
     }
     cfg.validate()?;
     let run_dir = cli.run_dir.or(cfg.run_dir.clone()).context("--run-dir (or run_dir in the config file) is required")?;
-    std::fs::create_dir_all(run_dir.join("tenants")).with_context(|| format!("creating {}", run_dir.display()))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(run_dir.join("tenants"), std::fs::Permissions::from_mode(0o700))?;
-    }
+    // Sockets and files this daemon makes are private from the start.
+    // SAFETY: umask only changes this process's file-creation mask.
+    unsafe { libc::umask(0o077) };
+    // SAFETY: geteuid has no preconditions.
+    let worker_user = if unsafe { libc::geteuid() } == 0 {
+        let u = config::resolve_user(&cfg.devices.worker_user).map_err(|e| anyhow::anyhow!("devices.worker_user: {e}"))?;
+        anyhow::ensure!(u.uid != 0, "devices.worker_user must not be root");
+        Some(u)
+    } else {
+        tracing::info!("not running as root: device workers keep this user's identity");
+        None
+    };
+    rundir::prepare(&run_dir, worker_user).context("preparing the run directory")?;
     let api_path = run_dir.join("api.sock");
     if api_path.exists() {
         if std::os::unix::net::UnixStream::connect(&api_path).is_ok() {
@@ -121,12 +139,21 @@ fn run() -> anyhow::Result<()> {
         std::fs::remove_file(&api_path)?;
     }
     let mut devices: Vec<DeviceSpec> = (0..cfg.devices.cpu)
-        .map(|i| DeviceSpec { name: format!("cpu{i}"), ordinal: i, memory: cfg.devices.memory.0, budget: cfg.devices.instruction_budget, lanes: cfg.devices.lanes, cuda: None })
+        .map(|i| DeviceSpec {
+            name: format!("cpu{i}"),
+            ordinal: i,
+            memory: cfg.devices.memory.0,
+            budget: cfg.devices.instruction_budget,
+            lanes: cfg.devices.lanes,
+            launch_timeout_ms: cfg.devices.launch_timeout_ms,
+            cuda: None,
+        })
         .collect();
     devices.extend(gpu_devices(&cfg)?);
     anyhow::ensure!(!devices.is_empty(), "no devices to serve: no GPU was found and devices.cpu is 0");
     let exe = std::env::current_exe().context("locating own executable")?;
-    let control = Control::new(&run_dir, exe, devices);
+    let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
+    let control = Control::new(&run_dir, exe, devices, defaults, worker_user);
     control.start().map_err(anyhow::Error::msg)?;
     for t in &cfg.tenants {
         control.create_tenant(t).with_context(|| format!("creating tenant {} from the config file", t.name))?;
@@ -178,7 +205,8 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             memory,
             budget: 0,
             lanes: d.lanes,
-            cuda: Some(CudaSpec { visible_devices: g.visible_devices, numa_node: g.numa_node, launch_timeout_ms: d.cuda_launch_timeout_ms }),
+            launch_timeout_ms: d.cuda_launch_timeout_ms,
+            cuda: Some(CudaSpec { visible_devices: g.visible_devices, numa_node: g.numa_node }),
         });
     }
     if out.is_empty() {

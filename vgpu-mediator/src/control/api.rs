@@ -26,6 +26,7 @@ impl IntoResponse for ControlError {
             ControlError::Conflict(_) => StatusCode::CONFLICT,
             ControlError::InsufficientMemory(_) => StatusCode::INSUFFICIENT_STORAGE,
             ControlError::WorkerDown(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ControlError::Timeout(..) => StatusCode::GATEWAY_TIMEOUT,
             ControlError::Worker(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         (code, Json(json!({ "error": self.to_string() }))).into_response()
@@ -118,9 +119,11 @@ async fn create_tenant(State(c): St, body: axum::body::Bytes) -> Result<(StatusC
     Ok((StatusCode::CREATED, Json(rec)))
 }
 
+/// 204 once the tenant is gone and its memory released; 202 while its
+/// worker is still releasing it (it is revoked either way).
 async fn delete_tenant(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
-    blocking(move || c.delete_tenant(&name)).await??;
-    Ok(StatusCode::NO_CONTENT)
+    let done = blocking(move || c.delete_tenant(&name)).await??;
+    Ok(if done { StatusCode::NO_CONTENT } else { StatusCode::ACCEPTED })
 }
 
 async fn metrics(State(c): St) -> Result<Response, ControlError> {
@@ -168,5 +171,7 @@ pub fn render_metrics(c: &Control) -> String {
     family("vgpu_tenant_device_seconds_total", "counter", "Device time the tenant's work used.", ten(&|t| t.device_ns as f64 / 1e9));
     family("vgpu_tenant_scrubbed_bytes_total", "counter", "Bytes zeroed before being handed to the tenant.", ten(&|t| t.bytes_scrubbed as f64));
     family("vgpu_tenant_connections", "gauge", "Open client connections of the tenant.", ten(&|t| t.connections as f64));
+    family("vgpu_tenant_host_memory_bytes", "gauge", "Host memory the tenant's objects keep in its device worker.", ten(&|t| t.host_used as f64));
+    family("vgpu_tenant_host_memory_limit_bytes", "gauge", "The tenant's host memory budget in its device worker.", ten(&|t| t.host_limit as f64));
     out
 }

@@ -4,20 +4,30 @@
 
 pub mod api;
 
-use std::collections::BTreeMap;
+pub mod rundir;
+
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tracing::{error, info, warn};
 
-use crate::config::TenantSpec;
-use crate::ipc::{DeviceStats, WorkerCmd, WorkerMsg};
+use crate::config::{Owner, TenantSpec};
+use crate::ipc::{CmdLine, DeviceStats, MsgLine, TenantCmd, WorkerCmd, WorkerMsg};
 use crate::size::Size;
+
+/// How long the control plane waits for a worker's answer. No lock of the
+/// registry is held meanwhile, so a slow worker delays only its own call.
+pub const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long `DELETE /tenants/NAME` waits for the teardown before it
+/// answers 202 (still releasing) instead of 204.
+pub const DELETE_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -31,6 +41,8 @@ pub enum ControlError {
     InsufficientMemory(String),
     #[error("device worker {0} is unavailable (restarting)")]
     WorkerDown(String),
+    #[error("device worker {0} did not answer within {1:?}")]
+    Timeout(String, Duration),
     #[error("device worker error: {0}")]
     Worker(String),
 }
@@ -42,6 +54,8 @@ pub struct DeviceSpec {
     pub memory: u64,
     pub budget: u64,
     pub lanes: u32,
+    /// Wall-clock limit of one kernel launch (milliseconds).
+    pub launch_timeout_ms: u64,
     /// Set for an NVIDIA GPU or MIG instance; None for a CPU device.
     pub cuda: Option<CudaSpec>,
 }
@@ -52,7 +66,6 @@ pub struct CudaSpec {
     /// `CUDA_VISIBLE_DEVICES` for the worker: the GPU or MIG UUID.
     pub visible_devices: String,
     pub numa_node: i32,
-    pub launch_timeout_ms: u64,
 }
 
 impl DeviceSpec {
@@ -61,45 +74,73 @@ impl DeviceSpec {
     }
 }
 
-struct WorkerConn {
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+/// The pipe to one running worker: commands go out tagged with an id, a
+/// reader thread hands each reply to the call waiting for that id and
+/// each event (id 0) to the control plane.
+struct WorkerLink {
+    stdin: Mutex<ChildStdin>,
+    pending: Mutex<HashMap<u64, mpsc::Sender<WorkerMsg>>>,
+    next: AtomicU64,
 }
 
 pub struct DeviceSlot {
     pub spec: DeviceSpec,
-    conn: Mutex<Option<WorkerConn>>,
+    link: Mutex<Option<Arc<WorkerLink>>>,
     pub pid: AtomicU32,
     pub restarts: AtomicU64,
+    /// Bumped at every worker start: a tenant added to an older worker
+    /// must be added again.
+    generation: AtomicU64,
 }
 
 impl DeviceSlot {
-    fn call(&self, cmd: &WorkerCmd) -> Result<WorkerMsg, ControlError> {
-        let mut g = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        let c = g.as_mut().ok_or_else(|| ControlError::WorkerDown(self.spec.name.clone()))?;
-        let mut line = serde_json::to_string(cmd).map_err(|e| ControlError::Worker(e.to_string()))?;
-        line.push('\n');
-        let mut reply = String::new();
-        let io = c.stdin.write_all(line.as_bytes()).and_then(|_| c.stdin.flush()).and_then(|_| c.stdout.read_line(&mut reply));
-        match io {
-            Ok(n) if n > 0 => serde_json::from_str(&reply).map_err(|e| ControlError::Worker(format!("bad reply: {e}"))),
-            _ => {
-                *g = None;
-                Err(ControlError::WorkerDown(self.spec.name.clone()))
+    fn call(&self, cmd: WorkerCmd, timeout: Duration) -> Result<WorkerMsg, ControlError> {
+        let link = self.link.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(|| ControlError::WorkerDown(self.spec.name.clone()))?;
+        let id = link.next.fetch_add(1, Ordering::Relaxed) + 1;
+        let (tx, rx) = mpsc::channel();
+        link.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
+        let line = serde_json::to_string(&CmdLine { id, cmd }).map_err(|e| ControlError::Worker(e.to_string()))? + "\n";
+        let sent = {
+            let mut w = link.stdin.lock().unwrap_or_else(|e| e.into_inner());
+            w.write_all(line.as_bytes()).and_then(|_| w.flush())
+        };
+        if sent.is_err() {
+            link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            return Err(ControlError::WorkerDown(self.spec.name.clone()));
+        }
+        match rx.recv_timeout(timeout) {
+            Ok(m) => Ok(m),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                Err(ControlError::Timeout(self.spec.name.clone(), timeout))
             }
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(ControlError::WorkerDown(self.spec.name.clone())),
         }
     }
 
     pub fn is_up(&self) -> bool {
-        self.conn.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.link.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
+    /// The worker's statistics, or None if it is down or slow to answer.
     pub fn stats(&self) -> Option<DeviceStats> {
-        match self.call(&WorkerCmd::Stats) {
+        match self.call(WorkerCmd::Stats, STATS_TIMEOUT) {
             Ok(WorkerMsg::Stats(s)) => Some(s),
             _ => None,
         }
     }
+}
+
+/// Where a tenant is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenantPhase {
+    /// Placed (its memory is reserved); the worker is setting it up.
+    Creating,
+    Ready,
+    /// Revoked; the worker is releasing its memory. Its quota stays
+    /// reserved until that is done.
+    Deleting,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -110,6 +151,41 @@ pub struct TenantRecord {
     pub weight: u32,
     pub device: String,
     pub socket: PathBuf,
+    pub state: TenantPhase,
+    /// Owner of the tenant's socket; root when unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Owner>,
+    /// Mode of the tenant's socket.
+    pub mode: String,
+    /// Host memory the tenant's objects may keep in its worker.
+    pub host_memory: u64,
+    /// Most client connections the tenant may hold at once.
+    pub max_connections: u32,
+}
+
+impl TenantRecord {
+    fn cmd(&self) -> TenantCmd {
+        TenantCmd {
+            name: self.name.clone(),
+            quota: self.memory,
+            weight: self.weight,
+            socket: self.socket.clone(),
+            vm: self.kind == "vm",
+            host_limit: self.host_memory,
+            max_connections: self.max_connections,
+        }
+    }
+
+    fn mode_bits(&self) -> u32 {
+        u32::from_str_radix(&self.mode, 8).unwrap_or(0o600)
+    }
+}
+
+/// Per-tenant limits applied where a tenant's description leaves them out.
+#[derive(Debug, Clone, Copy)]
+pub struct TenantDefaults {
+    pub host_memory: u64,
+    pub max_connections: u32,
 }
 
 pub struct Control {
@@ -117,61 +193,115 @@ pub struct Control {
     exe: PathBuf,
     pub devices: Vec<Arc<DeviceSlot>>,
     tenants: Mutex<BTreeMap<String, TenantRecord>>,
+    /// Signalled whenever a tenant's teardown completes.
+    removed: Condvar,
     stopping: AtomicBool,
+    defaults: TenantDefaults,
+    /// Credentials the workers drop to (None: they keep ours).
+    worker_user: Option<Owner>,
 }
 
 impl Control {
-    pub fn new(run_dir: &Path, exe: PathBuf, devices: Vec<DeviceSpec>) -> Arc<Control> {
+    pub fn new(run_dir: &Path, exe: PathBuf, devices: Vec<DeviceSpec>, defaults: TenantDefaults, worker_user: Option<Owner>) -> Arc<Control> {
         Arc::new(Control {
             run_dir: run_dir.to_path_buf(),
             exe,
-            devices: devices.into_iter().map(|spec| Arc::new(DeviceSlot { spec, conn: Mutex::new(None), pid: AtomicU32::new(0), restarts: AtomicU64::new(0) })).collect(),
+            devices: devices
+                .into_iter()
+                .map(|spec| Arc::new(DeviceSlot { spec, link: Mutex::new(None), pid: AtomicU32::new(0), restarts: AtomicU64::new(0), generation: AtomicU64::new(0) }))
+                .collect(),
             tenants: Mutex::new(BTreeMap::new()),
+            removed: Condvar::new(),
             stopping: AtomicBool::new(false),
+            defaults,
+            worker_user,
         })
+    }
+
+    fn registry(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, TenantRecord>> {
+        self.tenants.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Starts every worker and a supervisor thread for each; returns once
     /// all workers are up (or failed their first start).
     pub fn start(self: &Arc<Self>) -> Result<(), String> {
         for slot in &self.devices {
-            let (child, conn, pid) = spawn_worker(&self.exe, &slot.spec).map_err(|e| format!("starting worker for {}: {e}", slot.spec.name))?;
-            *slot.conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn);
-            slot.pid.store(pid, Ordering::Relaxed);
+            let child = self.launch(slot).map_err(|e| format!("starting worker for {}: {e}", slot.spec.name))?;
             let (me, slot) = (self.clone(), slot.clone());
             std::thread::Builder::new().name(format!("supervise-{}", slot.spec.name)).spawn(move || me.supervise(slot, child)).map_err(|e| e.to_string())?;
         }
         Ok(())
     }
 
+    /// Starts `slot`'s worker and the thread that reads its replies.
+    fn launch(self: &Arc<Self>, slot: &Arc<DeviceSlot>) -> std::io::Result<Child> {
+        let (child, stdin, stdout, pid) = spawn_worker(&self.exe, &slot.spec, self.worker_user)?;
+        let link = Arc::new(WorkerLink { stdin: Mutex::new(stdin), pending: Mutex::new(HashMap::new()), next: AtomicU64::new(0) });
+        let (me, l2, name) = (self.clone(), link.clone(), slot.spec.name.clone());
+        std::thread::Builder::new().name(format!("replies-{name}")).spawn(move || me.read_replies(&name, stdout, &l2))?;
+        slot.generation.fetch_add(1, Ordering::AcqRel);
+        *slot.link.lock().unwrap_or_else(|e| e.into_inner()) = Some(link);
+        slot.pid.store(pid, Ordering::Relaxed);
+        Ok(child)
+    }
+
+    fn read_replies(&self, device: &str, stdout: BufReader<ChildStdout>, link: &WorkerLink) {
+        for line in stdout.lines() {
+            let Ok(line) = line else { break };
+            let m = match serde_json::from_str::<MsgLine>(&line) {
+                Ok(m) => m,
+                Err(e) => {
+                    warn!(device, "unreadable worker message: {e}");
+                    continue;
+                }
+            };
+            if m.id != 0 {
+                if let Some(tx) = link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&m.id) {
+                    let _ = tx.send(m.msg);
+                }
+                continue;
+            }
+            match m.msg {
+                WorkerMsg::Removed { name } => self.finish_delete(&name),
+                WorkerMsg::Err(e) => warn!(device, "worker: {e}"),
+                other => warn!(device, "unexpected worker event {other:?}"),
+            }
+        }
+        // Callers still waiting see the worker as down.
+        link.pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
     fn supervise(self: Arc<Self>, slot: Arc<DeviceSlot>, mut child: Child) {
         let mut backoff = Duration::from_millis(50);
         loop {
             let status = child.wait();
-            *slot.conn.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            *slot.link.lock().unwrap_or_else(|e| e.into_inner()) = None;
             slot.pid.store(0, Ordering::Relaxed);
             if self.stopping.load(Ordering::Acquire) {
                 return;
             }
             warn!(device = %slot.spec.name, ?status, "device worker exited; its tenants lost their connections; restarting");
             slot.restarts.fetch_add(1, Ordering::Relaxed);
+            // A tenant that was being deleted is gone with the process.
+            let gone: Vec<String> = self.registry().values().filter(|t| t.device == slot.spec.name && t.state == TenantPhase::Deleting).map(|t| t.name.clone()).collect();
+            for name in gone {
+                self.finish_delete(&name);
+            }
             loop {
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_secs(5));
-                match spawn_worker(&self.exe, &slot.spec) {
-                    Ok((c, conn, pid)) => {
+                match self.launch(&slot) {
+                    Ok(c) => {
                         child = c;
-                        // Hold the registry while the worker is re-populated
-                        // so a concurrent create or delete cannot interleave.
-                        let tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-                        *slot.conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn);
-                        slot.pid.store(pid, Ordering::Relaxed);
-                        for t in tenants.values().filter(|t| t.device == slot.spec.name) {
-                            if let Err(e) = add_on_worker(&slot, t) {
+                        // Re-populated without holding the registry: each
+                        // tenant is added, then given its socket's owner.
+                        let again: Vec<TenantRecord> = self.registry().values().filter(|t| t.device == slot.spec.name && t.state == TenantPhase::Ready).cloned().collect();
+                        for t in &again {
+                            if let Err(e) = self.add_on_worker(&slot, t) {
                                 error!(device = %slot.spec.name, tenant = %t.name, "re-creating tenant after restart failed: {e}");
                             }
                         }
-                        info!(device = %slot.spec.name, pid, "device worker restarted");
+                        info!(device = %slot.spec.name, pid = slot.pid.load(Ordering::Relaxed), "device worker restarted");
                         backoff = Duration::from_millis(50);
                         break;
                     }
@@ -190,97 +320,170 @@ impl Control {
                 unsafe { libc::kill(pid as i32, libc::SIGTERM) };
             }
         }
-        for t in self.tenants.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        for t in self.registry().values() {
             let _ = std::fs::remove_file(&t.socket);
         }
     }
 
     pub fn tenants(&self) -> Vec<TenantRecord> {
-        self.tenants.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+        self.registry().values().cloned().collect()
     }
 
     pub fn tenant(&self, name: &str) -> Option<TenantRecord> {
-        self.tenants.lock().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
+        self.registry().get(name).cloned()
     }
 
     pub fn slot(&self, name: &str) -> Option<&Arc<DeviceSlot>> {
         self.devices.iter().find(|d| d.spec.name == name)
     }
 
+    /// Memory reserved on `device`: every tenant placed there, including
+    /// those still being created or torn down.
     fn reserved(tenants: &BTreeMap<String, TenantRecord>, device: &str) -> u64 {
         tenants.values().filter(|t| t.device == device).map(|t| t.memory).sum()
     }
 
+    /// The tenant's socket path. Process sockets end in `.sock` and VM
+    /// sockets in `.vhost`, so no two tenants' paths can be the same.
+    pub fn socket_for(&self, name: &str, vm: bool) -> PathBuf {
+        let dir = self.run_dir.join("tenants");
+        if vm { crate::gpu::vhost::socket_path(&dir, name) } else { dir.join(format!("{name}.sock")) }
+    }
+
     /// Creates a tenant: validates, places it (quotas never exceed device
-    /// memory), and has the device worker open its socket.
+    /// memory), and has the device worker open its socket. The registry is
+    /// not held while the worker works.
     pub fn create_tenant(&self, spec: &TenantSpec) -> Result<TenantRecord, ControlError> {
         spec.validate().map_err(ControlError::BadRequest)?;
-        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-        if tenants.contains_key(&spec.name) {
-            return Err(ControlError::Conflict(format!("tenant {} already exists", spec.name)));
-        }
-        let slot = match &spec.device {
-            Some(d) => {
-                let s = self.slot(d).ok_or_else(|| ControlError::BadRequest(format!("no device named {d}")))?;
-                let free = s.spec.memory - Self::reserved(&tenants, d).min(s.spec.memory);
-                if spec.memory.0 > free {
-                    return Err(ControlError::InsufficientMemory(format!("device {d} has {} unreserved; {} requested", Size(free), spec.memory)));
-                }
-                s
-            }
-            None => self
-                .devices
-                .iter()
-                .map(|s| (s, s.spec.memory.saturating_sub(Self::reserved(&tenants, &s.spec.name))))
-                .filter(|(_, free)| *free >= spec.memory.0)
-                .max_by_key(|(s, free)| (*free, std::cmp::Reverse(s.spec.ordinal)))
-                .map(|(s, _)| s)
-                .ok_or_else(|| ControlError::InsufficientMemory(format!("no device has {} of unreserved memory", spec.memory)))?,
-        };
         let vm = spec.kind == crate::config::TenantKind::Vm;
-        let socket = match vm {
-            true => crate::gpu::vhost::socket_path(&self.run_dir.join("tenants"), &spec.name),
-            false => self.run_dir.join("tenants").join(format!("{}.sock", spec.name)),
-        };
+        let socket = self.socket_for(&spec.name, vm);
         if socket.as_os_str().len() >= 108 {
             return Err(ControlError::BadRequest(format!("socket path {} is too long for a unix socket; use a shorter run dir or name", socket.display())));
         }
-        let rec = TenantRecord { name: spec.name.clone(), kind: if vm { "vm" } else { "process" }, memory: spec.memory.0, weight: spec.weight, device: slot.spec.name.clone(), socket };
-        add_on_worker(slot, &rec)?;
-        tenants.insert(rec.name.clone(), rec.clone());
+        let (slot, rec) = {
+            let mut tenants = self.registry();
+            if let Some(t) = tenants.get(&spec.name) {
+                let why = if t.state == TenantPhase::Deleting { "is still being deleted" } else { "already exists" };
+                return Err(ControlError::Conflict(format!("tenant {} {why}", spec.name)));
+            }
+            let slot = match &spec.device {
+                Some(d) => {
+                    let s = self.slot(d).ok_or_else(|| ControlError::BadRequest(format!("no device named {d}")))?;
+                    let free = s.spec.memory - Self::reserved(&tenants, d).min(s.spec.memory);
+                    if spec.memory.0 > free {
+                        return Err(ControlError::InsufficientMemory(format!("device {d} has {} unreserved; {} requested", Size(free), spec.memory)));
+                    }
+                    s.clone()
+                }
+                None => self
+                    .devices
+                    .iter()
+                    .map(|s| (s, s.spec.memory.saturating_sub(Self::reserved(&tenants, &s.spec.name))))
+                    .filter(|(_, free)| *free >= spec.memory.0)
+                    .max_by_key(|(s, free)| (*free, std::cmp::Reverse(s.spec.ordinal)))
+                    .map(|(s, _)| s.clone())
+                    .ok_or_else(|| ControlError::InsufficientMemory(format!("no device has {} of unreserved memory", spec.memory)))?,
+            };
+            let rec = TenantRecord {
+                name: spec.name.clone(),
+                kind: if vm { "vm" } else { "process" },
+                memory: spec.memory.0,
+                weight: spec.weight,
+                device: slot.spec.name.clone(),
+                socket,
+                state: TenantPhase::Creating,
+                owner: spec.owner,
+                mode: format!("{:04o}", spec.mode_bits()),
+                host_memory: spec.host_memory.map(|s| s.0).unwrap_or(self.defaults.host_memory),
+                max_connections: spec.max_connections.unwrap_or(self.defaults.max_connections),
+            };
+            tenants.insert(rec.name.clone(), rec.clone());
+            (slot, rec)
+        };
+        let generation = slot.generation.load(Ordering::Acquire);
+        if let Err(e) = self.add_on_worker(&slot, &rec) {
+            self.registry().remove(&rec.name);
+            // The worker may have set it up after all (a late answer).
+            let _ = slot.call(WorkerCmd::RemoveTenant { name: rec.name.clone() }, STATS_TIMEOUT);
+            return Err(e);
+        }
+        // A worker restart in between re-added only ready tenants.
+        if slot.generation.load(Ordering::Acquire) != generation {
+            let _ = self.add_on_worker(&slot, &rec);
+        }
+        let mut tenants = self.registry();
+        let Some(r) = tenants.get_mut(&rec.name) else {
+            return Err(ControlError::Conflict(format!("tenant {} was deleted while it was being created", rec.name)));
+        };
+        r.state = TenantPhase::Ready;
+        let rec = r.clone();
         info!(tenant = %rec.name, device = %rec.device, quota = rec.memory, "tenant created");
         Ok(rec)
     }
 
-    pub fn delete_tenant(&self, name: &str) -> Result<(), ControlError> {
-        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-        let rec = tenants.get(name).ok_or_else(|| ControlError::NotFound(format!("no tenant {name}")))?;
-        if let Some(slot) = self.slot(&rec.device) {
-            match slot.call(&WorkerCmd::RemoveTenant { name: name.to_string() }) {
-                // A worker that is down holds nothing; the record can go.
-                Ok(_) | Err(ControlError::WorkerDown(_)) => {}
-                Err(e) => return Err(e),
+    /// Revokes a tenant at once, then waits (up to [`DELETE_WAIT`], holding
+    /// no lock) for its worker to release its memory. Returns true once the
+    /// tenant is gone and its quota free, false while the teardown is
+    /// still running (the record stays, `deleting`, until it is done).
+    pub fn delete_tenant(&self, name: &str) -> Result<bool, ControlError> {
+        let slot = {
+            let mut tenants = self.registry();
+            let rec = tenants.get_mut(name).ok_or_else(|| ControlError::NotFound(format!("no tenant {name}")))?;
+            match rec.state {
+                TenantPhase::Creating => return Err(ControlError::Conflict(format!("tenant {name} is still being created"))),
+                TenantPhase::Deleting => None,
+                TenantPhase::Ready => {
+                    rec.state = TenantPhase::Deleting;
+                    Some(self.slot(&rec.device).cloned())
+                }
+            }
+        };
+        if let Some(slot) = slot {
+            match slot.map(|s| s.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT)) {
+                Some(Ok(WorkerMsg::Ok)) | Some(Err(ControlError::Timeout(..))) => {}
+                // A worker that is down, or never had it, holds nothing.
+                _ => self.finish_delete(name),
             }
         }
-        let _ = std::fs::remove_file(&rec.socket);
-        tenants.remove(name);
-        info!(tenant = name, "tenant deleted");
-        Ok(())
+        let deadline = Instant::now() + DELETE_WAIT;
+        let mut tenants = self.registry();
+        while tenants.contains_key(name) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            tenants = self.removed.wait_timeout(tenants, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        Ok(true)
+    }
+
+    /// The worker released a deleted tenant: its record and quota go.
+    fn finish_delete(&self, name: &str) {
+        let mut tenants = self.registry();
+        if tenants.get(name).is_some_and(|t| t.state == TenantPhase::Deleting) {
+            if let Some(t) = tenants.remove(name) {
+                let _ = std::fs::remove_file(&t.socket);
+            }
+            info!(tenant = name, "tenant deleted; its memory is released");
+        }
+        drop(tenants);
+        self.removed.notify_all();
+    }
+
+    fn add_on_worker(&self, slot: &DeviceSlot, t: &TenantRecord) -> Result<(), ControlError> {
+        match slot.call(WorkerCmd::AddTenant(t.cmd()), COMMAND_TIMEOUT)? {
+            WorkerMsg::Ok => {}
+            WorkerMsg::Err(e) => return Err(ControlError::Worker(e)),
+            other => return Err(ControlError::Worker(format!("unexpected reply {other:?}"))),
+        }
+        let owner = t.owner.unwrap_or(Owner { uid: 0, gid: 0 });
+        rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Worker(format!("setting the owner of {}: {e}", t.socket.display())))
     }
 }
 
-fn add_on_worker(slot: &DeviceSlot, t: &TenantRecord) -> Result<(), ControlError> {
-    let vm = t.kind == "vm";
-    match slot.call(&WorkerCmd::AddTenant { name: t.name.clone(), quota: t.memory, weight: t.weight, socket: t.socket.clone(), vm })? {
-        WorkerMsg::Ok => Ok(()),
-        WorkerMsg::Err(e) => Err(ControlError::Worker(e)),
-        other => Err(ControlError::Worker(format!("unexpected reply {other:?}"))),
-    }
-}
-
-fn spawn_worker(exe: &Path, spec: &DeviceSpec) -> std::io::Result<(Child, WorkerConn, u32)> {
-    let mut child = Command::new(exe)
-        .arg("worker")
+fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::Result<(Child, ChildStdin, BufReader<ChildStdout>, u32)> {
+    let mut cmd = Command::new(exe);
+    cmd.arg("worker")
         .arg("--ordinal")
         .arg(spec.ordinal.to_string())
         .arg("--memory")
@@ -289,10 +492,15 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec) -> std::io::Result<(Child, Worker
         .arg(spec.budget.to_string())
         .arg("--lanes")
         .arg(spec.lanes.to_string())
-        .args(match &spec.cuda {
-            Some(c) => vec!["--backend".to_string(), "cuda".into(), "--numa-node".into(), c.numa_node.to_string(), "--launch-timeout-ms".into(), c.launch_timeout_ms.to_string()],
-            None => Vec::new(),
-        })
+        .arg("--launch-timeout-ms")
+        .arg(spec.launch_timeout_ms.to_string());
+    if let Some(c) = &spec.cuda {
+        cmd.args(["--backend", "cuda", "--numa-node", &c.numa_node.to_string()]);
+    }
+    if let Some(u) = user {
+        cmd.arg("--user").arg(u.to_string());
+    }
+    let mut child = cmd
         // A GPU worker sees exactly its GPU or MIG instance, as device 0,
         // from before cuInit; a CPU worker sees none.
         .env("CUDA_VISIBLE_DEVICES", spec.cuda.as_ref().map(|c| c.visible_devices.as_str()).unwrap_or(""))
@@ -304,8 +512,8 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec) -> std::io::Result<(Child, Worker
     let mut stdout = BufReader::new(child.stdout.take().ok_or_else(|| std::io::Error::other("no worker stdout"))?);
     let mut line = String::new();
     stdout.read_line(&mut line)?;
-    match serde_json::from_str::<WorkerMsg>(&line) {
-        Ok(WorkerMsg::Ready { pid }) => Ok((child, WorkerConn { stdin, stdout }, pid)),
+    match serde_json::from_str::<MsgLine>(&line) {
+        Ok(MsgLine { msg: WorkerMsg::Ready { pid }, .. }) => Ok((child, stdin, stdout, pid)),
         _ => {
             let _ = child.kill();
             let _ = child.wait();

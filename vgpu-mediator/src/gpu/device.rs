@@ -170,7 +170,10 @@ impl GpuDevice {
                 return out;
             }
         };
-        match self.dispatch(&hdr, c) {
+        // A deleted tenant's device answers nothing but errors, from the
+        // moment it is revoked; its contexts go when the VMM disconnects.
+        let r = if self.tenant.is_revoked() { refuse(ty::RESP_ERR_UNSPEC, format!("tenant {} was deleted", self.tenant.name)) } else { self.dispatch(&hdr, c) };
+        match r {
             Ok(body) => body,
             Err(Refusal(t, why)) => {
                 self.refused += 1;

@@ -27,7 +27,7 @@ fn service() -> Arc<DeviceService> {
 
 fn device_on(svc: &Arc<DeviceService>, name: &str, quota: u64) -> (GpuDevice, GuestMemoryMmap, Arc<Tenant>) {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM)]).unwrap();
-    let t = svc.add_tenant(name, quota, 1).unwrap();
+    let t = svc.add_tenant(name, quota, 1, 1 << 30).unwrap();
     (GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), t.clone()), mem, t)
 }
 
@@ -361,4 +361,27 @@ fn a_guest_cannot_grow_the_workers_tables_without_bound() {
     ResourceIdBody { resource_id: 7, padding: 0 }.put(&mut m);
     assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
     assert_eq!(create_blob(&mut dev, 1 << 20, &[(0x1000, 0x1000)]), ty::RESP_OK_NODATA);
+}
+
+#[test]
+fn a_deleted_vm_tenant_can_neither_compute_nor_create_contexts() {
+    // Before revocation existed, a VM whose tenant was deleted kept
+    // creating contexts and allocating memory through its device.
+    let svc = service();
+    let (mut dev, mem, t) = device_on(&svc, "vm2", 8 << 20);
+    ready(&mut dev);
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 1 << 20 })));
+    assert!(svc.remove_tenant("vm2").is_some());
+    assert!(t.is_revoked());
+    // Its memory is released with the tenant.
+    assert_eq!(svc.stats().allocated, 0);
+    assert!(svc.stats().tenants.is_empty());
+    // Every command of the guest is refused from now on: compute
+    // messages, new virtio-gpu contexts and new blobs alike.
+    let alloc = Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 1 << 20 }).encode(6);
+    assert_eq!(submit_raw(&mut dev, &alloc, 0, 0), ty::RESP_ERR_UNSPEC);
+    assert_eq!(ctx_create(&mut dev, 7, 24), ty::RESP_ERR_UNSPEC);
+    assert_eq!(create_blob(&mut dev, 77, &[(0x10_0000, 0x1000)]), ty::RESP_ERR_UNSPEC);
+    assert_eq!(svc.stats().allocated, 0, "nothing was allocated after the deletion");
 }

@@ -220,7 +220,8 @@ pub fn serve(socket: PathBuf, cfg: GpuConfig, svc: Arc<DeviceService>, tenant: A
     }
 }
 
-/// The vhost-user socket path of a VM tenant in `dir`.
+/// The vhost-user socket path of a VM tenant in `dir`. Process tenants' sockets
+/// end in `.sock`, so the two kinds can never share a path.
 pub fn socket_path(dir: &Path, tenant: &str) -> PathBuf {
-    dir.join(format!("{tenant}.vhost.sock"))
+    dir.join(format!("{tenant}.vhost"))
 }

@@ -2,28 +2,26 @@
 //! sockets and serves their compute messages. The control plane drives it
 //! over stdin/stdout ([`crate::ipc`]); when stdin closes, the worker exits.
 
+pub mod confine;
+pub mod conn;
 pub mod service;
 pub mod shm;
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{BufRead, Read, Write};
+use std::io::{BufRead, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tracing::{info, warn};
-use virtio_gpu_compute::*;
-use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
-use crate::ipc::{WorkerCmd, WorkerMsg};
+use crate::ipc::{CmdLine, MsgLine, TenantCmd, WorkerCmd, WorkerMsg};
 use crate::sched::{Fifo, Scheduler};
-use service::{Conn, DeviceService, Tenant};
-use shm::Shm;
+use service::{DeviceService, Tenant};
 
 pub struct WorkerOptions {
     pub ordinal: u32,
@@ -34,6 +32,8 @@ pub struct WorkerOptions {
     /// The device's NUMA node: the worker's threads run on its CPUs.
     pub numa_node: i32,
     pub launch_timeout_ms: u64,
+    /// The unprivileged identity to drop to once the device is open.
+    pub user: Option<crate::config::Owner>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -44,7 +44,7 @@ pub enum BackendKind {
 
 fn open_backend(opts: &WorkerOptions) -> anyhow::Result<Arc<dyn Backend>> {
     match opts.backend {
-        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?)),
+        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?.with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms)))),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let b = crate::backend::cuda::CudaBackend::new(opts.numa_node, std::time::Duration::from_millis(opts.launch_timeout_ms)).map_err(anyhow::Error::msg)?;
@@ -71,10 +71,26 @@ fn pin_to_node(node: i32) {
 struct Listening {
     tenant: Arc<Tenant>,
     socket: PathBuf,
+    /// A handle on the listening socket, shut down to wake its accept loop.
+    listener: Option<UnixListener>,
     stop: Arc<AtomicBool>,
-    /// Live client connections, kept so removal can drop them; each entry
-    /// is removed again when its connection ends.
+    /// Live client connections of a process tenant, dropped on removal.
     streams: Arc<Mutex<HashMap<u64, UnixStream>>>,
+}
+
+/// Writes replies and events to the control plane, one JSON line each;
+/// removal threads report through it too.
+#[derive(Clone)]
+struct Out(Arc<Mutex<std::io::Stdout>>);
+
+impl Out {
+    fn send(&self, id: u64, msg: WorkerMsg) -> std::io::Result<()> {
+        let line = serde_json::to_string(&MsgLine { id, msg }).map_err(std::io::Error::other)? + "\n";
+        let g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = g.lock();
+        o.write_all(line.as_bytes())?;
+        o.flush()
+    }
 }
 
 /// Runs the worker until the control plane closes its stdin.
@@ -83,39 +99,60 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     unsafe { libc::umask(0o077) };
     pin_to_node(opts.numa_node);
     let backend = open_backend(&opts)?;
+    if let Some(u) = opts.user {
+        confine::drop_privileges(u)?;
+        info!(uid = u.uid, gid = u.gid, "device worker confined: unprivileged, no capabilities, no_new_privs, own mount namespace");
+    }
     let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, Box::new(Fifo))));
     let mut listening: HashMap<String, Listening> = HashMap::new();
-    let stdout = std::io::stdout();
-    let send = |m: &WorkerMsg| -> std::io::Result<()> {
-        let mut o = stdout.lock();
-        serde_json::to_writer(&mut o, m)?;
-        o.write_all(b"\n")?;
-        o.flush()
-    };
-    send(&WorkerMsg::Ready { pid: std::process::id() })?;
+    let out = Out(Arc::new(Mutex::new(std::io::stdout())));
+    out.send(0, WorkerMsg::Ready { pid: std::process::id() })?;
     info!(ordinal = opts.ordinal, memory = opts.memory, "device worker ready");
     for line in std::io::stdin().lock().lines() {
         let line = line?;
-        let reply = match serde_json::from_str::<WorkerCmd>(&line) {
-            Err(e) => WorkerMsg::Err(format!("bad command: {e}")),
-            Ok(WorkerCmd::Stats) => WorkerMsg::Stats(svc.stats()),
-            Ok(WorkerCmd::AddTenant { name, quota, weight, socket, vm }) => match if vm { add_vm_tenant(&svc, &name, quota, weight, &socket) } else { add_tenant(&svc, &name, quota, weight, &socket) } {
-                Ok(l) => {
-                    listening.insert(name, l);
-                    WorkerMsg::Ok
+        let (id, cmd) = match serde_json::from_str::<CmdLine>(&line) {
+            Ok(c) => (c.id, c.cmd),
+            Err(e) => {
+                out.send(0, WorkerMsg::Err(format!("bad command: {e}")))?;
+                continue;
+            }
+        };
+        let reply = match cmd {
+            WorkerCmd::Stats => WorkerMsg::Stats(svc.stats()),
+            WorkerCmd::AddTenant(spec) => {
+                let r = if spec.vm { add_vm_tenant(&svc, &spec) } else { add_tenant(&svc, &spec) };
+                match r {
+                    Ok(l) => {
+                        listening.insert(spec.name, l);
+                        WorkerMsg::Ok
+                    }
+                    Err(e) => WorkerMsg::Err(e),
                 }
-                Err(e) => WorkerMsg::Err(e),
-            },
-            Ok(WorkerCmd::RemoveTenant { name }) => match listening.remove(&name) {
+            }
+            WorkerCmd::RemoveTenant { name } => match listening.remove(&name) {
                 Some(l) => {
+                    // Revoked first, on every path at once; the teardown
+                    // (waiting for a running request, freeing, scrubbing)
+                    // runs off this loop and reports when it is done.
+                    svc.revoke(&name);
                     stop_listening(&l);
-                    svc.remove_tenant(&name);
+                    let (svc2, out2, n2) = (svc.clone(), out.clone(), name.clone());
+                    let teardown = move || {
+                        svc2.remove_tenant(&n2);
+                        info!(tenant = %n2, "tenant removed; its memory is released");
+                        let _ = out2.send(0, WorkerMsg::Removed { name: n2 });
+                    };
+                    if let Err(e) = std::thread::Builder::new().name(format!("remove-{name}")).spawn(teardown) {
+                        warn!(tenant = %name, "no thread for the teardown ({e}); tearing down inline");
+                        svc.remove_tenant(&name);
+                        out.send(0, WorkerMsg::Removed { name })?;
+                    }
                     WorkerMsg::Ok
                 }
                 None => WorkerMsg::Err(format!("no tenant {name}")),
             },
         };
-        send(&reply)?;
+        out.send(id, reply)?;
     }
     for l in listening.values() {
         stop_listening(l);
@@ -123,60 +160,44 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn add_tenant(svc: &Arc<DeviceService>, name: &str, quota: u64, weight: u32, socket: &Path) -> Result<Listening, String> {
-    // A stale socket from a previous worker of this device is replaced.
+fn add_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening, String> {
+    let socket = &spec.socket;
+    // A stale socket from a previous worker of this device is replaced; it
+    // is created 0600 (umask) and the control plane sets its owner and mode.
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
-    let tenant = svc.add_tenant(name, quota, weight)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let streams = Arc::new(Mutex::new(HashMap::new()));
-    let (svc2, t2, stop2, streams2) = (svc.clone(), tenant.clone(), stop.clone(), streams.clone());
-    std::thread::Builder::new()
-        .name(format!("accept-{name}"))
-        .spawn(move || {
-            let mut next_id = 0u64;
-            for s in listener.incoming() {
-                if stop2.load(Ordering::Acquire) {
-                    break;
-                }
-                let Ok(s) = s else { continue };
-                next_id += 1;
-                let id = next_id;
-                if let Ok(c) = s.try_clone() {
-                    streams2.lock().unwrap_or_else(|e| e.into_inner()).insert(id, c);
-                }
-                let (svc, t, reg) = (svc2.clone(), t2.clone(), streams2.clone());
-                let spawned = std::thread::Builder::new().name(format!("tenant-{}", t.name)).spawn(move || {
-                    serve(svc, t, &s);
-                    // The registry holds a clone of this socket: close it
-                    // explicitly so the client sees EOF, and forget it.
-                    let _ = s.shutdown(std::net::Shutdown::Both);
-                    reg.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                });
-                if spawned.is_err() {
-                    warn!(tenant = %t2.name, "cannot start a connection thread; refusing the client");
-                    if let Some(c) = streams2.lock().unwrap_or_else(|e| e.into_inner()).remove(&id) {
-                        let _ = c.shutdown(std::net::Shutdown::Both);
-                    }
-                }
-            }
-        })
-        .map_err(|e| e.to_string())?;
-    info!(tenant = name, quota, socket = %socket.display(), "tenant added");
-    Ok(Listening { tenant, socket: socket.to_path_buf(), stop, streams })
+    let tenant = svc.add_tenant(&spec.name, spec.quota, spec.weight, spec.host_limit)?;
+    let l = conn::Listener {
+        max_connections: spec.max_connections.max(1),
+        stop: Arc::new(AtomicBool::new(false)),
+        streams: Arc::new(Mutex::new(HashMap::new())),
+        log: Arc::new(conn::LogLimiter::new(20, std::time::Duration::from_secs(10))),
+    };
+    let (stop, streams) = (l.stop.clone(), l.streams.clone());
+    let handle = listener.try_clone().map_err(|e| format!("cloning the listener: {e}"))?;
+    let (svc2, t2) = (svc.clone(), tenant.clone());
+    let started = std::thread::Builder::new().name(format!("accept-{}", spec.name)).spawn(move || conn::accept_loop(&l, listener, svc2, t2));
+    if let Err(e) = started {
+        svc.remove_tenant(&spec.name);
+        return Err(format!("starting the accept thread: {e}"));
+    }
+    info!(tenant = %spec.name, quota = spec.quota, host_limit = spec.host_limit, socket = %socket.display(), "tenant added");
+    Ok(Listening { tenant, socket: socket.clone(), listener: Some(handle), stop, streams })
 }
 
 /// A VM tenant: its vhost-user virtio-gpu backend serves `socket`.
-fn add_vm_tenant(svc: &Arc<DeviceService>, name: &str, quota: u64, weight: u32, socket: &Path) -> Result<Listening, String> {
+fn add_vm_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening, String> {
+    let (name, socket) = (&spec.name, &spec.socket);
     let _ = std::fs::remove_file(socket);
-    let tenant = svc.add_tenant(name, quota, weight)?;
+    let tenant = svc.add_tenant(name, spec.quota, spec.weight, spec.host_limit)?;
     let stop = Arc::new(AtomicBool::new(false));
-    let (svc2, t2, stop2, path) = (svc.clone(), tenant.clone(), stop.clone(), socket.to_path_buf());
-    std::thread::Builder::new()
-        .name(format!("vhost-{name}"))
-        .spawn(move || crate::gpu::vhost::serve(path, crate::gpu::GpuConfig::default(), svc2, t2, stop2))
-        .map_err(|e| e.to_string())?;
+    let (svc2, t2, stop2, path) = (svc.clone(), tenant.clone(), stop.clone(), socket.clone());
+    let started = std::thread::Builder::new().name(format!("vhost-{name}")).spawn(move || crate::gpu::vhost::serve(path, crate::gpu::GpuConfig::default(), svc2, t2, stop2));
+    if let Err(e) = started {
+        svc.remove_tenant(name);
+        return Err(format!("starting the vhost-user thread: {e}"));
+    }
     // Answer only once the socket exists, so a VMM started right after
     // `tenant create` can connect.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
@@ -188,100 +209,22 @@ fn add_vm_tenant(svc: &Arc<DeviceService>, name: &str, quota: u64, weight: u32, 
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
-    info!(tenant = name, quota, socket = %socket.display(), "VM tenant added (vhost-user)");
-    Ok(Listening { tenant, socket: socket.to_path_buf(), stop, streams: Arc::new(Mutex::new(HashMap::new())) })
+    info!(tenant = %name, quota = spec.quota, socket = %socket.display(), "VM tenant added (vhost-user)");
+    Ok(Listening { tenant, socket: socket.clone(), listener: None, stop, streams: Arc::new(Mutex::new(HashMap::new())) })
 }
 
 fn stop_listening(l: &Listening) {
     l.stop.store(true, Ordering::Release);
-    // Wake the accept loop so it sees the flag, then drop every client.
-    let _ = UnixStream::connect(&l.socket);
+    // Wake the accept loop so it sees the flag (the socket may belong to
+    // the tenant's user, so connecting to it is not an option), then drop
+    // every client.
+    if let Some(h) = &l.listener {
+        // SAFETY: shutdown on a descriptor we own; it only wakes accept.
+        unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(h), libc::SHUT_RDWR) };
+    }
     let _ = std::fs::remove_file(&l.socket);
     for (_, s) in l.streams.lock().unwrap_or_else(|e| e.into_inner()).drain() {
         let _ = s.shutdown(std::net::Shutdown::Both);
     }
-    info!(tenant = %l.tenant.name, "tenant removed");
-}
-
-/// Reads exactly `buf.len()` bytes, keeping any fd that arrives with them.
-/// Returns false on a clean EOF before the first byte.
-fn read_full(s: &UnixStream, buf: &mut [u8], fd: &mut Option<File>) -> std::io::Result<bool> {
-    let mut got = 0;
-    while got < buf.len() {
-        let (n, f) = s.recv_with_fd(&mut buf[got..]).map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
-        if f.is_some() {
-            *fd = f;
-        }
-        if n == 0 {
-            if got == 0 {
-                return Ok(false);
-            }
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        got += n;
-    }
-    Ok(true)
-}
-
-/// Serves one client connection until it closes or breaks framing.
-fn serve(svc: Arc<DeviceService>, t: Arc<Tenant>, s: &UnixStream) {
-    let mut s = s;
-    t.connections.fetch_add(1, Ordering::Relaxed);
-    let mut conn = Conn::default();
-    let mut hdr = [0u8; MsgHeader::SIZE];
-    loop {
-        let mut fd = None;
-        match read_full(s, &mut hdr, &mut fd) {
-            Ok(true) => {}
-            Ok(false) => break,
-            Err(e) => {
-                warn!(tenant = %t.name, "connection read failed: {e}");
-                break;
-            }
-        }
-        let h = match MsgHeader::decode(&hdr) {
-            Ok(h) => h,
-            Err(e) => {
-                // Framing cannot be trusted past a bad header: answer, then drop.
-                warn!(tenant = %t.name, "bad header, disconnecting: {e}");
-                let seq = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]);
-                let _ = s.write_all(&Reply::error(e.cuda(), format!("bad message header: {e}")).encode(Opcode::Ping, seq));
-                break;
-            }
-        };
-        let mut msg = vec![0u8; MsgHeader::SIZE + h.payload_len as usize];
-        msg[..MsgHeader::SIZE].copy_from_slice(&hdr);
-        if h.payload_len > 0 && s.read_exact(&mut msg[MsgHeader::SIZE..]).is_err() {
-            break;
-        }
-        let reply = match Request::decode(&msg) {
-            Err(e) => Reply::error(e.cuda(), format!("bad {:?} message: {e}", h.opcode())),
-            Ok((_, Request::RegisterShm(b))) => match fd.take() {
-                None => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm arrived without a file descriptor"),
-                Some(f) => match Shm::map(f, b.size) {
-                    Ok(m) => {
-                        svc.set_shm(&mut conn, Some(m));
-                        Reply::Empty
-                    }
-                    Err(e) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, e.to_string()),
-                },
-            },
-            Ok((_, req)) => {
-                // Defence in depth: a bug must cost this request, not the worker.
-                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(&t, &mut conn, req))) {
-                    Ok(r) => r,
-                    Err(_) => {
-                        warn!(tenant = %t.name, "request handler panicked; disconnecting the client");
-                        let _ = s.write_all(&Reply::error(CuResult::CUDA_ERROR_UNKNOWN, "internal error").encode(h.opcode(), h.seq));
-                        break;
-                    }
-                }
-            }
-        };
-        if s.write_all(&reply.encode(h.opcode(), h.seq)).is_err() {
-            break;
-        }
-    }
-    svc.disconnect(&t, &mut conn);
-    t.connections.fetch_sub(1, Ordering::Relaxed);
+    info!(tenant = %l.tenant.name, "tenant revoked: its sockets no longer serve it");
 }

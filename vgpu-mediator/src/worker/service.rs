@@ -2,7 +2,7 @@
 //! backend: quotas, handles, pointer ownership, contexts and accounting.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -13,10 +13,71 @@ use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDe
 use crate::ipc::{DeviceStats, TenantStats};
 use crate::sched::Scheduler;
 
+/// Host memory a tenant's objects keep in the worker (parsed modules,
+/// function tables, contexts, streams, events, allocation records,
+/// connections and in-flight payloads): charged when they are made,
+/// released when they go, and never past `limit`.
+pub struct HostBudget {
+    limit: u64,
+    used: AtomicU64,
+}
+
+/// What each kind of object costs the host budget, in bytes: its table
+/// entries and bookkeeping, rounded up.
+pub mod host_cost {
+    pub const CONTEXT: u64 = 4096;
+    pub const STREAM: u64 = 64;
+    pub const EVENT: u64 = 64;
+    pub const FUNCTION: u64 = 128;
+    pub const PARAM: u64 = 8;
+    pub const ALLOCATION: u64 = 96;
+}
+
+impl HostBudget {
+    pub fn new(limit: u64) -> HostBudget {
+        HostBudget { limit, used: AtomicU64::new(0) }
+    }
+
+    /// Takes `n` bytes, or fails with CUDA_ERROR_OUT_OF_MEMORY naming `what`.
+    pub fn reserve(&self, n: u64, what: &str) -> Result<(), Reply> {
+        let mut cur = self.used.load(Ordering::Relaxed);
+        loop {
+            let next = cur.checked_add(n).filter(|v| *v <= self.limit).ok_or_else(|| {
+                err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("{what} needs {n} bytes of host memory; the tenant's host budget has {} of {} bytes left", self.limit.saturating_sub(cur), self.limit))
+            })?;
+            match self.used.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return Ok(()),
+                Err(v) => cur = v,
+            }
+        }
+    }
+
+    pub fn release(&self, n: u64) {
+        let _ = self.used.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| Some(v.saturating_sub(n)));
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    pub fn left(&self) -> u64 {
+        self.limit.saturating_sub(self.used())
+    }
+}
+
 pub struct Tenant {
     pub name: String,
     pub quota: u64,
     pub weight: u32,
+    /// Host memory the tenant's objects may keep in the worker.
+    pub host: HostBudget,
+    /// Set when the tenant is deleted: every path that serves it refuses
+    /// from then on, before its memory is scrubbed and released.
+    revoked: AtomicBool,
     /// The backend's key for this tenant (its own CUDA context on a GPU).
     pub slot: TenantSlot,
     state: Mutex<TenantState>,
@@ -43,10 +104,21 @@ struct TenantState {
 struct Ctx {
     modules: HashMap<u32, Arc<dyn DeviceModule>>,
     funcs: HashMap<u32, (u32, FunctionDesc)>,
+    /// The handle already given for (module, kernel index): a kernel has
+    /// one handle however often it is looked up, as on CUDA.
+    func_ids: HashMap<(u32, usize), u32>,
+    /// Host bytes charged to the tenant for this context and its objects.
+    charged: u64,
     streams: HashSet<u32>,
     events: HashMap<u32, Option<Instant>>,
     /// Set by a kernel fault; every later call on the context returns it.
     sticky: Option<(CuResult, String)>,
+}
+
+impl Tenant {
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
+    }
 }
 
 impl TenantState {
@@ -112,7 +184,7 @@ impl DeviceService {
         DeviceService { backend, sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
     }
 
-    pub fn add_tenant(&self, name: &str, quota: u64, weight: u32) -> Result<Arc<Tenant>, String> {
+    pub fn add_tenant(&self, name: &str, quota: u64, weight: u32, host_limit: u64) -> Result<Arc<Tenant>, String> {
         let mut map = self.tenants.write().unwrap_or_else(|e| e.into_inner());
         if map.contains_key(name) {
             return Err(format!("tenant {name} already exists on this device"));
@@ -122,6 +194,8 @@ impl DeviceService {
             name: name.to_string(),
             quota,
             weight,
+            host: HostBudget::new(host_limit),
+            revoked: AtomicBool::new(false),
             slot,
             state: Mutex::new(TenantState::default()),
             kernels: AtomicU64::new(0),
@@ -134,8 +208,23 @@ impl DeviceService {
         Ok(t)
     }
 
-    /// Drops the tenant and frees everything it still holds.
+    /// Marks the tenant revoked: from now on every request of it, on any
+    /// connection or VM context, fails. Returns false for an unknown name.
+    pub fn revoke(&self, name: &str) -> bool {
+        match self.tenants.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+            Some(t) => {
+                t.revoked.store(true, Ordering::Release);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Revokes the tenant, then drops it and frees everything it still
+    /// holds. Waits for a request of the tenant that is running to finish
+    /// (launches are bounded in time), so call it off any shared path.
     pub fn remove_tenant(&self, name: &str) -> Option<Arc<Tenant>> {
+        self.revoke(name);
         let t = self.tenants.write().unwrap_or_else(|e| e.into_inner()).remove(name)?;
         let mut st = t.state.lock().unwrap_or_else(|e| e.into_inner());
         let ids: Vec<u32> = st.ctxs.keys().copied().collect();
@@ -163,6 +252,8 @@ impl DeviceService {
                 bytes_scrubbed: t.scrubbed.load(Ordering::Relaxed),
                 weight: t.weight,
                 connections: t.connections.load(Ordering::Relaxed),
+                host_used: t.host.used(),
+                host_limit: t.host.limit(),
             })
             .collect();
         DeviceStats {
@@ -203,9 +294,9 @@ impl DeviceService {
     }
 
     fn destroy_ctx(&self, t: &Tenant, st: &mut TenantState, id: u32) -> bool {
-        if st.ctxs.remove(&id).is_none() {
-            return false;
-        }
+        let Some(c) = st.ctxs.remove(&id) else { return false };
+        t.host.release(c.charged);
+        drop(c);
         let mine: Vec<u64> = st.alloc_ctx.iter().filter(|(_, c)| **c == id).map(|(a, _)| *a).collect();
         for a in mine {
             self.free_alloc(t, st, a);
@@ -223,6 +314,7 @@ impl DeviceService {
     fn free_alloc(&self, t: &Tenant, st: &mut TenantState, addr: u64) -> bool {
         let Some(len) = st.owned.0.remove(&addr) else { return false };
         st.alloc_ctx.remove(&addr);
+        t.host.release(host_cost::ALLOCATION);
         st.used -= len;
         t.used.store(st.used, Ordering::Relaxed);
         self.backend.free(t.slot, addr, len);
@@ -299,9 +391,26 @@ impl DeviceService {
         out
     }
 
+    /// Charges `n` host bytes to the tenant on behalf of context `c`.
+    fn charge(t: &Tenant, c: &mut Ctx, n: u64, what: &str) -> R<()> {
+        t.host.reserve(n, what)?;
+        c.charged += n;
+        Ok(())
+    }
+
+    fn uncharge(t: &Tenant, c: &mut Ctx, n: u64) {
+        t.host.release(n);
+        c.charged = c.charged.saturating_sub(n);
+    }
+
     fn dispatch(&self, t: &Tenant, conn: &mut Conn, req: Request) -> R<Reply> {
         let mut st = t.state.lock().unwrap_or_else(|e| e.into_inner());
         let st = &mut *st;
+        // Checked under the state lock: removal revokes before it takes
+        // the lock, so nothing is created after the tenant's teardown.
+        if t.revoked.load(Ordering::Acquire) {
+            return Err(err(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("tenant {} was deleted", t.name)));
+        }
         Ok(match req {
             Request::Ping => Reply::Empty,
             Request::GetDeviceInfo => Reply::DeviceInfo(self.device_info(t, st.used)),
@@ -324,8 +433,9 @@ impl DeviceService {
                 if st.ctxs.len() >= 256 {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many contexts"));
                 }
+                t.host.reserve(host_cost::CONTEXT, "a context")?;
                 let id = st.handle();
-                st.ctxs.insert(id, Ctx::default());
+                st.ctxs.insert(id, Ctx { charged: host_cost::CONTEXT, ..Ctx::default() });
                 conn.ctxs.push(id);
                 Reply::Handle(id)
             }
@@ -345,10 +455,18 @@ impl DeviceService {
                 if b.size > t.quota.saturating_sub(st.used) {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {} bytes exceeds the quota ({} of {} bytes used)", b.size, st.used, t.quota)));
                 }
-                let (addr, len) = self.backend.alloc(t.slot, b.size)?;
+                t.host.reserve(host_cost::ALLOCATION, "an allocation record")?;
+                let (addr, len) = match self.backend.alloc(t.slot, b.size) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        t.host.release(host_cost::ALLOCATION);
+                        return Err(e.into());
+                    }
+                };
                 if st.used + len > t.quota {
                     // Granule rounding pushed it over: still over quota.
                     self.backend.free(t.slot, addr, len);
+                    t.host.release(host_cost::ALLOCATION);
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "allocation exceeds the quota"));
                 }
                 t.scrubbed.fetch_add(len, Ordering::Relaxed);
@@ -438,30 +556,47 @@ impl DeviceService {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many modules"));
                 }
                 let format = ImageFormat::sniff(&image);
-                let m = self.backend.load_module(t.slot, &image, format)?;
+                let m = self.backend.load_module(t.slot, &image, format, t.host.left())?;
+                let c = Self::ctx(st, b.ctx)?;
+                Self::charge(t, c, m.host_bytes(), "the loaded module")?;
                 let id = st.handle();
                 Self::ctx(st, b.ctx)?.modules.insert(id, m);
                 Reply::Handle(id)
             }
             Request::ModuleUnload(b) => {
                 let c = Self::ctx(st, b.ctx)?;
-                if c.modules.remove(&b.module).is_none() {
+                let Some(m) = c.modules.remove(&b.module) else {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no module {}", b.module)));
-                }
-                c.funcs.retain(|_, (m, _)| *m != b.module);
+                };
+                let mut freed = m.host_bytes();
+                c.funcs.retain(|_, (mid, f)| {
+                    let keep = *mid != b.module;
+                    if !keep {
+                        freed += host_cost::FUNCTION + f.params.len() as u64 * host_cost::PARAM;
+                    }
+                    keep
+                });
+                c.func_ids.retain(|(mid, _), _| *mid != b.module);
+                Self::uncharge(t, c, freed);
                 Reply::Empty
             }
             Request::ModuleGetFunction(b, name) => {
                 let c = Self::ctx(st, b.ctx)?;
                 let m = c.modules.get(&b.module).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no module {}", b.module)))?;
                 let f = m.function(&name).ok_or_else(|| err(CuResult::CUDA_ERROR_NOT_FOUND, format!("no kernel named '{name}' in module {}", b.module)))?;
+                let reply = FunctionReply { func: 0, num_params: f.params.len() as u32, params_size: f.params_size, reserved: 0 };
+                if let Some(&id) = c.func_ids.get(&(b.module, f.index)) {
+                    return Ok(Reply::Function(FunctionReply { func: id, ..reply }, f.params));
+                }
                 if c.funcs.len() >= 65536 {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many functions"));
                 }
-                let reply = FunctionReply { func: 0, num_params: f.params.len() as u32, params_size: f.params_size, reserved: 0 };
+                Self::charge(t, c, host_cost::FUNCTION + f.params.len() as u64 * host_cost::PARAM, "a function handle")?;
                 let params = f.params.clone();
                 let id = st.handle();
-                Self::ctx(st, b.ctx)?.funcs.insert(id, (b.module, f));
+                let c = Self::ctx(st, b.ctx)?;
+                c.func_ids.insert((b.module, f.index), id);
+                c.funcs.insert(id, (b.module, f));
                 Reply::Function(FunctionReply { func: id, ..reply }, params)
             }
             Request::LaunchKernel(b, params) => {
@@ -489,17 +624,21 @@ impl DeviceService {
                 Reply::Empty
             }
             Request::StreamCreate(b) => {
-                if Self::ctx(st, b.ctx)?.streams.len() >= 4096 {
+                let c = Self::ctx(st, b.ctx)?;
+                if c.streams.len() >= 4096 {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many streams"));
                 }
+                Self::charge(t, c, host_cost::STREAM, "a stream")?;
                 let id = st.handle();
                 Self::ctx(st, b.ctx)?.streams.insert(id);
                 Reply::Handle(id)
             }
             Request::EventCreate(b) => {
-                if Self::ctx(st, b.ctx)?.events.len() >= 65536 {
+                let c = Self::ctx(st, b.ctx)?;
+                if c.events.len() >= 65536 {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many events"));
                 }
+                Self::charge(t, c, host_cost::EVENT, "an event")?;
                 let id = st.handle();
                 Self::ctx(st, b.ctx)?.events.insert(id, None);
                 Reply::Handle(id)
@@ -509,6 +648,7 @@ impl DeviceService {
                 if !c.streams.remove(&b.handle) {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no stream {}", b.handle)));
                 }
+                Self::uncharge(t, c, host_cost::STREAM);
                 Reply::Empty
             }
             Request::StreamSynchronize(b) => {
@@ -548,6 +688,7 @@ impl DeviceService {
                 if c.events.remove(&b.handle).is_none() {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {}", b.handle)));
                 }
+                Self::uncharge(t, c, host_cost::EVENT);
                 Reply::Empty
             }
         })

@@ -79,6 +79,21 @@ enum TenantCmd {
         /// A VM tenant: prints the vhost-user socket for `vgpu-vmm --vgpu socket=PATH`.
         #[arg(long)]
         vm: bool,
+        /// Owner of the tenant's socket, UID:GID: that user (or container)
+        /// is the tenant. Default: root.
+        #[arg(long)]
+        owner: Option<String>,
+        /// Mode of the tenant's socket, octal (default 0600).
+        #[arg(long)]
+        mode: Option<String>,
+        /// Host memory the tenant's objects may keep in its worker
+        /// (default: the mediator's devices.tenant_host_memory).
+        #[arg(long)]
+        host_memory: Option<String>,
+        /// Client connections the tenant may hold at once (default: the
+        /// mediator's devices.tenant_connections).
+        #[arg(long)]
+        max_connections: Option<u32>,
     },
     List,
     Show { name: String },
@@ -133,6 +148,10 @@ fn call(cli: &Cli, method: &str, path: &str, body: Option<Value>) -> anyhow::Res
 }
 
 fn call_at(api: &std::path::Path, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    call_status(api, method, path, body).map(|(_, v)| v)
+}
+
+fn call_status(api: &std::path::Path, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<(u16, Value)> {
     let body = body.map(|b| b.to_string());
     let r = http::request(api, method, path, body.as_deref().map(str::as_bytes))?;
     let v: Value = if r.body.is_empty() { Value::Null } else { serde_json::from_slice(&r.body).unwrap_or(Value::String(r.text())) };
@@ -140,17 +159,22 @@ fn call_at(api: &std::path::Path, method: &str, path: &str, body: Option<Value>)
         let msg = v.get("error").and_then(Value::as_str).map(str::to_string).unwrap_or_else(|| r.text());
         anyhow::bail!("{msg} (HTTP {})", r.status);
     }
-    Ok(v)
+    Ok((r.status, v))
 }
 
 fn run(cli: &Cli) -> anyhow::Result<()> {
     let json_out = cli.output == Output::Json;
     let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     match &cli.cmd {
-        Cmd::Tenant(TenantCmd::Create { name, memory, weight, device, vm }) => {
+        Cmd::Tenant(TenantCmd::Create { name, memory, weight, device, vm, owner, mode, host_memory, max_connections }) => {
             let mut body = json!({ "name": name, "memory": memory, "weight": weight, "kind": if *vm { "vm" } else { "process" } });
-            if let Some(d) = device {
-                body["device"] = json!(d);
+            for (key, v) in [("device", device), ("owner", owner), ("mode", mode), ("host_memory", host_memory)] {
+                if let Some(v) = v {
+                    body[key] = json!(v);
+                }
+            }
+            if let Some(c) = max_connections {
+                body["max_connections"] = json!(c);
             }
             let v = call(cli, "POST", "/tenants", Some(body))?;
             if json_out { print_json(&v) } else { println!("{}", s(&v, "socket")) }
@@ -172,11 +196,24 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if json_out {
                 print_json(&v);
             } else {
-                println!("name:      {}\ndevice:    {}\nquota:     {}\nweight:    {}\nsocket:    {}", s(&v, "name"), s(&v, "device"), human(u(&v, "memory")), u(&v, "weight"), s(&v, "socket"));
+                println!(
+                    "name:      {}\nstate:     {}\ndevice:    {}\nquota:     {}\nweight:    {}\nsocket:    {} (owner {}, mode {})\nhost mem:  {}\nmax conns: {}",
+                    s(&v, "name"),
+                    s(&v, "state"),
+                    s(&v, "device"),
+                    human(u(&v, "memory")),
+                    u(&v, "weight"),
+                    s(&v, "socket"),
+                    v.get("owner").and_then(Value::as_str).unwrap_or("0:0"),
+                    s(&v, "mode"),
+                    human(u(&v, "host_memory")),
+                    u(&v, "max_connections")
+                );
                 match v.get("usage").filter(|x| !x.is_null()) {
                     Some(us) => println!(
-                        "used:      {}\nkernels:   {}\ndevice-s:  {:.3}\nscrubbed:  {}\nclients:   {}",
+                        "used:      {}\nhost used: {}\nkernels:   {}\ndevice-s:  {:.3}\nscrubbed:  {}\nclients:   {}",
                         human(u(us, "used")),
+                        human(u(us, "host_used")),
                         u(us, "kernels"),
                         u(us, "device_ns") as f64 / 1e9,
                         human(u(us, "bytes_scrubbed")),
@@ -187,8 +224,17 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Tenant(TenantCmd::Delete { name }) => {
-            call(cli, "DELETE", &format!("/tenants/{name}"), None)?;
-            if json_out { print_json(&json!({ "deleted": name })) } else { println!("deleted {name}") }
+            let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
+            let (status, _) = call_status(&api, "DELETE", &format!("/tenants/{name}"), None)?;
+            // 202: revoked everywhere, its memory still being released.
+            let done = status != 202;
+            if json_out {
+                print_json(&json!({ "deleted": name, "released": done }))
+            } else if done {
+                println!("deleted {name}")
+            } else {
+                println!("revoked {name}; its memory is still being released (state: deleting)")
+            }
         }
         Cmd::Device(DeviceCmd::List) => {
             let v = call(cli, "GET", "/devices", None)?;

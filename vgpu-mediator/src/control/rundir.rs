@@ -1,0 +1,184 @@
+//! The run directory and the tenants' sockets: created by the daemon with
+//! the modes it needs, or verified (owner, modes, no symlinks) when they
+//! already exist, so another local user cannot plant or swap a socket.
+//!
+//! Layout: `RUN_DIR` (owner us, 0711), `RUN_DIR/api.sock` (0600),
+//! `RUN_DIR/tenants` (owner us, group the workers' group, 0731: workers
+//! bind sockets there, tenants reach their own socket by its name but
+//! cannot list or change the directory).
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::Path;
+
+use crate::config::Owner;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunDirError {
+    #[error("{path}: {err}")]
+    Io { path: String, #[source] err: std::io::Error },
+    #[error("{path} is a symbolic link; refusing to follow it")]
+    Symlink { path: String },
+    #[error("{path} is not a directory")]
+    NotDir { path: String },
+    #[error("{path} is owned by uid {uid}, not by this daemon (uid {me}); refusing to use it")]
+    Owner { path: String, uid: u32, me: u32 },
+    #[error("{path} is writable by group or others (mode {mode:04o}); refusing to use it")]
+    Writable { path: String, mode: u32 },
+    #[error("{path} is not a socket")]
+    NotSocket { path: String },
+}
+
+fn io(path: &Path, err: std::io::Error) -> RunDirError {
+    RunDirError::Io { path: path.display().to_string(), err }
+}
+
+/// Creates `dir` with `mode`, or checks that the existing one is a real
+/// directory we own that nobody else can write; then sets its group and
+/// mode. Never follows a symlink at `dir` itself.
+fn own_dir(dir: &Path, mode: u32, gid: Option<u32>) -> Result<(), RunDirError> {
+    let p = dir.display().to_string();
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| io(dir, e))?;
+        }
+        Err(e) => return Err(io(dir, e)),
+        Ok(m) => {
+            if m.file_type().is_symlink() {
+                return Err(RunDirError::Symlink { path: p });
+            }
+            if !m.is_dir() {
+                return Err(RunDirError::NotDir { path: p });
+            }
+            // SAFETY: geteuid has no preconditions.
+            let me = unsafe { libc::geteuid() };
+            if m.uid() != me {
+                return Err(RunDirError::Owner { path: p, uid: m.uid(), me });
+            }
+            // Group write is only ours to grant (to the workers' group).
+            let foreign_gid = gid.is_none_or(|g| g != m.gid());
+            if m.mode() & 0o002 != 0 || (m.mode() & 0o020 != 0 && foreign_gid) {
+                return Err(RunDirError::Writable { path: p, mode: m.mode() & 0o7777 });
+            }
+        }
+    }
+    // The directory is ours now; open it without following links and fix
+    // group and mode through the descriptor.
+    let fd = open_nofollow(dir, libc::O_DIRECTORY)?;
+    if let Some(g) = gid {
+        // SAFETY: fd is an open directory we own; -1 keeps the owner.
+        if unsafe { libc::fchown(fd.as_raw_fd(), u32::MAX, g) } != 0 {
+            return Err(io(dir, std::io::Error::last_os_error()));
+        }
+    }
+    // SAFETY: fd is an open directory we own.
+    if unsafe { libc::fchmod(fd.as_raw_fd(), mode) } != 0 {
+        return Err(io(dir, std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+fn open_nofollow(path: &Path, flags: i32) -> Result<OwnedFd, RunDirError> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| io(path, std::io::ErrorKind::InvalidInput.into()))?;
+    // SAFETY: a NUL-terminated path; the result is checked.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(if e.raw_os_error() == Some(libc::ELOOP) { RunDirError::Symlink { path: path.display().to_string() } } else { io(path, e) });
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Prepares `run_dir` and `run_dir/tenants` (see the module doc). With
+/// `workers` set, the workers' group may create sockets in `tenants`.
+pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<(), RunDirError> {
+    if let Some(parent) = run_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+    }
+    own_dir(run_dir, 0o711, None)?;
+    let tenants = run_dir.join("tenants");
+    match workers {
+        Some(w) => own_dir(&tenants, 0o731, Some(w.gid)),
+        None => own_dir(&tenants, 0o711, None),
+    }
+}
+
+/// Gives the socket at `path` its tenant's owner and mode. The path is
+/// opened without following links and checked to be a socket, so a
+/// planted symlink cannot redirect the change.
+pub fn set_socket_owner(path: &Path, owner: Owner, mode: u32) -> Result<(), RunDirError> {
+    let fd = open_nofollow(path, libc::O_PATH)?;
+    // SAFETY: fd is a valid O_PATH descriptor; st is a valid out-parameter.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io(path, std::io::Error::last_os_error()));
+    }
+    // O_PATH | O_NOFOLLOW opens a symlink itself rather than failing.
+    if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+        return Err(RunDirError::Symlink { path: path.display().to_string() });
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(RunDirError::NotSocket { path: path.display().to_string() });
+    }
+    let empty = c"";
+    // SAFETY: AT_EMPTY_PATH applies the change to the inode fd refers to.
+    if unsafe { libc::fchownat(fd.as_raw_fd(), empty.as_ptr(), owner.uid, owner.gid, libc::AT_EMPTY_PATH) } != 0 {
+        return Err(io(path, std::io::Error::last_os_error()));
+    }
+    // chmod through the descriptor's /proc link reaches the same inode.
+    let proc = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    std::fs::set_permissions(&proc, std::fs::Permissions::from_mode(mode)).map_err(|e| io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("vgpu-rundir-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn run_dir_is_created_with_restrictive_modes() {
+        let d = tmp("fresh");
+        prepare(&d, None).unwrap();
+        assert_eq!(std::fs::metadata(&d).unwrap().mode() & 0o7777, 0o711);
+        assert_eq!(std::fs::metadata(d.join("tenants")).unwrap().mode() & 0o7777, 0o711);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn world_writable_or_symlinked_tenants_dir_is_refused() {
+        let d = tmp("planted");
+        std::fs::create_dir_all(d.join("tenants")).unwrap();
+        std::fs::set_permissions(d.join("tenants"), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(matches!(prepare(&d, None), Err(RunDirError::Writable { .. })), "a world-writable tenants dir must be refused");
+        std::fs::remove_dir(d.join("tenants")).unwrap();
+        std::os::unix::fs::symlink("/tmp", d.join("tenants")).unwrap();
+        assert!(matches!(prepare(&d, None), Err(RunDirError::Symlink { .. })), "a symlinked tenants dir must be refused");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn socket_owner_is_not_applied_through_a_symlink() {
+        let d = tmp("link");
+        std::fs::create_dir_all(&d).unwrap();
+        let target = d.join("target");
+        std::fs::write(&target, b"x").unwrap();
+        std::os::unix::fs::symlink(&target, d.join("t.sock")).unwrap();
+        assert!(matches!(set_socket_owner(&d.join("t.sock"), Owner { uid: 1, gid: 1 }, 0o666), Err(RunDirError::Symlink { .. })));
+        assert!(matches!(set_socket_owner(&target, Owner { uid: 1, gid: 1 }, 0o666), Err(RunDirError::NotSocket { .. })));
+        let l = std::os::unix::net::UnixListener::bind(d.join("real.sock")).unwrap();
+        set_socket_owner(&d.join("real.sock"), Owner { uid: 4242, gid: 4343 }, 0o660).unwrap();
+        let m = std::fs::metadata(d.join("real.sock")).unwrap();
+        assert_eq!((m.uid(), m.gid(), m.mode() & 0o777), (4242, 4343, 0o660));
+        drop(l);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
