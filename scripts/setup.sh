@@ -18,6 +18,13 @@ if ((${#need_pkgs[@]})); then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
 fi
 
+# Device workers drop to this unprivileged user once their device is open
+# (devices.worker_user in the mediator's configuration).
+if [ "$(id -u)" -eq 0 ] && ! getent passwd vgpu >/dev/null; then
+    echo "setup: creating the system user vgpu for device workers" >&2
+    useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin vgpu
+fi
+
 # The nested test host: QEMU 10 (bookworm-backports), busybox, cpio.
 bash "$ROOT/images/nested/packages.sh"
 

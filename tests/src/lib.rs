@@ -104,18 +104,39 @@ impl Mediator {
         Self::start_with(&all)
     }
 
+    /// A CPU-device mediator (and so its workers) limited to `nofile`
+    /// open descriptors.
+    pub fn start_limited(args: &[&str], nofile: u64) -> Mediator {
+        let mut all = vec!["--cuda", "off"];
+        all.extend_from_slice(args);
+        Self::spawn(&all, Some(nofile))
+    }
+
     /// A mediator with exactly the given flags (GPU tests pass `--cuda`).
     pub fn start_with(args: &[&str]) -> Mediator {
+        Self::spawn(args, None)
+    }
+
+    fn spawn(args: &[&str], nofile: Option<u64>) -> Mediator {
         let run_dir = PathBuf::from(format!("/tmp/vgpu-t{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
         let _ = std::fs::remove_dir_all(&run_dir);
-        let child = Command::new(bin("vgpu-mediatord"))
-            .arg("--run-dir")
-            .arg(&run_dir)
-            .args(args)
-            .env("VGPU_LOG", "warn")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start vgpu-mediatord");
+        let mut cmd = Command::new(bin("vgpu-mediatord"));
+        cmd.arg("--run-dir").arg(&run_dir).args(args).env("VGPU_LOG", "warn").stdin(Stdio::null());
+        if let Some(n) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: the closure only calls setrlimit, which is
+            // async-signal-safe, between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let rl = libc::rlimit { rlim_cur: n, rlim_max: n };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &rl) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                })
+            };
+        }
+        let child = cmd.spawn().expect("start vgpu-mediatord");
         let m = Mediator { child, run_dir };
         let deadline = Instant::now() + Duration::from_secs(20);
         while UnixStream::connect(m.api_path()).is_err() {
@@ -216,6 +237,11 @@ impl Raw {
         let (h, r) = self.read_reply().expect("reply");
         assert_eq!(h.seq, self.seq);
         r
+    }
+
+    /// Advances the sequence number for a message sent by hand.
+    pub fn seq_bump(&mut self) {
+        self.seq += 1;
     }
 
     pub fn ping(&mut self) -> bool {
@@ -325,4 +351,116 @@ pub mod checks {
         assert!(rest.contains("intact=4096"), "the owner's data changed: {rest}");
         got
     }
+}
+
+/// What /proc says of a process: the figures the tenant-proofing bounds
+/// are stated in.
+#[derive(Debug, Clone, Copy)]
+pub struct ProcStats {
+    pub rss_kib: u64,
+    pub threads: u64,
+    pub fds: usize,
+    pub uid: u32,
+    /// 2 under a seccomp filter.
+    pub seccomp: u32,
+    pub no_new_privs: u32,
+    /// User plus system CPU time, in clock ticks.
+    pub cpu_ticks: u64,
+}
+
+pub fn proc_stats(pid: u32) -> ProcStats {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
+    let field = |name: &str| -> u64 { status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or(0) };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest: Vec<&str> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
+    let tick = |i: usize| rest.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    ProcStats {
+        rss_kib: field("VmRSS:"),
+        threads: field("Threads:"),
+        fds: std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0),
+        uid: field("Uid:") as u32,
+        seccomp: field("Seccomp:") as u32,
+        no_new_privs: field("NoNewPrivs:") as u32,
+        cpu_ticks: tick(11) + tick(12),
+    }
+}
+
+impl Mediator {
+    /// The pid of the worker serving `device`.
+    pub fn worker_pid(&self, device: &str) -> u32 {
+        let pid = self.device(device)["worker_pid"].as_u64().expect("worker_pid") as u32;
+        assert_ne!(pid, 0, "worker of {device} is not running");
+        pid
+    }
+
+    /// Creates a tenant from a full description; returns its record.
+    pub fn tenant_with(&self, spec: Value) -> Value {
+        let (st, v) = self.api("POST", "/tenants", Some(spec.clone()));
+        assert_eq!(st, 201, "creating {spec}: {v}");
+        v
+    }
+}
+
+/// Sends `buf` with `fds` attached (SCM_RIGHTS).
+pub fn send_with_fds(s: &UnixStream, buf: &[u8], fds: &[i32]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut iov = libc::iovec { iov_base: buf.as_ptr() as *mut _, iov_len: buf.len() };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: an all-zero msghdr is a valid initial value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer holds one cmsghdr with room for `fds`;
+    // the iovec covers `buf`.
+    let rc = unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), fds.len());
+        libc::sendmsg(s.as_raw_fd(), &msg, 0)
+    };
+    if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
+}
+
+/// Calls that drive the compute protocol directly, for hostile tests.
+impl Raw {
+    pub fn handle(r: Reply) -> u32 {
+        match r {
+            Reply::Handle(h) => h,
+            other => panic!("expected a handle, got {other:?}"),
+        }
+    }
+
+    pub fn ctx(&mut self) -> u32 {
+        Self::handle(self.call(Request::CtxCreate(virtio_gpu_compute::CtxCreateReq { flags: 0, reserved: 0 })))
+    }
+
+    pub fn load(&mut self, ctx: u32, ptx: &str) -> Reply {
+        let img = ptx.as_bytes().to_vec();
+        self.call(Request::ModuleLoad(virtio_gpu_compute::ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img))
+    }
+
+    pub fn function(&mut self, ctx: u32, module: u32, name: &str) -> Reply {
+        self.call(Request::ModuleGetFunction(virtio_gpu_compute::GetFunctionReq { ctx, module, name_len: name.len() as u32, reserved: 0 }, name.to_string()))
+    }
+
+    pub fn launch(&mut self, ctx: u32, func: u32, grid: [u32; 3], block: [u32; 3], params: &[u8]) -> Reply {
+        let req = virtio_gpu_compute::LaunchReq { ctx, func, stream: 0, shared_bytes: 0, grid, block, params_len: params.len() as u32, reserved: 0 };
+        self.call(Request::LaunchKernel(req, params.to_vec()))
+    }
+
+    pub fn event(&mut self, ctx: u32) -> Reply {
+        self.call(Request::EventCreate(virtio_gpu_compute::ObjCreateReq { ctx, flags: 0 }))
+    }
+}
+
+/// The misbehaving kernels of samples/kernels/faults.ptx.
+pub fn faults_ptx() -> String {
+    std::fs::read_to_string(workspace().join("samples/kernels/faults.ptx")).expect("faults.ptx")
 }

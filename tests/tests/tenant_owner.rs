@@ -1,0 +1,103 @@
+//! Tenant sockets have the owner and mode set at creation, kept across
+//! worker restarts, so a non-root user (or a container's user) can be a
+//! tenant and no other user can; the daemon refuses a run directory that
+//! another user could tamper with.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use vgpu_tests::*;
+
+const TENANT_UID: u32 = 4242;
+const OTHER_UID: u32 = 4343;
+
+fn vector_add_as(uid: u32, socket: &Path) -> (bool, String) {
+    let mut c = sample("vectorAdd", socket);
+    c.uid(uid).gid(uid).args(["4096"]);
+    let o = c.output().expect("run vectorAdd");
+    (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+}
+
+#[test]
+fn a_tenant_with_an_owner_is_usable_by_that_user_only_across_worker_restarts() {
+    let m = Mediator::start(&[]);
+    let v = m.tenant_with(json!({ "name": "u1", "memory": "64MiB", "owner": format!("{TENANT_UID}:{TENANT_UID}") }));
+    assert_eq!(v["owner"], format!("{TENANT_UID}:{TENANT_UID}"));
+    let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
+    samples();
+    for round in ["before", "after"] {
+        let meta = std::fs::metadata(&sock).expect("socket");
+        assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (TENANT_UID, TENANT_UID, 0o600), "{round} the restart");
+        let (ok, out) = vector_add_as(TENANT_UID, &sock);
+        assert!(ok && out.contains("PASSED"), "the owner cannot use its tenant {round} the restart: {out}");
+        let (ok, out) = vector_add_as(OTHER_UID, &sock);
+        assert!(!ok, "another user used the tenant {round} the restart: {out}");
+        if round == "before" {
+            let pid = m.worker_pid("cpu0");
+            // SAFETY: kills our mediator's worker, as a crash would.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let d = m.device("cpu0");
+                let up = d["worker_pid"].as_u64().is_some_and(|p| p != 0 && p != pid as u64);
+                if up && std::fs::metadata(&sock).is_ok_and(|s| s.uid() == TENANT_UID) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "worker not back with the tenant's socket: {d}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+#[test]
+fn vgpuctl_sets_owner_and_mode_and_rejects_bad_ones() {
+    let m = Mediator::start(&[]);
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "create", "grp", "--memory", "16MiB", "--owner", "0:4242", "--mode", "0660"]);
+    let o = c.output().expect("vgpuctl");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let meta = std::fs::metadata(String::from_utf8_lossy(&o.stdout).trim()).expect("socket");
+    assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (0, 4242, 0o660));
+    for (owner, mode) in [("alice", "0600"), ("1:2:3", "0600"), ("0:0", "4777"), ("0:0", "0066"), ("0:0", "9")] {
+        let (st, v) = m.api("POST", "/tenants", Some(json!({ "name": "bad", "memory": "16MiB", "owner": owner, "mode": mode })));
+        assert_eq!(st, 400, "owner {owner} mode {mode}: {v}");
+    }
+}
+
+fn start_expecting_failure(run_dir: &Path) -> String {
+    let o = Command::new(bin("vgpu-mediatord"))
+        .args(["--cuda", "off", "--run-dir"])
+        .arg(run_dir)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run vgpu-mediatord");
+    assert!(!o.status.success(), "the mediator started on an unsafe run dir");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn a_run_dir_another_user_owns_or_can_write_is_refused() {
+    let d = std::env::temp_dir().join(format!("vgpu-unsafe-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    // A tenants dir anyone can write: a planted socket could stand in for a tenant's.
+    std::fs::create_dir_all(d.join("tenants")).expect("mkdir");
+    std::fs::set_permissions(d.join("tenants"), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let err = start_expecting_failure(&d);
+    assert!(err.contains("writable by group or others"), "{err}");
+    // A tenants dir another user owns.
+    std::fs::set_permissions(d.join("tenants"), std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    std::os::unix::fs::chown(d.join("tenants"), Some(OTHER_UID), Some(OTHER_UID)).expect("chown");
+    let err = start_expecting_failure(&d);
+    assert!(err.contains(&format!("owned by uid {OTHER_UID}")), "{err}");
+    // A symlink in its place.
+    std::fs::remove_dir(d.join("tenants")).expect("rmdir");
+    std::os::unix::fs::symlink("/tmp", d.join("tenants")).expect("symlink");
+    let err = start_expecting_failure(&d);
+    assert!(err.contains("symbolic link"), "{err}");
+    std::fs::remove_dir_all(&d).expect("cleanup");
+}
