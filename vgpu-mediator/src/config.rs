@@ -66,6 +66,13 @@ pub struct DevicesConfig {
     /// open: a user name or `UID:GID`. Used when the mediator runs as root.
     #[serde(default = "default_worker_user")]
     pub worker_user: String,
+    /// CPU device workers run under their seccomp allow-lists.
+    #[serde(default = "yes")]
+    pub seccomp: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A socket owner or process identity: `UID:GID`.
@@ -172,6 +179,7 @@ impl Default for DevicesConfig {
             tenant_host_memory: default_tenant_host_memory(),
             tenant_connections: default_tenant_connections(),
             worker_user: default_worker_user(),
+            seccomp: true,
         }
     }
 }

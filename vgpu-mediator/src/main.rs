@@ -63,6 +63,20 @@ enum Cmd {
         /// Drop to this UID:GID once the device is open.
         #[arg(long)]
         user: Option<Owner>,
+        /// Install the seccomp allow-lists (CPU devices).
+        #[arg(long)]
+        seccomp: bool,
+    },
+    /// Internal: installs a device worker's seccomp allow-list, then makes
+    /// the named syscall (`getpid`, allowed, or `socket-inet`, `execve`,
+    /// `ptrace`, forbidden). A forbidden one kills the process with SIGSYS.
+    #[command(hide = true)]
+    SeccompCheck {
+        #[arg(long)]
+        syscall: String,
+        /// Use the narrower list of a tenant connection thread.
+        #[arg(long)]
+        connection: bool,
     },
     /// Lists the GPUs and MIG instances NVML reports and the devices the
     /// mediator would serve on them, as JSON.
@@ -89,9 +103,19 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user }) => {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user, seccomp }) => {
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user });
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user, seccomp });
+        }
+        Some(Cmd::SeccompCheck { syscall, connection }) => {
+            worker::confine::no_new_privs()?;
+            worker::seccomp::confine_worker()?;
+            if connection {
+                worker::seccomp::confine_connection_thread()?;
+            }
+            let rc = worker::seccomp::make_syscall(&syscall).map_err(anyhow::Error::msg)?;
+            println!("{syscall} returned {rc}");
+            return Ok(());
         }
         Some(Cmd::Discover { record }) => return discover_cmd(record),
         None => {}
@@ -146,12 +170,16 @@ fn run() -> anyhow::Result<()> {
             budget: cfg.devices.instruction_budget,
             lanes: cfg.devices.lanes,
             launch_timeout_ms: cfg.devices.launch_timeout_ms,
+            seccomp: false,
             cuda: None,
         })
         .collect();
     devices.extend(gpu_devices(&cfg)?);
     anyhow::ensure!(!devices.is_empty(), "no devices to serve: no GPU was found and devices.cpu is 0");
     let exe = std::env::current_exe().context("locating own executable")?;
+    for d in devices.iter_mut() {
+        d.seccomp = cfg.devices.seccomp && d.cuda.is_none();
+    }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
     let control = Control::new(&run_dir, exe, devices, defaults, worker_user);
     control.start().map_err(anyhow::Error::msg)?;
@@ -206,6 +234,7 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             budget: 0,
             lanes: d.lanes,
             launch_timeout_ms: d.cuda_launch_timeout_ms,
+            seccomp: false,
             cuda: Some(CudaSpec { visible_devices: g.visible_devices, numa_node: g.numa_node }),
         });
     }

@@ -56,6 +56,8 @@ pub struct DeviceSpec {
     pub lanes: u32,
     /// Wall-clock limit of one kernel launch (milliseconds).
     pub launch_timeout_ms: u64,
+    /// The worker installs its seccomp allow-lists.
+    pub seccomp: bool,
     /// Set for an NVIDIA GPU or MIG instance; None for a CPU device.
     pub cuda: Option<CudaSpec>,
 }
@@ -499,6 +501,9 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::
     }
     if let Some(u) = user {
         cmd.arg("--user").arg(u.to_string());
+    }
+    if spec.seccomp {
+        cmd.arg("--seccomp");
     }
     let mut child = cmd
         // A GPU worker sees exactly its GPU or MIG instance, as device 0,

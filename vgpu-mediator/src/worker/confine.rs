@@ -16,6 +16,13 @@ fn check(rc: libc::c_int, what: &'static str) -> Result<(), ConfineError> {
     if rc == 0 { Ok(()) } else { Err(ConfineError::Sys { what, err: std::io::Error::last_os_error() }) }
 }
 
+/// Sets `no_new_privs`: no exec can grant privileges again, and seccomp
+/// filters may be installed without CAP_SYS_ADMIN.
+pub fn no_new_privs() -> Result<(), ConfineError> {
+    // SAFETY: prctl with integer arguments only.
+    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }, "PR_SET_NO_NEW_PRIVS")
+}
+
 /// Enters a private mount namespace, drops to `user`, and sets
 /// `no_new_privs`. Fails (and the worker with it) if anything is left.
 pub fn drop_privileges(user: Owner) -> Result<(), ConfineError> {
@@ -30,8 +37,7 @@ pub fn drop_privileges(user: Owner) -> Result<(), ConfineError> {
     check(unsafe { libc::setresgid(user.gid, user.gid, user.gid) }, "setresgid")?;
     // SAFETY: as above; leaving uid 0 clears the capability sets.
     check(unsafe { libc::setresuid(user.uid, user.uid, user.uid) }, "setresuid")?;
-    // SAFETY: prctl with integer arguments only.
-    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }, "PR_SET_NO_NEW_PRIVS")?;
+    no_new_privs()?;
     let status = std::fs::read_to_string("/proc/self/status").map_err(|err| ConfineError::Sys { what: "reading /proc/self/status", err })?;
     if let Some(eff) = status.lines().find_map(|l| l.strip_prefix("CapEff:")) {
         if eff.trim().trim_start_matches('0') != "" {

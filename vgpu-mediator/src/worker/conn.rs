@@ -139,6 +139,8 @@ fn read_full(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io:
 
 /// A tenant's listening socket, as the worker serves it.
 pub struct Listener {
+    /// The worker runs under seccomp: connection threads narrow it further.
+    pub seccomp: bool,
     pub max_connections: u32,
     pub stop: Arc<AtomicBool>,
     /// Live client connections, kept so removal can drop them; each entry
@@ -194,9 +196,14 @@ pub fn accept_loop(l: &Listener, listener: UnixListener, svc: Arc<DeviceService>
         if let Ok(c) = s.try_clone() {
             l.streams.lock().unwrap_or_else(|e| e.into_inner()).insert(id, c);
         }
-        let (svc, t2, reg, log) = (svc.clone(), t.clone(), l.streams.clone(), l.log.clone());
+        let (svc, t2, reg, log, seccomp) = (svc.clone(), t.clone(), l.streams.clone(), l.log.clone(), l.seccomp);
         let spawned = std::thread::Builder::new().name(format!("tenant-{}", t.name)).stack_size(CONN_STACK).spawn(move || {
-            serve(&svc, &t2, &s, &log);
+            // This thread parses the tenant's bytes: it may not create
+            // sockets, threads or files, whatever a bug would do.
+            match (seccomp, seccomp && super::seccomp::confine_connection_thread().is_err()) {
+                (true, true) => tracing::error!(tenant = %t2.name, "cannot narrow the connection thread's seccomp filter; refusing the client"),
+                _ => serve(&svc, &t2, &s, &log),
+            }
             // The registry holds a clone of this socket: close it
             // explicitly so the client sees EOF, and forget it.
             let _ = s.shutdown(std::net::Shutdown::Both);

@@ -4,6 +4,7 @@
 
 pub mod confine;
 pub mod conn;
+pub mod seccomp;
 pub mod service;
 pub mod shm;
 
@@ -34,6 +35,8 @@ pub struct WorkerOptions {
     pub launch_timeout_ms: u64,
     /// The unprivileged identity to drop to once the device is open.
     pub user: Option<crate::config::Owner>,
+    /// Install the seccomp allow-lists (CPU devices).
+    pub seccomp: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -103,6 +106,13 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         confine::drop_privileges(u)?;
         info!(uid = u.uid, gid = u.gid, "device worker confined: unprivileged, no capabilities, no_new_privs, own mount namespace");
     }
+    let seccomp = opts.seccomp && opts.backend == BackendKind::Cpu;
+    if seccomp {
+        confine::no_new_privs()?;
+        seccomp::confine_worker()?;
+        SECCOMP.store(true, Ordering::Relaxed);
+        info!("device worker under its seccomp allow-list");
+    }
     let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, Box::new(Fifo))));
     let mut listening: HashMap<String, Listening> = HashMap::new();
     let out = Out(Arc::new(Mutex::new(std::io::stdout())));
@@ -160,6 +170,14 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether this worker runs under seccomp: its connection threads then
+/// add their own narrower list.
+static SECCOMP: AtomicBool = AtomicBool::new(false);
+
+fn svc_seccomp() -> bool {
+    SECCOMP.load(Ordering::Relaxed)
+}
+
 fn add_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening, String> {
     let socket = &spec.socket;
     // A stale socket from a previous worker of this device is replaced; it
@@ -169,6 +187,7 @@ fn add_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening, S
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
     let tenant = svc.add_tenant(&spec.name, spec.quota, spec.weight, spec.host_limit)?;
     let l = conn::Listener {
+        seccomp: svc_seccomp(),
         max_connections: spec.max_connections.max(1),
         stop: Arc::new(AtomicBool::new(false)),
         streams: Arc::new(Mutex::new(HashMap::new())),

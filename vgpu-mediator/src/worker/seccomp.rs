@@ -1,0 +1,195 @@
+//! The device worker's seccomp allow-lists (rust-vmm `seccompiler`).
+//!
+//! Two lists, stacked: the process-wide list is installed on every thread
+//! (TSYNC) once the worker is confined; each tenant connection thread, the
+//! one that parses tenant bytes, adds a narrower list of its own that
+//! leaves out creating sockets, threads and files. A syscall outside the
+//! lists traps: the handler names it on stderr and the worker dies of
+//! SIGSYS (the control plane restarts it).
+//!
+//! The lists cover the CPU reference device. GPU workers (the `cuda`
+//! backend) are confined by uid and `no_new_privs` but get no seccomp
+//! filter yet: the NVIDIA driver's syscalls need tracing on a GPU host.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("building the seccomp filter: {0}")]
+    Build(#[source] seccompiler::BackendError),
+    #[error("compiling the seccomp filter: {0}")]
+    Compile(#[source] seccompiler::BackendError),
+    #[error("installing the seccomp filter: {0}")]
+    Install(#[source] seccompiler::Error),
+    #[error("installing the SIGSYS handler: {0}")]
+    Handler(#[source] std::io::Error),
+}
+
+/// Syscalls every worker thread may make.
+const BASE: &[i64] = &[
+    libc::SYS_read, libc::SYS_write, libc::SYS_readv, libc::SYS_writev, libc::SYS_pread64, libc::SYS_pwrite64,
+    libc::SYS_close, libc::SYS_fstat, libc::SYS_newfstatat, libc::SYS_statx, libc::SYS_lseek,
+    libc::SYS_mmap, libc::SYS_munmap, libc::SYS_mprotect, libc::SYS_madvise, libc::SYS_mremap, libc::SYS_brk,
+    libc::SYS_rt_sigaction, libc::SYS_rt_sigprocmask, libc::SYS_rt_sigreturn, libc::SYS_sigaltstack,
+    libc::SYS_futex, libc::SYS_set_robust_list, libc::SYS_rseq, libc::SYS_exit, libc::SYS_exit_group,
+    libc::SYS_gettid, libc::SYS_getpid, libc::SYS_tgkill, libc::SYS_sched_yield, libc::SYS_sched_getaffinity,
+    libc::SYS_nanosleep, libc::SYS_clock_nanosleep, libc::SYS_clock_gettime, libc::SYS_gettimeofday, libc::SYS_getrandom,
+    libc::SYS_recvmsg, libc::SYS_sendmsg, libc::SYS_recvfrom, libc::SYS_sendto, libc::SYS_shutdown,
+    libc::SYS_epoll_create1, libc::SYS_epoll_ctl, libc::SYS_epoll_wait, libc::SYS_epoll_pwait, libc::SYS_eventfd2,
+    libc::SYS_poll, libc::SYS_ppoll, libc::SYS_dup, libc::SYS_dup3, libc::SYS_fcntl,
+    libc::SYS_getuid, libc::SYS_geteuid, libc::SYS_getgid, libc::SYS_getegid,
+    // Reach the kernel, and are then refused by [`files_filter`] with
+    // EACCES: glibc's malloc opens a /proc file when a heap shrinks.
+    libc::SYS_open, libc::SYS_openat,
+];
+
+/// What the worker's other threads need besides [`BASE`]: tenant sockets
+/// (AF_UNIX only), threads, socket files, thread names.
+const MANAGEMENT: &[i64] = &[
+    libc::SYS_bind, libc::SYS_listen, libc::SYS_accept, libc::SYS_accept4, libc::SYS_connect,
+    libc::SYS_getsockopt, libc::SYS_setsockopt, libc::SYS_getsockname, libc::SYS_getpeername,
+    libc::SYS_clone, libc::SYS_clone3, libc::SYS_unlink, libc::SYS_unlinkat, libc::SYS_fchmodat, libc::SYS_chmod,
+    libc::SYS_pipe2,
+    // Connection threads stack a narrower filter of their own; a filter
+    // can only take permissions away.
+    libc::SYS_seccomp,
+];
+
+fn cond(arg: u8, op: SeccompCmpOp, v: u64) -> Result<SeccompCondition, SeccompError> {
+    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, v).map_err(SeccompError::Build)
+}
+
+fn rule(conds: Vec<SeccompCondition>) -> Result<SeccompRule, SeccompError> {
+    SeccompRule::new(conds).map_err(SeccompError::Build)
+}
+
+fn compile(rules: BTreeMap<i64, Vec<SeccompRule>>) -> Result<BpfProgram, SeccompError> {
+    let f = SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, TargetArch::x86_64).map_err(SeccompError::Build)?;
+    f.try_into().map_err(SeccompError::Compile)
+}
+
+fn plain(list: &[i64], rules: &mut BTreeMap<i64, Vec<SeccompRule>>) {
+    for &nr in list {
+        rules.insert(nr, Vec::new());
+    }
+}
+
+/// The process-wide list.
+pub fn worker_filter() -> Result<BpfProgram, SeccompError> {
+    let mut rules = BTreeMap::new();
+    plain(BASE, &mut rules);
+    plain(MANAGEMENT, &mut rules);
+    // Unix sockets only: no network, whatever a bug would like.
+    rules.insert(libc::SYS_socket, vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?])?]);
+    // Thread names and no_new_privs (before a thread's own filter), and
+    // nothing else of prctl.
+    rules.insert(
+        libc::SYS_prctl,
+        vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64)?])?, rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NO_NEW_PRIVS as u64)?])?],
+    );
+    // Non-blocking mode and close-on-exec on descriptors.
+    rules.insert(libc::SYS_ioctl, vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::FIONBIO)?])?, rule(vec![cond(1, SeccompCmpOp::Eq, libc::FIOCLEX)?])?]);
+    compile(rules)
+}
+
+/// Opening any file fails with EACCES: stacked with the allow-lists
+/// (ERRNO takes precedence over ALLOW), so a worker can open nothing once
+/// confined, yet code that merely probes a file keeps working.
+pub fn files_filter() -> Result<BpfProgram, SeccompError> {
+    let mut rules = BTreeMap::new();
+    plain(&[libc::SYS_open, libc::SYS_openat, libc::SYS_creat, libc::SYS_openat2], &mut rules);
+    let f = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EACCES as u32), TargetArch::x86_64).map_err(SeccompError::Build)?;
+    f.try_into().map_err(SeccompError::Compile)
+}
+
+/// The narrower list of a tenant connection thread.
+pub fn connection_filter() -> Result<BpfProgram, SeccompError> {
+    let mut rules = BTreeMap::new();
+    plain(BASE, &mut rules);
+    compile(rules)
+}
+
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // Only async-signal-safe calls here: format by hand, write, re-raise.
+    let mut msg = *b"vgpu worker: seccomp: forbidden syscall          \n";
+    // SAFETY: the kernel passes a valid siginfo for SIGSYS; for a seccomp
+    // trap, si_syscall sits right after si_call_addr in the union.
+    let nr = unsafe {
+        let base = (info as *const u8).add(16);
+        std::ptr::read_unaligned(base.add(8).cast::<i32>())
+    };
+    let mut n = nr.unsigned_abs();
+    let mut i = msg.len() - 2;
+    loop {
+        msg[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 || i == 41 {
+            break;
+        }
+        i -= 1;
+    }
+    // SAFETY: write, signal and raise are async-signal-safe; the default
+    // SIGSYS action then ends the process.
+    unsafe {
+        libc::write(2, msg.as_ptr().cast(), msg.len());
+        libc::signal(libc::SIGSYS, libc::SIG_DFL);
+        libc::raise(libc::SIGSYS);
+    }
+}
+
+fn install_handler() -> Result<(), SeccompError> {
+    // SAFETY: an all-zero sigaction is valid; the handler is a plain
+    // extern "C" function that only makes async-signal-safe calls.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigsys as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO;
+        if libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) != 0 {
+            return Err(SeccompError::Handler(std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// Installs the process-wide list on every thread of the worker.
+pub fn confine_worker() -> Result<(), SeccompError> {
+    install_handler()?;
+    let files = files_filter()?;
+    let f = worker_filter()?;
+    seccompiler::apply_filter_all_threads(&files).map_err(SeccompError::Install)?;
+    seccompiler::apply_filter_all_threads(&f).map_err(SeccompError::Install)
+}
+
+/// Narrows the calling (tenant connection) thread further.
+pub fn confine_connection_thread() -> Result<(), SeccompError> {
+    let f = connection_filter()?;
+    seccompiler::apply_filter(&f).map_err(SeccompError::Install)
+}
+
+/// Makes one named syscall, for the seccomp self-test
+/// (`vgpu-mediatord seccomp-check`): `getpid` and `socket-unix` are on
+/// the worker's list; `socket-inet`, `execve` and `ptrace` are not, and
+/// `socket-unix` is not on a connection thread's; `openat` fails with
+/// EACCES.
+pub fn make_syscall(name: &str) -> Result<i64, String> {
+    let path = c"/etc/hostname";
+    // SAFETY: each call passes valid arguments (a static C string, null
+    // argv/envp, integer flags) and its result is only returned.
+    let rc = unsafe {
+        match name {
+            "getpid" => libc::syscall(libc::SYS_getpid),
+            "socket-unix" => libc::syscall(libc::SYS_socket, libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0),
+            "socket-inet" => libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0),
+            "openat" => match libc::syscall(libc::SYS_openat, libc::AT_FDCWD, path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) {
+                -1 => -(std::io::Error::last_os_error().raw_os_error().unwrap_or(0) as i64),
+                fd => fd,
+            },
+            "execve" => libc::syscall(libc::SYS_execve, c"/bin/true".as_ptr(), std::ptr::null::<*const libc::c_char>(), std::ptr::null::<*const libc::c_char>()),
+            "ptrace" => libc::syscall(libc::SYS_ptrace, libc::PTRACE_TRACEME, 0, 0, 0),
+            other => return Err(format!("unknown syscall {other:?}: use getpid, socket-unix, socket-inet, openat, execve or ptrace")),
+        }
+    };
+    Ok(rc)
+}
