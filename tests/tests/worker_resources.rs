@@ -193,3 +193,41 @@ fn a_payload_larger_than_the_host_budget_is_refused_before_it_is_read() {
     assert!(r.read_reply().is_none(), "the connection closes: its framing is lost");
     assert!(Raw::connect(&sock).ping(), "the tenant is still served");
 }
+
+/// A sealed memfd of `size` bytes, as the shim makes for its shared buffer.
+fn sealed_memfd(size: u64) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    // SAFETY: memfd_create with a static name; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    assert!(fd >= 0);
+    // SAFETY: fd is the fresh memfd; ftruncate and fcntl only size and seal it.
+    unsafe {
+        assert_eq!(libc::ftruncate(fd, size as i64), 0);
+        assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+        std::os::fd::OwnedFd::from_raw_fd(fd)
+    }
+}
+
+#[test]
+fn a_shared_buffer_is_charged_while_it_is_registered() {
+    let m = Mediator::start(&[]);
+    let v = m.tenant_with(json!({ "name": "shm", "memory": "16MiB", "host_memory": "8MiB" }));
+    let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
+    let mut r = Raw::connect(&sock);
+    let register = |r: &mut Raw, size: u64, seq: u32| {
+        let fd = sealed_memfd(size);
+        send_with_fds(&r.s, &Request::RegisterShm(RegisterShmReq { size }).encode(seq), &[fd.as_raw_fd()]).expect("send");
+        r.read_reply().expect("reply").1
+    };
+    // Larger than the whole budget: refused, nothing mapped.
+    match register(&mut r, 16 << 20, 1) {
+        Reply::Error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, msg) => assert!(msg.contains("shared buffer"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    let before = host_used(&m, "shm");
+    assert!(matches!(register(&mut r, 4 << 20, 2), Reply::Empty));
+    assert_eq!(host_used(&m, "shm"), before + (4 << 20));
+    // Replacing it releases the old charge.
+    assert!(matches!(register(&mut r, 2 << 20, 3), Reply::Empty));
+    assert_eq!(host_used(&m, "shm"), before + (2 << 20));
+}

@@ -72,25 +72,7 @@ impl GpuBackend {
             let done = chains.is_empty();
             for chain in chains {
                 let head = chain.head_index();
-                let mut cmd = Vec::new();
-                let response = match chain.clone().reader(&mem) {
-                    Ok(mut r) if r.available_bytes() <= MAX_COMMAND => match std::io::Read::read_to_end(&mut r, &mut cmd) {
-                        Ok(_) => dev.process(&cmd),
-                        Err(_) => dev.process(&[]),
-                    },
-                    // Unreadable or oversized chains still get a response.
-                    _ => dev.process(&[]),
-                };
-                let written = match chain.writer(&mem) {
-                    Ok(mut w) => {
-                        let n = response.len().min(w.available_bytes());
-                        match std::io::Write::write_all(&mut w, &response[..n]) {
-                            Ok(()) => n as u32,
-                            Err(_) => 0,
-                        }
-                    }
-                    Err(_) => 0,
-                };
+                let written = serve_chain(dev, chain, &*mem);
                 self.commands += 1;
                 if let Err(e) = vring.add_used(head, written) {
                     tracing::warn!(tenant = %self.tenant.name, "virtio-gpu used ring: {e}");
@@ -109,6 +91,35 @@ impl GpuBackend {
             vring.signal_used_queue()?;
         }
         Ok(())
+    }
+}
+
+/// Runs the command one descriptor chain carries and writes the response
+/// into the chain's writable part; returns the bytes written (the used
+/// length). Every chain gets a response, unreadable or oversized ones an
+/// error; nothing in the chain can make this panic.
+pub fn serve_chain<M>(dev: &mut GpuDevice, chain: virtio_queue::DescriptorChain<M>, mem: &GuestMemoryMmap) -> u32
+where
+    M: std::ops::Deref<Target = GuestMemoryMmap> + Clone,
+{
+    let mut cmd = Vec::new();
+    let response = match chain.clone().reader(mem) {
+        Ok(mut r) if r.available_bytes() <= MAX_COMMAND => match std::io::Read::read_to_end(&mut r, &mut cmd) {
+            Ok(_) => dev.process(&cmd),
+            Err(_) => dev.process(&[]),
+        },
+        // Unreadable or oversized chains still get a response.
+        _ => dev.process(&[]),
+    };
+    match chain.writer(mem) {
+        Ok(mut w) => {
+            let n = response.len().min(w.available_bytes());
+            match std::io::Write::write_all(&mut w, &response[..n]) {
+                Ok(()) => n as u32,
+                Err(_) => 0,
+            }
+        }
+        Err(_) => 0,
     }
 }
 

@@ -236,6 +236,8 @@ fn serve(svc: &DeviceService, t: &Tenant, s: &UnixStream, log: &LogLimiter) {
     let mut s = s;
     let mut conn = Conn::default();
     let mut hdr = [0u8; MsgHeader::SIZE];
+    // The mapped shared buffer is charged while it is registered.
+    let mut shm_held = 0u64;
     loop {
         let mut fds = Vec::new();
         match read_full(s, &mut hdr, &mut fds) {
@@ -271,18 +273,43 @@ fn serve(svc: &DeviceService, t: &Tenant, s: &UnixStream, log: &LogLimiter) {
         }
         let decoded = Request::decode(&msg);
         drop(msg);
+        // An inline device-to-host copy's reply (and its encoding) is
+        // charged until it is written.
+        let reply_bytes = match &decoded {
+            Ok((_, Request::MemcpyDtoH(b))) if b.loc == DataLoc::Inline as u32 => 2 * b.size,
+            _ => 0,
+        };
+        if let Err(r) = t.host.reserve(reply_bytes, "this reply") {
+            if s.write_all(&r.encode(h.opcode(), h.seq)).is_err() {
+                break;
+            }
+            continue;
+        }
+        let _reply_held = Held(t, reply_bytes);
         let reply = match decoded {
             Err(e) => Reply::error(e.cuda(), format!("bad {:?} message: {e}", h.opcode())),
             Ok((_, Request::RegisterShm(b))) => match (fds.pop(), fds.is_empty()) {
                 (None, _) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm arrived without a file descriptor"),
                 (Some(_), false) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm carries exactly one file descriptor"),
-                (Some(f), true) => match Shm::map(f.into(), b.size) {
-                    Ok(m) => {
-                        svc.set_shm(&mut conn, Some(m));
-                        Reply::Empty
+                (Some(f), true) => {
+                    // The old buffer's charge goes with it.
+                    svc.set_shm(&mut conn, None);
+                    t.host.release(std::mem::take(&mut shm_held));
+                    match t.host.reserve(b.size, "the shared buffer") {
+                        Err(r) => r,
+                        Ok(()) => match Shm::map(f.into(), b.size) {
+                            Ok(m) => {
+                                shm_held = b.size;
+                                svc.set_shm(&mut conn, Some(m));
+                                Reply::Empty
+                            }
+                            Err(e) => {
+                                t.host.release(b.size);
+                                Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, e.to_string())
+                            }
+                        },
                     }
-                    Err(e) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, e.to_string()),
-                },
+                }
             },
             Ok((_, req)) => {
                 // Fds on any other message are closed here, unused.
@@ -303,4 +330,5 @@ fn serve(svc: &DeviceService, t: &Tenant, s: &UnixStream, log: &LogLimiter) {
         }
     }
     svc.disconnect(t, &mut conn);
+    t.host.release(shm_held);
 }

@@ -42,7 +42,7 @@ const BASE: &[i64] = &[
     libc::SYS_getuid, libc::SYS_geteuid, libc::SYS_getgid, libc::SYS_getegid,
     // Reach the kernel, and are then refused by [`files_filter`] with
     // EACCES: glibc's malloc opens a /proc file when a heap shrinks.
-    libc::SYS_open, libc::SYS_openat,
+    libc::SYS_open, libc::SYS_openat, libc::SYS_creat, libc::SYS_openat2,
 ];
 
 /// What the worker's other threads need besides [`BASE`]: tenant sockets
