@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test in the workspace: unit tests, the decoder property tests
-# (the fuzz target's CI form), and the end-to-end tests that start
-# vgpu-mediatord and run the C samples through libcuda.so.1.
+# Runs every test in the workspace: unit tests, the decoder property tests,
+# the end-to-end tests that start vgpu-mediatord and run the C samples
+# through libcuda.so.1, and the fuzz smoke (scripts/fuzz-smoke.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
@@ -12,6 +12,8 @@ SKIPS="$ROOT/target/release/skipped-tests.txt"
 rm -f "$SKIPS"
 status=0
 cargo test --release --workspace --no-fail-fast || status=$?
+# The fuzz smoke: every cargo-fuzz target for 60 s from its committed corpus.
+./scripts/fuzz-smoke.sh || status=$?
 if [ -s "$SKIPS" ]; then
     echo
     echo "*** $(wc -l < "$SKIPS") test(s) skipped on this machine, and why:"

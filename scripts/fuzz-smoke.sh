@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The fuzz smoke CI runs: each cargo-fuzz target for FUZZ_SECS seconds
+# (default 60), starting from the committed corpus in fuzz/seeds/TARGET.
+# New inputs go to target/fuzz-corpus/TARGET (not committed); a crash
+# leaves its input in fuzz/artifacts/TARGET and fails the run.
+#   ./scripts/fuzz-smoke.sh [TARGET...]       (default: every target)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+SECS="${FUZZ_SECS:-60}"
+[ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"
+
+if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+    echo "fuzz: the nightly toolchain is missing (rustup toolchain install nightly); cannot run the fuzz smoke" >&2
+    exit 1
+fi
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "fuzz: installing cargo-fuzz" >&2
+    cargo install cargo-fuzz --version 0.13.2 --locked --quiet
+fi
+
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(decode ptx virtio_gpu)
+echo "fuzz: building ${targets[*]} (nightly, AddressSanitizer)" >&2
+cargo +nightly fuzz build -O
+status=0
+for t in "${targets[@]}"; do
+    work="$ROOT/target/fuzz-corpus/$t"
+    mkdir -p "$work" "fuzz/seeds/$t"
+    log="$ROOT/target/fuzz-$t.log"
+    if cargo +nightly fuzz run -O "$t" "$work" "fuzz/seeds/$t" -- -max_total_time="$SECS" -rss_limit_mb=4096 >"$log" 2>&1; then
+        echo "fuzz: $t: $(grep -Eo 'Done [0-9]+ runs in [0-9]+ second' "$log" | tail -1), no crash"
+    else
+        echo "fuzz: $t FAILED; the end of its log ($log):"
+        tail -40 "$log"
+        status=1
+    fi
+done
+exit $status
