@@ -90,6 +90,11 @@ pub fn run_ok(mut c: impl std::borrow::BorrowMut<Command>) -> String {
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
+thread_local! {
+    /// Where the next mediator started on this thread logs (stderr).
+    static LOG_TO: std::cell::RefCell<Option<PathBuf>> = const { std::cell::RefCell::new(None) };
+}
+
 pub struct Mediator {
     child: Child,
     pub run_dir: PathBuf,
@@ -117,11 +122,24 @@ impl Mediator {
         Self::spawn(args, None)
     }
 
+    /// A CPU-device mediator whose log (stderr, at `warn`) goes to `log`.
+    pub fn start_logging(args: &[&str], log: &Path) -> Mediator {
+        let mut all = vec!["--cuda", "off"];
+        all.extend_from_slice(args);
+        LOG_TO.with(|l| *l.borrow_mut() = Some(log.to_path_buf()));
+        let m = Self::spawn(&all, None);
+        LOG_TO.with(|l| *l.borrow_mut() = None);
+        m
+    }
+
     fn spawn(args: &[&str], nofile: Option<u64>) -> Mediator {
         let run_dir = PathBuf::from(format!("/tmp/vgpu-t{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
         let _ = std::fs::remove_dir_all(&run_dir);
         let mut cmd = Command::new(bin("vgpu-mediatord"));
         cmd.arg("--run-dir").arg(&run_dir).args(args).env("VGPU_LOG", "warn").stdin(Stdio::null());
+        if let Some(path) = LOG_TO.with(|l| l.borrow().clone()) {
+            cmd.stderr(std::fs::File::create(&path).expect("log file"));
+        }
         if let Some(n) = nofile {
             use std::os::unix::process::CommandExt;
             // SAFETY: the closure only calls setrlimit, which is

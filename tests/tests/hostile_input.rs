@@ -143,3 +143,25 @@ fn hostile_client_gets_errors_while_the_other_tenant_is_served() {
     victim.join().expect("the good tenant kept working");
     assert_eq!(m.device("cpu0")["worker_restarts"], 0, "the worker must not have crashed");
 }
+
+#[test]
+fn a_tenant_cannot_flood_the_log() {
+    // One warning per malformed connection used to reach the log, with no
+    // limit: a tenant could fill the host's disk or drown other events.
+    let log = std::env::temp_dir().join(format!("vgpu-flood-{}.log", std::process::id()));
+    let m = Mediator::start_logging(&[], &log);
+    let evil = m.tenant("flood", "16MiB");
+    for _ in 0..1000 {
+        let mut r = Raw::connect(&evil);
+        r.send_bytes(&[0xde; 32]).expect("send");
+        let _ = r.read_reply();
+    }
+    let good = m.tenant("calm", "16MiB");
+    assert!(Raw::connect(&good).ping());
+    drop(m);
+    let text = std::fs::read_to_string(&log).expect("log");
+    let _ = std::fs::remove_file(&log);
+    let bad = text.lines().filter(|l| l.contains("bad header")).count();
+    // 20 per 10 s window; the loop above takes well under a minute.
+    assert!(bad > 0 && bad <= 20 * 7, "{bad} warnings for 1000 bad connections");
+}

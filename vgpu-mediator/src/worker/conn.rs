@@ -332,3 +332,21 @@ fn serve(svc: &DeviceService, t: &Tenant, s: &UnixStream, log: &LogLimiter) {
     svc.disconnect(t, &mut conn);
     t.host.release(shm_held);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_log_limiter_lets_a_burst_through_then_counts_what_it_drops() {
+        let l = LogLimiter::new(3, Duration::from_millis(200));
+        assert_eq!((0..3).map(|_| l.allow()).collect::<Vec<_>>(), [Some(0); 3]);
+        assert_eq!(l.allow(), None);
+        assert_eq!(l.allow(), None);
+        assert_eq!(l.suppressed(), 2);
+        std::thread::sleep(Duration::from_millis(250));
+        // The next window reports how many were dropped.
+        assert_eq!(l.allow(), Some(2));
+        assert_eq!(l.suppressed(), 0);
+    }
+}
