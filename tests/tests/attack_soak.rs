@@ -150,12 +150,13 @@ fn attacks_in_a_loop_never_disturb_another_tenant_or_grow_the_worker() {
     assert_eq!(m.worker_pid("cpu0"), pid);
     let (rounds, passes) = (rounds.load(Ordering::Relaxed), passes.load(Ordering::Relaxed));
     assert!(rounds >= 1 && passes >= 3, "{rounds} attack rounds, {passes} victim passes");
-    // The bound: the evil tenant's connections (one thread and two
-    // descriptors each), the victim's one, a teardown thread; RSS grows by
-    // at most both tenants' device memory, the attacker's host budget and
-    // one register file per lane.
-    let max_threads = base.threads + EVIL_CONNECTIONS + 4;
-    let max_fds = base.fds as u64 + 2 * (EVIL_CONNECTIONS + 2) + 8;
+    // The bound: no thread at all per connection (a fixed pool serves
+    // them), at most two teardown threads; one descriptor per connection
+    // (the evil tenant's and the victim's); RSS grows by at most both
+    // tenants' device memory, the attacker's host budget and one register
+    // file per lane.
+    let max_threads = base.threads + 2;
+    let max_fds = base.fds as u64 + EVIL_CONNECTIONS + 2 + 8;
     // The worker runs one lane per CPU it may use, as this test sees them.
     let lanes = std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1);
     let max_rss = base.rss_kib + (EVIL_HOST + EVIL_QUOTA + GOOD_QUOTA + lanes * REGISTER_FILE) / 1024 + 32 * 1024;

@@ -231,3 +231,43 @@ fn a_shared_buffer_is_charged_while_it_is_registered() {
     assert!(matches!(register(&mut r, 2 << 20, 3), Reply::Empty));
     assert_eq!(host_used(&m, "shm"), before + (2 << 20));
 }
+
+#[test]
+fn connections_cost_no_threads_and_a_stalled_reader_does_not_block_others() {
+    let m = Mediator::start(&[]);
+    let v = m.tenant_with(json!({ "name": "many", "memory": "64MiB", "max_connections": 200 }));
+    let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
+    let good = m.tenant("other", "16MiB");
+    let pid = m.worker_pid("cpu0");
+    let base = proc_stats(pid).threads;
+    let mut open: Vec<Raw> = (0..150).map(|_| Raw::connect(&sock)).collect();
+    for r in open.iter_mut() {
+        assert!(r.ping());
+    }
+    // A fixed pool serves them all: one thread per connection used to
+    // make 150 threads here.
+    assert!(proc_stats(pid).threads <= base + 1, "{} threads for 150 connections (base {base})", proc_stats(pid).threads);
+    // Clients that ask for 4 MiB replies and never read them tie up at
+    // most one executor (5 s each); the other tenant is answered at once.
+    let mut r = Raw::connect(&sock);
+    let ctx = r.ctx();
+    let Reply::Ptr(p) = r.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4 << 20 })) else { panic!("alloc") };
+    let stalled: Vec<Raw> = (0..6)
+        .map(|_| {
+            let mut s = Raw::connect(&sock);
+            let c = s.ctx();
+            let req = MemcpyDtoHReq { ctx: c, stream: 0, src: p, size: 4 << 20, loc: DataLoc::Inline as u32, blob: 0, shm_offset: 0 };
+            s.seq_bump();
+            s.send_bytes(&Request::MemcpyDtoH(req).encode(50)).expect("send");
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..5 {
+        let t = Instant::now();
+        assert!(Raw::connect(&good).ping());
+        assert!(t.elapsed() < Duration::from_secs(2), "the other tenant waited {:?}", t.elapsed());
+    }
+    drop(stalled);
+    drop(open);
+}

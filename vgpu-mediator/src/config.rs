@@ -69,6 +69,14 @@ pub struct DevicesConfig {
     /// CPU device workers run under their seccomp allow-lists.
     #[serde(default = "yes")]
     pub seccomp: bool,
+    /// Executor threads each worker serves its tenants' sockets with,
+    /// however many tenants and connections it has.
+    #[serde(default = "default_connection_threads")]
+    pub connection_threads: u32,
+}
+
+fn default_connection_threads() -> u32 {
+    4
 }
 
 fn yes() -> bool {
@@ -180,6 +188,7 @@ impl Default for DevicesConfig {
             tenant_connections: default_tenant_connections(),
             worker_user: default_worker_user(),
             seccomp: true,
+            connection_threads: default_connection_threads(),
         }
     }
 }
@@ -262,6 +271,9 @@ impl Config {
         }
         if self.devices.tenant_connections == 0 || self.devices.tenant_connections > MAX_CONNECTIONS {
             return Err(ConfigError::Invalid(format!("devices.tenant_connections must be 1..={MAX_CONNECTIONS}, not {}", self.devices.tenant_connections)));
+        }
+        if self.devices.connection_threads == 0 || self.devices.connection_threads > 64 {
+            return Err(ConfigError::Invalid(format!("devices.connection_threads must be 1..=64, not {}", self.devices.connection_threads)));
         }
         if self.devices.memory.0 < 1 << 20 || self.devices.memory.0 > 1 << 40 {
             return Err(ConfigError::Invalid(format!("devices.memory must be between 1MiB and 1TiB, not {}", self.devices.memory)));

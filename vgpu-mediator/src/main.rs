@@ -66,6 +66,9 @@ enum Cmd {
         /// Install the seccomp allow-lists (CPU devices).
         #[arg(long)]
         seccomp: bool,
+        /// Executor threads serving tenant sockets.
+        #[arg(long, default_value_t = 4)]
+        connection_threads: usize,
     },
     /// Internal: installs a device worker's seccomp allow-list, then makes
     /// the named syscall (`getpid`, allowed, or `socket-inet`, `execve`,
@@ -103,9 +106,9 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user, seccomp }) => {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user, seccomp, connection_threads }) => {
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user, seccomp });
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user, seccomp, connection_threads });
         }
         Some(Cmd::SeccompCheck { syscall, connection }) => {
             worker::confine::no_new_privs()?;
@@ -171,6 +174,7 @@ fn run() -> anyhow::Result<()> {
             lanes: cfg.devices.lanes,
             launch_timeout_ms: cfg.devices.launch_timeout_ms,
             seccomp: false,
+            connection_threads: 0,
             cuda: None,
         })
         .collect();
@@ -179,6 +183,7 @@ fn run() -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating own executable")?;
     for d in devices.iter_mut() {
         d.seccomp = cfg.devices.seccomp && d.cuda.is_none();
+        d.connection_threads = cfg.devices.connection_threads;
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
     let control = Control::new(&run_dir, exe, devices, defaults, worker_user);
@@ -235,6 +240,7 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             lanes: d.lanes,
             launch_timeout_ms: d.cuda_launch_timeout_ms,
             seccomp: false,
+            connection_threads: 0,
             cuda: Some(CudaSpec { visible_devices: g.visible_devices, numa_node: g.numa_node }),
         });
     }

@@ -58,6 +58,8 @@ pub struct DeviceSpec {
     pub launch_timeout_ms: u64,
     /// The worker installs its seccomp allow-lists.
     pub seccomp: bool,
+    /// Executor threads the worker serves tenant sockets with.
+    pub connection_threads: u32,
     /// Set for an NVIDIA GPU or MIG instance; None for a CPU device.
     pub cuda: Option<CudaSpec>,
 }
@@ -504,6 +506,9 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::
     }
     if spec.seccomp {
         cmd.arg("--seccomp");
+    }
+    if spec.connection_threads > 0 {
+        cmd.arg("--connection-threads").arg(spec.connection_threads.to_string());
     }
     let mut child = cmd
         // A GPU worker sees exactly its GPU or MIG instance, as device 0,

@@ -40,7 +40,7 @@ pub fn drop_privileges(user: Owner) -> Result<(), ConfineError> {
     no_new_privs()?;
     let status = std::fs::read_to_string("/proc/self/status").map_err(|err| ConfineError::Sys { what: "reading /proc/self/status", err })?;
     if let Some(eff) = status.lines().find_map(|l| l.strip_prefix("CapEff:")) {
-        if eff.trim().trim_start_matches('0') != "" {
+        if !eff.trim().trim_start_matches('0').is_empty() {
             return Err(ConfineError::CapsLeft(eff.trim().to_string()));
         }
     }

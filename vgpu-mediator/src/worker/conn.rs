@@ -1,15 +1,21 @@
-//! A process tenant's socket: the accept loop and one connection's
-//! message loop. Every fd a client attaches is owned (and so closed) here,
-//! connections are capped per tenant and charged to its host budget, and
-//! payloads are charged while they are held.
+//! Process tenants' sockets, served by a fixed set of threads: one poller
+//! that accepts clients and assembles their messages without blocking, and
+//! a pool of executors that run complete messages. Each tenant has a FIFO
+//! of jobs and at most one executor at a time, so however many connections
+//! a tenant opens, and however slowly it reads its replies, it occupies one
+//! executor and the others keep serving everyone else.
+//!
+//! Every fd a client attaches is owned (and so closed) here, connections
+//! are capped per tenant and charged to its host budget, and messages,
+//! replies and shared buffers are charged while they are held.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Write;
 use std::mem::{size_of, MaybeUninit};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use virtio_gpu_compute::*;
@@ -17,11 +23,12 @@ use virtio_gpu_compute::*;
 use super::service::{Conn, DeviceService, Tenant};
 use super::shm::Shm;
 
-/// Stack of one connection thread; its cost is charged to the tenant.
-pub const CONN_STACK: usize = 256 << 10;
-/// Host bytes one connection costs its tenant: its thread's stack and its
-/// header and reply buffers.
-pub const CONN_HOST_BYTES: u64 = CONN_STACK as u64 + (16 << 10);
+/// Host bytes one connection costs its tenant: its table entries, socket
+/// and header buffer.
+pub const CONN_HOST_BYTES: u64 = 16 << 10;
+/// How long a reply may wait for its client to read it before the
+/// connection is dropped (the executor moves on).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Most fds one receive takes; more are closed by the kernel (MSG_CTRUNC).
 const MAX_FDS: usize = 8;
 
@@ -113,224 +120,547 @@ fn recv_owning_fds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> st
     Ok(n as usize)
 }
 
-/// Reads exactly `buf.len()` bytes, keeping every fd that arrives with
-/// them in `fds`. Returns false on a clean EOF before the first byte.
-fn read_full(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<bool> {
-    let mut got = 0;
-    while got < buf.len() {
-        let n = match recv_owning_fds(s, &mut buf[got..], fds) {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if fds.len() > MAX_FDS {
-            return Err(std::io::Error::other(format!("more than {MAX_FDS} file descriptors attached to one message")));
-        }
-        if n == 0 {
-            if got == 0 {
-                return Ok(false);
-            }
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        got += n;
-    }
-    Ok(true)
-}
-
-/// A tenant's listening socket, as the worker serves it.
-pub struct Listener {
-    /// The worker runs under seccomp: connection threads narrow it further.
-    pub seccomp: bool,
-    pub max_connections: u32,
-    pub stop: Arc<AtomicBool>,
-    /// Live client connections, kept so removal can drop them; each entry
-    /// is removed again when its connection ends.
-    pub streams: Arc<Mutex<HashMap<u64, UnixStream>>>,
-    pub log: Arc<LogLimiter>,
-}
-
-/// Refuses a client before its first request.
-fn refuse(s: &UnixStream, code: CuResult, why: String) {
-    let mut s = s;
-    let _ = s.write_all(&Reply::error(code, why).encode(Opcode::Ping, 0));
-    let _ = s.shutdown(std::net::Shutdown::Both);
-}
-
-/// Accepts clients until `stop` is set. Accept errors (EMFILE, ENFILE, ...)
-/// back off instead of spinning.
-pub fn accept_loop(l: &Listener, listener: UnixListener, svc: Arc<DeviceService>, t: Arc<Tenant>) {
-    let mut next_id = 0u64;
-    let mut backoff = Duration::from_millis(5);
-    for s in listener.incoming() {
-        if l.stop.load(Ordering::Acquire) {
-            break;
-        }
-        let s = match s {
-            Ok(s) => {
-                backoff = Duration::from_millis(5);
-                s
-            }
-            Err(e) => {
-                tenant_warn!(l.log, t.name, "accepting a client failed, backing off {backoff:?}: {e}");
-                std::thread::sleep(backoff);
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-                continue;
-            }
-        };
-        // Counted here, before the thread exists, so the cap cannot be raced.
-        let live = t.connections.fetch_add(1, Ordering::AcqRel);
-        if live >= l.max_connections {
-            t.connections.fetch_sub(1, Ordering::AcqRel);
-            tenant_warn!(l.log, t.name, "refusing a client: the tenant has {live} connections, its limit");
-            refuse(&s, CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("the tenant already has {live} connections, its limit"));
-            continue;
-        }
-        if let Err(Reply::Error(code, why)) = t.host.reserve(CONN_HOST_BYTES, "a connection") {
-            t.connections.fetch_sub(1, Ordering::AcqRel);
-            tenant_warn!(l.log, t.name, "refusing a client: {why}");
-            refuse(&s, code, why);
-            continue;
-        }
-        next_id += 1;
-        let id = next_id;
-        if let Ok(c) = s.try_clone() {
-            l.streams.lock().unwrap_or_else(|e| e.into_inner()).insert(id, c);
-        }
-        let (svc, t2, reg, log, seccomp) = (svc.clone(), t.clone(), l.streams.clone(), l.log.clone(), l.seccomp);
-        let spawned = std::thread::Builder::new().name(format!("tenant-{}", t.name)).stack_size(CONN_STACK).spawn(move || {
-            // This thread parses the tenant's bytes: it may not create
-            // sockets, threads or files, whatever a bug would do.
-            match (seccomp, seccomp && super::seccomp::confine_connection_thread().is_err()) {
-                (true, true) => tracing::error!(tenant = %t2.name, "cannot narrow the connection thread's seccomp filter; refusing the client"),
-                _ => serve(&svc, &t2, &s, &log),
-            }
-            // The registry holds a clone of this socket: close it
-            // explicitly so the client sees EOF, and forget it.
-            let _ = s.shutdown(std::net::Shutdown::Both);
-            reg.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-            t2.host.release(CONN_HOST_BYTES);
-            t2.connections.fetch_sub(1, Ordering::AcqRel);
-        });
-        if spawned.is_err() {
-            tenant_warn!(l.log, t.name, "cannot start a connection thread; refusing the client");
-            if let Some(c) = l.streams.lock().unwrap_or_else(|e| e.into_inner()).remove(&id) {
-                let _ = c.shutdown(std::net::Shutdown::Both);
-            }
-            t.host.release(CONN_HOST_BYTES);
-            t.connections.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-}
 
 /// Holds `n` bytes of the tenant's host budget until dropped.
-struct Held<'a>(&'a Tenant, u64);
+struct Held(Arc<Tenant>, u64);
 
-impl Drop for Held<'_> {
+impl Drop for Held {
     fn drop(&mut self) {
         self.0.host.release(self.1);
     }
 }
 
-/// Serves one client connection until it closes or breaks framing.
-fn serve(svc: &DeviceService, t: &Tenant, s: &UnixStream, log: &LogLimiter) {
-    let mut s = s;
-    let mut conn = Conn::default();
-    let mut hdr = [0u8; MsgHeader::SIZE];
-    // The mapped shared buffer is charged while it is registered.
-    let mut shm_held = 0u64;
-    loop {
-        let mut fds = Vec::new();
-        match read_full(s, &mut hdr, &mut fds) {
-            Ok(true) => {}
-            Ok(false) => break,
-            Err(e) => {
-                tenant_warn!(log, t.name, "connection read failed: {e}");
-                break;
-            }
-        }
-        let h = match MsgHeader::decode(&hdr) {
-            Ok(h) => h,
-            Err(e) => {
-                // Framing cannot be trusted past a bad header: answer, then drop.
-                tenant_warn!(log, t.name, "bad header, disconnecting: {e}");
-                let seq = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]);
-                let _ = s.write_all(&Reply::error(e.cuda(), format!("bad message header: {e}")).encode(Opcode::Ping, seq));
-                break;
-            }
-        };
-        // The message and its decoded copy are charged while they are held.
-        let held = 2 * (MsgHeader::SIZE as u64 + h.payload_len as u64);
-        if let Err(r) = t.host.reserve(held, "this message") {
-            let _ = s.write_all(&r.encode(h.opcode(), h.seq));
-            break;
-        }
-        let _held = Held(t, held);
-        let mut msg = vec![0u8; MsgHeader::SIZE + h.payload_len as usize];
-        msg[..MsgHeader::SIZE].copy_from_slice(&hdr);
-        match read_full(s, &mut msg[MsgHeader::SIZE..], &mut fds) {
-            Ok(true) => {}
-            _ => break,
-        }
-        let decoded = Request::decode(&msg);
-        drop(msg);
-        // An inline device-to-host copy's reply (and its encoding) is
-        // charged until it is written.
-        let reply_bytes = match &decoded {
-            Ok((_, Request::MemcpyDtoH(b))) if b.loc == DataLoc::Inline as u32 => 2 * b.size,
-            _ => 0,
-        };
-        if let Err(r) = t.host.reserve(reply_bytes, "this reply") {
-            if s.write_all(&r.encode(h.opcode(), h.seq)).is_err() {
-                break;
-            }
-            continue;
-        }
-        let _reply_held = Held(t, reply_bytes);
-        let reply = match decoded {
-            Err(e) => Reply::error(e.cuda(), format!("bad {:?} message: {e}", h.opcode())),
-            Ok((_, Request::RegisterShm(b))) => match (fds.pop(), fds.is_empty()) {
-                (None, _) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm arrived without a file descriptor"),
-                (Some(_), false) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm carries exactly one file descriptor"),
-                (Some(f), true) => {
-                    // The old buffer's charge goes with it.
-                    svc.set_shm(&mut conn, None);
-                    t.host.release(std::mem::take(&mut shm_held));
-                    match t.host.reserve(b.size, "the shared buffer") {
-                        Err(r) => r,
-                        Ok(()) => match Shm::map(f.into(), b.size) {
-                            Ok(m) => {
-                                shm_held = b.size;
-                                svc.set_shm(&mut conn, Some(m));
-                                Reply::Empty
-                            }
-                            Err(e) => {
-                                t.host.release(b.size);
-                                Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, e.to_string())
-                            }
-                        },
-                    }
+/// A message being assembled from a non-blocking socket.
+#[derive(Default)]
+struct Rx {
+    hdr: [u8; MsgHeader::SIZE],
+    got: usize,
+    /// The whole message (header and payload) once the header is known.
+    msg: Option<(MsgHeader, Vec<u8>, Held)>,
+    fds: Vec<OwnedFd>,
+}
+
+enum RxStep {
+    /// The socket has no more bytes for now.
+    Pending,
+    Message(MsgHeader, Vec<u8>, Vec<OwnedFd>, Held),
+    /// Framing is lost: answer with these bytes, then close.
+    Refuse(Vec<u8>),
+    Closed,
+}
+
+impl Rx {
+    fn step(&mut self, s: &UnixStream, t: &Arc<Tenant>, log: &LogLimiter) -> RxStep {
+        loop {
+            let (buf, filled) = match &mut self.msg {
+                None => (&mut self.hdr[self.got..], false),
+                Some((_, m, _)) => {
+                    let got = self.got;
+                    (&mut m[got..], true)
                 }
-            },
-            Ok((_, req)) => {
-                // Fds on any other message are closed here, unused.
-                fds.clear();
-                // Defence in depth: a bug must cost this request, not the worker.
-                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(t, &mut conn, req))) {
-                    Ok(r) => r,
-                    Err(_) => {
-                        tracing::error!(tenant = %t.name, "request handler panicked; disconnecting the client");
-                        let _ = s.write_all(&Reply::error(CuResult::CUDA_ERROR_UNKNOWN, "internal error").encode(h.opcode(), h.seq));
-                        break;
-                    }
-                }
+            };
+            if filled && buf.is_empty() {
+                let Some((h, m, held)) = self.msg.take() else { return RxStep::Closed };
+                self.got = 0;
+                return RxStep::Message(h, m, std::mem::take(&mut self.fds), held);
             }
-        };
-        if s.write_all(&reply.encode(h.opcode(), h.seq)).is_err() {
-            break;
+            let n = match recv_owning_fds(s, buf, &mut self.fds) {
+                Ok(0) => {
+                    if self.got > 0 || self.msg.is_some() {
+                        tenant_warn!(log, t.name, "connection closed in the middle of a message");
+                    }
+                    return RxStep::Closed;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return RxStep::Pending,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tenant_warn!(log, t.name, "connection read failed: {e}");
+                    return RxStep::Closed;
+                }
+            };
+            if self.fds.len() > MAX_FDS {
+                tenant_warn!(log, t.name, "more than {MAX_FDS} file descriptors attached to one message; disconnecting");
+                return RxStep::Closed;
+            }
+            self.got += n;
+            if self.msg.is_none() && self.got == MsgHeader::SIZE {
+                let h = match MsgHeader::decode(&self.hdr) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        // Framing cannot be trusted past a bad header: answer, then drop.
+                        tenant_warn!(log, t.name, "bad header, disconnecting: {e}");
+                        let seq = u32::from_le_bytes([self.hdr[8], self.hdr[9], self.hdr[10], self.hdr[11]]);
+                        return RxStep::Refuse(Reply::error(e.cuda(), format!("bad message header: {e}")).encode(Opcode::Ping, seq));
+                    }
+                };
+                // The message and its decoded copy are charged while held.
+                let held = 2 * (MsgHeader::SIZE as u64 + h.payload_len as u64);
+                if let Err(r) = t.host.reserve(held, "this message") {
+                    return RxStep::Refuse(r.encode(h.opcode(), h.seq));
+                }
+                let mut m = vec![0u8; MsgHeader::SIZE + h.payload_len as usize];
+                m[..MsgHeader::SIZE].copy_from_slice(&self.hdr);
+                self.msg = Some((h, m, Held(t.clone(), held)));
+            }
         }
     }
-    svc.disconnect(t, &mut conn);
-    t.host.release(shm_held);
+}
+
+/// One client connection.
+struct Client {
+    tenant: Arc<Tenant>,
+    listener: u64,
+    sock: UnixStream,
+    log: Arc<LogLimiter>,
+    io: Mutex<ClientIo>,
+}
+
+#[derive(Default)]
+struct ClientIo {
+    rx: Rx,
+    conn: Conn,
+    /// The registered shared buffer's charge.
+    shm_held: u64,
+    closed: bool,
+}
+
+enum Job {
+    Message(u64, MsgHeader, Vec<u8>, Vec<OwnedFd>, Held),
+    Refuse(u64, Vec<u8>),
+    Close(u64),
+}
+
+#[derive(Default)]
+struct TenantQueue {
+    jobs: VecDeque<Job>,
+    /// An executor is running one of this tenant's jobs.
+    busy: bool,
+}
+
+struct ListenerEntry {
+    tenant: Arc<Tenant>,
+    sock: Arc<UnixListener>,
+    max_connections: u32,
+    log: Arc<LogLimiter>,
+    clients: HashSet<u64>,
+    /// Accept failed (EMFILE, ...): re-armed at this time, after this wait.
+    backoff: Option<(Instant, Duration)>,
+}
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    listeners: HashMap<u64, ListenerEntry>,
+    clients: HashMap<u64, Arc<Client>>,
+    queues: HashMap<String, TenantQueue>,
+    /// Tenants with jobs and no executor, oldest first.
+    ready: VecDeque<String>,
+}
+
+/// Epoll tokens: listeners have the top bit set.
+const LISTENER: u64 = 1 << 63;
+
+/// The worker's tenant-socket service: one poller thread and `threads`
+/// executors, however many tenants and connections there are.
+pub struct Pool {
+    epfd: OwnedFd,
+    svc: Arc<DeviceService>,
+    st: Mutex<State>,
+    work: Condvar,
+}
+
+fn epoll_ctl(epfd: &OwnedFd, op: i32, fd: i32, events: u32, token: u64) -> std::io::Result<()> {
+    let mut ev = libc::epoll_event { events, u64: token };
+    // SAFETY: epfd is our epoll instance and ev a valid event for the call.
+    if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), op, fd, &mut ev) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+const ONESHOT_IN: u32 = (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLONESHOT) as u32;
+
+impl Pool {
+    /// Starts the poller and `threads` executors. With `seccomp`, the
+    /// executors (which decode and run tenant messages) narrow their
+    /// filter to the connection list.
+    pub fn start(svc: Arc<DeviceService>, threads: usize, seccomp: bool) -> std::io::Result<Arc<Pool>> {
+        // SAFETY: epoll_create1 has no memory arguments; checked below.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let epfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let pool = Arc::new(Pool { epfd, svc, st: Mutex::new(State::default()), work: Condvar::new() });
+        let p = pool.clone();
+        std::thread::Builder::new().name("tenant-poll".into()).spawn(move || p.poll_loop())?;
+        for i in 0..threads.max(1) {
+            let p = pool.clone();
+            std::thread::Builder::new().name(format!("tenant-exec-{i}")).spawn(move || {
+                if seccomp && super::seccomp::confine_connection_thread().is_err() {
+                    tracing::error!("an executor could not narrow its seccomp filter; it serves nothing");
+                    return;
+                }
+                p.exec_loop()
+            })?;
+        }
+        Ok(pool)
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Serves `sock` for `tenant`; returns the handle to stop it with.
+    pub fn add_listener(&self, tenant: Arc<Tenant>, sock: UnixListener, max_connections: u32) -> std::io::Result<u64> {
+        sock.set_nonblocking(true)?;
+        let mut st = self.state();
+        st.next += 1;
+        let id = st.next;
+        epoll_ctl(&self.epfd, libc::EPOLL_CTL_ADD, sock.as_raw_fd(), ONESHOT_IN, id | LISTENER)?;
+        let log = Arc::new(LogLimiter::new(20, Duration::from_secs(10)));
+        st.listeners.insert(id, ListenerEntry { tenant, sock: Arc::new(sock), max_connections, log, clients: HashSet::new(), backoff: None });
+        Ok(id)
+    }
+
+    /// Stops serving a tenant's socket: the listener closes and every
+    /// client of it is shut down (each is torn down as its EOF arrives).
+    pub fn remove_listener(&self, id: u64) {
+        let mut st = self.state();
+        let Some(l) = st.listeners.remove(&id) else { return };
+        let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_DEL, l.sock.as_raw_fd(), 0, 0);
+        for c in &l.clients {
+            if let Some(c) = st.clients.get(c) {
+                let _ = c.sock.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+
+    fn poll_loop(self: Arc<Self>) {
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        loop {
+            // Wake for the earliest listener back-off to end.
+            let now = Instant::now();
+            let timeout = self.state().listeners.values().filter_map(|l| l.backoff.map(|b| b.0.saturating_duration_since(now))).min();
+            let ms = timeout.map(|d| d.as_millis().min(1000) as i32 + 1).unwrap_or(-1);
+            // SAFETY: evs is a valid buffer of 64 events for the call.
+            let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), evs.as_mut_ptr(), evs.len() as i32, ms) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!("epoll_wait failed: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                continue;
+            }
+            self.rearm_backed_off();
+            for ev in &evs[..n as usize] {
+                let token = ev.u64;
+                if token & LISTENER != 0 {
+                    self.accept_all(token & !LISTENER);
+                } else {
+                    self.read_client(token);
+                }
+            }
+        }
+    }
+
+    fn rearm_backed_off(&self) {
+        let mut st = self.state();
+        let now = Instant::now();
+        for (id, l) in st.listeners.iter_mut() {
+            if let Some((at, wait)) = l.backoff {
+                if at <= now {
+                    // Keep the wait for the next failure; reset on success.
+                    l.backoff = Some((now + Duration::from_secs(3600), wait));
+                    let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_MOD, l.sock.as_raw_fd(), ONESHOT_IN, id | LISTENER);
+                }
+            }
+        }
+    }
+
+    fn accept_all(&self, id: u64) {
+        let Some((sock, tenant, log, max)) = self.state().listeners.get(&id).map(|l| (l.sock.clone(), l.tenant.clone(), l.log.clone(), l.max_connections)) else { return };
+        loop {
+            match sock.accept() {
+                Ok((s, _)) => {
+                    if let Some(l) = self.state().listeners.get_mut(&id) {
+                        l.backoff = None;
+                    }
+                    self.admit(id, &tenant, &log, max, s);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // EMFILE and friends: the pending client stays queued;
+                    // try again later, not in a loop.
+                    let mut st = self.state();
+                    let Some(l) = st.listeners.get_mut(&id) else { return };
+                    let wait = l.backoff.map(|b| (b.1 * 2).min(Duration::from_secs(1))).unwrap_or(Duration::from_millis(5));
+                    l.backoff = Some((Instant::now() + wait, wait));
+                    tenant_warn!(log, tenant.name, "accepting a client failed, backing off {wait:?}: {e}");
+                    return;
+                }
+            }
+        }
+        if self.state().listeners.contains_key(&id) {
+            let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_MOD, sock.as_raw_fd(), ONESHOT_IN, id | LISTENER);
+        }
+    }
+
+    fn admit(&self, listener: u64, t: &Arc<Tenant>, log: &Arc<LogLimiter>, max: u32, s: UnixStream) {
+        let refuse = |code: CuResult, why: String| {
+            let _ = s.set_nonblocking(true);
+            let _ = (&s).write_all(&Reply::error(code, why).encode(Opcode::Ping, 0));
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        };
+        let live = t.connections.fetch_add(1, Ordering::AcqRel);
+        if live >= max {
+            t.connections.fetch_sub(1, Ordering::AcqRel);
+            tenant_warn!(log, t.name, "refusing a client: the tenant has {live} connections, its limit");
+            return refuse(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("the tenant already has {live} connections, its limit"));
+        }
+        if let Err(Reply::Error(code, why)) = t.host.reserve(CONN_HOST_BYTES, "a connection") {
+            t.connections.fetch_sub(1, Ordering::AcqRel);
+            tenant_warn!(log, t.name, "refusing a client: {why}");
+            return refuse(code, why);
+        }
+        let fd = s.as_raw_fd();
+        let ok = s.set_nonblocking(true);
+        let c = Arc::new(Client { tenant: t.clone(), listener, sock: s, log: log.clone(), io: Mutex::new(ClientIo::default()) });
+        let mut st = self.state();
+        st.next += 1;
+        let id = st.next;
+        let registered = ok.and_then(|_| epoll_ctl(&self.epfd, libc::EPOLL_CTL_ADD, fd, ONESHOT_IN, id));
+        match (registered, st.listeners.get_mut(&listener)) {
+            (Ok(()), Some(l)) => {
+                l.clients.insert(id);
+                st.clients.insert(id, c);
+            }
+            (r, _) => {
+                drop(st);
+                if let Err(e) = r {
+                    tenant_warn!(log, t.name, "cannot watch a new client: {e}");
+                }
+                let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_DEL, fd, 0, 0);
+                let _ = c.sock.shutdown(std::net::Shutdown::Both);
+                t.host.release(CONN_HOST_BYTES);
+                t.connections.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    fn read_client(&self, id: u64) {
+        let Some(c) = self.state().clients.get(&id).cloned() else { return };
+        let step = {
+            let mut io = c.io.lock().unwrap_or_else(|e| e.into_inner());
+            if io.closed {
+                return;
+            }
+            io.rx.step(&c.sock, &c.tenant, &c.log)
+        };
+        let job = match step {
+            RxStep::Pending => {
+                let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_MOD, c.sock.as_raw_fd(), ONESHOT_IN, id);
+                return;
+            }
+            // Not re-armed: the executor does that once it has replied.
+            RxStep::Message(h, m, fds, held) => Job::Message(id, h, m, fds, held),
+            RxStep::Refuse(bytes) => Job::Refuse(id, bytes),
+            RxStep::Closed => Job::Close(id),
+        };
+        self.enqueue(&c.tenant.name, job);
+    }
+
+    fn enqueue(&self, tenant: &str, job: Job) {
+        let mut st = self.state();
+        let q = st.queues.entry(tenant.to_string()).or_default();
+        q.jobs.push_back(job);
+        if !q.busy && q.jobs.len() == 1 {
+            st.ready.push_back(tenant.to_string());
+        }
+        drop(st);
+        self.work.notify_one();
+    }
+
+    /// The next job of the tenant waiting longest with no executor.
+    fn next_job(&self) -> (String, Job) {
+        let mut st = self.state();
+        loop {
+            while let Some(name) = st.ready.pop_front() {
+                let Some(q) = st.queues.get_mut(&name) else { continue };
+                if q.busy {
+                    continue;
+                }
+                let Some(job) = q.jobs.pop_front() else {
+                    st.queues.remove(&name);
+                    continue;
+                };
+                q.busy = true;
+                return (name, job);
+            }
+            st = self.work.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn done(&self, tenant: &str) {
+        let mut st = self.state();
+        let requeue = match st.queues.get_mut(tenant) {
+            Some(q) => {
+                q.busy = false;
+                !q.jobs.is_empty()
+            }
+            None => false,
+        };
+        if requeue {
+            st.ready.push_back(tenant.to_string());
+            drop(st);
+            self.work.notify_one();
+        } else {
+            st.queues.remove(tenant);
+        }
+    }
+
+    fn exec_loop(self: Arc<Self>) {
+        loop {
+            let (tenant, job) = self.next_job();
+            match job {
+                Job::Message(id, h, m, fds, held) => self.run_message(id, h, m, fds, held),
+                Job::Refuse(id, bytes) => {
+                    // Bound first: the state lock must not be held below.
+                    let client = self.state().clients.get(&id).cloned();
+                    if let Some(c) = client {
+                        let _ = write_all_timeout(&c.sock, &bytes, Duration::from_secs(1));
+                        self.close(id);
+                    }
+                }
+                Job::Close(id) => self.close(id),
+            }
+            self.done(&tenant);
+        }
+    }
+
+    fn run_message(&self, id: u64, h: MsgHeader, msg: Vec<u8>, fds: Vec<OwnedFd>, held: Held) {
+        let Some(c) = self.state().clients.get(&id).cloned() else { return };
+        let (reply, keep) = {
+            let mut io = c.io.lock().unwrap_or_else(|e| e.into_inner());
+            if io.closed {
+                return;
+            }
+            handle_message(&self.svc, &c.tenant, &mut io, &h, msg, fds)
+        };
+        drop(held);
+        let written = write_all_timeout(&c.sock, &reply, WRITE_TIMEOUT);
+        if let Err(e) = &written {
+            tenant_warn!(c.log, c.tenant.name, "dropping a client that does not take its replies: {e}");
+        }
+        if keep && written.is_ok() {
+            let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_MOD, c.sock.as_raw_fd(), ONESHOT_IN, id);
+        } else {
+            self.close(id);
+        }
+    }
+
+    /// Tears a client down: its contexts and shared buffer go, its
+    /// charges are released, the socket closes.
+    fn close(&self, id: u64) {
+        let Some(c) = self.state().clients.remove(&id) else { return };
+        if let Some(l) = self.state().listeners.get_mut(&c.listener) {
+            l.clients.remove(&id);
+        }
+        let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_DEL, c.sock.as_raw_fd(), 0, 0);
+        let _ = c.sock.shutdown(std::net::Shutdown::Both);
+        let mut io = c.io.lock().unwrap_or_else(|e| e.into_inner());
+        if std::mem::replace(&mut io.closed, true) {
+            return;
+        }
+        self.svc.disconnect(&c.tenant, &mut io.conn);
+        c.tenant.host.release(std::mem::take(&mut io.shm_held) + CONN_HOST_BYTES);
+        c.tenant.connections.fetch_sub(1, Ordering::AcqRel);
+        io.rx = Rx::default();
+    }
+}
+
+/// Writes all of `buf` to a non-blocking socket, waiting for room at most
+/// `limit` in all.
+fn write_all_timeout(s: &UnixStream, mut buf: &[u8], limit: Duration) -> std::io::Result<()> {
+    let deadline = Instant::now() + limit;
+    while !buf.is_empty() {
+        match (&*s).write(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+                let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+                // SAFETY: one valid pollfd for the call.
+                unsafe { libc::poll(&mut p, 1, left.as_millis().min(1000) as i32 + 1) };
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Runs one complete message; returns the reply bytes and whether the
+/// connection stays open.
+fn handle_message(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, h: &MsgHeader, msg: Vec<u8>, mut fds: Vec<OwnedFd>) -> (Vec<u8>, bool) {
+    let decoded = Request::decode(&msg);
+    drop(msg);
+    // An inline device-to-host copy's reply (and its encoding) is charged
+    // until it is written.
+    let reply_bytes = match &decoded {
+        Ok((_, Request::MemcpyDtoH(b))) if b.loc == DataLoc::Inline as u32 => 2 * b.size,
+        _ => 0,
+    };
+    if let Err(r) = t.host.reserve(reply_bytes, "this reply") {
+        return (r.encode(h.opcode(), h.seq), true);
+    }
+    let _reply_held = Held(t.clone(), reply_bytes);
+    let reply = match decoded {
+        Err(e) => Reply::error(e.cuda(), format!("bad {:?} message: {e}", h.opcode())),
+        Ok((_, Request::RegisterShm(b))) => match (fds.pop(), fds.is_empty()) {
+            (None, _) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm arrived without a file descriptor"),
+            (Some(_), false) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm carries exactly one file descriptor"),
+            (Some(f), true) => {
+                // The old buffer's charge goes with it.
+                svc.set_shm(&mut io.conn, None);
+                t.host.release(std::mem::take(&mut io.shm_held));
+                match t.host.reserve(b.size, "the shared buffer") {
+                    Err(r) => r,
+                    Ok(()) => match Shm::map(f.into(), b.size) {
+                        Ok(m) => {
+                            io.shm_held = b.size;
+                            svc.set_shm(&mut io.conn, Some(m));
+                            Reply::Empty
+                        }
+                        Err(e) => {
+                            t.host.release(b.size);
+                            Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, e.to_string())
+                        }
+                    },
+                }
+            }
+        },
+        Ok((_, req)) => {
+            // Fds on any other message are closed here, unused.
+            fds.clear();
+            // Defence in depth: a bug must cost this request, not the worker.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(t, &mut io.conn, req))) {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::error!(tenant = %t.name, "request handler panicked; disconnecting the client");
+                    return (Reply::error(CuResult::CUDA_ERROR_UNKNOWN, "internal error").encode(h.opcode(), h.seq), false);
+                }
+            }
+        }
+    };
+    (reply.encode(h.opcode(), h.seq), true)
 }
 
 #[cfg(test)]

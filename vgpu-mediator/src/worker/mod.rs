@@ -11,7 +11,7 @@ pub mod shm;
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,6 +37,8 @@ pub struct WorkerOptions {
     pub user: Option<crate::config::Owner>,
     /// Install the seccomp allow-lists (CPU devices).
     pub seccomp: bool,
+    /// Executor threads serving tenant sockets.
+    pub connection_threads: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -74,11 +76,12 @@ fn pin_to_node(node: i32) {
 struct Listening {
     tenant: Arc<Tenant>,
     socket: PathBuf,
-    /// A handle on the listening socket, shut down to wake its accept loop.
-    listener: Option<UnixListener>,
+    /// Stops a VM tenant's vhost-user thread between connections.
     stop: Arc<AtomicBool>,
-    /// Live client connections of a process tenant, dropped on removal.
-    streams: Arc<Mutex<HashMap<u64, UnixStream>>>,
+    /// A process tenant's socket in the connection pool.
+    pooled: Option<u64>,
+    /// A VM tenant's listening socket, shut down to end its vhost thread.
+    vhost: Option<UnixListener>,
 }
 
 /// Writes replies and events to the control plane, one JSON line each;
@@ -110,10 +113,10 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     if seccomp {
         confine::no_new_privs()?;
         seccomp::confine_worker()?;
-        SECCOMP.store(true, Ordering::Relaxed);
         info!("device worker under its seccomp allow-list");
     }
     let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, Box::new(Fifo))));
+    let pool = conn::Pool::start(svc.clone(), opts.connection_threads, seccomp)?;
     let mut listening: HashMap<String, Listening> = HashMap::new();
     let out = Out(Arc::new(Mutex::new(std::io::stdout())));
     out.send(0, WorkerMsg::Ready { pid: std::process::id() })?;
@@ -130,7 +133,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         let reply = match cmd {
             WorkerCmd::Stats => WorkerMsg::Stats(svc.stats()),
             WorkerCmd::AddTenant(spec) => {
-                let r = if spec.vm { add_vm_tenant(&svc, &spec) } else { add_tenant(&svc, &spec) };
+                let r = if spec.vm { add_vm_tenant(&svc, &spec) } else { add_tenant(&svc, &pool, &spec) };
                 match r {
                     Ok(l) => {
                         listening.insert(spec.name, l);
@@ -145,7 +148,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
                     // (waiting for a running request, freeing, scrubbing)
                     // runs off this loop and reports when it is done.
                     svc.revoke(&name);
-                    stop_listening(&l);
+                    stop_listening(&l, &pool);
                     let (svc2, out2, n2) = (svc.clone(), out.clone(), name.clone());
                     let teardown = move || {
                         svc2.remove_tenant(&n2);
@@ -165,20 +168,12 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         out.send(id, reply)?;
     }
     for l in listening.values() {
-        stop_listening(l);
+        stop_listening(l, &pool);
     }
     Ok(())
 }
 
-/// Whether this worker runs under seccomp: its connection threads then
-/// add their own narrower list.
-static SECCOMP: AtomicBool = AtomicBool::new(false);
-
-fn svc_seccomp() -> bool {
-    SECCOMP.load(Ordering::Relaxed)
-}
-
-fn add_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening, String> {
+fn add_tenant(svc: &Arc<DeviceService>, pool: &conn::Pool, spec: &TenantCmd) -> Result<Listening, String> {
     let socket = &spec.socket;
     // A stale socket from a previous worker of this device is replaced; it
     // is created 0600 (umask) and the control plane sets its owner and mode.
@@ -186,64 +181,50 @@ fn add_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening, S
     let listener = UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
     let tenant = svc.add_tenant(&spec.name, spec.quota, spec.weight, spec.host_limit)?;
-    let l = conn::Listener {
-        seccomp: svc_seccomp(),
-        max_connections: spec.max_connections.max(1),
-        stop: Arc::new(AtomicBool::new(false)),
-        streams: Arc::new(Mutex::new(HashMap::new())),
-        log: Arc::new(conn::LogLimiter::new(20, std::time::Duration::from_secs(10))),
+    let id = match pool.add_listener(tenant.clone(), listener, spec.max_connections.max(1)) {
+        Ok(id) => id,
+        Err(e) => {
+            svc.remove_tenant(&spec.name);
+            return Err(format!("serving {}: {e}", socket.display()));
+        }
     };
-    let (stop, streams) = (l.stop.clone(), l.streams.clone());
-    let handle = listener.try_clone().map_err(|e| format!("cloning the listener: {e}"))?;
-    let (svc2, t2) = (svc.clone(), tenant.clone());
-    let started = std::thread::Builder::new().name(format!("accept-{}", spec.name)).spawn(move || conn::accept_loop(&l, listener, svc2, t2));
-    if let Err(e) = started {
-        svc.remove_tenant(&spec.name);
-        return Err(format!("starting the accept thread: {e}"));
-    }
     info!(tenant = %spec.name, quota = spec.quota, host_limit = spec.host_limit, socket = %socket.display(), "tenant added");
-    Ok(Listening { tenant, socket: socket.clone(), listener: Some(handle), stop, streams })
+    Ok(Listening { tenant, socket: socket.clone(), stop: Arc::new(AtomicBool::new(false)), pooled: Some(id), vhost: None })
 }
 
 /// A VM tenant: its vhost-user virtio-gpu backend serves `socket`.
 fn add_vm_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening, String> {
     let (name, socket) = (&spec.name, &spec.socket);
+    // Bound here, once: the socket keeps its inode (and so the owner the
+    // control plane gives it) across VMM connections.
     let _ = std::fs::remove_file(socket);
+    let listener = UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
+    let handle = listener.try_clone().map_err(|e| format!("cloning the listener: {e}"))?;
     let tenant = svc.add_tenant(name, spec.quota, spec.weight, spec.host_limit)?;
     let stop = Arc::new(AtomicBool::new(false));
-    let (svc2, t2, stop2, path) = (svc.clone(), tenant.clone(), stop.clone(), socket.clone());
-    let started = std::thread::Builder::new().name(format!("vhost-{name}")).spawn(move || crate::gpu::vhost::serve(path, crate::gpu::GpuConfig::default(), svc2, t2, stop2));
+    let (svc2, t2, stop2) = (svc.clone(), tenant.clone(), stop.clone());
+    let started = std::thread::Builder::new().name(format!("vhost-{name}")).spawn(move || crate::gpu::vhost::serve(listener, crate::gpu::GpuConfig::default(), svc2, t2, stop2));
     if let Err(e) = started {
         svc.remove_tenant(name);
         return Err(format!("starting the vhost-user thread: {e}"));
     }
-    // Answer only once the socket exists, so a VMM started right after
-    // `tenant create` can connect.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while !socket.exists() {
-        if std::time::Instant::now() > deadline {
-            stop.store(true, Ordering::Release);
-            svc.remove_tenant(name);
-            return Err(format!("the vhost-user socket {} did not appear", socket.display()));
-        }
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
     info!(tenant = %name, quota = spec.quota, socket = %socket.display(), "VM tenant added (vhost-user)");
-    Ok(Listening { tenant, socket: socket.clone(), listener: None, stop, streams: Arc::new(Mutex::new(HashMap::new())) })
+    Ok(Listening { tenant, socket: socket.clone(), stop, pooled: None, vhost: Some(handle) })
 }
 
-fn stop_listening(l: &Listening) {
+fn stop_listening(l: &Listening, pool: &conn::Pool) {
     l.stop.store(true, Ordering::Release);
-    // Wake the accept loop so it sees the flag (the socket may belong to
-    // the tenant's user, so connecting to it is not an option), then drop
-    // every client.
-    if let Some(h) = &l.listener {
-        // SAFETY: shutdown on a descriptor we own; it only wakes accept.
-        unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(h), libc::SHUT_RDWR) };
+    // The listener closes and every client of it is shut down at once.
+    if let Some(id) = l.pooled {
+        pool.remove_listener(id);
+    }
+    if let Some(v) = &l.vhost {
+        // Wakes the vhost thread's accept; a connected VMM keeps its
+        // connection (refused everything) until it disconnects.
+        // SAFETY: shutdown on a descriptor we own.
+        unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(v), libc::SHUT_RDWR) };
     }
     let _ = std::fs::remove_file(&l.socket);
-    for (_, s) in l.streams.lock().unwrap_or_else(|e| e.into_inner()).drain() {
-        let _ = s.shutdown(std::net::Shutdown::Both);
-    }
     info!(tenant = %l.tenant.name, "tenant revoked: its sockets no longer serve it");
 }
