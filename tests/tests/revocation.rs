@@ -102,3 +102,32 @@ fn process_and_vm_tenant_sockets_cannot_collide() {
     assert!(Raw::connect(std::path::Path::new(p["socket"].as_str().expect("socket"))).ping());
     assert!(std::path::Path::new(vm["socket"].as_str().expect("socket")).exists(), "the VM socket is still there");
 }
+
+#[test]
+fn a_vm_tenant_socket_keeps_its_owner_across_vmm_connections_and_its_threads_end_on_deletion() {
+    use std::os::unix::fs::MetadataExt;
+    let m = Mediator::start(&[]);
+    let pid = m.worker_pid("cpu0");
+    let base = proc_stats(pid).threads;
+    let (st, v) = m.api("POST", "/tenants", Some(json!({ "name": "vm1", "memory": "16MiB", "kind": "vm", "owner": "4242:4242" })));
+    assert_eq!(st, 201, "{v}");
+    let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
+    let ino = std::fs::metadata(&sock).expect("socket").ino();
+    // Three VMM connections come and go (a VMM that dies or restarts).
+    for _ in 0..3 {
+        let c = std::os::unix::net::UnixStream::connect(&sock).expect("connect");
+        std::thread::sleep(Duration::from_millis(100));
+        drop(c);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let meta = std::fs::metadata(&sock).expect("socket");
+    assert_eq!((meta.ino(), meta.uid(), meta.gid(), meta.mode() & 0o777), (ino, 4242, 4242, 0o600), "the socket was replaced or lost its owner");
+    // Deleting the idle VM tenant ends its threads, not only its socket.
+    let (st, _) = m.api("DELETE", "/tenants/vm1", None);
+    assert_eq!(st, 204);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proc_stats(pid).threads > base {
+        assert!(Instant::now() < deadline, "{} threads left after deleting the VM tenant (base {base})", proc_stats(pid).threads);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

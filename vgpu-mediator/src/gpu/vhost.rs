@@ -214,19 +214,37 @@ impl Drop for GpuBackend {
     }
 }
 
-/// Serves `socket` for one VM tenant until `stop` is set: one VMM
+/// Serves one VM tenant's listening socket until `stop` is set: one VMM
 /// connection at a time; when it ends the device state goes with it and a
-/// new connection (a restarted VMM) gets a fresh device.
-pub fn serve(socket: PathBuf, cfg: GpuConfig, svc: Arc<DeviceService>, tenant: Arc<Tenant>, stop: Arc<std::sync::atomic::AtomicBool>) {
-    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+/// new connection (a restarted VMM) gets a fresh device. The socket stays
+/// the same between connections, so the owner and mode the control plane
+/// gave it stay too; shutting the listener down ends the loop.
+pub fn serve(listener: std::os::unix::net::UnixListener, cfg: GpuConfig, svc: Arc<DeviceService>, tenant: Arc<Tenant>, stop: Arc<std::sync::atomic::AtomicBool>) {
+    let stopped = || stop.load(std::sync::atomic::Ordering::Acquire);
+    let mut listener = vhost::vhost_user::Listener::from(listener);
+    while !stopped() {
         let backend = Arc::new(RwLock::new(GpuBackend::new(cfg.clone(), svc.clone(), tenant.clone())));
-        let daemon = VhostUserDaemon::new(format!("vgpu-{}", tenant.name), backend, GuestMemoryAtomic::new(GuestMemoryMmap::new()));
+        let daemon = VhostUserDaemon::new(format!("vgpu-{}", tenant.name), backend.clone(), GuestMemoryAtomic::new(GuestMemoryMmap::new()));
         let mut daemon = match daemon {
             Ok(d) => d,
             Err(e) => return tracing::error!("{}", VhostError::Daemon { tenant: tenant.name.clone(), err: e.to_string() }),
         };
-        if let Err(e) = daemon.serve(&socket) {
-            tracing::warn!(tenant = %tenant.name, "vhost-user connection ended: {e}");
+        match daemon.start(&mut listener) {
+            Ok(()) => {
+                if let Err(e) = daemon.wait() {
+                    tracing::warn!(tenant = %tenant.name, "vhost-user connection ended: {e}");
+                }
+            }
+            Err(e) if !stopped() => {
+                tracing::warn!(tenant = %tenant.name, "accepting a VMM failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(_) => {}
+        }
+        // The connection's queue thread ends with it.
+        let g = backend.read().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, n)) = g.exit.as_ref() {
+            let _ = n.notify();
         }
     }
 }
