@@ -146,3 +146,41 @@ impl Drop for Guest {
 pub fn vmm_run(args: &[&str]) -> std::process::Output {
     Command::new(bin("vgpu-vmm")).args(args).stdin(Stdio::null()).output().expect("run vgpu-vmm")
 }
+
+/// One thread of a process: its name and /proc status text.
+pub struct TaskStatus {
+    pub tid: u32,
+    pub comm: String,
+    pub status: String,
+}
+
+impl TaskStatus {
+    /// A `Name:\tvalue` field of the status text.
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.status.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')).map(str::trim)
+    }
+}
+
+/// Every thread of `pid` (threads that exit meanwhile are left out).
+pub fn tasks(pid: u32) -> Vec<TaskStatus> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).expect("/proc/PID/task") {
+        let t = t.expect("task entry").path();
+        let (Ok(comm), Ok(status)) = (std::fs::read_to_string(t.join("comm")), std::fs::read_to_string(t.join("status"))) else { continue };
+        let tid = t.file_name().and_then(|n| n.to_str()).and_then(|n| n.parse().ok()).unwrap_or(0);
+        out.push(TaskStatus { tid, comm: comm.trim().to_string(), status });
+    }
+    out
+}
+
+/// True for the kernel's own workers that KVM attaches to a VM's process
+/// (the NX huge page recovery thread): they never run user code, so no
+/// seccomp filter applies to them.
+pub fn is_kvm_kernel_worker(t: &TaskStatus) -> bool {
+    t.comm.starts_with("kvm-nx-lpage")
+}
+
+/// The children of `pid`'s main thread.
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default().split_whitespace().filter_map(|p| p.parse().ok()).collect()
+}

@@ -72,11 +72,21 @@ pub fn router(s: ApiState) -> Router {
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error("API socket {path}: {err}")]
-    Bind { path: String, err: std::io::Error },
+    Bind {
+        path: String,
+        #[source]
+        err: std::io::Error,
+    },
+    #[error("API thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("API thread: {0}")]
+    Start(String),
+    #[error("API thread: {0}")]
+    Seccomp(#[source] crate::seccomp::SeccompError),
 }
 
-/// Binds `path` (mode 0600) and serves the API on its own thread.
-pub fn spawn(path: &Path, s: ApiState) -> Result<PathBuf, ApiError> {
+/// Binds `path` (mode 0600), refusing a socket another VMM still serves.
+pub fn bind(path: &Path) -> Result<std::os::unix::net::UnixListener, ApiError> {
     let bind_err = |err| ApiError::Bind { path: path.display().to_string(), err };
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -90,24 +100,40 @@ pub fn spawn(path: &Path, s: ApiState) -> Result<PathBuf, ApiError> {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_err)?;
     }
     listener.set_nonblocking(true).map_err(bind_err)?;
+    Ok(listener)
+}
+
+/// Serves the API on `listener` on its own thread, which confines itself
+/// (seccomp, API kind) once its runtime is up; returns when it is.
+pub fn serve(listener: std::os::unix::net::UnixListener, s: ApiState) -> Result<(), ApiError> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), ApiError>>();
     std::thread::Builder::new()
         .name("vmm-api".into())
         .spawn(move || {
             let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(rt) => rt,
-                Err(e) => return tracing::error!("API runtime: {e}"),
+                Err(e) => return drop(ready_tx.send(Err(ApiError::Start(format!("runtime: {e}"))))),
             };
             rt.block_on(async move {
-                match tokio::net::UnixListener::from_std(listener) {
-                    Ok(l) => {
-                        if let Err(e) = axum::serve(l, router(s)).await {
-                            tracing::error!("API server: {e}");
-                        }
-                    }
-                    Err(e) => tracing::error!("API socket: {e}"),
+                let l = match tokio::net::UnixListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => return drop(ready_tx.send(Err(ApiError::Start(format!("socket: {e}"))))),
+                };
+                if let Err(e) = crate::seccomp::confine(crate::seccomp::ThreadKind::Api) {
+                    return drop(ready_tx.send(Err(ApiError::Seccomp(e))));
+                }
+                let _ = ready_tx.send(Ok(()));
+                if let Err(e) = axum::serve(l, router(s)).await {
+                    tracing::error!("API server: {e}");
                 }
             });
         })
-        .map_err(bind_err)?;
+        .map_err(ApiError::Thread)?;
+    ready_rx.recv().map_err(|_| ApiError::Start("the API thread died while starting".into()))?
+}
+
+/// Binds `path` (mode 0600) and serves the API on its own thread.
+pub fn spawn(path: &Path, s: ApiState) -> Result<PathBuf, ApiError> {
+    serve(bind(path)?, s)?;
     Ok(path.to_path_buf())
 }

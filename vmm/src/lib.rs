@@ -8,6 +8,8 @@ pub mod bus;
 pub mod config;
 pub mod devices;
 pub mod http;
+pub mod jail;
 pub mod memory;
 pub mod numa;
+pub mod seccomp;
 pub mod vm;

@@ -79,6 +79,8 @@ pub enum VmError {
     KvmSetup(String),
     #[error("device setup: {0}")]
     Device(String),
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::SeccompError),
     #[error("opening serial output {path}: {err}")]
     Serial { path: String, err: std::io::Error },
 }
@@ -425,6 +427,11 @@ impl Vm {
                             let _ = ready_tx.send(Err(e.into()));
                             return;
                         }
+                    }
+                    // The vCPU's own allow-list, from before its first KVM_RUN.
+                    if let Err(e) = crate::seccomp::confine(crate::seccomp::ThreadKind::Vcpu) {
+                        let _ = ready_tx.send(Err(e.into()));
+                        return;
                     }
                     // SAFETY: pthread_self has no preconditions.
                     ctl.threads.lock().unwrap_or_else(|e| e.into_inner()).push(unsafe { libc::pthread_self() });

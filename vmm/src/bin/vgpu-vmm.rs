@@ -1,11 +1,15 @@
 //! `vgpu-vmm`: runs one VM until the guest resets, powers off, faults, or
 //! is killed through the API. Exit status: 0 guest reset/power-off,
-//! 1 error, 2 bad command line, 3 triple fault, 4 killed.
+//! 1 error, 2 bad command line, 3 triple fault, 4 killed. Every thread runs
+//! under its kind's seccomp allow-list unless `--no-seccomp` is given; a
+//! forbidden syscall kills the VMM with SIGSYS.
 
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use virtio_gpu_compute::size::Size;
 use vmm::config::{Hugepages, MemMiB, SerialOut, VmConfig};
+use vmm::seccomp::ThreadKind;
 use vmm::vm::Vm;
 
 #[derive(Parser)]
@@ -44,6 +48,77 @@ struct Cli {
     /// VM tenant's vhost-user socket from `vgpuctl tenant create NAME --vm`.
     #[arg(long)]
     vgpu: Option<vmm::config::VgpuConfig>,
+    /// Run without the seccomp filters. By default every thread (main,
+    /// vCPUs, devices, API) runs under its own allow-list, and a syscall off
+    /// it kills the VMM with SIGSYS.
+    #[arg(long)]
+    no_seccomp: bool,
+    /// Jail the VMM (as Firecracker's jailer does): new PID, mount and network
+    /// namespaces, a read-only tmpfs root mounted on DIR holding only
+    /// /dev/kvm and the files the VM uses, and the uid and gid given, with no
+    /// groups, no capabilities and no_new_privs. Needs root.
+    #[arg(long, value_name = "DIR", requires_all = ["jail_uid", "jail_gid"])]
+    jail: Option<PathBuf>,
+    /// The jailed VMM's uid (not 0).
+    #[arg(long, value_name = "UID", requires = "jail")]
+    jail_uid: Option<u32>,
+    /// The jailed VMM's gid (not 0).
+    #[arg(long, value_name = "GID", requires = "jail")]
+    jail_gid: Option<u32>,
+    /// cgroup v2 memory.max for the jailed VMM (bytes, or a size such as
+    /// 1GiB); needs cgroup v2 at /sys/fs/cgroup, else the VMM refuses to start.
+    #[arg(long, value_name = "BYTES", requires = "jail")]
+    jail_memory: Option<Size>,
+    /// cgroup v2 pids.max for the jailed VMM; needs cgroup v2 at
+    /// /sys/fs/cgroup, else the VMM refuses to start.
+    #[arg(long, value_name = "N", requires = "jail")]
+    jail_pids: Option<u64>,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Self-test of the seccomp filters: installs the filters a thread of
+    /// KIND runs under (a device thread's stacked on a vCPU's, as it
+    /// inherits them), then makes one syscall. A forbidden one kills the
+    /// process with SIGSYS.
+    #[command(hide = true)]
+    SeccompCheck {
+        /// main, vcpu, api or device.
+        #[arg(long)]
+        thread: String,
+        /// One of vmm::seccomp::CHECK_SYSCALLS (getpid, execve, socket-inet, ...).
+        #[arg(long)]
+        syscall: String,
+    },
+}
+
+fn jail_config(cli: &Cli) -> Option<vmm::jail::JailConfig> {
+    let root = cli.jail.clone()?;
+    Some(vmm::jail::JailConfig {
+        root,
+        // clap makes --jail require both ids.
+        uid: cli.jail_uid.unwrap_or(0),
+        gid: cli.jail_gid.unwrap_or(0),
+        memory_max: cli.jail_memory.map(|s| s.0),
+        pids_max: cli.jail_pids,
+    })
+}
+
+fn seccomp_check(thread: &str, syscall: &str) -> anyhow::Result<i32> {
+    let kind: ThreadKind = thread.parse()?;
+    vmm::seccomp::init(true)?;
+    // The VMM starts its first thread before any filter (glibc sets up a
+    // signal handler then): do the same here.
+    std::thread::spawn(|| ()).join().map_err(|_| anyhow::anyhow!("a warm-up thread panicked"))?;
+    if kind == ThreadKind::Device {
+        vmm::seccomp::confine(ThreadKind::Vcpu)?;
+    }
+    vmm::seccomp::confine(kind)?;
+    let rc = vmm::seccomp::make_syscall(syscall).map_err(anyhow::Error::msg)?;
+    println!("{syscall} returned {rc}");
+    Ok(0)
 }
 
 fn build_config(cli: Cli) -> anyhow::Result<VmConfig> {
@@ -105,14 +180,50 @@ fn main() {
 }
 
 fn run() -> anyhow::Result<i32> {
-    let cfg = build_config(Cli::parse())?;
+    let cli = Cli::parse();
+    let jail = jail_config(&cli);
+    if let Some(Cmd::SeccompCheck { thread, syscall }) = &cli.cmd {
+        // With --jail, the check runs as the jail's PID 1, as a jailed VMM does.
+        if let Some(j) = &jail {
+            if let Some(supervisor) = vmm::jail::enter(j, None)? {
+                vmm::jail::exit_like(supervisor.wait());
+            }
+        }
+        return seccomp_check(thread, syscall);
+    }
+    let seccomp = !cli.no_seccomp;
+    let mut cfg = build_config(cli)?;
     let api = cfg.api_socket.clone();
+    let mut listener = None;
+    if let Some(j) = &jail {
+        cfg.validate()?;
+        vmm::jail::absolute_paths(&mut cfg)?;
+        // Bound here, on the host; the jailed VMM gets the descriptor.
+        if let Some(p) = &api {
+            listener = Some(vmm::api::bind(p)?);
+        }
+        if let Some(supervisor) = vmm::jail::enter(j, Some(&cfg))? {
+            drop(listener);
+            let end = supervisor.wait();
+            if let Some(p) = &api {
+                let _ = std::fs::remove_file(p);
+            }
+            vmm::jail::exit_like(end);
+        }
+    }
+    vmm::seccomp::init(seccomp)?;
     let vm = Vm::start(cfg)?;
     let first = vm.first_entry.clone();
     let t0 = vm.start;
     if let Some(p) = &api {
-        vmm::api::spawn(p, vmm::api::ApiState { control: vm.control.clone(), info: vm.info.clone(), keyboard: vm.keyboard.clone() })?;
+        let l = match listener.take() {
+            Some(l) => l,
+            None => vmm::api::bind(p)?,
+        };
+        vmm::api::serve(l, vmm::api::ApiState { control: vm.control.clone(), info: vm.info.clone(), keyboard: vm.keyboard.clone() })?;
     }
+    // Everything is started: from here the main thread only waits.
+    vmm::seccomp::confine(ThreadKind::Main)?;
     let reason = vm.wait();
     if let Some(t) = *first.lock().unwrap_or_else(|e| e.into_inner()) {
         tracing::info!(startup_us = (t - t0).as_micros() as u64, "time from start to the first guest entry");

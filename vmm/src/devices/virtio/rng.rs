@@ -110,6 +110,9 @@ impl VirtioDevice for Rng {
                         return tracing::error!("virtio-rng: epoll add: {e}");
                     }
                 }
+                if let Err(e) = crate::seccomp::confine(crate::seccomp::ThreadKind::Device) {
+                    return tracing::error!("virtio-rng: {e}; the device stops serving");
+                }
                 // Buffers posted before the first kick are served too.
                 if serve(&mut q, &mem, &served) {
                     irq.signal_queue(0);

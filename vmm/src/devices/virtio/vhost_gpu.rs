@@ -240,6 +240,9 @@ fn forward(calls: Vec<(usize, EventFd)>, stop: EventFd, watch: UnixStream, irq: 
     if !ok {
         return tracing::error!("vgpu interrupt forwarding: epoll setup failed");
     }
+    if let Err(e) = crate::seccomp::confine(crate::seccomp::ThreadKind::Device) {
+        return tracing::error!("vgpu interrupt forwarding: {e}; interrupts without a vector stop");
+    }
     let mut events = vec![EpollEvent::default(); calls.len() + 2];
     loop {
         let n = match ep.wait(-1, &mut events) {

@@ -1,0 +1,617 @@
+//! `--jail DIR`: confines the VMM as Firecracker's jailer does, but in
+//! process (no exec): optional cgroup v2 limits, then new PID, mount and
+//! network namespaces, a root of its own, and an unprivileged uid and gid
+//! with no groups, no capabilities and `no_new_privs`.
+//!
+//! The process forks after `unshare(CLONE_NEWPID)`: the child is PID 1 of
+//! the new namespace and becomes the VMM; the parent stays outside as a
+//! supervisor that only waits, forwards SIGTERM/SIGINT/SIGHUP as SIGKILL,
+//! cleans up (API socket, cgroup) and exits as the child did.
+//!
+//! The child's root is a fresh tmpfs mounted on DIR inside its private
+//! mount namespace (the host's DIR stays empty), made read-only once it
+//! holds exactly what the VMM opens, each at its host path:
+//! - `/dev/kvm`, a new node owned by the jail's uid, mode 0600;
+//! - the kernel and initramfs, bind-mounted read-only;
+//! - the serial output file, bind-mounted writable (created for the jail's
+//!   uid when missing);
+//! - the vGPU's vhost-user socket, bind-mounted (its owner must let the
+//!   jail's uid connect: `vgpuctl tenant create --vm --owner UID:GID`);
+//! - with `--hugepages`, /sys/kernel/mm/hugepages, and with `--numa-node`,
+//!   the NUMA topology under `$VGPU_SYSFS_ROOT`, both read-only.
+//!
+//! The API socket is bound before the jail and handed over as a listening
+//! descriptor, so no host directory needs to be writable from inside.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use crate::config::{Hugepages, SerialOut, VmConfig};
+
+/// Where a cgroup v2 hierarchy must be mounted for `--jail-memory` and
+/// `--jail-pids`.
+pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+const CGROUP_SUPER_MAGIC: i64 = 0x0027_e0eb;
+
+#[derive(Debug, thiserror::Error)]
+pub enum JailError {
+    #[error("jail: {what}: {err}")]
+    Sys {
+        what: String,
+        #[source]
+        err: io::Error,
+    },
+    #[error("jail: --jail-uid and --jail-gid must not be 0: the jailed VMM runs unprivileged")]
+    RootIds,
+    #[error("jail: {0}")]
+    Invalid(String),
+    #[error("jail: cgroup limits (--jail-memory, --jail-pids) need a writable cgroup v2 hierarchy at {CGROUP_ROOT}, but {0}; no limit was applied and the VMM did not start")]
+    NoCgroup2(String),
+    #[error("jail: capabilities remain after dropping privileges (effective {0:#x}, permitted {1:#x})")]
+    CapsLeft(u64, u64),
+}
+
+fn sys(what: impl Into<String>) -> impl FnOnce(io::Error) -> JailError {
+    let what = what.into();
+    move |err| JailError::Sys { what, err }
+}
+
+fn check(rc: libc::c_int, what: impl Into<String>) -> Result<(), JailError> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(JailError::Sys { what: what.into(), err: io::Error::last_os_error() })
+    }
+}
+
+fn cstr(p: &Path) -> Result<CString, JailError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| JailError::Invalid(format!("path {} contains a NUL byte", p.display())))
+}
+
+/// `--jail DIR --jail-uid UID --jail-gid GID [--jail-memory B] [--jail-pids N]`.
+#[derive(Debug, Clone)]
+pub struct JailConfig {
+    pub root: PathBuf,
+    pub uid: u32,
+    pub gid: u32,
+    /// cgroup v2 `memory.max`, bytes.
+    pub memory_max: Option<u64>,
+    /// cgroup v2 `pids.max`.
+    pub pids_max: Option<u64>,
+}
+
+/// Rewrites the VM description's host paths as absolute paths without
+/// symlinks: the jail shows each file at that path, and the VMM's working
+/// directory inside is `/`.
+pub fn absolute_paths(cfg: &mut VmConfig) -> Result<(), JailError> {
+    let canon = |p: &Path, what: &str| std::fs::canonicalize(p).map_err(sys(format!("{what} {}", p.display())));
+    cfg.kernel = canon(&cfg.kernel, "kernel")?;
+    if let Some(i) = &cfg.initramfs {
+        cfg.initramfs = Some(canon(i, "initramfs")?);
+    }
+    if let Some(v) = &mut cfg.vgpu {
+        v.socket = canon(&v.socket, "vGPU socket")?;
+    }
+    if let SerialOut::File(p) = &cfg.serial {
+        let name = p.file_name().ok_or_else(|| JailError::Invalid(format!("serial output {} names no file", p.display())))?;
+        let parent = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        cfg.serial = SerialOut::File(canon(parent, "serial output directory")?.join(name));
+    }
+    Ok(())
+}
+
+/// What the jail holds besides `/dev/kvm`.
+#[derive(Debug, Default)]
+struct Exposed {
+    read_only: Vec<PathBuf>,
+    writable: Vec<PathBuf>,
+}
+
+/// Whether `uid`/`gid` (no supplementary groups) may access a file with
+/// this metadata for `want` (4 read, 2 write).
+fn allowed(m: &std::fs::Metadata, uid: u32, gid: u32, want: u32) -> bool {
+    let mode = m.mode();
+    let bits = if m.uid() == uid {
+        mode >> 6
+    } else if m.gid() == gid {
+        mode >> 3
+    } else {
+        mode
+    };
+    bits & want == want
+}
+
+fn need_access(p: &Path, what: &str, j: &JailConfig, want: u32) -> Result<(), JailError> {
+    let m = std::fs::metadata(p).map_err(sys(format!("{what} {}", p.display())))?;
+    if !allowed(&m, j.uid, j.gid, want) {
+        let how = if want == 4 { "readable" } else { "writable" };
+        return Err(JailError::Invalid(format!(
+            "{what} {} is not {how} by the jail's uid {} / gid {} (owner {}:{}, mode {:o})",
+            p.display(),
+            j.uid,
+            j.gid,
+            m.uid(),
+            m.gid(),
+            m.mode() & 0o7777
+        )));
+    }
+    Ok(())
+}
+
+impl Exposed {
+    /// Checks on the host that the jail's uid can use every file the VM
+    /// description names, and creates the serial file for it if missing.
+    fn for_config(cfg: &VmConfig, j: &JailConfig) -> Result<Exposed, JailError> {
+        let mut e = Exposed::default();
+        need_access(&cfg.kernel, "kernel", j, 4)?;
+        e.read_only.push(cfg.kernel.clone());
+        if let Some(i) = &cfg.initramfs {
+            need_access(i, "initramfs", j, 4)?;
+            e.read_only.push(i.clone());
+        }
+        if let SerialOut::File(p) = &cfg.serial {
+            match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(p) {
+                Ok(f) => std::os::unix::fs::fchown(&f, Some(j.uid), Some(j.gid)).map_err(sys(format!("giving {} to the jail's uid", p.display())))?,
+                Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(err) => return Err(JailError::Sys { what: format!("creating serial output {}", p.display()), err }),
+            }
+            let m = std::fs::metadata(p).map_err(sys(format!("serial output {}", p.display())))?;
+            if !m.is_file() {
+                return Err(JailError::Invalid(format!("serial output {} is not a regular file", p.display())));
+            }
+            need_access(p, "serial output", j, 2)?;
+            e.writable.push(p.clone());
+        }
+        if let Some(v) = &cfg.vgpu {
+            // connect(2) on a unix socket needs write permission on it.
+            need_access(&v.socket, "vGPU socket", j, 2)?;
+            e.writable.push(v.socket.clone());
+        }
+        if cfg.hugepages != Hugepages::None {
+            e.read_only.push(PathBuf::from("/sys/kernel/mm/hugepages"));
+        }
+        if cfg.numa_node.is_some() {
+            let root = crate::numa::sysfs_root();
+            let root = std::fs::canonicalize(&root).map_err(sys(format!("sysfs root {}", root.display())))?;
+            e.read_only.push(root.join("devices/system/node"));
+            e.read_only.push(root.join("devices/system/cpu/online"));
+        }
+        Ok(e)
+    }
+}
+
+/// A cgroup v2 group for one jailed VMM: `/sys/fs/cgroup/vgpu-vmm/vm-PID`.
+#[derive(Debug)]
+struct Cgroup {
+    dir: PathBuf,
+}
+
+fn write_file(p: &Path, v: &str) -> Result<(), JailError> {
+    std::fs::write(p, v).map_err(sys(format!("writing {v:?} to {}", p.display())))
+}
+
+/// The cgroup v2 controllers the limits asked for need.
+fn controllers(memory_max: Option<u64>, pids_max: Option<u64>) -> Vec<&'static str> {
+    let mut c = Vec::new();
+    if memory_max.is_some() {
+        c.push("memory");
+    }
+    if pids_max.is_some() {
+        c.push("pids");
+    }
+    c
+}
+
+impl Cgroup {
+    /// Checks that cgroup v2 is mounted at [`CGROUP_ROOT`] and offers the
+    /// controllers the limits need.
+    fn check(memory_max: Option<u64>, pids_max: Option<u64>) -> Result<(), JailError> {
+        let root = Path::new(CGROUP_ROOT);
+        let c = cstr(root)?;
+        // SAFETY: a zeroed statfs is valid; statfs writes into it.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: c is a NUL-terminated path and st a valid out-pointer.
+        if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+            return Err(JailError::NoCgroup2(format!("{CGROUP_ROOT} cannot be read ({})", io::Error::last_os_error())));
+        }
+        let kind = st.f_type as i64;
+        if kind != CGROUP2_SUPER_MAGIC {
+            let found = match kind {
+                TMPFS_MAGIC => "a tmpfs (a cgroup v1 or hybrid layout)".to_string(),
+                CGROUP_SUPER_MAGIC => "a cgroup v1 hierarchy".to_string(),
+                other => format!("a filesystem of type {other:#x}"),
+            };
+            return Err(JailError::NoCgroup2(format!("{CGROUP_ROOT} is {found}")));
+        }
+        let have = std::fs::read_to_string(root.join("cgroup.controllers")).map_err(|e| JailError::NoCgroup2(format!("its cgroup.controllers cannot be read ({e})")))?;
+        let wanted = controllers(memory_max, pids_max);
+        for w in &wanted {
+            if !have.split_whitespace().any(|c| c == *w) {
+                return Err(JailError::NoCgroup2(format!("its root offers no {w} controller (it has: {})", have.trim())));
+            }
+        }
+        Ok(())
+    }
+
+    fn create(memory_max: Option<u64>, pids_max: Option<u64>) -> Result<Cgroup, JailError> {
+        Cgroup::check(memory_max, pids_max)?;
+        let root = Path::new(CGROUP_ROOT);
+        let wanted = controllers(memory_max, pids_max);
+        let enable: String = wanted.iter().map(|w| format!("+{w} ")).collect();
+        let enable = enable.trim_end();
+        // The parent holds no process, so its children may use controllers.
+        let base = root.join("vgpu-vmm");
+        match std::fs::create_dir(&base) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(JailError::NoCgroup2(format!("{} cannot be created ({e})", base.display()))),
+        }
+        write_file(&root.join("cgroup.subtree_control"), enable)?;
+        write_file(&base.join("cgroup.subtree_control"), enable)?;
+        // SAFETY: getpid has no preconditions.
+        let dir = base.join(format!("vm-{}", unsafe { libc::getpid() }));
+        std::fs::create_dir(&dir).map_err(sys(format!("creating {}", dir.display())))?;
+        let cg = Cgroup { dir };
+        let limits = || -> Result<(), JailError> {
+            if let Some(m) = memory_max {
+                write_file(&cg.dir.join("memory.max"), &m.to_string())?;
+            }
+            if let Some(p) = pids_max {
+                write_file(&cg.dir.join("pids.max"), &p.to_string())?;
+            }
+            Ok(())
+        };
+        if let Err(e) = limits() {
+            cg.remove();
+            return Err(e);
+        }
+        Ok(cg)
+    }
+
+    fn add(&self, pid: libc::pid_t) -> Result<(), JailError> {
+        write_file(&self.dir.join("cgroup.procs"), &pid.to_string())
+    }
+
+    /// Removes the group once its process is gone (the kernel empties it
+    /// shortly after the process is reaped).
+    fn remove(&self) {
+        for _ in 0..100 {
+            match std::fs::remove_dir(&self.dir) {
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => std::thread::sleep(std::time::Duration::from_millis(10)),
+                _ => return,
+            }
+        }
+        tracing::warn!(cgroup = %self.dir.display(), "the jail's cgroup is still busy; left in place");
+    }
+}
+
+/// The parent side of a jail: waits for the jailed VMM.
+#[derive(Debug)]
+pub struct Supervisor {
+    child: libc::pid_t,
+    /// The write end of the start pipe, held open so the child can tell
+    /// that its supervisor still lives.
+    _alive: std::os::fd::OwnedFd,
+    cgroup: Option<Cgroup>,
+}
+
+/// How the jailed VMM ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChildEnd {
+    Exited(i32),
+    Signaled(i32),
+}
+
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn forward_kill(_sig: libc::c_int) {
+    let pid = CHILD.load(Ordering::Relaxed);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe; pid is our jailed child, which
+        // as a namespace init takes only SIGKILL from here.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
+impl Supervisor {
+    /// The jailed VMM's PID, as the host sees it.
+    pub fn child_pid(&self) -> i32 {
+        self.child
+    }
+
+    /// Waits for the jailed VMM to end; SIGTERM, SIGINT and SIGHUP to the
+    /// supervisor end it with SIGKILL.
+    pub fn wait(self) -> ChildEnd {
+        CHILD.store(self.child, Ordering::Relaxed);
+        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            // SAFETY: the handler only calls kill, which is async-signal-safe.
+            unsafe { libc::signal(sig, forward_kill as *const () as libc::sighandler_t) };
+        }
+        let mut status = 0;
+        let end = loop {
+            // SAFETY: waits for our own child; status is a valid out-pointer.
+            let r = unsafe { libc::waitpid(self.child, &mut status, 0) };
+            if r == self.child {
+                if libc::WIFEXITED(status) {
+                    break ChildEnd::Exited(libc::WEXITSTATUS(status));
+                }
+                if libc::WIFSIGNALED(status) {
+                    break ChildEnd::Signaled(libc::WTERMSIG(status));
+                }
+            } else if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                break ChildEnd::Exited(1);
+            }
+        };
+        if let Some(cg) = &self.cgroup {
+            cg.remove();
+        }
+        end
+    }
+}
+
+/// Ends the supervisor the way its jailed VMM ended: the same exit status,
+/// or death by the same signal.
+pub fn exit_like(end: ChildEnd) -> ! {
+    match end {
+        ChildEnd::Exited(code) => std::process::exit(code),
+        ChildEnd::Signaled(sig) => {
+            // SAFETY: restores the default action and raises the signal on
+            // this (single-threaded, unjailed) process.
+            unsafe {
+                libc::signal(sig, libc::SIG_DFL);
+                libc::raise(sig);
+            }
+            std::process::exit(128 + sig)
+        }
+    }
+}
+
+/// Enters the jail, exposing what `cfg` needs (nothing but /dev/kvm
+/// without one). Must be called while the process has one thread.
+/// Returns `Some(Supervisor)` in the parent, which must only wait, and
+/// `None` in the child, which continues as the jailed VMM.
+pub fn enter(j: &JailConfig, cfg: Option<&VmConfig>) -> Result<Option<Supervisor>, JailError> {
+    if j.uid == 0 || j.gid == 0 {
+        return Err(JailError::RootIds);
+    }
+    if !j.root.is_absolute() {
+        return Err(JailError::Invalid(format!("--jail {} must be an absolute path", j.root.display())));
+    }
+    let limited = j.memory_max.is_some() || j.pids_max.is_some();
+    if limited {
+        Cgroup::check(j.memory_max, j.pids_max)?;
+    }
+    let exposed = match cfg {
+        Some(cfg) => Exposed::for_config(cfg, j)?,
+        None => Exposed::default(),
+    };
+    let kvm_rdev = std::fs::metadata("/dev/kvm").map_err(sys("/dev/kvm"))?.rdev();
+    std::fs::create_dir_all(&j.root).map_err(sys(format!("creating {}", j.root.display())))?;
+    let cgroup = if limited { Some(Cgroup::create(j.memory_max, j.pids_max)?) } else { None };
+    let cleanup = |cg: &Option<Cgroup>| {
+        if let Some(cg) = cg {
+            cg.remove();
+        }
+    };
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid out-array of two ints.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        cleanup(&cgroup);
+        return Err(JailError::Sys { what: "pipe2".into(), err: io::Error::last_os_error() });
+    }
+    // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
+    let (rd, wr) = unsafe { (<std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[0]), <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[1])) };
+    // SAFETY: unshare affects only this process's future children.
+    if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
+        cleanup(&cgroup);
+        let err = io::Error::last_os_error();
+        return Err(JailError::Sys { what: "unshare(CLONE_NEWPID) (the jail needs root)".into(), err });
+    }
+    // SAFETY: the caller guarantees a single-threaded process, so the child
+    // may go on running Rust code.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        cleanup(&cgroup);
+        return Err(JailError::Sys { what: "fork".into(), err: io::Error::last_os_error() });
+    }
+    if pid > 0 {
+        drop(rd);
+        if let Some(cg) = &cgroup {
+            if let Err(e) = cg.add(pid) {
+                // SAFETY: kills and reaps our own child, which waits for us.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, std::ptr::null_mut(), 0);
+                }
+                cleanup(&cgroup);
+                return Err(e);
+            }
+        }
+        // SAFETY: writes one byte from a valid buffer to our pipe.
+        unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(&wr), [1u8].as_ptr().cast(), 1) };
+        return Ok(Some(Supervisor { child: pid, _alive: wr, cgroup }));
+    }
+    drop(wr);
+    // The child: PID 1 of its namespace.
+    // SAFETY: prctl with integer arguments.
+    check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) }, "PR_SET_PDEATHSIG")?;
+    let mut go = [0u8; 1];
+    // SAFETY: reads one byte into a valid buffer from our pipe.
+    if unsafe { libc::read(std::os::fd::AsRawFd::as_raw_fd(&rd), go.as_mut_ptr().cast(), 1) } != 1 {
+        return Err(JailError::Invalid("the jail's supervisor went away before the VMM started".into()));
+    }
+    build_root(j, &exposed, kvm_rdev)?;
+    drop_privileges(j)?;
+    // Dropping the uid cleared the parent-death signal: set it again, then
+    // make sure the supervisor did not die in between.
+    // SAFETY: prctl with integer arguments.
+    check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) }, "PR_SET_PDEATHSIG")?;
+    let mut p = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&rd), events: libc::POLLIN, revents: 0 };
+    // SAFETY: polls one valid pollfd without waiting.
+    if unsafe { libc::poll(&mut p, 1, 0) } > 0 && p.revents & libc::POLLHUP != 0 {
+        return Err(JailError::Invalid("the jail's supervisor went away".into()));
+    }
+    Ok(None)
+}
+
+fn mount(src: Option<&Path>, target: &Path, fstype: Option<&str>, flags: libc::c_ulong, data: Option<&str>) -> Result<(), JailError> {
+    let s = src.map(cstr).transpose()?;
+    let t = cstr(target)?;
+    let f = fstype.map(|f| CString::new(f).unwrap_or_default());
+    let d = data.map(|d| CString::new(d).unwrap_or_default());
+    let ptr = |c: &Option<CString>| c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+    // SAFETY: every pointer is null or a NUL-terminated string that
+    // outlives the call.
+    let rc = unsafe { libc::mount(ptr(&s), t.as_ptr(), ptr(&f), flags, ptr(&d).cast()) };
+    check(rc, format!("mounting {} on {}", src.map_or("-".into(), |s| s.display().to_string()), target.display()))
+}
+
+/// Bind-mounts `src` at the same path under `root`, read-only or not.
+fn bind_at_same_path(root: &Path, src: &Path, writable: bool) -> Result<(), JailError> {
+    let rel = src.strip_prefix("/").map_err(|_| JailError::Invalid(format!("{} is not an absolute path", src.display())))?;
+    let target = root.join(rel);
+    let is_dir = std::fs::metadata(src).map_err(sys(src.display().to_string()))?.is_dir();
+    let parent = target.parent().unwrap_or(root);
+    std::fs::create_dir_all(parent).map_err(sys(format!("creating {}", parent.display())))?;
+    if is_dir {
+        std::fs::create_dir_all(&target).map_err(sys(format!("creating {}", target.display())))?;
+    } else if !target.exists() {
+        std::fs::File::create(&target).map_err(sys(format!("creating {}", target.display())))?;
+    }
+    mount(Some(src), &target, None, libc::MS_BIND, None)?;
+    let mut flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    if !writable {
+        flags |= libc::MS_RDONLY;
+    }
+    mount(None, &target, None, flags, None)
+}
+
+/// In new mount and network namespaces: a tmpfs root on `j.root` holding
+/// `/dev/kvm` and the exposed files, entered with pivot_root and made
+/// read-only.
+fn build_root(j: &JailConfig, e: &Exposed, kvm_rdev: u64) -> Result<(), JailError> {
+    // SAFETY: unshare affects only this process.
+    check(unsafe { libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWNET) }, "unshare(CLONE_NEWNS | CLONE_NEWNET)")?;
+    // Nothing mounted from here on propagates back to the host.
+    mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None)?;
+    let root = &j.root;
+    mount(Some(Path::new("vgpu-jail")), root, Some("tmpfs"), libc::MS_NOSUID | libc::MS_NOEXEC, Some("mode=0755,size=1m,nr_inodes=4096"))?;
+    let dev = root.join("dev");
+    std::fs::create_dir_all(&dev).map_err(sys("creating the jail's /dev"))?;
+    let kvm = cstr(&dev.join("kvm"))?;
+    // SAFETY: kvm is a NUL-terminated path in the jail's own tmpfs.
+    check(unsafe { libc::mknod(kvm.as_ptr(), libc::S_IFCHR | 0o600, kvm_rdev) }, "creating the jail's /dev/kvm")?;
+    // SAFETY: as above; plain ownership change of the new node.
+    check(unsafe { libc::chown(kvm.as_ptr(), j.uid, j.gid) }, "giving /dev/kvm to the jail's uid")?;
+    for p in &e.read_only {
+        bind_at_same_path(root, p, false)?;
+    }
+    for p in &e.writable {
+        bind_at_same_path(root, p, true)?;
+    }
+    std::env::set_current_dir(root).map_err(sys(format!("entering {}", root.display())))?;
+    // SAFETY: pivot_root with two NUL-terminated paths (".", ".").
+    let pivoted = unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) } == 0;
+    if pivoted {
+        // The old root now sits on top of the new one: detach it.
+        // SAFETY: unmounts "." lazily; a NUL-terminated path.
+        check(unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) }, "detaching the old root")?;
+    } else {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINVAL) {
+            return Err(JailError::Sys { what: "pivot_root".into(), err });
+        }
+        // An initramfs root cannot be pivoted away from: move the jail
+        // over "/" and chroot into it, as switch_root does.
+        mount(Some(Path::new(".")), Path::new("/"), None, libc::MS_MOVE, None)?;
+        // SAFETY: chroot to the current directory, a NUL-terminated path.
+        check(unsafe { libc::chroot(c".".as_ptr()) }, "chroot")?;
+    }
+    std::env::set_current_dir("/").map_err(sys("entering /"))?;
+    mount(None, Path::new("/"), None, libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NOEXEC, None)
+}
+
+/// Drops every capability (bounding set included), the groups, and root.
+fn drop_privileges(j: &JailConfig) -> Result<(), JailError> {
+    for cap in 0..64 {
+        // SAFETY: prctl with integer arguments; EINVAL past the last
+        // capability is expected and ignored.
+        unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+    }
+    // SAFETY: an empty group list.
+    check(unsafe { libc::setgroups(0, std::ptr::null()) }, "setgroups")?;
+    // SAFETY: plain id changes of this process.
+    check(unsafe { libc::setresgid(j.gid, j.gid, j.gid) }, "setresgid")?;
+    // SAFETY: as above; leaving uid 0 clears the permitted, effective and
+    // ambient capability sets.
+    check(unsafe { libc::setresuid(j.uid, j.uid, j.uid) }, "setresuid")?;
+    // SAFETY: prctl with integer arguments.
+    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }, "PR_SET_NO_NEW_PRIVS")?;
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut h = Header { version: 0x2008_0522, pid: 0 };
+    let mut d = [Data::default(); 2];
+    // SAFETY: capget with a version-3 header and room for its two data
+    // structs.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()) } != 0 {
+        return Err(JailError::Sys { what: "capget".into(), err: io::Error::last_os_error() });
+    }
+    let eff = d[0].effective as u64 | (d[1].effective as u64) << 32;
+    let prm = d[0].permitted as u64 | (d[1].permitted as u64) << 32;
+    if eff != 0 || prm != 0 {
+        return Err(JailError::CapsLeft(eff, prm));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_follows_owner_group_and_other_bits() {
+        let dir = std::env::temp_dir().join(format!("vgpu-jail-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("f");
+        std::fs::write(&f, b"x").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let m = std::fs::metadata(&f).unwrap();
+        assert!(allowed(&m, m.uid(), 12345, 6));
+        assert!(allowed(&m, 54321, m.gid(), 4));
+        assert!(!allowed(&m, 54321, m.gid(), 2));
+        assert!(!allowed(&m, 54321, 12345, 4));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn paths_become_absolute() {
+        let mut cfg = VmConfig::new(PathBuf::from("."));
+        cfg.serial = SerialOut::File(PathBuf::from("serial.log"));
+        absolute_paths(&mut cfg).unwrap();
+        assert!(cfg.kernel.is_absolute());
+        match &cfg.serial {
+            SerialOut::File(p) => assert!(p.is_absolute() && p.ends_with("serial.log")),
+            other => panic!("{other:?}"),
+        }
+    }
+}
