@@ -27,16 +27,27 @@ fn fds_attached_to_messages_are_closed_not_leaked() {
         send_with_fds(&r.s, &Request::Ping.encode(seq), &[fd, fd]).expect("send");
         assert!(matches!(r.read_reply(), Some((_, Reply::Empty))));
     }
-    // A shared buffer must come alone.
+    // A shared buffer must come alone, and be a sealed memfd.
     let reg = Request::RegisterShm(RegisterShmReq { size: 4096 }).encode(2000);
     send_with_fds(&r.s, &reg, &[fd, fd]).expect("send");
     match r.read_reply() {
         Some((_, Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, msg))) => assert!(msg.contains("exactly one"), "{msg}"),
         other => panic!("{other:?}"),
     }
+    let reg = Request::RegisterShm(RegisterShmReq { size: 4096 }).encode(2001);
+    send_with_fds(&r.s, &reg, &[fd]).expect("send");
+    match r.read_reply() {
+        Some((_, Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, msg))) => assert!(msg.contains("sealed"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    // Up to 253 fds on one message: all taken and closed by the worker,
+    // none left to the kernel to close on the poller.
+    let many: Vec<i32> = vec![fd; 200];
+    send_with_fds(&r.s, &Request::Ping.encode(2002), &many).expect("send");
+    assert!(r.read_reply().is_none(), "more than 8 fds on one message drop the connection");
+    std::thread::sleep(Duration::from_millis(300));
     let after = proc_stats(pid).fds;
     assert!(after <= before + 2, "worker fds grew from {before} to {after}");
-    drop(r);
 }
 
 #[test]
@@ -247,21 +258,27 @@ fn connections_cost_no_threads_and_a_stalled_reader_does_not_block_others() {
     // A fixed pool serves them all: one thread per connection used to
     // make 150 threads here.
     assert!(proc_stats(pid).threads <= base + 1, "{} threads for 150 connections (base {base})", proc_stats(pid).threads);
-    // Clients that ask for 4 MiB replies and never read them tie up at
-    // most one executor (5 s each); the other tenant is answered at once.
-    let mut r = Raw::connect(&sock);
-    let ctx = r.ctx();
-    let Reply::Ptr(p) = r.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4 << 20 })) else { panic!("alloc") };
-    let stalled: Vec<Raw> = (0..6)
-        .map(|_| {
+    // Clients of more tenants than there are executors (4) ask for 4 MiB
+    // replies and never read them: no executor waits on them (the poller
+    // writes replies as sockets drain), so the other tenant is answered
+    // at once.
+    let mut stalled = Vec::new();
+    for k in 0..6 {
+        let v = m.tenant_with(json!({ "name": format!("stall{k}"), "memory": "8MiB" }));
+        let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
+        let mut r = Raw::connect(&sock);
+        let ctx = r.ctx();
+        let Reply::Ptr(p) = r.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4 << 20 })) else { panic!("alloc") };
+        for _ in 0..3 {
             let mut s = Raw::connect(&sock);
             let c = s.ctx();
             let req = MemcpyDtoHReq { ctx: c, stream: 0, src: p, size: 4 << 20, loc: DataLoc::Inline as u32, blob: 0, shm_offset: 0 };
             s.seq_bump();
             s.send_bytes(&Request::MemcpyDtoH(req).encode(50)).expect("send");
-            s
-        })
-        .collect();
+            stalled.push(s);
+        }
+        stalled.push(r);
+    }
     std::thread::sleep(Duration::from_millis(300));
     for _ in 0..5 {
         let t = Instant::now();

@@ -27,10 +27,16 @@ use super::shm::Shm;
 /// and header buffer.
 pub const CONN_HOST_BYTES: u64 = 16 << 10;
 /// How long a reply may wait for its client to read it before the
-/// connection is dropped (the executor moves on).
+/// connection is dropped (the poller writes it; no executor waits).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Most fds one receive takes; more are closed by the kernel (MSG_CTRUNC).
+/// Most fds one message may carry; more drop the connection.
 const MAX_FDS: usize = 8;
+/// Most fds a tenant may have waiting for the closer thread.
+const MAX_JUNK_FDS: u32 = 64;
+/// Most `recvmsg` calls (and accepts) the poller makes for one event
+/// before it serves the others.
+const READS_PER_EVENT: usize = 64;
+const ACCEPTS_PER_EVENT: usize = 16;
 
 /// Warnings about one tenant's misbehaviour, at most `burst` per window;
 /// the rest are counted and reported with the next one let through.
@@ -76,14 +82,19 @@ macro_rules! tenant_warn {
 }
 
 
+/// Most fds the kernel passes with one message (SCM_MAX_FD). The control
+/// buffer holds that many, so the kernel never closes surplus ones itself
+/// (which would run their close, possibly slow, on the poller).
+const SCM_MAX_FD: usize = 253;
+
 /// One `recvmsg`: bytes into `buf`, every attached fd into `fds` (owned,
 /// close-on-exec). Returns the byte count.
 fn recv_owning_fds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
     // u64 storage keeps the control buffer aligned for cmsghdr.
-    const SPACE: usize = 128;
+    const SPACE: usize = 1040;
     let mut cbuf = [0u64; SPACE / 8];
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let need = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<i32>()) as u32) } as usize;
+    let need = unsafe { libc::CMSG_SPACE((SCM_MAX_FD * size_of::<i32>()) as u32) } as usize;
     debug_assert!(need <= SPACE);
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // SAFETY: an all-zero msghdr is a valid empty header.
@@ -151,7 +162,7 @@ enum RxStep {
 
 impl Rx {
     fn step(&mut self, s: &UnixStream, t: &Arc<Tenant>, log: &LogLimiter) -> RxStep {
-        loop {
+        for _ in 0..READS_PER_EVENT {
             let (buf, filled) = match &mut self.msg {
                 None => (&mut self.hdr[self.got..], false),
                 Some((_, m, _)) => {
@@ -204,6 +215,8 @@ impl Rx {
                 self.msg = Some((h, m, Held(t.clone(), held)));
             }
         }
+        // A trickle of bytes gets the poller in turns, not to itself.
+        RxStep::Pending
     }
 }
 
@@ -223,6 +236,17 @@ struct ClientIo {
     /// The registered shared buffer's charge.
     shm_held: u64,
     closed: bool,
+    /// A reply the client has not taken yet: the poller writes the rest as
+    /// the socket drains (the executor moved on).
+    tx: Option<Tx>,
+}
+
+struct Tx {
+    bytes: Vec<u8>,
+    at: usize,
+    /// Whether the connection stays open once it is written.
+    keep: bool,
+    _held: Option<Held>,
 }
 
 enum Job {
@@ -253,6 +277,8 @@ struct State {
     next: u64,
     listeners: HashMap<u64, ListenerEntry>,
     clients: HashMap<u64, Arc<Client>>,
+    /// Clients with a reply pending, and when they must have taken it.
+    tx_deadlines: HashMap<u64, Instant>,
     queues: HashMap<String, TenantQueue>,
     /// Tenants with jobs and no executor, oldest first.
     ready: VecDeque<String>,
@@ -268,6 +294,9 @@ pub struct Pool {
     svc: Arc<DeviceService>,
     st: Mutex<State>,
     work: Condvar,
+    /// Descriptors tenants sent and the worker does not keep, closed on a
+    /// thread of their own: closing one can block (FUSE, lingering sockets).
+    closer: Mutex<std::sync::mpsc::Sender<(Arc<Tenant>, OwnedFd)>>,
 }
 
 fn epoll_ctl(epfd: &OwnedFd, op: i32, fd: i32, events: u32, token: u64) -> std::io::Result<()> {
@@ -280,6 +309,16 @@ fn epoll_ctl(epfd: &OwnedFd, op: i32, fd: i32, events: u32, token: u64) -> std::
 }
 
 const ONESHOT_IN: u32 = (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLONESHOT) as u32;
+const ONESHOT_OUT: u32 = (libc::EPOLLOUT | libc::EPOLLONESHOT) as u32;
+
+/// Calls `Pool::done` for a job's tenant however the job ends.
+struct Done<'a>(&'a Pool, &'a str);
+
+impl Drop for Done<'_> {
+    fn drop(&mut self) {
+        self.0.done(self.1);
+    }
+}
 
 impl Pool {
     /// Starts the poller and `threads` executors. With `seccomp`, the
@@ -293,15 +332,23 @@ impl Pool {
         }
         // SAFETY: a fresh descriptor nothing else owns.
         let epfd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let pool = Arc::new(Pool { epfd, svc, st: Mutex::new(State::default()), work: Condvar::new() });
+        let (tx, rx) = std::sync::mpsc::channel::<(Arc<Tenant>, OwnedFd)>();
+        let pool = Arc::new(Pool { epfd, svc, st: Mutex::new(State::default()), work: Condvar::new(), closer: Mutex::new(tx) });
+        std::thread::Builder::new().name("tenant-fd-closer".into()).spawn(move || {
+            for (t, fd) in rx {
+                drop(fd);
+                t.junk_fds.fetch_sub(1, Ordering::AcqRel);
+            }
+        })?;
         let p = pool.clone();
         std::thread::Builder::new().name("tenant-poll".into()).spawn(move || p.poll_loop())?;
         for i in 0..threads.max(1) {
             let p = pool.clone();
             std::thread::Builder::new().name(format!("tenant-exec-{i}")).spawn(move || {
                 if seccomp && super::seccomp::confine_connection_thread().is_err() {
-                    tracing::error!("an executor could not narrow its seccomp filter; it serves nothing");
-                    return;
+                    // Serving tenant bytes unconfined is not an option.
+                    tracing::error!("an executor could not narrow its seccomp filter; the worker exits");
+                    std::process::exit(70);
                 }
                 p.exec_loop()
             })?;
@@ -311,6 +358,22 @@ impl Pool {
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hands descriptors the worker does not keep to the closer thread.
+    fn dispose(&self, t: &Arc<Tenant>, fds: Vec<OwnedFd>) {
+        if fds.is_empty() {
+            return;
+        }
+        let tx = self.closer.lock().unwrap_or_else(|e| e.into_inner());
+        for fd in fds {
+            t.junk_fds.fetch_add(1, Ordering::AcqRel);
+            if let Err(std::sync::mpsc::SendError((t, fd))) = tx.send((t.clone(), fd)) {
+                // No closer thread (it cannot end): close here.
+                drop(fd);
+                t.junk_fds.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
     }
 
     /// Serves `sock` for `tenant`; returns the handle to stop it with.
@@ -343,7 +406,11 @@ impl Pool {
         loop {
             // Wake for the earliest listener back-off to end.
             let now = Instant::now();
-            let timeout = self.state().listeners.values().filter_map(|l| l.backoff.map(|b| b.0.saturating_duration_since(now))).min();
+            let timeout = {
+                let st = self.state();
+                let backoffs = st.listeners.values().filter_map(|l| l.backoff.map(|b| b.0.saturating_duration_since(now)));
+                backoffs.chain(st.tx_deadlines.values().map(|d| d.saturating_duration_since(now))).min()
+            };
             let ms = timeout.map(|d| d.as_millis().min(1000) as i32 + 1).unwrap_or(-1);
             // SAFETY: evs is a valid buffer of 64 events for the call.
             let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), evs.as_mut_ptr(), evs.len() as i32, ms) };
@@ -356,6 +423,7 @@ impl Pool {
                 continue;
             }
             self.rearm_backed_off();
+            self.expire_replies();
             for ev in &evs[..n as usize] {
                 let token = ev.u64;
                 if token & LISTENER != 0 {
@@ -364,6 +432,23 @@ impl Pool {
                     self.read_client(token);
                 }
             }
+        }
+    }
+
+    /// Drops clients that did not take their reply in time.
+    fn expire_replies(&self) {
+        let now = Instant::now();
+        let late: Vec<(u64, Arc<Client>)> = {
+            let mut st = self.state();
+            let ids: Vec<u64> = st.tx_deadlines.iter().filter(|(_, d)| **d <= now).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| {
+                st.tx_deadlines.remove(&id);
+                st.clients.get(&id).cloned().map(|c| (id, c))
+            }).collect()
+        };
+        for (id, c) in late {
+            tenant_warn!(c.log, c.tenant.name, "dropping a client that does not take its replies");
+            self.enqueue(&c.tenant.name, Job::Close(id));
         }
     }
 
@@ -383,7 +468,7 @@ impl Pool {
 
     fn accept_all(&self, id: u64) {
         let Some((sock, tenant, log, max)) = self.state().listeners.get(&id).map(|l| (l.sock.clone(), l.tenant.clone(), l.log.clone(), l.max_connections)) else { return };
-        loop {
+        for _ in 0..ACCEPTS_PER_EVENT {
             match sock.accept() {
                 Ok((s, _)) => {
                     if let Some(l) = self.state().listeners.get_mut(&id) {
@@ -396,10 +481,13 @@ impl Pool {
                 Err(e) => {
                     // EMFILE and friends: the pending client stays queued;
                     // try again later, not in a loop.
-                    let mut st = self.state();
-                    let Some(l) = st.listeners.get_mut(&id) else { return };
-                    let wait = l.backoff.map(|b| (b.1 * 2).min(Duration::from_secs(1))).unwrap_or(Duration::from_millis(5));
-                    l.backoff = Some((Instant::now() + wait, wait));
+                    let wait = {
+                        let mut st = self.state();
+                        let Some(l) = st.listeners.get_mut(&id) else { return };
+                        let wait = l.backoff.map(|b| (b.1 * 2).min(Duration::from_secs(1))).unwrap_or(Duration::from_millis(5));
+                        l.backoff = Some((Instant::now() + wait, wait));
+                        wait
+                    };
                     tenant_warn!(log, tenant.name, "accepting a client failed, backing off {wait:?}: {e}");
                     return;
                 }
@@ -416,6 +504,10 @@ impl Pool {
             let _ = (&s).write_all(&Reply::error(code, why).encode(Opcode::Ping, 0));
             let _ = s.shutdown(std::net::Shutdown::Both);
         };
+        if t.junk_fds.load(Ordering::Acquire) > MAX_JUNK_FDS {
+            tenant_warn!(log, t.name, "refusing a client: too many of the tenant's descriptors wait to be closed");
+            return refuse(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many of this tenant's descriptors wait to be closed".into());
+        }
         let live = t.connections.fetch_add(1, Ordering::AcqRel);
         if live >= max {
             t.connections.fetch_sub(1, Ordering::AcqRel);
@@ -452,20 +544,45 @@ impl Pool {
         }
     }
 
+    /// Re-arms a client for `events`; one that cannot be watched is closed.
+    fn arm(&self, c: &Client, id: u64, events: u32) {
+        if let Err(e) = epoll_ctl(&self.epfd, libc::EPOLL_CTL_MOD, c.sock.as_raw_fd(), events, id) {
+            tenant_warn!(c.log, c.tenant.name, "cannot watch a client any more ({e}); dropping it");
+            self.enqueue(&c.tenant.name, Job::Close(id));
+        }
+    }
+
     fn read_client(&self, id: u64) {
         let Some(c) = self.state().clients.get(&id).cloned() else { return };
-        let step = {
-            let mut io = c.io.lock().unwrap_or_else(|e| e.into_inner());
-            if io.closed {
-                return;
-            }
-            io.rx.step(&c.sock, &c.tenant, &c.log)
-        };
+        let mut io = c.io.lock().unwrap_or_else(|e| e.into_inner());
+        if io.closed {
+            return;
+        }
+        if io.tx.is_some() {
+            // The socket drained: write more of the pending reply.
+            return match write_some(&c.sock, &mut io.tx) {
+                Ok(true) => self.arm(&c, id, ONESHOT_OUT),
+                Ok(false) => {
+                    let keep = io.tx.take().is_some_and(|t| t.keep);
+                    drop(io);
+                    self.state().tx_deadlines.remove(&id);
+                    if keep { self.arm(&c, id, ONESHOT_IN) } else { self.enqueue(&c.tenant.name, Job::Close(id)) }
+                }
+                Err(_) => {
+                    drop(io);
+                    self.enqueue(&c.tenant.name, Job::Close(id));
+                }
+            };
+        }
+        if c.tenant.junk_fds.load(Ordering::Acquire) > MAX_JUNK_FDS {
+            drop(io);
+            tenant_warn!(c.log, c.tenant.name, "dropping a client: too many of the tenant's descriptors wait to be closed");
+            return self.enqueue(&c.tenant.name, Job::Close(id));
+        }
+        let step = io.rx.step(&c.sock, &c.tenant, &c.log);
+        drop(io);
         let job = match step {
-            RxStep::Pending => {
-                let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_MOD, c.sock.as_raw_fd(), ONESHOT_IN, id);
-                return;
-            }
+            RxStep::Pending => return self.arm(&c, id, ONESHOT_IN),
             // Not re-armed: the executor does that once it has replied.
             RxStep::Message(h, m, fds, held) => Job::Message(id, h, m, fds, held),
             RxStep::Refuse(bytes) => Job::Refuse(id, bytes),
@@ -526,40 +643,57 @@ impl Pool {
     fn exec_loop(self: Arc<Self>) {
         loop {
             let (tenant, job) = self.next_job();
-            match job {
+            // The tenant is released however the job ends, a bug's panic
+            // included: it costs that job, never the tenant's queue.
+            let _done = Done(&self, &tenant);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
                 Job::Message(id, h, m, fds, held) => self.run_message(id, h, m, fds, held),
                 Job::Refuse(id, bytes) => {
                     // Bound first: the state lock must not be held below.
                     let client = self.state().clients.get(&id).cloned();
                     if let Some(c) = client {
-                        let _ = write_all_timeout(&c.sock, &bytes, Duration::from_secs(1));
+                        let _ = (&c.sock).write(&bytes);
                         self.close(id);
                     }
                 }
                 Job::Close(id) => self.close(id),
+            }));
+            if r.is_err() {
+                tracing::error!(tenant = %tenant, "a job of the tenant panicked; the worker goes on");
             }
-            self.done(&tenant);
         }
     }
 
     fn run_message(&self, id: u64, h: MsgHeader, msg: Vec<u8>, fds: Vec<OwnedFd>, held: Held) {
-        let Some(c) = self.state().clients.get(&id).cloned() else { return };
-        let (reply, keep) = {
-            let mut io = c.io.lock().unwrap_or_else(|e| e.into_inner());
-            if io.closed {
-                return;
-            }
-            handle_message(&self.svc, &c.tenant, &mut io, &h, msg, fds)
-        };
-        drop(held);
-        let written = write_all_timeout(&c.sock, &reply, WRITE_TIMEOUT);
-        if let Err(e) = &written {
-            tenant_warn!(c.log, c.tenant.name, "dropping a client that does not take its replies: {e}");
+        let Some(c) = self.state().clients.get(&id).cloned() else { return self.dispose(&held.0.clone(), fds) };
+        let mut io = c.io.lock().unwrap_or_else(|e| e.into_inner());
+        if io.closed {
+            drop(io);
+            return self.dispose(&c.tenant, fds);
         }
-        if keep && written.is_ok() {
-            let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_MOD, c.sock.as_raw_fd(), ONESHOT_IN, id);
-        } else {
-            self.close(id);
+        let (reply, keep, reply_held, junk) = handle_message(&self.svc, &c.tenant, &mut io, &h, msg, fds);
+        drop(held);
+        self.dispose(&c.tenant, junk);
+        // Written without waiting: what the socket does not take now, the
+        // poller writes as it drains, within WRITE_TIMEOUT.
+        io.tx = Some(Tx { bytes: reply, at: 0, keep, _held: reply_held });
+        match write_some(&c.sock, &mut io.tx) {
+            Ok(true) => {
+                // Recorded before the poller can see the client (the lock
+                // order is io, then state), so its completion removes it.
+                self.state().tx_deadlines.insert(id, Instant::now() + WRITE_TIMEOUT);
+                drop(io);
+                self.arm(&c, id, ONESHOT_OUT);
+            }
+            Ok(false) => {
+                io.tx = None;
+                drop(io);
+                if keep { self.arm(&c, id, ONESHOT_IN) } else { self.close(id) }
+            }
+            Err(_) => {
+                drop(io);
+                self.close(id);
+            }
         }
     }
 
@@ -572,6 +706,7 @@ impl Pool {
         }
         let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_DEL, c.sock.as_raw_fd(), 0, 0);
         let _ = c.sock.shutdown(std::net::Shutdown::Both);
+        self.state().tx_deadlines.remove(&id);
         let mut io = c.io.lock().unwrap_or_else(|e| e.into_inner());
         if std::mem::replace(&mut io.closed, true) {
             return;
@@ -579,37 +714,48 @@ impl Pool {
         self.svc.disconnect(&c.tenant, &mut io.conn);
         c.tenant.host.release(std::mem::take(&mut io.shm_held) + CONN_HOST_BYTES);
         c.tenant.connections.fetch_sub(1, Ordering::AcqRel);
-        io.rx = Rx::default();
+        let rx = std::mem::take(&mut io.rx);
+        io.tx = None;
+        drop(io);
+        self.dispose(&c.tenant, rx.fds);
     }
 }
 
-/// Writes all of `buf` to a non-blocking socket, waiting for room at most
-/// `limit` in all.
-fn write_all_timeout(s: &UnixStream, mut buf: &[u8], limit: Duration) -> std::io::Result<()> {
-    let deadline = Instant::now() + limit;
-    while !buf.is_empty() {
-        match (&*s).write(buf) {
+/// Writes what the non-blocking socket takes of the pending reply.
+/// Ok(true): bytes remain; Ok(false): all written (or nothing pending).
+fn write_some(s: &UnixStream, tx: &mut Option<Tx>) -> std::io::Result<bool> {
+    let Some(t) = tx.as_mut() else { return Ok(false) };
+    while t.at < t.bytes.len() {
+        match (&*s).write(&t.bytes[t.at..]) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => buf = &buf[n..],
+            Ok(n) => t.at += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(std::io::ErrorKind::TimedOut.into());
-                }
-                let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
-                // SAFETY: one valid pollfd for the call.
-                unsafe { libc::poll(&mut p, 1, left.as_millis().min(1000) as i32 + 1) };
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(true),
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    Ok(false)
 }
 
-/// Runs one complete message; returns the reply bytes and whether the
-/// connection stays open.
-fn handle_message(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, h: &MsgHeader, msg: Vec<u8>, mut fds: Vec<OwnedFd>) -> (Vec<u8>, bool) {
+/// What running one message gives: the reply bytes, whether the
+/// connection stays open, the reply's charge (held until it is written) and
+/// the descriptors the worker does not keep.
+type Outcome = (Vec<u8>, bool, Option<Held>, Vec<OwnedFd>);
+
+/// Whether `fd` is a memfd sealed against shrinking: the only kind the
+/// worker keeps, and one whose close cannot block.
+fn sealed_memfd(fd: &OwnedFd) -> bool {
+    // SAFETY: F_GET_SEALS only reads the seal set of a descriptor we own.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
+}
+
+/// Runs one complete message.
+fn handle_message(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, h: &MsgHeader, msg: Vec<u8>, mut fds: Vec<OwnedFd>) -> Outcome {
+    if t.is_revoked() {
+        let r = Reply::error(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("tenant {} was deleted", t.name));
+        return (r.encode(h.opcode(), h.seq), false, None, fds);
+    }
     let decoded = Request::decode(&msg);
     drop(msg);
     // An inline device-to-host copy's reply (and its encoding) is charged
@@ -619,14 +765,21 @@ fn handle_message(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, h: &M
         _ => 0,
     };
     if let Err(r) = t.host.reserve(reply_bytes, "this reply") {
-        return (r.encode(h.opcode(), h.seq), true);
+        return (r.encode(h.opcode(), h.seq), true, None, fds);
     }
-    let _reply_held = Held(t.clone(), reply_bytes);
+    let reply_held = Held(t.clone(), reply_bytes);
     let reply = match decoded {
         Err(e) => Reply::error(e.cuda(), format!("bad {:?} message: {e}", h.opcode())),
         Ok((_, Request::RegisterShm(b))) => match (fds.pop(), fds.is_empty()) {
             (None, _) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm arrived without a file descriptor"),
-            (Some(_), false) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm carries exactly one file descriptor"),
+            (Some(f), false) => {
+                fds.push(f);
+                Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm carries exactly one file descriptor")
+            }
+            (Some(f), true) if !sealed_memfd(&f) => {
+                fds.push(f);
+                Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "shared buffer must be a memfd sealed with F_SEAL_SHRINK")
+            }
             (Some(f), true) => {
                 // The old buffer's charge goes with it.
                 svc.set_shm(&mut io.conn, None);
@@ -648,19 +801,18 @@ fn handle_message(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, h: &M
             }
         },
         Ok((_, req)) => {
-            // Fds on any other message are closed here, unused.
-            fds.clear();
+            // Fds on any other message go to the closer, unused.
             // Defence in depth: a bug must cost this request, not the worker.
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(t, &mut io.conn, req))) {
                 Ok(r) => r,
                 Err(_) => {
                     tracing::error!(tenant = %t.name, "request handler panicked; disconnecting the client");
-                    return (Reply::error(CuResult::CUDA_ERROR_UNKNOWN, "internal error").encode(h.opcode(), h.seq), false);
+                    return (Reply::error(CuResult::CUDA_ERROR_UNKNOWN, "internal error").encode(h.opcode(), h.seq), false, None, fds);
                 }
             }
         }
     };
-    (reply.encode(h.opcode(), h.seq), true)
+    (reply.encode(h.opcode(), h.seq), true, Some(reply_held), fds)
 }
 
 #[cfg(test)]

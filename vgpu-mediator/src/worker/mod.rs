@@ -63,6 +63,22 @@ fn open_backend(opts: &WorkerOptions) -> anyhow::Result<Arc<dyn Backend>> {
     }
 }
 
+/// Raises the soft descriptor limit to the hard one: tenants' connections
+/// are capped per tenant, and a low default (often 1024) must not be what
+/// stops them first.
+fn raise_fd_limit() {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit on our own process with a valid struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) == 0 && rl.rlim_cur < rl.rlim_max {
+            rl.rlim_cur = rl.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &rl) != 0 {
+                warn!("cannot raise the descriptor limit: {}", std::io::Error::last_os_error());
+            }
+        }
+    }
+}
+
 /// Runs the calling thread, and every thread it starts later, on `node`'s CPUs.
 fn pin_to_node(node: i32) {
     let Ok(node) = u32::try_from(node) else { return };
@@ -104,6 +120,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     // SAFETY: umask only changes this process's file-creation mask.
     unsafe { libc::umask(0o077) };
     pin_to_node(opts.numa_node);
+    raise_fd_limit();
     let backend = open_backend(&opts)?;
     if let Some(u) = opts.user {
         confine::drop_privileges(u)?;

@@ -86,6 +86,9 @@ pub struct Tenant {
     scrubbed: AtomicU64,
     used: AtomicU64,
     pub connections: AtomicU32,
+    /// Descriptors this tenant sent that wait for the worker's closer
+    /// thread; past a cap its connections are dropped.
+    pub junk_fds: AtomicU32,
 }
 
 #[derive(Default)]
@@ -98,6 +101,8 @@ struct TenantState {
     /// A kernel of this tenant faulted; once its last context is gone the
     /// backend rebuilds the tenant's device context.
     faulted: bool,
+    /// The handle counter has wrapped: new handles are checked for reuse.
+    wrapped: bool,
 }
 
 #[derive(Default)]
@@ -122,12 +127,23 @@ impl Tenant {
 }
 
 impl TenantState {
+    /// A handle no live context, module, function, stream or event of the
+    /// tenant uses (they share one space; after the counter wraps, each
+    /// candidate is checked against all of them).
     fn handle(&mut self) -> u32 {
-        self.next = self.next.wrapping_add(1).max(1);
-        while self.ctxs.contains_key(&self.next) {
-            self.next = self.next.wrapping_add(1).max(1);
+        loop {
+            self.next = self.next.wrapping_add(1);
+            if self.next == 0 {
+                self.wrapped = true;
+                continue;
+            }
+            let id = self.next;
+            let used = self.ctxs.contains_key(&id)
+                || (self.wrapped && self.ctxs.values().any(|c| c.modules.contains_key(&id) || c.funcs.contains_key(&id) || c.streams.contains(&id) || c.events.contains_key(&id)));
+            if !used {
+                return id;
+            }
         }
-        self.next
     }
 }
 
@@ -203,6 +219,7 @@ impl DeviceService {
             scrubbed: AtomicU64::new(0),
             used: AtomicU64::new(0),
             connections: AtomicU32::new(0),
+            junk_fds: AtomicU32::new(0),
         });
         map.insert(name.to_string(), t.clone());
         Ok(t)
