@@ -104,15 +104,19 @@ impl DeviceSlot {
         let (tx, rx) = mpsc::channel();
         link.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
         let line = serde_json::to_string(&CmdLine { id, cmd }).map_err(|e| ControlError::Worker(e.to_string()))? + "\n";
+        let deadline = Instant::now() + timeout;
         let sent = {
-            let mut w = link.stdin.lock().unwrap_or_else(|e| e.into_inner());
-            w.write_all(line.as_bytes()).and_then(|_| w.flush())
+            let w = link.stdin.lock().unwrap_or_else(|e| e.into_inner());
+            write_before(&w, line.as_bytes(), deadline)
         };
-        if sent.is_err() {
+        if let Err(e) = sent {
             link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-            return Err(ControlError::WorkerDown(self.spec.name.clone()));
+            return Err(match e.kind() {
+                std::io::ErrorKind::TimedOut => ControlError::Timeout(self.spec.name.clone(), timeout),
+                _ => ControlError::WorkerDown(self.spec.name.clone()),
+            });
         }
-        match rx.recv_timeout(timeout) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             Ok(m) => Ok(m),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
@@ -485,6 +489,31 @@ impl Control {
     }
 }
 
+/// Writes all of `buf` to the worker's (non-blocking) stdin, waiting for
+/// room no later than `deadline`: a worker that stops reading its commands
+/// cannot hold the caller, or the registry, forever.
+fn write_before(w: &ChildStdin, mut buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    while !buf.is_empty() {
+        match (&*w).write(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+                let mut p = libc::pollfd { fd: w.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+                // SAFETY: one valid pollfd for the call.
+                unsafe { libc::poll(&mut p, 1, left.as_millis().min(1000) as i32 + 1) };
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::Result<(Child, ChildStdin, BufReader<ChildStdout>, u32)> {
     let mut cmd = Command::new(exe);
     cmd.arg("worker")
@@ -519,6 +548,12 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::
         .stderr(Stdio::inherit())
         .spawn()?;
     let stdin = child.stdin.take().ok_or_else(|| std::io::Error::other("no worker stdin"))?;
+    {
+        use std::os::fd::AsRawFd;
+        let fd = stdin.as_raw_fd();
+        // SAFETY: F_GETFL/F_SETFL on the pipe we own; only O_NONBLOCK changes.
+        unsafe { libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK) };
+    }
     let mut stdout = BufReader::new(child.stdout.take().ok_or_else(|| std::io::Error::other("no worker stdout"))?);
     let mut line = String::new();
     stdout.read_line(&mut line)?;

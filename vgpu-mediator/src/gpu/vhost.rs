@@ -72,7 +72,7 @@ impl GpuBackend {
             let done = chains.is_empty();
             for chain in chains {
                 let head = chain.head_index();
-                let written = serve_chain(dev, chain, &*mem);
+                let written = serve_chain(dev, chain, &mem);
                 self.commands += 1;
                 if let Err(e) = vring.add_used(head, written) {
                     tracing::warn!(tenant = %self.tenant.name, "virtio-gpu used ring: {e}");
