@@ -279,6 +279,9 @@ struct State {
     clients: HashMap<u64, Arc<Client>>,
     /// Clients with a reply pending, and when they must have taken it.
     tx_deadlines: HashMap<u64, Instant>,
+    /// Clients not read for now (their tenant's descriptors wait to be
+    /// closed), and when to look again.
+    deferred: Vec<(Instant, u64)>,
     queues: HashMap<String, TenantQueue>,
     /// Tenants with jobs and no executor, oldest first.
     ready: VecDeque<String>,
@@ -409,7 +412,8 @@ impl Pool {
             let timeout = {
                 let st = self.state();
                 let backoffs = st.listeners.values().filter_map(|l| l.backoff.map(|b| b.0.saturating_duration_since(now)));
-                backoffs.chain(st.tx_deadlines.values().map(|d| d.saturating_duration_since(now))).min()
+                let deferred = st.deferred.iter().map(|d| d.0.saturating_duration_since(now));
+                backoffs.chain(st.tx_deadlines.values().map(|d| d.saturating_duration_since(now))).chain(deferred).min()
             };
             let ms = timeout.map(|d| d.as_millis().min(1000) as i32 + 1).unwrap_or(-1);
             // SAFETY: evs is a valid buffer of 64 events for the call.
@@ -424,6 +428,7 @@ impl Pool {
             }
             self.rearm_backed_off();
             self.expire_replies();
+            self.resume_deferred();
             for ev in &evs[..n as usize] {
                 let token = ev.u64;
                 if token & LISTENER != 0 {
@@ -432,6 +437,20 @@ impl Pool {
                     self.read_client(token);
                 }
             }
+        }
+    }
+
+    /// Reads again from clients whose pause is over.
+    fn resume_deferred(&self) {
+        let now = Instant::now();
+        let due: Vec<(u64, Arc<Client>)> = {
+            let mut st = self.state();
+            let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut st.deferred).into_iter().partition(|d| d.0 <= now);
+            st.deferred = later;
+            due.into_iter().filter_map(|(_, id)| st.clients.get(&id).cloned().map(|c| (id, c))).collect()
+        };
+        for (id, c) in due {
+            self.arm(&c, id, ONESHOT_IN);
         }
     }
 
@@ -575,9 +594,11 @@ impl Pool {
             };
         }
         if c.tenant.junk_fds.load(Ordering::Acquire) > MAX_JUNK_FDS {
+            // Back-pressure: the tenant's connections are not read until
+            // the closer catches up (a stuck close stalls only them).
             drop(io);
-            tenant_warn!(c.log, c.tenant.name, "dropping a client: too many of the tenant's descriptors wait to be closed");
-            return self.enqueue(&c.tenant.name, Job::Close(id));
+            self.state().deferred.push((Instant::now() + Duration::from_millis(20), id));
+            return;
         }
         let step = io.rx.step(&c.sock, &c.tenant, &c.log);
         drop(io);
