@@ -1,7 +1,7 @@
 //! The per-VM REST API over a unix socket (docs/api/vmm.yaml):
 //! `GET /vm`, `PUT /vm/pause`, `/vm/resume`, `/vm/shutdown`, `/vm/kill`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
@@ -132,8 +132,3 @@ pub fn serve(listener: std::os::unix::net::UnixListener, s: ApiState) -> Result<
     ready_rx.recv().map_err(|_| ApiError::Start("the API thread died while starting".into()))?
 }
 
-/// Binds `path` (mode 0600) and serves the API on its own thread.
-pub fn spawn(path: &Path, s: ApiState) -> Result<PathBuf, ApiError> {
-    serve(bind(path)?, s)?;
-    Ok(path.to_path_buf())
-}
