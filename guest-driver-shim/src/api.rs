@@ -764,6 +764,46 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut H, m: H, name: *const c_cha
     })
 }
 
+/// A module variable's device address and size; either output may be null.
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleGetGlobal_v2(dptr: *mut u64, bytes: *mut usize, m: H, name: *const c_char) -> CUresult {
+    with("cuModuleGetGlobal", |s| {
+        if name.is_null() {
+            return Err(bad("null name"));
+        }
+        let id = dec(TAG_MOD, m).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid module"))?;
+        let ctx = *s.modules.get(&id).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid module"))?;
+        // SAFETY: per the API contract `name` is a NUL-terminated string.
+        let n = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| bad("variable name is not UTF-8"))?.to_string();
+        let req = Request::ModuleGetGlobal(GetFunctionReq { ctx, module: id, name_len: n.len() as u32, reserved: 0 }, n);
+        match s.client.call(req)? {
+            Reply::Global(addr, size) => {
+                if !dptr.is_null() {
+                    out(dptr, addr)?;
+                }
+                if !bytes.is_null() {
+                    out(bytes, size as usize)?;
+                }
+                Ok(())
+            }
+            r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
+        }
+    })
+}
+
+/// The CUDA 3.x entry point: a 32-bit size.
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleGetGlobal(dptr: *mut u64, bytes: *mut u32, m: H, name: *const c_char) -> CUresult {
+    let mut size = 0usize;
+    // SAFETY: forwards the caller's pointers; `size` is a local.
+    let r = unsafe { cuModuleGetGlobal_v2(dptr, &mut size, m, name) };
+    if r == 0 && !bytes.is_null() {
+        // SAFETY: non-null, and the API contract makes it valid for a u32.
+        unsafe { bytes.write(size as u32) };
+    }
+    r
+}
+
 const CU_LAUNCH_PARAM_END: usize = 0;
 const CU_LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
 const CU_LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
@@ -988,6 +1028,7 @@ pub fn proc_address(symbol: &str, version: c_int) -> Option<*mut c_void> {
         "cuModuleLoadData" => f!(cuModuleLoadData),
         "cuModuleLoadDataEx" => f!(cuModuleLoadDataEx),
         "cuModuleGetFunction" => f!(cuModuleGetFunction),
+        "cuModuleGetGlobal" => if v2 { f!(cuModuleGetGlobal_v2) } else { f!(cuModuleGetGlobal) },
         "cuModuleUnload" => f!(cuModuleUnload),
         "cuLaunchKernel" => f!(cuLaunchKernel),
         "cuStreamCreate" => f!(cuStreamCreate),

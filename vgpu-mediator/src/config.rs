@@ -53,6 +53,10 @@ pub struct DevicesConfig {
     /// CUDA_ERROR_LAUNCH_TIMEOUT (milliseconds), whatever its budget.
     #[serde(default = "default_cpu_launch_timeout")]
     pub launch_timeout_ms: u64,
+    /// The compute capability CPU devices report, "7.0" to "9.0"; modules
+    /// whose `.target` is newer are refused (CUDA_ERROR_NO_BINARY_FOR_GPU).
+    #[serde(default = "default_compute_capability")]
+    pub compute_capability: String,
     /// Host memory each tenant's objects may keep in its worker (parsed
     /// modules, handles, connections, payloads in flight), unless the
     /// tenant's description says otherwise.
@@ -153,6 +157,20 @@ fn default_launch_timeout() -> u64 {
 fn default_cpu_launch_timeout() -> u64 {
     10_000
 }
+fn default_compute_capability() -> String {
+    "8.0".to_string()
+}
+
+/// A compute capability "MAJOR.MINOR" a CPU device can report: 7.0 to 9.0.
+pub fn parse_compute_capability(s: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("compute capability must be MAJOR.MINOR from 7.0 to 9.0 (e.g. 8.0), not '{s}'");
+    let (a, b) = s.split_once('.').ok_or_else(bad)?;
+    let (a, b): (u32, u32) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+    if !(7..=9).contains(&a) || b > 9 || (a == 9 && b != 0) {
+        return Err(bad());
+    }
+    Ok((a, b))
+}
 fn default_tenant_host_memory() -> Size {
     Size(256 << 20)
 }
@@ -184,6 +202,7 @@ impl Default for DevicesConfig {
             cuda_reserve: default_cuda_reserve(),
             cuda_launch_timeout_ms: default_launch_timeout(),
             launch_timeout_ms: default_cpu_launch_timeout(),
+            compute_capability: default_compute_capability(),
             tenant_host_memory: default_tenant_host_memory(),
             tenant_connections: default_tenant_connections(),
             worker_user: default_worker_user(),
@@ -263,6 +282,7 @@ impl Config {
         if self.devices.cuda_launch_timeout_ms == 0 || self.devices.cuda_launch_timeout_ms > 3_600_000 {
             return Err(ConfigError::Invalid(format!("devices.cuda_launch_timeout_ms must be 1..=3600000, not {}", self.devices.cuda_launch_timeout_ms)));
         }
+        parse_compute_capability(&self.devices.compute_capability).map_err(|e| ConfigError::Invalid(format!("devices.compute_capability: {e}")))?;
         if self.devices.launch_timeout_ms == 0 || self.devices.launch_timeout_ms > 3_600_000 {
             return Err(ConfigError::Invalid(format!("devices.launch_timeout_ms must be 1..=3600000, not {}", self.devices.launch_timeout_ms)));
         }

@@ -31,6 +31,10 @@ struct Cli {
     /// Wall-clock limit of one kernel launch on a CPU device, milliseconds.
     #[arg(long)]
     launch_timeout_ms: Option<u64>,
+    /// Compute capability the CPU devices report and accept PTX for
+    /// (7.0 to 9.0; default 8.0).
+    #[arg(long)]
+    compute_capability: Option<String>,
     /// NVIDIA GPUs and MIG instances: auto, off or required.
     #[arg(long, value_enum)]
     cuda: Option<CudaMode>,
@@ -60,6 +64,8 @@ enum Cmd {
         numa_node: i32,
         #[arg(long, default_value_t = 30_000)]
         launch_timeout_ms: u64,
+        #[arg(long, default_value = "8.0")]
+        compute_capability: String,
         /// Drop to this UID:GID once the device is open.
         #[arg(long)]
         user: Option<Owner>,
@@ -106,9 +112,10 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user, seccomp, connection_threads }) => {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, compute_capability, user, seccomp, connection_threads }) => {
+            let cc = config::parse_compute_capability(&compute_capability).map_err(anyhow::Error::msg)?;
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, user, seccomp, connection_threads });
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, cc, user, seccomp, connection_threads });
         }
         Some(Cmd::SeccompCheck { syscall, connection }) => {
             worker::confine::no_new_privs()?;
@@ -139,6 +146,9 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(t) = cli.launch_timeout_ms {
         cfg.devices.launch_timeout_ms = t;
+    }
+    if let Some(cc) = cli.compute_capability {
+        cfg.devices.compute_capability = cc;
     }
     if let Some(c) = cli.cuda {
         cfg.devices.cuda = c;
@@ -173,6 +183,7 @@ fn run() -> anyhow::Result<()> {
             budget: cfg.devices.instruction_budget,
             lanes: cfg.devices.lanes,
             launch_timeout_ms: cfg.devices.launch_timeout_ms,
+            cc: config::parse_compute_capability(&cfg.devices.compute_capability).unwrap_or((8, 0)),
             seccomp: false,
             connection_threads: 0,
             cuda: None,
@@ -239,6 +250,7 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             budget: 0,
             lanes: d.lanes,
             launch_timeout_ms: d.cuda_launch_timeout_ms,
+            cc: (0, 0),
             seccomp: false,
             connection_threads: 0,
             cuda: Some(CudaSpec { visible_devices: g.visible_devices, numa_node: g.numa_node }),

@@ -58,6 +58,7 @@ cuda_results! {
     CUDA_ERROR_ILLEGAL_ADDRESS = 700, "an illegal memory access was encountered";
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701, "too many resources requested for launch";
     CUDA_ERROR_LAUNCH_TIMEOUT = 702, "the launch timed out and was terminated";
+    CUDA_ERROR_ASSERT = 710, "device-side assert triggered";
     CUDA_ERROR_ILLEGAL_INSTRUCTION = 715, "an illegal instruction was encountered";
     CUDA_ERROR_MISALIGNED_ADDRESS = 716, "misaligned address";
     CUDA_ERROR_LAUNCH_FAILED = 719, "unspecified launch failure";
@@ -79,6 +80,7 @@ impl CuResult {
             CuResult::CUDA_ERROR_ILLEGAL_ADDRESS
                 | CuResult::CUDA_ERROR_MISALIGNED_ADDRESS
                 | CuResult::CUDA_ERROR_LAUNCH_TIMEOUT
+                | CuResult::CUDA_ERROR_ASSERT
                 | CuResult::CUDA_ERROR_ILLEGAL_INSTRUCTION
                 | CuResult::CUDA_ERROR_LAUNCH_FAILED
         )

@@ -115,6 +115,7 @@ opcodes! {
     EventElapsedTime = 24,
     EventDestroy = 25,
     RegisterShm = 26,
+    ModuleGetGlobal = 27,
 }
 
 /// Where a copy's host-side bytes live.
@@ -235,6 +236,7 @@ wire_struct! {
 wire_struct! { pub struct HandleReply { pub handle: u32, pub reserved: u32 } }
 wire_struct! { pub struct PtrReply { pub dptr: u64 } }
 wire_struct! { pub struct MemInfoReply { pub free: u64, pub total: u64 } }
+wire_struct! { pub struct GlobalReply { pub dptr: u64, pub size: u64 } }
 wire_struct! { pub struct ElapsedReply { pub ms_bits: u32, pub reserved: u32 } }
 wire_struct! { pub struct FunctionReply { pub func: u32, pub num_params: u32, pub params_size: u32, pub reserved: u32 } }
 wire_struct! {
@@ -261,6 +263,9 @@ pub enum Request {
     ModuleLoad(ModuleLoadReq, Vec<u8>),
     ModuleUnload(ModuleReq),
     ModuleGetFunction(GetFunctionReq, String),
+    /// A module variable's address and size (`cuModuleGetGlobal`); same
+    /// body as ModuleGetFunction.
+    ModuleGetGlobal(GetFunctionReq, String),
     LaunchKernel(LaunchReq, Vec<u8>),
     StreamCreate(ObjCreateReq),
     StreamDestroy(HandleReq),
@@ -351,6 +356,7 @@ impl Request {
             Request::ModuleLoad(..) => Opcode::ModuleLoad,
             Request::ModuleUnload(_) => Opcode::ModuleUnload,
             Request::ModuleGetFunction(..) => Opcode::ModuleGetFunction,
+            Request::ModuleGetGlobal(..) => Opcode::ModuleGetGlobal,
             Request::LaunchKernel(..) => Opcode::LaunchKernel,
             Request::StreamCreate(_) => Opcode::StreamCreate,
             Request::StreamDestroy(_) => Opcode::StreamDestroy,
@@ -386,7 +392,7 @@ impl Request {
                 p.extend_from_slice(img);
             }
             Request::ModuleUnload(b) => b.put(&mut p),
-            Request::ModuleGetFunction(b, name) => {
+            Request::ModuleGetFunction(b, name) | Request::ModuleGetGlobal(b, name) => {
                 b.put(&mut p);
                 p.extend_from_slice(name.as_bytes());
             }
@@ -505,7 +511,7 @@ impl Request {
                 Request::ModuleLoad(b, img)
             }
             Opcode::ModuleUnload => Request::ModuleUnload(ModuleReq::get(r)?),
-            Opcode::ModuleGetFunction => {
+            Opcode::ModuleGetFunction | Opcode::ModuleGetGlobal => {
                 let b = GetFunctionReq::get(r)?;
                 zero(b.reserved, "getfunction.reserved")?;
                 bounded("function name", b.name_len as u64, MAX_NAME as u64)?;
@@ -514,7 +520,7 @@ impl Request {
                 if name.is_empty() || name.contains('\0') {
                     return Err(WireError::BadField { what: "function name length", value: name.len() as u64 });
                 }
-                Request::ModuleGetFunction(b, name)
+                if op == Opcode::ModuleGetGlobal { Request::ModuleGetGlobal(b, name) } else { Request::ModuleGetFunction(b, name) }
             }
             Opcode::LaunchKernel => {
                 let b = LaunchReq::get(r)?;
@@ -570,6 +576,8 @@ pub enum Reply {
     Ptr(u64),
     MemInfo(MemInfoReply),
     Function(FunctionReply, Vec<ParamDesc>),
+    /// A module variable: device address and size.
+    Global(u64, u64),
     Elapsed(f32),
     Data(Vec<u8>),
     Error(CuResult, String),
@@ -597,6 +605,7 @@ impl Reply {
                     d.put(&mut p);
                 }
             }
+            Reply::Global(dptr, size) => GlobalReply { dptr: *dptr, size: *size }.put(&mut p),
             Reply::Elapsed(ms) => ElapsedReply { ms_bits: ms.to_bits(), reserved: 0 }.put(&mut p),
             Reply::Data(d) => p.extend_from_slice(d),
             Reply::Error(code, msg) => {
@@ -635,6 +644,10 @@ impl Reply {
             }
             Opcode::MemAlloc => Reply::Ptr(PtrReply::get(&mut r)?.dptr),
             Opcode::MemGetInfo => Reply::MemInfo(MemInfoReply::get(&mut r)?),
+            Opcode::ModuleGetGlobal => {
+                let g = GlobalReply::get(&mut r)?;
+                Reply::Global(g.dptr, g.size)
+            }
             Opcode::ModuleGetFunction => {
                 let f = FunctionReply::get(&mut r)?;
                 zero(f.reserved, "function.reserved")?;

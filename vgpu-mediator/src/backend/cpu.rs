@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
-use super::{AllocTable, Backend, TenantSlot, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch};
+use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot};
 use crate::ptx::{self, ExecError, GlobalMem, Module};
 
 /// Allocation granule and alignment, as CUDA guarantees 256-byte alignment.
@@ -191,6 +191,9 @@ impl DeviceModule for CpuModule {
     fn host_bytes(&self) -> u64 {
         self.0.host_bytes()
     }
+    fn global(&self, name: &str) -> Option<(u64, u64)> {
+        self.0.symbol(name)
+    }
     fn as_any(&self) -> &dyn Any {
         self
     }
@@ -227,6 +230,9 @@ impl GlobalMem for TenantView<'_> {
     }
     fn store(&mut self, addr: u64, data: &[u8]) -> Result<(), ExecError> {
         let off = self.check(addr, data.len())?;
+        if !self.owned.1.is_empty() && self.owned.read_only(addr, data.len() as u64) {
+            return Err(ExecError::IllegalAddress { kind: "constant (store)", addr, len: data.len(), line: 0 });
+        }
         self.backend.arena.write(off, data).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: data.len(), line: 0 })
     }
 }
@@ -259,6 +265,12 @@ impl CpuBackend {
             quarantined: AtomicBool::new(false),
             launch_timeout: None,
         })
+    }
+
+    /// The compute capability the device reports and accepts PTX for.
+    pub fn with_compute_capability(mut self, cc: (u32, u32)) -> CpuBackend {
+        self.desc.cc = cc;
+        self
     }
 
     /// Stops any launch that runs longer than `t` with CUDA_ERROR_LAUNCH_TIMEOUT.
@@ -339,7 +351,7 @@ impl Backend for CpuBackend {
         self.arena.copy(self.off(dst)?, self.off(src)?, len)
     }
 
-    fn load_module(&self, _slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<Arc<dyn DeviceModule>, BackendError> {
+    fn load_module(&self, _slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64, data: &mut ModuleDataAlloc<'_>) -> Result<Arc<dyn DeviceModule>, BackendError> {
         if format != ImageFormat::Ptx {
             return Err(BackendError::new(
                 CuResult::CUDA_ERROR_NOT_SUPPORTED,
@@ -348,10 +360,23 @@ impl Backend for CpuBackend {
         }
         let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image))
             .map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
-        let m = Module::parse_within(text, host_limit).map_err(|e| {
+        let mut m = Module::parse_within(text, host_limit).map_err(|e| {
             let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
             BackendError::new(code, e.to_string())
         })?;
+        let (major, minor) = self.desc.cc;
+        let arch = major * 10 + minor;
+        if m.target > arch {
+            return Err(BackendError::new(
+                CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU,
+                format!("the module targets sm_{}, newer than this device's compute capability {major}.{minor}", m.target),
+            ));
+        }
+        let g = if m.global_size > 0 { data(m.global_size, false)? } else { 0 };
+        let c = if m.const_size > 0 { data(m.const_size, true)? } else { 0 };
+        for (addr, bytes) in m.link(g, c) {
+            self.arena.write(self.off(addr)?, &bytes)?;
+        }
         Ok(Arc::new(CpuModule(m)))
     }
 
@@ -369,6 +394,7 @@ impl Backend for CpuBackend {
             max_shared: self.desc.max_shared_per_block,
             budget: self.desc.instruction_budget,
             timeout: self.launch_timeout,
+            sm_count: self.desc.sm_count,
         };
         let cfg = ptx::LaunchConfig { grid: l.grid, block: l.block, dynamic_shared: l.shared_bytes };
         match ptx::launch(k, &cfg, params, &mut view, &limits) {
@@ -380,7 +406,9 @@ impl Backend for CpuBackend {
                     ExecError::Budget(_) | ExecError::Timeout(_) => CuResult::CUDA_ERROR_LAUNCH_TIMEOUT,
                     ExecError::OutOfResources(_) => CuResult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,
                     ExecError::BadLaunch(_) => CuResult::CUDA_ERROR_INVALID_VALUE,
-                    ExecError::Deadlock(_) => CuResult::CUDA_ERROR_LAUNCH_FAILED,
+                    ExecError::Deadlock(_) | ExecError::Failed(_) => CuResult::CUDA_ERROR_LAUNCH_FAILED,
+                    ExecError::Trap(_) => CuResult::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+                    ExecError::Assert(_) => CuResult::CUDA_ERROR_ASSERT,
                 };
                 Err(BackendError::new(code, format!("kernel '{}': {e}", k.name)))
             }
@@ -422,8 +450,50 @@ mod tests {
     #[test]
     fn non_ptx_images_are_unsupported_on_this_device() {
         let b = CpuBackend::new(0, 1 << 16, 0).unwrap();
-        let e = b.load_module(0, b"\x7fELF\x02\x01\x01", ImageFormat::Cubin, u64::MAX).err().unwrap();
+        let e = b.load_module(0, b"\x7fELF\x02\x01\x01", ImageFormat::Cubin, u64::MAX, &mut |_, _| unreachable!()).err().unwrap();
         assert_eq!(e.code, CuResult::CUDA_ERROR_NOT_SUPPORTED);
         assert!(e.msg.contains("unsupported on this device"));
+    }
+
+    const CONST_PTX: &str = ".version 8.0\n.target sm_80\n.address_size 64\n.visible .const .align 4 .u32 c[4] = {1, 2, 3, 4};\n.visible .global .align 4 .u32 g;\n.visible .entry k() {\n .reg .b64 %rd<3>;\n .reg .b32 %r<3>;\n mov.u64 %rd1, c;\n cvta.const.u64 %rd2, %rd1;\n ld.u32 %r1, [%rd2+8];\n st.global.u32 [g], %r1;\n st.u32 [%rd2], %r1;\n ret;\n}\n";
+
+    #[test]
+    fn modules_newer_than_the_device_are_refused_as_on_a_real_driver() {
+        let b = CpuBackend::new(0, 1 << 20, 0).unwrap().with_compute_capability((7, 5));
+        let e = b.load_module(0, CONST_PTX.as_bytes(), ImageFormat::Ptx, u64::MAX, &mut |_, _| unreachable!()).err().unwrap();
+        assert_eq!(e.code, CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU);
+        assert!(e.msg.contains("sm_80"), "{}", e.msg);
+    }
+
+    #[test]
+    fn constant_memory_is_initialised_readable_and_not_writable_by_kernels() {
+        let b = CpuBackend::new(0, 1 << 20, 0).unwrap().with_compute_capability((8, 0));
+        let mut owned = AllocTable::default();
+        let m = b
+            .load_module(0, CONST_PTX.as_bytes(), ImageFormat::Ptx, u64::MAX, &mut |size, ro| {
+                let (a, n) = b.alloc(0, size)?;
+                owned.0.insert(a, n);
+                if ro {
+                    owned.1.insert(a, n);
+                }
+                Ok(a)
+            })
+            .unwrap();
+        let (c, csize) = m.global("c").unwrap();
+        let (g, gsize) = m.global("g").unwrap();
+        assert_eq!((csize, gsize), (16, 4));
+        let mut buf = [0u8; 16];
+        b.read(0, c, &mut buf).unwrap();
+        assert_eq!(buf, [1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0]);
+        let l = Launch { grid: [1, 1, 1], block: [1, 1, 1], shared_bytes: 0 };
+        let e = b.launch(0, &*m, 0, &l, &[], &owned).unwrap_err();
+        assert_eq!(e.code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "{}", e.msg);
+        assert!(e.msg.contains("constant"), "{}", e.msg);
+        // The load before the faulting store went through.
+        let mut word = [0u8; 4];
+        b.read(0, g, &mut word).unwrap();
+        assert_eq!(u32::from_le_bytes(word), 3);
+        // The host writes constant memory through the module's symbol.
+        b.write(0, c, &[9; 16]).unwrap();
     }
 }

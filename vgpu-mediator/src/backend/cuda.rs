@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
-use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, TenantSlot};
+use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot};
 
 /// The oldest driver this backend runs on (CUDA 12.2): the level the
 /// cudarc bindings are pinned to.
@@ -315,6 +315,21 @@ impl DeviceModule for CudaModule {
 
     fn host_bytes(&self) -> u64 {
         self.host_bytes
+    }
+
+    fn global(&self, name: &str) -> Option<(u64, u64)> {
+        let cname = CString::new(name).ok()?;
+        let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
+        if owner.generation != self.generation || owner.current().is_err() {
+            return None;
+        }
+        let (mut dptr, mut bytes): (cu::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: the owning context is current and the module is live in
+        // it (same generation); valid out-pointers and C string.
+        if unsafe { cu::cuModuleGetGlobal_v2(&mut dptr, &mut bytes, self.module, cname.as_ptr()) } != cu::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        Some((dptr, bytes as u64))
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -750,7 +765,9 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<Arc<dyn DeviceModule>, BackendError> {
+    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64, _data: &mut ModuleDataAlloc<'_>) -> Result<Arc<dyn DeviceModule>, BackendError> {
+        // The driver places the module's variables in the tenant's own
+        // context; `_data` is for backends that place them themselves.
         let owner = self.tenant(slot)?;
         // The driver keeps (at least) a copy of the image on the host.
         let host_bytes = image.len() as u64;

@@ -46,9 +46,10 @@ pub struct DeviceDesc {
 }
 
 /// One tenant's live allocations: start address -> length. Kernel and copy
-/// accesses must fall entirely inside one of them.
+/// accesses must fall entirely inside one of them. The second map holds the
+/// allocations kernels may read but not write (modules' `.const` segments).
 #[derive(Debug, Default, Clone)]
-pub struct AllocTable(pub BTreeMap<u64, u64>);
+pub struct AllocTable(pub BTreeMap<u64, u64>, pub BTreeMap<u64, u64>);
 
 impl AllocTable {
     /// The allocation `[start, start+len)` that wholly contains `[addr, addr+n)`.
@@ -57,7 +58,19 @@ impl AllocTable {
         let end = addr.checked_add(n)?;
         if end <= start + len { Some((*start, *len)) } else { None }
     }
+
+    /// Whether `[addr, addr+n)` overlaps a read-only allocation.
+    pub fn read_only(&self, addr: u64, n: u64) -> bool {
+        match self.1.range(..addr.saturating_add(n)).next_back() {
+            Some((start, len)) => start + len > addr,
+            None => false,
+        }
+    }
 }
+
+/// Device memory for a module's variables, taken from the loading tenant's
+/// quota: `(size, read_only)` to the device address of a zeroed range.
+pub type ModuleDataAlloc<'a> = dyn FnMut(u64, bool) -> Result<u64, BackendError> + 'a;
 
 #[derive(Debug, Clone)]
 pub struct FunctionDesc {
@@ -72,6 +85,10 @@ pub trait DeviceModule: Send + Sync {
     /// Host memory the loaded module keeps in the worker, charged to its
     /// tenant's host budget while the module is loaded.
     fn host_bytes(&self) -> u64;
+    /// A module variable's device address and size (`cuModuleGetGlobal`).
+    fn global(&self, _name: &str) -> Option<(u64, u64)> {
+        None
+    }
     fn as_any(&self) -> &dyn Any;
 }
 
@@ -119,8 +136,10 @@ pub trait Backend: Send + Sync {
     /// Loads a module whose host-side form (parsed or kept by the driver)
     /// takes at most `host_limit` bytes, the rest of the tenant's host
     /// budget; a larger one fails with CUDA_ERROR_OUT_OF_MEMORY before the
-    /// memory is taken.
-    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<Arc<dyn DeviceModule>, BackendError>;
+    /// memory is taken. Device memory for the module's variables comes from
+    /// `data`, charged to the tenant (backends whose driver places module
+    /// variables itself do not call it).
+    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64, data: &mut ModuleDataAlloc<'_>) -> Result<Arc<dyn DeviceModule>, BackendError>;
     /// Runs a kernel to completion; on the CPU device every access is
     /// checked against `owned`, on a GPU the tenant's own context confines
     /// it. Returns instructions executed (0 where the backend cannot count).

@@ -56,6 +56,8 @@ pub struct DeviceSpec {
     pub lanes: u32,
     /// Wall-clock limit of one kernel launch (milliseconds).
     pub launch_timeout_ms: u64,
+    /// Compute capability a CPU device reports (GPUs report their own).
+    pub cc: (u32, u32),
     /// The worker installs its seccomp allow-lists.
     pub seccomp: bool,
     /// Executor threads the worker serves tenant sockets with.
@@ -529,6 +531,8 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::
         .arg(spec.launch_timeout_ms.to_string());
     if let Some(c) = &spec.cuda {
         cmd.args(["--backend", "cuda", "--numa-node", &c.numa_node.to_string()]);
+    } else {
+        cmd.arg("--compute-capability").arg(format!("{}.{}", spec.cc.0, spec.cc.1));
     }
     if let Some(u) = user {
         cmd.arg("--user").arg(u.to_string());

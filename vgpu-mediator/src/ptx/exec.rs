@@ -1,20 +1,33 @@
 //! Executes decoded kernels.
 //!
-//! A block runs thread by thread: each thread executes until it reaches a
-//! block barrier, a warp-collective (`shfl.sync`, `vote.sync`) or exit. A
-//! collective completes once every live lane of its warp waits on it, and
-//! the barrier opens once every live thread of the block waits there. That
-//! gives CUDA's semantics for converged collectives and barriers without
-//! lockstep execution. Every access is bounds-checked: global memory
-//! through [`GlobalMem`], shared and parameter memory against their sizes.
+//! A block runs thread by thread, in rounds. In its turn a thread executes
+//! until it parks (at a block barrier or a warp collective), exits, or has
+//! used its time slice; the slice lets a thread that spins on memory yield,
+//! so warps of a block make independent forward progress as on Volta and
+//! later. After each round the block settles what parked:
+//! - a warp collective (`shfl.sync`, `vote.sync`, `match`, `redux`, `elect`,
+//!   `bar.warp.sync`) completes once every lane of its member mask that has
+//!   not exited waits on it; lanes outside the mask are not waited for;
+//! - `activemask` (and a vote without `.sync`) reports the lanes that
+//!   reached the same instruction in the same round;
+//! - a barrier opens once its thread count (or, without one, every thread
+//!   of the block that has not exited) has arrived.
+//!
+//! Every access is bounds-checked: global memory through [`GlobalMem`],
+//! shared, local and parameter memory against their sizes.
 
 use std::time::{Duration, Instant};
 
 use super::ir::*;
 
 /// Generic addresses in `[SHARED_WINDOW, SHARED_WINDOW + shared size)` name
-/// the block's shared memory; everything else is global.
+/// the block's shared memory; the other windows name the thread's local
+/// memory and the kernel's parameters, and function addresses live in
+/// their own window. Everything else is global.
 pub const SHARED_WINDOW: u64 = 0x0000_1000_0000_0000;
+pub const LOCAL_WINDOW: u64 = 0x0000_2000_0000_0000;
+pub const PARAM_WINDOW: u64 = 0x0000_3000_0000_0000;
+pub const FUNC_WINDOW: u64 = 0x0000_4000_0000_0000;
 pub const WARP: usize = 32;
 
 /// Global memory as one tenant sees it. Implementations check every access
@@ -40,6 +53,12 @@ pub enum ExecError {
     BadLaunch(String),
     #[error("threads deadlocked: {0}")]
     Deadlock(String),
+    #[error("device-side assertion failed: {0}")]
+    Assert(String),
+    #[error("kernel trapped at PTX line {0}")]
+    Trap(u32),
+    #[error("launch failed: {0}")]
+    Failed(String),
 }
 
 impl ExecError {
@@ -72,18 +91,31 @@ pub struct Limits {
     pub budget: u64,
     /// Wall-clock time one launch may run (None: unlimited).
     pub timeout: Option<Duration>,
+    /// The device's streaming-multiprocessor count (`%nsmid`).
+    pub sm_count: u32,
 }
 
 /// Largest per-block register file (threads × registers × 8 bytes) the
 /// interpreter allocates; larger launches fail with out-of-resources, as a
 /// GPU refuses a block whose registers do not fit an SM.
 pub const MAX_REGISTER_FILE: u64 = 64 << 20;
+/// Largest per-block local memory (threads × stack bytes, registers of
+/// called functions included).
+pub const MAX_BLOCK_STACK: u64 = 64 << 20;
+/// Most nested calls of one thread.
+pub const MAX_CALL_DEPTH: usize = 1024;
 /// Bytes of register file or shared memory zeroed per cost unit.
 const ZERO_BYTES_PER_UNIT: u64 = 64;
 /// Fixed cost of starting a block, in units.
 const BLOCK_UNITS: u64 = 16;
+/// Fixed cost of a call or return, in units (plus its frame).
+const CALL_UNITS: u64 = 8;
 /// How often (in units spent) a running launch looks at the clock.
 const CLOCK_EVERY: u64 = 1 << 12;
+/// Units a thread runs in one turn before it yields to the others.
+const SLICE: u64 = 1 << 12;
+/// The body index of a kernel's own frame.
+const KERNEL: u32 = u32::MAX;
 
 /// What a launch may still spend.
 struct Meter {
@@ -91,6 +123,7 @@ struct Meter {
     budget: u64,
     deadline: Option<(Instant, Duration)>,
     next_clock: u64,
+    start: Instant,
 }
 
 impl Meter {
@@ -120,7 +153,7 @@ impl Meter {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0, timeout: None }
+        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0, timeout: None, sm_count: 1 }
     }
 }
 
@@ -133,7 +166,9 @@ pub struct Stats {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum St {
     Run,
-    Bar,
+    /// Waiting at barrier N.
+    Bar(u8),
+    /// Waiting at a warp collective.
     Coll,
     Exit,
 }
@@ -148,9 +183,18 @@ struct Coords {
     nwarp: u32,
 }
 
+/// Launch-wide values special registers read.
+struct LaunchInfo {
+    dyn_base: u64,
+    dyn_size: u64,
+    total_smem: u64,
+    sm_count: u32,
+    start: Instant,
+}
+
 impl Coords {
     #[inline]
-    fn special(&self, s: Special, clock: u64) -> u64 {
+    fn special(&self, s: Special, clock: u64, li: &LaunchInfo) -> u64 {
         let lane = self.lane;
         match s {
             Special::Tid(d) => self.tid[d as usize] as u64,
@@ -161,14 +205,77 @@ impl Coords {
             Special::WarpId => self.warp as u64,
             Special::NWarpId => self.nwarp as u64,
             Special::Clock => clock & 0xffff_ffff,
+            Special::ClockHi => clock >> 32,
             Special::Clock64 => clock,
             Special::LaneMaskEq => 1u64 << lane,
             Special::LaneMaskLt => (1u64 << lane) - 1,
             Special::LaneMaskLe => (1u64 << (lane + 1)) - 1,
             Special::LaneMaskGt => 0xffff_ffff & !((1u64 << (lane + 1)) - 1),
             Special::LaneMaskGe => 0xffff_ffff & !((1u64 << lane) - 1),
+            Special::SmId => 0,
+            Special::NSmId => li.sm_count as u64,
+            Special::GridId => 1,
+            Special::GlobalTimer => globaltimer(li),
+            Special::GlobalTimerLo => globaltimer(li) & 0xffff_ffff,
+            Special::GlobalTimerHi => globaltimer(li) >> 32,
+            Special::DynSmemSize => li.dyn_size,
+            Special::TotalSmemSize => li.total_smem,
+            Special::Const(v) => v,
+            Special::DynShared => li.dyn_base,
         }
     }
+}
+
+fn globaltimer(li: &LaunchInfo) -> u64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    since.max(li.start.elapsed().as_nanos() as u64)
+}
+
+/// A warp collective's operands (taken when the lane parks) and its result.
+#[derive(Clone, Copy, Default)]
+struct Coll {
+    mask: u32,
+    a: u64,
+    b: u64,
+    c: u64,
+    /// Set once the collective completed: `out` and `outp` are its results.
+    done: bool,
+    out: u64,
+    outp: bool,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Barrier {
+    arrived: u32,
+    count: Option<u32>,
+    /// Completions so far (the cluster barrier's phase).
+    phase: u64,
+}
+
+/// Barrier slot of `barrier.cluster`, after the 16 named barriers.
+const CLUSTER_BARRIER: usize = 16;
+
+/// A call in progress: where to go back to and what to copy back.
+struct Frame {
+    ret_pc: u32,
+    body: u32,
+    fb: u32,
+    lb: u32,
+    /// Return value: (offset in the caller's frame, callee's return slot).
+    ret: Option<((u32, u32), (u32, u32))>,
+}
+
+/// One thread's frames beyond the kernel's own registers.
+#[derive(Default)]
+struct Stack {
+    frames: Vec<Frame>,
+    /// Registers of called functions' frames.
+    regs: Vec<u64>,
+    /// Local memory: the kernel's frame, then each call's frame.
+    local: Vec<u8>,
+    body: u32,
+    fb: u32,
+    lb: u32,
 }
 
 /// Runs `k` over the grid. `params` is the packed parameter buffer.
@@ -176,9 +283,9 @@ impl Coords {
 /// Every cost of a launch is metered against `limits.budget`: each
 /// instruction (one unit per register written or element moved), each
 /// block's set-up (a fixed cost plus one unit per [`ZERO_BYTES_PER_UNIT`]
-/// bytes of register file and shared memory zeroed) and each scheduling
-/// round over a block's threads. `limits.timeout` bounds wall-clock time
-/// whatever the budget.
+/// bytes of register file, local and shared memory zeroed), each call's
+/// frame, and each scheduling round over a block's threads.
+/// `limits.timeout` bounds wall-clock time whatever the budget.
 pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn GlobalMem, limits: &Limits) -> Result<Stats, ExecError> {
     let nthreads = cfg.block.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64)).unwrap_or(u64::MAX);
     if nthreads == 0 || nthreads > limits.max_threads_per_block as u64 {
@@ -189,7 +296,8 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
             return Err(ExecError::BadLaunch(format!("grid {:?} / block {:?} outside the device limits", cfg.grid, cfg.block)));
         }
     }
-    let shared = k.shared_bytes as u64 + cfg.dynamic_shared as u64;
+    let dyn_base = (k.shared_bytes as u64).div_ceil(16) * 16;
+    let shared = if cfg.dynamic_shared > 0 { dyn_base + cfg.dynamic_shared as u64 } else { k.shared_bytes as u64 };
     if shared > limits.max_shared as u64 {
         return Err(ExecError::BadLaunch(format!("{shared} bytes of shared memory (limit {})", limits.max_shared)));
     }
@@ -200,28 +308,39 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
     if regfile > MAX_REGISTER_FILE {
         return Err(ExecError::OutOfResources(format!("{nthreads} threads × {} registers need a {regfile}-byte register file per block (limit {MAX_REGISTER_FILE})", k.num_regs)));
     }
+    let local = nthreads.saturating_mul(k.local_size as u64);
+    if local > MAX_BLOCK_STACK {
+        return Err(ExecError::OutOfResources(format!("{nthreads} threads × {} bytes of local memory exceed the {MAX_BLOCK_STACK}-byte block limit", k.local_size)));
+    }
     let budget = if limits.budget == 0 { u64::MAX } else { limits.budget };
-    let mut meter = Meter { left: budget, budget, deadline: limits.timeout.map(|t| (Instant::now() + t, t)), next_clock: budget.saturating_sub(CLOCK_EVERY) };
-    let block_units = BLOCK_UNITS + nthreads + (regfile + shared) / ZERO_BYTES_PER_UNIT;
+    let start = Instant::now();
+    let mut meter = Meter { left: budget, budget, deadline: limits.timeout.map(|t| (start + t, t)), next_clock: budget.saturating_sub(CLOCK_EVERY), start };
+    let block_units = BLOCK_UNITS + nthreads + (regfile + shared + local) / ZERO_BYTES_PER_UNIT;
     // The first block's allocation is charged before it is made.
     meter.charge(block_units)?;
+    let n = nthreads as usize;
     let mut b = BlockState {
-        n: nthreads as usize,
+        n,
         nregs: k.num_regs as usize,
-        regs: vec![0; nthreads as usize * k.num_regs as usize],
-        pc: vec![0; nthreads as usize],
-        st: vec![St::Run; nthreads as usize],
+        regs: vec![0; n * k.num_regs as usize],
+        pc: vec![k.entry; n],
+        st: vec![St::Run; n],
         shared: vec![0; shared as usize],
+        stacks: (0..n).map(|_| Stack { body: KERNEL, ..Stack::default() }).collect(),
+        coll: vec![Coll::default(); n],
+        bars: [Barrier::default(); 17],
+        stack_bytes: 0,
     };
+    let li = LaunchInfo { dyn_base, dyn_size: cfg.dynamic_shared as u64, total_smem: shared, sm_count: limits.sm_count.max(1), start: meter.start };
     let mut stats = Stats::default();
     for cz in 0..cfg.grid[2] {
         for cy in 0..cfg.grid[1] {
             for cx in 0..cfg.grid[0] {
                 if stats.blocks > 0 {
                     meter.charge(block_units)?;
-                    b.reset();
                 }
-                run_block(k, &mut b, cfg, [cx, cy, cz], params, mem, &mut meter)?;
+                b.reset(k);
+                run_block(k, &mut b, cfg, [cx, cy, cz], params, mem, &mut meter, &li)?;
                 stats.blocks += 1;
             }
         }
@@ -237,14 +356,41 @@ struct BlockState {
     pc: Vec<u32>,
     st: Vec<St>,
     shared: Vec<u8>,
+    stacks: Vec<Stack>,
+    coll: Vec<Coll>,
+    bars: [Barrier; 17],
+    /// Bytes of call frames (registers and local memory) the block holds.
+    stack_bytes: u64,
 }
 
 impl BlockState {
-    fn reset(&mut self) {
+    fn reset(&mut self, k: &Kernel) {
         self.regs.fill(0);
-        self.pc.fill(0);
+        self.pc.fill(k.entry);
         self.st.fill(St::Run);
         self.shared.fill(0);
+        for s in &mut self.stacks {
+            s.frames.clear();
+            s.regs.clear();
+            s.local.clear();
+            s.local.resize(k.local_size as usize, 0);
+            s.body = KERNEL;
+            s.fb = 0;
+            s.lb = 0;
+        }
+        self.coll.fill(Coll::default());
+        self.bars = [Barrier::default(); 17];
+        self.stack_bytes = 0;
+    }
+
+    /// Lane `t`'s register `r` in its current frame (0 if out of range).
+    fn peek_reg(&self, t: usize, r: u32) -> u64 {
+        let s = &self.stacks[t];
+        if s.body == KERNEL {
+            if (r as usize) < self.nregs { self.regs[t * self.nregs + r as usize] } else { 0 }
+        } else {
+            s.regs.get(s.fb as usize + r as usize).copied().unwrap_or(0)
+        }
     }
 }
 
@@ -263,156 +409,245 @@ fn coords(t: usize, cfg: &LaunchConfig, ctaid: [u32; 3], n: usize) -> Coords {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_block(k: &Kernel, b: &mut BlockState, cfg: &LaunchConfig, ctaid: [u32; 3], params: &[u8], mem: &mut dyn GlobalMem, meter: &mut Meter) -> Result<(), ExecError> {
+fn run_block(k: &Kernel, b: &mut BlockState, cfg: &LaunchConfig, ctaid: [u32; 3], params: &[u8], mem: &mut dyn GlobalMem, meter: &mut Meter, li: &LaunchInfo) -> Result<(), ExecError> {
     let n = b.n;
-    let r = b.nregs;
     // One scheduling round scans every thread and warp of the block.
     let round_units = (n as u64).div_ceil(WARP as u64);
     loop {
         meter.charge(round_units)?;
+        let mut ran = false;
         for t in 0..n {
             if b.st[t] == St::Run {
+                ran = true;
                 let c = coords(t, cfg, ctaid, n);
-                let regs = &mut b.regs[t * r..(t + 1) * r];
-                b.st[t] = run_thread(k, regs, &mut b.pc[t], &c, &mut b.shared, params, mem, meter)?;
+                b.st[t] = run_thread(k, b, t, &c, params, mem, meter, li)?;
             }
         }
         let mut released = false;
         for w in 0..n.div_ceil(WARP) {
-            released |= resolve_collective(k, b, w, cfg, ctaid)?;
+            released |= resolve_warp(k, b, w)?;
         }
-        if released {
+        released |= resolve_barriers(k, b)?;
+        if released || b.st.contains(&St::Run) {
             continue;
         }
-        let live = b.st.iter().filter(|s| **s != St::Exit).count();
-        if live == 0 {
+        if b.st.iter().all(|s| *s == St::Exit) {
             return Ok(());
         }
-        if b.st.iter().all(|s| matches!(s, St::Bar | St::Exit)) {
-            for s in b.st.iter_mut() {
-                if *s == St::Bar {
-                    *s = St::Run;
-                }
-            }
-            continue;
-        }
-        let t = b.st.iter().position(|s| *s == St::Coll).unwrap_or(0);
-        let line = k.insts.get(b.pc[t] as usize).map(|i| i.line).unwrap_or(0);
-        return Err(ExecError::Deadlock(format!("warp collective at PTX line {line} waits on lanes held at a barrier or another collective")));
+        let _ = ran;
+        let t = b.st.iter().position(|s| *s != St::Exit).unwrap_or(0);
+        let line = k.code.insts.get(b.pc[t] as usize).map(|i| i.line).unwrap_or(0);
+        let what = match b.st[t] {
+            St::Bar(id) => format!("barrier {id}"),
+            _ => "a warp collective".to_string(),
+        };
+        return Err(ExecError::Deadlock(format!("thread {t} waits at {what} (PTX line {line}) for threads that can never arrive")));
     }
 }
 
-/// Completes a warp's `shfl.sync`/`vote.sync` once all its live lanes wait on
-/// the same instruction. Returns whether lanes were released.
-fn resolve_collective(k: &Kernel, b: &mut BlockState, w: usize, cfg: &LaunchConfig, ctaid: [u32; 3]) -> Result<bool, ExecError> {
+/// Opens every barrier whose thread count has arrived.
+fn resolve_barriers(k: &Kernel, b: &mut BlockState) -> Result<bool, ExecError> {
+    let live = b.st.iter().filter(|s| **s != St::Exit).count() as u32;
+    let mut released = false;
+    for id in 0..17u8 {
+        let bar = b.bars[id as usize];
+        if bar.arrived == 0 {
+            continue;
+        }
+        let want = bar.count.unwrap_or(live).min(live.max(1));
+        if bar.arrived < want {
+            continue;
+        }
+        let waiting: Vec<usize> = (0..b.n).filter(|&t| b.st[t] == St::Bar(id)).collect();
+        // A reduction over the threads that waited with bar.red.
+        let (mut popc, mut all, mut any) = (0u64, true, false);
+        for &t in &waiting {
+            let v = b.coll[t].a & 1 != 0;
+            popc += v as u64;
+            all &= v;
+            any |= v;
+        }
+        for &t in &waiting {
+            let out = match &k.code.insts[b.pc[t] as usize].op {
+                Op::Bar { kind: BarKind::RedPopc, .. } => popc,
+                Op::Bar { kind: BarKind::RedAnd, .. } => all as u64,
+                Op::Bar { kind: BarKind::RedOr, .. } => any as u64,
+                _ => 0,
+            };
+            b.coll[t].done = true;
+            b.coll[t].out = out;
+            b.st[t] = St::Run;
+        }
+        b.bars[id as usize] = Barrier { phase: bar.phase + 1, ..Barrier::default() };
+        released = true;
+    }
+    Ok(released)
+}
+
+/// Completes the warp's collectives whose member lanes have all arrived.
+fn resolve_warp(k: &Kernel, b: &mut BlockState, w: usize) -> Result<bool, ExecError> {
     let lo = w * WARP;
     let hi = (lo + WARP).min(b.n);
-    let r = b.nregs;
-    let mut pc = None;
+    let insts = &k.code.insts;
+    let waiting = |b: &BlockState, t: usize| b.st[t] == St::Coll && !b.coll[t].done;
+    let mut exited = 0u32;
+    let mut parked = 0u32;
     for t in lo..hi {
-        match b.st[t] {
-            St::Exit => {}
-            St::Coll => match pc {
-                None => pc = Some(b.pc[t]),
-                Some(p) if p == b.pc[t] => {}
-                Some(_) => return Ok(false),
-            },
-            _ => return Ok(false),
+        if b.st[t] == St::Exit {
+            exited |= 1 << (t - lo);
+        }
+        if waiting(b, t) {
+            parked |= 1 << (t - lo);
         }
     }
-    let Some(pc) = pc else { return Ok(false) };
-    let inst = &k.insts[pc as usize];
-    let mut wait_mask = [false; WARP];
-    for t in lo..hi {
-        wait_mask[t - lo] = b.st[t] == St::Coll;
+    if parked == 0 {
+        return Ok(false);
     }
-    let waiting = |t: usize| t >= lo && t < hi && wait_mask[t - lo];
-    let rd = |b: &BlockState, t: usize, s: &Src| -> u64 {
-        match s {
-            Src::Reg(x) => b.regs[t * r + *x as usize],
-            Src::Imm(v) => *v,
-            Src::Special(sp) => coords(t, cfg, ctaid, b.n).special(*sp, 0),
+    let present: u32 = if hi - lo == WARP { u32::MAX } else { (1u32 << (hi - lo)) - 1 };
+    let mut released = false;
+    let mut settled = 0u32;
+    for i in 0..(hi - lo) {
+        let t = lo + i;
+        if settled & (1 << i) != 0 || !waiting(b, t) {
+            continue;
         }
-    };
-    match &inst.op {
-        Op::Shfl { mode, d, p, a, b: bsrc, c } => {
-            let vals: Vec<u64> = (lo..hi).map(|t| rd(b, t, a)).collect();
-            let mut out = Vec::with_capacity(hi - lo);
-            for t in lo..hi {
-                if !waiting(t) {
-                    out.push((0, false));
-                    continue;
-                }
-                let lane = (t - lo) as i64;
-                let bv = (rd(b, t, bsrc) & 0x1f) as i64;
-                let cv = rd(b, t, c);
-                let clamp = (cv & 0x1f) as i64;
-                let seg = ((cv >> 8) & 0x1f) as i64;
+        let pc = b.pc[t];
+        let op = &insts[pc as usize].op;
+        let by_arrival = matches!(op, Op::ActiveMask { .. }) || matches!(op, Op::Vote { mask: Src::Imm(0), .. });
+        let group = if by_arrival {
+            // Lanes that reached this instruction in the same round.
+            (0..(hi - lo)).filter(|&j| parked & (1 << j) != 0 && b.pc[lo + j] == pc).fold(0u32, |m, j| m | (1 << j))
+        } else {
+            let members = (b.coll[t].mask | (1 << i)) & present & !exited;
+            let ready = (0..(hi - lo)).filter(|&j| members & (1 << j) != 0).all(|j| {
+                parked & (1 << j) != 0 && (b.pc[lo + j] == pc || (matches!(op, Op::WarpSync { .. }) && matches!(insts[b.pc[lo + j] as usize].op, Op::WarpSync { .. })))
+            });
+            if !ready {
+                continue;
+            }
+            members
+        };
+        settled |= group;
+        complete(op, b, lo, hi, group);
+        released = true;
+    }
+    Ok(released)
+}
+
+/// Computes a collective for the lanes in `group` (bits relative to `lo`).
+fn complete(op: &Op, b: &mut BlockState, lo: usize, hi: usize, group: u32) {
+    let lanes: Vec<usize> = (0..(hi - lo)).filter(|j| group & (1 << j) != 0).collect();
+    let mut results: Vec<(usize, u64, bool)> = Vec::with_capacity(lanes.len());
+    match op {
+        Op::Shfl { mode, a, .. } => {
+            for &j in &lanes {
+                let lane = j as i64;
+                let cl = &b.coll[lo + j];
+                let bv = (cl.b & 0x1f) as i64;
+                let clamp = (cl.c & 0x1f) as i64;
+                let seg = ((cl.c >> 8) & 0x1f) as i64;
                 let max_lane = (lane & seg) | (clamp & !seg);
                 let min_lane = lane & seg;
-                let (j, ok) = match mode {
+                let (src, ok) = match mode {
                     ShflMode::Up => (lane - bv, lane - bv >= max_lane),
                     ShflMode::Down => (lane + bv, lane + bv <= max_lane),
                     ShflMode::Bfly => (lane ^ bv, (lane ^ bv) <= max_lane),
                     ShflMode::Idx => {
-                        let j = min_lane | (bv & !seg);
-                        (j, j <= max_lane)
+                        let s = min_lane | (bv & !seg);
+                        (s, s <= max_lane)
                     }
                 };
-                let src = if ok && j >= 0 && ((lo + j as usize) < hi) && waiting(lo + j as usize) { j as usize } else { lane as usize };
-                out.push((vals[src] & 0xffff_ffff, ok));
-            }
-            for t in lo..hi {
-                if waiting(t) {
-                    let (v, ok) = out[t - lo];
-                    b.regs[t * r + *d as usize] = v;
-                    if let Some(p) = p {
-                        b.regs[t * r + *p as usize] = ok as u64;
+                let src = if ok { src as usize } else { j };
+                // A source lane in the group gives the value it brought; one
+                // outside it (undefined in PTX) gives its register as it is.
+                let v = if group & (1 << src) != 0 {
+                    b.coll[lo + src].a
+                } else if lo + src < hi {
+                    match a {
+                        Src::Reg(r) => b.peek_reg(lo + src, *r),
+                        _ => b.coll[lo + j].a,
                     }
-                }
+                } else {
+                    b.coll[lo + j].a
+                };
+                results.push((j, v & 0xffff_ffff, ok));
             }
         }
-        Op::Vote { mode, d, a, negate } => {
+        Op::Vote { mode, negate, .. } => {
             let mut ballot = 0u64;
-            let mut count = 0;
-            for t in lo..hi {
-                if waiting(t) {
-                    count += 1;
-                    if ((rd(b, t, a) & 1) != 0) != *negate {
-                        ballot |= 1 << (t - lo);
-                    }
+            for &j in &lanes {
+                if ((b.coll[lo + j].a & 1) != 0) != *negate {
+                    ballot |= 1 << j;
                 }
             }
-            let set = ballot.count_ones();
+            let set = ballot.count_ones() as usize;
             let v = match mode {
                 VoteMode::Ballot => ballot,
-                VoteMode::All => (set == count) as u64,
+                VoteMode::All => (set == lanes.len()) as u64,
                 VoteMode::Any => (set > 0) as u64,
-                VoteMode::Uni => (set == 0 || set == count) as u64,
+                VoteMode::Uni => (set == 0 || set == lanes.len()) as u64,
             };
-            for t in lo..hi {
-                if waiting(t) {
-                    b.regs[t * r + *d as usize] = v;
+            results.extend(lanes.iter().map(|&j| (j, v, false)));
+        }
+        Op::Match { all, ty, .. } => {
+            let val = |j: usize| ty.mask(b.coll[lo + j].a);
+            if *all {
+                let same = lanes.iter().all(|&j| val(j) == val(lanes[0]));
+                results.extend(lanes.iter().map(|&j| (j, if same { group as u64 } else { 0 }, same)));
+            } else {
+                for &j in &lanes {
+                    let m = lanes.iter().filter(|&&x| val(x) == val(j)).fold(0u64, |m, &x| m | (1 << x));
+                    results.push((j, m, false));
                 }
             }
         }
-        _ => return Err(ExecError::Deadlock(format!("internal: collective state at non-collective PTX line {}", inst.line))),
-    }
-    for t in lo..hi {
-        if waiting(t) {
-            b.pc[t] = pc + 1;
-            b.st[t] = St::Run;
+        Op::Redux { op, ty, .. } => {
+            let vals = lanes.iter().map(|&j| b.coll[lo + j].a & 0xffff_ffff);
+            let signed = ty.is_signed();
+            let v = match op {
+                ReduxOp::Add => vals.fold(0u64, |s, v| s.wrapping_add(v)) & 0xffff_ffff,
+                ReduxOp::And => vals.fold(0xffff_ffff, |s, v| s & v),
+                ReduxOp::Or => vals.fold(0, |s, v| s | v),
+                ReduxOp::Xor => vals.fold(0, |s, v| s ^ v),
+                ReduxOp::Min if signed => vals.map(|v| v as u32 as i32).min().unwrap_or(0) as u32 as u64,
+                ReduxOp::Max if signed => vals.map(|v| v as u32 as i32).max().unwrap_or(0) as u32 as u64,
+                ReduxOp::Min => vals.min().unwrap_or(0),
+                ReduxOp::Max => vals.max().unwrap_or(0),
+            };
+            results.extend(lanes.iter().map(|&j| (j, v, false)));
         }
+        Op::Elect { .. } => {
+            let leader = lanes.first().copied().unwrap_or(0);
+            results.extend(lanes.iter().map(|&j| (j, leader as u64, j == leader)));
+        }
+        Op::ActiveMask { .. } => results.extend(lanes.iter().map(|&j| (j, group as u64, false))),
+        _ => results.extend(lanes.iter().map(|&j| (j, 0, false))),
     }
-    Ok(true)
+    for (j, out, outp) in results {
+        let c = &mut b.coll[lo + j];
+        c.done = true;
+        c.out = out;
+        c.outp = outp;
+        b.st[lo + j] = St::Run;
+    }
+}
+
+/// Per-thread values an instruction's operands read.
+struct Th<'a> {
+    c: &'a Coords,
+    li: &'a LaunchInfo,
+    syms: &'a [u64],
+    lb: u64,
 }
 
 #[inline(always)]
-fn rd(regs: &[u64], s: &Src, c: &Coords, clock: u64) -> u64 {
+fn rd(regs: &[u64], s: &Src, th: &Th, clock: u64) -> u64 {
     match s {
         Src::Reg(r) => regs[*r as usize],
         Src::Imm(v) => *v,
-        Src::Special(sp) => c.special(*sp, clock),
+        Src::Special(sp) => th.c.special(*sp, clock, th.li),
+        Src::Sym(i) => th.syms.get(*i as usize).copied().unwrap_or(0),
+        Src::Local(off) => th.lb + *off as u64,
     }
 }
 
@@ -424,18 +659,11 @@ fn f32v(v: u64) -> f32 {
 fn f64v(v: u64) -> f64 {
     f64::from_bits(v)
 }
-#[inline(always)]
-fn fbits(ty: Ty, x: f64) -> u64 {
-    if ty == Ty::F32 { (x as f32).to_bits() as u64 } else { x.to_bits() }
-}
-#[inline(always)]
-fn fval(ty: Ty, v: u64) -> f64 {
-    if ty == Ty::F32 { f32v(v) as f64 } else { f64v(v) }
-}
 
 struct Mem<'a> {
     shared: &'a mut [u8],
     params: &'a [u8],
+    local: &'a mut Vec<u8>,
     global: &'a mut dyn GlobalMem,
 }
 
@@ -443,17 +671,20 @@ impl Mem<'_> {
     fn resolve(&self, space: Space, addr: u64) -> Space {
         match space {
             Space::Generic if addr >= SHARED_WINDOW && addr - SHARED_WINDOW < self.shared.len() as u64 => Space::Shared,
+            Space::Generic if addr >= LOCAL_WINDOW && addr - LOCAL_WINDOW < self.local.len() as u64 => Space::Local,
+            Space::Generic if addr >= PARAM_WINDOW && addr - PARAM_WINDOW < self.params.len() as u64 => Space::Param,
             Space::Generic => Space::Global,
             s => s,
         }
     }
 
-    fn local_range(&self, space: Space, addr: u64, len: usize) -> Result<std::ops::Range<usize>, ExecError> {
-        let (base, size, kind) = match space {
-            Space::Shared => (if addr >= SHARED_WINDOW { SHARED_WINDOW } else { 0 }, self.shared.len(), "shared"),
-            _ => (0, self.params.len(), "param"),
+    fn range(&self, space: Space, addr: u64, len: usize) -> Result<std::ops::Range<usize>, ExecError> {
+        let (window, size, kind) = match space {
+            Space::Shared => (SHARED_WINDOW, self.shared.len(), "shared"),
+            Space::Local => (LOCAL_WINDOW, self.local.len(), "local"),
+            _ => (PARAM_WINDOW, self.params.len(), "param"),
         };
-        let off = addr.wrapping_sub(base);
+        let off = if addr >= window { addr - window } else { addr };
         match off.checked_add(len as u64) {
             Some(end) if end <= size as u64 => Ok(off as usize..end as usize),
             _ => Err(ExecError::IllegalAddress { kind, addr, len, line: 0 }),
@@ -475,12 +706,17 @@ impl Mem<'_> {
         match space {
             Space::Global | Space::Generic => self.global.load(addr, out),
             Space::Shared => {
-                let r = self.local_range(space, addr, out.len())?;
+                let r = self.range(space, addr, out.len())?;
                 out.copy_from_slice(&self.shared[r]);
                 Ok(())
             }
+            Space::Local => {
+                let r = self.range(space, addr, out.len())?;
+                out.copy_from_slice(&self.local[r]);
+                Ok(())
+            }
             Space::Param => {
-                let r = self.local_range(space, addr, out.len())?;
+                let r = self.range(space, addr, out.len())?;
                 out.copy_from_slice(&self.params[r]);
                 Ok(())
             }
@@ -493,8 +729,13 @@ impl Mem<'_> {
         match space {
             Space::Global | Space::Generic => self.global.store(addr, data),
             Space::Shared => {
-                let r = self.local_range(space, addr, data.len())?;
+                let r = self.range(space, addr, data.len())?;
                 self.shared[r].copy_from_slice(data);
+                Ok(())
+            }
+            Space::Local => {
+                let r = self.range(space, addr, data.len())?;
+                self.local[r].copy_from_slice(data);
                 Ok(())
             }
             Space::Param => Err(ExecError::IllegalAddress { kind: "param (store)", addr, len: data.len(), line: 0 }),
@@ -506,36 +747,204 @@ impl Mem<'_> {
         self.load(space, addr, &mut buf[..n])?;
         Ok(u64::from_le_bytes(buf))
     }
+
+    /// A NUL-terminated string of at most `max` bytes from global memory.
+    fn cstr(&mut self, addr: u64, max: usize) -> String {
+        let mut out = Vec::new();
+        let mut byte = [0u8];
+        while out.len() < max && self.load(Space::Generic, addr.wrapping_add(out.len() as u64), &mut byte).is_ok() && byte[0] != 0 {
+            out.push(byte[0]);
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}
+
+/// Why a frame stopped running.
+enum Ev {
+    Park(St),
+    Call { callee: u32, at: usize },
+    Ret,
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_thread(
-    k: &Kernel,
-    regs: &mut [u64],
-    pc_out: &mut u32,
-    c: &Coords,
-    shared: &mut [u8],
-    params: &[u8],
-    global: &mut dyn GlobalMem,
-    meter: &mut Meter,
-) -> Result<St, ExecError> {
-    let mut m = Mem { shared, params, global };
-    let insts = &k.insts[..];
-    let mut pc = *pc_out as usize;
+fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8], global: &mut dyn GlobalMem, meter: &mut Meter, li: &LaunchInfo) -> Result<St, ExecError> {
+    let code = &*k.code;
+    let nk = b.nregs;
+    let yield_at = meter.left.saturating_sub(SLICE);
+    let BlockState { regs: kregs, pc: pcs, shared, stacks, coll, bars, stack_bytes, .. } = b;
+    let stack = &mut stacks[t];
+    let mut pc = pcs[t] as usize;
     loop {
+        let nregs = if stack.body == KERNEL { nk } else { code.funcs[stack.body as usize].num_regs as usize };
+        let regs: &mut [u64] = if stack.body == KERNEL { &mut kregs[t * nk..(t + 1) * nk] } else { &mut stack.regs[stack.fb as usize..stack.fb as usize + nregs] };
+        let th = Th { c, li, syms: &code.syms, lb: stack.lb as u64 };
+        let cl = &mut coll[t];
+        if cl.done {
+            // The collective or barrier this lane parked on completed.
+            cl.done = false;
+            match &code.insts[pc].op {
+                Op::Shfl { d, p, .. } | Op::Match { d, p, .. } => {
+                    regs[*d as usize] = cl.out;
+                    if let Some(p) = p {
+                        regs[*p as usize] = cl.outp as u64;
+                    }
+                }
+                Op::Vote { d, .. } | Op::Redux { d, .. } | Op::ActiveMask { d } => regs[*d as usize] = cl.out,
+                Op::Bar { d: Some(d), .. } => regs[*d as usize] = cl.out,
+                Op::Elect { d, p, .. } => {
+                    if let Some(d) = d {
+                        regs[*d as usize] = cl.out;
+                    }
+                    if let Some(p) = p {
+                        regs[*p as usize] = cl.outp as u64;
+                    }
+                }
+                _ => {}
+            }
+            pc += 1;
+        }
+        let mut m = Mem { shared, params, local: &mut stack.local, global: &mut *global };
+        let ev = run_frame(&code.insts, &mut pc, regs, &th, &mut m, meter, yield_at, cl, bars);
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                pcs[t] = pc as u32;
+                return Err(e);
+            }
+        };
+        match ev {
+            Ev::Park(st) => {
+                pcs[t] = pc as u32;
+                return Ok(st);
+            }
+            Ev::Ret => {
+                let Some(f) = stack.frames.pop() else {
+                    pcs[t] = pc as u32;
+                    return Ok(St::Exit);
+                };
+                meter.charge(CALL_UNITS)?;
+                if let Some(((dst, dsize), (src, ssize))) = f.ret {
+                    let n = dsize.min(ssize) as usize;
+                    let (s, d) = (stack.lb as usize + src as usize, f.lb as usize + dst as usize);
+                    if s + n <= stack.local.len() && d + n <= stack.local.len() {
+                        stack.local.copy_within(s..s + n, d);
+                    }
+                }
+                let callee = &code.funcs[stack.body as usize];
+                let freed = callee.num_regs as u64 * 8 + callee.local_size as u64;
+                *stack_bytes = stack_bytes.saturating_sub(freed);
+                stack.regs.truncate(stack.fb as usize);
+                stack.local.truncate(stack.lb as usize);
+                stack.body = f.body;
+                stack.fb = f.fb;
+                stack.lb = f.lb;
+                pc = f.ret_pc as usize;
+            }
+            Ev::Call { callee, at } => {
+                let (args, ret): (&[(u32, u32)], _) = match &code.insts[at].op {
+                    Op::Call { args, ret, .. } => (args, *ret),
+                    _ => (&[], None),
+                };
+                let line = code.insts[at].line;
+                let f = &code.funcs[callee as usize];
+                if let Some(builtin) = f.builtin {
+                    let arg = |i: usize, m: &Vec<u8>| -> u64 {
+                        let Some(&(off, _)) = args.get(i) else { return 0 };
+                        let at = stack.lb as usize + off as usize;
+                        m.get(at..at + 8).map(|s| u64::from_le_bytes(s.try_into().unwrap_or([0; 8]))).unwrap_or(0)
+                    };
+                    match builtin {
+                        Builtin::AssertFail => {
+                            let (msg, file, ln, func) = (arg(0, &stack.local), arg(1, &stack.local), arg(2, &stack.local) as u32, arg(3, &stack.local));
+                            let mut m = Mem { shared, params, local: &mut stack.local, global: &mut *global };
+                            let (msg, file, func) = (m.cstr(msg, 256), m.cstr(file, 256), m.cstr(func, 256));
+                            pcs[t] = pc as u32;
+                            return Err(ExecError::Assert(format!("{file}:{ln}: {func}: block [{},{},{}], thread [{},{},{}]: Assertion `{msg}` failed.", c.ctaid[0], c.ctaid[1], c.ctaid[2], c.tid[0], c.tid[1], c.tid[2])));
+                        }
+                        Builtin::Vprintf => {
+                            // Output is discarded; printf returns 0.
+                            if let Some((off, size)) = ret {
+                                let at = stack.lb as usize + off as usize;
+                                let n = (size as usize).min(4);
+                                if let Some(s) = stack.local.get_mut(at..at + n) {
+                                    s.fill(0);
+                                }
+                            }
+                            continue;
+                        }
+                    }
+                }
+                let Some(entry) = f.entry else {
+                    return Err(ExecError::Failed(format!("call to undefined function '{}' at PTX line {line}", f.name)));
+                };
+                if stack.frames.len() >= MAX_CALL_DEPTH {
+                    return Err(ExecError::Failed(format!("call stack overflow: more than {MAX_CALL_DEPTH} nested calls at PTX line {line}")));
+                }
+                let caller_local = if stack.body == KERNEL { k.local_size } else { code.funcs[stack.body as usize].local_size };
+                let new_lb = (stack.lb as usize + caller_local as usize).div_ceil(16) * 16;
+                let new_fb = if stack.body == KERNEL { 0 } else { stack.fb as usize + nregs };
+                let frame = f.num_regs as u64 * 8 + f.local_size as u64;
+                *stack_bytes = stack_bytes.saturating_add(frame);
+                if *stack_bytes > MAX_BLOCK_STACK {
+                    return Err(ExecError::Failed(format!("call stack overflow: the block's call frames exceed {MAX_BLOCK_STACK} bytes at PTX line {line}")));
+                }
+                meter.charge(CALL_UNITS + frame / ZERO_BYTES_PER_UNIT)?;
+                stack.local.resize(new_lb + f.local_size as usize, 0);
+                stack.local[new_lb..].fill(0);
+                for (i, &(aoff, asize)) in args.iter().enumerate() {
+                    let Some(&(poff, psize)) = f.params.get(i) else { break };
+                    let n = asize.min(psize) as usize;
+                    let s = stack.lb as usize + aoff as usize;
+                    let d = new_lb + poff as usize;
+                    if s + n <= stack.local.len() && d + n <= stack.local.len() {
+                        stack.local.copy_within(s..s + n, d);
+                    }
+                }
+                stack.regs.resize(new_fb + f.num_regs as usize, 0);
+                stack.regs[new_fb..].fill(0);
+                stack.frames.push(Frame { ret_pc: pc as u32, body: stack.body, fb: stack.fb, lb: stack.lb, ret: ret.and_then(|r| f.ret.map(|fr| (r, fr))) });
+                stack.body = callee;
+                stack.fb = new_fb as u32;
+                stack.lb = new_lb as u32;
+                pc = entry as usize;
+            }
+        }
+    }
+}
+
+/// Runs one frame until it parks, calls, returns or yields. `pc` is left at
+/// the instruction to run next (a parked instruction itself).
+#[allow(clippy::too_many_arguments)]
+fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &mut Mem, meter: &mut Meter, yield_at: u64, cl: &mut Coll, bars: &mut [Barrier; 17]) -> Result<Ev, ExecError> {
+    let mut pc = *pc_io;
+    macro_rules! park {
+        ($st:expr) => {{
+            *pc_io = pc;
+            return Ok(Ev::Park($st));
+        }};
+    }
+    loop {
+        if meter.left < yield_at {
+            // Time slice used: let the block's other threads run.
+            park!(St::Run);
+        }
         let inst = &insts[pc];
         meter.charge(match &inst.op {
-            Op::Ld { d, .. } | Op::Unpack { d, .. } => d.len().max(1) as u64,
+            Op::Ld { d, .. } => d.len().max(1) as u64,
+            Op::Unpack { d, .. } => d.len().max(1) as u64,
             Op::St { s, .. } | Op::Pack { s, .. } => s.len().max(1) as u64,
             _ => 1,
-        })?;
-        pc += 1;
+        })
+        .inspect_err(|_| *pc_io = pc)?;
         if let Some((p, neg)) = inst.guard {
             if ((regs[p as usize] & 1) != 0) == neg {
+                pc += 1;
                 continue;
             }
         }
         let clock = meter.spent();
+        let c = th;
+        let fail = |e: ExecError| e.at(inst.line);
         match &inst.op {
             Op::Mov { ty, d, a } => regs[*d as usize] = ty.mask(rd(regs, a, c, clock)),
             Op::Ld { space, ty, d, addr, dst_bits } => {
@@ -545,11 +954,12 @@ fn run_thread(
                     // Vector loads need the whole vector aligned.
                     let total = n * d.len();
                     if *space != Space::Param && base % total as u64 != 0 {
+                        *pc_io = pc;
                         return Err(ExecError::Misaligned { addr: base, len: total, line: inst.line });
                     }
                 }
                 for (i, dr) in d.iter().enumerate() {
-                    let v = m.load_val(*space, base.wrapping_add((i * n) as u64), n).map_err(|e| e.at(inst.line))?;
+                    let v = m.load_val(*space, base.wrapping_add((i * n) as u64), n).map_err(fail).inspect_err(|_| *pc_io = pc)?;
                     let v = if ty.is_signed() && (n as u32) * 8 < *dst_bits {
                         let s = ty.sext(v) as u64;
                         if *dst_bits >= 64 { s } else { s & ((1u64 << dst_bits) - 1) }
@@ -563,49 +973,104 @@ fn run_thread(
                 let base = rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64);
                 let n = ty.bytes();
                 if s.len() > 1 && base % (n * s.len()) as u64 != 0 {
+                    *pc_io = pc;
                     return Err(ExecError::Misaligned { addr: base, len: n * s.len(), line: inst.line });
                 }
                 for (i, sv) in s.iter().enumerate() {
                     let v = rd(regs, sv, c, clock).to_le_bytes();
-                    m.store(*space, base.wrapping_add((i * n) as u64), &v[..n]).map_err(|e| e.at(inst.line))?;
+                    m.store(*space, base.wrapping_add((i * n) as u64), &v[..n]).map_err(fail).inspect_err(|_| *pc_io = pc)?;
                 }
             }
-            Op::Cvta { to_generic, shared, d, a } => {
+            Op::Cvta { to_generic, window, d, a } => {
                 let v = rd(regs, a, c, clock);
-                regs[*d as usize] = match (shared, to_generic) {
-                    (false, _) => v,
-                    (true, true) => v.wrapping_add(SHARED_WINDOW),
-                    (true, false) => v.wrapping_sub(SHARED_WINDOW) & 0xffff_ffff,
+                regs[*d as usize] = match (*window, to_generic) {
+                    (0, _) => v,
+                    (w, true) => v.wrapping_add(w),
+                    (w, false) => v.wrapping_sub(w),
                 };
             }
-            Op::Cvt { dty, sty, round, sat, d, a } => regs[*d as usize] = cvt(*dty, *sty, *round, *sat, rd(regs, a, c, clock)),
+            Op::Cvt { dty, sty, round, sat, relu, d, a } => regs[*d as usize] = cvt(*dty, *sty, *round, *sat, *relu, rd(regs, a, c, clock)),
+            Op::Cvt2 { dty, round, relu, d, hi, lo } => {
+                let h = cvt(half_of(*dty), Ty::F32, *round, false, *relu, rd(regs, hi, c, clock));
+                let l = cvt(half_of(*dty), Ty::F32, *round, false, *relu, rd(regs, lo, c, clock));
+                regs[*d as usize] = (h << 16) | l;
+            }
             Op::Bin { op, ty, d, a, b } => {
                 let (x, y) = (rd(regs, a, c, clock), rd(regs, b, c, clock));
-                regs[*d as usize] = if ty.is_float() { fbin(*op, *ty, x, y) } else { ibin(*op, *ty, x, y) };
+                regs[*d as usize] = match ty {
+                    Ty::F32 | Ty::F64 => fbin(*op, *ty, x, y),
+                    Ty::F16 | Ty::Bf16 | Ty::F16x2 | Ty::Bf16x2 => hbin(*op, *ty, x, y),
+                    _ => ibin(*op, *ty, x, y),
+                };
+            }
+            Op::BinR { op, ty, round, d, a, b } => {
+                let (x, y) = (rd(regs, a, c, clock), rd(regs, b, c, clock));
+                regs[*d as usize] = if ty.is_float() { fbin_round(*op, *ty, *round, x, y) } else { sat_int(*op, *ty, x, y) };
+            }
+            Op::Carry { sub, cin, cout, ty, d, a, b } => {
+                let bits = ty.bits();
+                let (x, y) = (ty.mask(rd(regs, a, c, clock)) as u128, ty.mask(rd(regs, b, c, clock)) as u128);
+                let cf = if *cin { (regs[0] & 1) as u128 } else { 0 };
+                let (r, carry) = if *sub {
+                    (x.wrapping_sub(y).wrapping_sub(cf), x < y + cf)
+                } else {
+                    let s = x + y + cf;
+                    (s, (s >> bits) != 0)
+                };
+                regs[*d as usize] = ty.mask(r as u64);
+                if *cout {
+                    regs[0] = carry as u64;
+                }
             }
             Op::Un { op, ty, d, a } => regs[*d as usize] = un(*op, *ty, rd(regs, a, c, clock)),
-            Op::Mad { mode, ty, d, a, b, c: cc } => {
+            Op::Mad { mode, ty, d, a, b, c: cc, carry } => {
                 let (x, y, z) = (rd(regs, a, c, clock), rd(regs, b, c, clock), rd(regs, cc, c, clock));
-                regs[*d as usize] = match mode {
-                    MadMode::Lo => ty.mask(ibin(Bin::MulLo, *ty, x, y).wrapping_add(z)),
-                    MadMode::Hi => ty.mask(ibin(Bin::MulHi, *ty, x, y).wrapping_add(z)),
-                    MadMode::Wide => {
-                        let w = if ty.bits() == 32 { if ty.is_signed() { Ty::S64 } else { Ty::U64 } } else { Ty::U32 };
-                        w.mask(ibin(Bin::MulWide, *ty, x, y).wrapping_add(z))
-                    }
+                let prod = match mode {
+                    MadMode::Lo => ibin(Bin::MulLo, *ty, x, y),
+                    MadMode::Hi => ibin(Bin::MulHi, *ty, x, y),
+                    MadMode::Lo24 => ibin(Bin::Mul24Lo, *ty, x, y),
+                    MadMode::Hi24 => ibin(Bin::Mul24Hi, *ty, x, y),
+                    MadMode::Wide => ibin(Bin::MulWide, *ty, x, y),
+                };
+                let rty = if *mode == MadMode::Wide { if ty.bits() == 32 { if ty.is_signed() { Ty::S64 } else { Ty::U64 } } else { Ty::U32 } } else { *ty };
+                let cf = if carry.0 { regs[0] & 1 } else { 0 };
+                let s = rty.mask(prod) as u128 + rty.mask(z) as u128 + cf as u128;
+                regs[*d as usize] = rty.mask(s as u64);
+                if carry.1 {
+                    regs[0] = ((s >> rty.bits()) != 0) as u64;
+                }
+            }
+            Op::Fma { ty, round, d, a, b, c: cc, sat, relu } => {
+                let (x, y, z) = (rd(regs, a, c, clock), rd(regs, b, c, clock), rd(regs, cc, c, clock));
+                regs[*d as usize] = fma(*ty, *round, x, y, z, *sat, *relu);
+            }
+            Op::Tri { op, ty, d, a, b, c: cc } => {
+                let (x, y, z) = (rd(regs, a, c, clock), rd(regs, b, c, clock), rd(regs, cc, c, clock));
+                regs[*d as usize] = tri(*op, *ty, x, y, z);
+            }
+            Op::Bfi { ty, d, f, b, pos, len } => {
+                let (fv, bv) = (rd(regs, f, c, clock), rd(regs, b, c, clock));
+                let (p, l) = ((rd(regs, pos, c, clock) & 0xff) as u32, (rd(regs, len, c, clock) & 0xff) as u32);
+                let bits = ty.bits();
+                regs[*d as usize] = if l == 0 || p >= bits {
+                    ty.mask(bv)
+                } else {
+                    let l = l.min(bits - p);
+                    let mask = if l >= 64 { u64::MAX } else { ((1u64 << l) - 1) << p };
+                    ty.mask((bv & !mask) | ((fv << p) & mask))
                 };
             }
-            Op::Fma { ty, d, a, b, c: cc, sat } => {
-                let (x, y, z) = (rd(regs, a, c, clock), rd(regs, b, c, clock), rd(regs, cc, c, clock));
-                let r = if *ty == Ty::F32 {
-                    let v = f32v(x).mul_add(f32v(y), f32v(z));
-                    let v = if *sat { sat01(v as f64) as f32 } else { v };
-                    v.to_bits() as u64
-                } else {
-                    let v = f64v(x).mul_add(f64v(y), f64v(z));
-                    (if *sat { sat01(v) } else { v }).to_bits()
+            Op::Testp { kind, ty, p, a } => {
+                let x = fval(*ty, rd(regs, a, c, clock));
+                let r = match kind {
+                    TestpKind::Finite => x.is_finite(),
+                    TestpKind::Infinite => x.is_infinite(),
+                    TestpKind::Number => !x.is_nan(),
+                    TestpKind::NotANumber => x.is_nan(),
+                    TestpKind::Normal => if *ty == Ty::F32 { (x as f32).is_normal() } else { x.is_normal() },
+                    TestpKind::Subnormal => if *ty == Ty::F32 { (x as f32).is_subnormal() } else { x.is_subnormal() },
                 };
-                regs[*d as usize] = r;
+                regs[*p as usize] = r as u64;
             }
             Op::Setp { cmp, ty, p, q, a, b, comb } => {
                 let mut r = compare(*cmp, *ty, rd(regs, a, c, clock), rd(regs, b, c, clock));
@@ -625,28 +1090,125 @@ fn run_thread(
                     regs[*q as usize] = nr as u64;
                 }
             }
+            Op::Set { cmp, dty, ty, d, a, b } => {
+                let r = compare(*cmp, *ty, rd(regs, a, c, clock), rd(regs, b, c, clock));
+                regs[*d as usize] = match (r, dty) {
+                    (false, _) => 0,
+                    (true, Ty::F32) => 1f32.to_bits() as u64,
+                    (true, t) => t.mask(u64::MAX),
+                };
+            }
             Op::Selp { ty, d, a, b, p } => {
                 let v = if rd(regs, p, c, clock) & 1 != 0 { rd(regs, a, c, clock) } else { rd(regs, b, c, clock) };
                 regs[*d as usize] = ty.mask(v);
             }
-            Op::Bra { target } => pc = *target as usize,
-            Op::Bar => {
-                *pc_out = pc as u32;
-                return Ok(St::Bar);
+            Op::Slct { ty, cty, d, a, b, c: cc } => {
+                let cv = rd(regs, cc, c, clock);
+                let pos = if *cty == Ty::F32 { f32v(cv) >= 0.0 } else { (cv as u32 as i32) >= 0 };
+                regs[*d as usize] = ty.mask(if pos { rd(regs, a, c, clock) } else { rd(regs, b, c, clock) });
             }
-            Op::Shfl { .. } | Op::Vote { .. } => {
-                // Park on the collective; the warp resolves it.
-                *pc_out = (pc - 1) as u32;
-                return Ok(St::Coll);
+            Op::Bra { target } => {
+                pc = *target as usize;
+                continue;
+            }
+            Op::Brx { index, targets } => {
+                let i = rd(regs, index, c, clock) as usize;
+                match targets.get(i) {
+                    Some(t) => {
+                        pc = *t as usize;
+                        continue;
+                    }
+                    None => {
+                        *pc_io = pc;
+                        return Err(ExecError::Failed(format!("brx.idx index {i} outside its {}-entry table at PTX line {}", targets.len(), inst.line)));
+                    }
+                }
+            }
+            Op::Call { callee, args, ret } => {
+                let callee = match callee {
+                    Callee::Direct(f) => *f,
+                    Callee::Indirect(s) => {
+                        let a = rd(regs, s, c, clock);
+                        match a.checked_sub(FUNC_WINDOW) {
+                            Some(f) if f < u32::MAX as u64 => f as u32,
+                            _ => {
+                                *pc_io = pc;
+                                return Err(ExecError::IllegalAddress { kind: "function", addr: a, len: 0, line: inst.line });
+                            }
+                        }
+                    }
+                };
+                let _ = (args, ret);
+                *pc_io = pc + 1;
+                return Ok(Ev::Call { callee, at: pc });
+            }
+            Op::Ret => {
+                *pc_io = pc;
+                return Ok(Ev::Ret);
+            }
+            Op::Exit => park!(St::Exit),
+            Op::Trap => {
+                *pc_io = pc;
+                return Err(ExecError::Trap(inst.line));
+            }
+            Op::Bar { kind: BarKind::ClusterArrive, .. } => {
+                let bar = &mut bars[CLUSTER_BARRIER];
+                bar.arrived += 1;
+                cl.b = bar.phase;
+            }
+            Op::Bar { kind: BarKind::ClusterWait, .. } => {
+                if bars[CLUSTER_BARRIER].phase <= cl.b {
+                    park!(St::Bar(CLUSTER_BARRIER as u8));
+                }
+            }
+            Op::Bar { kind, id, count, a, .. } => {
+                let id = rd(regs, id, c, clock);
+                if id >= 16 {
+                    *pc_io = pc;
+                    return Err(ExecError::Failed(format!("barrier {id} out of range (0-15) at PTX line {}", inst.line)));
+                }
+                let count = count.map(|s| rd(regs, &s, c, clock) as u32);
+                let bar = &mut bars[id as usize];
+                bar.arrived += 1;
+                if count.is_some() {
+                    bar.count = count;
+                }
+                if *kind == BarKind::Arrive {
+                    pc += 1;
+                    continue;
+                }
+                if let Some((p, neg)) = a {
+                    cl.a = (((rd(regs, p, c, clock) & 1) != 0) != *neg) as u64;
+                }
+                park!(St::Bar(id as u8));
+            }
+            Op::Shfl { a, b, c: cc, mask, .. } => {
+                *cl = Coll { mask: rd(regs, mask, c, clock) as u32, a: rd(regs, a, c, clock), b: rd(regs, b, c, clock), c: rd(regs, cc, c, clock), ..Coll::default() };
+                park!(St::Coll);
+            }
+            Op::Vote { a, mask, .. } | Op::Match { a, mask, .. } | Op::Redux { a, mask, .. } => {
+                *cl = Coll { mask: rd(regs, mask, c, clock) as u32, a: rd(regs, a, c, clock), ..Coll::default() };
+                park!(St::Coll);
+            }
+            Op::Elect { mask, .. } | Op::WarpSync { mask } => {
+                *cl = Coll { mask: rd(regs, mask, c, clock) as u32, ..Coll::default() };
+                park!(St::Coll);
+            }
+            Op::ActiveMask { .. } => {
+                *cl = Coll::default();
+                park!(St::Coll);
             }
             Op::Nop => {}
             Op::Atom { space, op, ty, d, addr, b, c: cas } => {
                 let a = rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64);
                 let n = ty.bytes();
-                let old = m.load_val(*space, a, n).map_err(|e| e.at(inst.line))?;
+                let old = m.load_val(*space, a, n).map_err(fail).inspect_err(|_| *pc_io = pc)?;
                 let bv = rd(regs, b, c, clock);
                 let new = match op {
-                    AtomOp::Add if ty.is_float() => fbin(Bin::Add, *ty, old, bv),
+                    AtomOp::Add if matches!(ty, Ty::F32 | Ty::F64) => fbin(Bin::Add, *ty, old, bv),
+                    AtomOp::Add if ty.is_float() => hbin(Bin::Add, *ty, old, bv),
+                    AtomOp::Min | AtomOp::Max if matches!(ty, Ty::F32 | Ty::F64) => fbin(if *op == AtomOp::Min { Bin::Min } else { Bin::Max }, *ty, old, bv),
+                    AtomOp::Min | AtomOp::Max if ty.is_float() => hbin(if *op == AtomOp::Min { Bin::Min } else { Bin::Max }, *ty, old, bv),
                     AtomOp::Add => ty.mask(old.wrapping_add(bv)),
                     AtomOp::Min => ibin(Bin::Min, *ty, old, bv),
                     AtomOp::Max => ibin(Bin::Max, *ty, old, bv),
@@ -661,14 +1223,31 @@ fn run_thread(
                     AtomOp::Inc => if ty.mask(old) >= ty.mask(bv) { 0 } else { old + 1 },
                     AtomOp::Dec => if old == 0 || ty.mask(old) > ty.mask(bv) { bv } else { old - 1 },
                 };
-                m.store(*space, a, &ty.mask(new).to_le_bytes()[..n]).map_err(|e| e.at(inst.line))?;
+                m.store(*space, a, &ty.mask(new).to_le_bytes()[..n]).map_err(fail).inspect_err(|_| *pc_io = pc)?;
                 if let Some(d) = d {
                     regs[*d as usize] = old;
                 }
             }
+            Op::CpAsync { dst, src, size, src_size } => {
+                let da = rd(regs, &dst.base, c, clock).wrapping_add(dst.offset as u64);
+                let sa = rd(regs, &src.base, c, clock).wrapping_add(src.offset as u64);
+                let n = *size as usize;
+                let valid = src_size.map(|s| (rd(regs, &s, c, clock) as usize).min(n)).unwrap_or(n);
+                let mut buf = [0u8; 16];
+                if valid > 0 {
+                    m.load(Space::Generic, sa, &mut buf[..valid]).map_err(fail).inspect_err(|_| *pc_io = pc)?;
+                }
+                m.store(Space::Shared, da, &buf[..n]).map_err(fail).inspect_err(|_| *pc_io = pc)?;
+            }
+            Op::Isspacep { space, p, a } => {
+                let v = rd(regs, a, c, clock);
+                let r = m.resolve(Space::Generic, v);
+                regs[*p as usize] = (r == *space) as u64;
+            }
             Op::Unpack { d, a, part_bits } => {
                 let v = rd(regs, a, c, clock);
                 for (i, r) in d.iter().enumerate() {
+                    let Some(r) = r else { continue };
                     let shifted = v.checked_shr(i as u32 * part_bits).unwrap_or(0);
                     regs[*r as usize] = if *part_bits >= 64 { shifted } else { shifted & ((1u64 << part_bits) - 1) };
                 }
@@ -682,16 +1261,75 @@ fn run_thread(
                 }
                 regs[*d as usize] = v;
             }
-            Op::Exit => {
-                *pc_out = pc as u32;
-                return Ok(St::Exit);
-            }
         }
+        pc += 1;
+    }
+}
+
+fn half_of(t: Ty) -> Ty {
+    match t {
+        Ty::F16x2 => Ty::F16,
+        Ty::Bf16x2 => Ty::Bf16,
+        t => t,
     }
 }
 
 fn sat01(v: f64) -> f64 {
     if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) }
+}
+
+/// A float of type `ty` (scalar) as f64.
+#[inline]
+fn fval(ty: Ty, v: u64) -> f64 {
+    match ty {
+        Ty::F32 => f32v(v) as f64,
+        Ty::F16 | Ty::F16x2 => half::f16::from_bits(v as u16).to_f64(),
+        Ty::Bf16 | Ty::Bf16x2 => half::bf16::from_bits(v as u16).to_f64(),
+        _ => f64v(v),
+    }
+}
+
+/// An f64 rounded (to nearest even) to the scalar type `ty`, as bits.
+#[inline]
+fn fbits(ty: Ty, x: f64) -> u64 {
+    match ty {
+        Ty::F32 => (x as f32).to_bits() as u64,
+        Ty::F16 | Ty::F16x2 => half::f16::from_f64(x).to_bits() as u64,
+        Ty::Bf16 | Ty::Bf16x2 => half::bf16::from_f64(x).to_bits() as u64,
+        _ => x.to_bits(),
+    }
+}
+
+fn fop(op: Bin, a: f64, b: f64) -> f64 {
+    match op {
+        Bin::Add => a + b,
+        Bin::Sub => a - b,
+        Bin::MulLo | Bin::MulHi | Bin::MulWide => a * b,
+        Bin::AddSat => sat01(a + b),
+        Bin::SubSat => sat01(a - b),
+        Bin::MulSat => sat01(a * b),
+        Bin::Div => a / b,
+        Bin::Min => a.min(b),
+        Bin::Max => a.max(b),
+        Bin::MinNan => if a.is_nan() || b.is_nan() { f64::NAN } else { a.min(b) },
+        Bin::MaxNan => if a.is_nan() || b.is_nan() { f64::NAN } else { a.max(b) },
+        Bin::MinRelu => a.min(b).max(0.0),
+        Bin::MaxRelu => a.max(b).max(0.0),
+        Bin::Copysign => b.copysign(a),
+        Bin::Rem => a % b,
+        _ => f64::NAN,
+    }
+}
+
+/// f16/bf16 arithmetic, scalar or on both halves of a packed pair. Each
+/// result is exact in f64 before its one rounding, so it is IEEE-correct.
+fn hbin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
+    let one = |x: u64, y: u64| fbits(ty, fop(op, fval(ty, x & 0xffff), fval(ty, y & 0xffff))) & 0xffff;
+    if matches!(ty, Ty::F16x2 | Ty::Bf16x2) {
+        one(x, y) | (one(x >> 16, y >> 16) << 16)
+    } else {
+        one(x, y)
+    }
 }
 
 fn fbin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
@@ -704,26 +1342,195 @@ fn fbin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
             Bin::Div => a / b,
             Bin::Min => a.min(b),
             Bin::Max => a.max(b),
-            Bin::Copysign => b.copysign(a),
-            Bin::Rem => a % b,
-            _ => f32::from_bits((x as u32) & (y as u32)),
+            _ => fop(op, a as f64, b as f64) as f32,
         };
         r.to_bits() as u64
     } else {
-        let (a, b) = (f64v(x), f64v(y));
-        let r = match op {
-            Bin::Add => a + b,
-            Bin::Sub => a - b,
-            Bin::MulLo | Bin::MulHi | Bin::MulWide => a * b,
-            Bin::Div => a / b,
-            Bin::Min => a.min(b),
-            Bin::Max => a.max(b),
-            Bin::Copysign => b.copysign(a),
-            Bin::Rem => a % b,
-            _ => f64::from_bits(x & y),
-        };
-        r.to_bits()
+        fop(op, f64v(x), f64v(y)).to_bits()
     }
+}
+
+/// Float add/sub/mul/div with a directed rounding: the round-to-nearest
+/// result is moved one step when its exact error says the mode wants it.
+fn fbin_round(op: Bin, ty: Ty, round: Round, x: u64, y: u64) -> u64 {
+    if ty == Ty::F32 {
+        let (a, b) = (f32v(x), f32v(y));
+        let (s, err) = match op {
+            Bin::Add => two_sum32(a, b),
+            Bin::Sub => two_sum32(a, -b),
+            Bin::MulLo => {
+                let p = a * b;
+                // The f64 product of two f32 values is exact.
+                (p, a as f64 * b as f64 - p as f64)
+            }
+            Bin::Sqrt => {
+                let r = a.sqrt();
+                (r, a as f64 - r as f64 * r as f64)
+            }
+            _ => {
+                let q = a / b;
+                let r = (-(q as f64)).mul_add(b as f64, a as f64);
+                (q, r * (b as f64).signum())
+            }
+        };
+        directed32(s, err, round).to_bits() as u64
+    } else {
+        let (a, b) = (f64v(x), f64v(y));
+        let (s, err) = match op {
+            Bin::Add => two_sum64(a, b),
+            Bin::Sub => two_sum64(a, -b),
+            Bin::MulLo => {
+                let p = a * b;
+                (p, fma_err(a, b, 0.0, p))
+            }
+            Bin::Sqrt => {
+                let r = a.sqrt();
+                (r, (-r).mul_add(r, a))
+            }
+            _ => {
+                let q = a / b;
+                const S: f64 = 4.149515568880993e180; // 2^600
+                let err = if q.is_infinite() && a.is_finite() && b != 0.0 {
+                    -q
+                } else if (q.abs() < f64::MIN_POSITIVE || a.abs() < 1e-250) && (q * S).is_finite() && a.abs() < 1e100 {
+                    // A subnormal quotient: the residual, scaled to stay exact.
+                    (-(q * S)).mul_add(b, a * S) * b.signum()
+                } else {
+                    (-q).mul_add(b, a) * b.signum()
+                };
+                (q, err)
+            }
+        };
+        directed64(s, err, round).to_bits()
+    }
+}
+
+/// The sign-exact error of `r = fma(a, b, c)` (true value minus `r`), from
+/// an exact product split and two error-free sums; a product too small for
+/// that is scaled up first (scaling by a power of two is exact).
+fn fma_err(a: f64, b: f64, c: f64, r: f64) -> f64 {
+    if r.is_infinite() {
+        // An overflow is above the largest finite value; infinite inputs
+        // give an exact infinity.
+        return if a.is_finite() && b.is_finite() && c.is_finite() { -r } else { 0.0 };
+    }
+    const S: f64 = 4.149515568880993e180; // 2^600
+    let (a, c, r) = if a != 0.0 && b != 0.0 && (a * b).abs() < 1e-270 {
+        if c.abs() >= 2f64.powi(400) {
+            // The product is far below c's last bit: only its sign counts.
+            return if (a < 0.0) != (b < 0.0) { -f64::MIN_POSITIVE } else { f64::MIN_POSITIVE };
+        }
+        (a * S, c * S, r * S)
+    } else {
+        (a, c, r)
+    };
+    let (u1, u2) = (a * b, a.mul_add(b, -(a * b)));
+    let (a1, a2) = two_sum64(c, u2);
+    let (b1, b2) = two_sum64(u1, a1);
+    ((b1 - r) + b2) + a2
+}
+
+fn two_sum32(a: f32, b: f32) -> (f32, f64) {
+    let s = a + b;
+    let bb = s - a;
+    (s, ((a - (s - bb)) + (b - bb)) as f64)
+}
+
+fn two_sum64(a: f64, b: f64) -> (f64, f64) {
+    let s = a + b;
+    let bb = s - a;
+    (s, (a - (s - bb)) + (b - bb))
+}
+
+/// Moves a round-to-nearest result `bits` (a float `width` bits wide) one
+/// step where the directed mode wants it, given the sign of the exact
+/// error `err` (true value = result + err). Sign-magnitude stepping also
+/// takes an overflowed infinity back to the largest finite value.
+fn directed_bits(bits: u64, width: u32, err: f64, round: Round) -> u64 {
+    if err == 0.0 || err.is_nan() {
+        return bits;
+    }
+    let sign_bit = 1u64 << (width - 1);
+    let neg = bits & sign_bit != 0;
+    let mag = bits & (sign_bit - 1);
+    let toward_zero = || if mag == 0 { bits } else { bits - 1 };
+    let away = || bits + 1;
+    match round {
+        Round::Rz if (err < 0.0) != neg => toward_zero(),
+        Round::Rm if err < 0.0 => if neg { away() } else if mag == 0 { sign_bit | 1 } else { toward_zero() },
+        Round::Rp if err > 0.0 => if !neg { away() } else if mag == 0 { 1 } else { toward_zero() },
+        _ => bits,
+    }
+}
+
+fn directed32(s: f32, err: f64, round: Round) -> f32 {
+    if s.is_nan() { s } else { f32::from_bits(directed_bits(s.to_bits() as u64, 32, err, round) as u32) }
+}
+
+fn directed64(s: f64, err: f64, round: Round) -> f64 {
+    if s.is_nan() { s } else { f64::from_bits(directed_bits(s.to_bits(), 64, err, round)) }
+}
+
+/// Rounds an f64 to the scalar float type `ty` with `round`.
+fn round_to(ty: Ty, x: f64, round: Round) -> u64 {
+    let rn = fbits(ty, x);
+    if !matches!(round, Round::Rz | Round::Rm | Round::Rp) || x.is_nan() {
+        return rn;
+    }
+    let back = fval(ty, rn);
+    let err = if back.is_infinite() && x.is_finite() { -back } else { x - back };
+    directed_bits(rn, ty.bits(), err, round)
+}
+
+/// `add.sat.s32` / `sub.sat.s32`.
+fn sat_int(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
+    let (a, b) = (ty.sext(x) as i128, ty.sext(y) as i128);
+    let r = if op == Bin::Sub { a - b } else { a + b };
+    let bits = ty.bits();
+    let (lo, hi) = (-(1i128 << (bits - 1)), (1i128 << (bits - 1)) - 1);
+    ty.mask(r.clamp(lo, hi) as u64)
+}
+
+fn fma(ty: Ty, round: Round, x: u64, y: u64, z: u64, sat: bool, relu: bool) -> u64 {
+    let post = |v: f64| {
+        let v = if sat { sat01(v) } else { v };
+        if relu && !(v >= 0.0) { 0.0 } else { v }
+    };
+    match ty {
+        Ty::F32 => {
+            let v = f32v(x).mul_add(f32v(y), f32v(z));
+            let v = if matches!(round, Round::Rz | Round::Rm | Round::Rp) {
+                // In f64 the product is exact and the sum splits exactly.
+                let p = f32v(x) as f64 * f32v(y) as f64;
+                let (s, e) = two_sum64(p, f32v(z) as f64);
+                let err = if v.is_infinite() && s.is_finite() { -(v as f64) } else { (s - v as f64) + e };
+                directed32(v, err, round)
+            } else {
+                v
+            };
+            (post(v as f64) as f32).to_bits() as u64
+        }
+        Ty::F64 => {
+            let (a, b, c) = (f64v(x), f64v(y), f64v(z));
+            let r = a.mul_add(b, c);
+            let r = if matches!(round, Round::Rz | Round::Rm | Round::Rp) && a.is_finite() && b.is_finite() && c.is_finite() {
+                directed64(r, fma_err(a, b, c, r), round)
+            } else {
+                r
+            };
+            post(r).to_bits()
+        }
+        Ty::F16x2 | Ty::Bf16x2 => {
+            let h = ty_half(ty);
+            let one = |x: u64, y: u64, z: u64| fbits(h, post(fval(h, x & 0xffff).mul_add(fval(h, y & 0xffff), fval(h, z & 0xffff)))) & 0xffff;
+            one(x, y, z) | (one(x >> 16, y >> 16, z >> 16) << 16)
+        }
+        _ => fbits(ty, post(fval(ty, x).mul_add(fval(ty, y), fval(ty, z)))),
+    }
+}
+
+fn ty_half(t: Ty) -> Ty {
+    if t == Ty::Bf16x2 { Ty::Bf16 } else { Ty::F16 }
 }
 
 fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
@@ -732,9 +1539,9 @@ fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
     let (sx, sy) = (ty.sext(x), ty.sext(y));
     let signed = ty.is_signed();
     match op {
-        Bin::Add => ty.mask(ux.wrapping_add(uy)),
-        Bin::Sub => ty.mask(ux.wrapping_sub(uy)),
-        Bin::MulLo => ty.mask(ux.wrapping_mul(uy)),
+        Bin::Add | Bin::AddSat => ty.mask(ux.wrapping_add(uy)),
+        Bin::Sub | Bin::SubSat => ty.mask(ux.wrapping_sub(uy)),
+        Bin::MulLo | Bin::MulSat => ty.mask(ux.wrapping_mul(uy)),
         Bin::MulHi => {
             if signed {
                 ty.mask(((sx as i128 * sy as i128) >> bits) as u64)
@@ -744,6 +1551,11 @@ fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
         }
         Bin::MulWide => {
             if signed { (sx as i128 * sy as i128) as u64 } else { (ux as u128 * uy as u128) as u64 }
+        }
+        Bin::Mul24Lo | Bin::Mul24Hi => {
+            let (a, b) = if signed { ((((x as u32) << 8) as i32 >> 8) as i64, (((y as u32) << 8) as i32 >> 8) as i64) } else { ((x & 0xff_ffff) as i64, (y & 0xff_ffff) as i64) };
+            let p = a * b;
+            if op == Bin::Mul24Lo { p as u64 & 0xffff_ffff } else { (p >> 16) as u64 & 0xffff_ffff }
         }
         Bin::Div => {
             if uy == 0 {
@@ -763,8 +1575,10 @@ fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
                 ux % uy
             }
         }
-        Bin::Min => if signed { ty.mask(sx.min(sy) as u64) } else { ux.min(uy) },
-        Bin::Max => if signed { ty.mask(sx.max(sy) as u64) } else { ux.max(uy) },
+        Bin::Min | Bin::MinNan => if signed { ty.mask(sx.min(sy) as u64) } else { ux.min(uy) },
+        Bin::Max | Bin::MaxNan => if signed { ty.mask(sx.max(sy) as u64) } else { ux.max(uy) },
+        Bin::MinRelu => ty.mask(sx.min(sy).max(0) as u64),
+        Bin::MaxRelu => ty.mask(sx.max(sy).max(0) as u64),
         Bin::And => ux & uy,
         Bin::Or => ux | uy,
         Bin::Xor => ux ^ uy,
@@ -781,16 +1595,24 @@ fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
                 ux >> s
             }
         }
-        Bin::Copysign => ux,
+        Bin::Copysign | Bin::Sqrt => ux,
     }
 }
 
 fn un(op: Un, ty: Ty, v: u64) -> u64 {
     if ty.is_float() {
+        if matches!(ty, Ty::F16x2 | Ty::Bf16x2) {
+            let h = ty_half(ty);
+            return un(op, h, v & 0xffff) | (un(op, h, (v >> 16) & 0xffff) << 16);
+        }
+        match (op, ty) {
+            // Sign operations act on the bits, NaN payloads included.
+            (Un::Neg, _) => return ty.mask(v ^ (1u64 << (ty.bits() - 1))),
+            (Un::Abs, _) => return ty.mask(v & !(1u64 << (ty.bits() - 1))),
+            _ => {}
+        }
         let x = fval(ty, v);
         let r = match op {
-            Un::Neg => -x,
-            Un::Abs => x.abs(),
             Un::Sqrt => x.sqrt(),
             Un::Rsqrt => 1.0 / x.sqrt(),
             Un::Rcp => 1.0 / x,
@@ -798,20 +1620,151 @@ fn un(op: Un, ty: Ty, v: u64) -> u64 {
             Un::Lg2 => x.log2(),
             Un::Sin => x.sin(),
             Un::Cos => x.cos(),
+            Un::Tanh => x.tanh(),
             _ => return v,
         };
+        if ty == Ty::F32 {
+            // Single-precision results come from the f32 operation itself.
+            let xf = f32v(v);
+            let rf = match op {
+                Un::Sqrt => xf.sqrt(),
+                Un::Rcp => 1.0 / xf,
+                _ => r as f32,
+            };
+            return rf.to_bits() as u64;
+        }
         return fbits(ty, r);
     }
+    let bits = ty.bits();
     match op {
         Un::Neg => ty.mask((ty.sext(v)).wrapping_neg() as u64),
         Un::Abs => ty.mask(ty.sext(v).wrapping_abs() as u64),
         Un::Not => ty.mask(!v),
         Un::Cnot => (ty.mask(v) == 0) as u64,
         Un::Popc => ty.mask(v).count_ones() as u64,
-        Un::Clz => (ty.mask(v).leading_zeros() - (64 - ty.bits())) as u64,
-        Un::Brev => ty.mask(v).reverse_bits() >> (64 - ty.bits()),
+        Un::Clz => (ty.mask(v).leading_zeros() - (64 - bits)) as u64,
+        Un::Brev => ty.mask(v).reverse_bits() >> (64 - bits),
+        Un::Bfind | Un::BfindShift => {
+            // For a negative signed value, the highest bit that is 0.
+            let x = if ty.is_signed() && ty.sext(v) < 0 { ty.mask(!v) } else { ty.mask(v) };
+            if x == 0 {
+                0xffff_ffff
+            } else {
+                let pos = 63 - x.leading_zeros() as u64;
+                if op == Un::BfindShift { bits as u64 - 1 - pos } else { pos }
+            }
+        }
         _ => v,
     }
+}
+
+fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
+    let bits = ty.bits();
+    match op {
+        Tri::Bfe => {
+            let (pos, len) = ((b & 0xff) as u32, (c & 0xff) as u32);
+            let x = ty.mask(a);
+            if ty.is_signed() {
+                let sbit = if len == 0 { false } else if pos + len - 1 >= bits { ty.sext(a) < 0 } else { (x >> (pos + len - 1)) & 1 != 0 };
+                let mut r = 0u64;
+                for i in 0..bits {
+                    let bit = if i < len && pos + i < bits { (x >> (pos + i)) & 1 != 0 } else { sbit };
+                    if bit {
+                        r |= 1 << i;
+                    }
+                }
+                if len == 0 { 0 } else { ty.mask(r) }
+            } else if pos >= bits || len == 0 {
+                0
+            } else {
+                let l = len.min(bits - pos);
+                let v = x >> pos;
+                if l >= 64 { v } else { v & ((1u64 << l) - 1) }
+            }
+        }
+        Tri::Prmt(mode) => {
+            let bytes = ((b & 0xffff_ffff) << 32) | (a & 0xffff_ffff);
+            let byte = |i: u64| (bytes >> ((i & 7) * 8)) & 0xff;
+            let sel = |s: [u64; 4]| s.iter().enumerate().fold(0u64, |r, (i, &k)| r | (byte(k) << (8 * i)));
+            let s = c & 3;
+            match mode {
+                0 => (0..4).fold(0u64, |r, i| {
+                    let nib = (c >> (4 * i)) & 0xf;
+                    let v = byte(nib & 7);
+                    let v = if nib & 8 != 0 { if v & 0x80 != 0 { 0xff } else { 0 } } else { v };
+                    r | (v << (8 * i))
+                }),
+                1 => sel([s, s + 1, s + 2, s + 3]),
+                2 => sel([s, s.wrapping_sub(1) & 7, s.wrapping_sub(2) & 7, s.wrapping_sub(3) & 7]),
+                3 => sel([s, s, s, s]),
+                4 => ecl(&sel, s),
+                5 => ecr(&sel, s),
+                _ => if s & 1 == 0 { sel([0, 1, 0, 1]) } else { sel([2, 3, 2, 3]) },
+            }
+        }
+        Tri::Lop3(lut) => {
+            let mut r = 0u64;
+            for i in 0..8 {
+                if lut >> i & 1 != 0 {
+                    let fa = if i & 4 != 0 { a } else { !a };
+                    let fb = if i & 2 != 0 { b } else { !b };
+                    let fc = if i & 1 != 0 { c } else { !c };
+                    r |= fa & fb & fc;
+                }
+            }
+            r & 0xffff_ffff
+        }
+        Tri::Shf { left, wrap } => {
+            let n = if wrap { (c & 31) as u32 } else { c.min(32) as u32 };
+            let v = ((b & 0xffff_ffff) << 32) | (a & 0xffff_ffff);
+            if left { ((v << n) >> 32) & 0xffff_ffff } else { (v >> n) & 0xffff_ffff }
+        }
+        Tri::Sad => {
+            let d = if ty.is_signed() { (ty.sext(a) - ty.sext(b)).unsigned_abs() } else { ty.mask(a).abs_diff(ty.mask(b)) };
+            ty.mask(d.wrapping_add(c))
+        }
+        Tri::Dp4a(sa, sb) => {
+            let byte = |v: u64, i: u32, s: bool| -> i64 {
+                let x = (v >> (8 * i)) & 0xff;
+                if s { x as u8 as i8 as i64 } else { x as i64 }
+            };
+            let sum: i64 = (0..4).map(|i| byte(a, i, sa) * byte(b, i, sb)).sum();
+            (c as u32 as i64).wrapping_add(sum) as u64 & 0xffff_ffff
+        }
+        Tri::Dp2a { hi, sa, sb } => {
+            let half = |i: u32| -> i64 {
+                let x = (a >> (16 * i)) & 0xffff;
+                if sa { x as u16 as i16 as i64 } else { x as i64 }
+            };
+            let byte = |i: u32| -> i64 {
+                let x = (b >> (8 * i)) & 0xff;
+                if sb { x as u8 as i8 as i64 } else { x as i64 }
+            };
+            let k = if hi { 2 } else { 0 };
+            let sum = half(0) * byte(k) + half(1) * byte(k + 1);
+            (c as u32 as i64).wrapping_add(sum) as u64 & 0xffff_ffff
+        }
+    }
+}
+
+/// `prmt.ecl`: edge clamp left (bytes above the selector repeat it).
+fn ecl(sel: &dyn Fn([u64; 4]) -> u64, s: u64) -> u64 {
+    sel(match s {
+        0 => [0, 1, 2, 3],
+        1 => [1, 1, 2, 3],
+        2 => [2, 2, 2, 3],
+        _ => [3, 3, 3, 3],
+    })
+}
+
+/// `prmt.ecr`: edge clamp right.
+fn ecr(sel: &dyn Fn([u64; 4]) -> u64, s: u64) -> u64 {
+    sel(match s {
+        0 => [0, 0, 0, 0],
+        1 => [0, 1, 1, 1],
+        2 => [0, 1, 2, 2],
+        _ => [0, 1, 2, 3],
+    })
 }
 
 fn compare(cmp: Cmp, ty: Ty, x: u64, y: u64) -> bool {
@@ -857,19 +1810,22 @@ fn compare(cmp: Cmp, ty: Ty, x: u64, y: u64) -> bool {
 fn round_int(x: f64, r: Round) -> f64 {
     match r {
         Round::Rni | Round::Rn => x.round_ties_even(),
+        Round::Rna => x.round(),
         Round::Rmi | Round::Rm => x.floor(),
         Round::Rpi | Round::Rp => x.ceil(),
         _ => x.trunc(),
     }
 }
 
-fn cvt(dty: Ty, sty: Ty, round: Round, sat: bool, v: u64) -> u64 {
+fn cvt(dty: Ty, sty: Ty, round: Round, sat: bool, relu: bool, v: u64) -> u64 {
+    let dty = half_of(dty);
     if sty.is_float() {
-        let x = fval(sty, v);
+        let x = fval(half_of(sty), v);
         if dty.is_float() {
             let x = if matches!(round, Round::Rni | Round::Rzi | Round::Rmi | Round::Rpi) { round_int(x, round) } else { x };
             let x = if sat { sat01(x) } else { x };
-            return fbits(dty, x);
+            let x = if relu && !(x >= 0.0) { if x.is_nan() { x } else { 0.0 } } else { x };
+            return round_to(dty, x, round);
         }
         if x.is_nan() {
             return 0;
@@ -889,7 +1845,20 @@ fn cvt(dty: Ty, sty: Ty, round: Round, sat: bool, v: u64) -> u64 {
     }
     let val: i128 = if sty.is_signed() { sty.sext(v) as i128 } else { sty.mask(v) as i128 };
     if dty.is_float() {
-        return fbits(dty, val as f64);
+        let f = val as f64;
+        if matches!(round, Round::Rz | Round::Rm | Round::Rp) {
+            if dty == Ty::F32 {
+                let s = val as f32;
+                let err = (val - s as i128) as f64;
+                return directed32(s, err, round).to_bits() as u64;
+            }
+            if dty == Ty::F64 {
+                let err = (val - f as i128) as f64;
+                return directed64(f, err, round).to_bits();
+            }
+            return round_to(dty, f, round);
+        }
+        return fbits(dty, f);
     }
     let val = if sat {
         let bits = dty.bits();

@@ -1,11 +1,15 @@
-//! Decoded kernels: registers are slot indices, labels are instruction
-//! indices, and every type and modifier is resolved once at load.
+//! Decoded modules: registers are frame-relative slot indices, labels are
+//! instruction indices into the module's one code array, and every type and
+//! modifier is resolved once at load.
+
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ty {
     U8, U16, U32, U64,
     S8, S16, S32, S64,
     B8, B16, B32, B64,
+    F16, Bf16, F16x2, Bf16x2,
     F32, F64,
     Pred,
 }
@@ -16,6 +20,7 @@ impl Ty {
             "u8" => Ty::U8, "u16" => Ty::U16, "u32" => Ty::U32, "u64" => Ty::U64,
             "s8" => Ty::S8, "s16" => Ty::S16, "s32" => Ty::S32, "s64" => Ty::S64,
             "b8" => Ty::B8, "b16" => Ty::B16, "b32" => Ty::B32, "b64" => Ty::B64,
+            "f16" => Ty::F16, "bf16" => Ty::Bf16, "f16x2" => Ty::F16x2, "bf16x2" => Ty::Bf16x2,
             "f32" => Ty::F32, "f64" => Ty::F64, "pred" => Ty::Pred,
             _ => return None,
         })
@@ -24,8 +29,8 @@ impl Ty {
     pub fn bytes(self) -> usize {
         match self {
             Ty::U8 | Ty::S8 | Ty::B8 | Ty::Pred => 1,
-            Ty::U16 | Ty::S16 | Ty::B16 => 2,
-            Ty::U32 | Ty::S32 | Ty::B32 | Ty::F32 => 4,
+            Ty::U16 | Ty::S16 | Ty::B16 | Ty::F16 | Ty::Bf16 => 2,
+            Ty::U32 | Ty::S32 | Ty::B32 | Ty::F32 | Ty::F16x2 | Ty::Bf16x2 => 4,
             Ty::U64 | Ty::S64 | Ty::B64 | Ty::F64 => 8,
         }
     }
@@ -39,7 +44,7 @@ impl Ty {
     }
 
     pub fn is_float(self) -> bool {
-        matches!(self, Ty::F32 | Ty::F64)
+        matches!(self, Ty::F32 | Ty::F64 | Ty::F16 | Ty::Bf16 | Ty::F16x2 | Ty::Bf16x2)
     }
 
     /// Keeps the low `bits` of `v`.
@@ -67,8 +72,16 @@ impl Ty {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Special {
     Tid(u8), Ntid(u8), Ctaid(u8), Nctaid(u8),
-    LaneId, WarpId, NWarpId, Clock, Clock64,
+    LaneId, WarpId, NWarpId, Clock, Clock64, ClockHi,
     LaneMaskEq, LaneMaskLt, LaneMaskLe, LaneMaskGt, LaneMaskGe,
+    SmId, NSmId, GridId, GlobalTimer, GlobalTimerLo, GlobalTimerHi,
+    DynSmemSize, TotalSmemSize,
+    /// Registers with a fixed value on this device (`%envregN`, `%pmN`,
+    /// `%reserved_smem_offset_*`, the cluster registers of a one-CTA cluster).
+    Const(u64),
+    /// Shared-space offset where dynamic shared memory starts for the
+    /// launching kernel (an `extern .shared` array).
+    DynShared,
 }
 
 /// A source operand.
@@ -78,20 +91,26 @@ pub enum Src {
     /// Raw bits, already converted to the instruction's type.
     Imm(u64),
     Special(Special),
+    /// The address of module variable N, fixed when the module is linked.
+    Sym(u32),
+    /// Offset N in the current frame's local memory (a local-space address).
+    Local(u32),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Space {
     Global,
     Shared,
+    /// The kernel's parameter buffer.
     Param,
-    /// No state space: global or shared, decided by the address window.
+    /// Per-thread memory: `.local` variables, and the `.param` variables of
+    /// calls and function parameters.
+    Local,
+    /// No state space: decided by the address window.
     Generic,
 }
 
-/// An address: `[base + offset]`. Param addresses are byte offsets in the
-/// kernel's parameter buffer; shared addresses are offsets in the block's
-/// shared window.
+/// An address: `[base + offset]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Addr {
     pub base: Src,
@@ -102,15 +121,26 @@ pub struct Addr {
 pub enum Bin {
     Add, Sub, MulLo, MulHi, MulWide, Div, Rem, Min, Max,
     And, Or, Xor, Shl, Shr, Copysign,
+    /// `min.relu`/`max.relu`: the result clamped below at zero.
+    MinRelu, MaxRelu,
+    /// `min.NaN`/`max.NaN`: NaN if either input is NaN.
+    MinNan, MaxNan,
+    Mul24Lo, Mul24Hi,
+    /// Float add/sub/mul with `.sat` (clamped to [0, 1]).
+    AddSat, SubSat, MulSat,
+    /// `sqrt` with a directed rounding (only in [`Op::BinR`]; `b` unused).
+    Sqrt,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Un {
-    Neg, Abs, Not, Sqrt, Rsqrt, Rcp, Ex2, Lg2, Sin, Cos, Popc, Clz, Brev, Cnot,
+    Neg, Abs, Not, Sqrt, Rsqrt, Rcp, Ex2, Lg2, Sin, Cos, Tanh, Popc, Clz, Brev, Cnot,
+    /// `bfind`: position of the most significant non-sign bit.
+    Bfind, BfindShift,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MadMode { Lo, Hi, Wide }
+pub enum MadMode { Lo, Hi, Wide, Lo24, Hi24 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cmp {
@@ -122,7 +152,7 @@ pub enum Cmp {
 pub enum BoolOp { And, Or, Xor }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Round { Default, Rn, Rz, Rm, Rp, Rni, Rzi, Rmi, Rpi }
+pub enum Round { Default, Rn, Rz, Rm, Rp, Rna, Rni, Rzi, Rmi, Rpi }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ShflMode { Up, Down, Bfly, Idx }
@@ -133,31 +163,105 @@ pub enum AtomOp { Add, Min, Max, Exch, Cas, And, Or, Xor, Inc, Dec }
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VoteMode { All, Any, Uni, Ballot }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduxOp { Add, Min, Max, And, Or, Xor }
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TestpKind { Finite, Infinite, Number, NotANumber, Normal, Subnormal }
+
+/// Three-source integer families.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tri {
+    /// `bfe d, a, pos, len`.
+    Bfe,
+    /// `prmt.b32{.mode} d, a, b, c`.
+    Prmt(u8),
+    /// `lop3.b32 d, a, b, c, LUT`.
+    Lop3(u8),
+    /// `shf.{l,r}.{wrap,clamp} d, lo, hi, n`.
+    Shf { left: bool, wrap: bool },
+    /// `sad d, a, b, c`.
+    Sad,
+    /// `dp4a.atype.btype d, a, b, c` (signedness of a and b).
+    Dp4a(bool, bool),
+    /// `dp2a.{lo,hi}.atype.btype d, a, b, c`.
+    Dp2a { hi: bool, sa: bool, sb: bool },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BarKind {
+    /// `bar.sync`/`barrier.sync`: wait for the barrier.
+    Sync,
+    /// `bar.arrive`: count the arrival, do not wait.
+    Arrive,
+    /// `bar.red.popc.u32`, `.and.pred`, `.or.pred`.
+    RedPopc, RedAnd, RedOr,
+    /// `barrier.cluster.arrive`/`.wait`: a cluster is one CTA here.
+    ClusterArrive, ClusterWait,
+}
+
+/// What a `call` calls.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Callee {
+    Direct(u32),
+    /// A function address held in a register (`call %rd, (...), proto`).
+    Indirect(Src),
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
     Mov { ty: Ty, d: u32, a: Src },
     Ld { space: Space, ty: Ty, d: Vec<u32>, addr: Addr, dst_bits: u32 },
     St { space: Space, ty: Ty, addr: Addr, s: Vec<Src> },
-    /// `cvta.shared` (to_generic) or `cvta.to.shared`; global is identity.
-    Cvta { to_generic: bool, shared: bool, d: u32, a: Src },
-    Cvt { dty: Ty, sty: Ty, round: Round, sat: bool, d: u32, a: Src },
+    /// `cvta{.to}.space`: `window` is the generic base of that space.
+    Cvta { to_generic: bool, window: u64, d: u32, a: Src },
+    Cvt { dty: Ty, sty: Ty, round: Round, sat: bool, relu: bool, d: u32, a: Src },
+    /// `cvt.pack`/two-source `cvt.rn.f16x2.f32 d, hi, lo`.
+    Cvt2 { dty: Ty, round: Round, relu: bool, d: u32, hi: Src, lo: Src },
     Bin { op: Bin, ty: Ty, d: u32, a: Src, b: Src },
+    /// Float add/sub/mul/div with a directed rounding mode.
+    BinR { op: Bin, ty: Ty, round: Round, d: u32, a: Src, b: Src },
+    /// `add.cc`, `addc{.cc}`, `sub.cc`, `subc{.cc}`: the carry lives in slot 0.
+    Carry { sub: bool, cin: bool, cout: bool, ty: Ty, d: u32, a: Src, b: Src },
     Un { op: Un, ty: Ty, d: u32, a: Src },
-    Mad { mode: MadMode, ty: Ty, d: u32, a: Src, b: Src, c: Src },
-    Fma { ty: Ty, d: u32, a: Src, b: Src, c: Src, sat: bool },
+    Mad { mode: MadMode, ty: Ty, d: u32, a: Src, b: Src, c: Src, carry: (bool, bool) },
+    Fma { ty: Ty, round: Round, d: u32, a: Src, b: Src, c: Src, sat: bool, relu: bool },
+    Tri { op: Tri, ty: Ty, d: u32, a: Src, b: Src, c: Src },
+    Bfi { ty: Ty, d: u32, f: Src, b: Src, pos: Src, len: Src },
     Setp { cmp: Cmp, ty: Ty, p: u32, q: Option<u32>, a: Src, b: Src, comb: Option<(BoolOp, Src, bool)> },
+    /// `set.cmp.dtype.stype`: all ones (or 1.0) when the comparison holds.
+    Set { cmp: Cmp, dty: Ty, ty: Ty, d: u32, a: Src, b: Src },
     Selp { ty: Ty, d: u32, a: Src, b: Src, p: Src },
+    /// `slct.dtype.s32/f32 d, a, b, c`: a if c >= 0, else b.
+    Slct { ty: Ty, cty: Ty, d: u32, a: Src, b: Src, c: Src },
+    Testp { kind: TestpKind, ty: Ty, p: u32, a: Src },
     Bra { target: u32 },
-    Bar,
-    Nop,
-    Shfl { mode: ShflMode, d: u32, p: Option<u32>, a: Src, b: Src, c: Src },
-    Vote { mode: VoteMode, d: u32, a: Src, negate: bool },
+    /// `brx.idx index, table`.
+    Brx { index: Src, targets: Vec<u32> },
+    Call { callee: Callee, args: Vec<(u32, u32)>, ret: Option<(u32, u32)> },
+    /// `ret`: back to the caller, or the thread exits in a kernel.
+    Ret,
+    Bar { kind: BarKind, id: Src, count: Option<Src>, d: Option<u32>, a: Option<(Src, bool)> },
+    WarpSync { mask: Src },
+    Shfl { mode: ShflMode, d: u32, p: Option<u32>, a: Src, b: Src, c: Src, mask: Src },
+    Vote { mode: VoteMode, d: u32, a: Src, negate: bool, mask: Src },
+    Match { all: bool, ty: Ty, d: u32, p: Option<u32>, a: Src, mask: Src },
+    Redux { op: ReduxOp, ty: Ty, d: u32, a: Src, mask: Src },
+    Elect { d: Option<u32>, p: Option<u32>, mask: Src },
+    ActiveMask { d: u32 },
     Atom { space: Space, op: AtomOp, ty: Ty, d: Option<u32>, addr: Addr, b: Src, c: Option<Src> },
+    /// `cp.async`: copies at once (completion is immediate on this device).
+    CpAsync { dst: Addr, src: Addr, size: u32, src_size: Option<Src> },
+    /// `isspacep.space p, a`.
+    Isspacep { space: Space, p: u32, a: Src },
     /// `mov.b64 {lo, hi}, src` and friends.
-    Unpack { d: Vec<u32>, a: Src, part_bits: u32 },
+    Unpack { d: Vec<Option<u32>>, a: Src, part_bits: u32 },
     /// `mov.b64 d, {lo, hi}`.
     Pack { d: u32, s: Vec<Src>, part_bits: u32 },
+    Nop,
     Exit,
+    /// `trap` / `brkpt`: the launch fails.
+    Trap,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -175,22 +279,41 @@ pub struct Param {
     pub size: u32,
 }
 
-impl Kernel {
-    /// Host bytes this decoded kernel keeps (its instructions, operand
-    /// vectors and parameter table), as charged to its tenant.
-    pub fn host_bytes(&self) -> u64 {
-        let ops: usize = self
-            .insts
-            .iter()
-            .map(|i| match &i.op {
-                Op::Ld { d, .. } | Op::Unpack { d, .. } => d.capacity() * 4,
-                Op::St { s, .. } | Op::Pack { s, .. } => s.capacity() * std::mem::size_of::<Src>(),
-                _ => 0,
-            })
-            .sum();
-        let params: usize = self.params.iter().map(|p| std::mem::size_of::<Param>() + p.name.capacity()).sum();
-        (std::mem::size_of::<Kernel>() + self.name.capacity() + self.insts.capacity() * std::mem::size_of::<Inst>() + ops + params) as u64
-    }
+/// Functions the device provides itself, declared `.extern .func`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Builtin {
+    /// `__assertfail(msg, file, line, func, charsize)`: the launch fails
+    /// with CUDA_ERROR_ASSERT.
+    AssertFail,
+    /// `vprintf(fmt, args)`: output is discarded; returns 0.
+    Vprintf,
+}
+
+/// A `.func`: where its code starts and its frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Func {
+    pub name: String,
+    /// First instruction; None while only declared (or for a builtin).
+    pub entry: Option<u32>,
+    pub builtin: Option<Builtin>,
+    /// Registers of one activation (slot 0 is the carry flag).
+    pub num_regs: u32,
+    /// Local bytes of one activation: `.local` variables, parameters and
+    /// the `.param` variables of the calls it makes.
+    pub local_size: u32,
+    /// Parameters as (offset in the frame, size).
+    pub params: Vec<(u32, u32)>,
+    pub ret: Option<(u32, u32)>,
+    pub line: u32,
+}
+
+/// What every kernel of a module shares: the code of all its bodies, its
+/// functions, and the addresses its variables were linked at.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Code {
+    pub insts: Vec<Inst>,
+    pub funcs: Vec<Func>,
+    pub syms: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -198,8 +321,41 @@ pub struct Kernel {
     pub name: String,
     pub params: Vec<Param>,
     pub params_size: u32,
-    pub insts: Vec<Inst>,
+    pub entry: u32,
+    /// Registers of the kernel's own frame (slot 0 is the carry flag).
     pub num_regs: u32,
+    /// Local bytes of the kernel's own frame.
+    pub local_size: u32,
     /// Static shared bytes; dynamic shared memory starts after them.
     pub shared_bytes: u32,
+    pub code: Arc<Code>,
+}
+
+impl Kernel {
+    /// Host bytes this kernel keeps beyond the shared code.
+    pub fn host_bytes(&self) -> u64 {
+        let params: usize = self.params.iter().map(|p| std::mem::size_of::<Param>() + p.name.capacity()).sum();
+        (std::mem::size_of::<Kernel>() + self.name.capacity() + params) as u64
+    }
+}
+
+impl Code {
+    /// Host bytes of the decoded code: instructions, operand vectors and
+    /// the function table.
+    pub fn host_bytes(&self) -> u64 {
+        let ops: usize = self
+            .insts
+            .iter()
+            .map(|i| match &i.op {
+                Op::Ld { d, .. } => d.capacity() * 4,
+                Op::Unpack { d, .. } => d.capacity() * 8,
+                Op::St { s, .. } | Op::Pack { s, .. } => s.capacity() * std::mem::size_of::<Src>(),
+                Op::Brx { targets, .. } => targets.capacity() * 4,
+                Op::Call { args, .. } => args.capacity() * 8,
+                _ => 0,
+            })
+            .sum();
+        let funcs: usize = self.funcs.iter().map(|f| std::mem::size_of::<Func>() + f.name.capacity() + f.params.capacity() * 8).sum();
+        (std::mem::size_of::<Code>() + self.insts.capacity() * std::mem::size_of::<Inst>() + ops + funcs + self.syms.capacity() * 8) as u64
+    }
 }

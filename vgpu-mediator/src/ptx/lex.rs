@@ -81,8 +81,17 @@ fn scan<'a>(src: &'a str, mut emit: impl FnMut(Token<'a>)) -> Result<(), PtxErro
             emit(Token { tok: number(text(start, i), line)?, line });
         } else if word_start(c) {
             let start = i;
-            while i < b.len() && word_char(b[i]) {
-                i += 1;
+            loop {
+                while i < b.len() && word_char(b[i]) {
+                    i += 1;
+                }
+                // Qualified modifiers (`.shared::cta`, `.L1::no_allocate`)
+                // belong to the word; a label's ':' does not.
+                if b.get(i) == Some(&b':') && b.get(i + 1) == Some(&b':') && b.get(i + 2).is_some_and(|c| word_char(*c)) && text(start, i).contains('.') {
+                    i += 2;
+                    continue;
+                }
+                break;
             }
             emit(Token { tok: Tok::Word(text(start, i)), line });
         } else if b",;:[]{}()+-!@<>|=".contains(&c) {

@@ -1,16 +1,72 @@
-//! PTX text to [`Kernel`]s. Anything outside the documented subset is an
-//! error that names the construct and its line (docs/ptx-subset.md).
+//! PTX text to a decoded [`Module`]. Anything outside the documented subset
+//! is an error that names the construct and its line (docs/ptx-subset.md).
+//!
+//! A module decodes into one code array shared by its kernels and
+//! functions, a table of functions (frames and entry points) and a table of
+//! module variables. Variables live in two device segments (`.global` and
+//! `.common` in one, `.const` in the other) placed by [`Module::link`];
+//! declarations no instruction or initialiser refers to, and that the host
+//! cannot name (not `.visible`), take no space at all.
 
+use std::cell::Cell;
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use super::exec::{FUNC_WINDOW, LOCAL_WINDOW, PARAM_WINDOW, SHARED_WINDOW};
 use super::ir::*;
 use super::lex::{self, lex, Tok, Token};
 use super::PtxError;
 
-/// A loaded module: its entry points, decoded once.
+/// Where a module variable lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VarSpace {
+    /// `.global` and `.common`: read-write device memory.
+    Global,
+    /// `.const`: written by the host, read-only to kernels.
+    Const,
+}
+
+/// An address stored in a variable's initialiser.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelocTarget {
+    Var(u32),
+    Func(u32),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reloc {
+    /// Byte offset inside the variable.
+    pub at: u64,
+    pub target: RelocTarget,
+    pub addend: i64,
+}
+
+/// A module-scope `.global`, `.const` or `.common` variable.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Var {
+    pub name: String,
+    pub space: VarSpace,
+    pub size: u64,
+    pub align: u64,
+    pub visible: bool,
+    /// Offset in its segment; None for a declaration nothing uses.
+    pub offset: Option<u64>,
+    /// Initial bytes (the rest of the variable is zero).
+    pub init: Vec<u8>,
+    pub relocs: Vec<Reloc>,
+}
+
+/// A loaded module: its entry points, functions and variables, decoded once.
 #[derive(Debug, Clone)]
 pub struct Module {
     pub kernels: Vec<Kernel>,
+    pub vars: Vec<Var>,
+    /// The `.target` architecture as a number (`sm_80` is 80; 0 if absent).
+    pub target: u32,
+    /// Bytes of the `.global` segment and the `.const` segment.
+    pub global_size: u64,
+    pub const_size: u64,
+    code: Arc<Code>,
 }
 
 impl Module {
@@ -20,7 +76,7 @@ impl Module {
 
     /// Parses `src` if its transient and retained host memory fit in
     /// `limit` bytes: the token count is taken before tokens are allocated,
-    /// and the decoded form is measured before it is kept.
+    /// and the decoded form is measured while it grows.
     pub fn parse_within(src: &str, limit: u64) -> Result<Module, PtxError> {
         let tokens = lex::count(src)? as u64;
         let transient = tokens.saturating_mul(lex::TOKEN_BYTES);
@@ -28,17 +84,71 @@ impl Module {
             return Err(PtxError::over_budget(0, format!("parsing this module needs {transient} bytes of host memory for its {tokens} tokens; {limit} are left in the tenant's host budget")));
         }
         let toks = lex(src)?;
-        let mut p = Parser { t: &toks, i: 0, module_shared: HashMap::new(), module_shared_bytes: 0, limit: limit - transient, decoded: 0 };
+        let mut p = Parser::new(&toks, limit - transient);
         p.module()
     }
 
     /// Host bytes the decoded module keeps, as charged to its tenant.
     pub fn host_bytes(&self) -> u64 {
-        self.kernels.iter().map(Kernel::host_bytes).sum::<u64>() + std::mem::size_of::<Module>() as u64
+        let vars: usize = self.vars.iter().map(|v| std::mem::size_of::<Var>() + v.name.capacity() + v.init.capacity() + v.relocs.capacity() * std::mem::size_of::<Reloc>()).sum();
+        self.kernels.iter().map(Kernel::host_bytes).sum::<u64>() + self.code.host_bytes() + vars as u64 + std::mem::size_of::<Module>() as u64
     }
 
     pub fn kernel(&self, name: &str) -> Option<&Kernel> {
         self.kernels.iter().find(|k| k.name == name)
+    }
+
+    /// Places the variables: the `.global` segment at `global_base`, the
+    /// `.const` segment at `const_base` (each at least [`Module::global_size`]
+    /// and [`Module::const_size`] bytes, zeroed). Returns the initialised
+    /// bytes to write: (device address, bytes).
+    pub fn link(&mut self, global_base: u64, const_base: u64) -> Vec<(u64, Vec<u8>)> {
+        let addr = |v: &Var| v.offset.map(|o| o + if v.space == VarSpace::Global { global_base } else { const_base });
+        let syms: Vec<u64> = self.vars.iter().map(|v| addr(v).unwrap_or(0)).collect();
+        let mut out = Vec::new();
+        for v in &self.vars {
+            let Some(base) = addr(v) else { continue };
+            if v.init.is_empty() && v.relocs.is_empty() {
+                continue;
+            }
+            let mut bytes = v.init.clone();
+            for r in &v.relocs {
+                let target = match r.target {
+                    RelocTarget::Var(i) => syms[i as usize],
+                    RelocTarget::Func(i) => FUNC_WINDOW + i as u64,
+                };
+                let at = r.at as usize;
+                if bytes.len() < at + 8 {
+                    bytes.resize(at + 8, 0);
+                }
+                bytes[at..at + 8].copy_from_slice(&target.wrapping_add(r.addend as u64).to_le_bytes());
+            }
+            bytes.truncate(v.size as usize);
+            out.push((base, bytes));
+        }
+        if syms.iter().any(|s| *s != 0) {
+            let mut code = (*self.code).clone();
+            code.syms = syms;
+            self.code = Arc::new(code);
+            for k in &mut self.kernels {
+                k.code = self.code.clone();
+            }
+        }
+        out
+    }
+
+    /// A linked variable's device address and size, by name.
+    pub fn symbol(&self, name: &str) -> Option<(u64, u64)> {
+        let i = self.vars.iter().position(|v| v.name == name && v.offset.is_some())?;
+        Some((*self.code.syms.get(i)?, self.vars[i].size))
+    }
+
+    /// The `.const` segment's linked range, if it has one: kernels may not
+    /// store to it.
+    pub fn const_range(&self) -> Option<(u64, u64)> {
+        let i = self.vars.iter().position(|v| v.space == VarSpace::Const && v.offset.is_some())?;
+        let base = self.code.syms.get(i)? - self.vars[i].offset?;
+        (self.const_size > 0 && base != 0).then_some((base, self.const_size))
     }
 
     /// The parameter layout of every `.entry`, without decoding bodies:
@@ -50,7 +160,7 @@ impl Module {
             return Err(PtxError::over_budget(0, format!("reading this module's signatures needs {transient} bytes of host memory; {limit} are left in the tenant's host budget")));
         }
         let toks = lex(src)?;
-        let mut p = Parser { t: &toks, i: 0, module_shared: HashMap::new(), module_shared_bytes: 0, limit: u64::MAX, decoded: 0 };
+        let mut p = Parser::new(&toks, u64::MAX);
         let mut out = Vec::new();
         while p.i < toks.len() {
             let entry = matches!(&toks[p.i].tok, Tok::Word(w) if *w == ".entry");
@@ -80,20 +190,39 @@ const MAX_OPERAND_DEPTH: u32 = 3;
 const MAX_VECTOR: usize = 8;
 /// Largest `.align` a variable may ask for.
 const MAX_ALIGN: u64 = 1 << 16;
+/// Largest local frame of one function or kernel (CUDA's per-thread limit).
+pub const MAX_FRAME: u32 = 512 * 1024;
+/// Largest module variable, and largest segment.
+const MAX_SEGMENT: u64 = 1 << 36;
+/// Most call arguments and branch-table entries.
+const MAX_LIST: usize = 4096;
+
+#[derive(Debug, Clone, Copy)]
+enum SharedVar {
+    Static(u32),
+    /// `.extern .shared` arrays: the start of dynamic shared memory.
+    Dynamic,
+}
 
 struct Parser<'a> {
     t: &'a [Token<'a>],
     i: usize,
-    /// Module-scope `.shared` variables: name to offset. Every kernel sees
-    /// them; kernels look them up here rather than copying them.
-    module_shared: HashMap<String, u32>,
+    module_shared: HashMap<String, SharedVar>,
     module_shared_bytes: u32,
-    /// Host bytes the decoded kernels may take, and what they take so far.
+    vars: Vec<Var>,
+    var_names: HashMap<String, u32>,
+    used: Vec<Cell<bool>>,
+    funcs: Vec<Func>,
+    func_names: HashMap<String, u32>,
+    called: Vec<Cell<bool>>,
+    code: Vec<Inst>,
+    /// Host bytes the decoded module may take, and what it takes so far.
     limit: u64,
     decoded: u64,
+    target: u32,
 }
 
-/// Operand as written, before it is resolved against a kernel's names.
+/// Operand as written, before it is resolved against a body's names.
 #[derive(Debug, Clone)]
 enum Raw {
     Name(String),
@@ -107,25 +236,57 @@ enum Raw {
     Sink,
 }
 
-struct Body<'k> {
+struct Body {
     regs: HashMap<String, (u32, Ty)>,
     /// `.reg .t %r<N>` ranges: prefix to (first slot, count, type).
     reg_ranges: HashMap<String, (u32, u32, Ty)>,
     num_regs: u32,
-    module_shared: &'k HashMap<String, u32>,
-    shared: HashMap<String, u32>,
+    shared: HashMap<String, SharedVar>,
     shared_bytes: u32,
-    params: &'k [Param],
+    /// Kernel parameters (empty in a function).
+    params: Vec<Param>,
+    /// Frame variables: `.local`, body `.param` and function parameters.
+    locals: HashMap<String, u32>,
+    local_top: u32,
+    local_max: u32,
+    scopes: Vec<u32>,
+    /// Register names declared in each open `{ }` scope, with what they
+    /// shadowed, restored when the scope closes.
+    reg_scopes: Vec<Vec<(String, Option<(u32, Ty)>)>>,
     labels: HashMap<String, u32>,
+    tables: HashMap<String, Vec<String>>,
     fixups: Vec<(usize, String, u32)>,
-    insts: Vec<Inst>,
+    brx_fixups: Vec<(usize, String, u32)>,
+    start: usize,
 }
 
 fn align_up(v: u32, a: u32) -> Option<u32> {
     if a <= 1 { Some(v) } else { v.div_ceil(a).checked_mul(a) }
 }
 
-impl Body<'_> {
+impl Body {
+    fn new(start: usize, shared_bytes: u32) -> Body {
+        Body {
+            regs: HashMap::new(),
+            reg_ranges: HashMap::new(),
+            // Slot 0 is the carry flag of `add.cc` and friends.
+            num_regs: 1,
+            shared: HashMap::new(),
+            shared_bytes,
+            params: Vec::new(),
+            locals: HashMap::new(),
+            local_top: 0,
+            local_max: 0,
+            scopes: Vec::new(),
+            reg_scopes: Vec::new(),
+            labels: HashMap::new(),
+            tables: HashMap::new(),
+            fixups: Vec::new(),
+            brx_fixups: Vec::new(),
+            start,
+        }
+    }
+
     /// A register by name: declared singly, or as `%r<N>`'s member `%rK`.
     fn reg(&self, name: &str) -> Option<(u32, Ty)> {
         if let Some(r) = self.regs.get(name) {
@@ -141,12 +302,51 @@ impl Body<'_> {
         (k < n).then_some((base + k, ty))
     }
 
-    fn shared_var(&self, name: &str) -> Option<u32> {
-        self.shared.get(name).or_else(|| self.module_shared.get(name)).copied()
+    /// Reserves `size` bytes aligned to `align` in the frame.
+    fn local(&mut self, name: String, size: u64, align: u32, line: u32) -> Result<u32, PtxError> {
+        let off = align_up(self.local_top, align).ok_or_else(|| PtxError::at(line, "local frame overflow"))?;
+        let end = (off as u64).saturating_add(size);
+        if end > MAX_FRAME as u64 {
+            return Err(PtxError::at(line, format!("local frame of more than {MAX_FRAME} bytes")));
+        }
+        self.local_top = end as u32;
+        self.local_max = self.local_max.max(self.local_top);
+        self.locals.insert(name, off);
+        Ok(off)
     }
 }
 
+/// A variable's declaration, before it is placed.
+struct Decl {
+    name: String,
+    ty: Ty,
+    vec: u32,
+    size: u64,
+    align: u32,
+    /// `[]`: an unsized (dynamic) array.
+    unsized_: bool,
+}
+
 impl<'a> Parser<'a> {
+    fn new(t: &'a [Token<'a>], limit: u64) -> Parser<'a> {
+        Parser {
+            t,
+            i: 0,
+            module_shared: HashMap::new(),
+            module_shared_bytes: 0,
+            vars: Vec::new(),
+            var_names: HashMap::new(),
+            used: Vec::new(),
+            funcs: Vec::new(),
+            func_names: HashMap::new(),
+            called: Vec::new(),
+            code: Vec::new(),
+            limit,
+            decoded: 0,
+            target: 0,
+        }
+    }
+
     fn line(&self) -> u32 {
         self.t.get(self.i).or(self.t.last()).map(|t| t.line).unwrap_or(0)
     }
@@ -157,6 +357,13 @@ impl<'a> Parser<'a> {
 
     fn peek(&self) -> Option<&'a Tok<'a>> {
         self.t.get(self.i).map(|t| &t.tok)
+    }
+
+    fn peek_word(&self) -> Option<&'a str> {
+        match self.peek() {
+            Some(Tok::Word(w)) => Some(w),
+            _ => None,
+        }
     }
 
     fn next(&mut self) -> Result<&'a Tok<'a>, PtxError> {
@@ -222,6 +429,14 @@ impl<'a> Parser<'a> {
         Ok(())
     }
 
+    fn charge(&mut self, bytes: u64) -> Result<(), PtxError> {
+        self.decoded = self.decoded.saturating_add(bytes);
+        if self.decoded > self.limit {
+            return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
+        }
+        Ok(())
+    }
+
     fn module(&mut self) -> Result<Module, PtxError> {
         let mut kernels = Vec::new();
         while let Some(t) = self.peek() {
@@ -229,7 +444,20 @@ impl<'a> Parser<'a> {
                 return self.err(format!("unexpected {} at module scope", show(t)));
             };
             match *w {
-                ".version" | ".target" | ".file" | ".loc" => self.skip_line(),
+                ".version" | ".file" | ".loc" => self.skip_line(),
+                ".target" => {
+                    self.i += 1;
+                    let line = self.line();
+                    while self.i < self.t.len() && self.t[self.i].line == line {
+                        if let Tok::Word(w) = &self.t[self.i].tok {
+                            if let Some(n) = w.strip_prefix("sm_") {
+                                let digits: String = n.chars().take_while(|c| c.is_ascii_digit()).collect();
+                                self.target = digits.parse().unwrap_or(0);
+                            }
+                        }
+                        self.i += 1;
+                    }
+                }
                 ".address_size" => {
                     self.i += 1;
                     let n = self.int()?;
@@ -237,30 +465,8 @@ impl<'a> Parser<'a> {
                         return self.err(format!(".address_size {n} is unsupported: only 64-bit addressing"));
                     }
                 }
-                ".visible" | ".extern" | ".weak" | ".common" => {
-                    // `.extern .shared` is the dynamic shared array.
-                    self.i += 1;
-                }
-                ".entry" => {
-                    self.i += 1;
-                    kernels.push(self.entry()?);
-                }
-                ".func" => {
-                    // Device functions are parsed past; a `call` to one is an error.
-                    self.i += 1;
-                    while !self.is_punct('{') && !self.is_punct(';') {
-                        self.next()?;
-                    }
-                    if self.is_punct('{') { self.skip_braces()? } else { self.i += 1 }
-                }
-                ".shared" => {
-                    self.i += 1;
-                    let (name, size, align) = self.var_decl()?;
-                    let offset = align_up(self.module_shared_bytes, align).ok_or_else(|| PtxError::at(self.line(), "shared memory overflow"))?;
-                    self.module_shared_bytes = offset.checked_add(size).ok_or_else(|| PtxError::at(self.line(), "shared memory overflow"))?;
-                    self.module_shared.insert(name, offset);
-                }
-                ".global" | ".const" | ".local" | ".tex" | ".surf" | ".sampler" => {
+                ".visible" | ".extern" | ".weak" | ".common" | ".entry" | ".func" | ".global" | ".const" | ".shared" => self.declaration()?.map(|k| kernels.push(k)).unwrap_or(()),
+                ".local" | ".tex" | ".surf" | ".sampler" | ".texref" | ".surfref" | ".samplerref" => {
                     return self.err(format!("module-scope {w} variables are unsupported on the CPU reference device"));
                 }
                 ".section" => {
@@ -272,12 +478,51 @@ impl<'a> Parser<'a> {
                 _ => return self.err(format!("unsupported module directive '{w}'")),
             }
         }
-        Ok(Module { kernels })
+        self.finish(kernels)
     }
 
-    /// `[.align N] [.vN] .type name [dims]* ;` after a state-space directive.
-    /// Returns (name, size in bytes, alignment). `[]` is a dynamic array of size 0.
-    fn var_decl(&mut self) -> Result<(String, u32, u32), PtxError> {
+    /// One module-scope declaration after its linkage directives.
+    fn declaration(&mut self) -> Result<Option<Kernel>, PtxError> {
+        let (mut visible, mut external, mut common) = (false, false, false);
+        loop {
+            match self.word()? {
+                ".visible" | ".weak" => visible = true,
+                ".extern" => external = true,
+                ".common" => {
+                    common = true;
+                    visible = true;
+                }
+                ".entry" => return self.entry().map(Some),
+                ".func" => return self.func(external).map(|_| None),
+                ".shared" => {
+                    let line = self.line();
+                    let d = self.var_decl()?;
+                    if self.is_punct('=') {
+                        return self.err(format!("shared variable '{}' cannot have an initialiser", d.name));
+                    }
+                    self.expect_punct(';')?;
+                    if d.unsized_ || (external && d.size == 0) {
+                        self.module_shared.insert(d.name, SharedVar::Dynamic);
+                    } else {
+                        let offset = align_up(self.module_shared_bytes, d.align).ok_or_else(|| PtxError::at(line, "shared memory overflow"))?;
+                        let size = u32::try_from(d.size).map_err(|_| PtxError::at(line, "shared variable too large"))?;
+                        self.module_shared_bytes = offset.checked_add(size).ok_or_else(|| PtxError::at(line, "shared memory overflow"))?;
+                        self.module_shared.insert(d.name, SharedVar::Static(offset));
+                    }
+                    return Ok(None);
+                }
+                w @ (".global" | ".const") => {
+                    let space = if w == ".global" { VarSpace::Global } else { VarSpace::Const };
+                    self.module_var(space, visible || common, external)?;
+                    return Ok(None);
+                }
+                w => return self.err(format!("unsupported module-scope declaration '{w}'")),
+            }
+        }
+    }
+
+    /// `[.align N] [.vN] .type name [dims]*` after a state-space directive.
+    fn var_decl(&mut self) -> Result<Decl, PtxError> {
         let mut align = 0u32;
         let mut vec = 1u32;
         let mut ty = None;
@@ -287,6 +532,9 @@ impl<'a> Parser<'a> {
                 ".align" => align = self.align()?,
                 ".v2" => vec = 2,
                 ".v4" => vec = 4,
+                ".v8" => vec = 8,
+                ".attribute" => return self.err("variable attributes (.managed, .unified) are unsupported on the CPU reference device"),
+                ".ptr" => {}
                 _ if w.starts_with('.') => match Ty::parse(&w[1..]) {
                     Some(t) => ty = Some(t),
                     None => return self.err(format!("unsupported variable type '{w}'")),
@@ -294,24 +542,22 @@ impl<'a> Parser<'a> {
                 name => {
                     let ty = ty.ok_or_else(|| PtxError::at(self.line(), format!("variable '{name}' has no type")))?;
                     let mut size = (ty.bytes() as u64) * vec as u64;
+                    let mut unsized_ = false;
                     while self.is_punct('[') {
                         self.i += 1;
                         if self.is_punct(']') {
+                            unsized_ = true;
                             size = 0;
                         } else {
                             size = size.saturating_mul(self.int()?);
                         }
                         self.expect_punct(']')?;
                     }
-                    if self.is_punct('=') {
-                        return self.err(format!("initialised variable '{name}' is unsupported"));
-                    }
-                    self.expect_punct(';')?;
-                    if size > 1 << 20 {
+                    if size > MAX_SEGMENT {
                         return self.err(format!("variable '{name}' of {size} bytes is too large"));
                     }
                     let align = if align == 0 { ty.bytes() as u32 * vec } else { align };
-                    return Ok((name.to_string(), size as u32, align.max(1)));
+                    return Ok(Decl { name: name.to_string(), ty, vec, size, align: align.max(1), unsized_ });
                 }
             }
         }
@@ -324,6 +570,144 @@ impl<'a> Parser<'a> {
             return self.err(format!(".align {a} is not a power of two up to {MAX_ALIGN}"));
         }
         Ok(a as u32)
+    }
+
+    fn module_var(&mut self, space: VarSpace, visible: bool, external: bool) -> Result<(), PtxError> {
+        let line = self.line();
+        let d = self.var_decl()?;
+        let mut var = Var { name: d.name.clone(), space, size: d.size, align: d.align as u64, visible, offset: None, init: Vec::new(), relocs: Vec::new() };
+        if self.is_punct('=') {
+            self.i += 1;
+            self.initialiser(&d, &mut var)?;
+        }
+        self.expect_punct(';')?;
+        if external && d.size == 0 {
+            return Err(PtxError::at(line, format!("external variable '{}' is not defined in this module", d.name)));
+        }
+        self.charge((std::mem::size_of::<Var>() + var.name.len() + var.init.len() + var.relocs.len() * std::mem::size_of::<Reloc>()) as u64)?;
+        if let Some(&i) = self.var_names.get(&d.name) {
+            // A later definition of a declared variable replaces it.
+            self.vars[i as usize] = var;
+        } else {
+            self.var_names.insert(d.name, self.vars.len() as u32);
+            self.vars.push(var);
+            self.used.push(Cell::new(false));
+        }
+        Ok(())
+    }
+
+    /// `= value` or `= { ... }` (nested for arrays): element bytes in
+    /// order, addresses of variables and functions as relocations.
+    fn initialiser(&mut self, d: &Decl, var: &mut Var) -> Result<(), PtxError> {
+        let elem = d.ty.bytes() as u64;
+        let cap = d.size.max(elem * d.vec as u64);
+        let mut depth = 0u32;
+        loop {
+            match self.peek() {
+                Some(Tok::Punct('{')) => {
+                    depth += 1;
+                    if depth > 8 {
+                        return self.err("initialiser nested too deeply");
+                    }
+                    self.i += 1;
+                    continue;
+                }
+                Some(Tok::Punct('}')) => {
+                    self.i += 1;
+                    depth = depth.saturating_sub(1);
+                }
+                Some(Tok::Punct(',')) => {
+                    self.i += 1;
+                    continue;
+                }
+                Some(Tok::Punct(';')) if depth == 0 => return Ok(()),
+                Some(_) => {
+                    let at = var.init.len() as u64 + 0;
+                    let at = at.max(var.relocs.last().map(|r| r.at + 8).unwrap_or(0));
+                    if at + elem > cap {
+                        return self.err(format!("initialiser of '{}' has more elements than the variable", d.name));
+                    }
+                    self.init_element(d.ty, at, var)?;
+                }
+                None => return self.err("unexpected end of module in an initialiser"),
+            }
+            if depth == 0 {
+                return Ok(());
+            }
+        }
+    }
+
+    fn init_element(&mut self, ty: Ty, at: u64, var: &mut Var) -> Result<(), PtxError> {
+        let n = ty.bytes();
+        let neg = if self.is_punct('-') {
+            self.i += 1;
+            true
+        } else {
+            false
+        };
+        let bits: u64 = match self.next()? {
+            Tok::Int(v) => {
+                let v = if neg { (*v as i64).wrapping_neg() as u64 } else { *v };
+                match ty {
+                    Ty::F32 => ((if neg { -(*v_abs(v, neg) as f64) } else { v as f64 }) as f32).to_bits() as u64,
+                    Ty::F64 => (if neg { -(*v_abs(v, neg) as f64) } else { v as f64 }).to_bits(),
+                    _ => v,
+                }
+            }
+            Tok::F32(b) => {
+                let b = if neg { b ^ 0x8000_0000 } else { *b };
+                if ty == Ty::F64 { (f32::from_bits(b) as f64).to_bits() } else { b as u64 }
+            }
+            Tok::F64(b) => {
+                let b = if neg { b ^ (1 << 63) } else { *b };
+                if ty == Ty::F32 { (f64::from_bits(b) as f32).to_bits() as u64 } else { b }
+            }
+            Tok::Word(w) => {
+                // `sym`, `generic(sym)`, `sym + k`: an address, 64-bit only.
+                let mut name = *w;
+                let mut paren = false;
+                if (name == "generic" || name == "mask") && self.is_punct('(') {
+                    if name == "mask" {
+                        return self.err("mask() initialisers are unsupported");
+                    }
+                    self.i += 1;
+                    name = self.word()?;
+                    paren = true;
+                }
+                let mut addend = 0i64;
+                if paren {
+                    self.expect_punct(')')?;
+                }
+                if self.is_punct('+') || self.is_punct('-') {
+                    let minus = self.is_punct('-');
+                    self.i += 1;
+                    let k = self.int()? as i64;
+                    addend = if minus { -k } else { k };
+                }
+                if n != 8 {
+                    return self.err(format!("address of '{name}' in a {}-byte initialiser element", n));
+                }
+                let target = if let Some(&v) = self.var_names.get(name) {
+                    self.used[v as usize].set(true);
+                    RelocTarget::Var(v)
+                } else if let Some(&f) = self.func_names.get(name) {
+                    RelocTarget::Func(f)
+                } else {
+                    return self.err(format!("unknown symbol '{name}' in an initialiser"));
+                };
+                if var.relocs.len() >= MAX_LIST * 16 {
+                    return self.err("too many addresses in an initialiser");
+                }
+                var.init.resize(at as usize, 0);
+                var.relocs.push(Reloc { at, target, addend });
+                var.init.extend_from_slice(&[0; 8]);
+                return Ok(());
+            }
+            other => return self.err(format!("bad initialiser element {}", show(other))),
+        };
+        var.init.resize(at as usize, 0);
+        var.init.extend_from_slice(&bits.to_le_bytes()[..n]);
+        Ok(())
     }
 
     fn params(&mut self) -> Result<(Vec<Param>, u32), PtxError> {
@@ -352,7 +736,7 @@ impl<'a> Parser<'a> {
             let mut size = ty.bytes() as u32;
             if self.is_punct('[') {
                 self.i += 1;
-                size = size.saturating_mul(self.int()? as u32);
+                size = size.saturating_mul(u32::try_from(self.int()?).unwrap_or(u32::MAX));
                 self.expect_punct(']')?;
             }
             let align = if align == 0 { ty.bytes() as u32 } else { align };
@@ -373,6 +757,89 @@ impl<'a> Parser<'a> {
         Ok((params, off))
     }
 
+    /// A function's parameter list `( .param ... , ... )`, laid out in its
+    /// frame.
+    fn func_params(&mut self, b: &mut Body) -> Result<Vec<(u32, u32)>, PtxError> {
+        let mut out = Vec::new();
+        self.expect_punct('(')?;
+        while !self.is_punct(')') {
+            let line = self.line();
+            match self.word()? {
+                ".param" => {}
+                ".reg" => return self.err("register parameters are unsupported: only the .param calling convention"),
+                other => return self.err(format!("expected .param in a function signature, found '{other}'")),
+            }
+            let d = self.var_decl()?;
+            let off = b.local(d.name, d.size, d.align, line)?;
+            if out.len() >= MAX_LIST {
+                return self.err("too many parameters");
+            }
+            out.push((off, d.size as u32));
+            if self.is_punct(',') {
+                self.i += 1;
+            }
+        }
+        self.expect_punct(')')?;
+        Ok(out)
+    }
+
+    fn func_index(&mut self, name: &str, line: u32) -> u32 {
+        if let Some(&f) = self.func_names.get(name) {
+            return f;
+        }
+        let builtin = match name {
+            "__assertfail" => Some(Builtin::AssertFail),
+            "vprintf" => Some(Builtin::Vprintf),
+            _ => None,
+        };
+        let i = self.funcs.len() as u32;
+        self.funcs.push(Func { name: name.to_string(), entry: None, builtin, num_regs: 1, local_size: 0, params: Vec::new(), ret: None, line });
+        self.called.push(Cell::new(false));
+        self.func_names.insert(name.to_string(), i);
+        i
+    }
+
+    /// `.func [(ret)] name [(params)] [attrs] (; | { body })`.
+    fn func(&mut self, _external: bool) -> Result<(), PtxError> {
+        let line = self.line();
+        let mut b = Body::new(self.code.len(), self.module_shared_bytes);
+        let ret = if self.is_punct('(') {
+            let r = self.func_params(&mut b)?;
+            if r.len() > 1 {
+                return self.err("functions return at most one value");
+            }
+            r.first().copied()
+        } else {
+            None
+        };
+        let name = self.word()?.to_string();
+        let params = if self.is_punct('(') { self.func_params(&mut b)? } else { Vec::new() };
+        let f = self.func_index(&name, line);
+        {
+            let func = &mut self.funcs[f as usize];
+            func.params = params;
+            func.ret = ret;
+        }
+        while !self.is_punct('{') {
+            match self.next()? {
+                Tok::Punct(';') => return Ok(()),
+                _ => {}
+            }
+        }
+        if self.funcs[f as usize].entry.is_some() {
+            return self.err(format!("function '{name}' is defined twice"));
+        }
+        self.i += 1;
+        let entry = self.code.len() as u32;
+        self.body(&mut b, false)?;
+        let func = &mut self.funcs[f as usize];
+        func.entry = Some(entry);
+        func.builtin = None;
+        func.num_regs = b.num_regs;
+        func.local_size = b.local_max;
+        Ok(())
+    }
+
     fn entry(&mut self) -> Result<Kernel, PtxError> {
         let name = self.word()?.to_string();
         let (params, params_size) = if self.is_punct('(') { self.params()? } else { (Vec::new(), 0) };
@@ -380,43 +847,61 @@ impl<'a> Parser<'a> {
         while !self.is_punct('{') {
             match self.next()? {
                 Tok::Punct(';') => return self.err(format!("kernel '{name}' has no body")),
+                Tok::Word(".reqnctapercluster") => {
+                    let mut n = 1u64;
+                    while let Some(Tok::Int(v)) = self.peek() {
+                        n = n.saturating_mul(*v);
+                        self.i += 1;
+                        if self.is_punct(',') {
+                            self.i += 1;
+                        }
+                    }
+                    if n > 1 {
+                        return self.err(format!("kernel '{name}': thread-block clusters of more than one CTA (.reqnctapercluster, {n} CTAs) are unsupported on the CPU reference device"));
+                    }
+                }
                 _ => {}
             }
         }
         self.i += 1;
-        let module_shared = std::mem::take(&mut self.module_shared);
-        let r = self.body(name, params, params_size, &module_shared);
-        self.module_shared = module_shared;
-        let k = r?;
-        self.decoded = self.decoded.saturating_add(k.host_bytes());
-        if self.decoded > self.limit {
-            return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
-        }
+        let entry = self.code.len() as u32;
+        let mut b = Body::new(self.code.len(), self.module_shared_bytes);
+        b.params = params;
+        self.body(&mut b, true)?;
+        let k = Kernel { name, params: std::mem::take(&mut b.params), params_size, entry, num_regs: b.num_regs, local_size: b.local_max, shared_bytes: b.shared_bytes, code: Arc::default() };
+        self.charge(k.host_bytes())?;
         Ok(k)
     }
 
-    fn body(&mut self, name: String, params: Vec<Param>, params_size: u32, module_shared: &HashMap<String, u32>) -> Result<Kernel, PtxError> {
-        let mut b = Body {
-            regs: HashMap::new(),
-            reg_ranges: HashMap::new(),
-            num_regs: 0,
-            module_shared,
-            shared: HashMap::new(),
-            shared_bytes: self.module_shared_bytes,
-            params: &params,
-            labels: HashMap::new(),
-            fixups: Vec::new(),
-            insts: Vec::new(),
-        };
+    fn body(&mut self, b: &mut Body, kernel: bool) -> Result<(), PtxError> {
         let mut depth = 1;
         while depth > 0 {
-            if b.insts.len() % 1024 == 1023 && self.decoded.saturating_add((b.insts.capacity() * std::mem::size_of::<Inst>()) as u64) > self.limit {
-                return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
+            if self.code.len() % 1024 == 1023 {
+                let bytes = (self.code.capacity() * std::mem::size_of::<Inst>()) as u64;
+                if self.decoded.saturating_add(bytes) > self.limit {
+                    return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
+                }
             }
             let line = self.line();
             match self.next()? {
-                Tok::Punct('{') => depth += 1,
-                Tok::Punct('}') => depth -= 1,
+                Tok::Punct('{') => {
+                    depth += 1;
+                    b.scopes.push(b.local_top);
+                    b.reg_scopes.push(Vec::new());
+                }
+                Tok::Punct('}') => {
+                    depth -= 1;
+                    // A scope's `.param` variables are dead after it.
+                    if let Some(top) = b.scopes.pop() {
+                        b.local_top = top;
+                    }
+                    for (name, prev) in b.reg_scopes.pop().unwrap_or_default().into_iter().rev() {
+                        match prev {
+                            Some(r) => b.regs.insert(name, r),
+                            None => b.regs.remove(&name),
+                        };
+                    }
+                }
                 Tok::Punct('@') => {
                     let neg = if self.is_punct('!') {
                         self.i += 1;
@@ -430,46 +915,98 @@ impl<'a> Parser<'a> {
                         return Err(PtxError::at(line, format!("guard '{g}' is not a predicate")));
                     }
                     let opw = self.word()?;
-                    self.instruction(&mut b, opw, Some((slot, neg)), line)?;
+                    self.instruction(b, opw, Some((slot, neg)), line)?;
                 }
                 Tok::Word(w) => match *w {
-                    ".reg" => self.reg_decl(&mut b)?,
+                    ".reg" => self.reg_decl(b)?,
                     ".shared" => {
-                        let (n, size, align) = self.var_decl()?;
-                        let offset = align_up(b.shared_bytes, align).ok_or_else(|| PtxError::at(line, "shared memory overflow"))?;
-                        b.shared_bytes = offset.checked_add(size).ok_or_else(|| PtxError::at(line, "shared memory overflow"))?;
-                        b.shared.insert(n, offset);
+                        if !kernel {
+                            return Err(PtxError::at(line, "'.shared' variables inside a function are unsupported"));
+                        }
+                        let d = self.var_decl()?;
+                        self.expect_punct(';')?;
+                        if d.unsized_ {
+                            b.shared.insert(d.name, SharedVar::Dynamic);
+                        } else {
+                            let offset = align_up(b.shared_bytes, d.align).ok_or_else(|| PtxError::at(line, "shared memory overflow"))?;
+                            let size = u32::try_from(d.size).map_err(|_| PtxError::at(line, "shared variable too large"))?;
+                            b.shared_bytes = offset.checked_add(size).ok_or_else(|| PtxError::at(line, "shared memory overflow"))?;
+                            b.shared.insert(d.name, SharedVar::Static(offset));
+                        }
+                    }
+                    ".local" | ".param" => {
+                        let d = self.var_decl()?;
+                        if self.is_punct('=') {
+                            return Err(PtxError::at(line, format!("initialised {w} variable '{}' is unsupported", d.name)));
+                        }
+                        self.expect_punct(';')?;
+                        b.local(d.name, d.size, d.align, line)?;
                     }
                     ".pragma" => self.skip_to_semicolon()?,
                     ".loc" | ".file" => {
                         self.i -= 1;
                         self.skip_line();
                     }
-                    ".local" => return Err(PtxError::at(line, "'.local' memory is unsupported on the CPU reference device")),
-                    d if d.starts_with('.') => return Err(PtxError::at(line, format!("unsupported directive '{d}' in kernel body"))),
+                    d if d.starts_with('.') => return Err(PtxError::at(line, format!("unsupported directive '{d}' in a function body"))),
                     label if self.is_punct(':') => {
                         self.i += 1;
-                        b.labels.insert(label.to_string(), b.insts.len() as u32);
+                        match self.peek_word() {
+                            Some(".branchtargets") => {
+                                self.i += 1;
+                                let mut targets = Vec::new();
+                                loop {
+                                    targets.push(self.word()?.to_string());
+                                    if targets.len() > MAX_LIST {
+                                        return self.err("branch table too long");
+                                    }
+                                    match self.next()? {
+                                        Tok::Punct(',') => continue,
+                                        Tok::Punct(';') => break,
+                                        other => return self.err(format!("expected ',' or ';' in .branchtargets, found {}", show(other))),
+                                    }
+                                }
+                                b.tables.insert(label.to_string(), targets);
+                            }
+                            Some(".callprototype") => self.skip_to_semicolon()?,
+                            _ => {
+                                b.labels.insert(label.to_string(), (self.code.len() - b.start) as u32);
+                            }
+                        }
                     }
-                    opw => self.instruction(&mut b, opw, None, line)?,
+                    opw => self.instruction(b, opw, None, line)?,
                 },
                 other => return Err(PtxError::at(line, format!("unexpected {}", show(other)))),
             }
         }
+        let start = b.start as u32;
         for (idx, label, line) in std::mem::take(&mut b.fixups) {
             let target = *b.labels.get(&label).ok_or_else(|| PtxError::at(line, format!("unknown label '{label}'")))?;
-            if let Op::Bra { target: t } = &mut b.insts[idx].op {
-                *t = target;
+            if let Op::Bra { target: t } = &mut self.code[idx].op {
+                *t = start + target;
             }
         }
-        // Falling off the end of a kernel exits.
-        b.insts.push(Inst { guard: None, op: Op::Exit, line: self.line() });
-        let Body { insts, num_regs, shared_bytes, .. } = b;
-        Ok(Kernel { name, params, params_size, insts, num_regs, shared_bytes })
+        for (idx, table, line) in std::mem::take(&mut b.brx_fixups) {
+            let names = b.tables.get(&table).ok_or_else(|| PtxError::at(line, format!("unknown branch table '{table}'")))?;
+            let mut ts = Vec::with_capacity(names.len());
+            for n in names {
+                ts.push(start + *b.labels.get(n).ok_or_else(|| PtxError::at(line, format!("unknown label '{n}' in branch table")))?);
+            }
+            self.charge(ts.len() as u64 * 4)?;
+            if let Op::Brx { targets, .. } = &mut self.code[idx].op {
+                *targets = ts;
+            }
+        }
+        // Falling off the end returns (a kernel's thread exits).
+        self.code.push(Inst { guard: None, op: Op::Ret, line: self.line() });
+        self.charge(std::mem::size_of::<Inst>() as u64)?;
+        Ok(())
     }
 
-    fn reg_decl(&mut self, b: &mut Body<'_>) -> Result<(), PtxError> {
-        let tw = self.word()?;
+    fn reg_decl(&mut self, b: &mut Body) -> Result<(), PtxError> {
+        let mut tw = self.word()?;
+        if matches!(tw, ".v2" | ".v4") {
+            tw = self.word()?;
+        }
         let ty = tw.strip_prefix('.').and_then(Ty::parse).ok_or_else(|| PtxError::at(self.line(), format!("unsupported register type '{tw}'")))?;
         loop {
             let name = self.word()?.to_string();
@@ -485,7 +1022,7 @@ impl<'a> Parser<'a> {
                 None
             };
             let n = count.unwrap_or(1);
-            if b.num_regs.saturating_add(n) > 1 << 16 {
+            if b.num_regs.saturating_add(n) > (1 << 16) + 1 {
                 return self.err("too many registers");
             }
             match count {
@@ -493,7 +1030,10 @@ impl<'a> Parser<'a> {
                     b.reg_ranges.insert(name, (b.num_regs, n, ty));
                 }
                 None => {
-                    b.regs.insert(name, (b.num_regs, ty));
+                    let prev = b.regs.insert(name.clone(), (b.num_regs, ty));
+                    if let Some(scope) = b.reg_scopes.last_mut() {
+                        scope.push((name, prev));
+                    }
                 }
             }
             b.num_regs += n;
@@ -523,7 +1063,7 @@ impl<'a> Parser<'a> {
                     other => return self.err(format!("bad address base {}", show(other))),
                 };
                 let mut off = 0i64;
-                if self.is_punct('+') || self.is_punct('-') {
+                while self.is_punct('+') || self.is_punct('-') {
                     let mut neg = self.is_punct('-');
                     self.i += 1;
                     if self.is_punct('-') {
@@ -532,7 +1072,7 @@ impl<'a> Parser<'a> {
                     }
                     let v = self.int()?;
                     let v = i64::try_from(v).map_err(|_| PtxError::at(self.line(), "address offset out of range"))?;
-                    off = if neg { -v } else { v };
+                    off = off.wrapping_add(if neg { -v } else { v });
                 }
                 self.expect_punct(']')?;
                 Raw::Addr(Box::new(base), off)
@@ -563,7 +1103,18 @@ impl<'a> Parser<'a> {
             Tok::F32(b) => Raw::F32(*b),
             Tok::F64(b) => Raw::F64(*b),
             Tok::Word(w) if *w == "_" => Raw::Sink,
-            Tok::Word(w) => Raw::Name(w.to_string()),
+            Tok::Word(w) => {
+                // `sym+8` as a plain operand (an address constant).
+                let name = Raw::Name(w.to_string());
+                if (self.is_punct('+') || self.is_punct('-')) && matches!(self.t.get(self.i + 1).map(|t| &t.tok), Some(Tok::Int(_))) {
+                    let neg = self.is_punct('-');
+                    self.i += 1;
+                    let v = i64::try_from(self.int()?).map_err(|_| PtxError::at(self.line(), "offset out of range"))?;
+                    Raw::Addr(Box::new(name), if neg { -v } else { v })
+                } else {
+                    name
+                }
+            }
             other => return self.err(format!("bad operand {}", show(other))),
         };
         if self.is_punct('|') {
@@ -574,8 +1125,71 @@ impl<'a> Parser<'a> {
         Ok(first)
     }
 
-    fn instruction(&mut self, b: &mut Body<'_>, opw: &str, guard: Option<(u32, bool)>, line: u32) -> Result<(), PtxError> {
+    /// `call{.uni} [(ret),] target, [(args)] [, proto];`
+    fn call(&mut self, b: &mut Body, guard: Option<(u32, bool)>, line: u32) -> Result<(), PtxError> {
+        let list = |p: &mut Self| -> Result<Vec<String>, PtxError> {
+            p.expect_punct('(')?;
+            let mut v = Vec::new();
+            while !p.is_punct(')') {
+                v.push(p.word()?.to_string());
+                if v.len() > MAX_LIST {
+                    return p.err("too many call arguments");
+                }
+                if p.is_punct(',') {
+                    p.i += 1;
+                }
+            }
+            p.i += 1;
+            Ok(v)
+        };
+        let ret = if self.is_punct('(') {
+            let r = list(self)?;
+            self.expect_punct(',')?;
+            r
+        } else {
+            Vec::new()
+        };
+        let target = self.word()?.to_string();
+        let args = if self.is_punct(',') {
+            self.i += 1;
+            if self.is_punct('(') { list(self)? } else { Vec::new() }
+        } else {
+            Vec::new()
+        };
+        // An optional prototype or target list.
+        if self.is_punct(',') {
+            self.i += 1;
+            self.word()?;
+        }
+        self.expect_punct(';')?;
+        let var = |n: &String| -> Result<(u32, u32), PtxError> {
+            match b.locals.get(n) {
+                Some(&off) => Ok((off, (b.local_max - off).min(MAX_FRAME))),
+                None => Err(PtxError::at(line, format!("call argument '{n}' is not a .param variable"))),
+            }
+        };
+        let args = args.iter().map(var).collect::<Result<Vec<_>, _>>()?;
+        if ret.len() > 1 {
+            return Err(PtxError::at(line, "a call returns at most one value"));
+        }
+        let ret = ret.first().map(var).transpose()?;
+        let callee = if let Some((slot, _)) = b.reg(&target) {
+            Callee::Indirect(Src::Reg(slot))
+        } else {
+            let f = self.func_index(&target, line);
+            self.called[f as usize].set(true);
+            Callee::Direct(f)
+        };
+        self.charge(args.len() as u64 * 8)?;
+        self.code.push(Inst { guard, op: Op::Call { callee, args, ret }, line });
+        Ok(())
+    }
+
+    fn instruction(&mut self, b: &mut Body, opw: &'a str, guard: Option<(u32, bool)>, line: u32) -> Result<(), PtxError> {
         let base = opw.split('.').next().unwrap_or("");
+        if base == "call" {
+            return self.call(b, guard, line);
+        }
         if !KNOWN_OPCODES.contains(&base) {
             return Err(PtxError::at(line, format!("unsupported instruction '{opw}'")));
         }
@@ -592,24 +1206,82 @@ impl<'a> Parser<'a> {
         } else {
             self.i += 1;
         }
-        let cx = Cx { b, line, opw };
+        let cx = Cx { b, p: self, line, opw };
         let (op, label) = cx.decode(&ops)?;
-        if let Some(l) = label {
-            b.fixups.push((b.insts.len(), l, line));
+        match label {
+            Some(Label::Bra(l)) => b.fixups.push((self.code.len(), l, line)),
+            Some(Label::Table(t)) => b.brx_fixups.push((self.code.len(), t, line)),
+            None => {}
         }
-        b.insts.push(Inst { guard, op, line });
+        self.code.push(Inst { guard, op, line });
         Ok(())
     }
+
+    /// Places used variables, checks calls, and shares the code.
+    fn finish(&mut self, mut kernels: Vec<Kernel>) -> Result<Module, PtxError> {
+        for (f, called) in self.funcs.iter().zip(&self.called) {
+            if called.get() && f.entry.is_none() && f.builtin.is_none() {
+                return Err(PtxError::at(f.line, format!("call to external function '{}', which this device does not provide", f.name)));
+            }
+        }
+        // Initialisers can make more variables used; settle that first.
+        let mut changed = true;
+        while changed {
+            changed = false;
+            for (i, v) in self.vars.iter().enumerate() {
+                if self.used[i].get() || v.visible {
+                    for r in &v.relocs {
+                        if let RelocTarget::Var(t) = r.target {
+                            if !self.used[t as usize].get() {
+                                self.used[t as usize].set(true);
+                                changed = true;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let (mut gsize, mut csize) = (0u64, 0u64);
+        for (i, v) in self.vars.iter_mut().enumerate() {
+            if !(self.used[i].get() || v.visible) {
+                continue;
+            }
+            let seg = if v.space == VarSpace::Global { &mut gsize } else { &mut csize };
+            let off = seg.div_ceil(v.align) * v.align;
+            let end = off.saturating_add(v.size.max(1));
+            if end > MAX_SEGMENT {
+                return Err(PtxError::at(0, "module variables exceed the largest segment"));
+            }
+            v.offset = Some(off);
+            *seg = end;
+        }
+        let code = Arc::new(Code { insts: std::mem::take(&mut self.code), funcs: std::mem::take(&mut self.funcs), syms: vec![0; self.vars.len()] });
+        for k in &mut kernels {
+            k.code = code.clone();
+        }
+        Ok(Module { kernels, vars: std::mem::take(&mut self.vars), target: self.target, global_size: gsize, const_size: csize, code })
+    }
+}
+
+fn v_abs(v: u64, neg: bool) -> Box<u64> {
+    Box::new(if neg { (v as i64).wrapping_neg() as u64 } else { v })
 }
 
 /// Base opcodes the decoder understands; anything else is reported by name
 /// before its operands are parsed.
 const KNOWN_OPCODES: &[&str] = &[
     "mov", "ld", "ldu", "st", "cvta", "cvt", "add", "sub", "mul", "div", "rem", "min", "max", "and", "or", "xor",
-    "shl", "shr", "copysign", "neg", "abs", "not", "sqrt", "rsqrt", "rcp", "ex2", "lg2", "sin", "cos", "popc",
-    "clz", "brev", "cnot", "mad", "fma", "setp", "selp", "bra", "brx", "bar", "barrier", "membar", "fence", "shfl",
-    "vote", "atom", "red", "ret", "exit",
+    "shl", "shr", "copysign", "neg", "abs", "not", "sqrt", "rsqrt", "rcp", "ex2", "lg2", "sin", "cos", "tanh", "popc",
+    "clz", "brev", "cnot", "mad", "fma", "setp", "set", "selp", "slct", "bra", "brx", "bar", "barrier", "membar", "fence", "shfl",
+    "vote", "atom", "red", "ret", "exit", "bfe", "bfi", "bfind", "prmt", "lop3", "shf", "mul24", "mad24", "sad",
+    "dp4a", "dp2a", "addc", "subc", "madc", "testp", "activemask", "match", "redux", "elect", "cp", "prefetch", "prefetchu",
+    "isspacep", "mapa", "trap", "brkpt", "nanosleep", "pmevent", "griddepcontrol", "discard", "applypriority", "createpolicy",
 ];
+
+enum Label {
+    Bra(String),
+    Table(String),
+}
 
 fn show(t: &Tok) -> String {
     match t {
@@ -635,39 +1307,108 @@ fn special(name: &str) -> Option<Special> {
             "%ntid" => Special::Ntid(d),
             "%ctaid" => Special::Ctaid(d),
             "%nctaid" => Special::Nctaid(d),
+            // A cluster is one CTA on this device.
+            "%clusterid" => Special::Ctaid(d),
+            "%nclusterid" => Special::Nctaid(d),
+            "%cluster_ctaid" => Special::Const(0),
+            "%cluster_nctaid" => Special::Const(1),
             _ => return None,
         });
     }
+    if let Some(n) = name.strip_prefix("%envreg") {
+        return n.parse::<u32>().ok().filter(|n| *n < 32).map(|_| Special::Const(0));
+    }
+    if let Some(n) = name.strip_prefix("%pm") {
+        let n = n.strip_suffix("_64").unwrap_or(n);
+        return n.parse::<u32>().ok().filter(|n| *n < 8).map(|_| Special::Const(0));
+    }
     Some(match name {
-        "%tid" | "%ntid" | "%ctaid" | "%nctaid" => return None,
         "%laneid" => Special::LaneId,
         "%warpid" => Special::WarpId,
         "%nwarpid" => Special::NWarpId,
         "%clock" => Special::Clock,
+        "%clock_hi" => Special::ClockHi,
         "%clock64" => Special::Clock64,
         "%lanemask_eq" => Special::LaneMaskEq,
         "%lanemask_lt" => Special::LaneMaskLt,
         "%lanemask_le" => Special::LaneMaskLe,
         "%lanemask_gt" => Special::LaneMaskGt,
         "%lanemask_ge" => Special::LaneMaskGe,
+        "%smid" => Special::SmId,
+        "%nsmid" => Special::NSmId,
+        "%gridid" => Special::GridId,
+        "%globaltimer" => Special::GlobalTimer,
+        "%globaltimer_lo" => Special::GlobalTimerLo,
+        "%globaltimer_hi" => Special::GlobalTimerHi,
+        "%dynamic_smem_size" => Special::DynSmemSize,
+        "%total_smem_size" => Special::TotalSmemSize,
+        "%aggr_smem_size" => Special::TotalSmemSize,
+        "%reserved_smem_offset_begin" | "%reserved_smem_offset_end" | "%reserved_smem_offset_cap" => Special::Const(0),
+        "%reserved_smem_offset_0" | "%reserved_smem_offset_1" => Special::Const(0),
+        "%cluster_ctarank" | "%is_explicit_cluster" => Special::Const(0),
+        "%cluster_nctarank" => Special::Const(1),
+        "%current_graph_exec" => Special::Const(0),
         _ => return None,
     })
 }
 
 /// Decoding context for one instruction.
-struct Cx<'b, 'k, 'o> {
-    b: &'b Body<'k>,
+struct Cx<'b, 'p, 'a, 'o> {
+    b: &'b Body,
+    p: &'p Parser<'a>,
     line: u32,
     opw: &'o str,
 }
 
-impl Cx<'_, '_, '_> {
+/// A name resolved in a body.
+enum Named {
+    Reg(u32),
+    Special(Special),
+    Imm(u64),
+    /// Kernel parameter at this offset of the parameter buffer.
+    KParam(u32),
+    Local(u32),
+    Shared(SharedVar),
+    Var(u32),
+    Func(u32),
+}
+
+impl Cx<'_, '_, '_, '_> {
     fn err<T>(&self, msg: impl Into<String>) -> Result<T, PtxError> {
         Err(PtxError::at(self.line, format!("'{}': {}", self.opw, msg.into())))
     }
 
     fn unsupported<T>(&self) -> Result<T, PtxError> {
         Err(PtxError::at(self.line, format!("unsupported instruction '{}'", self.opw)))
+    }
+
+    fn named(&self, n: &str) -> Option<Named> {
+        if let Some((slot, _)) = self.b.reg(n) {
+            return Some(Named::Reg(slot));
+        }
+        if let Some(s) = special(n) {
+            return Some(Named::Special(s));
+        }
+        if n == "WARP_SZ" {
+            return Some(Named::Imm(32));
+        }
+        if let Some(&off) = self.b.locals.get(n) {
+            return Some(Named::Local(off));
+        }
+        if let Some(p) = self.b.params.iter().find(|p| p.name == n) {
+            return Some(Named::KParam(p.offset));
+        }
+        if let Some(s) = self.b.shared.get(n).or_else(|| self.p.module_shared.get(n)) {
+            return Some(Named::Shared(*s));
+        }
+        if let Some(&v) = self.p.var_names.get(n) {
+            self.p.used[v as usize].set(true);
+            return Some(Named::Var(v));
+        }
+        if let Some(&f) = self.p.func_names.get(n) {
+            return Some(Named::Func(f));
+        }
+        None
     }
 
     fn reg(&self, r: &Raw) -> Result<u32, PtxError> {
@@ -693,19 +1434,20 @@ impl Cx<'_, '_, '_> {
 
     fn src(&self, r: &Raw, ty: Ty) -> Result<Src, PtxError> {
         Ok(match r {
-            Raw::Name(n) => {
-                if let Some((slot, _)) = self.b.reg(n) {
-                    Src::Reg(slot)
-                } else if let Some(s) = special(n) {
-                    Src::Special(s)
-                } else if n == "WARP_SZ" {
-                    Src::Imm(32)
-                } else if let Some(off) = self.b.shared_var(n) {
-                    Src::Imm(off as u64)
-                } else {
-                    return self.err(format!("unknown operand '{n}'"));
-                }
-            }
+            Raw::Name(n) => match self.named(n) {
+                Some(Named::Reg(s)) => Src::Reg(s),
+                Some(Named::Special(s)) => Src::Special(s),
+                Some(Named::Imm(v)) => Src::Imm(v),
+                Some(Named::KParam(off)) => Src::Imm(off as u64),
+                Some(Named::Local(off)) => Src::Local(off),
+                Some(Named::Shared(SharedVar::Static(off))) => Src::Imm(off as u64),
+                Some(Named::Shared(SharedVar::Dynamic)) => Src::Special(Special::DynShared),
+                Some(Named::Var(v)) => Src::Sym(v),
+                Some(Named::Func(f)) => Src::Imm(FUNC_WINDOW + f as u64),
+                None => return self.err(format!("unknown operand '{n}'")),
+            },
+            Raw::Addr(base, off) if *off == 0 => return self.src(base, ty),
+            Raw::Addr(..) => return self.err("an address with an offset is only allowed inside [..] here"),
             Raw::Int(v) => Src::Imm(match ty {
                 Ty::F32 => (*v as f32).to_bits() as u64,
                 Ty::F64 => (*v as f64).to_bits(),
@@ -723,29 +1465,63 @@ impl Cx<'_, '_, '_> {
         })
     }
 
-    fn addr(&self, r: &Raw, space: Space) -> Result<Addr, PtxError> {
-        let Raw::Addr(base, offset) = r else {
-            return self.err("expected an address [..]");
+    /// Resolves `[base+off]` for an access in `space`; returns the space
+    /// the access really uses (a `.param` variable of a call is local).
+    fn addr(&self, r: &Raw, space: Space) -> Result<(Space, Addr), PtxError> {
+        let (base, offset) = match r {
+            Raw::Addr(base, offset) => (&**base, *offset),
+            _ => return self.err("expected an address [..]"),
         };
-        let base = match &**base {
-            Raw::Name(n) if space == Space::Param => match self.b.params.iter().find(|p| &p.name == n) {
-                Some(p) => Src::Imm(p.offset as u64),
-                None => return self.err(format!("unknown parameter '{n}'")),
+        let (sp, base, extra) = match base {
+            Raw::Int(v) => (space, Src::Imm(*v as u64), 0),
+            Raw::Name(n) => match self.named(n) {
+                Some(Named::Reg(s)) => (space, Src::Reg(s), 0),
+                Some(Named::KParam(off)) if matches!(space, Space::Param) => (Space::Param, Src::Imm(off as u64), 0),
+                Some(Named::KParam(off)) if matches!(space, Space::Generic) => (Space::Generic, Src::Imm(off as u64), PARAM_WINDOW),
+                Some(Named::Local(off)) if matches!(space, Space::Param | Space::Local) => (Space::Local, Src::Local(off), 0),
+                Some(Named::Local(off)) if matches!(space, Space::Generic) => (Space::Generic, Src::Local(off), LOCAL_WINDOW),
+                Some(Named::Shared(s)) if matches!(space, Space::Shared | Space::Generic) => {
+                    let w = if space == Space::Generic { SHARED_WINDOW } else { 0 };
+                    match s {
+                        SharedVar::Static(off) => (space, Src::Imm(off as u64), w),
+                        SharedVar::Dynamic => (space, Src::Special(Special::DynShared), w),
+                    }
+                }
+                Some(Named::Var(v)) if matches!(space, Space::Global | Space::Generic) => (space, Src::Sym(v), 0),
+                Some(_) => return self.err(format!("'{n}' cannot be addressed in this state space")),
+                None => return self.err(format!("unknown address base '{n}'")),
             },
-            Raw::Name(n) if self.b.reg(n).is_some() => self.src(&Raw::Name(n.clone()), Ty::U64)?,
-            Raw::Name(n) => match self.b.shared_var(n) {
-                Some(off) if matches!(space, Space::Shared) => Src::Imm(off as u64),
-                Some(off) if matches!(space, Space::Generic) => Src::Imm(super::exec::SHARED_WINDOW + off as u64),
-                _ => return self.err(format!("unknown address base '{n}'")),
-            },
-            Raw::Int(v) => Src::Imm(*v as u64),
             other => return self.err(format!("bad address base {other:?}")),
         };
-        Ok(Addr { base, offset: *offset })
+        Ok((sp, Addr { base, offset: offset.wrapping_add(extra as i64) }))
+    }
+
+    fn space(&self, mods: &[&str]) -> Result<Space, PtxError> {
+        for m in mods {
+            let m = m.split("::").next().unwrap_or(m);
+            match m {
+                "global" => return Ok(Space::Global),
+                "shared" => return Ok(Space::Shared),
+                "param" => return Ok(Space::Param),
+                "local" => return Ok(Space::Local),
+                // Constant memory is global memory the host fills.
+                "const" => return Ok(Space::Global),
+                "tex" | "surf" => return self.err("texture and surface memory are unsupported"),
+                _ => {}
+            }
+        }
+        Ok(Space::Generic)
+    }
+
+    fn mask_src(&self, r: Option<&Raw>) -> Result<Src, PtxError> {
+        match r {
+            Some(r) => self.src(r, Ty::B32),
+            None => Ok(Src::Imm(0xffff_ffff)),
+        }
     }
 
     /// Returns the decoded op and, for branches, the label to resolve.
-    fn decode(&self, ops: &[Raw]) -> Result<(Op, Option<String>), PtxError> {
+    fn decode(&self, ops: &[Raw]) -> Result<(Op, Option<Label>), PtxError> {
         let mut parts = self.opw.split('.');
         let base = parts.next().unwrap_or("");
         let mods: Vec<&str> = parts.collect();
@@ -755,17 +1531,18 @@ impl Cx<'_, '_, '_> {
         let need = |n: usize| -> Result<(), PtxError> {
             if ops.len() != n { self.err(format!("expected {n} operands, found {}", ops.len())) } else { Ok(()) }
         };
-        let space = || {
-            if has("global") { Space::Global } else if has("shared") { Space::Shared } else if has("param") { Space::Param } else { Space::Generic }
-        };
         let the_ty = || ty.ok_or_else(|| PtxError::at(self.line, format!("'{}': missing type", self.opw)));
+        let round = || {
+            if has("rn") { Round::Rn } else if has("rz") { Round::Rz } else if has("rm") { Round::Rm } else if has("rp") { Round::Rp }
+            else if has("rna") { Round::Rna } else if has("rni") { Round::Rni } else if has("rzi") { Round::Rzi } else if has("rmi") { Round::Rmi } else if has("rpi") { Round::Rpi } else { Round::Default }
+        };
         let op = match base {
             "mov" => {
                 need(2)?;
                 let ty = the_ty()?;
                 match (&ops[0], &ops[1]) {
                     (Raw::Vec(d), a) => {
-                        let d = d.iter().map(|r| self.reg(r)).collect::<Result<Vec<_>, _>>()?;
+                        let d = d.iter().map(|r| self.opt_reg(r)).collect::<Result<Vec<_>, _>>()?;
                         let part_bits = ty.bits() / d.len() as u32;
                         Op::Unpack { a: self.src(a, ty)?, d, part_bits }
                     }
@@ -779,60 +1556,85 @@ impl Cx<'_, '_, '_> {
             }
             "ld" | "ldu" => {
                 need(2)?;
-                if has("const") || has("local") || has("tex") {
-                    return self.err("only .param, .global and .shared loads (and generic ones) are supported");
-                }
                 let ty = the_ty()?;
                 let (d, dst_bits) = match &ops[0] {
                     Raw::Vec(v) => (v.iter().map(|r| self.reg(r)).collect::<Result<Vec<_>, _>>()?, self.reg_bits(&v[0])),
                     r => (vec![self.reg(r)?], self.reg_bits(r)),
                 };
-                Op::Ld { space: space(), ty, d, addr: self.addr(&ops[1], space())?, dst_bits }
+                let (space, addr) = self.addr(&ops[1], self.space(&mods)?)?;
+                Op::Ld { space, ty, d, addr, dst_bits }
             }
             "st" => {
                 need(2)?;
-                if has("const") || has("local") || has("param") {
-                    return self.err("only .global and .shared stores (and generic ones) are supported");
+                if has("const") {
+                    return self.err("constant memory is read-only to kernels");
                 }
                 let ty = the_ty()?;
                 let s = match &ops[1] {
                     Raw::Vec(v) => v.iter().map(|r| self.src(r, ty)).collect::<Result<Vec<_>, _>>()?,
                     r => vec![self.src(r, ty)?],
                 };
-                Op::St { space: space(), ty, addr: self.addr(&ops[0], space())?, s }
+                let (space, addr) = self.addr(&ops[0], self.space(&mods)?)?;
+                if space == Space::Param {
+                    return self.err("kernel parameters are read-only");
+                }
+                Op::St { space, ty, addr, s }
             }
             "cvta" => {
                 need(2)?;
-                let shared = has("shared");
-                if !shared && !has("global") {
-                    return self.err("only .global and .shared windows are supported");
-                }
+                let window = match self.space(&mods)? {
+                    Space::Shared => SHARED_WINDOW,
+                    Space::Local => LOCAL_WINDOW,
+                    Space::Param => PARAM_WINDOW,
+                    Space::Global => 0,
+                    Space::Generic => return self.err("missing state space"),
+                };
                 let ty = the_ty()?;
-                Op::Cvta { to_generic: !has("to"), shared, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)? }
+                Op::Cvta { to_generic: !has("to"), window, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)? }
             }
             "cvt" => {
-                need(2)?;
                 if types.len() != 2 {
                     return self.err("expected destination and source types");
                 }
-                let round = if has("rn") { Round::Rn } else if has("rz") { Round::Rz } else if has("rm") { Round::Rm } else if has("rp") { Round::Rp }
-                    else if has("rni") { Round::Rni } else if has("rzi") { Round::Rzi } else if has("rmi") { Round::Rmi } else if has("rpi") { Round::Rpi } else { Round::Default };
-                Op::Cvt { dty: types[0], sty: types[1], round, sat: has("sat"), d: self.reg(&ops[0])?, a: self.src(&ops[1], types[1])? }
+                if ops.len() == 3 {
+                    // cvt.rn.f16x2.f32 d, hi, lo
+                    return Ok((Op::Cvt2 { dty: types[0], round: round(), relu: has("relu"), d: self.reg(&ops[0])?, hi: self.src(&ops[1], types[1])?, lo: self.src(&ops[2], types[1])? }, None));
+                }
+                need(2)?;
+                Op::Cvt { dty: types[0], sty: types[1], round: round(), sat: has("sat"), relu: has("relu"), d: self.reg(&ops[0])?, a: self.src(&ops[1], types[1])? }
             }
-            "add" | "sub" | "mul" | "div" | "rem" | "min" | "max" | "and" | "or" | "xor" | "shl" | "shr" | "copysign" => {
-                if has("cc") || mods.iter().any(|m| m.starts_with("relu") || *m == "NaN" || *m == "xorsign") {
+            "add" | "sub" | "addc" | "subc" if has("cc") || base == "addc" || base == "subc" => {
+                need(3)?;
+                let ty = the_ty()?;
+                let sub = base.starts_with("sub");
+                Op::Carry { sub, cin: base.ends_with('c'), cout: has("cc"), ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)?, b: self.src(&ops[2], ty)? }
+            }
+            "add" | "sub" | "mul" | "div" | "rem" | "min" | "max" | "and" | "or" | "xor" | "shl" | "shr" | "copysign" | "mul24" => {
+                if mods.iter().any(|m| *m == "xorsign" || *m == "abs") {
                     return self.unsupported();
                 }
                 need(3)?;
                 let ty = the_ty()?;
+                let relu = has("relu");
+                let nan = has("NaN");
+                let sat = has("sat") && ty.is_float();
                 let op = match base {
+                    "add" if sat => Bin::AddSat,
+                    "sub" if sat => Bin::SubSat,
+                    "mul" if sat => Bin::MulSat,
                     "add" => Bin::Add,
                     "sub" => Bin::Sub,
                     "mul" if has("wide") => Bin::MulWide,
                     "mul" if has("hi") => Bin::MulHi,
                     "mul" => Bin::MulLo,
+                    "mul24" if has("hi") => Bin::Mul24Hi,
+                    "mul24" => Bin::Mul24Lo,
                     "div" => Bin::Div,
                     "rem" => Bin::Rem,
+                    "min" if relu => Bin::MinRelu,
+                    "max" if relu => Bin::MaxRelu,
+                    "min" if nan => Bin::MinNan,
+                    "max" if nan => Bin::MaxNan,
                     "min" => Bin::Min,
                     "max" => Bin::Max,
                     "and" => Bin::And,
@@ -842,34 +1644,95 @@ impl Cx<'_, '_, '_> {
                     "shr" => Bin::Shr,
                     _ => Bin::Copysign,
                 };
+                if has("sat") && !ty.is_float() && !(op == Bin::Add || op == Bin::Sub) {
+                    return self.unsupported();
+                }
                 // Shift amounts are always .u32.
                 let bty = if matches!(op, Bin::Shl | Bin::Shr) { Ty::U32 } else { ty };
-                Op::Bin { op, ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)?, b: self.src(&ops[2], bty)? }
+                let (d, a, b) = (self.reg(&ops[0])?, self.src(&ops[1], ty)?, self.src(&ops[2], bty)?);
+                let r = round();
+                if ty.is_float() && matches!(r, Round::Rz | Round::Rm | Round::Rp) && matches!(op, Bin::Add | Bin::Sub | Bin::MulLo | Bin::Div) && matches!(ty, Ty::F32 | Ty::F64) {
+                    Op::BinR { op, ty, round: r, d, a, b }
+                } else if has("sat") && !ty.is_float() {
+                    // add.sat.s32 / sub.sat.s32: saturating integer.
+                    Op::BinR { op, ty, round: Round::Default, d, a, b }
+                } else {
+                    Op::Bin { op, ty, d, a, b }
+                }
             }
-            "neg" | "abs" | "not" | "sqrt" | "rsqrt" | "rcp" | "ex2" | "lg2" | "sin" | "cos" | "popc" | "clz" | "brev" | "cnot" => {
+            "neg" | "abs" | "not" | "sqrt" | "rsqrt" | "rcp" | "ex2" | "lg2" | "sin" | "cos" | "tanh" | "popc" | "clz" | "brev" | "cnot" | "bfind" => {
                 need(2)?;
                 let ty = the_ty()?;
+                let r = round();
+                if matches!(base, "sqrt" | "rcp") && matches!(r, Round::Rz | Round::Rm | Round::Rp) && matches!(ty, Ty::F32 | Ty::F64) {
+                    let (d, x) = (self.reg(&ops[0])?, self.src(&ops[1], ty)?);
+                    let one = if ty == Ty::F32 { 1f32.to_bits() as u64 } else { 1f64.to_bits() };
+                    return Ok((if base == "sqrt" { Op::BinR { op: Bin::Sqrt, ty, round: r, d, a: x, b: x } } else { Op::BinR { op: Bin::Div, ty, round: r, d, a: Src::Imm(one), b: x } }, None));
+                }
                 let op = match base {
                     "neg" => Un::Neg, "abs" => Un::Abs, "not" => Un::Not, "sqrt" => Un::Sqrt, "rsqrt" => Un::Rsqrt,
-                    "rcp" => Un::Rcp, "ex2" => Un::Ex2, "lg2" => Un::Lg2, "sin" => Un::Sin, "cos" => Un::Cos,
-                    "popc" => Un::Popc, "clz" => Un::Clz, "brev" => Un::Brev, _ => Un::Cnot,
+                    "rcp" => Un::Rcp, "ex2" => Un::Ex2, "lg2" => Un::Lg2, "sin" => Un::Sin, "cos" => Un::Cos, "tanh" => Un::Tanh,
+                    "popc" => Un::Popc, "clz" => Un::Clz, "brev" => Un::Brev, "bfind" if has("shiftamt") => Un::BfindShift,
+                    "bfind" => Un::Bfind, _ => Un::Cnot,
                 };
                 Op::Un { op, ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)? }
             }
-            "mad" | "fma" => {
+            "mad" | "fma" | "madc" | "mad24" => {
                 need(4)?;
                 let ty = the_ty()?;
-                if has("cc") {
-                    return self.unsupported();
-                }
                 let (d, a, b, c) = (self.reg(&ops[0])?, &ops[1], &ops[2], &ops[3]);
                 if ty.is_float() {
-                    Op::Fma { ty, d, a: self.src(a, ty)?, b: self.src(b, ty)?, c: self.src(c, ty)?, sat: has("sat") }
+                    Op::Fma { ty, round: round(), d, a: self.src(a, ty)?, b: self.src(b, ty)?, c: self.src(c, ty)?, sat: has("sat"), relu: has("relu") }
                 } else {
-                    let mode = if has("wide") { MadMode::Wide } else if has("hi") { MadMode::Hi } else { MadMode::Lo };
+                    let mode = if base == "mad24" {
+                        if has("hi") { MadMode::Hi24 } else { MadMode::Lo24 }
+                    } else if has("wide") { MadMode::Wide } else if has("hi") { MadMode::Hi } else { MadMode::Lo };
+                    if has("sat") {
+                        return self.unsupported();
+                    }
                     let cty = if mode == MadMode::Wide { wide(ty) } else { ty };
-                    Op::Mad { mode, ty, d, a: self.src(a, ty)?, b: self.src(b, ty)?, c: self.src(c, cty)? }
+                    Op::Mad { mode, ty, d, a: self.src(a, ty)?, b: self.src(b, ty)?, c: self.src(c, cty)?, carry: (base == "madc", has("cc")) }
                 }
+            }
+            "bfe" | "prmt" | "lop3" | "shf" | "sad" | "dp4a" | "dp2a" => {
+                let ty = if base == "dp4a" || base == "dp2a" { Ty::U32 } else { the_ty()? };
+                let op = match base {
+                    "bfe" => Tri::Bfe,
+                    "prmt" => Tri::Prmt(if has("f4e") { 1 } else if has("b4e") { 2 } else if has("rc8") { 3 } else if has("ecl") { 4 } else if has("ecr") { 5 } else if has("rc16") { 6 } else { 0 }),
+                    "lop3" => {
+                        need(5)?;
+                        let Raw::Int(lut) = &ops[4] else { return self.err("the lookup table must be an immediate") };
+                        Tri::Lop3(*lut as u8)
+                    }
+                    "shf" => Tri::Shf { left: has("l"), wrap: has("wrap") },
+                    "sad" => Tri::Sad,
+                    "dp4a" => Tri::Dp4a(mods.first() == Some(&"s32"), mods.get(1) == Some(&"s32")),
+                    _ => Tri::Dp2a { hi: has("hi"), sa: mods.get(1) == Some(&"s32"), sb: mods.get(2) == Some(&"s32") },
+                };
+                if base != "lop3" {
+                    need(4)?;
+                }
+                let (bt, ct) = match op {
+                    Tri::Bfe => (Ty::U32, Ty::U32),
+                    Tri::Shf { .. } => (Ty::B32, Ty::U32),
+                    Tri::Sad => (ty, wide_none(ty)),
+                    _ => (ty, ty),
+                };
+                Op::Tri { op, ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)?, b: self.src(&ops[2], bt)?, c: self.src(&ops[3], ct)? }
+            }
+            "bfi" => {
+                need(5)?;
+                let ty = the_ty()?;
+                Op::Bfi { ty, d: self.reg(&ops[0])?, f: self.src(&ops[1], ty)?, b: self.src(&ops[2], ty)?, pos: self.src(&ops[3], Ty::U32)?, len: self.src(&ops[4], Ty::U32)? }
+            }
+            "testp" => {
+                need(2)?;
+                let ty = the_ty()?;
+                let kind = if has("finite") { TestpKind::Finite } else if has("infinite") { TestpKind::Infinite } else if has("number") { TestpKind::Number }
+                    else if has("notanumber") { TestpKind::NotANumber } else if has("normal") { TestpKind::Normal } else if has("subnormal") { TestpKind::Subnormal } else {
+                        return self.err("missing test");
+                    };
+                Op::Testp { kind, ty, p: self.reg(&ops[0])?, a: self.src(&ops[1], ty)? }
             }
             "setp" => {
                 if ops.len() != 3 && ops.len() != 4 {
@@ -892,35 +1755,71 @@ impl Cx<'_, '_, '_> {
                 };
                 Op::Setp { cmp, ty, p, q, a: self.src(&ops[1], ty)?, b: self.src(&ops[2], ty)?, comb }
             }
+            "set" => {
+                need(3)?;
+                if types.len() != 2 {
+                    return self.err("expected destination and source types");
+                }
+                let cmp = mods.iter().find_map(|m| cmp(m)).ok_or_else(|| PtxError::at(self.line, format!("'{}': missing comparison", self.opw)))?;
+                Op::Set { cmp, dty: types[0], ty: types[1], d: self.reg(&ops[0])?, a: self.src(&ops[1], types[1])?, b: self.src(&ops[2], types[1])? }
+            }
             "selp" => {
                 need(4)?;
                 let ty = the_ty()?;
                 Op::Selp { ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)?, b: self.src(&ops[2], ty)?, p: self.src(&ops[3], Ty::Pred)? }
             }
-            "bra" | "brx" => {
-                if base == "brx" {
-                    return self.unsupported();
+            "slct" => {
+                need(4)?;
+                if types.len() != 2 {
+                    return self.err("expected destination and source types");
                 }
+                Op::Slct { ty: types[0], cty: types[1], d: self.reg(&ops[0])?, a: self.src(&ops[1], types[0])?, b: self.src(&ops[2], types[0])?, c: self.src(&ops[3], types[1])? }
+            }
+            "bra" => {
                 need(1)?;
                 let Raw::Name(l) = &ops[0] else { return self.err("expected a label") };
-                return Ok((Op::Bra { target: 0 }, Some(l.clone())));
+                return Ok((Op::Bra { target: 0 }, Some(Label::Bra(l.clone()))));
+            }
+            "brx" => {
+                need(2)?;
+                let Raw::Name(t) = &ops[1] else { return self.err("expected a branch table") };
+                return Ok((Op::Brx { index: self.src(&ops[0], Ty::U32)?, targets: Vec::new() }, Some(Label::Table(t.clone()))));
             }
             "bar" | "barrier" => {
-                if has("warp") {
-                    Op::Nop
-                } else if has("sync") || has("cta") || base == "barrier" {
-                    if ops.len() > 1 {
-                        return self.err("barriers with a thread count are unsupported");
+                if has("cluster") {
+                    let kind = if has("arrive") { BarKind::ClusterArrive } else { BarKind::ClusterWait };
+                    Op::Bar { kind, id: Src::Imm(16), count: None, d: None, a: None }
+                } else if has("warp") {
+                    need(1)?;
+                    Op::WarpSync { mask: self.src(&ops[0], Ty::B32)? }
+                } else if has("red") {
+                    // bar.red.op.type d, a{, b}, {!}c
+                    if ops.len() != 3 && ops.len() != 4 {
+                        return self.err("expected 3 or 4 operands");
                     }
-                    Op::Bar
+                    let kind = if has("popc") { BarKind::RedPopc } else if has("and") { BarKind::RedAnd } else if has("or") { BarKind::RedOr } else {
+                        return self.err("missing reduction");
+                    };
+                    let count = if ops.len() == 4 { Some(self.src(&ops[2], Ty::U32)?) } else { None };
+                    let (c, neg) = match ops.last() { Some(Raw::Not(c)) => (&**c, true), Some(c) => (c, false), None => return self.err("missing predicate") };
+                    Op::Bar { kind, id: self.src(&ops[1], Ty::U32)?, count, d: Some(self.reg(&ops[0])?), a: Some((self.src(c, Ty::Pred)?, neg)) }
                 } else {
-                    return self.unsupported();
+                    let kind = if has("arrive") { BarKind::Arrive } else { BarKind::Sync };
+                    if ops.is_empty() || ops.len() > 2 {
+                        return self.err("expected a barrier and an optional thread count");
+                    }
+                    let count = ops.get(1).map(|c| self.src(c, Ty::U32)).transpose()?;
+                    Op::Bar { kind, id: self.src(&ops[0], Ty::U32)?, count, d: None, a: None }
                 }
             }
-            "membar" | "fence" => Op::Nop,
+            "membar" | "fence" | "prefetch" | "prefetchu" | "nanosleep" | "pmevent" | "griddepcontrol" | "discard" | "applypriority" => Op::Nop,
+            "createpolicy" => {
+                need(2).or_else(|_| need(3)).or_else(|_| need(4))?;
+                Op::Mov { ty: Ty::B64, d: self.reg(&ops[0])?, a: Src::Imm(0) }
+            }
             "shfl" => {
                 if !has("sync") {
-                    return self.err("only shfl.sync is supported");
+                    return self.err("only shfl.sync is supported (sm_70 and later)");
                 }
                 need(5)?;
                 let mode = if has("up") { ShflMode::Up } else if has("down") { ShflMode::Down } else if has("bfly") { ShflMode::Bfly } else if has("idx") { ShflMode::Idx } else {
@@ -930,18 +1829,50 @@ impl Cx<'_, '_, '_> {
                     Raw::Pair(d, p) => (self.reg(d)?, self.opt_reg(p)?),
                     d => (self.reg(d)?, None),
                 };
-                Op::Shfl { mode, d, p, a: self.src(&ops[1], Ty::B32)?, b: self.src(&ops[2], Ty::U32)?, c: self.src(&ops[3], Ty::U32)? }
+                Op::Shfl { mode, d, p, a: self.src(&ops[1], Ty::B32)?, b: self.src(&ops[2], Ty::U32)?, c: self.src(&ops[3], Ty::U32)?, mask: self.src(&ops[4], Ty::B32)? }
             }
             "vote" => {
-                if !has("sync") {
-                    return self.err("only vote.sync is supported");
+                if ops.len() != 2 && ops.len() != 3 {
+                    return self.err("expected 2 or 3 operands");
                 }
-                need(3)?;
                 let mode = if has("all") { VoteMode::All } else if has("any") { VoteMode::Any } else if has("uni") { VoteMode::Uni } else if has("ballot") { VoteMode::Ballot } else {
                     return self.err("missing vote mode");
                 };
                 let (a, negate) = match &ops[1] { Raw::Not(a) => (&**a, true), a => (a, false) };
-                Op::Vote { mode, d: self.reg(&ops[0])?, a: self.src(a, Ty::Pred)?, negate }
+                // Without .sync, every lane that gets there votes.
+                let mask = if has("sync") { self.mask_src(ops.get(2))? } else { Src::Imm(0) };
+                Op::Vote { mode, d: self.reg(&ops[0])?, a: self.src(a, Ty::Pred)?, negate, mask }
+            }
+            "match" => {
+                need(3)?;
+                let ty = the_ty()?;
+                let (d, p) = match &ops[0] {
+                    Raw::Pair(d, p) => (self.reg(d)?, self.opt_reg(p)?),
+                    d => (self.reg(d)?, None),
+                };
+                Op::Match { all: has("all"), ty, d, p, a: self.src(&ops[1], ty)?, mask: self.src(&ops[2], Ty::B32)? }
+            }
+            "redux" => {
+                need(3)?;
+                let ty = the_ty()?;
+                if ty.is_float() {
+                    return self.unsupported();
+                }
+                let op = if has("add") { ReduxOp::Add } else if has("min") { ReduxOp::Min } else if has("max") { ReduxOp::Max } else if has("and") { ReduxOp::And }
+                    else if has("or") { ReduxOp::Or } else if has("xor") { ReduxOp::Xor } else { return self.err("missing operation") };
+                Op::Redux { op, ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)?, mask: self.src(&ops[2], Ty::B32)? }
+            }
+            "elect" => {
+                need(2)?;
+                let (d, p) = match &ops[0] {
+                    Raw::Pair(d, p) => (self.opt_reg(d)?, self.opt_reg(p)?),
+                    d => (self.opt_reg(d)?, None),
+                };
+                Op::Elect { d, p, mask: self.src(&ops[1], Ty::B32)? }
+            }
+            "activemask" => {
+                need(1)?;
+                Op::ActiveMask { d: self.reg(&ops[0])? }
             }
             "atom" | "red" => {
                 let ty = the_ty()?;
@@ -950,12 +1881,20 @@ impl Cx<'_, '_, '_> {
                     "cas" => AtomOp::Cas, "and" => AtomOp::And, "or" => AtomOp::Or, "xor" => AtomOp::Xor,
                     "inc" => AtomOp::Inc, "dec" => AtomOp::Dec, _ => return None,
                 })).ok_or_else(|| PtxError::at(self.line, format!("'{}': missing atomic operation", self.opw)))?;
-                if ty.bits() < 32 || (ty.is_float() && aop != AtomOp::Add && aop != AtomOp::Exch) {
+                if has("v2") || has("v4") || has("v8") {
                     return self.unsupported();
                 }
-                let sp = space();
-                if sp == Space::Param {
-                    return self.err("atomics on .param are invalid");
+                let float_ok = match ty {
+                    Ty::F32 | Ty::F64 => matches!(aop, AtomOp::Add | AtomOp::Exch | AtomOp::Min | AtomOp::Max),
+                    Ty::F16 | Ty::Bf16 | Ty::F16x2 | Ty::Bf16x2 => matches!(aop, AtomOp::Add | AtomOp::Min | AtomOp::Max),
+                    _ => true,
+                };
+                if !float_ok || (ty.bits() < 32 && !ty.is_float() && aop != AtomOp::Cas) {
+                    return self.unsupported();
+                }
+                let sp = self.space(&mods)?;
+                if sp == Space::Param || sp == Space::Local {
+                    return self.err("atomics work on global and shared memory only");
                 }
                 let (d, rest) = if base == "atom" {
                     (Some(self.reg(ops.first().ok_or_else(|| PtxError::at(self.line, "missing operands"))?)?), ops.get(1..).unwrap_or(&[]))
@@ -963,13 +1902,56 @@ impl Cx<'_, '_, '_> {
                     (None, ops)
                 };
                 let want = if aop == AtomOp::Cas { 3 } else { 2 };
-                if rest.len() != want {
+                if rest.len() != want && rest.len() != want + 1 {
                     return self.err(format!("expected {} operands", want + d.is_some() as usize));
                 }
                 let c = if aop == AtomOp::Cas { Some(self.src(&rest[2], ty)?) } else { None };
-                Op::Atom { space: sp, op: aop, ty, d, addr: self.addr(&rest[0], sp)?, b: self.src(&rest[1], ty)?, c }
+                let (space, addr) = self.addr(&rest[0], sp)?;
+                Op::Atom { space, op: aop, ty, d, addr, b: self.src(&rest[1], ty)?, c }
             }
-            "ret" | "exit" => Op::Exit,
+            "cp" => {
+                if !has("async") {
+                    return self.unsupported();
+                }
+                if has("commit_group") || has("wait_group") || has("wait_all") || has("mbarrier") {
+                    Op::Nop
+                } else if has("bulk") {
+                    return self.err("bulk asynchronous copies (TMA) are unsupported");
+                } else {
+                    if ops.len() < 3 {
+                        return self.err("expected destination, source and size");
+                    }
+                    let (_, dst) = self.addr(&ops[0], Space::Shared)?;
+                    let (_, src) = self.addr(&ops[1], Space::Global)?;
+                    let Raw::Int(size) = &ops[2] else { return self.err("the copy size must be an immediate") };
+                    if !matches!(*size, 4 | 8 | 16) {
+                        return self.err("copy size must be 4, 8 or 16");
+                    }
+                    let src_size = match ops.get(3) {
+                        Some(Raw::Name(n)) if self.b.reg(n).map(|r| r.1) == Some(Ty::Pred) => None,
+                        Some(r) => Some(self.src(r, Ty::U32)?),
+                        None => None,
+                    };
+                    Op::CpAsync { dst, src, size: *size as u32, src_size }
+                }
+            }
+            "mapa" => {
+                // A cluster is one CTA here: rank 0 is this block itself.
+                need(3)?;
+                let ty = the_ty()?;
+                Op::Mov { ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)? }
+            }
+            "isspacep" => {
+                need(2)?;
+                let space = match self.space(&mods)? {
+                    Space::Generic => return self.err("missing state space"),
+                    s => s,
+                };
+                Op::Isspacep { space, p: self.reg(&ops[0])?, a: self.src(&ops[1], Ty::U64)? }
+            }
+            "ret" => Op::Ret,
+            "exit" => Op::Exit,
+            "trap" | "brkpt" => Op::Trap,
             _ => return self.unsupported(),
         };
         Ok((op, None))
@@ -979,6 +1961,13 @@ impl Cx<'_, '_, '_> {
 fn wide(t: Ty) -> Ty {
     match t {
         Ty::U16 => Ty::U32, Ty::S16 => Ty::S32, Ty::U32 => Ty::U64, Ty::S32 => Ty::S64, other => other,
+    }
+}
+
+/// `sad`'s accumulator is unsigned of the same width.
+fn wide_none(t: Ty) -> Ty {
+    match t {
+        Ty::S16 => Ty::U16, Ty::S32 => Ty::U32, Ty::S64 => Ty::U64, other => other,
     }
 }
 

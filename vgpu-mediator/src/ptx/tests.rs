@@ -383,8 +383,8 @@ fn unsupported_instruction_names_itself() {
     let e = Module::parse(src).unwrap_err();
     assert_eq!(e.line, 7);
     assert!(e.msg.contains("unsupported instruction 'tex.2d.v4.f32.f32'"), "{e}");
-    let e = Module::parse(".version 7.0\n.address_size 64\n.visible .entry t() {\n .local .align 4 .b8 stack[16];\n ret;\n}\n").unwrap_err();
-    assert!(e.msg.contains(".local"), "{e}");
+    let e = Module::parse(".version 7.0\n.address_size 64\n.global .texref tr;\n.visible .entry t() {\n ret;\n}\n").unwrap_err();
+    assert!(e.msg.contains("texref"), "{e}");
     let e = Module::parse(".version 7.0\n.address_size 32\n").unwrap_err();
     assert!(e.msg.contains("64-bit"), "{e}");
 }
@@ -511,7 +511,9 @@ mod hostile {
         assert_eq!(m.kernels.len(), 12_000);
         assert!(took < std::time::Duration::from_secs(3), "parsing took {took:?}");
         // Each entry resolves the module-scope variable at its own offset.
-        assert_eq!(m.kernel("e11999").unwrap().insts[0].op, ir::Op::Mov { ty: ir::Ty::U32, d: 1, a: ir::Src::Imm(11_999 * 4) });
+        let k = m.kernel("e11999").unwrap();
+        // Slot 0 is the carry flag; %r1 is slot 2.
+        assert_eq!(k.code.insts[k.entry as usize].op, ir::Op::Mov { ty: ir::Ty::U32, d: 2, a: ir::Src::Imm(11_999 * 4) });
     }
 
     #[test]
@@ -528,8 +530,8 @@ mod hostile {
     fn register_ranges_resolve_without_one_name_per_register() {
         let src = format!("{HEAD}.visible .entry k() {{\n .reg .b32 %r<65536>;\n mov.u32 %r65535, %r0;\n ret;\n}}\n");
         let k = &Module::parse(&src).unwrap().kernels[0];
-        assert_eq!(k.num_regs, 65536);
-        assert_eq!(k.insts[0].op, ir::Op::Mov { ty: ir::Ty::U32, d: 65535, a: ir::Src::Reg(0) });
+        assert_eq!(k.num_regs, 65537, "65536 registers and the carry flag");
+        assert_eq!(k.code.insts[k.entry as usize].op, ir::Op::Mov { ty: ir::Ty::U32, d: 65536, a: ir::Src::Reg(1) });
         for bad in ["%r65536", "%r01"] {
             let src = format!("{HEAD}.visible .entry k() {{\n .reg .b32 %r<65536>;\n mov.u32 {bad}, %r0;\n ret;\n}}\n");
             assert!(Module::parse(&src).unwrap_err().msg.contains("unknown register"), "{bad}");
@@ -604,5 +606,88 @@ mod hostile {
         let e = Module::parse_within(&src, tokens + 4096).unwrap_err();
         assert!(e.budget && e.msg.contains("decoded module"), "{e}");
         assert!(Module::parse_within(&src, tokens + full.host_bytes() * 2).is_ok());
+    }
+
+    fn one_warp() -> LaunchConfig {
+        cfg([1, 1, 1], [32, 1, 1])
+    }
+
+    #[test]
+    fn unbounded_recursion_fails_the_launch_with_bounded_memory() {
+        let src = format!("{HEAD}.func f(.param .b64 x)\n{{\n .reg .b64 %rd<2>;\n ld.param.u64 %rd1, [x];\n {{\n .param .b64 a;\n st.param.b64 [a], %rd1;\n call.uni f, (a);\n }}\n ret;\n}}\n.visible .entry k() {{\n .reg .b64 %rd<2>;\n {{\n .param .b64 a;\n st.param.b64 [a], %rd1;\n call.uni f, (a);\n }}\n ret;\n}}\n");
+        let m = Module::parse(&src).unwrap();
+        let t = std::time::Instant::now();
+        let e = launch(&m.kernels[0], &cfg([1, 1, 1], [1024, 1, 1]), &[], &mut VecMem::new(), &Limits::default()).unwrap_err();
+        assert!(matches!(&e, ExecError::Failed(msg) if msg.contains("call stack overflow")), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(10));
+    }
+
+    #[test]
+    fn oversized_frames_and_segments_are_refused_or_cost_no_host_memory() {
+        let e = Module::parse(&kernel_with(" .local .align 8 .b8 big[600000];")).unwrap_err();
+        assert!(e.msg.contains("local frame"), "{e}");
+        // 70000 bytes of local memory for each of 1024 threads: over the
+        // 64 MiB block limit.
+        let m = Module::parse(&kernel_with(" .local .align 8 .b8 big[70000];\n mov.u64 %rd1, big;")).unwrap();
+        let e = launch(&m.kernels[0], &cfg([1, 1, 1], [1024, 1, 1]), &[0; 8], &mut VecMem::new(), &Limits::default()).unwrap_err();
+        assert!(matches!(e, ExecError::OutOfResources(_)), "{e}");
+        // A 64 GiB variable is device memory (the tenant's quota decides);
+        // the host keeps only its declaration.
+        let m = Module::parse(&format!("{HEAD}.visible .global .align 8 .b8 g[68719476736];\n.visible .entry k() {{ ret; }}\n")).unwrap();
+        assert_eq!(m.global_size, 1 << 36);
+        assert!(m.host_bytes() < 64 << 10, "{}", m.host_bytes());
+        let e = Module::parse(&format!("{HEAD}.global .b8 g[4] = {{1, 2, 3, 4, 5}};\n")).unwrap_err();
+        assert!(e.msg.contains("more elements"), "{e}");
+    }
+
+    #[test]
+    fn branch_tables_and_indirect_calls_are_checked() {
+        let src = format!("{HEAD}.visible .entry k(.param .u32 i) {{\n .reg .b32 %r<2>;\n ld.param.u32 %r1, [i];\n tab: .branchtargets L0, L1;\n brx.idx %r1, tab;\nL0:\n ret;\nL1:\n ret;\n}}\n");
+        let m = Module::parse(&src).unwrap();
+        launch(&m.kernels[0], &one_warp(), &1u32.to_le_bytes(), &mut VecMem::new(), &Limits::default()).unwrap();
+        let e = launch(&m.kernels[0], &one_warp(), &7u32.to_le_bytes(), &mut VecMem::new(), &Limits::default()).unwrap_err();
+        assert!(matches!(&e, ExecError::Failed(msg) if msg.contains("brx.idx")), "{e}");
+        let src = format!("{HEAD}.visible .entry k(.param .u64 f) {{\n .reg .b64 %rd<2>;\n ld.param.u64 %rd1, [f];\n proto: .callprototype _ ();\n call %rd1, (), proto;\n ret;\n}}\n");
+        let m = Module::parse(&src).unwrap();
+        let e = launch(&m.kernels[0], &one_warp(), &0x7000_0000_0000u64.to_le_bytes(), &mut VecMem::new(), &Limits::default()).unwrap_err();
+        assert!(matches!(e, ExecError::IllegalAddress { kind: "function", .. }), "{e}");
+        let e = Module::parse(&format!("{HEAD}.extern .func malloc(.param .b64 n);\n.visible .entry k() {{\n {{\n .param .b64 a;\n call.uni malloc, (a);\n }}\n ret;\n}}\n")).unwrap_err();
+        assert!(e.msg.contains("'malloc'"), "{e}");
+    }
+
+    #[test]
+    fn partial_mask_shuffles_do_not_wait_for_lanes_outside_the_mask() {
+        // Lanes 0-15 shuffle among themselves; lanes 16-31 leave first.
+        let src = kernel_with(" mov.u32 %r1, %laneid;\n setp.ge.u32 %p1, %r1, 16;\n @%p1 bra DONE;\n shfl.sync.up.b32 %r2|%p1, %r1, 1, 0, 65535;\n ld.param.u64 %rd1, [out];\n mul.wide.u32 %rd2, %r1, 4;\n add.s64 %rd3, %rd1, %rd2;\n st.global.u32 [%rd3], %r2;\nDONE:");
+        let m = Module::parse(&src).unwrap();
+        let mut mem = VecMem::new();
+        let out = mem.alloc(&[0xff; 64]);
+        launch(&m.kernels[0], &one_warp(), &out.to_le_bytes(), &mut mem, &Limits::default()).unwrap();
+        let got: Vec<u32> = mem.bytes(out).chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        let want: Vec<u32> = (0..16).map(|l: u32| l.saturating_sub(1)).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_collective_whose_mask_never_fills_fails_instead_of_hanging() {
+        // Lane 0 shuffles with lane 1 in its mask, but lane 1 waits at a
+        // block barrier that lane 0 never reaches.
+        let src = kernel_with(" mov.u32 %r1, %laneid;\n setp.eq.u32 %p1, %r1, 0;\n @%p1 bra A;\n bar.sync 0;\n bra DONE;\nA:\n shfl.sync.idx.b32 %r2, %r1, 0, 31, 3;\nDONE:");
+        let m = Module::parse(&src).unwrap();
+        let e = launch(&m.kernels[0], &one_warp(), &[0; 8], &mut VecMem::new(), &Limits::default()).unwrap_err();
+        assert!(matches!(e, ExecError::Deadlock(_)), "{e}");
+    }
+
+    #[test]
+    fn device_assert_reports_its_message() {
+        let src = format!("{HEAD}.global .align 1 .b8 msg[5] = {{98, 111, 111, 109, 0}};\n.extern .func __assertfail(.param .b64 m, .param .b64 f, .param .b32 l, .param .b64 fn, .param .b64 c);\n.visible .entry k() {{\n .reg .b64 %rd<2>;\n .reg .b32 %r<2>;\n mov.u64 %rd1, msg;\n {{\n .param .b64 a0;\n st.param.b64 [a0], %rd1;\n .param .b64 a1;\n st.param.b64 [a1], %rd1;\n .param .b32 a2;\n st.param.b32 [a2], 42;\n .param .b64 a3;\n st.param.b64 [a3], %rd1;\n .param .b64 a4;\n st.param.b64 [a4], 1;\n call.uni __assertfail, (a0, a1, a2, a3, a4);\n }}\n ret;\n}}\n");
+        let mut m = Module::parse(&src).unwrap();
+        let mut mem = VecMem::new();
+        let seg = mem.alloc(&[0; 16]);
+        for (addr, bytes) in m.link(seg, 0) {
+            mem.find(addr, bytes.len()).unwrap().copy_from_slice(&bytes);
+        }
+        let e = launch(&m.kernels[0], &one_warp(), &[], &mut mem, &Limits::default()).unwrap_err();
+        assert!(matches!(&e, ExecError::Assert(msg) if msg.contains("boom") && msg.contains(":42:")), "{e}");
     }
 }

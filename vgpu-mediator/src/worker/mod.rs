@@ -33,6 +33,8 @@ pub struct WorkerOptions {
     /// The device's NUMA node: the worker's threads run on its CPUs.
     pub numa_node: i32,
     pub launch_timeout_ms: u64,
+    /// Compute capability of a CPU device.
+    pub cc: (u32, u32),
     /// The unprivileged identity to drop to once the device is open.
     pub user: Option<crate::config::Owner>,
     /// Install the seccomp allow-lists (CPU devices).
@@ -49,7 +51,7 @@ pub enum BackendKind {
 
 fn open_backend(opts: &WorkerOptions) -> anyhow::Result<Arc<dyn Backend>> {
     match opts.backend {
-        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?.with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms)))),
+        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?.with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms)).with_compute_capability(opts.cc))),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let b = crate::backend::cuda::CudaBackend::new(opts.numa_node, std::time::Duration::from_millis(opts.launch_timeout_ms)).map_err(anyhow::Error::msg)?;

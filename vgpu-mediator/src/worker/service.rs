@@ -108,6 +108,12 @@ struct TenantState {
 #[derive(Default)]
 struct Ctx {
     modules: HashMap<u32, Arc<dyn DeviceModule>>,
+    /// Device memory holding each module's variables, freed with it.
+    module_data: HashMap<u32, Vec<u64>>,
+    /// Variables a driver placed itself (GPU backends), made copyable by
+    /// cuModuleGetGlobal: ranges added to the tenant's table until the
+    /// module or context goes.
+    driver_globals: HashMap<u32, Vec<u64>>,
     funcs: HashMap<u32, (u32, FunctionDesc)>,
     /// The handle already given for (module, kernel index): a kernel has
     /// one handle however often it is looked up, as on CUDA.
@@ -175,6 +181,14 @@ fn each_piece(pieces: &[(*mut u8, usize)], mut at: u64, mut f: impl FnMut(u64, *
         at += n as u64;
     }
     Ok(())
+}
+
+/// An error reply as a backend error, its text prefixed with `what`.
+fn reply_error(r: Reply, what: &str) -> BackendError {
+    match r {
+        Reply::Error(code, msg) => BackendError::new(code, format!("{what}: {msg}")),
+        _ => BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, what.to_string()),
+    }
 }
 
 fn err(code: CuResult, msg: impl Into<String>) -> Reply {
@@ -313,6 +327,9 @@ impl DeviceService {
     fn destroy_ctx(&self, t: &Tenant, st: &mut TenantState, id: u32) -> bool {
         let Some(c) = st.ctxs.remove(&id) else { return false };
         t.host.release(c.charged);
+        for a in c.driver_globals.values().flatten() {
+            st.owned.0.remove(a);
+        }
         drop(c);
         let mine: Vec<u64> = st.alloc_ctx.iter().filter(|(_, c)| **c == id).map(|(a, _)| *a).collect();
         for a in mine {
@@ -330,12 +347,45 @@ impl DeviceService {
 
     fn free_alloc(&self, t: &Tenant, st: &mut TenantState, addr: u64) -> bool {
         let Some(len) = st.owned.0.remove(&addr) else { return false };
+        st.owned.1.remove(&addr);
         st.alloc_ctx.remove(&addr);
         t.host.release(host_cost::ALLOCATION);
         st.used -= len;
         t.used.store(st.used, Ordering::Relaxed);
         self.backend.free(t.slot, addr, len);
         true
+    }
+
+    /// Takes `size` bytes of device memory from the tenant's quota for
+    /// context `ctx`; `read_only` ranges are readable but not writable by
+    /// kernels (modules' constant memory).
+    fn alloc_for(&self, t: &Tenant, st: &mut TenantState, ctx: u32, size: u64, read_only: bool) -> R<u64> {
+        if size > t.quota.saturating_sub(st.used) {
+            return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {size} bytes exceeds the quota ({} of {} bytes used)", st.used, t.quota)));
+        }
+        t.host.reserve(host_cost::ALLOCATION, "an allocation record")?;
+        let (addr, len) = match self.backend.alloc(t.slot, size) {
+            Ok(a) => a,
+            Err(e) => {
+                t.host.release(host_cost::ALLOCATION);
+                return Err(e.into());
+            }
+        };
+        if st.used + len > t.quota {
+            // Granule rounding pushed it over: still over quota.
+            self.backend.free(t.slot, addr, len);
+            t.host.release(host_cost::ALLOCATION);
+            return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "allocation exceeds the quota"));
+        }
+        t.scrubbed.fetch_add(len, Ordering::Relaxed);
+        st.owned.0.insert(addr, len);
+        if read_only {
+            st.owned.1.insert(addr, len);
+        }
+        st.alloc_ctx.insert(addr, ctx);
+        st.used += len;
+        t.used.store(st.used, Ordering::Relaxed);
+        Ok(addr)
     }
 
     fn device_info(&self, t: &Tenant, used: u64) -> DeviceInfo {
@@ -469,33 +519,11 @@ impl DeviceService {
             }
             Request::MemAlloc(b) => {
                 Self::ctx(st, b.ctx)?;
-                if b.size > t.quota.saturating_sub(st.used) {
-                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {} bytes exceeds the quota ({} of {} bytes used)", b.size, st.used, t.quota)));
-                }
-                t.host.reserve(host_cost::ALLOCATION, "an allocation record")?;
-                let (addr, len) = match self.backend.alloc(t.slot, b.size) {
-                    Ok(a) => a,
-                    Err(e) => {
-                        t.host.release(host_cost::ALLOCATION);
-                        return Err(e.into());
-                    }
-                };
-                if st.used + len > t.quota {
-                    // Granule rounding pushed it over: still over quota.
-                    self.backend.free(t.slot, addr, len);
-                    t.host.release(host_cost::ALLOCATION);
-                    return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "allocation exceeds the quota"));
-                }
-                t.scrubbed.fetch_add(len, Ordering::Relaxed);
-                st.owned.0.insert(addr, len);
-                st.alloc_ctx.insert(addr, b.ctx);
-                st.used += len;
-                t.used.store(st.used, Ordering::Relaxed);
-                Reply::Ptr(addr)
+                Reply::Ptr(self.alloc_for(t, st, b.ctx, b.size, false)?)
             }
             Request::MemFree(b) => {
                 Self::ctx(st, b.ctx)?;
-                if st.alloc_ctx.get(&b.dptr) != Some(&b.ctx) {
+                if st.alloc_ctx.get(&b.dptr) != Some(&b.ctx) || st.ctxs.values().any(|c| c.module_data.values().any(|v| v.contains(&b.dptr))) {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{:#x} is not an allocation of this context", b.dptr)));
                 }
                 self.free_alloc(t, st, b.dptr);
@@ -573,11 +601,32 @@ impl DeviceService {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many modules"));
                 }
                 let format = ImageFormat::sniff(&image);
-                let m = self.backend.load_module(t.slot, &image, format, t.host.left())?;
-                let c = Self::ctx(st, b.ctx)?;
-                Self::charge(t, c, m.host_bytes(), "the loaded module")?;
+                let mut data = Vec::new();
+                let loaded = self.backend.load_module(t.slot, &image, format, t.host.left(), &mut |size, read_only| {
+                    let a = self.alloc_for(t, st, b.ctx, size, read_only).map_err(|e| reply_error(e, "the module's variables"))?;
+                    data.push(a);
+                    Ok(a)
+                });
+                let charged = loaded.and_then(|m| {
+                    let c = Self::ctx(st, b.ctx).map_err(|e| reply_error(e, "the module"))?;
+                    Self::charge(t, c, m.host_bytes(), "the loaded module").map_err(|e| reply_error(e, "the module"))?;
+                    Ok(m)
+                });
+                let m = match charged {
+                    Ok(m) => m,
+                    Err(e) => {
+                        for a in data {
+                            self.free_alloc(t, st, a);
+                        }
+                        return Err(e.into());
+                    }
+                };
                 let id = st.handle();
-                Self::ctx(st, b.ctx)?.modules.insert(id, m);
+                let c = Self::ctx(st, b.ctx)?;
+                c.modules.insert(id, m);
+                if !data.is_empty() {
+                    c.module_data.insert(id, data);
+                }
                 Reply::Handle(id)
             }
             Request::ModuleUnload(b) => {
@@ -595,6 +644,14 @@ impl DeviceService {
                 });
                 c.func_ids.retain(|(mid, _), _| *mid != b.module);
                 Self::uncharge(t, c, freed);
+                for a in c.driver_globals.remove(&b.module).unwrap_or_default() {
+                    st.owned.0.remove(&a);
+                }
+                let Some(c) = st.ctxs.get_mut(&b.ctx) else { return Ok(Reply::Empty) };
+                let data = c.module_data.remove(&b.module).unwrap_or_default();
+                for a in data {
+                    self.free_alloc(t, st, a);
+                }
                 Reply::Empty
             }
             Request::ModuleGetFunction(b, name) => {
@@ -615,6 +672,16 @@ impl DeviceService {
                 c.func_ids.insert((b.module, f.index), id);
                 c.funcs.insert(id, (b.module, f));
                 Reply::Function(FunctionReply { func: id, ..reply }, params)
+            }
+            Request::ModuleGetGlobal(b, name) => {
+                let c = Self::ctx(st, b.ctx)?;
+                let m = c.modules.get(&b.module).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no module {}", b.module)))?;
+                let (addr, size) = m.global(&name).ok_or_else(|| err(CuResult::CUDA_ERROR_NOT_FOUND, format!("no variable named '{name}' in module {}", b.module)))?;
+                if size > 0 && st.owned.find(addr, size).is_none() {
+                    st.owned.0.insert(addr, size);
+                    Self::ctx(st, b.ctx)?.driver_globals.entry(b.module).or_default().push(addr);
+                }
+                Reply::Global(addr, size)
             }
             Request::LaunchKernel(b, params) => {
                 let c = Self::ctx(st, b.ctx)?;
