@@ -10,6 +10,9 @@ need_pkgs=()
 command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
 command -v objdump >/dev/null 2>&1 || need_pkgs+=(binutils)
+# The NVRTC suite's virtual environment (below).
+command -v python3 >/dev/null 2>&1 || need_pkgs+=(python3)
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
 if ((${#need_pkgs[@]})); then
     echo "setup: installing ${need_pkgs[*]}" >&2
     SUDO=""
@@ -40,6 +43,22 @@ fi
 # One build, shared by the demo, the tests and the benchmark.
 echo "setup: building the workspace (release)" >&2
 cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
+
+# The NVRTC suite (tests/nvrtc, tests/tests/nvrtc_suite.rs): NVRTC and the
+# CUDA headers from PyPI, pinned in tests/nvrtc/requirements.txt, in a
+# virtual environment (pip runs only when the pins changed), then the suite's
+# CUDA C++ kernels compiled to PTX for compute_70/80/90 in target/nvrtc
+# (only what changed is compiled again).
+PYENV="$ROOT/target/pyenv"
+NVRTC_REQS="$ROOT/tests/nvrtc/requirements.txt"
+if [ ! -x "$PYENV/bin/python" ] || ! cmp -s "$NVRTC_REQS" "$PYENV/.requirements"; then
+    echo "setup: installing the NVRTC suite's packages in target/pyenv" >&2
+    [ -x "$PYENV/bin/python" ] || python3 -m venv "$PYENV"
+    "$PYENV/bin/pip" install --quiet --disable-pip-version-check -r "$NVRTC_REQS"
+    cp "$NVRTC_REQS" "$PYENV/.requirements"
+fi
+echo "setup: compiling the NVRTC suite's kernels (target/nvrtc)" >&2
+"$PYENV/bin/python" "$ROOT/scripts/nvrtc-compile.py"
 
 # The bare-metal KVM-tier guest: its own crate, target flags and linker script.
 echo "setup: building images/test-guest" >&2
