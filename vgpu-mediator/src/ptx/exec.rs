@@ -424,10 +424,14 @@ fn run_block(k: &Kernel, b: &mut BlockState, cfg: &LaunchConfig, ctaid: [u32; 3]
             }
         }
         let mut released = false;
-        for w in 0..n.div_ceil(WARP) {
-            released |= resolve_warp(k, b, w)?;
+        if b.st.contains(&St::Coll) {
+            for w in 0..n.div_ceil(WARP) {
+                released |= resolve_warp(k, b, w)?;
+            }
         }
-        released |= resolve_barriers(k, b)?;
+        if b.bars.iter().any(|bar| bar.arrived > 0) {
+            released |= resolve_barriers(k, b)?;
+        }
         if released || b.st.contains(&St::Run) {
             continue;
         }
@@ -923,19 +927,24 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
             return Ok(Ev::Park($st));
         }};
     }
+    // One compare per instruction: past `stop` the slow path yields, looks
+    // at the clock or fails on the budget. Instructions that move several
+    // elements take their extra units in their own arm (at most
+    // MAX_INST_UNITS - 1 past the budget before the next check fails).
+    const MAX_INST_UNITS: u64 = 8;
+    let mut stop = meter.next_clock.max(yield_at).max(MAX_INST_UNITS);
     loop {
-        if meter.left < yield_at {
-            // Time slice used: let the block's other threads run.
-            park!(St::Run);
+        if meter.left <= stop {
+            if meter.left < yield_at {
+                // Time slice used: let the block's other threads run.
+                park!(St::Run);
+            }
+            meter.charge(1).inspect_err(|_| *pc_io = pc)?;
+            stop = meter.next_clock.max(yield_at).max(MAX_INST_UNITS);
+        } else {
+            meter.left -= 1;
         }
         let inst = &insts[pc];
-        meter.charge(match &inst.op {
-            Op::Ld { d, .. } => d.len().max(1) as u64,
-            Op::Unpack { d, .. } => d.len().max(1) as u64,
-            Op::St { s, .. } | Op::Pack { s, .. } => s.len().max(1) as u64,
-            _ => 1,
-        })
-        .inspect_err(|_| *pc_io = pc)?;
         if let Some((p, neg)) = inst.guard {
             if ((regs[p as usize] & 1) != 0) == neg {
                 pc += 1;
@@ -948,6 +957,7 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
         match &inst.op {
             Op::Mov { ty, d, a } => regs[*d as usize] = ty.mask(rd(regs, a, c, clock)),
             Op::Ld { space, ty, d, addr, dst_bits } => {
+                meter.left = meter.left.saturating_sub(d.len() as u64 - 1);
                 let base = rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64);
                 let n = ty.bytes();
                 if d.len() > 1 {
@@ -970,6 +980,7 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 }
             }
             Op::St { space, ty, addr, s } => {
+                meter.left = meter.left.saturating_sub(s.len().max(1) as u64 - 1);
                 let base = rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64);
                 let n = ty.bytes();
                 if s.len() > 1 && base % (n * s.len()) as u64 != 0 {
@@ -1245,6 +1256,7 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 regs[*p as usize] = (r == *space) as u64;
             }
             Op::Unpack { d, a, part_bits } => {
+                meter.left = meter.left.saturating_sub(d.len().max(1) as u64 - 1);
                 let v = rd(regs, a, c, clock);
                 for (i, r) in d.iter().enumerate() {
                     let Some(r) = r else { continue };
@@ -1253,6 +1265,7 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 }
             }
             Op::Pack { d, s, part_bits } => {
+                meter.left = meter.left.saturating_sub(s.len().max(1) as u64 - 1);
                 let mut v = 0u64;
                 for (i, sv) in s.iter().enumerate() {
                     let part = rd(regs, sv, c, clock);
@@ -1533,6 +1546,7 @@ fn ty_half(t: Ty) -> Ty {
     if t == Ty::Bf16x2 { Ty::Bf16 } else { Ty::F16 }
 }
 
+#[inline]
 fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
     let bits = ty.bits();
     let (ux, uy) = (ty.mask(x), ty.mask(y));
