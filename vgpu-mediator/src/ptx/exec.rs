@@ -850,7 +850,10 @@ fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8
                     _ => (&[], None),
                 };
                 let line = code.insts[at].line;
-                let f = &code.funcs[callee as usize];
+                let Some(f) = code.funcs.get(callee as usize) else {
+                    pcs[t] = at as u32;
+                    return Err(ExecError::IllegalAddress { kind: "function", addr: FUNC_WINDOW + callee as u64, len: 0, line });
+                };
                 if let Some(builtin) = f.builtin {
                     let arg = |i: usize, m: &Vec<u8>| -> u64 {
                         let Some(&(off, _)) = args.get(i) else { return 0 };

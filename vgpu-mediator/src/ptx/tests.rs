@@ -649,8 +649,10 @@ mod hostile {
         assert!(matches!(&e, ExecError::Failed(msg) if msg.contains("brx.idx")), "{e}");
         let src = format!("{HEAD}.visible .entry k(.param .u64 f) {{\n .reg .b64 %rd<2>;\n ld.param.u64 %rd1, [f];\n proto: .callprototype _ ();\n call %rd1, (), proto;\n ret;\n}}\n");
         let m = Module::parse(&src).unwrap();
-        let e = launch(&m.kernels[0], &one_warp(), &0x7000_0000_0000u64.to_le_bytes(), &mut VecMem::new(), &Limits::default()).unwrap_err();
-        assert!(matches!(e, ExecError::IllegalAddress { kind: "function", .. }), "{e}");
+        for junk in [0x7000_0000_0000u64, super::super::exec::FUNC_WINDOW + 12345] {
+            let e = launch(&m.kernels[0], &one_warp(), &junk.to_le_bytes(), &mut VecMem::new(), &Limits::default()).unwrap_err();
+            assert!(matches!(e, ExecError::IllegalAddress { kind: "function", .. }), "{e}");
+        }
         let e = Module::parse(&format!("{HEAD}.extern .func malloc(.param .b64 n);\n.visible .entry k() {{\n {{\n .param .b64 a;\n call.uni malloc, (a);\n }}\n ret;\n}}\n")).unwrap_err();
         assert!(e.msg.contains("'malloc'"), "{e}");
     }
