@@ -835,7 +835,7 @@ fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8
                     }
                 }
                 let callee = &code.funcs[stack.body as usize];
-                let freed = callee.num_regs as u64 * 8 + callee.local_size as u64;
+                let freed = callee.num_regs as u64 * 8 + callee.local_size as u64 + std::mem::size_of::<Frame>() as u64;
                 *stack_bytes = stack_bytes.saturating_sub(freed);
                 stack.regs.truncate(stack.fb as usize);
                 stack.local.truncate(stack.lb as usize);
@@ -890,7 +890,7 @@ fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8
                 let caller_local = if stack.body == KERNEL { k.local_size } else { code.funcs[stack.body as usize].local_size };
                 let new_lb = (stack.lb as usize + caller_local as usize).div_ceil(16) * 16;
                 let new_fb = if stack.body == KERNEL { 0 } else { stack.fb as usize + nregs };
-                let frame = f.num_regs as u64 * 8 + f.local_size as u64;
+                let frame = f.num_regs as u64 * 8 + f.local_size as u64 + std::mem::size_of::<Frame>() as u64;
                 *stack_bytes = stack_bytes.saturating_add(frame);
                 if *stack_bytes > MAX_BLOCK_STACK {
                     return Err(ExecError::Failed(format!("call stack overflow: the block's call frames exceed {MAX_BLOCK_STACK} bytes at PTX line {line}")));
@@ -1737,7 +1737,7 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
             if left { ((v << n) >> 32) & 0xffff_ffff } else { (v >> n) & 0xffff_ffff }
         }
         Tri::Sad => {
-            let d = if ty.is_signed() { (ty.sext(a) - ty.sext(b)).unsigned_abs() } else { ty.mask(a).abs_diff(ty.mask(b)) };
+            let d = if ty.is_signed() { ty.sext(a).abs_diff(ty.sext(b)) } else { ty.mask(a).abs_diff(ty.mask(b)) };
             ty.mask(d.wrapping_add(c))
         }
         Tri::Dp4a(sa, sb) => {

@@ -81,13 +81,17 @@ fn scan<'a>(src: &'a str, mut emit: impl FnMut(Token<'a>)) -> Result<(), PtxErro
             emit(Token { tok: number(text(start, i), line)?, line });
         } else if word_start(c) {
             let start = i;
+            // Whether the word has a '.' so far, kept as it grows so that a
+            // long word is scanned once.
+            let mut dotted = false;
             loop {
                 while i < b.len() && word_char(b[i]) {
+                    dotted |= b[i] == b'.';
                     i += 1;
                 }
                 // Qualified modifiers (`.shared::cta`, `.L1::no_allocate`)
                 // belong to the word; a label's ':' does not.
-                if b.get(i) == Some(&b':') && b.get(i + 1) == Some(&b':') && b.get(i + 2).is_some_and(|c| word_char(*c)) && text(start, i).contains('.') {
+                if dotted && b.get(i) == Some(&b':') && b.get(i + 1) == Some(&b':') && b.get(i + 2).is_some_and(|c| word_char(*c)) {
                     i += 2;
                     continue;
                 }

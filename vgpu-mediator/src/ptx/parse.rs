@@ -243,8 +243,9 @@ struct Body {
     num_regs: u32,
     shared: HashMap<String, SharedVar>,
     shared_bytes: u32,
-    /// Kernel parameters (empty in a function).
+    /// Kernel parameters (empty in a function), and their offsets by name.
     params: Vec<Param>,
+    param_offsets: HashMap<String, u32>,
     /// Frame variables: `.local`, body `.param` and function parameters.
     locals: HashMap<String, u32>,
     local_top: u32,
@@ -274,6 +275,7 @@ impl Body {
             shared: HashMap::new(),
             shared_bytes,
             params: Vec::new(),
+            param_offsets: HashMap::new(),
             locals: HashMap::new(),
             local_top: 0,
             local_max: 0,
@@ -681,7 +683,7 @@ impl<'a> Parser<'a> {
                 if self.is_punct('+') || self.is_punct('-') {
                     let minus = self.is_punct('-');
                     self.i += 1;
-                    let k = self.int()? as i64;
+                    let k = i64::try_from(self.int()?).map_err(|_| PtxError::at(self.line(), "initialiser offset out of range"))?;
                     addend = if minus { -k } else { k };
                 }
                 if n != 8 {
@@ -816,9 +818,12 @@ impl<'a> Parser<'a> {
         let params = if self.is_punct('(') { self.func_params(&mut b)? } else { Vec::new() };
         let f = self.func_index(&name, line);
         {
+            // A prototype after the definition does not change its layout.
             let func = &mut self.funcs[f as usize];
-            func.params = params;
-            func.ret = ret;
+            if func.entry.is_none() {
+                func.params = params;
+                func.ret = ret;
+            }
         }
         while !self.is_punct('{') {
             match self.next()? {
@@ -866,6 +871,7 @@ impl<'a> Parser<'a> {
         self.i += 1;
         let entry = self.code.len() as u32;
         let mut b = Body::new(self.code.len(), self.module_shared_bytes);
+        b.param_offsets = params.iter().map(|p| (p.name.clone(), p.offset)).collect();
         b.params = params;
         self.body(&mut b, true)?;
         let k = Kernel { name, params: std::mem::take(&mut b.params), params_size, entry, num_regs: b.num_regs, local_size: b.local_max, shared_bytes: b.shared_bytes, code: Arc::default() };
@@ -985,12 +991,18 @@ impl<'a> Parser<'a> {
                 *t = start + target;
             }
         }
+        // Each table is resolved once, however many brx.idx use it.
+        let mut resolved: HashMap<String, Vec<u32>> = HashMap::new();
         for (idx, table, line) in std::mem::take(&mut b.brx_fixups) {
-            let names = b.tables.get(&table).ok_or_else(|| PtxError::at(line, format!("unknown branch table '{table}'")))?;
-            let mut ts = Vec::with_capacity(names.len());
-            for n in names {
-                ts.push(start + *b.labels.get(n).ok_or_else(|| PtxError::at(line, format!("unknown label '{n}' in branch table")))?);
+            if !resolved.contains_key(&table) {
+                let names = b.tables.get(&table).ok_or_else(|| PtxError::at(line, format!("unknown branch table '{table}'")))?;
+                let mut ts = Vec::with_capacity(names.len());
+                for n in names {
+                    ts.push(start + *b.labels.get(n).ok_or_else(|| PtxError::at(line, format!("unknown label '{n}' in branch table")))?);
+                }
+                resolved.insert(table.clone(), ts);
             }
+            let ts = resolved[&table].clone();
             self.charge(ts.len() as u64 * 4)?;
             if let Op::Brx { targets, .. } = &mut self.code[idx].op {
                 *targets = ts;
@@ -1395,8 +1407,8 @@ impl Cx<'_, '_, '_, '_> {
         if let Some(&off) = self.b.locals.get(n) {
             return Some(Named::Local(off));
         }
-        if let Some(p) = self.b.params.iter().find(|p| p.name == n) {
-            return Some(Named::KParam(p.offset));
+        if let Some(&off) = self.b.param_offsets.get(n) {
+            return Some(Named::KParam(off));
         }
         if let Some(s) = self.b.shared.get(n).or_else(|| self.p.module_shared.get(n)) {
             return Some(Named::Shared(*s));

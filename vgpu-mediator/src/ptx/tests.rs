@@ -692,4 +692,33 @@ mod hostile {
         let e = launch(&m.kernels[0], &one_warp(), &[], &mut mem, &Limits::default()).unwrap_err();
         assert!(matches!(&e, ExecError::Assert(msg) if msg.contains("boom") && msg.contains(":42:")), "{e}");
     }
+
+    #[test]
+    fn long_words_and_shared_branch_tables_cost_linear_time() {
+        // A long word with '::' continuations used to be rescanned from its
+        // start at each one.
+        let word = format!("{}.b{}", "a".repeat(200_000), "::b".repeat(60_000));
+        let t = std::time::Instant::now();
+        assert!(super::super::lex::count(&word).is_ok());
+        assert!(t.elapsed() < std::time::Duration::from_secs(2), "{:?}", t.elapsed());
+        // Many brx.idx on one table with a long label resolve it once.
+        let label = "L".repeat(100_000);
+        let src = format!("{HEAD}.visible .entry k() {{\n .reg .b32 %r<2>;\n T: .branchtargets {label};\n{label}:\n{} ret;\n}}\n", " brx.idx %r1, T;\n".repeat(20_000));
+        let t = std::time::Instant::now();
+        let m = Module::parse(&src).unwrap();
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
+        launch(&m.kernels[0], &cfg([1, 1, 1], [1, 1, 1]), &[], &mut VecMem::new(), &Limits { budget: 10_000, ..Limits::default() }).unwrap_err();
+    }
+
+    #[test]
+    fn extreme_operands_do_not_overflow() {
+        let e = Module::parse(&format!("{HEAD}.global .u64 x;\n.global .u64 p = x - 9223372036854775808;\n")).unwrap_err();
+        assert!(e.msg.contains("out of range"), "{e}");
+        let src = kernel_with(" sad.s64 %rd1, -9223372036854775808, 1, 0;\n ld.param.u64 %rd2, [out];\n st.global.u64 [%rd2], %rd1;");
+        let m = Module::parse(&src).unwrap();
+        let mut mem = VecMem::new();
+        let out = mem.alloc(&[0; 8]);
+        launch(&m.kernels[0], &cfg([1, 1, 1], [1, 1, 1]), &out.to_le_bytes(), &mut mem, &Limits::default()).unwrap();
+        assert_eq!(u64::from_le_bytes(mem.bytes(out).try_into().unwrap()), (1u64 << 63) + 1);
+    }
 }
