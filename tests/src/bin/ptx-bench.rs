@@ -20,6 +20,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
+use vgpu_mediator::backend::cpu::CpuBackend;
+use vgpu_mediator::backend::{AllocTable, Backend, BackendError, Launch};
+use virtio_gpu_compute::{CuResult, ImageFormat};
 use vgpu_mediator::ptx::{self, ExecError, GlobalMem, Module};
 
 const MATRIX_MUL_PTX: &str = include_str!("../../bench-kernels/matrixMul.ptx");
@@ -123,6 +126,8 @@ struct Row {
     name: &'static str,
     size: String,
     times: Vec<f64>,
+    /// The same launches on the CPU device with every host core.
+    par_times: Vec<f64>,
     instructions: u64,
     blocks: u64,
     threads: u32,
@@ -145,7 +150,10 @@ fn fail(msg: String) -> ! {
     std::process::exit(1);
 }
 
-/// Launches `kernel` `reps` times, calling `reset` (untimed) before each.
+/// Launches `kernel` `reps` times, calling `reset` (untimed) before each,
+/// on the interpreter alone (one thread), then as the CPU device runs it
+/// (its blocks on every host core, device memory shared between them);
+/// both must leave the same bytes.
 fn time_launch(
     src: &str,
     kernel: &str,
@@ -154,7 +162,7 @@ fn time_launch(
     mem: &mut Flat,
     reps: usize,
     reset: &mut dyn FnMut(&mut Flat),
-) -> (Vec<f64>, u64, u64) {
+) -> (Vec<f64>, u64, u64, Vec<f64>) {
     let module = Module::parse(src).unwrap_or_else(|e| fail(format!("{kernel}: {e}")));
     let k = module.kernel(kernel).unwrap_or_else(|| fail(format!("{kernel}: no such kernel")));
     let mut times = Vec::new();
@@ -167,7 +175,38 @@ fn time_launch(
         stats = Some(s);
     }
     let s = stats.expect("at least one repetition");
-    (times, s.instructions, s.blocks)
+
+    // The CPU device's first allocation sits at the same base as Flat's.
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let size = (mem.mem.len() as u64).next_multiple_of(256);
+    let dev = CpuBackend::new(0, size, 0).unwrap_or_else(|e| fail(format!("device: {e}"))).with_launch_threads(cores);
+    let (base, len) = dev.alloc(0, size).unwrap_or_else(|e| fail(format!("device alloc: {}", e.msg)));
+    if base != mem.base {
+        fail(format!("device memory at {base:#x}, not {:#x}", mem.base));
+    }
+    let mut owned = AllocTable::default();
+    owned.0.insert(base, len);
+    let m = dev.load_module(0, src.as_bytes(), ImageFormat::Ptx, u64::MAX, &mut |_, _| Err(BackendError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "no module variables here"))).unwrap_or_else(|e| fail(format!("{kernel}: {}", e.msg)));
+    let index = m.function(kernel).unwrap_or_else(|| fail(format!("{kernel}: no such kernel"))).index;
+    let l = Launch { grid: cfg.grid, block: cfg.block, shared_bytes: cfg.dynamic_shared };
+    let mut par_times = Vec::new();
+    for _ in 0..reps {
+        reset(mem);
+        dev.write(0, base, &mem.mem).unwrap_or_else(|e| fail(e.msg));
+        let t = Instant::now();
+        dev.launch(0, &*m, index, &l, &params.0, &owned).unwrap_or_else(|e| fail(format!("{kernel}: device launch failed: {}", e.msg)));
+        par_times.push(t.elapsed().as_secs_f64());
+    }
+    let single = mem.mem.clone();
+    let mut back = vec![0u8; single.len()];
+    dev.read(0, base, &mut back).unwrap_or_else(|e| fail(e.msg));
+    // `reset` then the single-thread launch left `single` before; redo it.
+    reset(mem);
+    ptx::launch(k, &cfg, &params.0, mem, &ptx::Limits::default()).unwrap_or_else(|e| fail(format!("{kernel}: launch failed: {e}")));
+    if back != mem.mem {
+        fail(format!("{kernel}: the device's parallel run left different bytes from the single-thread run"));
+    }
+    (times, s.instructions, s.blocks, par_times)
 }
 
 fn check<T: PartialEq + std::fmt::Debug>(name: &str, got: &[T], want: &[T]) {
@@ -198,7 +237,7 @@ fn matrix_mul(z: &Sizes) -> Row {
     mem.write_f32(db, &b);
     let params = Params::default().ptr(dc).ptr(da).ptr(db).u32(n).u32(n);
     let cfg = ptx::LaunchConfig { grid: [n / 16, n / 16, 1], block: [16, 16, 1], dynamic_shared: 0 };
-    let (times, instructions, blocks) = time_launch(MATRIX_MUL_PTX, "matrixMul", cfg, &params, &mut mem, z.reps, &mut |m| m.fill(dc, w * 4, 0xff));
+    let (times, instructions, blocks, par_times) = time_launch(MATRIX_MUL_PTX, "matrixMul", cfg, &params, &mut mem, z.reps, &mut |m| m.fill(dc, w * 4, 0xff));
     let n = n as usize;
     let mut want = vec![0f32; w];
     for i in 0..n {
@@ -207,7 +246,7 @@ fn matrix_mul(z: &Sizes) -> Row {
         }
     }
     check("matrixMul", &mem.read_f32(dc, w), &want);
-    Row { name: "matrixMul", size: format!("{n}x{n} f32"), times, instructions, blocks, threads: 256, checksum: want.iter().map(|&x| x as f64).sum() }
+    Row { name: "matrixMul", size: format!("{n}x{n} f32"), times, par_times, instructions, blocks, threads: 256, checksum: want.iter().map(|&x| x as f64).sum() }
 }
 
 fn reduction(z: &Sizes) -> Row {
@@ -219,10 +258,10 @@ fn reduction(z: &Sizes) -> Row {
     mem.write_f32(din, &input);
     let params = Params::default().ptr(din).ptr(dp).u32(n as u32);
     let cfg = ptx::LaunchConfig { grid: [nb as u32, 1, 1], block: [256, 1, 1], dynamic_shared: 0 };
-    let (times, instructions, blocks) = time_launch(REDUCTION_PTX, "reduce", cfg, &params, &mut mem, z.reps, &mut |m| m.fill(dp, nb * 4, 0xff));
+    let (times, instructions, blocks, par_times) = time_launch(REDUCTION_PTX, "reduce", cfg, &params, &mut mem, z.reps, &mut |m| m.fill(dp, nb * 4, 0xff));
     let want: Vec<f32> = input.chunks(256).map(|c| c.iter().sum()).collect();
     check("reduction", &mem.read_f32(dp, nb), &want);
-    Row { name: "reduction", size: format!("{n} f32"), times, instructions, blocks, threads: 256, checksum: want.iter().map(|&x| x as f64).sum() }
+    Row { name: "reduction", size: format!("{n} f32"), times, par_times, instructions, blocks, threads: 256, checksum: want.iter().map(|&x| x as f64).sum() }
 }
 
 fn saxpy(z: &Sizes) -> Row {
@@ -235,10 +274,10 @@ fn saxpy(z: &Sizes) -> Row {
     mem.write_f32(dx, &x);
     let params = Params::default().u32(n as u32).f32(a).ptr(dx).ptr(dy);
     let cfg = ptx::LaunchConfig { grid: [n.div_ceil(256) as u32, 1, 1], block: [256, 1, 1], dynamic_shared: 0 };
-    let (times, instructions, blocks) = time_launch(SAXPY_PTX, "saxpy", cfg, &params, &mut mem, z.reps, &mut |m| m.write_f32(dy, &y));
+    let (times, instructions, blocks, par_times) = time_launch(SAXPY_PTX, "saxpy", cfg, &params, &mut mem, z.reps, &mut |m| m.write_f32(dy, &y));
     let want: Vec<f32> = x.iter().zip(&y).map(|(&x, &y)| x.mul_add(a, y)).collect();
     check("saxpy", &mem.read_f32(dy, n), &want);
-    Row { name: "saxpy", size: format!("{n} f32"), times, instructions, blocks, threads: 256, checksum: want.iter().map(|&x| x as f64).sum() }
+    Row { name: "saxpy", size: format!("{n} f32"), times, par_times, instructions, blocks, threads: 256, checksum: want.iter().map(|&x| x as f64).sum() }
 }
 
 fn hash(z: &Sizes) -> Row {
@@ -247,7 +286,7 @@ fn hash(z: &Sizes) -> Row {
     let dout = mem.alloc(n * 4);
     let params = Params::default().ptr(dout).u32(z.hash_iters);
     let cfg = ptx::LaunchConfig { grid: [n.div_ceil(256) as u32, 1, 1], block: [256, 1, 1], dynamic_shared: 0 };
-    let (times, instructions, blocks) = time_launch(HASH_PTX, "hash", cfg, &params, &mut mem, z.reps, &mut |m| m.fill(dout, n * 4, 0));
+    let (times, instructions, blocks, par_times) = time_launch(HASH_PTX, "hash", cfg, &params, &mut mem, z.reps, &mut |m| m.fill(dout, n * 4, 0));
     let want: Vec<u32> = (0..n as u32)
         .map(|mut x| {
             for _ in 0..z.hash_iters {
@@ -263,6 +302,7 @@ fn hash(z: &Sizes) -> Row {
         name: "hash",
         size: format!("{n} thr x {} it", z.hash_iters),
         times,
+        par_times,
         instructions,
         blocks,
         threads: 256,
@@ -306,7 +346,7 @@ fn main() {
     };
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!(
-        "ptx-bench{}: host cores (available_parallelism) = {cores}; interpreter on one thread, best of {} launches;",
+        "ptx-bench{}: host cores (available_parallelism) = {cores}; interpreter on one thread, and the CPU device with its blocks on {cores} threads, best of {} launches;",
         if quick { " --quick" } else { "" },
         z.reps
     );
@@ -317,7 +357,7 @@ fn main() {
     let rows = [matrix_mul(&z), reduction(&z), saxpy(&z), hash(&z)];
 
     println!();
-    println!("{:<10} {:<18} {:>9} {:>9} {:>13} {:>9} {:>10} {:>9}", "kernel", "size", "interp_s", "median_s", "instructions", "M inst/s", "C_s", "interp/C");
+    println!("{:<10} {:<18} {:>9} {:>9} {:>13} {:>9} {:>10} {:>9} {:>9} {:>8}", "kernel", "size", "interp_s", "median_s", "instructions", "M inst/s", "C_s", "interp/C", "device_s", "device/C");
     let mut bad = false;
     for r in &rows {
         let Some((_, c_best, _, c_sum)) = c.iter().find(|(n, ..)| n == r.name) else { fail(format!("ref printed no line for {}", r.name)) };
@@ -327,7 +367,7 @@ fn main() {
         }
         let b = best(&r.times);
         println!(
-            "{:<10} {:<18} {:>9.4} {:>9.4} {:>13} {:>9.1} {:>10.6} {:>9.1}",
+            "{:<10} {:<18} {:>9.4} {:>9.4} {:>13} {:>9.1} {:>10.6} {:>9.1} {:>9.4} {:>8.1}",
             r.name,
             r.size,
             b,
@@ -335,7 +375,9 @@ fn main() {
             r.instructions,
             r.instructions as f64 / b / 1e6,
             c_best,
-            b / c_best
+            b / c_best,
+            best(&r.par_times),
+            best(&r.par_times) / c_best
         );
     }
     println!();

@@ -3,7 +3,7 @@
 
 use std::any::Any;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -94,6 +94,74 @@ impl Arena {
         Ok(())
     }
 
+    /// A kernel's load: blocks of one launch may run on several host
+    /// threads, so each naturally aligned 1-, 2-, 4- or 8-byte element is
+    /// read with one relaxed atomic load (other sizes byte by byte).
+    fn load_shared(&self, off: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        let o = self.check(off, out.len() as u64)?;
+        // SAFETY: [o, o+len) is inside the mapping (checked above).
+        let p = unsafe { self.ptr.add(o) };
+        match out.len() {
+            // SAFETY (each arm): `p` is inside the mapping, which lives as
+            // long as the backend, and aligned to the access size (checked
+            // by the caller for n > 1); concurrent kernel accesses are
+            // atomics of the same memory.
+            8 if o % 8 == 0 => out.copy_from_slice(&unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Relaxed).to_le_bytes()),
+            4 if o % 4 == 0 => out.copy_from_slice(&unsafe { AtomicU32::from_ptr(p.cast()) }.load(Ordering::Relaxed).to_le_bytes()),
+            2 if o % 2 == 0 => out.copy_from_slice(&unsafe { AtomicU16::from_ptr(p.cast()) }.load(Ordering::Relaxed).to_le_bytes()),
+            _ => {
+                for (i, b) in out.iter_mut().enumerate() {
+                    // SAFETY: byte i of the checked range.
+                    *b = unsafe { AtomicU8::from_ptr(p.add(i)) }.load(Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A kernel's store, element-wise atomic like [`Arena::load_shared`].
+    fn store_shared(&self, off: u64, data: &[u8]) -> Result<(), BackendError> {
+        let o = self.check(off, data.len() as u64)?;
+        // SAFETY: [o, o+len) is inside the mapping (checked above).
+        let p = unsafe { self.ptr.add(o) };
+        let word = |n: usize| {
+            let mut b = [0u8; 8];
+            b[..n].copy_from_slice(data);
+            u64::from_le_bytes(b)
+        };
+        match data.len() {
+            // SAFETY (each arm): as in load_shared.
+            8 if o % 8 == 0 => unsafe { AtomicU64::from_ptr(p.cast()) }.store(word(8), Ordering::Relaxed),
+            4 if o % 4 == 0 => unsafe { AtomicU32::from_ptr(p.cast()) }.store(word(4) as u32, Ordering::Relaxed),
+            2 if o % 2 == 0 => unsafe { AtomicU16::from_ptr(p.cast()) }.store(word(2) as u16, Ordering::Relaxed),
+            _ => {
+                for (i, b) in data.iter().enumerate() {
+                    // SAFETY: byte i of the checked range.
+                    unsafe { AtomicU8::from_ptr(p.add(i)) }.store(*b, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An atomic read-modify-write of an aligned 2-, 4- or 8-byte element.
+    fn rmw(&self, off: u64, n: usize, f: &mut dyn FnMut(u64) -> u64) -> Result<u64, BackendError> {
+        let o = self.check(off, n as u64)?;
+        if o % n != 0 || !matches!(n, 2 | 4 | 8) {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_MISALIGNED_ADDRESS, format!("atomic of {n} bytes at offset {o:#x}")));
+        }
+        // SAFETY: [o, o+n) is inside the mapping and aligned to n (checked
+        // above); every concurrent kernel access to it is atomic.
+        let p = unsafe { self.ptr.add(o) };
+        let old = match n {
+            // SAFETY (each arm): as above.
+            8 => unsafe { AtomicU64::from_ptr(p.cast()) }.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(f(v))).unwrap_or_else(|v| v),
+            4 => unsafe { AtomicU32::from_ptr(p.cast()) }.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(f(v as u64) as u32)).unwrap_or_else(|v| v) as u64,
+            _ => unsafe { AtomicU16::from_ptr(p.cast()) }.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(f(v as u64) as u16)).unwrap_or_else(|v| v) as u64,
+        };
+        Ok(old)
+    }
+
     /// Zeroes `[off, off+n)`. Whole pages are dropped with MADV_DONTNEED,
     /// which makes the kernel hand back zero-filled pages on next touch (and
     /// returns the memory to the host); the ragged edges are zeroed by hand.
@@ -174,6 +242,8 @@ pub struct CpuBackend {
     quarantined: AtomicBool,
     /// Wall-clock limit of one launch.
     launch_timeout: Option<Duration>,
+    /// Host threads one launch's blocks run on.
+    launch_threads: usize,
 }
 
 struct CpuModule(Module);
@@ -226,14 +296,24 @@ impl TenantView<'_> {
 impl GlobalMem for TenantView<'_> {
     fn load(&mut self, addr: u64, out: &mut [u8]) -> Result<(), ExecError> {
         let off = self.check(addr, out.len())?;
-        self.backend.arena.read(off, out).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: out.len(), line: 0 })
+        self.backend.arena.load_shared(off, out).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: out.len(), line: 0 })
+    }
+    fn atomic(&mut self, addr: u64, n: usize, f: &mut dyn FnMut(u64) -> u64) -> Result<u64, ExecError> {
+        let off = self.check(addr, n)?;
+        if !self.owned.1.is_empty() && self.owned.read_only(addr, n as u64) {
+            return Err(ExecError::IllegalAddress { kind: "constant (atomic)", addr, len: n, line: 0 });
+        }
+        self.backend.arena.rmw(off, n, f).map_err(|_| ExecError::Misaligned { addr, len: n, line: 0 })
+    }
+    fn fork(&self) -> Option<Box<dyn GlobalMem + Send + '_>> {
+        Some(Box::new(TenantView { backend: self.backend, owned: self.owned, hit: (0, 0) }))
     }
     fn store(&mut self, addr: u64, data: &[u8]) -> Result<(), ExecError> {
         let off = self.check(addr, data.len())?;
         if !self.owned.1.is_empty() && self.owned.read_only(addr, data.len() as u64) {
             return Err(ExecError::IllegalAddress { kind: "constant (store)", addr, len: data.len(), line: 0 });
         }
-        self.backend.arena.write(off, data).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: data.len(), line: 0 })
+        self.backend.arena.store_shared(off, data).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: data.len(), line: 0 })
     }
 }
 
@@ -249,7 +329,7 @@ impl CpuBackend {
                 name: format!("vGPU CPU reference device {ordinal}"),
                 uuid,
                 memory,
-                cc: (7, 0),
+                cc: (8, 0),
                 sm_count: 1,
                 max_threads_per_block: 1024,
                 max_shared_per_block: 48 * 1024,
@@ -264,7 +344,14 @@ impl CpuBackend {
             scrubbed: AtomicU64::new(0),
             quarantined: AtomicBool::new(false),
             launch_timeout: None,
+            launch_threads: 1,
         })
+    }
+
+    /// Runs each launch's blocks on up to `n` host threads (rayon's pool).
+    pub fn with_launch_threads(mut self, n: usize) -> CpuBackend {
+        self.launch_threads = n.max(1);
+        self
     }
 
     /// The compute capability the device reports and accepts PTX for.
@@ -395,6 +482,7 @@ impl Backend for CpuBackend {
             budget: self.desc.instruction_budget,
             timeout: self.launch_timeout,
             sm_count: self.desc.sm_count,
+            threads: self.launch_threads,
         };
         let cfg = ptx::LaunchConfig { grid: l.grid, block: l.block, dynamic_shared: l.shared_bytes };
         match ptx::launch(k, &cfg, params, &mut view, &limits) {
@@ -495,5 +583,31 @@ mod tests {
         assert_eq!(u32::from_le_bytes(word), 3);
         // The host writes constant memory through the module's symbol.
         b.write(0, c, &[9; 16]).unwrap();
+    }
+
+    #[test]
+    fn blocks_on_several_host_threads_keep_atomics_exact() {
+        let ptx = ".version 8.0\n.target sm_80\n.address_size 64\n.visible .entry k(.param .u64 p) {\n .reg .b64 %rd<4>;\n .reg .b32 %r<4>;\n .reg .f32 %f<2>;\n ld.param.u64 %rd1, [p];\n atom.global.add.u32 %r1, [%rd1], 1;\n red.global.add.f32 [%rd1+4], 0f3F800000;\n mov.u32 %r2, %ctaid.x;\n mul.wide.u32 %rd2, %r2, 4;\n add.s64 %rd3, %rd1, %rd2;\n st.global.u32 [%rd3+8], %r2;\n ret;\n}\n";
+        let b = CpuBackend::new(0, 1 << 20, 0).unwrap().with_launch_threads(4);
+        let m = b.load_module(0, ptx.as_bytes(), ImageFormat::Ptx, u64::MAX, &mut |_, _| unreachable!()).unwrap();
+        let (a, n) = b.alloc(0, 4096).unwrap();
+        let mut owned = AllocTable::default();
+        owned.0.insert(a, n);
+        let l = Launch { grid: [512, 1, 1], block: [64, 1, 1], shared_bytes: 0 };
+        for _ in 0..3 {
+            b.fill(0, a, n, &[0]).unwrap();
+            b.launch(0, &*m, 0, &l, &a.to_le_bytes(), &owned).unwrap();
+            let mut buf = vec![0u8; 8 + 512 * 4];
+            b.read(0, a, &mut buf).unwrap();
+            assert_eq!(u32::from_le_bytes(buf[0..4].try_into().unwrap()), 512 * 64);
+            assert_eq!(f32::from_le_bytes(buf[4..8].try_into().unwrap()), (512 * 64) as f32);
+            for blk in 0..512usize {
+                assert_eq!(u32::from_le_bytes(buf[8 + blk * 4..12 + blk * 4].try_into().unwrap()), blk as u32);
+            }
+        }
+        // A fault in one block stops the launch with that block's error.
+        let l = Launch { grid: [4096, 1, 1], block: [64, 1, 1], shared_bytes: 0 };
+        let e = b.launch(0, &*m, 0, &l, &a.to_le_bytes(), &owned).unwrap_err();
+        assert_eq!(e.code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "{}", e.msg);
     }
 }

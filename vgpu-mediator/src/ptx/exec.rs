@@ -16,6 +16,8 @@
 //! Every access is bounds-checked: global memory through [`GlobalMem`],
 //! shared, local and parameter memory against their sizes.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::ir::*;
@@ -35,6 +37,23 @@ pub const WARP: usize = 32;
 pub trait GlobalMem {
     fn load(&mut self, addr: u64, out: &mut [u8]) -> Result<(), ExecError>;
     fn store(&mut self, addr: u64, data: &[u8]) -> Result<(), ExecError>;
+    /// Atomic read-modify-write of `n` (2, 4 or 8) aligned bytes: stores
+    /// `f(old)` and returns `old`. The default is a load then a store, right
+    /// for memory that only one host thread touches.
+    fn atomic(&mut self, addr: u64, n: usize, f: &mut dyn FnMut(u64) -> u64) -> Result<u64, ExecError> {
+        let mut buf = [0u8; 8];
+        self.load(addr, &mut buf[..n])?;
+        let old = u64::from_le_bytes(buf);
+        self.store(addr, &f(old).to_le_bytes()[..n])?;
+        Ok(old)
+    }
+    /// Another view of the same memory for a second host thread. Memory
+    /// that offers one must make `load`, `store` and `atomic` safe to run
+    /// concurrently from its views; a launch whose memory offers none runs
+    /// its blocks on one thread.
+    fn fork(&self) -> Option<Box<dyn GlobalMem + Send + '_>> {
+        None
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -93,6 +112,9 @@ pub struct Limits {
     pub timeout: Option<Duration>,
     /// The device's streaming-multiprocessor count (`%nsmid`).
     pub sm_count: u32,
+    /// Host threads one launch's blocks may run on (0 or 1: the calling
+    /// thread only). Extra threads come from rayon's pool.
+    pub threads: usize,
 }
 
 /// Largest per-block register file (threads × registers × 8 bytes) the
@@ -117,20 +139,26 @@ const SLICE: u64 = 1 << 12;
 /// The body index of a kernel's own frame.
 const KERNEL: u32 = u32::MAX;
 
-/// What a launch may still spend.
-struct Meter {
+/// What a launch may still spend. A launch on several host threads gives
+/// each its own meter drawing chunks of units from one shared pool.
+struct Meter<'p> {
     left: u64,
     budget: u64,
     deadline: Option<(Instant, Duration)>,
     next_clock: u64,
-    start: Instant,
+    pool: Option<&'p AtomicU64>,
+    /// Units taken from the pool so far (the whole budget without one).
+    taken: u64,
 }
 
-impl Meter {
+/// Units a parallel launch's thread takes from the shared budget at once.
+const POOL_CHUNK: u64 = 1 << 16;
+
+impl Meter<'_> {
     /// Charges `units`; fails once the budget or the time limit is spent.
     #[inline]
     fn charge(&mut self, units: u64) -> Result<(), ExecError> {
-        if self.left < units {
+        if self.left < units && !self.refill(units) {
             self.left = 0;
             return Err(ExecError::Budget(self.budget));
         }
@@ -147,13 +175,26 @@ impl Meter {
     }
 
     fn spent(&self) -> u64 {
-        self.budget - self.left
+        self.taken - self.left
+    }
+
+    /// Takes another chunk from the shared pool; false when it is empty.
+    #[cold]
+    fn refill(&mut self, units: u64) -> bool {
+        let Some(pool) = self.pool else { return false };
+        let want = POOL_CHUNK.max(units);
+        let got = pool.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| Some(p - p.min(want))).map(|p| p.min(want)).unwrap_or(0);
+        self.left += got;
+        self.taken += got;
+        // The clock is looked at within the next CLOCK_EVERY units.
+        self.next_clock = self.left.saturating_sub(CLOCK_EVERY);
+        self.left >= units
     }
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0, timeout: None, sm_count: 1 }
+        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0, timeout: None, sm_count: 1, threads: 1 }
     }
 }
 
@@ -314,39 +355,91 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
     }
     let budget = if limits.budget == 0 { u64::MAX } else { limits.budget };
     let start = Instant::now();
-    let mut meter = Meter { left: budget, budget, deadline: limits.timeout.map(|t| (start + t, t)), next_clock: budget.saturating_sub(CLOCK_EVERY), start };
+    let deadline = limits.timeout.map(|t| (start + t, t));
     let block_units = BLOCK_UNITS + nthreads + (regfile + shared + local) / ZERO_BYTES_PER_UNIT;
-    // The first block's allocation is charged before it is made.
-    meter.charge(block_units)?;
-    let n = nthreads as usize;
-    let mut b = BlockState {
-        n,
-        nregs: k.num_regs as usize,
-        regs: vec![0; n * k.num_regs as usize],
-        pc: vec![k.entry; n],
-        st: vec![St::Run; n],
-        shared: vec![0; shared as usize],
-        stacks: (0..n).map(|_| Stack { body: KERNEL, ..Stack::default() }).collect(),
-        coll: vec![Coll::default(); n],
-        bars: [Barrier::default(); 17],
-        stack_bytes: 0,
-    };
-    let li = LaunchInfo { dyn_base, dyn_size: cfg.dynamic_shared as u64, total_smem: shared, sm_count: limits.sm_count.max(1), start: meter.start };
-    let mut stats = Stats::default();
-    for cz in 0..cfg.grid[2] {
-        for cy in 0..cfg.grid[1] {
-            for cx in 0..cfg.grid[0] {
-                if stats.blocks > 0 {
-                    meter.charge(block_units)?;
-                }
-                b.reset(k);
-                run_block(k, &mut b, cfg, [cx, cy, cz], params, mem, &mut meter, &li)?;
-                stats.blocks += 1;
-            }
+    let li = LaunchInfo { dyn_base, dyn_size: cfg.dynamic_shared as u64, total_smem: shared, sm_count: limits.sm_count.max(1), start };
+    let nblocks = cfg.grid.iter().map(|&g| g as u64).product::<u64>();
+    let threads = (limits.threads.max(1) as u64).min(nblocks) as usize;
+    if threads > 1 {
+        let views: Vec<_> = (0..threads).map_while(|_| mem.fork()).collect();
+        if views.len() == threads {
+            return launch_parallel(k, cfg, params, views, budget, deadline, block_units, shared, &li);
         }
+    }
+    let mut meter = Meter { left: budget, budget, deadline, next_clock: budget.saturating_sub(CLOCK_EVERY), pool: None, taken: budget };
+    let mut b = BlockState::new(k, nthreads as usize, shared);
+    let mut stats = Stats::default();
+    for i in 0..nblocks {
+        // Each block's allocation is charged before it is made.
+        meter.charge(block_units)?;
+        b.reset(k);
+        run_block(k, &mut b, cfg, block_index(cfg, i), params, mem, &mut meter, &li)?;
+        stats.blocks += 1;
     }
     stats.instructions = meter.spent();
     Ok(stats)
+}
+
+/// Block number `i` of the grid, x fastest.
+fn block_index(cfg: &LaunchConfig, i: u64) -> [u32; 3] {
+    let (gx, gy) = (cfg.grid[0] as u64, cfg.grid[1] as u64);
+    [(i % gx) as u32, ((i / gx) % gy) as u32, (i / (gx * gy)) as u32]
+}
+
+/// Runs the grid's blocks on `views.len()` host threads of rayon's pool,
+/// each taking the next block not yet started, with one shared budget; the
+/// first error stops every thread after its current block.
+#[allow(clippy::too_many_arguments)]
+fn launch_parallel(
+    k: &Kernel,
+    cfg: &LaunchConfig,
+    params: &[u8],
+    views: Vec<Box<dyn GlobalMem + Send + '_>>,
+    budget: u64,
+    deadline: Option<(Instant, Duration)>,
+    block_units: u64,
+    shared: u64,
+    li: &LaunchInfo,
+) -> Result<Stats, ExecError> {
+    let nblocks = cfg.grid.iter().map(|&g| g as u64).product::<u64>();
+    let nthreads = cfg.block.iter().map(|&d| d as usize).product::<usize>();
+    let pool = AtomicU64::new(budget);
+    let next = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let first_err: Mutex<Option<ExecError>> = Mutex::new(None);
+    let spent = AtomicU64::new(0);
+    let blocks = AtomicU64::new(0);
+    rayon::scope(|s| {
+        for mut view in views {
+            let (pool, next, stop, first_err, spent, blocks) = (&pool, &next, &stop, &first_err, &spent, &blocks);
+            s.spawn(move |_| {
+                let mut meter = Meter { left: 0, budget, deadline, next_clock: 0, pool: Some(pool), taken: 0 };
+                let mut b = BlockState::new(k, nthreads, shared);
+                let r = (|| -> Result<(), ExecError> {
+                    while !stop.load(Ordering::Relaxed) {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= nblocks {
+                            return Ok(());
+                        }
+                        meter.charge(block_units)?;
+                        b.reset(k);
+                        run_block(k, &mut b, cfg, block_index(cfg, i), params, &mut *view, &mut meter, li)?;
+                        blocks.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(())
+                })();
+                spent.fetch_add(meter.spent(), Ordering::Relaxed);
+                if let Err(e) = r {
+                    stop.store(true, Ordering::Relaxed);
+                    first_err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                }
+            });
+        }
+    });
+    if let Some(e) = first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(Stats { instructions: spent.into_inner(), blocks: blocks.into_inner() })
 }
 
 struct BlockState {
@@ -364,6 +457,21 @@ struct BlockState {
 }
 
 impl BlockState {
+    fn new(k: &Kernel, n: usize, shared: u64) -> BlockState {
+        BlockState {
+            n,
+            nregs: k.num_regs as usize,
+            regs: vec![0; n * k.num_regs as usize],
+            pc: vec![k.entry; n],
+            st: vec![St::Run; n],
+            shared: vec![0; shared as usize],
+            stacks: (0..n).map(|_| Stack { body: KERNEL, ..Stack::default() }).collect(),
+            coll: vec![Coll::default(); n],
+            bars: [Barrier::default(); 17],
+            stack_bytes: 0,
+        }
+    }
+
     fn reset(&mut self, k: &Kernel) {
         self.regs.fill(0);
         self.pc.fill(k.entry);
@@ -409,7 +517,7 @@ fn coords(t: usize, cfg: &LaunchConfig, ctaid: [u32; 3], n: usize) -> Coords {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_block(k: &Kernel, b: &mut BlockState, cfg: &LaunchConfig, ctaid: [u32; 3], params: &[u8], mem: &mut dyn GlobalMem, meter: &mut Meter, li: &LaunchInfo) -> Result<(), ExecError> {
+fn run_block(k: &Kernel, b: &mut BlockState, cfg: &LaunchConfig, ctaid: [u32; 3], params: &[u8], mem: &mut dyn GlobalMem, meter: &mut Meter<'_>, li: &LaunchInfo) -> Result<(), ExecError> {
     let n = b.n;
     // One scheduling round scans every thread and warp of the block.
     let round_units = (n as u64).div_ceil(WARP as u64);
@@ -744,6 +852,19 @@ impl Mem<'_> {
             }
             Space::Param => Err(ExecError::IllegalAddress { kind: "param (store)", addr, len: data.len(), line: 0 }),
         }
+    }
+
+    /// An atomic read-modify-write: on global memory through the tenant's
+    /// view (other blocks may run on other host threads), elsewhere in place.
+    fn atomic(&mut self, space: Space, addr: u64, n: usize, f: impl Fn(u64) -> u64) -> Result<u64, ExecError> {
+        let space = self.resolve(space, addr);
+        Self::check_align(addr, n)?;
+        if matches!(space, Space::Global | Space::Generic) {
+            return self.global.atomic(addr, n, &mut |old| f(old));
+        }
+        let old = self.load_val(space, addr, n)?;
+        self.store(space, addr, &f(old).to_le_bytes()[..n])?;
+        Ok(old)
     }
 
     fn load_val(&mut self, space: Space, addr: u64, n: usize) -> Result<u64, ExecError> {
@@ -1216,32 +1337,15 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
             Op::Atom { space, op, ty, d, addr, b, c: cas } => {
                 let a = rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64);
                 let n = ty.bytes();
-                let old = m.load_val(*space, a, n).map_err(fail).inspect_err(|_| *pc_io = pc)?;
                 let bv = rd(regs, b, c, clock);
-                let new = match op {
-                    AtomOp::Add if matches!(ty, Ty::F32 | Ty::F64) => fbin(Bin::Add, *ty, old, bv),
-                    AtomOp::Add if ty.is_float() => hbin(Bin::Add, *ty, old, bv),
-                    AtomOp::Min | AtomOp::Max if matches!(ty, Ty::F32 | Ty::F64) => fbin(if *op == AtomOp::Min { Bin::Min } else { Bin::Max }, *ty, old, bv),
-                    AtomOp::Min | AtomOp::Max if ty.is_float() => hbin(if *op == AtomOp::Min { Bin::Min } else { Bin::Max }, *ty, old, bv),
-                    AtomOp::Add => ty.mask(old.wrapping_add(bv)),
-                    AtomOp::Min => ibin(Bin::Min, *ty, old, bv),
-                    AtomOp::Max => ibin(Bin::Max, *ty, old, bv),
-                    AtomOp::Exch => bv,
-                    AtomOp::Cas => {
-                        let cv = cas.map(|s| rd(regs, &s, c, clock)).unwrap_or(0);
-                        if ty.mask(old) == ty.mask(bv) { cv } else { old }
-                    }
-                    AtomOp::And => old & bv,
-                    AtomOp::Or => old | bv,
-                    AtomOp::Xor => old ^ bv,
-                    AtomOp::Inc => if ty.mask(old) >= ty.mask(bv) { 0 } else { old + 1 },
-                    AtomOp::Dec => if old == 0 || ty.mask(old) > ty.mask(bv) { bv } else { old - 1 },
-                };
-                m.store(*space, a, &ty.mask(new).to_le_bytes()[..n]).map_err(fail).inspect_err(|_| *pc_io = pc)?;
+                let cv = cas.map(|s| rd(regs, &s, c, clock)).unwrap_or(0);
+                let f = |old: u64| atom_op(*op, *ty, old, bv, cv);
+                let old = m.atomic(*space, a, n, f).map_err(fail).inspect_err(|_| *pc_io = pc)?;
                 if let Some(d) = d {
                     regs[*d as usize] = old;
                 }
             }
+            Op::Fence => std::sync::atomic::fence(Ordering::SeqCst),
             Op::CpAsync { dst, src, size, src_size } => {
                 let da = rd(regs, &dst.base, c, clock).wrapping_add(dst.offset as u64);
                 let sa = rd(regs, &src.base, c, clock).wrapping_add(src.offset as u64);
@@ -1280,6 +1384,27 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
         }
         pc += 1;
     }
+}
+
+/// The new value of an `atom`/`red` location holding `old`.
+fn atom_op(op: AtomOp, ty: Ty, old: u64, bv: u64, cv: u64) -> u64 {
+    let new = match op {
+        AtomOp::Add if matches!(ty, Ty::F32 | Ty::F64) => fbin(Bin::Add, ty, old, bv),
+        AtomOp::Add if ty.is_float() => hbin(Bin::Add, ty, old, bv),
+        AtomOp::Min | AtomOp::Max if matches!(ty, Ty::F32 | Ty::F64) => fbin(if op == AtomOp::Min { Bin::Min } else { Bin::Max }, ty, old, bv),
+        AtomOp::Min | AtomOp::Max if ty.is_float() => hbin(if op == AtomOp::Min { Bin::Min } else { Bin::Max }, ty, old, bv),
+        AtomOp::Add => old.wrapping_add(bv),
+        AtomOp::Min => ibin(Bin::Min, ty, old, bv),
+        AtomOp::Max => ibin(Bin::Max, ty, old, bv),
+        AtomOp::Exch => bv,
+        AtomOp::Cas => if ty.mask(old) == ty.mask(bv) { cv } else { old },
+        AtomOp::And => old & bv,
+        AtomOp::Or => old | bv,
+        AtomOp::Xor => old ^ bv,
+        AtomOp::Inc => if ty.mask(old) >= ty.mask(bv) { 0 } else { old + 1 },
+        AtomOp::Dec => if ty.mask(old) == 0 || ty.mask(old) > ty.mask(bv) { bv } else { old - 1 },
+    };
+    ty.mask(new)
 }
 
 fn half_of(t: Ty) -> Ty {

@@ -259,6 +259,9 @@ pub enum Op {
     /// `mov.b64 d, {lo, hi}`.
     Pack { d: u32, s: Vec<Src>, part_bits: u32 },
     Nop,
+    /// `membar`/`fence`: orders this thread's global accesses against
+    /// blocks running on other host threads.
+    Fence,
     Exit,
     /// `trap` / `brkpt`: the launch fails.
     Trap,

@@ -1824,7 +1824,8 @@ impl Cx<'_, '_, '_, '_> {
                     Op::Bar { kind, id: self.src(&ops[0], Ty::U32)?, count, d: None, a: None }
                 }
             }
-            "membar" | "fence" | "prefetch" | "prefetchu" | "nanosleep" | "pmevent" | "griddepcontrol" | "discard" | "applypriority" => Op::Nop,
+            "membar" | "fence" => Op::Fence,
+            "prefetch" | "prefetchu" | "nanosleep" | "pmevent" | "griddepcontrol" | "discard" | "applypriority" => Op::Nop,
             "createpolicy" => {
                 need(2).or_else(|_| need(3)).or_else(|_| need(4))?;
                 Op::Mov { ty: Ty::B64, d: self.reg(&ops[0])?, a: Src::Imm(0) }

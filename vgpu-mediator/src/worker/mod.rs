@@ -49,9 +49,9 @@ pub enum BackendKind {
     Cuda,
 }
 
-fn open_backend(opts: &WorkerOptions) -> anyhow::Result<Arc<dyn Backend>> {
+fn open_backend(opts: &WorkerOptions, launch_threads: usize) -> anyhow::Result<Arc<dyn Backend>> {
     match opts.backend {
-        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?.with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms)).with_compute_capability(opts.cc))),
+        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?.with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms)).with_compute_capability(opts.cc).with_launch_threads(launch_threads))),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let b = crate::backend::cuda::CudaBackend::new(opts.numa_node, std::time::Duration::from_millis(opts.launch_timeout_ms)).map_err(anyhow::Error::msg)?;
@@ -123,7 +123,10 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     unsafe { libc::umask(0o077) };
     pin_to_node(opts.numa_node);
     raise_fd_limit();
-    let backend = open_backend(&opts)?;
+    // A CPU device runs each launch's blocks on every core the worker may
+    // use (its NUMA node's, once pinned).
+    let launch_threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let backend = open_backend(&opts, launch_threads)?;
     if let Some(u) = opts.user {
         confine::drop_privileges(u)?;
         info!(uid = u.uid, gid = u.gid, "device worker confined: unprivileged, no capabilities, no_new_privs, own mount namespace");
@@ -133,6 +136,13 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         confine::no_new_privs()?;
         seccomp::confine_worker()?;
         info!("device worker under its seccomp allow-list");
+    }
+    if opts.backend == BackendKind::Cpu && launch_threads > 1 {
+        // The threads launches run blocks on, made now: tenant connection
+        // threads narrow their seccomp filters and may not create threads.
+        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(launch_threads).thread_name(|i| format!("vgpu-blocks-{i}")).build_global() {
+            warn!("the block thread pool could not be built ({e}); launches run on one thread");
+        }
     }
     let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, Box::new(Fifo))));
     let pool = conn::Pool::start(svc.clone(), opts.connection_threads, seccomp)?;
