@@ -121,9 +121,9 @@ pub struct Limits {
 /// interpreter allocates; larger launches fail with out-of-resources, as a
 /// GPU refuses a block whose registers do not fit an SM.
 pub const MAX_REGISTER_FILE: u64 = 64 << 20;
-/// Largest per-block local memory (threads × stack bytes, registers of
-/// called functions included).
-pub const MAX_BLOCK_STACK: u64 = 64 << 20;
+/// Largest host memory one block's thread state may take: its register
+/// file, its threads' local frames and every call frame, together.
+pub const MAX_BLOCK_STACK: u64 = MAX_REGISTER_FILE;
 /// Most nested calls of one thread.
 pub const MAX_CALL_DEPTH: usize = 1024;
 /// Bytes of register file or shared memory zeroed per cost unit.
@@ -350,8 +350,8 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
         return Err(ExecError::OutOfResources(format!("{nthreads} threads × {} registers need a {regfile}-byte register file per block (limit {MAX_REGISTER_FILE})", k.num_regs)));
     }
     let local = nthreads.saturating_mul(k.local_size as u64);
-    if local > MAX_BLOCK_STACK {
-        return Err(ExecError::OutOfResources(format!("{nthreads} threads × {} bytes of local memory exceed the {MAX_BLOCK_STACK}-byte block limit", k.local_size)));
+    if regfile.saturating_add(local) > MAX_BLOCK_STACK {
+        return Err(ExecError::OutOfResources(format!("{nthreads} threads × {} bytes of local memory and a {regfile}-byte register file exceed the {MAX_BLOCK_STACK}-byte block limit", k.local_size)));
     }
     let budget = if limits.budget == 0 { u64::MAX } else { limits.budget };
     let start = Instant::now();
@@ -468,8 +468,14 @@ impl BlockState {
             stacks: (0..n).map(|_| Stack { body: KERNEL, ..Stack::default() }).collect(),
             coll: vec![Coll::default(); n],
             bars: [Barrier::default(); 17],
-            stack_bytes: 0,
+            stack_bytes: Self::base_bytes(k, n),
         }
+    }
+
+    /// Host bytes a block holds before any call: register file and local
+    /// frames; calls add to it up to [`MAX_BLOCK_STACK`].
+    fn base_bytes(k: &Kernel, n: usize) -> u64 {
+        (n as u64).saturating_mul(k.num_regs as u64 * 8 + k.local_size as u64)
     }
 
     fn reset(&mut self, k: &Kernel) {
@@ -488,7 +494,7 @@ impl BlockState {
         }
         self.coll.fill(Coll::default());
         self.bars = [Barrier::default(); 17];
-        self.stack_bytes = 0;
+        self.stack_bytes = Self::base_bytes(k, self.n);
     }
 
     /// Lane `t`'s register `r` in its current frame (0 if out of range).
@@ -1014,7 +1020,7 @@ fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8
                 let frame = f.num_regs as u64 * 8 + f.local_size as u64 + std::mem::size_of::<Frame>() as u64;
                 *stack_bytes = stack_bytes.saturating_add(frame);
                 if *stack_bytes > MAX_BLOCK_STACK {
-                    return Err(ExecError::Failed(format!("call stack overflow: the block's call frames exceed {MAX_BLOCK_STACK} bytes at PTX line {line}")));
+                    return Err(ExecError::Failed(format!("call stack overflow: the block's registers, local memory and call frames exceed {MAX_BLOCK_STACK} bytes at PTX line {line}")));
                 }
                 meter.charge(CALL_UNITS + frame / ZERO_BYTES_PER_UNIT)?;
                 stack.local.resize(new_lb + f.local_size as usize, 0);
