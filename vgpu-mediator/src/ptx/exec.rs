@@ -16,7 +16,7 @@
 //! Every access is bounds-checked: global memory through [`GlobalMem`],
 //! shared, local and parameter memory against their sizes.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -360,10 +360,13 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
     let li = LaunchInfo { dyn_base, dyn_size: cfg.dynamic_shared as u64, total_smem: shared, sm_count: limits.sm_count.max(1), start };
     let nblocks = cfg.grid.iter().map(|&g| g as u64).product::<u64>();
     let threads = (limits.threads.max(1) as u64).min(nblocks) as usize;
+    let _in_flight = InFlight::enter();
     if threads > 1 {
-        let views: Vec<_> = (0..threads).map_while(|_| mem.fork()).collect();
-        if views.len() == threads {
-            return launch_parallel(k, cfg, params, views, budget, deadline, block_units, shared, &li);
+        if let Some(_pool) = PoolClaim::take() {
+            let views: Vec<_> = (0..threads).map_while(|_| mem.fork()).collect();
+            if views.len() == threads {
+                return launch_parallel(k, cfg, params, views, budget, deadline, block_units, shared, &li);
+            }
         }
     }
     let mut meter = Meter { left: budget, budget, deadline, next_clock: budget.saturating_sub(CLOCK_EVERY), pool: None, taken: budget };
@@ -378,6 +381,44 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
     }
     stats.instructions = meter.spent();
     Ok(stats)
+}
+
+/// Launches running in this process (one device worker) right now.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+/// Set while one launch has the block pool.
+static POOL_BUSY: AtomicBool = AtomicBool::new(false);
+
+/// Counts a launch in [`IN_FLIGHT`] for as long as it lives.
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> InFlight {
+        IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The block pool, held by one launch at a time: its jobs then all start
+/// at once, and no launch ever waits for another's jobs. A launch that
+/// finds the pool taken runs on its own lane, as every launch gets one.
+struct PoolClaim;
+
+impl PoolClaim {
+    fn take() -> Option<PoolClaim> {
+        POOL_BUSY.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok().map(|_| PoolClaim)
+    }
+}
+
+impl Drop for PoolClaim {
+    fn drop(&mut self) {
+        POOL_BUSY.store(false, Ordering::Release);
+    }
 }
 
 /// Block number `i` of the grid, x fastest.
@@ -410,13 +451,19 @@ fn launch_parallel(
     let spent = AtomicU64::new(0);
     let blocks = AtomicU64::new(0);
     rayon::scope(|s| {
-        for mut view in views {
+        for (job, mut view) in views.into_iter().enumerate() {
             let (pool, next, stop, first_err, spent, blocks) = (&pool, &next, &stop, &first_err, &spent, &blocks);
             s.spawn(move |_| {
                 let mut meter = Meter { left: 0, budget, deadline, next_clock: 0, pool: Some(pool), taken: 0 };
                 let mut b = BlockState::new(k, nthreads, shared);
                 let r = (|| -> Result<(), ExecError> {
                     while !stop.load(Ordering::Relaxed) {
+                        // Helpers give their cores back as soon as another
+                        // launch runs: it has a lane of its own, and this
+                        // launch keeps its first job.
+                        if job > 0 && IN_FLIGHT.load(Ordering::Relaxed) > 1 {
+                            return Ok(());
+                        }
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= nblocks {
                             return Ok(());
