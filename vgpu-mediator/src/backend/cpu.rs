@@ -94,25 +94,57 @@ impl Arena {
         Ok(())
     }
 
+    /// The atomic cell of type `T` (an `AtomicU8`..`AtomicU64`, `size`
+    /// bytes wide) at offset `o`, if `[o, o+size)` is inside the mapping and
+    /// `o` is aligned to `size`.
+    fn cell<T>(&self, o: usize, size: usize, from_ptr: unsafe fn(*mut u8) -> &'static T) -> Option<&T> {
+        if !o.is_multiple_of(size) || o.checked_add(size)? > self.len {
+            return None;
+        }
+        // SAFETY: `[o, o+size)` lies inside the mapping (checked above),
+        // which lives as long as `self` (the returned borrow is tied to it);
+        // `o` is aligned to the cell's size; every concurrent access to
+        // device memory from kernels goes through such atomic cells, and
+        // host copies of a tenant's memory never overlap its running kernels.
+        Some(unsafe { from_ptr(self.ptr.add(o)) })
+    }
+
+    fn u8_at(&self, o: usize) -> Option<&AtomicU8> {
+        // SAFETY: `cell` passes a pointer inside the mapping (any alignment).
+        self.cell(o, 1, |p| unsafe { AtomicU8::from_ptr(p) })
+    }
+
+    fn u16_at(&self, o: usize) -> Option<&AtomicU16> {
+        // SAFETY: `cell` passes a pointer inside the mapping, 2-aligned.
+        self.cell(o, 2, |p| unsafe { AtomicU16::from_ptr(p.cast()) })
+    }
+
+    fn u32_at(&self, o: usize) -> Option<&AtomicU32> {
+        // SAFETY: `cell` passes a pointer inside the mapping, 4-aligned.
+        self.cell(o, 4, |p| unsafe { AtomicU32::from_ptr(p.cast()) })
+    }
+
+    fn u64_at(&self, o: usize) -> Option<&AtomicU64> {
+        // SAFETY: `cell` passes a pointer inside the mapping, 8-aligned.
+        self.cell(o, 8, |p| unsafe { AtomicU64::from_ptr(p.cast()) })
+    }
+
     /// A kernel's load: blocks of one launch may run on several host
-    /// threads, so each naturally aligned 1-, 2-, 4- or 8-byte element is
-    /// read with one relaxed atomic load (other sizes byte by byte).
+    /// threads, so each naturally aligned 2-, 4- or 8-byte element is read
+    /// with one relaxed atomic load (other sizes byte by byte).
     fn load_shared(&self, off: u64, out: &mut [u8]) -> Result<(), BackendError> {
         let o = self.check(off, out.len() as u64)?;
-        // SAFETY: [o, o+len) is inside the mapping (checked above).
-        let p = unsafe { self.ptr.add(o) };
-        match out.len() {
-            // SAFETY (each arm): `p` is inside the mapping, which lives as
-            // long as the backend, and aligned to the access size (checked
-            // by the caller for n > 1); concurrent kernel accesses are
-            // atomics of the same memory.
-            8 if o % 8 == 0 => out.copy_from_slice(&unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Relaxed).to_le_bytes()),
-            4 if o % 4 == 0 => out.copy_from_slice(&unsafe { AtomicU32::from_ptr(p.cast()) }.load(Ordering::Relaxed).to_le_bytes()),
-            2 if o % 2 == 0 => out.copy_from_slice(&unsafe { AtomicU16::from_ptr(p.cast()) }.load(Ordering::Relaxed).to_le_bytes()),
-            _ => {
+        let bytes = match out.len() {
+            8 => self.u64_at(o).map(|c| c.load(Ordering::Relaxed).to_le_bytes()),
+            4 => self.u32_at(o).map(|c| (c.load(Ordering::Relaxed) as u64).to_le_bytes()),
+            2 => self.u16_at(o).map(|c| (c.load(Ordering::Relaxed) as u64).to_le_bytes()),
+            _ => None,
+        };
+        match bytes {
+            Some(b) => out.copy_from_slice(&b[..out.len()]),
+            None => {
                 for (i, b) in out.iter_mut().enumerate() {
-                    // SAFETY: byte i of the checked range.
-                    *b = unsafe { AtomicU8::from_ptr(p.add(i)) }.load(Ordering::Relaxed);
+                    *b = self.u8_at(o + i).map(|c| c.load(Ordering::Relaxed)).unwrap_or(0);
                 }
             }
         }
@@ -122,22 +154,19 @@ impl Arena {
     /// A kernel's store, element-wise atomic like [`Arena::load_shared`].
     fn store_shared(&self, off: u64, data: &[u8]) -> Result<(), BackendError> {
         let o = self.check(off, data.len() as u64)?;
-        // SAFETY: [o, o+len) is inside the mapping (checked above).
-        let p = unsafe { self.ptr.add(o) };
-        let word = |n: usize| {
-            let mut b = [0u8; 8];
-            b[..n].copy_from_slice(data);
-            u64::from_le_bytes(b)
+        let mut w = [0u8; 8];
+        w[..data.len().min(8)].copy_from_slice(&data[..data.len().min(8)]);
+        let w = u64::from_le_bytes(w);
+        let done = match data.len() {
+            8 => self.u64_at(o).map(|c| c.store(w, Ordering::Relaxed)),
+            4 => self.u32_at(o).map(|c| c.store(w as u32, Ordering::Relaxed)),
+            2 => self.u16_at(o).map(|c| c.store(w as u16, Ordering::Relaxed)),
+            _ => None,
         };
-        match data.len() {
-            // SAFETY (each arm): as in load_shared.
-            8 if o % 8 == 0 => unsafe { AtomicU64::from_ptr(p.cast()) }.store(word(8), Ordering::Relaxed),
-            4 if o % 4 == 0 => unsafe { AtomicU32::from_ptr(p.cast()) }.store(word(4) as u32, Ordering::Relaxed),
-            2 if o % 2 == 0 => unsafe { AtomicU16::from_ptr(p.cast()) }.store(word(2) as u16, Ordering::Relaxed),
-            _ => {
-                for (i, b) in data.iter().enumerate() {
-                    // SAFETY: byte i of the checked range.
-                    unsafe { AtomicU8::from_ptr(p.add(i)) }.store(*b, Ordering::Relaxed);
+        if done.is_none() {
+            for (i, b) in data.iter().enumerate() {
+                if let Some(c) = self.u8_at(o + i) {
+                    c.store(*b, Ordering::Relaxed);
                 }
             }
         }
@@ -147,19 +176,14 @@ impl Arena {
     /// An atomic read-modify-write of an aligned 2-, 4- or 8-byte element.
     fn rmw(&self, off: u64, n: usize, f: &mut dyn FnMut(u64) -> u64) -> Result<u64, BackendError> {
         let o = self.check(off, n as u64)?;
-        if o % n != 0 || !matches!(n, 2 | 4 | 8) {
-            return Err(BackendError::new(CuResult::CUDA_ERROR_MISALIGNED_ADDRESS, format!("atomic of {n} bytes at offset {o:#x}")));
-        }
-        // SAFETY: [o, o+n) is inside the mapping and aligned to n (checked
-        // above); every concurrent kernel access to it is atomic.
-        let p = unsafe { self.ptr.add(o) };
+        let (acq, rel) = (Ordering::Acquire, Ordering::AcqRel);
         let old = match n {
-            // SAFETY (each arm): as above.
-            8 => unsafe { AtomicU64::from_ptr(p.cast()) }.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(f(v))).unwrap_or_else(|v| v),
-            4 => unsafe { AtomicU32::from_ptr(p.cast()) }.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(f(v as u64) as u32)).unwrap_or_else(|v| v) as u64,
-            _ => unsafe { AtomicU16::from_ptr(p.cast()) }.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(f(v as u64) as u16)).unwrap_or_else(|v| v) as u64,
+            8 => self.u64_at(o).map(|c| c.fetch_update(rel, acq, |v| Some(f(v))).unwrap_or_else(|v| v)),
+            4 => self.u32_at(o).map(|c| c.fetch_update(rel, acq, |v| Some(f(v as u64) as u32)).unwrap_or_else(|v| v) as u64),
+            2 => self.u16_at(o).map(|c| c.fetch_update(rel, acq, |v| Some(f(v as u64) as u16)).unwrap_or_else(|v| v) as u64),
+            _ => None,
         };
-        Ok(old)
+        old.ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_MISALIGNED_ADDRESS, format!("atomic of {n} bytes at offset {o:#x}")))
     }
 
     /// Zeroes `[off, off+n)`. Whole pages are dropped with MADV_DONTNEED,

@@ -857,7 +857,7 @@ impl Mem<'_> {
     }
 
     fn check_align(addr: u64, len: usize) -> Result<(), ExecError> {
-        if addr % len as u64 != 0 {
+        if !addr.is_multiple_of(len as u64) {
             return Err(ExecError::Misaligned { addr, len, line: 0 });
         }
         Ok(())
@@ -1140,7 +1140,7 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 if d.len() > 1 {
                     // Vector loads need the whole vector aligned.
                     let total = n * d.len();
-                    if *space != Space::Param && base % total as u64 != 0 {
+                    if *space != Space::Param && !base.is_multiple_of(total as u64) {
                         *pc_io = pc;
                         return Err(ExecError::Misaligned { addr: base, len: total, line: inst.line });
                     }
@@ -1160,7 +1160,7 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 meter.left = meter.left.saturating_sub(s.len().max(1) as u64 - 1);
                 let base = rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64);
                 let n = ty.bytes();
-                if s.len() > 1 && base % (n * s.len()) as u64 != 0 {
+                if s.len() > 1 && !base.is_multiple_of((n * s.len()) as u64) {
                     *pc_io = pc;
                     return Err(ExecError::Misaligned { addr: base, len: n * s.len(), line: inst.line });
                 }
@@ -1312,7 +1312,7 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                     }
                 }
             }
-            Op::Call { callee, args, ret } => {
+            Op::Call { callee, .. } => {
                 let callee = match callee {
                     Callee::Direct(f) => *f,
                     Callee::Indirect(s) => {
@@ -1326,7 +1326,6 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                         }
                     }
                 };
-                let _ = (args, ret);
                 *pc_io = pc + 1;
                 return Ok(Ev::Call { callee, at: pc });
             }
@@ -1688,7 +1687,7 @@ fn sat_int(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
 fn fma(ty: Ty, round: Round, x: u64, y: u64, z: u64, sat: bool, relu: bool) -> u64 {
     let post = |v: f64| {
         let v = if sat { sat01(v) } else { v };
-        if relu && !(v >= 0.0) { 0.0 } else { v }
+        if relu && (v.is_nan() || v < 0.0) { 0.0 } else { v }
     };
     match ty {
         Ty::F32 => {
@@ -1860,7 +1859,7 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
             let (pos, len) = ((b & 0xff) as u32, (c & 0xff) as u32);
             let x = ty.mask(a);
             if ty.is_signed() {
-                let sbit = if len == 0 { false } else if pos + len - 1 >= bits { ty.sext(a) < 0 } else { (x >> (pos + len - 1)) & 1 != 0 };
+                let sbit = if len == 0 { false } else if pos + len > bits { ty.sext(a) < 0 } else { (x >> (pos + len - 1)) & 1 != 0 };
                 let mut r = 0u64;
                 for i in 0..bits {
                     let bit = if i < len && pos + i < bits { (x >> (pos + i)) & 1 != 0 } else { sbit };
@@ -2019,7 +2018,7 @@ fn cvt(dty: Ty, sty: Ty, round: Round, sat: bool, relu: bool, v: u64) -> u64 {
         if dty.is_float() {
             let x = if matches!(round, Round::Rni | Round::Rzi | Round::Rmi | Round::Rpi) { round_int(x, round) } else { x };
             let x = if sat { sat01(x) } else { x };
-            let x = if relu && !(x >= 0.0) { if x.is_nan() { x } else { 0.0 } } else { x };
+            let x = if relu && x < 0.0 { 0.0 } else { x };
             return round_to(dty, x, round);
         }
         if x.is_nan() {

@@ -246,20 +246,25 @@ struct Body {
     /// Kernel parameters (empty in a function), and their offsets by name.
     params: Vec<Param>,
     param_offsets: HashMap<String, u32>,
-    /// Frame variables: `.local`, body `.param` and function parameters.
-    locals: HashMap<String, u32>,
+    /// Frame variables (`.local`, body `.param`, function parameters):
+    /// offset in the frame and size.
+    locals: HashMap<String, (u32, u32)>,
     local_top: u32,
     local_max: u32,
     scopes: Vec<u32>,
     /// Register names declared in each open `{ }` scope, with what they
     /// shadowed, restored when the scope closes.
-    reg_scopes: Vec<Vec<(String, Option<(u32, Ty)>)>>,
+    reg_scopes: Vec<Vec<Shadowed>>,
     labels: HashMap<String, u32>,
     tables: HashMap<String, Vec<String>>,
     fixups: Vec<(usize, String, u32)>,
     brx_fixups: Vec<(usize, String, u32)>,
     start: usize,
 }
+
+/// A register name declared in a nested scope and what it hid: its slot
+/// and type outside the scope, if it had one.
+type Shadowed = (String, Option<(u32, Ty)>);
 
 fn align_up(v: u32, a: u32) -> Option<u32> {
     if a <= 1 { Some(v) } else { v.div_ceil(a).checked_mul(a) }
@@ -313,7 +318,7 @@ impl Body {
         }
         self.local_top = end as u32;
         self.local_max = self.local_max.max(self.local_top);
-        self.locals.insert(name, off);
+        self.locals.insert(name, (off, size as u32));
         Ok(off)
     }
 }
@@ -624,8 +629,7 @@ impl<'a> Parser<'a> {
                 }
                 Some(Tok::Punct(';')) if depth == 0 => return Ok(()),
                 Some(_) => {
-                    let at = var.init.len() as u64 + 0;
-                    let at = at.max(var.relocs.last().map(|r| r.at + 8).unwrap_or(0));
+                    let at = (var.init.len() as u64).max(var.relocs.last().map(|r| r.at + 8).unwrap_or(0));
                     if at + elem > cap {
                         return self.err(format!("initialiser of '{}' has more elements than the variable", d.name));
                     }
@@ -648,12 +652,13 @@ impl<'a> Parser<'a> {
             false
         };
         let bits: u64 = match self.next()? {
-            Tok::Int(v) => {
-                let v = if neg { (*v as i64).wrapping_neg() as u64 } else { *v };
+            Tok::Int(mag) => {
+                let f = if neg { -(*mag as f64) } else { *mag as f64 };
                 match ty {
-                    Ty::F32 => ((if neg { -(*v_abs(v, neg) as f64) } else { v as f64 }) as f32).to_bits() as u64,
-                    Ty::F64 => (if neg { -(*v_abs(v, neg) as f64) } else { v as f64 }).to_bits(),
-                    _ => v,
+                    Ty::F32 => (f as f32).to_bits() as u64,
+                    Ty::F64 => f.to_bits(),
+                    _ if neg => mag.wrapping_neg(),
+                    _ => *mag,
                 }
             }
             Tok::F32(b) => {
@@ -826,9 +831,8 @@ impl<'a> Parser<'a> {
             }
         }
         while !self.is_punct('{') {
-            match self.next()? {
-                Tok::Punct(';') => return Ok(()),
-                _ => {}
+            if let Tok::Punct(';') = self.next()? {
+                return Ok(());
             }
         }
         if self.funcs[f as usize].entry.is_some() {
@@ -1176,7 +1180,7 @@ impl<'a> Parser<'a> {
         self.expect_punct(';')?;
         let var = |n: &String| -> Result<(u32, u32), PtxError> {
             match b.locals.get(n) {
-                Some(&off) => Ok((off, (b.local_max - off).min(MAX_FRAME))),
+                Some(&var) => Ok(var),
                 None => Err(PtxError::at(line, format!("call argument '{n}' is not a .param variable"))),
             }
         };
@@ -1273,10 +1277,6 @@ impl<'a> Parser<'a> {
         }
         Ok(Module { kernels, vars: std::mem::take(&mut self.vars), target: self.target, global_size: gsize, const_size: csize, code })
     }
-}
-
-fn v_abs(v: u64, neg: bool) -> Box<u64> {
-    Box::new(if neg { (v as i64).wrapping_neg() as u64 } else { v })
 }
 
 /// Base opcodes the decoder understands; anything else is reported by name
@@ -1404,7 +1404,7 @@ impl Cx<'_, '_, '_, '_> {
         if n == "WARP_SZ" {
             return Some(Named::Imm(32));
         }
-        if let Some(&off) = self.b.locals.get(n) {
+        if let Some(&(off, _)) = self.b.locals.get(n) {
             return Some(Named::Local(off));
         }
         if let Some(&off) = self.b.param_offsets.get(n) {

@@ -59,7 +59,7 @@ impl Params {
     }
     fn put(mut self, bytes: &[u8]) -> Self {
         let a = bytes.len();
-        while self.0.len() % a != 0 {
+        while !self.0.len().is_multiple_of(a) {
             self.0.push(0);
         }
         self.0.extend_from_slice(bytes);
