@@ -283,6 +283,16 @@ struct Coll {
     done: bool,
     out: u64,
     outp: bool,
+    /// The cluster barrier's phase when this thread last arrived on it; kept
+    /// across the collectives it may run before it waits.
+    cluster_phase: u64,
+}
+
+impl Coll {
+    /// Operands of a collective the thread parks on.
+    fn park(&mut self, mask: u32, a: u64, b: u64, c: u64) {
+        *self = Coll { mask, a, b, c, cluster_phase: self.cluster_phase, ..Coll::default() };
+    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -1341,10 +1351,10 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
             Op::Bar { kind: BarKind::ClusterArrive, .. } => {
                 let bar = &mut bars[CLUSTER_BARRIER];
                 bar.arrived += 1;
-                cl.b = bar.phase;
+                cl.cluster_phase = bar.phase;
             }
             Op::Bar { kind: BarKind::ClusterWait, .. } => {
-                if bars[CLUSTER_BARRIER].phase <= cl.b {
+                if bars[CLUSTER_BARRIER].phase <= cl.cluster_phase {
                     park!(St::Bar(CLUSTER_BARRIER as u8));
                 }
             }
@@ -1370,19 +1380,19 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 park!(St::Bar(id as u8));
             }
             Op::Shfl { a, b, c: cc, mask, .. } => {
-                *cl = Coll { mask: rd(regs, mask, c, clock) as u32, a: rd(regs, a, c, clock), b: rd(regs, b, c, clock), c: rd(regs, cc, c, clock), ..Coll::default() };
+                cl.park(rd(regs, mask, c, clock) as u32, rd(regs, a, c, clock), rd(regs, b, c, clock), rd(regs, cc, c, clock));
                 park!(St::Coll);
             }
             Op::Vote { a, mask, .. } | Op::Match { a, mask, .. } | Op::Redux { a, mask, .. } => {
-                *cl = Coll { mask: rd(regs, mask, c, clock) as u32, a: rd(regs, a, c, clock), ..Coll::default() };
+                cl.park(rd(regs, mask, c, clock) as u32, rd(regs, a, c, clock), 0, 0);
                 park!(St::Coll);
             }
             Op::Elect { mask, .. } | Op::WarpSync { mask } => {
-                *cl = Coll { mask: rd(regs, mask, c, clock) as u32, ..Coll::default() };
+                cl.park(rd(regs, mask, c, clock) as u32, 0, 0, 0);
                 park!(St::Coll);
             }
             Op::ActiveMask { .. } => {
-                *cl = Coll::default();
+                cl.park(0, 0, 0, 0);
                 park!(St::Coll);
             }
             Op::Nop => {}

@@ -721,4 +721,17 @@ mod hostile {
         launch(&m.kernels[0], &cfg([1, 1, 1], [1, 1, 1]), &out.to_le_bytes(), &mut mem, &Limits::default()).unwrap();
         assert_eq!(u64::from_le_bytes(mem.bytes(out).try_into().unwrap()), (1u64 << 63) + 1);
     }
+
+    #[test]
+    fn a_cluster_barrier_split_by_a_shuffle_still_completes() {
+        // Arrive, shuffle (which parks and resumes), then wait.
+        let src = kernel_with(" mov.u32 %r1, %laneid;\n barrier.cluster.arrive;\n shfl.sync.down.b32 %r2, %r1, 1, 31, -1;\n barrier.cluster.wait;\n ld.param.u64 %rd1, [out];\n mul.wide.u32 %rd2, %r1, 4;\n add.s64 %rd3, %rd1, %rd2;\n mov.u32 %r3, %tid.x;\n setp.lt.u32 %p1, %r3, 32;\n @%p1 st.global.u32 [%rd3], %r2;");
+        let m = Module::parse(&src).unwrap();
+        let mut mem = VecMem::new();
+        let out = mem.alloc(&[0; 128]);
+        launch(&m.kernels[0], &cfg([1, 1, 1], [64, 1, 1]), &out.to_le_bytes(), &mut mem, &Limits::default()).unwrap();
+        let got: Vec<u32> = mem.bytes(out).chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        let want: Vec<u32> = (0..32).map(|l: u32| if l < 31 { l + 1 } else { l }).collect();
+        assert_eq!(got, want);
+    }
 }
