@@ -108,6 +108,8 @@ int main(int argc, char **argv) {
         CHECK(cuModuleGetFunction(&peek, mod, "peek"));
         void *args[] = {&victim, &mine};
         CUresult r5 = cuLaunchKernel(peek, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL);
+        /* Launches are asynchronous: the kernel's fault surfaces at the sync. */
+        if (r5 == CUDA_SUCCESS) r5 = cuCtxSynchronize();
         printf("dtoh=%s htod=%s dtod=%s memset=%s kernel=%s\n", name_of(r1), name_of(r2), name_of(r3), name_of(r4), name_of(r5));
         int leaked = 0;
         for (int i = 0; i < 64; i++) leaked |= buf[i] != 0x77;
@@ -127,7 +129,8 @@ int main(int argc, char **argv) {
         }
         CHECK(cuModuleGetFunction(&f, mod, argv[3]));
         r = cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
-        printf("launch=%s\n", name_of(r));
+        CUresult sync = cuCtxSynchronize();
+        printf("launch=%s sync=%s\n", name_of(r), name_of(sync));
         return 0;
     }
     if (!strcmp(mode, "fault")) {

@@ -10,7 +10,7 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use virtio_gpu_compute::*;
 
@@ -45,22 +45,48 @@ struct Func {
     size: u32,
 }
 
-struct Shim {
-    client: Client,
-    info: DeviceInfo,
+/// A stream as the shim tracks it: its context, whether it synchronises
+/// with the legacy default stream (created without
+/// CU_STREAM_NON_BLOCKING), and the newest ring entry queued on it.
+struct StreamInfo {
+    ctx: u32,
+    blocking: bool,
+    last: u64,
+}
+
+/// An event and the ring entry of its newest record, if any.
+struct EventInfo {
+    ctx: u32,
+    recorded: Option<u64>,
+}
+
+#[derive(Default)]
+struct State {
     primary: Option<(u32, u32)>,
     ctxs: Vec<u32>,
     modules: HashMap<u32, u32>,
-    funcs: HashMap<u32, Func>,
-    streams: HashMap<u32, u32>,
-    events: HashMap<u32, u32>,
+    funcs: HashMap<u32, Arc<Func>>,
+    streams: HashMap<u32, StreamInfo>,
+    events: HashMap<u32, EventInfo>,
+    /// Newest ring entry on each context's legacy default stream.
+    legacy: HashMap<u32, u64>,
 }
 
-static SHIM: Mutex<Option<Shim>> = Mutex::new(None);
+struct Shim {
+    client: Client,
+    info: DeviceInfo,
+    /// Handle tables; held only while they are read or changed, never
+    /// across a call to the device.
+    st: Mutex<State>,
+}
+
+static SHIM: Mutex<Option<Arc<Shim>>> = Mutex::new(None);
 static LAST_ERROR: Mutex<String> = Mutex::new(String::new());
 
 thread_local! {
     static CURRENT: Cell<u32> = const { Cell::new(0) };
+    /// This thread's per-thread default stream in each context.
+    static PER_THREAD: std::cell::RefCell<HashMap<u32, u32>> = std::cell::RefCell::new(HashMap::new());
 }
 
 fn log_enabled() -> bool {
@@ -79,13 +105,18 @@ fn bad(msg: &str) -> CallError {
     CallError::new(CuResult::CUDA_ERROR_INVALID_VALUE, msg)
 }
 
+fn invalid_handle(what: &str) -> CallError {
+    CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("invalid {what}"))
+}
+
 /// Runs `f` against the initialised shim, mapping errors to `CUresult`.
-fn with(api: &str, f: impl FnOnce(&mut Shim) -> CallResult<()>) -> CUresult {
-    let mut g = SHIM.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(s) = g.as_mut() else {
+/// Threads run their calls concurrently: no lock is held across `f`.
+fn with(api: &str, f: impl FnOnce(&Shim) -> CallResult<()>) -> CUresult {
+    let s = SHIM.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let Some(s) = s else {
         return fail(api, CallError::new(CuResult::CUDA_ERROR_NOT_INITIALIZED, "cuInit has not been called"));
     };
-    match f(s) {
+    match f(&s) {
         Ok(()) => 0,
         Err(e) => fail(api, e),
     }
@@ -101,10 +132,28 @@ fn out<T>(p: *mut T, v: T) -> CallResult<()> {
     Ok(())
 }
 
+/// Which default stream a NULL stream handle means for this call.
+#[derive(Clone, Copy, PartialEq)]
+enum Default {
+    Legacy,
+    PerThread,
+}
+
+/// A resolved stream: its context and id (DEFAULT_STREAM for legacy).
+#[derive(Clone, Copy)]
+struct Target {
+    ctx: u32,
+    stream: u32,
+}
+
 impl Shim {
+    fn st(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn current(&self) -> CallResult<u32> {
         let c = CURRENT.with(|c| c.get());
-        if c == 0 || !self.ctxs.contains(&c) {
+        if c == 0 || !self.st().ctxs.contains(&c) {
             return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "no current context"));
         }
         Ok(c)
@@ -117,40 +166,145 @@ impl Shim {
         Ok(())
     }
 
-    fn stream(&self, h: H) -> CallResult<u32> {
-        // NULL, CU_STREAM_LEGACY (0x1) and CU_STREAM_PER_THREAD (0x2) all
-        // name the default stream.
-        if (h as usize) <= 2 {
-            return Ok(DEFAULT_STREAM);
+    /// Resolves a stream handle: NULL (as `default` says), CU_STREAM_LEGACY
+    /// (0x1), CU_STREAM_PER_THREAD (0x2) or a created stream.
+    fn target(&self, h: H, default: Default) -> CallResult<Target> {
+        let v = h as usize;
+        if v == 1 || (v == 0 && default == Default::Legacy) {
+            return Ok(Target { ctx: self.current()?, stream: DEFAULT_STREAM });
         }
-        dec(TAG_STREAM, h).filter(|s| self.streams.contains_key(s)).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid stream"))
+        if v <= 2 {
+            let ctx = self.current()?;
+            return Ok(Target { ctx, stream: self.per_thread(ctx)? });
+        }
+        let id = dec(TAG_STREAM, h).ok_or_else(|| invalid_handle("stream"))?;
+        let ctx = self.st().streams.get(&id).map(|s| s.ctx).ok_or_else(|| invalid_handle("stream"))?;
+        Ok(Target { ctx, stream: id })
+    }
+
+    /// This thread's per-thread default stream in `ctx`, made on first use.
+    fn per_thread(&self, ctx: u32) -> CallResult<u32> {
+        if let Some(id) = PER_THREAD.with(|m| m.borrow().get(&ctx).copied()).filter(|id| self.st().streams.contains_key(id)) {
+            return Ok(id);
+        }
+        let id = self.client.handle(Request::StreamCreate(ObjCreateReq { ctx, flags: 0 }))?;
+        self.st().streams.insert(id, StreamInfo { ctx, blocking: true, last: 0 });
+        PER_THREAD.with(|m| m.borrow_mut().insert(ctx, id));
+        Ok(id)
     }
 
     fn event(&self, h: H) -> CallResult<(u32, u32)> {
-        let e = dec(TAG_EVENT, h).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid event"))?;
-        let c = *self.events.get(&e).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid event"))?;
+        let e = dec(TAG_EVENT, h).ok_or_else(|| invalid_handle("event"))?;
+        let c = self.st().events.get(&e).map(|e| e.ctx).ok_or_else(|| invalid_handle("event"))?;
         Ok((c, e))
     }
 
-    fn create_ctx(&mut self, flags: c_uint, dev: CUdevice) -> CallResult<u32> {
+    /// Enqueues stream work on `t`, first making it wait for what CUDA's
+    /// legacy default stream semantics order it after: work on the legacy
+    /// stream waits for earlier work on every blocking stream of the
+    /// context, and work on a blocking stream waits for earlier legacy work.
+    fn enqueue(&self, t: Target, req: Request) -> CallResult<u64> {
+        self.enqueue_waits(t)?;
+        let seq = self.client.enqueue(req)?;
+        self.note(t, seq);
+        Ok(seq)
+    }
+
+    /// Queues on `t` the stream waits the legacy stream's semantics need
+    /// before new work there.
+    fn enqueue_waits(&self, t: Target) -> CallResult<()> {
+        if self.client.ring().is_none() {
+            return Ok(());
+        }
+        let waits: Vec<(u32, u64)> = {
+            let st = self.st();
+            let legacy = st.legacy.get(&t.ctx).copied().unwrap_or(0);
+            if t.stream == DEFAULT_STREAM {
+                st.streams.values().filter(|s| s.ctx == t.ctx && s.blocking && s.last > 0 && !self.client.is_done(s.last)).map(|s| (DEFAULT_STREAM, s.last)).collect()
+            } else if st.streams.get(&t.stream).is_some_and(|s| s.blocking) && legacy > 0 && !self.client.is_done(legacy) {
+                vec![(t.stream, legacy)]
+            } else {
+                Vec::new()
+            }
+        };
+        for (stream, seq) in waits {
+            self.client.enqueue(Request::StreamWait(StreamWaitReq { ctx: t.ctx, stream, seq }))?;
+        }
+        Ok(())
+    }
+
+    /// Records `seq` as the newest entry on `t`.
+    fn note(&self, t: Target, seq: u64) {
+        let mut st = self.st();
+        if t.stream == DEFAULT_STREAM {
+            let l = st.legacy.entry(t.ctx).or_insert(0);
+            *l = (*l).max(seq);
+        } else if let Some(s) = st.streams.get_mut(&t.stream) {
+            s.last = s.last.max(seq);
+        }
+    }
+
+    /// The entries a synchronisation of `t` waits for: the stream's newest,
+    /// and for the legacy stream every blocking stream's too.
+    fn sync_points(&self, t: Target) -> Vec<u64> {
+        let st = self.st();
+        if t.stream == DEFAULT_STREAM {
+            let mut v: Vec<u64> = st.streams.values().filter(|s| s.ctx == t.ctx && s.blocking).map(|s| s.last).collect();
+            v.push(st.legacy.get(&t.ctx).copied().unwrap_or(0));
+            v
+        } else {
+            st.streams.get(&t.stream).map(|s| vec![s.last]).unwrap_or_default()
+        }
+    }
+
+    /// Waits for all of `points`, then reports any asynchronous error.
+    fn wait_all(&self, points: &[u64]) -> CallResult<()> {
+        let mut first = None;
+        for &p in points {
+            if p > 0 {
+                if let Err(e) = self.client.wait(p) {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => self.client.check_async(),
+        }
+    }
+
+    /// Waits for every stream of context `ctx`.
+    fn sync_ctx(&self, ctx: u32) -> CallResult<()> {
+        let points: Vec<u64> = {
+            let st = self.st();
+            st.streams.values().filter(|s| s.ctx == ctx).map(|s| s.last).chain(st.legacy.get(&ctx).copied()).collect()
+        };
+        self.wait_all(&points)
+    }
+
+    fn create_ctx(&self, flags: c_uint, dev: CUdevice) -> CallResult<u32> {
         self.device(dev)?;
         let c = self.client.handle(Request::CtxCreate(CtxCreateReq { flags, reserved: 0 }))?;
-        self.ctxs.push(c);
+        self.st().ctxs.push(c);
         Ok(c)
     }
 
-    fn destroy_ctx(&mut self, c: u32) -> CallResult<()> {
-        if !self.ctxs.contains(&c) {
+    fn destroy_ctx(&self, c: u32) -> CallResult<()> {
+        if !self.st().ctxs.contains(&c) {
             return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "invalid context"));
         }
+        // Work queued in the context finishes first, as on CUDA.
+        let _ = self.sync_ctx(c);
         let r = self.client.empty(Request::CtxDestroy(CtxReq { ctx: c, reserved: 0 }));
-        self.ctxs.retain(|x| *x != c);
-        self.modules.retain(|_, x| *x != c);
-        self.funcs.retain(|_, f| f.ctx != c);
-        self.streams.retain(|_, x| *x != c);
-        self.events.retain(|_, x| *x != c);
-        if self.primary.is_some_and(|(p, _)| p == c) {
-            self.primary = None;
+        let mut st = self.st();
+        st.ctxs.retain(|x| *x != c);
+        st.modules.retain(|_, x| *x != c);
+        st.funcs.retain(|_, f| f.ctx != c);
+        st.streams.retain(|_, x| x.ctx != c);
+        st.events.retain(|_, x| x.ctx != c);
+        st.legacy.remove(&c);
+        if st.primary.is_some_and(|(p, _)| p == c) {
+            st.primary = None;
         }
         CURRENT.with(|cur| {
             if cur.get() == c {
@@ -172,13 +326,13 @@ pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
     if g.is_some() {
         return 0;
     }
-    let r = Client::from_env().and_then(|mut client| {
+    let r = Client::from_env().and_then(|client| {
         let info = client.device_info()?;
-        Ok(Shim { client, info, primary: None, ctxs: Vec::new(), modules: HashMap::new(), funcs: HashMap::new(), streams: HashMap::new(), events: HashMap::new() })
+        Ok(Shim { client, info, st: Mutex::new(State::default()) })
     });
     match r {
         Ok(s) => {
-            *g = Some(s);
+            *g = Some(Arc::new(s));
             0
         }
         Err(e) => fail("cuInit", e),
@@ -411,7 +565,8 @@ pub extern "C" fn cuCtxDestroy(ctx: H) -> CUresult {
 pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut H) -> CUresult {
     with("cuCtxGetCurrent", |s| {
         let c = CURRENT.with(|c| c.get());
-        out(pctx, if c != 0 && s.ctxs.contains(&c) { enc(TAG_CTX, c) } else { std::ptr::null_mut() })
+        let live = c != 0 && s.st().ctxs.contains(&c);
+        out(pctx, if live { enc(TAG_CTX, c) } else { std::ptr::null_mut() })
     })
 }
 
@@ -422,7 +577,7 @@ pub extern "C" fn cuCtxSetCurrent(ctx: H) -> CUresult {
             CURRENT.with(|c| c.set(0));
             return Ok(());
         }
-        let c = dec(TAG_CTX, ctx).filter(|c| s.ctxs.contains(c)).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "invalid context"))?;
+        let c = dec(TAG_CTX, ctx).filter(|c| s.st().ctxs.contains(c)).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "invalid context"))?;
         CURRENT.with(|cur| cur.set(c));
         Ok(())
     })
@@ -436,11 +591,16 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
     })
 }
 
+/// Waits for every stream of the current context; reports the first
+/// asynchronous error since the last synchronising call.
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
     with("cuCtxSynchronize", |s| {
         let c = s.current()?;
-        s.client.empty(Request::CtxSynchronize(CtxReq { ctx: c, reserved: 0 }))
+        if s.client.ring().is_none() {
+            return s.client.empty(Request::CtxSynchronize(CtxReq { ctx: c, reserved: 0 }));
+        }
+        s.sync_ctx(c)
     })
 }
 
@@ -450,14 +610,15 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut H, dev: CUdevice) -
         if pctx.is_null() {
             return Err(bad("null context pointer"));
         }
-        let c = match s.primary {
+        let held = s.st().primary;
+        let c = match held {
             Some((c, n)) => {
-                s.primary = Some((c, n + 1));
+                s.st().primary = Some((c, n + 1));
                 c
             }
             None => {
                 let c = s.create_ctx(0, dev)?;
-                s.primary = Some((c, 1));
+                s.st().primary = Some((c, 1));
                 c
             }
         };
@@ -469,10 +630,11 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut H, dev: CUdevice) -
 pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
     with("cuDevicePrimaryCtxRelease", |s| {
         s.device(dev)?;
-        match s.primary {
+        let held = s.st().primary;
+        match held {
             Some((c, 1)) => s.destroy_ctx(c),
             Some((c, n)) => {
-                s.primary = Some((c, n - 1));
+                s.st().primary = Some((c, n - 1));
                 Ok(())
             }
             None => Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "primary context is not retained")),
@@ -504,10 +666,13 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> C
     })
 }
 
+/// Frees device memory once the context's queued work is done, as CUDA's
+/// cuMemFree synchronises.
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     with("cuMemFree", |s| {
         let ctx = s.current()?;
+        s.sync_ctx(ctx)?;
         s.client.empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr }))
     })
 }
@@ -563,97 +728,189 @@ pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> 
     })
 }
 
-fn htod(api: &str, dst: CUdeviceptr, src: *const c_void, n: usize, stream: H) -> CUresult {
-    with(api, |s| {
-        let ctx = s.current()?;
-        let st = s.stream(stream)?;
-        if n == 0 {
-            return Ok(());
+/// Pinned host memory, shared with the device worker: copies from and to
+/// it are one copy by the worker, and asynchronous ones return at once.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) -> CUresult {
+    with("cuMemAllocHost", |s| {
+        if pp.is_null() {
+            return Err(bad("null pointer"));
         }
-        if src.is_null() {
-            return Err(bad("null source"));
+        if size == 0 {
+            return Err(bad("size is 0"));
         }
-        // SAFETY: the caller provides `n` readable bytes at `src`.
-        let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), n) };
-        s.client.htod(ctx, st, dst, data)
+        s.current()?;
+        out(pp, s.client.alloc_pinned(size)?.cast())
     })
 }
 
-fn dtoh(api: &str, dst: *mut c_void, src: CUdeviceptr, n: usize, stream: H) -> CUresult {
-    with(api, |s| {
-        let ctx = s.current()?;
-        let st = s.stream(stream)?;
-        if n == 0 {
-            return Ok(());
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocHost(pp: *mut *mut c_void, size: c_uint) -> CUresult {
+    // SAFETY: same contract as cuMemAllocHost_v2.
+    unsafe { cuMemAllocHost_v2(pp, size as usize) }
+}
+
+const CU_MEMHOSTALLOC_KNOWN: c_uint = 0x1 | 0x2 | 0x4;
+
+/// Flags PORTABLE (1) and WRITECOMBINED (4) change nothing here; DEVICEMAP
+/// (2) is refused: kernels cannot reach host memory on this device.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags: c_uint) -> CUresult {
+    if flags & !CU_MEMHOSTALLOC_KNOWN != 0 {
+        return fail("cuMemHostAlloc", bad("unknown flags"));
+    }
+    if flags & 0x2 != 0 {
+        return fail("cuMemHostAlloc", CallError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "mapped pinned memory (CU_MEMHOSTALLOC_DEVICEMAP) is unsupported on this device"));
+    }
+    // SAFETY: same contract as cuMemAllocHost_v2.
+    unsafe { cuMemAllocHost_v2(pp, size) }
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    with("cuMemFreeHost", |s| {
+        // Copies queued from or to it finish first.
+        let ctxs = s.st().ctxs.clone();
+        for c in ctxs {
+            s.sync_ctx(c)?;
         }
-        if dst.is_null() {
-            return Err(bad("null destination"));
+        if !s.client.free_pinned(p.cast())? {
+            return Err(bad("not a pointer returned by cuMemAllocHost or cuMemHostAlloc"));
         }
-        // SAFETY: the caller provides `n` writable bytes at `dst`.
-        let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), n) };
-        s.client.dtoh(ctx, st, out, src)
+        Ok(())
     })
 }
 
-fn dtod(api: &str, dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: H) -> CUresult {
+/// A copy between host memory and the device. Asynchronous forms return
+/// once the work is queued (from pageable memory, once it is staged); a
+/// device-to-pageable copy always completes first, as on CUDA.
+fn host_copy(api: &str, to_device: bool, dev: CUdeviceptr, host: *mut c_void, n: usize, stream: H, sync: bool, default: Default) -> CUresult {
     with(api, |s| {
-        let ctx = s.current()?;
-        let st = s.stream(stream)?;
-        s.client.empty(Request::MemcpyDtoD(MemcpyDtoDReq { ctx, stream: st, dst, src, size: n as u64 }))
+        let t = s.target(stream, default)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if host.is_null() {
+            return Err(bad("null host pointer"));
+        }
+        s.client.check_async()?;
+        // Ordered after what CUDA's stream semantics order it after.
+        s.enqueue_waits(t)?;
+        let last = if to_device {
+            // SAFETY: the caller provides `n` readable bytes at `host`.
+            let data = unsafe { std::slice::from_raw_parts(host.cast::<u8>(), n) };
+            s.client.htod(t.ctx, t.stream, dev, data)?
+        } else {
+            // SAFETY: the caller provides `n` writable bytes at `host`.
+            let data = unsafe { std::slice::from_raw_parts_mut(host.cast::<u8>(), n) };
+            s.client.dtoh(t.ctx, t.stream, data, dev)?
+        };
+        s.note(t, last);
+        if sync { s.client.wait(last) } else { Ok(()) }
+    })
+}
+
+fn dtod(api: &str, dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: H, sync: bool, default: Default) -> CUresult {
+    with(api, |s| {
+        let t = s.target(stream, default)?;
+        let seq = s.enqueue(t, Request::MemcpyDtoD(MemcpyDtoDReq { ctx: t.ctx, stream: t.stream, dst, src, size: n as u64 }))?;
+        if sync { s.client.wait(seq) } else { Ok(()) }
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
-    htod("cuMemcpyHtoD", dst, src, n, std::ptr::null_mut())
+    host_copy("cuMemcpyHtoD", true, dst, src.cast_mut(), n, std::ptr::null_mut(), true, Default::Legacy)
+}
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
+    host_copy("cuMemcpyHtoD", true, dst, src.cast_mut(), n, std::ptr::null_mut(), true, Default::PerThread)
 }
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: H) -> CUresult {
-    htod("cuMemcpyHtoDAsync", dst, src, n, stream)
+    host_copy("cuMemcpyHtoDAsync", true, dst, src.cast_mut(), n, stream, false, Default::Legacy)
+}
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, stream: H) -> CUresult {
+    host_copy("cuMemcpyHtoDAsync", true, dst, src.cast_mut(), n, stream, false, Default::PerThread)
 }
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
-    dtoh("cuMemcpyDtoH", dst, src, n, std::ptr::null_mut())
+    host_copy("cuMemcpyDtoH", false, src, dst, n, std::ptr::null_mut(), true, Default::Legacy)
+}
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
+    host_copy("cuMemcpyDtoH", false, src, dst, n, std::ptr::null_mut(), true, Default::PerThread)
 }
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: H) -> CUresult {
-    dtoh("cuMemcpyDtoHAsync", dst, src, n, stream)
+    host_copy("cuMemcpyDtoHAsync", false, src, dst, n, stream, false, Default::Legacy)
+}
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: H) -> CUresult {
+    host_copy("cuMemcpyDtoHAsync", false, src, dst, n, stream, false, Default::PerThread)
 }
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
-    dtod("cuMemcpyDtoD", dst, src, n, std::ptr::null_mut())
+    dtod("cuMemcpyDtoD", dst, src, n, std::ptr::null_mut(), true, Default::Legacy)
+}
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
+    dtod("cuMemcpyDtoD", dst, src, n, std::ptr::null_mut(), true, Default::PerThread)
 }
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: H) -> CUresult {
-    dtod("cuMemcpyDtoDAsync", dst, src, n, stream)
+    dtod("cuMemcpyDtoDAsync", dst, src, n, stream, false, Default::Legacy)
+}
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: H) -> CUresult {
+    dtod("cuMemcpyDtoDAsync", dst, src, n, stream, false, Default::PerThread)
 }
 
-fn memset(api: &str, dst: CUdeviceptr, value: u32, elem: u32, count: usize, stream: H) -> CUresult {
+/// A memset: synchronous forms wait for it (CUDA's are asynchronous with
+/// respect to the host for device memory; waiting is also allowed).
+fn memset(api: &str, dst: CUdeviceptr, value: u32, elem: u32, count: usize, stream: H, sync: bool, default: Default) -> CUresult {
     with(api, |s| {
-        let ctx = s.current()?;
-        let st = s.stream(stream)?;
+        let t = s.target(stream, default)?;
         if count == 0 {
             return Ok(());
         }
-        s.client.empty(Request::Memset(MemsetReq { ctx, stream: st, dptr: dst, value, elem_size: elem, count: count as u64 }))
+        let seq = s.enqueue(t, Request::Memset(MemsetReq { ctx: t.ctx, stream: t.stream, dptr: dst, value, elem_size: elem, count: count as u64 }))?;
+        if sync { s.client.wait(seq) } else { Ok(()) }
     })
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemsetD8_v2(dst: CUdeviceptr, v: u8, n: usize) -> CUresult {
-    memset("cuMemsetD8", dst, v as u32, 1, n, std::ptr::null_mut())
+    memset("cuMemsetD8", dst, v as u32, 1, n, std::ptr::null_mut(), true, Default::Legacy)
+}
+#[no_mangle]
+pub extern "C" fn cuMemsetD8_v2_ptds(dst: CUdeviceptr, v: u8, n: usize) -> CUresult {
+    memset("cuMemsetD8", dst, v as u32, 1, n, std::ptr::null_mut(), true, Default::PerThread)
 }
 #[no_mangle]
 pub extern "C" fn cuMemsetD32_v2(dst: CUdeviceptr, v: c_uint, n: usize) -> CUresult {
-    memset("cuMemsetD32", dst, v, 4, n, std::ptr::null_mut())
+    memset("cuMemsetD32", dst, v, 4, n, std::ptr::null_mut(), true, Default::Legacy)
+}
+#[no_mangle]
+pub extern "C" fn cuMemsetD32_v2_ptds(dst: CUdeviceptr, v: c_uint, n: usize) -> CUresult {
+    memset("cuMemsetD32", dst, v, 4, n, std::ptr::null_mut(), true, Default::PerThread)
 }
 #[no_mangle]
 pub extern "C" fn cuMemsetD8Async(dst: CUdeviceptr, v: u8, n: usize, stream: H) -> CUresult {
-    memset("cuMemsetD8Async", dst, v as u32, 1, n, stream)
+    memset("cuMemsetD8Async", dst, v as u32, 1, n, stream, false, Default::Legacy)
+}
+#[no_mangle]
+pub extern "C" fn cuMemsetD8Async_ptsz(dst: CUdeviceptr, v: u8, n: usize, stream: H) -> CUresult {
+    memset("cuMemsetD8Async", dst, v as u32, 1, n, stream, false, Default::PerThread)
 }
 #[no_mangle]
 pub extern "C" fn cuMemsetD32Async(dst: CUdeviceptr, v: c_uint, n: usize, stream: H) -> CUresult {
-    memset("cuMemsetD32Async", dst, v, 4, n, stream)
+    memset("cuMemsetD32Async", dst, v, 4, n, stream, false, Default::Legacy)
+}
+#[no_mangle]
+pub extern "C" fn cuMemsetD32Async_ptsz(dst: CUdeviceptr, v: c_uint, n: usize, stream: H) -> CUresult {
+    memset("cuMemsetD32Async", dst, v, 4, n, stream, false, Default::PerThread)
 }
 
 // ---- modules and launches ---------------------------------------------------
@@ -692,7 +949,7 @@ unsafe fn image_bytes<'a>(image: *const c_void) -> CallResult<&'a [u8]> {
     Ok(unsafe { std::slice::from_raw_parts(p, len as usize) })
 }
 
-fn load_module(s: &mut Shim, m: *mut H, image: *const c_void) -> CallResult<()> {
+fn load_module(s: &Shim, m: *mut H, image: *const c_void) -> CallResult<()> {
     if m.is_null() {
         return Err(bad("null module pointer"));
     }
@@ -701,7 +958,7 @@ fn load_module(s: &mut Shim, m: *mut H, image: *const c_void) -> CallResult<()> 
     let bytes = unsafe { image_bytes(image)? };
     let format = ImageFormat::sniff(bytes);
     let id = s.client.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: format as u32, image_len: bytes.len() as u64 }, bytes.to_vec()))?;
-    s.modules.insert(id, ctx);
+    s.st().modules.insert(id, ctx);
     out(m, enc(TAG_MOD, id))
 }
 
@@ -735,10 +992,12 @@ pub unsafe extern "C" fn cuModuleLoadDataEx(m: *mut H, image: *const c_void, n: 
 #[no_mangle]
 pub extern "C" fn cuModuleUnload(m: H) -> CUresult {
     with("cuModuleUnload", |s| {
-        let id = dec(TAG_MOD, m).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid module"))?;
-        let ctx = *s.modules.get(&id).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid module"))?;
+        let id = dec(TAG_MOD, m).ok_or_else(|| invalid_handle("module"))?;
+        let ctx = s.st().modules.get(&id).copied().ok_or_else(|| invalid_handle("module"))?;
+        // Launches queued from it run first.
+        s.sync_ctx(ctx)?;
         s.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: id }))?;
-        s.modules.remove(&id);
+        s.st().modules.remove(&id);
         Ok(())
     })
 }
@@ -749,14 +1008,14 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut H, m: H, name: *const c_cha
         if f.is_null() || name.is_null() {
             return Err(bad("null pointer"));
         }
-        let id = dec(TAG_MOD, m).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid module"))?;
-        let ctx = *s.modules.get(&id).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid module"))?;
+        let id = dec(TAG_MOD, m).ok_or_else(|| invalid_handle("module"))?;
+        let ctx = s.st().modules.get(&id).copied().ok_or_else(|| invalid_handle("module"))?;
         // SAFETY: per the API contract `name` is a NUL-terminated string.
         let n = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| bad("function name is not UTF-8"))?.to_string();
         let req = Request::ModuleGetFunction(GetFunctionReq { ctx, module: id, name_len: n.len() as u32, reserved: 0 }, n);
         match s.client.call(req)? {
             Reply::Function(fr, params) => {
-                s.funcs.insert(fr.func, Func { ctx, params, size: fr.params_size });
+                s.st().funcs.insert(fr.func, Arc::new(Func { ctx, params, size: fr.params_size }));
                 out(f, enc(TAG_FUNC, fr.func))
             }
             r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
@@ -771,8 +1030,8 @@ pub unsafe extern "C" fn cuModuleGetGlobal_v2(dptr: *mut u64, bytes: *mut usize,
         if name.is_null() {
             return Err(bad("null name"));
         }
-        let id = dec(TAG_MOD, m).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid module"))?;
-        let ctx = *s.modules.get(&id).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid module"))?;
+        let id = dec(TAG_MOD, m).ok_or_else(|| invalid_handle("module"))?;
+        let ctx = s.st().modules.get(&id).copied().ok_or_else(|| invalid_handle("module"))?;
         // SAFETY: per the API contract `name` is a NUL-terminated string.
         let n = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| bad("variable name is not UTF-8"))?.to_string();
         let req = Request::ModuleGetGlobal(GetFunctionReq { ctx, module: id, name_len: n.len() as u32, reserved: 0 }, n);
@@ -808,32 +1067,24 @@ const CU_LAUNCH_PARAM_END: usize = 0;
 const CU_LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
 const CU_LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
 
-#[no_mangle]
+/// Enqueues a launch and returns: the kernel runs on its stream, in order,
+/// and its errors surface at the next synchronising call.
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchKernel(
-    f: H,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    shared: c_uint,
-    stream: H,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
+unsafe fn launch(f: H, grid: [c_uint; 3], block: [c_uint; 3], shared: c_uint, stream: H, params: *mut *mut c_void, extra: *mut *mut c_void, default: Default) -> CUresult {
     with("cuLaunchKernel", |s| {
-        let fid = dec(TAG_FUNC, f).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid function"))?;
-        let func = s.funcs.get(&fid).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid function"))?;
+        let fid = dec(TAG_FUNC, f).ok_or_else(|| invalid_handle("function"))?;
+        let func = s.st().funcs.get(&fid).cloned().ok_or_else(|| invalid_handle("function"))?;
         let ctx = s.current()?;
         if ctx != func.ctx {
             return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "function belongs to another context"));
         }
-        if [gx, gy, gz, bx, by, bz].contains(&0) {
+        if grid.contains(&0) || block.contains(&0) {
             return Err(bad("grid and block dimensions must be non-zero"));
         }
-        let st = s.stream(stream)?;
+        let t = s.target(stream, default)?;
+        if t.ctx != ctx {
+            return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "stream belongs to another context"));
+        }
         let mut buf = vec![0u8; func.size as usize];
         if !params.is_null() {
             for (i, p) in func.params.iter().enumerate() {
@@ -875,12 +1126,28 @@ pub unsafe extern "C" fn cuLaunchKernel(
         } else if !func.params.is_empty() {
             return Err(bad("kernel takes parameters but neither kernelParams nor extra was given"));
         }
-        let req = LaunchReq { ctx, func: fid, stream: st, shared_bytes: shared, grid: [gx, gy, gz], block: [bx, by, bz], params_len: buf.len() as u32, reserved: 0 };
-        s.client.empty(Request::LaunchKernel(req, buf))
+        let req = LaunchReq { ctx, func: fid, stream: t.stream, shared_bytes: shared, grid, block, params_len: buf.len() as u32, reserved: 0 };
+        s.enqueue(t, Request::LaunchKernel(req, buf)).map(|_| ())
     })
 }
 
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchKernel(f: H, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: H, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult {
+    // SAFETY: the caller's arguments follow cuLaunchKernel's contract.
+    unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, params, extra, Default::Legacy) }
+}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchKernel_ptsz(f: H, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: H, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult {
+    // SAFETY: the caller's arguments follow cuLaunchKernel's contract.
+    unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, params, extra, Default::PerThread) }
+}
+
 // ---- streams and events -----------------------------------------------------
+
+const CU_STREAM_NON_BLOCKING: c_uint = 1;
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(p: *mut H, flags: c_uint) -> CUresult {
@@ -890,18 +1157,27 @@ pub unsafe extern "C" fn cuStreamCreate(p: *mut H, flags: c_uint) -> CUresult {
         }
         let ctx = s.current()?;
         let id = s.client.handle(Request::StreamCreate(ObjCreateReq { ctx, flags }))?;
-        s.streams.insert(id, ctx);
+        s.st().streams.insert(id, StreamInfo { ctx, blocking: flags & CU_STREAM_NON_BLOCKING == 0, last: 0 });
         out(p, enc(TAG_STREAM, id))
     })
 }
 
+/// Priorities are accepted and recorded nowhere: every stream of a tenant
+/// has the same priority on this device (cuCtxGetStreamPriorityRange says 0..0).
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreateWithPriority(p: *mut H, flags: c_uint, _priority: c_int) -> CUresult {
+    // SAFETY: same contract as cuStreamCreate.
+    unsafe { cuStreamCreate(p, flags) }
+}
+
+/// Returns at once; work queued on the stream still runs (as on CUDA).
 #[no_mangle]
 pub extern "C" fn cuStreamDestroy_v2(h: H) -> CUresult {
     with("cuStreamDestroy", |s| {
-        let id = dec(TAG_STREAM, h).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid stream"))?;
-        let ctx = *s.streams.get(&id).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "invalid stream"))?;
+        let id = dec(TAG_STREAM, h).ok_or_else(|| invalid_handle("stream"))?;
+        let ctx = s.st().streams.get(&id).map(|x| x.ctx).ok_or_else(|| invalid_handle("stream"))?;
         s.client.empty(Request::StreamDestroy(HandleReq { ctx, handle: id }))?;
-        s.streams.remove(&id);
+        s.st().streams.remove(&id);
         Ok(())
     })
 }
@@ -911,13 +1187,75 @@ pub extern "C" fn cuStreamDestroy(h: H) -> CUresult {
     cuStreamDestroy_v2(h)
 }
 
+fn stream_sync(h: H, default: Default) -> CUresult {
+    with("cuStreamSynchronize", |s| {
+        let t = s.target(h, default)?;
+        if s.client.ring().is_none() {
+            return s.client.empty(Request::StreamSynchronize(HandleReq { ctx: t.ctx, handle: t.stream }));
+        }
+        let points = s.sync_points(t);
+        s.wait_all(&points)
+    })
+}
+
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(h: H) -> CUresult {
-    with("cuStreamSynchronize", |s| {
-        let st = s.stream(h)?;
-        let ctx = if st == DEFAULT_STREAM { s.current()? } else { s.streams[&st] };
-        s.client.empty(Request::StreamSynchronize(HandleReq { ctx, handle: st }))
+    stream_sync(h, Default::Legacy)
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamSynchronize_ptsz(h: H) -> CUresult {
+    stream_sync(h, Default::PerThread)
+}
+
+fn stream_query(h: H, default: Default) -> CUresult {
+    with("cuStreamQuery", |s| {
+        let t = s.target(h, default)?;
+        if s.sync_points(t).iter().all(|p| s.client.is_done(*p)) {
+            s.client.check_async()
+        } else {
+            Err(CallError::new(CuResult::CUDA_ERROR_NOT_READY, "work is still queued on the stream"))
+        }
     })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamQuery(h: H) -> CUresult {
+    stream_query(h, Default::Legacy)
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamQuery_ptsz(h: H) -> CUresult {
+    stream_query(h, Default::PerThread)
+}
+
+/// Work queued on `h` after this waits for the event's newest record.
+fn stream_wait_event(h: H, e: H, flags: c_uint, default: Default) -> CUresult {
+    with("cuStreamWaitEvent", |s| {
+        if flags & !1 != 0 {
+            return Err(bad("unknown flags"));
+        }
+        let t = s.target(h, default)?;
+        let (_, ev) = s.event(e)?;
+        let Some(seq) = s.st().events.get(&ev).and_then(|e| e.recorded) else { return Ok(()) };
+        if s.client.is_done(seq) {
+            return Ok(());
+        }
+        if s.client.ring().is_none() {
+            return Ok(());
+        }
+        s.client.enqueue(Request::StreamWait(StreamWaitReq { ctx: t.ctx, stream: t.stream, seq })).map(|_| ())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamWaitEvent(h: H, e: H, flags: c_uint) -> CUresult {
+    stream_wait_event(h, e, flags, Default::Legacy)
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamWaitEvent_ptsz(h: H, e: H, flags: c_uint) -> CUresult {
+    stream_wait_event(h, e, flags, Default::PerThread)
 }
 
 #[no_mangle]
@@ -928,17 +1266,44 @@ pub unsafe extern "C" fn cuEventCreate(p: *mut H, flags: c_uint) -> CUresult {
         }
         let ctx = s.current()?;
         let id = s.client.handle(Request::EventCreate(ObjCreateReq { ctx, flags }))?;
-        s.events.insert(id, ctx);
+        s.st().events.insert(id, EventInfo { ctx, recorded: None });
         out(p, enc(TAG_EVENT, id))
+    })
+}
+
+fn event_record(e: H, stream: H, default: Default) -> CUresult {
+    with("cuEventRecord", |s| {
+        let (ctx, ev) = s.event(e)?;
+        let t = s.target(stream, default)?;
+        if t.ctx != ctx {
+            return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "event and stream belong to different contexts"));
+        }
+        let seq = s.enqueue(t, Request::EventRecord(EventRecordReq { ctx, event: ev, stream: t.stream, reserved: 0 }))?;
+        if let Some(x) = s.st().events.get_mut(&ev) {
+            x.recorded = Some(seq);
+        }
+        Ok(())
     })
 }
 
 #[no_mangle]
 pub extern "C" fn cuEventRecord(e: H, stream: H) -> CUresult {
-    with("cuEventRecord", |s| {
-        let (ctx, ev) = s.event(e)?;
-        let st = s.stream(stream)?;
-        s.client.empty(Request::EventRecord(EventRecordReq { ctx, event: ev, stream: st, reserved: 0 }))
+    event_record(e, stream, Default::Legacy)
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventRecord_ptsz(e: H, stream: H) -> CUresult {
+    event_record(e, stream, Default::PerThread)
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventQuery(e: H) -> CUresult {
+    with("cuEventQuery", |s| {
+        let (_, ev) = s.event(e)?;
+        match s.st().events.get(&ev).and_then(|e| e.recorded) {
+            Some(seq) if !s.client.is_done(seq) => Err(CallError::new(CuResult::CUDA_ERROR_NOT_READY, "the event's work is not done")),
+            _ => Ok(()),
+        }
     })
 }
 
@@ -946,7 +1311,11 @@ pub extern "C" fn cuEventRecord(e: H, stream: H) -> CUresult {
 pub extern "C" fn cuEventSynchronize(e: H) -> CUresult {
     with("cuEventSynchronize", |s| {
         let (ctx, ev) = s.event(e)?;
-        s.client.empty(Request::EventSynchronize(HandleReq { ctx, handle: ev }))
+        if s.client.ring().is_none() {
+            return s.client.empty(Request::EventSynchronize(HandleReq { ctx, handle: ev }));
+        }
+        let seq = s.st().events.get(&ev).and_then(|e| e.recorded).unwrap_or(0);
+        s.wait_all(&[seq])
     })
 }
 
@@ -955,6 +1324,13 @@ pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: H, end: H) -> C
     with("cuEventElapsedTime", |s| {
         let (ctx, a) = s.event(start)?;
         let (_, b) = s.event(end)?;
+        for ev in [a, b] {
+            match s.st().events.get(&ev).and_then(|e| e.recorded) {
+                None => return Err(invalid_handle("event: it was never recorded")),
+                Some(seq) if !s.client.is_done(seq) => return Err(CallError::new(CuResult::CUDA_ERROR_NOT_READY, "an event's work is not done")),
+                _ => {}
+            }
+        }
         match s.client.call(Request::EventElapsedTime(EventElapsedReq { ctx, start: a, end: b, reserved: 0 }))? {
             Reply::Elapsed(v) => out(ms, v),
             r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
@@ -967,7 +1343,7 @@ pub extern "C" fn cuEventDestroy_v2(e: H) -> CUresult {
     with("cuEventDestroy", |s| {
         let (ctx, ev) = s.event(e)?;
         s.client.empty(Request::EventDestroy(HandleReq { ctx, handle: ev }))?;
-        s.events.remove(&ev);
+        s.st().events.remove(&ev);
         Ok(())
     })
 }
@@ -977,20 +1353,57 @@ pub extern "C" fn cuEventDestroy(e: H) -> CUresult {
     cuEventDestroy_v2(e)
 }
 
+/// Extension (not CUDA): what this process's connection cost the transport
+/// so far: messages (socket messages or virtio-gpu SUBMIT_3D commands, as
+/// the device counted them), ring entries the device consumed, and wake-ups.
+#[no_mangle]
+pub unsafe extern "C" fn vgpuGetConnectionStats(messages: *mut u64, ring_entries: *mut u64, kicks: *mut u64) -> CUresult {
+    with("vgpuGetConnectionStats", |s| {
+        let c = s.client.conn_stats()?;
+        out(messages, c.messages)?;
+        out(ring_entries, c.ring_entries)?;
+        out(kicks, c.kicks)
+    })
+}
+
 // ---- cuGetProcAddress -------------------------------------------------------
 
 /// The exported function for a base name at a given API version, as the
 /// driver's own table resolves them.
-pub fn proc_address(symbol: &str, version: c_int) -> Option<*mut c_void> {
+pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*mut c_void> {
     macro_rules! f {
         ($f:expr) => {
             Some($f as *const () as *mut c_void)
         };
     }
-    // Per-thread-default-stream variants resolve to the same functions:
-    // execution is synchronous, so both stream semantics coincide.
+    // The per-thread default stream variants, asked for by name or by
+    // CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM.
+    let pt = per_thread || symbol.ends_with("_ptsz") || symbol.ends_with("_ptds");
     let base = symbol.trim_end_matches("_ptsz").trim_end_matches("_ptds");
     let v2 = version >= 3020;
+    if pt {
+        let found = match base {
+            "cuMemcpyHtoD" if v2 => f!(cuMemcpyHtoD_v2_ptds),
+            "cuMemcpyDtoH" if v2 => f!(cuMemcpyDtoH_v2_ptds),
+            "cuMemcpyDtoD" if v2 => f!(cuMemcpyDtoD_v2_ptds),
+            "cuMemcpyHtoDAsync" if v2 => f!(cuMemcpyHtoDAsync_v2_ptsz),
+            "cuMemcpyDtoHAsync" if v2 => f!(cuMemcpyDtoHAsync_v2_ptsz),
+            "cuMemcpyDtoDAsync" if v2 => f!(cuMemcpyDtoDAsync_v2_ptsz),
+            "cuMemsetD8" if v2 => f!(cuMemsetD8_v2_ptds),
+            "cuMemsetD32" if v2 => f!(cuMemsetD32_v2_ptds),
+            "cuMemsetD8Async" => f!(cuMemsetD8Async_ptsz),
+            "cuMemsetD32Async" => f!(cuMemsetD32Async_ptsz),
+            "cuLaunchKernel" => f!(cuLaunchKernel_ptsz),
+            "cuStreamSynchronize" => f!(cuStreamSynchronize_ptsz),
+            "cuStreamQuery" => f!(cuStreamQuery_ptsz),
+            "cuStreamWaitEvent" => f!(cuStreamWaitEvent_ptsz),
+            "cuEventRecord" => f!(cuEventRecord_ptsz),
+            _ => None,
+        };
+        if found.is_some() {
+            return found;
+        }
+    }
     let v4000 = version >= 4000;
     match base {
         "cuInit" => f!(cuInit),
@@ -1034,6 +1447,13 @@ pub fn proc_address(symbol: &str, version: c_int) -> Option<*mut c_void> {
         "cuStreamCreate" => f!(cuStreamCreate),
         "cuStreamDestroy" => if v4000 { f!(cuStreamDestroy_v2) } else { f!(cuStreamDestroy) },
         "cuStreamSynchronize" => f!(cuStreamSynchronize),
+        "cuStreamQuery" => f!(cuStreamQuery),
+        "cuStreamWaitEvent" => f!(cuStreamWaitEvent),
+        "cuStreamCreateWithPriority" => f!(cuStreamCreateWithPriority),
+        "cuEventQuery" => f!(cuEventQuery),
+        "cuMemAllocHost" => if v2 { f!(cuMemAllocHost_v2) } else { f!(cuMemAllocHost) },
+        "cuMemHostAlloc" => f!(cuMemHostAlloc),
+        "cuMemFreeHost" => f!(cuMemFreeHost),
         "cuEventCreate" => f!(cuEventCreate),
         "cuEventRecord" => f!(cuEventRecord),
         "cuEventSynchronize" => f!(cuEventSynchronize),
@@ -1044,14 +1464,16 @@ pub fn proc_address(symbol: &str, version: c_int) -> Option<*mut c_void> {
     }
 }
 
+const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: u64 = 2;
+
 #[no_mangle]
-pub unsafe extern "C" fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, _flags: u64, status: *mut c_int) -> CUresult {
+pub unsafe extern "C" fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_int) -> CUresult {
     if symbol.is_null() || pfn.is_null() {
         return fail("cuGetProcAddress", bad("null pointer"));
     }
     // SAFETY: per the API contract `symbol` is a NUL-terminated string.
     let name = unsafe { CStr::from_ptr(symbol) }.to_str().unwrap_or("");
-    let found = proc_address(name, version);
+    let found = proc_address(name, version, flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0);
     // SAFETY: `pfn` is non-null (checked); `status` is optional.
     unsafe {
         *pfn = found.unwrap_or(std::ptr::null_mut());

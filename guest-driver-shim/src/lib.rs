@@ -5,4 +5,5 @@
 pub mod api;
 pub mod client;
 pub mod drm;
+pub mod ring;
 pub mod transport;

@@ -97,7 +97,7 @@ fn gpu_kernel_fault_in_one_tenant_leaves_the_other_correct() {
     let mut c = sample("tenant_probe", &a);
     c.args(["fault", "1099511627776"]);
     let out = run_ok(c);
-    assert!(out.contains("launch=CUDA_ERROR_ILLEGAL_ADDRESS"), "{out}");
+    assert!(out.contains("launch=CUDA_SUCCESS") && out.contains("sync=CUDA_ERROR_ILLEGAL_ADDRESS"), "the fault surfaces at the sync: {out}");
     assert!(out.contains("after=CUDA_ERROR_ILLEGAL_ADDRESS"), "the fault is sticky: {out}");
     assert!(out.contains("fresh=CUDA_SUCCESS value=0x3c"), "the tenant starts afresh in a rebuilt context: {out}");
     for o in steady.join().expect("bystander") {
@@ -117,7 +117,7 @@ fn gpu_runaway_kernel_is_stopped_and_others_continue() {
     c.args(["ptx", "faults.ptx", "spin"]);
     let t = std::time::Instant::now();
     let out = run_ok(c);
-    assert!(out.contains("launch=CUDA_ERROR_LAUNCH_TIMEOUT"), "{out}");
+    assert!(out.contains("sync=CUDA_ERROR_LAUNCH_TIMEOUT"), "{out}");
     assert!(t.elapsed() < std::time::Duration::from_secs(30), "stopped near the 2 s timeout");
     assert!(run_ok(sample("vectorAdd", &b)).contains("PASSED"));
     assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"), "the spinner's next process gets a fresh context");

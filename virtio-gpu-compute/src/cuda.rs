@@ -52,7 +52,9 @@ cuda_results! {
     CUDA_ERROR_NO_BINARY_FOR_GPU = 209, "no kernel image is available for execution on the device";
     CUDA_ERROR_INVALID_PTX = 218, "a PTX JIT compilation failed";
     CUDA_ERROR_INVALID_SOURCE = 300, "device kernel image is invalid";
+    CUDA_ERROR_OPERATING_SYSTEM = 304, "OS call failed or operation not supported on this OS";
     CUDA_ERROR_INVALID_HANDLE = 400, "invalid resource handle";
+    CUDA_ERROR_ILLEGAL_STATE = 401, "the operation is not permitted in the current state";
     CUDA_ERROR_NOT_FOUND = 500, "named symbol not found";
     CUDA_ERROR_NOT_READY = 600, "device not ready";
     CUDA_ERROR_ILLEGAL_ADDRESS = 700, "an illegal memory access was encountered";

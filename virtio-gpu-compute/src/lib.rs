@@ -10,6 +10,7 @@
 pub mod capset;
 pub mod cuda;
 pub mod msg;
+pub mod ring;
 pub mod size;
 pub mod virtio_gpu;
 pub mod wire;

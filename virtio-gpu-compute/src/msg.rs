@@ -9,7 +9,7 @@ use crate::WireError;
 /// "VGPC" read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"VGPC");
 /// Protocol version; bumped on any incompatible change.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Largest payload either side accepts (module images are the biggest).
 pub const MAX_PAYLOAD: u32 = 32 << 20;
 /// Largest inline copy; bigger copies go through the shared buffer.
@@ -116,6 +116,11 @@ opcodes! {
     EventDestroy = 25,
     RegisterShm = 26,
     ModuleGetGlobal = 27,
+    AttachRing = 28,
+    UnregisterShm = 29,
+    StreamWait = 30,
+    GetConnStats = 31,
+    RingKick = 32,
 }
 
 /// Where a copy's host-side bytes live.
@@ -124,7 +129,9 @@ opcodes! {
 pub enum DataLoc {
     /// In the message trailer (HtoD) or reply trailer (DtoH).
     Inline = 0,
-    /// In the tenant's registered shared buffer, at `shm_offset`.
+    /// In one of the connection's registered shared regions (`blob` names
+    /// it: 0 is the staging buffer, others pinned host allocations), at
+    /// `shm_offset`.
     Shared = 1,
     /// In a guest blob resource (`blob`), at `shm_offset` bytes into it:
     /// VM tenants' data, used in place in guest memory.
@@ -202,7 +209,28 @@ wire_struct! {
 wire_struct! { pub struct HandleReq { pub ctx: u32, pub handle: u32 } }
 wire_struct! { pub struct EventRecordReq { pub ctx: u32, pub event: u32, pub stream: u32, pub reserved: u32 } }
 wire_struct! { pub struct EventElapsedReq { pub ctx: u32, pub start: u32, pub end: u32, pub reserved: u32 } }
-wire_struct! { pub struct RegisterShmReq { pub size: u64 } }
+wire_struct! {
+    /// Registers a shared region (a sealed memfd, passed with the message):
+    /// id 0 is the staging buffer, other ids pinned host memory.
+    pub struct RegisterShmReq { pub size: u64, pub id: u32, pub flags: u32 }
+}
+wire_struct! { pub struct ShmIdReq { pub id: u32, pub reserved: u32 } }
+wire_struct! {
+    /// Attaches the connection's command ring (see [`crate::ring`]): a
+    /// memfd (host tenants, with an eventfd for kicks) or, in a VM, the
+    /// blob resource `blob`.
+    pub struct AttachRingReq { pub sq_size: u32, pub flags: u32, pub blob: u32, pub reserved: u32 }
+}
+wire_struct! {
+    /// Stream-ordered: work queued on `stream` after this waits until the
+    /// ring entry `seq` has completed (events and stream waits).
+    pub struct StreamWaitReq { pub ctx: u32, pub stream: u32, pub seq: u64 }
+}
+wire_struct! {
+    /// What this connection cost the transport: messages (socket messages
+    /// or SUBMIT_3D commands), ring entries consumed and wake-ups.
+    pub struct ConnStats { pub messages: u64, pub ring_entries: u64, pub kicks: u64 }
+}
 
 wire_struct! {
     /// Device and tenant limits, as the tenant sees them.
@@ -276,6 +304,11 @@ pub enum Request {
     EventElapsedTime(EventElapsedReq),
     EventDestroy(HandleReq),
     RegisterShm(RegisterShmReq),
+    AttachRing(AttachRingReq),
+    UnregisterShm(ShmIdReq),
+    StreamWait(StreamWaitReq),
+    GetConnStats,
+    RingKick,
 }
 
 fn zero(v: u32, what: &'static str) -> Result<(), WireError> {
@@ -316,7 +349,7 @@ fn copy_loc(loc: u32, blob: u32, offset: u64, size: u64) -> Result<DataLoc, Wire
     let loc = data_loc(loc)?;
     match loc {
         DataLoc::Blob if blob == 0 => return Err(WireError::BadField { what: "blob resource id", value: 0 }),
-        DataLoc::Inline | DataLoc::Shared if blob != 0 => return Err(WireError::NonZeroReserved("blob of a non-blob copy")),
+        DataLoc::Inline if blob != 0 => return Err(WireError::NonZeroReserved("blob of an inline copy")),
         _ => {}
     }
     offset.checked_add(size).ok_or(WireError::BadField { what: "copy range", value: offset })?;
@@ -367,6 +400,11 @@ impl Request {
             Request::EventElapsedTime(_) => Opcode::EventElapsedTime,
             Request::EventDestroy(_) => Opcode::EventDestroy,
             Request::RegisterShm(_) => Opcode::RegisterShm,
+            Request::AttachRing(_) => Opcode::AttachRing,
+            Request::UnregisterShm(_) => Opcode::UnregisterShm,
+            Request::StreamWait(_) => Opcode::StreamWait,
+            Request::GetConnStats => Opcode::GetConnStats,
+            Request::RingKick => Opcode::RingKick,
         }
     }
 
@@ -374,7 +412,7 @@ impl Request {
     pub fn encode(&self, seq: u32) -> Vec<u8> {
         let mut p = Vec::new();
         match self {
-            Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo => {}
+            Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick => {}
             Request::CtxCreate(b) => b.put(&mut p),
             Request::StreamCreate(b) | Request::EventCreate(b) => b.put(&mut p),
             Request::CtxDestroy(b) | Request::CtxSynchronize(b) => b.put(&mut p),
@@ -407,6 +445,9 @@ impl Request {
             Request::EventRecord(b) => b.put(&mut p),
             Request::EventElapsedTime(b) => b.put(&mut p),
             Request::RegisterShm(b) => b.put(&mut p),
+            Request::AttachRing(b) => b.put(&mut p),
+            Request::UnregisterShm(b) => b.put(&mut p),
+            Request::StreamWait(b) => b.put(&mut p),
         }
         let mut out = Vec::with_capacity(MsgHeader::SIZE + p.len());
         MsgHeader::new(self.opcode(), seq, 0, p.len() as u32).put(&mut out);
@@ -436,6 +477,23 @@ impl Request {
             Opcode::GetDeviceInfo => Request::GetDeviceInfo,
             Opcode::GetTenantInfo => Request::GetTenantInfo,
             Opcode::MemGetInfo => Request::MemGetInfo,
+            Opcode::GetConnStats => Request::GetConnStats,
+            Opcode::RingKick => Request::RingKick,
+            Opcode::AttachRing => {
+                let b = AttachRingReq::get(r)?;
+                zero(b.flags, "ring.flags")?;
+                zero(b.reserved, "ring.reserved")?;
+                if !crate::ring::sq_size_ok(b.sq_size) {
+                    return Err(WireError::BadField { what: "ring size", value: b.sq_size as u64 });
+                }
+                Request::AttachRing(b)
+            }
+            Opcode::UnregisterShm => {
+                let b = ShmIdReq::get(r)?;
+                zero(b.reserved, "shm.reserved")?;
+                Request::UnregisterShm(b)
+            }
+            Opcode::StreamWait => Request::StreamWait(StreamWaitReq::get(r)?),
             Opcode::CtxCreate => {
                 let b = CtxCreateReq::get(r)?;
                 zero(b.reserved, "create.reserved")?;
@@ -556,6 +614,7 @@ impl Request {
             }
             Opcode::RegisterShm => {
                 let b = RegisterShmReq::get(r)?;
+                zero(b.flags, "shm.flags")?;
                 if b.size == 0 || b.size > (1 << 32) {
                     return Err(WireError::BadField { what: "shared buffer size", value: b.size });
                 }
@@ -580,6 +639,7 @@ pub enum Reply {
     Global(u64, u64),
     Elapsed(f32),
     Data(Vec<u8>),
+    ConnStats(ConnStats),
     Error(CuResult, String),
 }
 
@@ -608,6 +668,7 @@ impl Reply {
             Reply::Global(dptr, size) => GlobalReply { dptr: *dptr, size: *size }.put(&mut p),
             Reply::Elapsed(ms) => ElapsedReply { ms_bits: ms.to_bits(), reserved: 0 }.put(&mut p),
             Reply::Data(d) => p.extend_from_slice(d),
+            Reply::ConnStats(c) => c.put(&mut p),
             Reply::Error(code, msg) => {
                 status = if code.is_ok() { CuResult::CUDA_ERROR_UNKNOWN as u32 } else { *code as u32 };
                 let mut end = msg.len().min(MAX_ERROR_TEXT);
@@ -670,6 +731,7 @@ impl Reply {
                 Reply::Elapsed(f32::from_bits(e.ms_bits))
             }
             Opcode::MemcpyDtoH => Reply::Data(r.rest().to_vec()),
+            Opcode::GetConnStats => Reply::ConnStats(ConnStats::get(&mut r)?),
             _ => Reply::Empty,
         };
         end(&r)?;

@@ -40,7 +40,7 @@ fn main() {
         Some(path) => Client::connect_unix(path),
         None => Client::from_env(),
     };
-    let r = client.and_then(|mut c| Ok((c.device_info()?, c.tenant_info()?)));
+    let r = client.and_then(|c| Ok((c.device_info()?, c.tenant_info()?)));
     let (d, t) = match r {
         Ok(v) => v,
         Err(e) => {

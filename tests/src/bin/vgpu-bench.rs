@@ -50,7 +50,7 @@ fn main() {
     let sock = m.tenant("bench", "768MiB");
 
     // 1. Null call round trip.
-    let mut c = Client::connect_unix(sock.to_str().expect("utf8")).expect("connect");
+    let c = Client::connect_unix(sock.to_str().expect("utf8")).expect("connect");
     let n = if quick { 2_000 } else { 20_000 };
     for _ in 0..500 {
         c.call(Request::Ping).expect("ping");

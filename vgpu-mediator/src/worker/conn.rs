@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use virtio_gpu_compute::*;
 
-use super::service::{Conn, DeviceService, Tenant};
+use super::engine::{Engine, Ring, RingMem};
+use super::service::{Conn, DeviceService, Tenant, MAX_REGIONS};
 use super::shm::Shm;
 
 /// Host bytes one connection costs its tenant: its table entries, socket
@@ -232,9 +233,12 @@ struct Client {
 #[derive(Default)]
 struct ClientIo {
     rx: Rx,
-    conn: Conn,
-    /// The registered shared buffer's charge.
-    shm_held: u64,
+    /// Shared with the connection's ring, if it has one.
+    conn: Arc<Mutex<Conn>>,
+    /// What each registered shared region (and the ring) is charged.
+    shm_held: HashMap<u32, u64>,
+    ring: Option<Arc<Ring>>,
+    messages: u64,
     closed: bool,
     /// A reply the client has not taken yet: the poller writes the rest as
     /// the socket drains (the executor moved on).
@@ -287,14 +291,21 @@ struct State {
     ready: VecDeque<String>,
 }
 
-/// Epoll tokens: listeners have the top bit set.
+/// Epoll tokens: listeners have the top bit set, ring kick eventfds the
+/// next one (with their client's id).
 const LISTENER: u64 = 1 << 63;
+const RING: u64 = 1 << 62;
+/// The `shm_held` key of the ring's own memory.
+const RING_REGION: u32 = u32::MAX;
 
 /// The worker's tenant-socket service: one poller thread and `threads`
 /// executors, however many tenants and connections there are.
 pub struct Pool {
     epfd: OwnedFd,
     svc: Arc<DeviceService>,
+    engine: Arc<Engine>,
+    /// Attached rings by client id, for their kick eventfds.
+    rings: Mutex<HashMap<u64, Arc<Ring>>>,
     st: Mutex<State>,
     work: Condvar,
     /// Descriptors tenants sent and the worker does not keep, closed on a
@@ -327,7 +338,7 @@ impl Pool {
     /// Starts the poller and `threads` executors. With `seccomp`, the
     /// executors (which decode and run tenant messages) narrow their
     /// filter to the connection list.
-    pub fn start(svc: Arc<DeviceService>, threads: usize, seccomp: bool) -> std::io::Result<Arc<Pool>> {
+    pub fn start(svc: Arc<DeviceService>, engine: Arc<Engine>, threads: usize, seccomp: bool) -> std::io::Result<Arc<Pool>> {
         // SAFETY: epoll_create1 has no memory arguments; checked below.
         let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if fd < 0 {
@@ -336,7 +347,7 @@ impl Pool {
         // SAFETY: a fresh descriptor nothing else owns.
         let epfd = unsafe { OwnedFd::from_raw_fd(fd) };
         let (tx, rx) = std::sync::mpsc::channel::<(Arc<Tenant>, OwnedFd)>();
-        let pool = Arc::new(Pool { epfd, svc, st: Mutex::new(State::default()), work: Condvar::new(), closer: Mutex::new(tx) });
+        let pool = Arc::new(Pool { epfd, svc, engine, rings: Mutex::new(HashMap::new()), st: Mutex::new(State::default()), work: Condvar::new(), closer: Mutex::new(tx) });
         std::thread::Builder::new().name("tenant-fd-closer".into()).spawn(move || {
             for (t, fd) in rx {
                 drop(fd);
@@ -433,11 +444,25 @@ impl Pool {
                 let token = ev.u64;
                 if token & LISTENER != 0 {
                     self.accept_all(token & !LISTENER);
+                } else if token & RING != 0 {
+                    self.kicked(token & !RING);
                 } else {
                     self.read_client(token);
                 }
             }
         }
+    }
+
+    /// A host tenant woke its sleeping ring.
+    fn kicked(&self, id: u64) {
+        let Some(r) = self.rings.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned() else { return };
+        if let Some(fd) = &r.kick_fd {
+            let mut b = [0u8; 8];
+            // SAFETY: reads at most 8 bytes into a local buffer from the
+            // ring's non-blocking eventfd, which the ring owns.
+            unsafe { libc::read(fd.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+        }
+        r.kick(&self.engine);
     }
 
     /// Reads again from clients whose pause is over.
@@ -692,7 +717,7 @@ impl Pool {
             drop(io);
             return self.dispose(&c.tenant, fds);
         }
-        let (reply, keep, reply_held, junk) = handle_message(&self.svc, &c.tenant, &mut io, &h, msg, fds);
+        let (reply, keep, reply_held, junk) = handle_message(self, id, &c.tenant, &mut io, &h, msg, fds);
         drop(held);
         self.dispose(&c.tenant, junk);
         // Written without waiting: what the socket does not take now, the
@@ -732,8 +757,16 @@ impl Pool {
         if std::mem::replace(&mut io.closed, true) {
             return;
         }
-        self.svc.disconnect(&c.tenant, &mut io.conn);
-        c.tenant.host.release(std::mem::take(&mut io.shm_held) + CONN_HOST_BYTES);
+        if let Some(r) = io.ring.take() {
+            r.close();
+            if let Some(fd) = &r.kick_fd {
+                let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0, 0);
+            }
+            self.rings.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        }
+        self.svc.disconnect(&c.tenant, &mut io.conn.lock().unwrap_or_else(|e| e.into_inner()));
+        let held: u64 = std::mem::take(&mut io.shm_held).values().sum();
+        c.tenant.host.release(held + CONN_HOST_BYTES);
         c.tenant.connections.fetch_sub(1, Ordering::AcqRel);
         let rx = std::mem::take(&mut io.rx);
         io.tx = None;
@@ -772,7 +805,9 @@ fn sealed_memfd(fd: &OwnedFd) -> bool {
 }
 
 /// Runs one complete message.
-fn handle_message(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, h: &MsgHeader, msg: Vec<u8>, mut fds: Vec<OwnedFd>) -> Outcome {
+fn handle_message(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, h: &MsgHeader, msg: Vec<u8>, mut fds: Vec<OwnedFd>) -> Outcome {
+    let svc = &pool.svc;
+    io.messages += 1;
     if t.is_revoked() {
         let r = Reply::error(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("tenant {} was deleted", t.name));
         return (r.encode(h.opcode(), h.seq), false, None, fds);
@@ -791,40 +826,23 @@ fn handle_message(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, h: &M
     let reply_held = Held(t.clone(), reply_bytes);
     let reply = match decoded {
         Err(e) => Reply::error(e.cuda(), format!("bad {:?} message: {e}", h.opcode())),
-        Ok((_, Request::RegisterShm(b))) => match (fds.pop(), fds.is_empty()) {
-            (None, _) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm arrived without a file descriptor"),
-            (Some(f), false) => {
-                fds.push(f);
-                Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm carries exactly one file descriptor")
-            }
-            (Some(f), true) if !sealed_memfd(&f) => {
-                fds.push(f);
-                Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "shared buffer must be a memfd sealed with F_SEAL_SHRINK")
-            }
-            (Some(f), true) => {
-                // The old buffer's charge goes with it.
-                svc.set_shm(&mut io.conn, None);
-                t.host.release(std::mem::take(&mut io.shm_held));
-                match t.host.reserve(b.size, "the shared buffer") {
-                    Err(r) => r,
-                    Ok(()) => match Shm::map(f.into(), b.size) {
-                        Ok(m) => {
-                            io.shm_held = b.size;
-                            svc.set_shm(&mut io.conn, Some(m));
-                            Reply::Empty
-                        }
-                        Err(e) => {
-                            t.host.release(b.size);
-                            Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, e.to_string())
-                        }
-                    },
-                }
-            }
+        Ok((_, Request::RegisterShm(b))) => match take_fds::<1>(&mut fds) {
+            Err(why) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, format!("RegisterShm {why}")),
+            Ok([f]) => register_region(svc, t, io, b.id, b.size, f).unwrap_or_else(|r| r),
         },
+        Ok((_, Request::AttachRing(b))) => match take_fds::<2>(&mut fds) {
+            Err(why) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, format!("AttachRing {why} (the ring's memfd and an eventfd)")),
+            Ok([mem, kick]) => attach_ring(pool, id, t, io, b.sq_size, mem, kick).unwrap_or_else(|r| r),
+        },
+        Ok((_, Request::GetConnStats)) => {
+            let (entries, kicks) = io.ring.as_ref().map(|r| (r.entries.load(Ordering::Relaxed), r.kicks.load(Ordering::Relaxed))).unwrap_or((0, 0));
+            Reply::ConnStats(ConnStats { messages: io.messages, ring_entries: entries, kicks })
+        }
         Ok((_, req)) => {
             // Fds on any other message go to the closer, unused.
             // Defence in depth: a bug must cost this request, not the worker.
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(t, &mut io.conn, req))) {
+            let conn = io.conn.clone();
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(t, &mut conn.lock().unwrap_or_else(|e| e.into_inner()), req))) {
                 Ok(r) => r,
                 Err(_) => {
                     tracing::error!(tenant = %t.name, "request handler panicked; disconnecting the client");
@@ -834,6 +852,81 @@ fn handle_message(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, h: &M
         }
     };
     (reply.encode(h.opcode(), h.seq), true, Some(reply_held), fds)
+}
+
+/// Takes exactly N descriptors off a message (the rest stay for the closer).
+fn take_fds<const N: usize>(fds: &mut Vec<OwnedFd>) -> Result<[OwnedFd; N], String> {
+    if fds.len() != N {
+        return Err(format!("carries exactly {N} file descriptor(s), not {}", fds.len()));
+    }
+    let v: Vec<OwnedFd> = std::mem::take(fds);
+    v.try_into().map_err(|_| "lost its descriptors".to_string())
+}
+
+/// Maps a sealed memfd as shared region `rid`, charged to the tenant's
+/// host budget while registered (a region re-registered under its id
+/// replaces the old one).
+fn register_region(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, rid: u32, size: u64, f: OwnedFd) -> Result<Reply, Reply> {
+    let bad = |why: String| Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, why);
+    if !sealed_memfd(&f) {
+        return Err(bad("shared region must be a memfd sealed with F_SEAL_SHRINK".into()));
+    }
+    if rid == RING_REGION {
+        return Err(bad(format!("shared region id {rid} is reserved")));
+    }
+    let mut conn = io.conn.lock().unwrap_or_else(|e| e.into_inner());
+    if !conn.regions.contains_key(&rid) && conn.regions.len() >= MAX_REGIONS {
+        return Err(Reply::error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("a connection has at most {MAX_REGIONS} shared regions")));
+    }
+    // The old region's charge goes with it.
+    svc.set_shm(&mut conn, rid, None);
+    t.host.release(io.shm_held.remove(&rid).unwrap_or(0));
+    t.host.reserve(size, "the shared region")?;
+    match Shm::map(f.into(), size) {
+        Ok(m) => {
+            io.shm_held.insert(rid, size);
+            svc.set_shm(&mut conn, rid, Some(m));
+            Ok(Reply::Empty)
+        }
+        Err(e) => {
+            t.host.release(size);
+            Err(bad(e.to_string()))
+        }
+    }
+}
+
+/// Attaches the connection's command ring: its memory and the eventfd the
+/// tenant writes when it finds the ring asleep.
+fn attach_ring(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, sq_size: u32, mem: OwnedFd, kick: OwnedFd) -> Result<Reply, Reply> {
+    let bad = |why: String| Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, why);
+    if io.ring.is_some() {
+        return Err(bad("the connection already has a ring".into()));
+    }
+    if !sealed_memfd(&mem) {
+        return Err(bad("ring memory must be a memfd sealed with F_SEAL_SHRINK".into()));
+    }
+    let size = virtio_gpu_compute::ring::region_size(sq_size) as u64;
+    t.host.reserve(size, "the command ring")?;
+    let release = |r: Reply| {
+        t.host.release(size);
+        r
+    };
+    let shm = Arc::new(Shm::map(mem.into(), size).map_err(|e| release(bad(e.to_string())))?);
+    let rm = RingMem::new(vec![(shm.as_ptr(), shm.len())], Box::new(shm.clone())).map_err(|e| release(bad(e)))?;
+    // SAFETY: F_SETFL on a descriptor we own.
+    if unsafe { libc::fcntl(kick.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
+        return Err(release(bad("the kick descriptor cannot be made non-blocking".into())));
+    }
+    let kfd = kick.as_raw_fd();
+    let ring = Ring::new(pool.svc.clone(), t.clone(), io.conn.clone(), rm, sq_size, Some(kick)).map_err(|e| release(bad(e)))?;
+    pool.rings.lock().unwrap_or_else(|e| e.into_inner()).insert(id, ring.clone());
+    if let Err(e) = epoll_ctl(&pool.epfd, libc::EPOLL_CTL_ADD, kfd, (libc::EPOLLIN | libc::EPOLLET) as u32, id | RING) {
+        pool.rings.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        return Err(release(bad(format!("the kick descriptor cannot be watched (an eventfd is needed): {e}"))));
+    }
+    io.shm_held.insert(RING_REGION, size);
+    io.ring = Some(ring);
+    Ok(Reply::Empty)
 }
 
 #[cfg(test)]

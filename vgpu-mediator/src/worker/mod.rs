@@ -4,6 +4,7 @@
 
 pub mod confine;
 pub mod conn;
+pub mod engine;
 pub mod seccomp;
 pub mod service;
 pub mod shm;
@@ -145,7 +146,10 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         }
     }
     let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, Box::new(Fifo))));
-    let pool = conn::Pool::start(svc.clone(), opts.connection_threads, seccomp)?;
+    // Rings and streams: one engine thread per lane, and one more so a
+    // ring is consumed while every lane runs a kernel.
+    let engine = engine::Engine::start(opts.lanes + 1, seccomp)?;
+    let pool = conn::Pool::start(svc.clone(), engine.clone(), opts.connection_threads, seccomp)?;
     let mut listening: HashMap<String, Listening> = HashMap::new();
     let out = Out(Arc::new(Mutex::new(std::io::stdout())));
     out.send(0, WorkerMsg::Ready { pid: std::process::id() })?;

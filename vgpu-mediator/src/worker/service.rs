@@ -3,8 +3,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use parking_lot::FairMutex;
 
 use virtio_gpu_compute::*;
 
@@ -80,7 +82,15 @@ pub struct Tenant {
     revoked: AtomicBool,
     /// The backend's key for this tenant (its own CUDA context on a GPU).
     pub slot: TenantSlot,
-    state: Mutex<TenantState>,
+    backend: Arc<dyn Backend>,
+    /// Fair: requests of the tenant's processes and rings are served in
+    /// the order they asked, so no process starves another.
+    state: FairMutex<TenantState>,
+    /// Device work of this tenant queued or running on its streams (and
+    /// synchronous launches and copies in progress). Freed memory goes
+    /// back to the device only once this is zero.
+    inflight: Mutex<u64>,
+    idle: Condvar,
     kernels: AtomicU64,
     device_ns: AtomicU64,
     scrubbed: AtomicU64,
@@ -93,7 +103,12 @@ pub struct Tenant {
 
 #[derive(Default)]
 struct TenantState {
-    owned: AllocTable,
+    /// Shared with the work that runs on it: copied on write.
+    owned: Arc<AllocTable>,
+    /// Freed while the tenant had work in flight: (address, length),
+    /// still charged, returned to the device once the work is done (a
+    /// queued kernel may still touch it; nobody else may get it yet).
+    deferred: Vec<(u64, u64)>,
     alloc_ctx: HashMap<u64, u32>,
     used: u64,
     ctxs: HashMap<u32, Ctx>,
@@ -129,6 +144,43 @@ struct Ctx {
 impl Tenant {
     pub fn is_revoked(&self) -> bool {
         self.revoked.load(Ordering::Acquire)
+    }
+
+    /// Counts one piece of device work in flight; the guard ends it.
+    pub fn begin_work(self: &Arc<Self>) -> WorkGuard {
+        *self.inflight.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        WorkGuard(self.clone())
+    }
+
+    /// Waits until no work of the tenant is in flight, at most `limit`.
+    pub fn wait_idle(&self, limit: Duration) -> bool {
+        let g = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, _) = self.idle.wait_timeout_while(g, limit, |n| *n > 0).unwrap_or_else(|e| e.into_inner());
+        *g == 0
+    }
+}
+
+/// One piece of a tenant's device work in flight (see [`Tenant::begin_work`]).
+/// Dropping the last one returns the memory freed meanwhile to the device.
+pub struct WorkGuard(Arc<Tenant>);
+
+impl Drop for WorkGuard {
+    fn drop(&mut self) {
+        let t = &self.0;
+        let mut n = t.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        if *n > 0 {
+            return;
+        }
+        drop(n);
+        t.idle.notify_all();
+        let mut st = t.state.lock();
+        // Checked again under the state lock: work may have started since.
+        if *t.inflight.lock().unwrap_or_else(|e| e.into_inner()) == 0 {
+            for (addr, len) in std::mem::take(&mut st.deferred) {
+                return_alloc(t, &mut st, addr, len);
+            }
+        }
     }
 }
 
@@ -167,8 +219,45 @@ pub trait BlobAccess: Send + Sync {
 #[derive(Default)]
 pub struct Conn {
     pub ctxs: Vec<u32>,
-    pub shm: Option<Shm>,
+    /// Shared regions by id: 0 the staging buffer, others pinned host
+    /// memory. Queued copies hold their region until they ran.
+    pub regions: HashMap<u32, Arc<Shm>>,
     pub blobs: Option<Arc<dyn BlobAccess>>,
+}
+
+/// Most shared regions one connection may register.
+pub const MAX_REGIONS: usize = 256;
+
+/// Host memory a queued copy moves bytes to or from.
+pub enum HostMem {
+    /// A connection's shared region, at an offset checked against it.
+    Shm(Arc<Shm>, u64),
+    /// A guest blob, at an offset; resolved to guest RAM when the copy runs.
+    Blob(Arc<dyn BlobAccess>, u32, u64),
+    /// Bytes carried in the message (socket copies only).
+    Inline(Vec<u8>),
+    /// Bytes returned in the reply (socket copies only).
+    Reply,
+}
+
+/// Stream-ordered device work, checked against the tenant's state when it
+/// was submitted and run later, in its stream's order, without the
+/// tenant's lock.
+pub enum WorkKind {
+    Launch { module: Arc<dyn DeviceModule>, index: usize, launch: Launch, params: Vec<u8> },
+    Fill { dptr: u64, count: u64, elem: Vec<u8> },
+    HtoD { dst: u64, size: u64, src: HostMem },
+    DtoH { src: u64, size: u64, dst: HostMem },
+    DtoD { dst: u64, src: u64, size: u64 },
+    Record { event: u32 },
+    /// Waits for ring entry `seq` (handled by the stream engine).
+    Wait { seq: u64 },
+}
+
+pub struct Work {
+    pub ctx: u32,
+    pub stream: u32,
+    pub kind: WorkKind,
 }
 
 type R<T> = Result<T, Reply>;
@@ -191,6 +280,14 @@ fn reply_error(r: Reply, what: &str) -> BackendError {
     }
 }
 
+/// Gives a freed allocation back to the device and the tenant's quota.
+fn return_alloc(t: &Tenant, st: &mut TenantState, addr: u64, len: u64) {
+    t.host.release(host_cost::ALLOCATION);
+    st.used -= len;
+    t.used.store(st.used, Ordering::Relaxed);
+    t.backend.free(t.slot, addr, len);
+}
+
 fn err(code: CuResult, msg: impl Into<String>) -> Reply {
     Reply::Error(code, msg.into())
 }
@@ -199,6 +296,12 @@ impl From<BackendError> for Reply {
     fn from(e: BackendError) -> Reply {
         Reply::Error(e.code, e.msg)
     }
+}
+
+/// A checked request: its reply, or work for its stream.
+pub enum Prepared {
+    Done(Reply),
+    Work(Work),
 }
 
 pub struct DeviceService {
@@ -227,7 +330,10 @@ impl DeviceService {
             host: HostBudget::new(host_limit),
             revoked: AtomicBool::new(false),
             slot,
-            state: Mutex::new(TenantState::default()),
+            backend: self.backend.clone(),
+            state: FairMutex::new(TenantState::default()),
+            inflight: Mutex::new(0),
+            idle: Condvar::new(),
             kernels: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             scrubbed: AtomicU64::new(0),
@@ -257,13 +363,20 @@ impl DeviceService {
     pub fn remove_tenant(&self, name: &str) -> Option<Arc<Tenant>> {
         self.revoke(name);
         let t = self.tenants.write().unwrap_or_else(|e| e.into_inner()).remove(name)?;
-        let mut st = t.state.lock().unwrap_or_else(|e| e.into_inner());
+        // Queued work of a revoked tenant is dropped, not run; what runs
+        // now is bounded by the launch timeout.
+        if !t.wait_idle(Duration::from_secs(120)) {
+            tracing::error!(tenant = %name, "work of the removed tenant is still running after 120 s; its memory is freed once it ends");
+        }
+        let mut st = t.state.lock();
         let ids: Vec<u32> = st.ctxs.keys().copied().collect();
         for id in ids {
             self.destroy_ctx(&t, &mut st, id);
         }
         drop(st);
-        self.backend.close_tenant(t.slot);
+        if t.wait_idle(Duration::ZERO) {
+            self.backend.close_tenant(t.slot);
+        }
         Some(t)
     }
 
@@ -303,32 +416,40 @@ impl DeviceService {
 
     /// Called when a client disconnects: its contexts go away.
     pub fn disconnect(&self, t: &Tenant, conn: &mut Conn) {
-        let mut st = t.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = t.state.lock();
         for id in conn.ctxs.drain(..) {
             self.destroy_ctx(t, &mut st, id);
         }
-        self.set_shm(conn, None);
+        drop(st);
+        self.drop_regions(conn);
     }
 
-    /// Installs (or, with None, drops) a connection's shared buffer, keeping
-    /// the backend's host registration in step with the mapping.
-    pub fn set_shm(&self, conn: &mut Conn, shm: Option<Shm>) {
-        if let Some(old) = conn.shm.take() {
+    /// Installs (or, with None, drops) a connection's shared region `id`,
+    /// keeping the backend's host registration in step with the mapping.
+    pub fn set_shm(&self, conn: &mut Conn, id: u32, shm: Option<Shm>) {
+        if let Some(old) = conn.regions.remove(&id) {
             self.backend.unregister_host(old.as_ptr());
         }
-        if let Some(new) = &shm {
+        if let Some(new) = shm {
             if let Err(e) = self.backend.register_host(new.as_ptr(), new.len()) {
-                tracing::warn!("shared buffer stays unregistered; copies through it are staged: {}", e.msg);
+                tracing::warn!("shared region stays unregistered; copies through it are staged: {}", e.msg);
             }
+            conn.regions.insert(id, Arc::new(new));
         }
-        conn.shm = shm;
+    }
+
+    /// Drops every shared region of a connection.
+    pub fn drop_regions(&self, conn: &mut Conn) {
+        for (_, r) in conn.regions.drain() {
+            self.backend.unregister_host(r.as_ptr());
+        }
     }
 
     fn destroy_ctx(&self, t: &Tenant, st: &mut TenantState, id: u32) -> bool {
         let Some(c) = st.ctxs.remove(&id) else { return false };
         t.host.release(c.charged);
         for a in c.driver_globals.values().flatten() {
-            st.owned.0.remove(a);
+            Arc::make_mut(&mut st.owned).0.remove(a);
         }
         drop(c);
         let mine: Vec<u64> = st.alloc_ctx.iter().filter(|(_, c)| **c == id).map(|(a, _)| *a).collect();
@@ -345,14 +466,18 @@ impl DeviceService {
         true
     }
 
+    /// Takes an allocation out of the tenant's table; its memory goes back
+    /// to the device now, or once the tenant's work in flight is done.
     fn free_alloc(&self, t: &Tenant, st: &mut TenantState, addr: u64) -> bool {
-        let Some(len) = st.owned.0.remove(&addr) else { return false };
-        st.owned.1.remove(&addr);
+        let owned = Arc::make_mut(&mut st.owned);
+        let Some(len) = owned.0.remove(&addr) else { return false };
+        owned.1.remove(&addr);
         st.alloc_ctx.remove(&addr);
-        t.host.release(host_cost::ALLOCATION);
-        st.used -= len;
-        t.used.store(st.used, Ordering::Relaxed);
-        self.backend.free(t.slot, addr, len);
+        if *t.inflight.lock().unwrap_or_else(|e| e.into_inner()) > 0 {
+            st.deferred.push((addr, len));
+        } else {
+            return_alloc(t, st, addr, len);
+        }
         true
     }
 
@@ -378,9 +503,10 @@ impl DeviceService {
             return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "allocation exceeds the quota"));
         }
         t.scrubbed.fetch_add(len, Ordering::Relaxed);
-        st.owned.0.insert(addr, len);
+        let owned = Arc::make_mut(&mut st.owned);
+        owned.0.insert(addr, len);
         if read_only {
-            st.owned.1.insert(addr, len);
+            owned.1.insert(addr, len);
         }
         st.alloc_ctx.insert(addr, ctx);
         st.used += len;
@@ -409,11 +535,194 @@ impl DeviceService {
         }
     }
 
-    /// Handles one request from tenant `t`. Never panics on bad input: every
+    /// Handles one request from tenant `t` to completion: stream-ordered
+    /// work runs now, before the reply. Never panics on bad input: every
     /// handle, pointer and length is checked against the tenant's own state.
-    pub fn handle(&self, t: &Tenant, conn: &mut Conn, req: Request) -> Reply {
-        match self.dispatch(t, conn, req) {
-            Ok(r) | Err(r) => r,
+    pub fn handle(&self, t: &Arc<Tenant>, conn: &mut Conn, req: Request) -> Reply {
+        match self.prepare(t, conn, req) {
+            Ok(Prepared::Done(r)) | Err(r) => r,
+            Ok(Prepared::Work(w)) => {
+                let _inflight = t.begin_work();
+                match self.execute(t, &w) {
+                    Ok(Some(data)) => Reply::Data(data),
+                    Ok(None) => Reply::Empty,
+                    Err(e) => e.into(),
+                }
+            }
+        }
+    }
+
+    /// Checks one request: immediate ones run now and give their reply;
+    /// stream-ordered ones (launches, memsets, copies, event records and
+    /// stream waits) come back as [`Work`] for their stream to run.
+    pub fn prepare(&self, t: &Tenant, conn: &mut Conn, req: Request) -> Result<Prepared, Reply> {
+        match req {
+            Request::Memset(_) | Request::MemcpyHtoD(..) | Request::MemcpyDtoH(_) | Request::MemcpyDtoD(_) | Request::LaunchKernel(..) | Request::EventRecord(_) | Request::StreamWait(_) => {
+                self.check_work(t, conn, req).map(Prepared::Work)
+            }
+            other => Ok(Prepared::Done(match self.dispatch(t, conn, other) {
+                Ok(r) | Err(r) => r,
+            })),
+        }
+    }
+
+    fn check_work(&self, t: &Tenant, conn: &Conn, req: Request) -> R<Work> {
+        let st = t.state.lock();
+        if t.revoked.load(Ordering::Acquire) {
+            return Err(err(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("tenant {} was deleted", t.name)));
+        }
+        let (ctx, stream, kind) = match req {
+            Request::Memset(b) => {
+                let n = b.count * b.elem_size as u64;
+                Self::owned(&st, b.dptr, n, "memset")?;
+                if b.dptr % b.elem_size as u64 != 0 {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "misaligned memset destination"));
+                }
+                (b.ctx, b.stream, WorkKind::Fill { dptr: b.dptr, count: b.count, elem: b.value.to_le_bytes()[..b.elem_size as usize].to_vec() })
+            }
+            Request::MemcpyHtoD(b, data) => {
+                Self::owned(&st, b.dst, b.size, "copy destination")?;
+                let src = Self::host_mem(conn, b.loc, b.blob, b.shm_offset, b.size, Some(data))?;
+                (b.ctx, b.stream, WorkKind::HtoD { dst: b.dst, size: b.size, src })
+            }
+            Request::MemcpyDtoH(b) => {
+                Self::owned(&st, b.src, b.size, "copy source")?;
+                let dst = Self::host_mem(conn, b.loc, b.blob, b.shm_offset, b.size, None)?;
+                (b.ctx, b.stream, WorkKind::DtoH { src: b.src, size: b.size, dst })
+            }
+            Request::MemcpyDtoD(b) => {
+                Self::owned(&st, b.src, b.size, "copy source")?;
+                Self::owned(&st, b.dst, b.size, "copy destination")?;
+                (b.ctx, b.stream, WorkKind::DtoD { dst: b.dst, src: b.src, size: b.size })
+            }
+            Request::LaunchKernel(b, params) => {
+                let c = st.ctxs.get(&b.ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {}", b.ctx)))?;
+                let (mid, f) = c.funcs.get(&b.func).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {}", b.func)))?;
+                if (params.len() as u32) < f.params_size {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{} parameter bytes given, the kernel takes {}", params.len(), f.params_size)));
+                }
+                let module = c.modules.get(mid).cloned().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded"))?;
+                let launch = Launch { grid: b.grid, block: b.block, shared_bytes: b.shared_bytes };
+                (b.ctx, b.stream, WorkKind::Launch { module, index: f.index, launch, params })
+            }
+            Request::EventRecord(b) => {
+                let c = st.ctxs.get(&b.ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {}", b.ctx)))?;
+                if !c.events.contains_key(&b.event) {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {}", b.event)));
+                }
+                (b.ctx, b.stream, WorkKind::Record { event: b.event })
+            }
+            Request::StreamWait(b) => (b.ctx, b.stream, WorkKind::Wait { seq: b.seq }),
+            _ => return Err(err(CuResult::CUDA_ERROR_UNKNOWN, "not a stream-ordered request")),
+        };
+        let c = st.ctxs.get(&ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {ctx}")))?;
+        if let Some((code, msg)) = &c.sticky {
+            return Err(err(*code, format!("context is unusable after an earlier fault: {msg}")));
+        }
+        if stream != DEFAULT_STREAM && !c.streams.contains(&stream) {
+            return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no stream {stream}")));
+        }
+        Ok(Work { ctx, stream, kind })
+    }
+
+    /// Runs checked work on the device, without the tenant's lock. The
+    /// context must still exist and be healthy; a kernel fault makes it
+    /// unusable (CUDA's sticky errors). Device-to-host copies into the
+    /// reply return their bytes.
+    pub fn execute(&self, t: &Tenant, w: &Work) -> Result<Option<Vec<u8>>, BackendError> {
+        let owned = {
+            let st = t.state.lock();
+            if t.revoked.load(Ordering::Acquire) {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("tenant {} was deleted", t.name)));
+            }
+            let c = st.ctxs.get(&w.ctx).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("context {} was destroyed", w.ctx)))?;
+            if let Some((code, msg)) = &c.sticky {
+                return Err(BackendError::new(*code, format!("context is unusable after an earlier fault: {msg}")));
+            }
+            st.owned.clone()
+        };
+        // The ranges were checked at submission; an allocation freed since
+        // is gone from the table, and its memory is not reused before this
+        // work ends (the tenant has work in flight).
+        let check = |addr: u64, len: u64, what: &str| -> Result<(), BackendError> {
+            if len > 0 && owned.find(addr, len).is_none() {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{what} range {addr:#x}+{len} was freed before the work ran")));
+            }
+            Ok(())
+        };
+        let slot = t.slot;
+        let b = &self.backend;
+        match &w.kind {
+            WorkKind::Launch { module, index, launch, params } => {
+                let res = self.timed(t, || b.launch(slot, &**module, *index, launch, params, &owned));
+                t.kernels.fetch_add(1, Ordering::Relaxed);
+                if let Err(e) = &res {
+                    if e.code.is_sticky() {
+                        let mut st = t.state.lock();
+                        st.faulted = true;
+                        if let Some(c) = st.ctxs.get_mut(&w.ctx) {
+                            c.sticky = Some((e.code, e.msg.clone()));
+                        }
+                    }
+                }
+                res.map(|_| None)
+            }
+            WorkKind::Fill { dptr, count, elem } => {
+                check(*dptr, count * elem.len() as u64, "memset")?;
+                self.timed(t, || b.fill(slot, *dptr, *count, elem)).map(|_| None)
+            }
+            WorkKind::DtoD { dst, src, size } => {
+                check(*src, *size, "copy source")?;
+                check(*dst, *size, "copy destination")?;
+                self.timed(t, || b.copy(slot, *dst, *src, *size)).map(|_| None)
+            }
+            WorkKind::HtoD { dst, size, src } => {
+                check(*dst, *size, "copy destination")?;
+                self.timed(t, || match src {
+                    HostMem::Inline(data) => b.write(slot, *dst, data),
+                    HostMem::Shm(shm, off) => shm.with_slice(*off, *size, |s| b.write(slot, *dst, s)),
+                    HostMem::Blob(blobs, res, off) => {
+                        let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
+                        each_piece(&pieces, *dst, |at, p, n| {
+                            // SAFETY: BlobAccess hands out runs inside guest
+                            // RAM mapped for the life of `blobs`; the guest
+                            // may change them concurrently, which only
+                            // changes the bytes copied, as on real DMA.
+                            b.write(slot, at, unsafe { std::slice::from_raw_parts(p, n) })
+                        })
+                    }
+                    HostMem::Reply => Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "a host-to-device copy needs a source")),
+                })
+                .map(|_| None)
+            }
+            WorkKind::DtoH { src, size, dst } => {
+                check(*src, *size, "copy source")?;
+                self.timed(t, || match dst {
+                    HostMem::Reply => {
+                        let mut out = vec![0u8; *size as usize];
+                        b.read(slot, *src, &mut out).map(|_| Some(out))
+                    }
+                    HostMem::Shm(shm, off) => shm.with_slice_mut(*off, *size, |s| b.read(slot, *src, s)).map(|_| None),
+                    HostMem::Blob(blobs, res, off) => {
+                        let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
+                        each_piece(&pieces, *src, |at, p, n| {
+                            // SAFETY: as for HtoD; the runs are writable
+                            // guest RAM that no other host code aliases.
+                            b.read(slot, at, unsafe { std::slice::from_raw_parts_mut(p, n) })
+                        })
+                        .map(|_| None)
+                    }
+                    HostMem::Inline(_) => Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "a device-to-host copy has no inline destination")),
+                })
+            }
+            WorkKind::Record { event } => {
+                let mut st = t.state.lock();
+                if let Some(e) = st.ctxs.get_mut(&w.ctx).and_then(|c| c.events.get_mut(event)) {
+                    *e = Some(Instant::now());
+                }
+                Ok(None)
+            }
+            WorkKind::Wait { .. } => Err(BackendError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "stream waits need a command ring")),
         }
     }
 
@@ -439,17 +748,22 @@ impl DeviceService {
         Ok(())
     }
 
-    fn shm(conn: &Conn, off: u64, len: u64) -> R<&Shm> {
-        let shm = conn.shm.as_ref().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_VALUE, "no shared buffer registered"))?;
-        if off.checked_add(len).is_none_or(|e| e > shm.len() as u64) {
-            return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("shared buffer range {off}+{len} exceeds its {} bytes", shm.len())));
+    /// The host side of a copy: region or blob `id` at `off`, `len` bytes.
+    fn host_mem(conn: &Conn, loc: u32, id: u32, off: u64, len: u64, inline: Option<Vec<u8>>) -> R<HostMem> {
+        if loc == DataLoc::Inline as u32 {
+            return Ok(inline.map(HostMem::Inline).unwrap_or(HostMem::Reply));
         }
-        Ok(shm)
-    }
-
-    fn blob(conn: &Conn, res: u32, off: u64, len: u64) -> R<Vec<(*mut u8, usize)>> {
-        let b = conn.blobs.as_ref().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_VALUE, "blob copies need a virtio-gpu context"))?;
-        b.pieces(res, off, len).map_err(|e| err(CuResult::CUDA_ERROR_INVALID_VALUE, e))
+        if loc == DataLoc::Blob as u32 {
+            let b = conn.blobs.as_ref().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_VALUE, "blob copies need a virtio-gpu context"))?;
+            // Checked now for the error; resolved again when the copy runs.
+            b.pieces(id, off, len).map_err(|e| err(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
+            return Ok(HostMem::Blob(b.clone(), id, off));
+        }
+        let shm = conn.regions.get(&id).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("no shared region {id} registered")))?;
+        if off.checked_add(len).is_none_or(|e| e > shm.len() as u64) {
+            return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("shared region {id} range {off}+{len} exceeds its {} bytes", shm.len())));
+        }
+        Ok(HostMem::Shm(shm.clone(), off))
     }
 
     fn timed<T>(&self, t: &Tenant, f: impl FnOnce() -> T) -> T {
@@ -471,7 +785,7 @@ impl DeviceService {
     }
 
     fn dispatch(&self, t: &Tenant, conn: &mut Conn, req: Request) -> R<Reply> {
-        let mut st = t.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = t.state.lock();
         let st = &mut *st;
         // Checked under the state lock: removal revokes before it takes
         // the lock, so nothing is created after the tenant's teardown.
@@ -529,72 +843,17 @@ impl DeviceService {
                 self.free_alloc(t, st, b.dptr);
                 Reply::Empty
             }
-            Request::Memset(b) => {
-                let c = Self::ctx(st, b.ctx)?;
-                Self::stream_ok(c, b.stream)?;
-                let n = b.count * b.elem_size as u64;
-                Self::owned(st, b.dptr, n, "memset")?;
-                let elem = &b.value.to_le_bytes()[..b.elem_size as usize];
-                if b.dptr % b.elem_size as u64 != 0 {
-                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "misaligned memset destination"));
+            Request::AttachRing(_) | Request::GetConnStats => return Err(err(CuResult::CUDA_ERROR_NOT_SUPPORTED, "this request is answered by the connection's transport")),
+            Request::RingKick => Reply::Empty,
+            Request::UnregisterShm(b) => {
+                if !conn.regions.contains_key(&b.id) {
+                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("no shared region {}", b.id)));
                 }
-                self.timed(t, || self.backend.fill(t.slot, b.dptr, b.count, elem))?;
+                self.set_shm(conn, b.id, None);
                 Reply::Empty
             }
-            Request::MemcpyHtoD(b, data) => {
-                let c = Self::ctx(st, b.ctx)?;
-                Self::stream_ok(c, b.stream)?;
-                Self::owned(st, b.dst, b.size, "copy destination")?;
-                if b.loc == DataLoc::Inline as u32 {
-                    self.timed(t, || self.backend.write(t.slot, b.dst, &data))?;
-                } else if b.loc == DataLoc::Blob as u32 {
-                    let pieces = Self::blob(conn, b.blob, b.shm_offset, b.size)?;
-                    self.timed(t, || {
-                        each_piece(&pieces, b.dst, |at, p, n| {
-                            // SAFETY: BlobAccess hands out runs inside guest
-                            // RAM mapped for the life of `conn.blobs`; the
-                            // guest may change them concurrently, which only
-                            // changes the bytes copied, as on real DMA.
-                            self.backend.write(t.slot, at, unsafe { std::slice::from_raw_parts(p, n) })
-                        })
-                    })?;
-                } else {
-                    let shm = Self::shm(conn, b.shm_offset, b.size)?;
-                    self.timed(t, || shm.with_slice(b.shm_offset, b.size, |s| self.backend.write(t.slot, b.dst, s)))?;
-                }
-                Reply::Empty
-            }
-            Request::MemcpyDtoH(b) => {
-                let c = Self::ctx(st, b.ctx)?;
-                Self::stream_ok(c, b.stream)?;
-                Self::owned(st, b.src, b.size, "copy source")?;
-                if b.loc == DataLoc::Inline as u32 {
-                    let mut out = vec![0u8; b.size as usize];
-                    self.timed(t, || self.backend.read(t.slot, b.src, &mut out))?;
-                    Reply::Data(out)
-                } else if b.loc == DataLoc::Blob as u32 {
-                    let pieces = Self::blob(conn, b.blob, b.shm_offset, b.size)?;
-                    self.timed(t, || {
-                        each_piece(&pieces, b.src, |at, p, n| {
-                            // SAFETY: as for HtoD; the runs are writable guest
-                            // RAM that no other host code aliases.
-                            self.backend.read(t.slot, at, unsafe { std::slice::from_raw_parts_mut(p, n) })
-                        })
-                    })?;
-                    Reply::Empty
-                } else {
-                    let shm = Self::shm(conn, b.shm_offset, b.size)?;
-                    self.timed(t, || shm.with_slice_mut(b.shm_offset, b.size, |s| self.backend.read(t.slot, b.src, s)))?;
-                    Reply::Empty
-                }
-            }
-            Request::MemcpyDtoD(b) => {
-                let c = Self::ctx(st, b.ctx)?;
-                Self::stream_ok(c, b.stream)?;
-                Self::owned(st, b.src, b.size, "copy source")?;
-                Self::owned(st, b.dst, b.size, "copy destination")?;
-                self.timed(t, || self.backend.copy(t.slot, b.dst, b.src, b.size))?;
-                Reply::Empty
+            Request::Memset(_) | Request::MemcpyHtoD(..) | Request::MemcpyDtoH(_) | Request::MemcpyDtoD(_) | Request::LaunchKernel(..) | Request::StreamWait(_) | Request::EventRecord(_) => {
+                return Err(err(CuResult::CUDA_ERROR_UNKNOWN, "stream-ordered request reached the immediate path"));
             }
             Request::ModuleLoad(b, image) => {
                 if Self::ctx(st, b.ctx)?.modules.len() >= 1024 {
@@ -645,7 +904,7 @@ impl DeviceService {
                 c.func_ids.retain(|(mid, _), _| *mid != b.module);
                 Self::uncharge(t, c, freed);
                 for a in c.driver_globals.remove(&b.module).unwrap_or_default() {
-                    st.owned.0.remove(&a);
+                    Arc::make_mut(&mut st.owned).0.remove(&a);
                 }
                 let Some(c) = st.ctxs.get_mut(&b.ctx) else { return Ok(Reply::Empty) };
                 let data = c.module_data.remove(&b.module).unwrap_or_default();
@@ -678,34 +937,10 @@ impl DeviceService {
                 let m = c.modules.get(&b.module).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no module {}", b.module)))?;
                 let (addr, size) = m.global(&name).ok_or_else(|| err(CuResult::CUDA_ERROR_NOT_FOUND, format!("no variable named '{name}' in module {}", b.module)))?;
                 if size > 0 && st.owned.find(addr, size).is_none() {
-                    st.owned.0.insert(addr, size);
+                    Arc::make_mut(&mut st.owned).0.insert(addr, size);
                     Self::ctx(st, b.ctx)?.driver_globals.entry(b.module).or_default().push(addr);
                 }
                 Reply::Global(addr, size)
-            }
-            Request::LaunchKernel(b, params) => {
-                let c = Self::ctx(st, b.ctx)?;
-                Self::stream_ok(c, b.stream)?;
-                let (mid, f) = c.funcs.get(&b.func).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {}", b.func)))?;
-                if (params.len() as u32) < f.params_size {
-                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{} parameter bytes given, the kernel takes {}", params.len(), f.params_size)));
-                }
-                let m = c.modules.get(mid).cloned().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded"))?;
-                let index = f.index;
-                let l = Launch { grid: b.grid, block: b.block, shared_bytes: b.shared_bytes };
-                let owned = &st.owned;
-                let res = self.timed(t, || self.backend.launch(t.slot, &*m, index, &l, &params, owned));
-                t.kernels.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = res {
-                    if e.code.is_sticky() {
-                        st.faulted = true;
-                        if let Some(c) = st.ctxs.get_mut(&b.ctx) {
-                            c.sticky = Some((e.code, e.msg.clone()));
-                        }
-                    }
-                    return Err(e.into());
-                }
-                Reply::Empty
             }
             Request::StreamCreate(b) => {
                 let c = Self::ctx(st, b.ctx)?;
@@ -740,13 +975,6 @@ impl DeviceService {
                 // synchronize only validates the handle.
                 let c = Self::ctx(st, b.ctx)?;
                 Self::stream_ok(c, b.handle)?;
-                Reply::Empty
-            }
-            Request::EventRecord(b) => {
-                let c = Self::ctx(st, b.ctx)?;
-                Self::stream_ok(c, b.stream)?;
-                let e = c.events.get_mut(&b.event).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {}", b.event)))?;
-                *e = Some(Instant::now());
                 Reply::Empty
             }
             Request::EventSynchronize(b) => {

@@ -1,0 +1,655 @@
+//! The stream engine: command rings in, device work out, with no round
+//! trip per call.
+//!
+//! A connection (a host process's socket, or a VM's compute context) may
+//! attach a command ring (`virtio_gpu_compute::ring`): memory it shares
+//! with the worker. A fixed set of engine threads, made when the worker
+//! starts, does two kinds of jobs:
+//!
+//! - **Ring jobs** consume a ring: each entry is copied out of shared
+//!   memory, decoded and checked against the tenant's state like a socket
+//!   message. Immediate calls (allocations, queries, handles) run at once
+//!   and answer in the entry's reply slot; stream-ordered work (launches,
+//!   memsets, copies, event records, stream waits) is queued on its
+//!   stream. After the ring runs dry the job keeps polling for a short
+//!   spin, while no other job waits, then marks the ring SLEEPING; the
+//!   tenant wakes it again (an eventfd for host processes, a SUBMIT_3D for
+//!   VMs) only when it finds it asleep.
+//! - **Stream jobs** run a stream's queued work in order, one item per
+//!   turn, so streams of every tenant take turns and different streams
+//!   overlap on different threads. A stream wait parks its stream until
+//!   the entry it waits for completes.
+//!
+//! Completions are published as sequence numbers in the ring's DONE array,
+//! which the tenant reads without a syscall; a failed entry also lands in
+//! the ring's error block, which the shim reports at its next
+//! synchronising call. The worker keeps its own head, sequence and
+//! completion record: what the tenant writes into its ring can break only
+//! that ring (it is marked BROKEN and no longer served).
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use virtio_gpu_compute::ring::{self, EntryHeader};
+use virtio_gpu_compute::*;
+
+use super::service::{Conn, DeviceService, Prepared, Tenant, Work, WorkGuard, WorkKind};
+use crate::backend::BackendError;
+
+/// How long a ring job keeps polling an empty ring before it sleeps,
+/// while no other job waits for an engine thread.
+pub const SPIN: Duration = Duration::from_micros(200);
+/// Entries one ring job consumes before it lets waiting jobs go first.
+const ENTRIES_PER_TURN: usize = 256;
+/// Distinct streams one ring may have queues for.
+const MAX_STREAMS: usize = 4096;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Shared memory of one ring, as runs of host memory (one run for a
+/// memfd; a guest blob's pages otherwise). Every access is bounds-checked
+/// and goes through atomics or volatile copies: the tenant writes this
+/// memory concurrently.
+pub struct RingMem {
+    /// (offset in the ring, host address, length), in order.
+    runs: Vec<(usize, *mut u8, usize)>,
+    len: usize,
+    /// Keeps the mapping alive.
+    _keep: Box<dyn Send + Sync>,
+}
+
+// SAFETY: the runs point into a mapping that `_keep` keeps alive for the
+// life of this value; all access is through atomics and volatile copies.
+unsafe impl Send for RingMem {}
+// SAFETY: as above.
+unsafe impl Sync for RingMem {}
+
+impl RingMem {
+    /// Ring memory made of `runs`, kept mapped by `keep`. Each run must
+    /// start 64-byte aligned and be a multiple of 64 bytes long, so no
+    /// control word straddles two runs.
+    pub fn new(runs: Vec<(*mut u8, usize)>, keep: Box<dyn Send + Sync>) -> Result<RingMem, String> {
+        let mut out = Vec::with_capacity(runs.len());
+        let mut at = 0usize;
+        for (p, n) in runs {
+            if (p as usize) % 64 != 0 || n % 64 != 0 || n == 0 {
+                return Err(format!("ring memory run of {n} bytes at {:#x} is not 64-byte aligned", p as usize % 4096));
+            }
+            out.push((at, p, n));
+            at += n;
+        }
+        Ok(RingMem { runs: out, len: at, _keep: keep })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The host address of `[off, off+n)` if it lies inside one run.
+    fn at(&self, off: usize, n: usize) -> Option<*mut u8> {
+        let i = self.runs.partition_point(|r| r.0 <= off).checked_sub(1)?;
+        let (start, p, len) = self.runs[i];
+        let end = off.checked_add(n)?;
+        if end <= start + len {
+            // SAFETY: off - start < len: the result stays inside the run.
+            Some(unsafe { p.add(off - start) })
+        } else {
+            None
+        }
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        let p = self.at(off, 8).filter(|p| (*p as usize) % 8 == 0).expect("ring control words lie inside the checked layout");
+        // SAFETY: 8 aligned bytes inside the mapping, which lives as long
+        // as `self`; shared memory is only ever reached through atomics
+        // and volatile copies.
+        unsafe { AtomicU64::from_ptr(p.cast()) }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        let p = self.at(off, 4).filter(|p| (*p as usize) % 4 == 0).expect("ring control words lie inside the checked layout");
+        // SAFETY: as for u64_at, with 4 aligned bytes.
+        unsafe { AtomicU32::from_ptr(p.cast()) }
+    }
+
+    /// Copies `[off, off+out.len())` out of shared memory, across runs.
+    fn read(&self, mut off: usize, out: &mut [u8]) -> bool {
+        let mut done = 0;
+        while done < out.len() {
+            let Some(i) = self.runs.partition_point(|r| r.0 <= off).checked_sub(1) else { return false };
+            let (start, p, len) = self.runs[i];
+            if off >= start + len {
+                return false;
+            }
+            let n = (start + len - off).min(out.len() - done);
+            // SAFETY: [off, off+n) lies inside run i of the live mapping.
+            let v = unsafe { vm_memory::VolatileSlice::new(p.add(off - start), n) };
+            v.copy_to(&mut out[done..done + n]);
+            done += n;
+            off += n;
+        }
+        true
+    }
+
+    fn write(&self, mut off: usize, data: &[u8]) -> bool {
+        let mut done = 0;
+        while done < data.len() {
+            let Some(i) = self.runs.partition_point(|r| r.0 <= off).checked_sub(1) else { return false };
+            let (start, p, len) = self.runs[i];
+            if off >= start + len {
+                return false;
+            }
+            let n = (start + len - off).min(data.len() - done);
+            // SAFETY: [off, off+n) lies inside run i of the live mapping.
+            let v = unsafe { vm_memory::VolatileSlice::new(p.add(off - start), n) };
+            v.copy_from(&data[done..done + n]);
+            done += n;
+            off += n;
+        }
+        true
+    }
+}
+
+/// One queued piece of stream work and the ring entry it completes.
+struct Item {
+    seq: u64,
+    work: Work,
+    _inflight: WorkGuard,
+}
+
+#[derive(Default)]
+struct StreamQ {
+    items: VecDeque<Item>,
+    /// In the ready queue, running, or parked on a wait.
+    scheduled: bool,
+}
+
+#[derive(Default)]
+pub struct Stream {
+    q: Mutex<StreamQ>,
+}
+
+struct Done {
+    /// The newest completed sequence number per completion slot.
+    slots: Vec<u64>,
+    /// Streams parked on a wait: (entry awaited, stream).
+    parked: Vec<(u64, Arc<Stream>)>,
+    /// Entries consumed and not yet complete.
+    pending: u64,
+}
+
+impl Done {
+    fn is_done(&self, seq: u64) -> bool {
+        self.slots[(seq % ring::ENTRY_SLOTS) as usize] >= seq
+    }
+}
+
+struct Cursor {
+    head: u64,
+    seq: u64,
+}
+
+/// Why a ring stopped being served.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct RingBroken(String);
+
+/// One attached command ring.
+pub struct Ring {
+    svc: Arc<DeviceService>,
+    pub tenant: Arc<Tenant>,
+    conn: Arc<Mutex<Conn>>,
+    mem: RingMem,
+    sq_size: u64,
+    cur: Mutex<Cursor>,
+    done: Mutex<Done>,
+    streams: Mutex<HashMap<(u32, u32), Arc<Stream>>>,
+    polling: AtomicBool,
+    broken: AtomicBool,
+    closed: AtomicBool,
+    /// The host tenant's kick eventfd, watched by the connection poller.
+    pub kick_fd: Option<OwnedFd>,
+    pub entries: AtomicU64,
+    pub kicks: AtomicU64,
+}
+
+impl Ring {
+    /// Sets up a ring over `mem` (already mapped) with an `sq_size`-byte
+    /// queue. The worker writes the initial DONE slots; the tenant owns the
+    /// rest of the memory.
+    pub fn new(svc: Arc<DeviceService>, tenant: Arc<Tenant>, conn: Arc<Mutex<Conn>>, mem: RingMem, sq_size: u32, kick_fd: Option<OwnedFd>) -> Result<Arc<Ring>, String> {
+        if !ring::sq_size_ok(sq_size) {
+            return Err(format!("ring queue of {sq_size} bytes (a power of two from {} to {})", ring::MIN_SQ, ring::MAX_SQ));
+        }
+        if mem.len() < ring::region_size(sq_size) {
+            return Err(format!("ring memory of {} bytes; a {sq_size}-byte queue needs {}", mem.len(), ring::region_size(sq_size)));
+        }
+        let r = Ring {
+            svc,
+            tenant,
+            conn,
+            mem,
+            sq_size: sq_size as u64,
+            cur: Mutex::new(Cursor { head: 0, seq: ring::FIRST_SEQ }),
+            done: Mutex::new(Done { slots: (0..ring::ENTRY_SLOTS).collect(), parked: Vec::new(), pending: 0 }),
+            streams: Mutex::new(HashMap::new()),
+            polling: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            kick_fd,
+            entries: AtomicU64::new(0),
+            kicks: AtomicU64::new(0),
+        };
+        for k in 0..ring::ENTRY_SLOTS {
+            r.mem.u64_at(ring::done_offset(k)).store(k, Ordering::Release);
+        }
+        for w in [ring::SQ_HEAD, ring::SQ_TAIL] {
+            r.mem.u64_at(w).store(0, Ordering::Release);
+        }
+        for w in [ring::BROKEN, ring::ERR_COUNT, ring::WAITERS] {
+            r.mem.u32_at(w).store(0, Ordering::Release);
+        }
+        // No job polls it yet: the first entry must wake it.
+        r.mem.u32_at(ring::STATE).store(ring::STATE_SLEEPING, Ordering::Release);
+        Ok(Arc::new(r))
+    }
+
+    /// The tenant found the ring asleep and woke it.
+    pub fn kick(self: &Arc<Self>, engine: &Engine) {
+        self.kicks.fetch_add(1, Ordering::Relaxed);
+        self.wake(engine);
+    }
+
+    fn wake(self: &Arc<Self>, engine: &Engine) {
+        if !self.closed.load(Ordering::Acquire) && !self.polling.swap(true, Ordering::SeqCst) {
+            engine.push(Job::Ring(self.clone()));
+        }
+    }
+
+    /// Stops serving the ring (the connection is gone); queued work still
+    /// completes or fails on its own.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        lock(&self.streams).clear();
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+
+    fn tail(&self) -> u64 {
+        self.mem.u64_at(ring::SQ_TAIL).load(Ordering::Acquire)
+    }
+
+    /// A ring job: consume, spin a little while idle, then sleep.
+    fn poll(self: &Arc<Self>, engine: &Engine) {
+        let state = self.mem.u32_at(ring::STATE);
+        state.store(ring::STATE_AWAKE, Ordering::SeqCst);
+        let mut last = Instant::now();
+        loop {
+            if self.closed.load(Ordering::Acquire) || self.is_broken() {
+                break;
+            }
+            match self.drain(engine) {
+                Err(e) => {
+                    self.break_ring(&e);
+                    break;
+                }
+                Ok(n) if n >= ENTRIES_PER_TURN && engine.others_waiting() => {
+                    // Busy: go to the back of the queue, still awake.
+                    engine.push(Job::Ring(self.clone()));
+                    return;
+                }
+                Ok(0) => {}
+                Ok(_) => {
+                    last = Instant::now();
+                    continue;
+                }
+            }
+            if last.elapsed() < SPIN && !engine.others_waiting() {
+                std::hint::spin_loop();
+                continue;
+            }
+            state.store(ring::STATE_SLEEPING, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if self.tail() != lock(&self.cur).head {
+                state.store(ring::STATE_AWAKE, Ordering::SeqCst);
+                continue;
+            }
+            break;
+        }
+        self.polling.store(false, Ordering::SeqCst);
+        // A kick that came while this job was ending found it still
+        // polling and was dropped: look once more.
+        if !self.is_broken() && self.tail() != lock(&self.cur).head {
+            self.wake(engine);
+        }
+    }
+
+    fn break_ring(&self, e: &RingBroken) {
+        if !self.broken.swap(true, Ordering::AcqRel) {
+            tracing::warn!(tenant = %self.tenant.name, "command ring no longer served: {e}");
+            self.report(0, CuResult::CUDA_ERROR_ILLEGAL_STATE, &format!("command ring broken: {e}"));
+            self.mem.u32_at(ring::BROKEN).store(CuResult::CUDA_ERROR_ILLEGAL_STATE as u32, Ordering::Release);
+            self.wake_waiters();
+        }
+    }
+
+    /// Consumes the entries written so far (up to a turn's worth).
+    fn drain(self: &Arc<Self>, engine: &Engine) -> Result<usize, RingBroken> {
+        let tail = self.tail();
+        let mut n = 0;
+        while n < ENTRIES_PER_TURN {
+            let (head, seq) = {
+                let c = lock(&self.cur);
+                (c.head, c.seq)
+            };
+            if head == tail {
+                break;
+            }
+            let avail = tail.wrapping_sub(head);
+            if avail > self.sq_size {
+                return Err(RingBroken(format!("tail {tail} is not within {} bytes after head {head}", self.sq_size)));
+            }
+            let pos = (head % self.sq_size) as usize;
+            let mut hb = [0u8; EntryHeader::SIZE];
+            if avail < EntryHeader::SIZE as u64 || !self.mem.read(ring::SQ + pos, &mut hb) {
+                return Err(RingBroken(format!("partial entry header at {head}")));
+            }
+            let h = EntryHeader::get(&mut Reader::new(&hb)).map_err(|e| RingBroken(e.to_string()))?;
+            let len = h.len as usize;
+            if len < EntryHeader::SIZE || len % ring::ENTRY_ALIGN != 0 || pos + len > self.sq_size as usize || len as u64 > avail {
+                return Err(RingBroken(format!("entry of {len} bytes at {head}")));
+            }
+            if h.flags == ring::ENTRY_PAD {
+                if pos + len != self.sq_size as usize {
+                    return Err(RingBroken(format!("padding entry at {head} does not end the queue")));
+                }
+            } else {
+                if h.flags != 0 || len > ring::MAX_ENTRY {
+                    return Err(RingBroken(format!("entry of {len} bytes with flags {:#x}", h.flags)));
+                }
+                if h.seq != seq {
+                    return Err(RingBroken(format!("entry sequence {} where {seq} was next", h.seq)));
+                }
+                if h.reply != ring::NO_REPLY && h.reply >= ring::REPLY_SLOTS {
+                    return Err(RingBroken(format!("reply slot {}", h.reply)));
+                }
+                {
+                    let mut d = lock(&self.done);
+                    if d.pending >= ring::ENTRY_SLOTS {
+                        return Err(RingBroken(format!("more than {} entries in flight", ring::ENTRY_SLOTS)));
+                    }
+                    d.pending += 1;
+                }
+                let mut msg = vec![0u8; len - EntryHeader::SIZE];
+                if !self.mem.read(ring::SQ + pos + EntryHeader::SIZE, &mut msg) {
+                    return Err(RingBroken(format!("entry at {head} outside the ring")));
+                }
+                // The message is as long as its header says; the rest of
+                // the entry is padding.
+                let used = MsgHeader::decode(&msg).map(|m| MsgHeader::SIZE + m.payload_len as usize).unwrap_or(msg.len()).min(msg.len());
+                if ring::entry_len(used) != len {
+                    self.finish(engine, seq, h.reply, Err(Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, format!("ring entry of {len} bytes holds a message of {used}"))), Opcode::Ping);
+                } else {
+                    msg.truncate(used);
+                    self.entries.fetch_add(1, Ordering::Relaxed);
+                    self.process(engine, seq, h.reply, &msg);
+                }
+                lock(&self.cur).seq = seq + 1;
+            }
+            {
+                let mut c = lock(&self.cur);
+                c.head = head + len as u64;
+                self.mem.u64_at(ring::SQ_HEAD).store(c.head, Ordering::Release);
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    fn process(self: &Arc<Self>, engine: &Engine, seq: u64, reply: u16, msg: &[u8]) {
+        let (h, req) = match Request::decode(msg) {
+            Ok(x) => x,
+            Err(e) => {
+                let op = MsgHeader::decode(msg).map(|h| h.opcode()).unwrap_or(Opcode::Ping);
+                return self.finish(engine, seq, reply, Err(Reply::error(e.cuda(), format!("bad {op:?} message in the ring: {e}"))), op);
+            }
+        };
+        let op = h.opcode();
+        let refuse = |why: &str| Err(Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, why.to_string()));
+        let prepared = match req {
+            Request::RegisterShm(_) | Request::AttachRing(_) => refuse("this request carries descriptors: send it on the socket"),
+            Request::ModuleLoad(..) => refuse("module images go on the socket"),
+            Request::MemcpyHtoD(b, _) if b.loc == DataLoc::Inline as u32 => refuse("ring copies go through shared regions"),
+            Request::MemcpyDtoH(b) if b.loc == DataLoc::Inline as u32 => refuse("ring copies go through shared regions"),
+            Request::GetConnStats => Ok(Prepared::Done(Reply::ConnStats(ConnStats { messages: 0, ring_entries: self.entries.load(Ordering::Relaxed), kicks: self.kicks.load(Ordering::Relaxed) }))),
+            req => {
+                let mut conn = lock(&self.conn);
+                self.svc.prepare(&self.tenant, &mut conn, req)
+            }
+        };
+        match prepared {
+            Err(r) => self.finish(engine, seq, reply, Err(r), op),
+            Ok(Prepared::Done(r)) => {
+                let res = if matches!(r, Reply::Error(..)) { Err(r) } else { Ok(r) };
+                self.finish(engine, seq, reply, res, op)
+            }
+            Ok(Prepared::Work(w)) => self.enqueue(engine, seq, w),
+        }
+    }
+
+    /// Completes an entry that ran at once: its reply into its slot (an
+    /// error without a slot goes to the error block).
+    fn finish(self: &Arc<Self>, engine: &Engine, seq: u64, reply: u16, res: Result<Reply, Reply>, op: Opcode) {
+        let r = match res {
+            Ok(r) | Err(r) => r,
+        };
+        if reply != ring::NO_REPLY {
+            let mut bytes = r.encode(op, seq as u32);
+            if bytes.len() > ring::REPLY_SLOT_SIZE {
+                bytes = Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, "reply larger than a reply slot").encode(op, seq as u32);
+            }
+            self.mem.write(ring::reply_offset(reply), &bytes);
+        } else if let Reply::Error(code, msg) = &r {
+            self.report(seq, *code, msg);
+        }
+        self.complete(engine, seq);
+    }
+
+    fn enqueue(self: &Arc<Self>, engine: &Engine, seq: u64, work: Work) {
+        let key = (work.ctx, work.stream);
+        let stream = {
+            let mut m = lock(&self.streams);
+            if m.len() >= MAX_STREAMS && !m.contains_key(&key) {
+                m.retain(|_, s| lock(&s.q).scheduled);
+            }
+            if m.len() >= MAX_STREAMS && !m.contains_key(&key) {
+                drop(m);
+                return self.finish(engine, seq, ring::NO_REPLY, Err(Reply::error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("more than {MAX_STREAMS} streams with work queued"))), Opcode::Ping);
+            }
+            m.entry(key).or_default().clone()
+        };
+        let item = Item { seq, work, _inflight: self.tenant.begin_work() };
+        let mut q = lock(&stream.q);
+        q.items.push_back(item);
+        if !q.scheduled {
+            q.scheduled = true;
+            drop(q);
+            engine.push(Job::Stream(self.clone(), stream));
+        }
+    }
+
+    /// A stream job: runs the stream's next item.
+    fn run_stream(self: &Arc<Self>, engine: &Engine, stream: Arc<Stream>) {
+        let item = {
+            let mut q = lock(&stream.q);
+            let wait = match q.items.front() {
+                None => {
+                    q.scheduled = false;
+                    return;
+                }
+                Some(Item { work: Work { kind: WorkKind::Wait { seq }, .. }, .. }) => Some(*seq),
+                Some(_) => None,
+            };
+            if let Some(x) = wait {
+                let mut d = lock(&self.done);
+                if !d.is_done(x) {
+                    // Woken by the completion of entry x.
+                    d.parked.push((x, stream.clone()));
+                    return;
+                }
+            }
+            q.items.pop_front()
+        };
+        let Some(item) = item else { return };
+        let res = match &item.work.kind {
+            WorkKind::Wait { .. } => Ok(()),
+            _ => self.svc.execute(&self.tenant, &item.work).map(|_| ()),
+        };
+        if let Err(e) = &res {
+            self.report_backend(item.seq, e);
+        }
+        self.complete(engine, item.seq);
+        drop(item);
+        let mut q = lock(&stream.q);
+        if q.items.is_empty() {
+            q.scheduled = false;
+        } else {
+            drop(q);
+            engine.push(Job::Stream(self.clone(), stream));
+        }
+    }
+
+    fn report_backend(&self, seq: u64, e: &BackendError) {
+        self.report(seq, e.code, &e.msg);
+    }
+
+    /// Records an asynchronous error in the ring's error block.
+    fn report(&self, seq: u64, code: CuResult, msg: &str) {
+        let text = &msg.as_bytes()[..msg.len().min(ring::ERR_TEXT_MAX)];
+        self.mem.u32_at(ring::ERR_CODE).store(code as u32, Ordering::Relaxed);
+        self.mem.u64_at(ring::ERR_SEQ).store(seq, Ordering::Relaxed);
+        self.mem.u32_at(ring::ERR_LEN).store(text.len() as u32, Ordering::Relaxed);
+        self.mem.write(ring::ERR_TEXT, text);
+        self.mem.u32_at(ring::ERR_COUNT).fetch_add(1, Ordering::Release);
+    }
+
+    /// Marks entry `seq` complete, wakes the streams parked on it and any
+    /// tenant thread sleeping on the ring.
+    fn complete(self: &Arc<Self>, engine: &Engine, seq: u64) {
+        let ready: Vec<Arc<Stream>> = {
+            let mut d = lock(&self.done);
+            let k = (seq % ring::ENTRY_SLOTS) as usize;
+            d.slots[k] = d.slots[k].max(seq);
+            d.pending = d.pending.saturating_sub(1);
+            self.mem.u64_at(ring::done_offset(seq)).store(seq, Ordering::Release);
+            let mut ready = Vec::new();
+            let mut i = 0;
+            while i < d.parked.len() {
+                if d.is_done(d.parked[i].0) {
+                    ready.push(d.parked.swap_remove(i).1);
+                } else {
+                    i += 1;
+                }
+            }
+            ready
+        };
+        for s in ready {
+            engine.push(Job::Stream(self.clone(), s));
+        }
+        self.wake_waiters();
+    }
+
+    fn wake_waiters(&self) {
+        if self.mem.u32_at(ring::WAITERS).load(Ordering::SeqCst) != 0 {
+            let w = self.mem.u32_at(ring::WAKE);
+            w.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: FUTEX_WAKE on an aligned u32 of the live shared
+            // mapping; it reads nothing else and wakes only the tenant's
+            // own threads waiting on that word.
+            unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAKE, i32::MAX, std::ptr::null::<libc::timespec>(), std::ptr::null::<u32>(), 0) };
+        }
+    }
+}
+
+/// What an engine thread does next.
+pub enum Job {
+    Ring(Arc<Ring>),
+    Stream(Arc<Ring>, Arc<Stream>),
+}
+
+#[derive(Default)]
+struct ReadyQ {
+    jobs: VecDeque<Job>,
+    idle: usize,
+}
+
+/// The engine's fixed thread pool and its ready queue.
+pub struct Engine {
+    q: Mutex<ReadyQ>,
+    cv: Condvar,
+}
+
+impl Engine {
+    /// Starts `threads` engine threads. With `seccomp`, each narrows its
+    /// filter like a connection thread: it decodes tenant bytes.
+    pub fn start(threads: usize, seccomp: bool) -> std::io::Result<Arc<Engine>> {
+        let e = Arc::new(Engine { q: Mutex::new(ReadyQ::default()), cv: Condvar::new() });
+        for i in 0..threads.max(2) {
+            let e2 = e.clone();
+            std::thread::Builder::new().name(format!("vgpu-engine-{i}")).spawn(move || {
+                if seccomp && super::seccomp::confine_connection_thread().is_err() {
+                    tracing::error!("an engine thread could not narrow its seccomp filter; the worker exits");
+                    std::process::exit(70);
+                }
+                e2.run()
+            })?;
+        }
+        Ok(e)
+    }
+
+    fn push(&self, job: Job) {
+        lock(&self.q).jobs.push_back(job);
+        self.cv.notify_one();
+    }
+
+    /// Whether jobs wait and no thread is idle to take them.
+    fn others_waiting(&self) -> bool {
+        let q = lock(&self.q);
+        !q.jobs.is_empty() && q.idle == 0
+    }
+
+    fn run(self: Arc<Self>) {
+        loop {
+            let job = {
+                let mut q = lock(&self.q);
+                loop {
+                    if let Some(j) = q.jobs.pop_front() {
+                        break j;
+                    }
+                    q.idle += 1;
+                    q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                    q.idle -= 1;
+                }
+            };
+            // A bug must cost the job, never the engine thread.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
+                Job::Ring(r) => r.poll(&self),
+                Job::Stream(r, s) => r.run_stream(&self, s),
+            }));
+            if r.is_err() {
+                tracing::error!("an engine job panicked; the worker goes on");
+            }
+        }
+    }
+}
