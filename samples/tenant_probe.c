@@ -13,6 +13,9 @@
  *   fault OFFSET        a kernel writes OFFSET bytes past a 256-byte allocation;
  *                       prints the launch result, what the context says after it,
  *                       and whether a context created after destroying it works
+ *   storm N             N launches of a kernel that adds 1 to a counter, then one
+ *                       cuCtxSynchronize; prints the counter and what the
+ *                       connection cost the transport (vgpuGetConnectionStats)
  */
 #include "common.h"
 
@@ -56,6 +59,32 @@ int main(int argc, char **argv) {
         CUresult again = cuMemAlloc(&over, quota / 2);
         printf("after_free=%s\n", name_of(again));
         return r == CUDA_ERROR_OUT_OF_MEMORY && again == CUDA_SUCCESS && free_b == 0 ? 0 : 1;
+    }
+    if (!strcmp(mode, "storm")) {
+        static const char bump_ptx[] =
+            ".version 7.0\n.target sm_70\n.address_size 64\n"
+            ".visible .entry bump(.param .u64 p)\n{\n"
+            "    .reg .u64 %rd<1>;\n    .reg .u32 %r<2>;\n"
+            "    ld.param.u64 %rd0, [p];\n    ld.global.u32 %r0, [%rd0];\n"
+            "    add.u32 %r1, %r0, 1;\n    st.global.u32 [%rd0], %r1;\n    ret;\n}\n";
+        int n = atoi(argv[2]);
+        CUmodule mod;
+        CUfunction bump;
+        CUdeviceptr counter;
+        CHECK(cuModuleLoadData(&mod, bump_ptx));
+        CHECK(cuModuleGetFunction(&bump, mod, "bump"));
+        CHECK(cuMemAlloc(&counter, 4));
+        CHECK(cuMemsetD32(counter, 0, 1));
+        cuuint64_t m0, e0, k0, m1, e1, k1;
+        CHECK(vgpuGetConnectionStats(&m0, &e0, &k0));
+        void *args[] = {&counter};
+        for (int i = 0; i < n; i++) CHECK(cuLaunchKernel(bump, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL));
+        CHECK(cuCtxSynchronize());
+        CHECK(vgpuGetConnectionStats(&m1, &e1, &k1));
+        unsigned int got = 0;
+        CHECK(cuMemcpyDtoH(&got, counter, 4));
+        printf("launches=%d counter=%u messages=%llu ring_entries=%llu kicks=%llu\n", n, got, (unsigned long long)(m1 - m0), (unsigned long long)(e1 - e0), (unsigned long long)(k1 - k0));
+        return got == (unsigned int)n ? 0 : 1;
     }
     size_t bytes = strtoull(argv[2], NULL, 0);
     if (!strcmp(mode, "fill") || !strcmp(mode, "check") || !strcmp(mode, "hold")) {

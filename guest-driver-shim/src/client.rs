@@ -78,8 +78,9 @@ pub struct Client {
     pinned: Mutex<BTreeMap<usize, Pinned>>,
 }
 
-/// The host kick: one write to the eventfd the worker watches.
-struct EventFdKick(OwnedFd);
+/// The host kick: one write to the eventfd the worker watches. It holds a
+/// duplicate of the tenant socket to notice the worker going away.
+struct EventFdKick(OwnedFd, OwnedFd);
 
 impl Kick for EventFdKick {
     fn kick(&self) -> CallResult<()> {
@@ -93,6 +94,25 @@ impl Kick for EventFdKick {
     }
     fn futex(&self) -> bool {
         true
+    }
+    fn alive(&self) -> bool {
+        let mut p = libc::pollfd { fd: self.1.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: polls one descriptor we own, without waiting.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n <= 0 || p.revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) == 0
+    }
+}
+
+/// Whether to use a command ring (`VGPU_RING=0` turns it off).
+fn ring_wanted() -> bool {
+    std::env::var("VGPU_RING").map(|v| v != "0").unwrap_or(true)
+}
+
+/// The worker offers no ring (or refused this one): every call is then a
+/// round trip, which still works.
+fn no_ring(r: &Reply) {
+    if std::env::var_os("VGPU_LOG").is_some() {
+        eprintln!("libcuda(vgpu): no command ring ({r:?}); every call is a round trip");
     }
 }
 
@@ -116,8 +136,23 @@ impl Client {
             Ok(path) => Client::connect_unix(&path),
             Err(_) => {
                 let size = env_size("VGPU_SHM_SIZE", DEFAULT_SHM);
-                let t = crate::drm::DrmTransport::open(size).map_err(|e| CallError::new(CuResult::CUDA_ERROR_NO_DEVICE, format!("VGPU_SOCKET is not set and no virtio-gpu compute device was usable: {e}")))?;
-                Ok(Client::with_transport(Box::new(t)))
+                let mut t = crate::drm::DrmTransport::open(size).map_err(|e| CallError::new(CuResult::CUDA_ERROR_NO_DEVICE, format!("VGPU_SOCKET is not set and no virtio-gpu compute device was usable: {e}")))?;
+                let mut ring = None;
+                if ring_wanted() {
+                    let sq = env_size("VGPU_RING_SIZE", ring::DEFAULT_SQ as usize) as u32;
+                    match t.attach_ring(sq, 1).map_err(|e| CallError::new(CuResult::CUDA_ERROR_NO_DEVICE, e.to_string()))? {
+                        (Reply::Empty, Some((p, n, kick))) => {
+                            // SAFETY: the transport keeps the ring blob mapped
+                            // for its life, which is the client's; blob
+                            // mappings are page-aligned.
+                            ring = Some(unsafe { RingClient::new(p, n, sq, Box::new(kick)) });
+                        }
+                        (r, _) => no_ring(&r),
+                    }
+                }
+                let mut c = Client::with_transport(Box::new(t));
+                c.ring = ring;
+                Ok(c)
             }
         }
     }
@@ -136,7 +171,7 @@ impl Client {
             }
         }
         let mut ring = None;
-        if std::env::var("VGPU_RING").map(|v| v != "0").unwrap_or(true) {
+        if ring_wanted() {
             let sq = env_size("VGPU_RING_SIZE", ring::DEFAULT_SQ as usize) as u32;
             // SAFETY: eventfd with no memory arguments; checked below.
             let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -149,15 +184,9 @@ impl Client {
                 (Reply::Empty, Some((p, n))) => {
                     // SAFETY: the transport keeps the mapping for its life,
                     // which the client's; memfd mappings are page-aligned.
-                    ring = Some(unsafe { RingClient::new(p, n, sq, Box::new(EventFdKick(efd))) });
+                    ring = Some(unsafe { RingClient::new(p, n, sq, Box::new(EventFdKick(efd, t.socket_clone().map_err(lost)?))) });
                 }
-                (Reply::Error(code, msg), _) if code == CuResult::CUDA_ERROR_NOT_SUPPORTED || code == CuResult::CUDA_ERROR_INVALID_VALUE => {
-                    if std::env::var_os("VGPU_LOG").is_some() {
-                        eprintln!("libcuda(vgpu): no command ring ({msg}); every call is a round trip");
-                    }
-                }
-                (Reply::Error(code, msg), _) => return Err(CallError::new(code, msg)),
-                _ => return Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, "unexpected reply to AttachRing")),
+                (r, _) => no_ring(&r),
             }
         }
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });

@@ -144,8 +144,59 @@ pub struct DrmTransport {
     fd: File,
     data: Bo,
     reply: Bo,
+    ring: Option<Bo>,
+    /// Pinned host memory: blobs by resource id.
+    pinned: std::collections::HashMap<u32, Bo>,
     pub node: String,
     pub capset: CapsetInfo,
+}
+
+/// Wakes the device's ring consumer: an EXECBUFFER carrying a RingKick,
+/// not waited for. It answers into a small blob of its own.
+pub struct DrmKick {
+    fd: File,
+    reply: Bo,
+    reply_handles: [u32; 1],
+}
+
+// SAFETY: the kick's reply mapping is only written by the device.
+unsafe impl Send for DrmKick {}
+// SAFETY: as above; `kick` only issues an ioctl with local arguments.
+unsafe impl Sync for DrmKick {}
+
+impl crate::ring::Kick for DrmKick {
+    fn kick(&self) -> crate::client::CallResult<()> {
+        let mut cmd = Vec::new();
+        SubmitHeader { magic: SUBMIT_MAGIC, reply_blob: self.reply.res, reply_offset: 0, reply_capacity: self.reply.len as u32, reserved: 0 }.put(&mut cmd);
+        cmd.extend_from_slice(&Request::RingKick.encode(0));
+        let mut eb = ExecBuffer {
+            flags: EXECBUF_RING_IDX,
+            size: cmd.len() as u32,
+            command: cmd.as_ptr() as u64,
+            bo_handles: self.reply_handles.as_ptr() as u64,
+            num_bo_handles: 1,
+            fence_fd: -1,
+            ring_idx: 0,
+            pad: 0,
+        };
+        ioctl(&self.fd, IOCTL_EXECBUFFER, &mut eb, "EXECBUFFER").map_err(|e| crate::client::CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("waking the device failed: {e}")))
+    }
+    fn futex(&self) -> bool {
+        false
+    }
+}
+
+impl Drop for DrmKick {
+    fn drop(&mut self) {
+        close_bo(&self.fd, &self.reply);
+    }
+}
+
+fn close_bo(fd: &File, bo: &Bo) {
+    // SAFETY: unmapping our own mapping once.
+    unsafe { libc::munmap(bo.ptr.cast(), bo.len) };
+    let mut c = GemClose { handle: bo.handle, pad: 0 };
+    let _ = ioctl(fd, IOCTL_GEM_CLOSE, &mut c, "GEM_CLOSE");
 }
 
 // SAFETY: the mappings are owned by the transport and only reached through
@@ -209,7 +260,23 @@ impl DrmTransport {
         ioctl(&fd, IOCTL_CONTEXT_INIT, &mut init, "CONTEXT_INIT")?;
         let data = create_blob(&fd, shared_size.max(4096))?;
         let reply = create_blob(&fd, REPLY_BLOB_SIZE)?;
-        Ok(DrmTransport { fd, data, reply, node: node.to_string(), capset })
+        Ok(DrmTransport { fd, data, reply, ring: None, pinned: std::collections::HashMap::new(), node: node.to_string(), capset })
+    }
+
+    /// Creates the command ring in a blob and attaches it. On success, the
+    /// ring's mapping and the kick that wakes its consumer.
+    pub fn attach_ring(&mut self, sq_size: u32, seq: u32) -> Result<(Reply, Option<(*mut u8, usize, DrmKick)>), TransportError> {
+        let bo = create_blob(&self.fd, virtio_gpu_compute::ring::region_size(sq_size))?;
+        let reply = self.call(&Request::AttachRing(AttachRingReq { sq_size, flags: 0, blob: bo.res, reserved: 0 }), seq)?;
+        if reply != Reply::Empty {
+            close_bo(&self.fd, &bo);
+            return Ok((reply, None));
+        }
+        let kreply = create_blob(&self.fd, 4096)?;
+        let kick = DrmKick { fd: self.fd.try_clone()?, reply_handles: [kreply.handle], reply: kreply };
+        let (p, n) = (bo.ptr, bo.len);
+        self.ring = Some(bo);
+        Ok((reply, Some((p, n, kick))))
     }
 }
 
@@ -256,15 +323,26 @@ impl Transport for DrmTransport {
     fn shared_loc(&self) -> (DataLoc, u32) {
         (DataLoc::Blob, self.data.res)
     }
+
+    fn alloc_pinned(&mut self, size: usize, _seq: u32) -> crate::client::CallResult<(*mut u8, DataLoc, u32)> {
+        let bo = create_blob(&self.fd, size.max(1).next_multiple_of(4096)).map_err(|e| crate::client::CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("pinned host memory of {size} bytes: {e}")))?;
+        let (p, res) = (bo.ptr, bo.res);
+        self.pinned.insert(res, bo);
+        Ok((p, DataLoc::Blob, res))
+    }
+
+    fn free_pinned(&mut self, _p: *mut u8, _len: usize, id: u32, _seq: u32) -> crate::client::CallResult<()> {
+        if let Some(bo) = self.pinned.remove(&id) {
+            close_bo(&self.fd, &bo);
+        }
+        Ok(())
+    }
 }
 
 impl Drop for DrmTransport {
     fn drop(&mut self) {
-        for bo in [&self.data, &self.reply] {
-            // SAFETY: unmapping our own mapping once, at drop.
-            unsafe { libc::munmap(bo.ptr.cast(), bo.len) };
-            let mut c = GemClose { handle: bo.handle, pad: 0 };
-            let _ = ioctl(&self.fd, IOCTL_GEM_CLOSE, &mut c, "GEM_CLOSE");
+        for bo in [&self.data, &self.reply].into_iter().chain(self.ring.as_ref()).chain(self.pinned.values()) {
+            close_bo(&self.fd, bo);
         }
     }
 }

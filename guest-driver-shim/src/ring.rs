@@ -21,6 +21,11 @@ pub trait Kick: Send + Sync {
     /// Whether a waiting thread may sleep on the ring's WAKE word (host
     /// processes: the worker shares the futex); guests poll instead.
     fn futex(&self) -> bool;
+    /// Whether the worker is still there (a host tenant's socket is open);
+    /// a thread waiting on the ring checks it now and then.
+    fn alive(&self) -> bool {
+        true
+    }
 }
 
 struct Sub {
@@ -141,6 +146,9 @@ impl RingClient {
             if spins < 4000 {
                 std::hint::spin_loop();
                 continue;
+            }
+            if !self.kick.alive() {
+                return Err(CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "connection to the vGPU was lost"));
             }
             if self.kick.futex() {
                 let waiters = self.u32_at(ring::WAITERS);

@@ -85,6 +85,11 @@ impl UnixTransport {
         Ok(UnixTransport { s: UnixStream::connect(path)?, shm: None, ring: None, pinned: std::collections::HashMap::new(), next_region: 1 })
     }
 
+    /// A duplicate of the socket, to watch it for hang-up.
+    pub fn socket_clone(&self) -> Result<OwnedFd, TransportError> {
+        Ok(OwnedFd::from(self.s.try_clone()?))
+    }
+
     fn send_fds(&mut self, req: &Request, seq: u32, fds: &[i32]) -> Result<Reply, TransportError> {
         let msg = req.encode(seq);
         self.s.send_with_fds(&[&msg[..]], fds).map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;

@@ -105,7 +105,7 @@ fn hostile_client_gets_errors_while_the_other_tenant_is_served() {
     expect_error(r.call(Request::EventElapsedTime(EventElapsedReq { ctx, start: 1, end: 2, reserved: 0 })), CuResult::CUDA_ERROR_INVALID_HANDLE);
     let dtoh = MemcpyDtoHReq { ctx, stream: 0, src: 0x7000_0000_0000, size: 1 << 30, loc: DataLoc::Shared as u32, blob: 0, shm_offset: 0 };
     expect_error(r.call(Request::MemcpyDtoH(dtoh)), CuResult::CUDA_ERROR_INVALID_VALUE);
-    expect_error(r.call(Request::RegisterShm(RegisterShmReq { size: 4096 })), CuResult::CUDA_ERROR_INVALID_VALUE);
+    expect_error(r.call(Request::RegisterShm(RegisterShmReq { size: 4096, id: 0, flags: 0 })), CuResult::CUDA_ERROR_INVALID_VALUE);
 
     // A shared buffer that could shrink under the worker is refused.
     // SAFETY: memfd_create with a static name; the fd is owned below.
@@ -115,7 +115,7 @@ fn hostile_client_gets_errors_while_the_other_tenant_is_served() {
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: resizing our own memfd.
     assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 1 << 20) }, 0);
-    send_with_fd(&r.s, &Request::RegisterShm(RegisterShmReq { size: 1 << 20 }).encode(50), fd.as_raw_fd());
+    send_with_fd(&r.s, &Request::RegisterShm(RegisterShmReq { size: 1 << 20, id: 0, flags: 0 }).encode(50), fd.as_raw_fd());
     match r.read_reply() {
         Some((_, Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, msg))) => assert!(msg.contains("F_SEAL_SHRINK"), "{msg}"),
         other => panic!("{other:?}"),

@@ -63,6 +63,20 @@ fn vm_tenant_quota_and_scrub_hold_in_the_guest() {
 }
 
 #[test]
+fn a_guest_launches_ten_thousand_kernels_with_under_a_hundred_execbuffers() {
+    let Some(out) = output("a_guest_launches_ten_thousand_kernels_with_under_a_hundred_execbuffers") else { return };
+    let storm = lines(out, "L2-STORM: ").join("\n");
+    let field = |k: &str| storm.split_whitespace().find_map(|w| w.strip_prefix(&format!("{k}="))).and_then(|v| v.parse::<u64>().ok());
+    assert_eq!(field("launches"), Some(10_000), "{storm}");
+    assert_eq!(field("counter"), Some(10_000), "every launch ran, in order, exactly once: {storm}");
+    // Messages are SUBMIT_3D commands as the device counted them, one per
+    // guest EXECBUFFER ioctl, from before the first launch to after the sync.
+    let submits = field("messages").unwrap_or(u64::MAX);
+    assert!(submits < 100, "{submits} EXECBUFFERs for 10 000 launches: {storm}");
+    assert!(field("ring_entries").unwrap_or(0) >= 10_000, "the launches went through the ring: {storm}");
+}
+
+#[test]
 fn capset_probe_succeeds_and_a_foreign_context_type_is_refused() {
     let Some(out) = output("capset_probe_succeeds_and_a_foreign_context_type_is_refused") else { return };
     let dmesg = lines(out, "L2-DMESG: ").join("\n");

@@ -28,13 +28,13 @@ fn fds_attached_to_messages_are_closed_not_leaked() {
         assert!(matches!(r.read_reply(), Some((_, Reply::Empty))));
     }
     // A shared buffer must come alone, and be a sealed memfd.
-    let reg = Request::RegisterShm(RegisterShmReq { size: 4096 }).encode(2000);
+    let reg = Request::RegisterShm(RegisterShmReq { size: 4096, id: 0, flags: 0 }).encode(2000);
     send_with_fds(&r.s, &reg, &[fd, fd]).expect("send");
     match r.read_reply() {
         Some((_, Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, msg))) => assert!(msg.contains("exactly one"), "{msg}"),
         other => panic!("{other:?}"),
     }
-    let reg = Request::RegisterShm(RegisterShmReq { size: 4096 }).encode(2001);
+    let reg = Request::RegisterShm(RegisterShmReq { size: 4096, id: 0, flags: 0 }).encode(2001);
     send_with_fds(&r.s, &reg, &[fd]).expect("send");
     match r.read_reply() {
         Some((_, Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, msg))) => assert!(msg.contains("sealed"), "{msg}"),
@@ -227,7 +227,7 @@ fn a_shared_buffer_is_charged_while_it_is_registered() {
     let mut r = Raw::connect(&sock);
     let register = |r: &mut Raw, size: u64, seq: u32| {
         let fd = sealed_memfd(size);
-        send_with_fds(&r.s, &Request::RegisterShm(RegisterShmReq { size }).encode(seq), &[fd.as_raw_fd()]).expect("send");
+        send_with_fds(&r.s, &Request::RegisterShm(RegisterShmReq { size, id: 0, flags: 0 }).encode(seq), &[fd.as_raw_fd()]).expect("send");
         r.read_reply().expect("reply").1
     };
     // Larger than the whole budget: refused, nothing mapped.

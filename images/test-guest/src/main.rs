@@ -489,7 +489,7 @@ impl Gpu {
     /// at MSG + 24; returns the reply status (0 = CUDA_SUCCESS).
     fn call(&mut self, opcode: u16, body_len: u32) -> u32 {
         let mut w = W(MSG);
-        w.bytes(b"VGPC").u16(1).u16(opcode).u32(7).u32(0).u32(body_len).u32(0);
+        w.bytes(b"VGPC").u16(2).u16(opcode).u32(7).u32(0).u32(body_len).u32(0);
         let (t, status) = self.submit(24 + body_len, 3, 0); // FENCE | INFO_RING_IDX, ring 0
         if t != 0x1100 {
             fail("SUBMIT_3D was refused");
@@ -627,7 +627,7 @@ fn vgpu_hostile(g: &mut Gpu) {
     expect(g.create_blob(9, 0xf000_0000, 0x1000, 1), 0x1205, "blob outside guest RAM");
     expect(g.create_blob(9, DATA_BLOB, 0xffff_f000, 1), 0x1205, "absurd blob length");
     expect(g.ctx_create(5, 4), 0x1205, "foreign capset in CTX_CREATE");
-    W(MSG).bytes(b"VGPC").u16(1).u16(1).u32(1).u32(0).u32(0).u32(0);
+    W(MSG).bytes(b"VGPC").u16(2).u16(1).u32(1).u32(0).u32(0).u32(0);
     expect(g.submit(24, 3, 64).0, 0x1205, "ring_idx 64");
 }
 

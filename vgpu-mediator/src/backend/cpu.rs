@@ -186,24 +186,12 @@ impl Arena {
         old.ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_MISALIGNED_ADDRESS, format!("atomic of {n} bytes at offset {o:#x}")))
     }
 
-    /// Zeroes `[off, off+n)`. Whole pages are dropped with MADV_DONTNEED,
-    /// which makes the kernel hand back zero-filled pages on next touch (and
-    /// returns the memory to the host); the ragged edges are zeroed by hand.
+    /// Zeroes `[off, off+n)` here and now, with stores: the cost shows in
+    /// the scrub (and its figure), not later in the next owner's page
+    /// faults, as it would with MADV_DONTNEED. Freed device memory stays
+    /// resident, as a GPU's does.
     fn scrub(&self, off: u64, n: u64) -> Result<(), BackendError> {
-        let o = self.check(off, n)? as u64;
-        let page = 4096u64;
-        let start = o.div_ceil(page) * page;
-        let end = (o + n) / page * page;
-        if end > start + page {
-            // SAFETY: [start, end) is page-aligned and inside the mapping;
-            // the mapping is private anonymous, so MADV_DONTNEED zero-fills.
-            let rc = unsafe { libc::madvise(self.ptr.add(start as usize).cast(), (end - start) as usize, libc::MADV_DONTNEED) };
-            if rc == 0 {
-                self.fill(o, start - o, &[0])?;
-                return self.fill(end, o + n - end, &[0]);
-            }
-        }
-        self.fill(o, n, &[0])
+        self.fill(off, n, &[0])
     }
 }
 

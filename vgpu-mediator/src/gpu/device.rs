@@ -10,13 +10,14 @@
 //! blob is limited to the blobs attached to the submitting context.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use virtio_gpu_compute::capset::CapsetInfo;
 use virtio_gpu_compute::virtio_gpu::*;
 use virtio_gpu_compute::{CuResult, Opcode, Reply, Request, Wire, MAX_PAYLOAD, VERSION};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
+use crate::worker::engine::{Ring, RingMem};
 use crate::worker::service::{BlobAccess, Conn, DeviceService, Tenant};
 
 /// How the device presents itself.
@@ -88,7 +89,11 @@ struct GpuCtx {
     /// False for a context without our capset (the kernel's implicit
     /// context for display clients): it may hold resources, not compute.
     compute: bool,
-    conn: Conn,
+    conn: Arc<Mutex<Conn>>,
+    /// The context's command ring, in a guest blob, once attached.
+    ring: Option<Arc<Ring>>,
+    /// SUBMIT_3D commands this context sent (one per guest EXECBUFFER).
+    submits: u64,
     blobs: Arc<CtxBlobs>,
     /// Last fence signalled on each ring of this context.
     fences: HashMap<u8, u64>,
@@ -245,15 +250,15 @@ impl GpuDevice {
                     return refuse(ty::RESP_ERR_OUT_OF_MEMORY, format!("at most {MAX_CONTEXTS} contexts"));
                 }
                 let blobs = Arc::new(CtxBlobs { mem: RwLock::new(self.mem.clone()), resources: self.resources.clone(), attached: RwLock::new(HashSet::new()) });
-                let conn = Conn { blobs: Some(blobs.clone()), ..Default::default() };
-                self.ctxs.insert(hdr.ctx_id, GpuCtx { compute: capset != 0, conn, blobs, fences: HashMap::new() });
+                let conn = Arc::new(Mutex::new(Conn { blobs: Some(blobs.clone()), ..Default::default() }));
+                self.ctxs.insert(hdr.ctx_id, GpuCtx { compute: capset != 0, conn, ring: None, submits: 0, blobs, fences: HashMap::new() });
                 Ok(Self::ok(hdr))
             }
             GpuCommand::CtxDestroy => {
-                let Some(mut c) = self.ctxs.remove(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
+                let Some(c) = self.ctxs.remove(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
                 // As a process exit: the context's device memory is freed
                 // (and zeroed before anyone gets it again).
-                self.svc.disconnect(&self.tenant, &mut c.conn);
+                Self::close_ctx(&self.svc, &self.tenant, c);
                 Ok(Self::ok(hdr))
             }
             GpuCommand::CtxAttachResource(b) | GpuCommand::CtxDetachResource(b) => {
@@ -367,6 +372,7 @@ impl GpuDevice {
         if !c.compute {
             return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("context {} was not created with the compute capset", hdr.ctx_id));
         }
+        c.submits += 1;
         let (sh, msg) = SubmitHeader::split(payload).or_else(|e| refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("submit header: {e}")))?;
         let reply_pieces = c.blobs.pieces(sh.reply_blob, sh.reply_offset, sh.reply_capacity as u64).or_else(|e| refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("reply buffer: {e}")))?;
         let (op, seq, reply) = match Request::decode(msg) {
@@ -375,9 +381,22 @@ impl GpuDevice {
                 (h.map(|h| h.opcode()).unwrap_or(Opcode::Ping), h.map_or(0, |h| h.seq), Reply::error(e.cuda(), format!("bad compute message: {e}")))
             }
             Ok((h, Request::RegisterShm(_))) => (h.opcode(), h.seq, Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "VM contexts move data through blobs, not shared buffers")),
+            Ok((h, Request::AttachRing(b))) => (h.opcode(), h.seq, Self::attach_ring(&self.svc, &self.tenant, c, b.sq_size, b.blob)),
+            Ok((h, Request::RingKick)) => {
+                match (&c.ring, self.svc.engine.get()) {
+                    (Some(r), Some(e)) => r.kick(e),
+                    _ => {}
+                }
+                (h.opcode(), h.seq, Reply::Empty)
+            }
+            Ok((h, Request::GetConnStats)) => {
+                let (entries, kicks) = c.ring.as_ref().map(|r| (r.entries.load(std::sync::atomic::Ordering::Relaxed), r.kicks.load(std::sync::atomic::Ordering::Relaxed))).unwrap_or((0, 0));
+                (h.opcode(), h.seq, Reply::ConnStats(virtio_gpu_compute::ConnStats { messages: c.submits, ring_entries: entries, kicks }))
+            }
             Ok((h, req)) => {
                 let (svc, tenant) = (self.svc.clone(), self.tenant.clone());
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(&tenant, &mut c.conn, req)));
+                let conn = c.conn.clone();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(&tenant, &mut conn.lock().unwrap_or_else(|e| e.into_inner()), req)));
                 (h.opcode(), h.seq, r.unwrap_or_else(|_| Reply::error(CuResult::CUDA_ERROR_UNKNOWN, "internal error")))
             }
         };
@@ -422,10 +441,47 @@ impl GpuDevice {
     }
 }
 
+impl GpuDevice {
+    /// Attaches a context's command ring: the whole of blob `res`, which
+    /// must be attached to the context and lie in guest RAM.
+    fn attach_ring(svc: &Arc<DeviceService>, tenant: &Arc<Tenant>, c: &mut GpuCtx, sq_size: u32, res: u32) -> Reply {
+        let bad = |why: String| Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, why);
+        if c.ring.is_some() {
+            return bad("the context already has a ring".into());
+        }
+        if svc.engine.get().is_none() {
+            return Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "this device serves no command rings");
+        }
+        let size = virtio_gpu_compute::ring::region_size(sq_size) as u64;
+        let pieces = match c.blobs.pieces(res, 0, size) {
+            Ok(p) => p,
+            Err(e) => return bad(format!("ring blob: {e}")),
+        };
+        let mem = match RingMem::new(pieces, Box::new(c.blobs.clone())) {
+            Ok(m) => m,
+            Err(e) => return bad(format!("ring blob: {e}")),
+        };
+        match Ring::new(svc.clone(), tenant.clone(), c.conn.clone(), mem, sq_size, None) {
+            Ok(r) => {
+                c.ring = Some(r);
+                Reply::Empty
+            }
+            Err(e) => bad(e),
+        }
+    }
+
+    fn close_ctx(svc: &DeviceService, tenant: &Tenant, c: GpuCtx) {
+        if let Some(r) = &c.ring {
+            r.close();
+        }
+        svc.disconnect(tenant, &mut c.conn.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+}
+
 impl Drop for GpuDevice {
     fn drop(&mut self) {
-        for (_, mut c) in self.ctxs.drain() {
-            self.svc.disconnect(&self.tenant, &mut c.conn);
+        for (_, c) in self.ctxs.drain() {
+            Self::close_ctx(&self.svc, &self.tenant, c);
         }
     }
 }

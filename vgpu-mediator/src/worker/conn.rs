@@ -857,7 +857,8 @@ fn handle_message(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, h: &
 /// Takes exactly N descriptors off a message (the rest stay for the closer).
 fn take_fds<const N: usize>(fds: &mut Vec<OwnedFd>) -> Result<[OwnedFd; N], String> {
     if fds.len() != N {
-        return Err(format!("carries exactly {N} file descriptor(s), not {}", fds.len()));
+        let want = ["no", "one", "two"].get(N).copied().unwrap_or("more");
+        return Err(format!("carries exactly {want} file descriptor{}, not {}", if N == 1 { "" } else { "s" }, fds.len()));
     }
     let v: Vec<OwnedFd> = std::mem::take(fds);
     v.try_into().map_err(|_| "lost its descriptors".to_string())
@@ -881,7 +882,7 @@ fn register_region(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, rid:
     // The old region's charge goes with it.
     svc.set_shm(&mut conn, rid, None);
     t.host.release(io.shm_held.remove(&rid).unwrap_or(0));
-    t.host.reserve(size, "the shared region")?;
+    t.host.reserve(size, if rid == 0 { "the shared buffer" } else { "the pinned host memory" })?;
     match Shm::map(f.into(), size) {
         Ok(m) => {
             io.shm_held.insert(rid, size);

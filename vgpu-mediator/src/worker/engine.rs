@@ -39,9 +39,15 @@ use virtio_gpu_compute::*;
 use super::service::{Conn, DeviceService, Prepared, Tenant, Work, WorkGuard, WorkKind};
 use crate::backend::BackendError;
 
-/// How long a ring job keeps polling an empty ring before it sleeps,
-/// while no other job waits for an engine thread.
+/// How long a ring job keeps spinning on an empty ring, while no other job
+/// waits for an engine thread.
 pub const SPIN: Duration = Duration::from_micros(200);
+/// After the spin, it looks again every NAP until the ring has been empty
+/// for IDLE, then sleeps until the tenant kicks it: a tenant submitting
+/// now and then (a guest under emulation, a framework between batches)
+/// costs no kick per call and no busy core.
+pub const NAP: Duration = Duration::from_micros(100);
+pub const IDLE: Duration = Duration::from_millis(5);
 /// Entries one ring job consumes before it lets waiting jobs go first.
 const ENTRIES_PER_TURN: usize = 256;
 /// Distinct streams one ring may have queues for.
@@ -315,8 +321,13 @@ impl Ring {
                     continue;
                 }
             }
-            if last.elapsed() < SPIN && !engine.others_waiting() {
-                std::hint::spin_loop();
+            let idle = last.elapsed();
+            if idle < IDLE && !engine.others_waiting() {
+                if idle < SPIN {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(NAP);
+                }
                 continue;
             }
             state.store(ring::STATE_SLEEPING, Ordering::SeqCst);

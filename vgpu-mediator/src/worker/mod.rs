@@ -149,6 +149,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     // Rings and streams: one engine thread per lane, and one more so a
     // ring is consumed while every lane runs a kernel.
     let engine = engine::Engine::start(opts.lanes + 1, seccomp)?;
+    let _ = svc.engine.set(engine.clone());
     let pool = conn::Pool::start(svc.clone(), engine.clone(), opts.connection_threads, seccomp)?;
     let mut listening: HashMap<String, Listening> = HashMap::new();
     let out = Out(Arc::new(Mutex::new(std::io::stdout())));

@@ -306,6 +306,8 @@ pub enum Prepared {
 
 pub struct DeviceService {
     pub backend: Arc<dyn Backend>,
+    /// The stream engine serving command rings, once the worker started it.
+    pub engine: std::sync::OnceLock<Arc<super::engine::Engine>>,
     pub sched: Scheduler,
     pub ordinal: u32,
     tenants: RwLock<HashMap<String, Arc<Tenant>>>,
@@ -314,7 +316,7 @@ pub struct DeviceService {
 
 impl DeviceService {
     pub fn new(ordinal: u32, backend: Arc<dyn Backend>, sched: Scheduler) -> Self {
-        DeviceService { backend, sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
+        DeviceService { backend, engine: std::sync::OnceLock::new(), sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
     }
 
     pub fn add_tenant(&self, name: &str, quota: u64, weight: u32, host_limit: u64) -> Result<Arc<Tenant>, String> {
