@@ -66,6 +66,7 @@ fn vm_tenant_quota_and_scrub_hold_in_the_guest() {
 fn a_guest_launches_ten_thousand_kernels_with_under_a_hundred_execbuffers() {
     let Some(out) = output("a_guest_launches_ten_thousand_kernels_with_under_a_hundred_execbuffers") else { return };
     let storm = lines(out, "L2-STORM: ").join("\n");
+    eprintln!("guest launch storm: {storm}");
     let field = |k: &str| storm.split_whitespace().find_map(|w| w.strip_prefix(&format!("{k}="))).and_then(|v| v.parse::<u64>().ok());
     assert_eq!(field("launches"), Some(10_000), "{storm}");
     assert_eq!(field("counter"), Some(10_000), "every launch ran, in order, exactly once: {storm}");

@@ -184,6 +184,22 @@ pub struct Stream {
     q: Mutex<StreamQ>,
 }
 
+/// Copies and memsets up to this size count as short work.
+const SHORT_BYTES: u64 = 4 << 20;
+
+impl Stream {
+    /// Whether the next item is bounded work: an event record, a wait, or
+    /// a copy or memset of at most SHORT_BYTES.
+    fn is_short(&self) -> bool {
+        match lock(&self.q).items.front().map(|i| &i.work.kind) {
+            None | Some(WorkKind::Record { .. }) | Some(WorkKind::Wait { .. }) => true,
+            Some(WorkKind::Fill { count, elem, .. }) => count.saturating_mul(elem.len() as u64) <= SHORT_BYTES,
+            Some(WorkKind::HtoD { size, .. }) | Some(WorkKind::DtoH { size, .. }) | Some(WorkKind::DtoD { size, .. }) => *size <= SHORT_BYTES,
+            Some(WorkKind::Launch { .. }) => false,
+        }
+    }
+}
+
 struct Done {
     /// The newest completed sequence number per completion slot.
     slots: Vec<u64>,
@@ -315,9 +331,32 @@ impl Ring {
                     engine.push(Job::Ring(self.clone()));
                     return;
                 }
-                Ok(0) => {}
+                Ok(0) => {
+                    // The ring is empty: run the work it queued on this
+                    // thread, which is running already, and hand the ring
+                    // to an idle thread (the work may be long). Waking a
+                    // thread for the work instead would put a sleeping
+                    // thread's wake-up on the work's path.
+                    if let Some((job, short)) = engine.steal_stream_job() {
+                        if short {
+                            // Bounded (a small copy or memset, an event):
+                            // this thread stays the ring's poller.
+                            engine.run_job(job);
+                            last = Instant::now();
+                            continue;
+                        }
+                        self.polling.store(false, Ordering::SeqCst);
+                        self.wake(engine);
+                        engine.run_job(job);
+                        return;
+                    }
+                }
                 Ok(_) => {
                     last = Instant::now();
+                    if self.tail() != lock(&self.cur).head {
+                        // More is coming: let idle threads start the work.
+                        engine.notify_queued();
+                    }
                     continue;
                 }
             }
@@ -496,7 +535,9 @@ impl Ring {
         if !q.scheduled {
             q.scheduled = true;
             drop(q);
-            engine.push(Job::Stream(self.clone(), stream));
+            // Nobody is woken yet: the polling thread runs it when the ring
+            // runs dry, or wakes others if more entries keep coming.
+            engine.push_quiet(Job::Stream(self.clone(), stream));
         }
     }
 
@@ -634,6 +675,43 @@ impl Engine {
         self.cv.notify_one();
     }
 
+    fn push_quiet(&self, job: Job) {
+        lock(&self.q).jobs.push_back(job);
+    }
+
+    /// Wakes idle threads for queued jobs.
+    fn notify_queued(&self) {
+        let q = lock(&self.q);
+        let n = q.jobs.len().min(q.idle);
+        drop(q);
+        for _ in 0..n {
+            self.cv.notify_one();
+        }
+    }
+
+    /// The oldest queued stream job and whether its next item is short
+    /// (bounded by a few MiB of copying). A long one is taken only if a
+    /// thread is idle to take over the ring its caller polls.
+    fn steal_stream_job(&self) -> Option<(Job, bool)> {
+        let mut q = lock(&self.q);
+        let idle = q.idle > 0;
+        let i = q.jobs.iter().position(|j| matches!(j, Job::Stream(_, s) if idle || s.is_short()))?;
+        let job = q.jobs.remove(i)?;
+        let short = matches!(&job, Job::Stream(_, s) if s.is_short());
+        Some((job, short))
+    }
+
+    fn run_job(&self, job: Job) {
+        // A bug must cost the job, never the engine thread.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
+            Job::Ring(r) => r.poll(self),
+            Job::Stream(r, s) => r.run_stream(self, s),
+        }));
+        if r.is_err() {
+            tracing::error!("an engine job panicked; the worker goes on");
+        }
+    }
+
     /// Whether jobs wait and no thread is idle to take them.
     fn others_waiting(&self) -> bool {
         let q = lock(&self.q);
@@ -653,14 +731,7 @@ impl Engine {
                     q.idle -= 1;
                 }
             };
-            // A bug must cost the job, never the engine thread.
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
-                Job::Ring(r) => r.poll(&self),
-                Job::Stream(r, s) => r.run_stream(&self, s),
-            }));
-            if r.is_err() {
-                tracing::error!("an engine job panicked; the worker goes on");
-            }
+            self.run_job(job);
         }
     }
 }

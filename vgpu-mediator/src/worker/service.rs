@@ -91,6 +91,10 @@ pub struct Tenant {
     /// back to the device only once this is zero.
     inflight: Mutex<u64>,
     idle: Condvar,
+    /// Threads waiting on `idle` (a wake-up costs a system call).
+    idle_waiters: AtomicU32,
+    /// `deferred` has entries (checked without the state lock).
+    has_deferred: AtomicBool,
     kernels: AtomicU64,
     device_ns: AtomicU64,
     scrubbed: AtomicU64,
@@ -154,9 +158,13 @@ impl Tenant {
 
     /// Waits until no work of the tenant is in flight, at most `limit`.
     pub fn wait_idle(&self, limit: Duration) -> bool {
+        self.idle_waiters.fetch_add(1, Ordering::SeqCst);
         let g = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         let (g, _) = self.idle.wait_timeout_while(g, limit, |n| *n > 0).unwrap_or_else(|e| e.into_inner());
-        *g == 0
+        let idle = *g == 0;
+        drop(g);
+        self.idle_waiters.fetch_sub(1, Ordering::SeqCst);
+        idle
     }
 }
 
@@ -173,10 +181,16 @@ impl Drop for WorkGuard {
             return;
         }
         drop(n);
-        t.idle.notify_all();
+        if t.idle_waiters.load(Ordering::SeqCst) > 0 {
+            t.idle.notify_all();
+        }
+        if !t.has_deferred.load(Ordering::Acquire) {
+            return;
+        }
         let mut st = t.state.lock();
         // Checked again under the state lock: work may have started since.
         if *t.inflight.lock().unwrap_or_else(|e| e.into_inner()) == 0 {
+            t.has_deferred.store(false, Ordering::Release);
             for (addr, len) in std::mem::take(&mut st.deferred) {
                 return_alloc(t, &mut st, addr, len);
             }
@@ -336,6 +350,8 @@ impl DeviceService {
             state: FairMutex::new(TenantState::default()),
             inflight: Mutex::new(0),
             idle: Condvar::new(),
+            idle_waiters: AtomicU32::new(0),
+            has_deferred: AtomicBool::new(false),
             kernels: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             scrubbed: AtomicU64::new(0),
@@ -475,7 +491,16 @@ impl DeviceService {
         let Some(len) = owned.0.remove(&addr) else { return false };
         owned.1.remove(&addr);
         st.alloc_ctx.remove(&addr);
-        if *t.inflight.lock().unwrap_or_else(|e| e.into_inner()) > 0 {
+        let busy = {
+            // The flag is raised under the count's lock: the last work to
+            // end takes that lock after, and so sees it.
+            let n = t.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            if *n > 0 {
+                t.has_deferred.store(true, Ordering::Release);
+            }
+            *n > 0
+        };
+        if busy {
             st.deferred.push((addr, len));
         } else {
             return_alloc(t, st, addr, len);
