@@ -784,6 +784,7 @@ pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
 /// A copy between host memory and the device. Asynchronous forms return
 /// once the work is queued (from pageable memory, once it is staged); a
 /// device-to-pageable copy always completes first, as on CUDA.
+#[allow(clippy::too_many_arguments)]
 fn host_copy(api: &str, to_device: bool, dev: CUdeviceptr, host: *mut c_void, n: usize, stream: H, sync: bool, default: Default) -> CUresult {
     with(api, |s| {
         let t = s.target(stream, default)?;
@@ -869,6 +870,7 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, 
 
 /// A memset: synchronous forms wait for it (CUDA's are asynchronous with
 /// respect to the host for device memory; waiting is also allowed).
+#[allow(clippy::too_many_arguments)]
 fn memset(api: &str, dst: CUdeviceptr, value: u32, elem: u32, count: usize, stream: H, sync: bool, default: Default) -> CUresult {
     with(api, |s| {
         let t = s.target(stream, default)?;

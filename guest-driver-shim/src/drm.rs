@@ -140,6 +140,9 @@ struct Bo {
     len: usize,
 }
 
+/// An attached ring: its mapping, its length and the kick that wakes it.
+pub type RingMapping = (*mut u8, usize, DrmKick);
+
 pub struct DrmTransport {
     fd: File,
     data: Bo,
@@ -265,7 +268,7 @@ impl DrmTransport {
 
     /// Creates the command ring in a blob and attaches it. On success, the
     /// ring's mapping and the kick that wakes its consumer.
-    pub fn attach_ring(&mut self, sq_size: u32, seq: u32) -> Result<(Reply, Option<(*mut u8, usize, DrmKick)>), TransportError> {
+    pub fn attach_ring(&mut self, sq_size: u32, seq: u32) -> Result<(Reply, Option<RingMapping>), TransportError> {
         let bo = create_blob(&self.fd, virtio_gpu_compute::ring::region_size(sq_size))?;
         let reply = self.call(&Request::AttachRing(AttachRingReq { sq_size, flags: 0, blob: bo.res, reserved: 0 }), seq)?;
         if reply != Reply::Empty {

@@ -82,13 +82,13 @@ impl RingClient {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        assert!(off + 8 <= self.len && off % 8 == 0);
+        assert!(off + 8 <= self.len && off.is_multiple_of(8));
         // SAFETY: aligned, inside the live mapping (asserted).
         unsafe { AtomicU64::from_ptr(self.base.add(off).cast()) }
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(off + 4 <= self.len && off % 4 == 0);
+        assert!(off + 4 <= self.len && off.is_multiple_of(4));
         // SAFETY: aligned, inside the live mapping (asserted).
         unsafe { AtomicU32::from_ptr(self.base.add(off).cast()) }
     }

@@ -42,6 +42,9 @@ pub trait Transport: Send {
     }
 }
 
+/// The worker's answer to AttachRing and, on success, the ring's mapping.
+pub type AttachedRing = (Reply, Option<(*mut u8, usize)>);
+
 pub struct UnixTransport {
     s: UnixStream,
     shm: Option<(*mut u8, usize)>,
@@ -112,7 +115,7 @@ impl UnixTransport {
 
     /// Creates the command ring's memory and attaches it, with `kick` as the
     /// eventfd the worker watches. On success, the ring's mapping.
-    pub fn attach_ring(&mut self, sq_size: u32, kick: &OwnedFd, seq: u32) -> Result<(Reply, Option<(*mut u8, usize)>), TransportError> {
+    pub fn attach_ring(&mut self, sq_size: u32, kick: &OwnedFd, seq: u32) -> Result<AttachedRing, TransportError> {
         let size = virtio_gpu_compute::ring::region_size(sq_size);
         let (fd, p) = shared_memfd(size, true)?;
         let reply = self.send_fds(&Request::AttachRing(AttachRingReq { sq_size, flags: 0, blob: 0, reserved: 0 }), seq, &[fd.as_raw_fd(), kick.as_raw_fd()])?;

@@ -75,6 +75,9 @@ pub const STATE_KICKED: u32 = 2;
 /// `EntryHeader::flags`: the entry fills the rest of the queue; skip it.
 pub const ENTRY_PAD: u16 = 1;
 
+// The error block fits the control block.
+const _: () = assert!(ERR_TEXT + ERR_TEXT_MAX <= DONE);
+
 /// Whether the worker accepts a submission queue of `n` bytes.
 pub fn sq_size_ok(n: u32) -> bool {
     n.is_power_of_two() && (MIN_SQ..=MAX_SQ).contains(&n)
@@ -121,7 +124,6 @@ mod tests {
         for off in [DONE, REPLIES, SQ] {
             assert_eq!(off % 4096, 0, "{off:#x}");
         }
-        assert!(ERR_TEXT + ERR_TEXT_MAX <= DONE);
         assert!(sq_size_ok(DEFAULT_SQ) && !sq_size_ok(DEFAULT_SQ + 1) && !sq_size_ok(MIN_SQ / 2) && !sq_size_ok(MAX_SQ * 2));
         assert_eq!(done_offset(FIRST_SEQ), DONE);
         assert_eq!(entry_len(1), 32);

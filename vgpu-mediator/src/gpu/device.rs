@@ -383,9 +383,8 @@ impl GpuDevice {
             Ok((h, Request::RegisterShm(_))) => (h.opcode(), h.seq, Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "VM contexts move data through blobs, not shared buffers")),
             Ok((h, Request::AttachRing(b))) => (h.opcode(), h.seq, Self::attach_ring(&self.svc, &self.tenant, c, b.sq_size, b.blob)),
             Ok((h, Request::RingKick)) => {
-                match (&c.ring, self.svc.engine.get()) {
-                    (Some(r), Some(e)) => r.kick(e),
-                    _ => {}
+                if let (Some(r), Some(e)) = (&c.ring, self.svc.engine.get()) {
+                    r.kick(e);
                 }
                 (h.opcode(), h.seq, Reply::Empty)
             }

@@ -83,7 +83,7 @@ impl RingMem {
         let mut out = Vec::with_capacity(runs.len());
         let mut at = 0usize;
         for (p, n) in runs {
-            if (p as usize) % 64 != 0 || n % 64 != 0 || n == 0 {
+            if !(p as usize).is_multiple_of(64) || !n.is_multiple_of(64) || n == 0 {
                 return Err(format!("ring memory run of {n} bytes at {:#x} is not 64-byte aligned", p as usize % 4096));
             }
             out.push((at, p, n));
@@ -114,7 +114,7 @@ impl RingMem {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        let p = self.at(off, 8).filter(|p| (*p as usize) % 8 == 0).expect("ring control words lie inside the checked layout");
+        let p = self.at(off, 8).filter(|p| (*p as usize).is_multiple_of(8)).expect("ring control words lie inside the checked layout");
         // SAFETY: 8 aligned bytes inside the mapping, which lives as long
         // as `self`; shared memory is only ever reached through atomics
         // and volatile copies.
@@ -122,7 +122,7 @@ impl RingMem {
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        let p = self.at(off, 4).filter(|p| (*p as usize) % 4 == 0).expect("ring control words lie inside the checked layout");
+        let p = self.at(off, 4).filter(|p| (*p as usize).is_multiple_of(4)).expect("ring control words lie inside the checked layout");
         // SAFETY: as for u64_at, with 4 aligned bytes.
         unsafe { AtomicU32::from_ptr(p.cast()) }
     }
@@ -187,16 +187,21 @@ pub struct Stream {
 /// Copies and memsets up to this size count as short work.
 const SHORT_BYTES: u64 = 4 << 20;
 
+/// Whether work is bounded: an event record, a wait, or a copy or memset
+/// of at most SHORT_BYTES.
+fn work_is_short(k: &WorkKind) -> bool {
+    match k {
+        WorkKind::Record { .. } | WorkKind::Wait { .. } => true,
+        WorkKind::Fill { count, elem, .. } => count.saturating_mul(elem.len() as u64) <= SHORT_BYTES,
+        WorkKind::HtoD { size, .. } | WorkKind::DtoH { size, .. } | WorkKind::DtoD { size, .. } => *size <= SHORT_BYTES,
+        WorkKind::Launch { .. } => false,
+    }
+}
+
 impl Stream {
-    /// Whether the next item is bounded work: an event record, a wait, or
-    /// a copy or memset of at most SHORT_BYTES.
+    /// Whether the next item is bounded work (see [`work_is_short`]).
     fn is_short(&self) -> bool {
-        match lock(&self.q).items.front().map(|i| &i.work.kind) {
-            None | Some(WorkKind::Record { .. }) | Some(WorkKind::Wait { .. }) => true,
-            Some(WorkKind::Fill { count, elem, .. }) => count.saturating_mul(elem.len() as u64) <= SHORT_BYTES,
-            Some(WorkKind::HtoD { size, .. }) | Some(WorkKind::DtoH { size, .. }) | Some(WorkKind::DtoD { size, .. }) => *size <= SHORT_BYTES,
-            Some(WorkKind::Launch { .. }) => false,
-        }
+        lock(&self.q).items.front().is_none_or(|i| work_is_short(&i.work.kind))
     }
 }
 
@@ -417,7 +422,7 @@ impl Ring {
             }
             let h = EntryHeader::get(&mut Reader::new(&hb)).map_err(|e| RingBroken(e.to_string()))?;
             let len = h.len as usize;
-            if len < EntryHeader::SIZE || len % ring::ENTRY_ALIGN != 0 || pos + len > self.sq_size as usize || len as u64 > avail {
+            if len < EntryHeader::SIZE || !len.is_multiple_of(ring::ENTRY_ALIGN) || pos + len > self.sq_size as usize || len as u64 > avail {
                 return Err(RingBroken(format!("entry of {len} bytes at {head}")));
             }
             if h.flags == ring::ENTRY_PAD {
@@ -529,8 +534,18 @@ impl Ring {
             }
             m.entry(key).or_default().clone()
         };
+        let short = work_is_short(&work.kind) && !matches!(work.kind, WorkKind::Wait { .. });
         let item = Item { seq, work, _inflight: self.tenant.begin_work() };
         let mut q = lock(&stream.q);
+        if short && !q.scheduled {
+            // The stream is idle and the work bounded: run it now, on the
+            // polling thread, the cheapest way to the device (stream order
+            // holds: nothing of this stream is queued or running).
+            q.scheduled = true;
+            drop(q);
+            self.run_item(engine, item);
+            return self.reschedule(engine, stream, false);
+        }
         q.items.push_back(item);
         if !q.scheduled {
             q.scheduled = true;
@@ -564,6 +579,29 @@ impl Ring {
             q.items.pop_front()
         };
         let Some(item) = item else { return };
+        self.run_item(engine, item);
+        self.reschedule(engine, stream, true);
+    }
+
+    /// After an item of a scheduled stream ran: queue the stream again if
+    /// it has more (waking a thread for it if `wake`), or mark it idle.
+    fn reschedule(self: &Arc<Self>, engine: &Engine, stream: Arc<Stream>, wake: bool) {
+        let mut q = lock(&stream.q);
+        if q.items.is_empty() {
+            q.scheduled = false;
+            return;
+        }
+        drop(q);
+        let job = Job::Stream(self.clone(), stream);
+        if wake {
+            engine.push(job)
+        } else {
+            engine.push_quiet(job)
+        }
+    }
+
+    /// Runs one item and completes its entry.
+    fn run_item(self: &Arc<Self>, engine: &Engine, item: Item) {
         let res = match &item.work.kind {
             WorkKind::Wait { .. } => Ok(()),
             _ => self.svc.execute(&self.tenant, &item.work).map(|_| ()),
@@ -572,14 +610,6 @@ impl Ring {
             self.report_backend(item.seq, e);
         }
         self.complete(engine, item.seq);
-        drop(item);
-        let mut q = lock(&stream.q);
-        if q.items.is_empty() {
-            q.scheduled = false;
-        } else {
-            drop(q);
-            engine.push(Job::Stream(self.clone(), stream));
-        }
     }
 
     fn report_backend(&self, seq: u64, e: &BackendError) {
