@@ -385,3 +385,79 @@ fn a_deleted_vm_tenant_can_neither_compute_nor_create_contexts() {
     assert_eq!(create_blob(&mut dev, 77, &[(0x10_0000, 0x1000)]), ty::RESP_ERR_UNSPEC);
     assert_eq!(svc.stats().allocated, 0, "nothing was allocated after the deletion");
 }
+
+/// The ring of a VM context: a blob of scattered guest pages, entries
+/// written into guest memory, one kick by SUBMIT_3D, completions read back
+/// from guest memory; bad rings are refused or broken, never followed.
+#[test]
+fn a_vm_context_ring_in_scattered_guest_pages_serves_entries_after_one_kick() {
+    use virtio_gpu_compute::ring;
+    let svc = service();
+    let _ = svc.engine.set(crate::worker::engine::Engine::start(2, false).unwrap());
+    let (mut dev, mem, _t) = device_on(&svc, "ringvm", 8 << 20);
+    ready(&mut dev);
+    const RING: u32 = 20;
+    let sq = ring::MIN_SQ;
+    let size = ring::region_size(sq) as u64;
+    // Two runs of guest pages, the second before the first in guest memory.
+    let first = 0x90_0000u64;
+    let second = 0x50_0000u64;
+    let split = 0x1_0000u64;
+    let ring_off = |off: u64| if off < split { first + off } else { second + off - split };
+    assert_eq!(create_blob(&mut dev, RING, &[(first, split as u32), (second, (size - split) as u32)]), ty::RESP_OK_NODATA);
+    // Not attached yet: refused.
+    let attach_req = Request::AttachRing(AttachRingReq { sq_size: sq, flags: 0, blob: RING, reserved: 0 });
+    assert!(matches!(call(&mut dev, &mem, attach_req.clone()), Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, _)));
+    assert_eq!(attach(&mut dev, RING), ty::RESP_OK_NODATA);
+    // A queue the blob cannot hold: refused.
+    let too_big = Request::AttachRing(AttachRingReq { sq_size: sq * 2, flags: 0, blob: RING, reserved: 0 });
+    assert!(matches!(call(&mut dev, &mem, too_big), Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, _)));
+    assert_eq!(call(&mut dev, &mem, attach_req.clone()), Reply::Empty);
+    assert!(matches!(call(&mut dev, &mem, attach_req), Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, _)), "one ring per context");
+    // 300 entries (crossing from the first run into the second), one kick.
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let mut tail = 0u64;
+    let n = 300u64;
+    for i in 0..n {
+        let seq = ring::FIRST_SEQ + i;
+        let req = if i + 1 == n { Request::MemGetInfo } else { Request::CtxSynchronize(CtxReq { ctx, reserved: 0 }) };
+        let msg = req.encode(seq as u32);
+        let len = ring::entry_len(msg.len());
+        let mut e = Vec::new();
+        ring::EntryHeader { len: len as u32, flags: 0, reply: if i + 1 == n { 3 } else { ring::NO_REPLY }, seq }.put(&mut e);
+        e.extend_from_slice(&msg);
+        e.resize(len, 0);
+        for (k, b) in e.iter().enumerate() {
+            mem.write_obj(*b, GuestAddress(ring_off(ring::SQ as u64 + tail % sq as u64 + k as u64))).unwrap();
+        }
+        tail += len as u64;
+    }
+    mem.write_obj(tail, GuestAddress(ring_off(ring::SQ_TAIL as u64))).unwrap();
+    assert_eq!(call(&mut dev, &mem, Request::RingKick), Reply::Empty);
+    let last = ring::FIRST_SEQ + n - 1;
+    let t = std::time::Instant::now();
+    while mem.read_obj::<u64>(GuestAddress(ring_off(ring::done_offset(last) as u64))).unwrap() < last {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the ring was not served");
+        std::thread::yield_now();
+    }
+    let rep = ring_off(ring::reply_offset(3) as u64);
+    let mut h = [0u8; MsgHeader::SIZE];
+    mem.read_slice(&mut h, GuestAddress(rep)).unwrap();
+    let h = MsgHeader::decode(&h).unwrap();
+    let mut body = vec![0u8; h.payload_len as usize];
+    mem.read_slice(&mut body, GuestAddress(rep + MsgHeader::SIZE as u64)).unwrap();
+    assert_eq!(Reply::decode_payload(Opcode::MemGetInfo, h.status, &body).unwrap(), Reply::MemInfo(MemInfoReply { free: 8 << 20, total: 8 << 20 }));
+    match call(&mut dev, &mem, Request::GetConnStats) {
+        Reply::ConnStats(s) => assert_eq!(s.ring_entries, n, "{s:?}"),
+        o => panic!("{o:?}"),
+    }
+    // A tail behind the head: the ring is broken, the context still answers.
+    mem.write_obj(1u64, GuestAddress(ring_off(ring::SQ_TAIL as u64))).unwrap();
+    assert_eq!(call(&mut dev, &mem, Request::RingKick), Reply::Empty);
+    let t = std::time::Instant::now();
+    while mem.read_obj::<u32>(GuestAddress(ring_off(ring::BROKEN as u64))).unwrap() == 0 {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the bad tail was not noticed");
+        std::thread::yield_now();
+    }
+    assert_eq!(call(&mut dev, &mem, Request::Ping), Reply::Empty);
+}
