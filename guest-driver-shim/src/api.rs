@@ -70,6 +70,9 @@ struct State {
     events: HashMap<u32, EventInfo>,
     /// Newest ring entry on each context's legacy default stream.
     legacy: HashMap<u32, u64>,
+    /// Newest entry of each context's destroyed streams: their work still
+    /// runs, and context-wide synchronisation still covers it.
+    orphans: HashMap<u32, u64>,
 }
 
 struct Shim {
@@ -78,6 +81,9 @@ struct Shim {
     /// Handle tables; held only while they are read or changed, never
     /// across a call to the device.
     st: Mutex<State>,
+    /// Held from choosing a submission's stream waits to recording it, so
+    /// two threads' submissions order the same way on every stream.
+    order: Mutex<()>,
 }
 
 static SHIM: Mutex<Option<Arc<Shim>>> = Mutex::new(None);
@@ -204,6 +210,7 @@ impl Shim {
     /// stream waits for earlier work on every blocking stream of the
     /// context, and work on a blocking stream waits for earlier legacy work.
     fn enqueue(&self, t: Target, req: Request) -> CallResult<u64> {
+        let _order = self.order.lock().unwrap_or_else(|e| e.into_inner());
         self.enqueue_waits(t)?;
         let seq = self.client.enqueue(req)?;
         self.note(t, seq);
@@ -220,7 +227,9 @@ impl Shim {
             let st = self.st();
             let legacy = st.legacy.get(&t.ctx).copied().unwrap_or(0);
             if t.stream == DEFAULT_STREAM {
-                st.streams.values().filter(|s| s.ctx == t.ctx && s.blocking && s.last > 0 && !self.client.is_done(s.last)).map(|s| (DEFAULT_STREAM, s.last)).collect()
+                let orphan = st.orphans.get(&t.ctx).copied().unwrap_or(0);
+                let blocking = st.streams.values().filter(|s| s.ctx == t.ctx && s.blocking).map(|s| s.last);
+                blocking.chain([orphan]).filter(|l| *l > 0 && !self.client.is_done(*l)).map(|l| (DEFAULT_STREAM, l)).collect()
             } else if st.streams.get(&t.stream).is_some_and(|s| s.blocking) && legacy > 0 && !self.client.is_done(legacy) {
                 vec![(t.stream, legacy)]
             } else {
@@ -251,14 +260,16 @@ impl Shim {
         if t.stream == DEFAULT_STREAM {
             let mut v: Vec<u64> = st.streams.values().filter(|s| s.ctx == t.ctx && s.blocking).map(|s| s.last).collect();
             v.push(st.legacy.get(&t.ctx).copied().unwrap_or(0));
+            v.push(st.orphans.get(&t.ctx).copied().unwrap_or(0));
             v
         } else {
             st.streams.get(&t.stream).map(|s| vec![s.last]).unwrap_or_default()
         }
     }
 
-    /// Waits for all of `points`, then reports any asynchronous error.
-    fn wait_all(&self, points: &[u64]) -> CallResult<()> {
+    /// Waits for all of `points`, then reports any asynchronous error, or
+    /// context `ctx`'s sticky one.
+    fn wait_all(&self, ctx: u32, points: &[u64]) -> CallResult<()> {
         let mut first = None;
         for &p in points {
             if p > 0 {
@@ -269,7 +280,7 @@ impl Shim {
         }
         match first {
             Some(e) => Err(e),
-            None => self.client.check_async(),
+            None => self.client.check_async().and_then(|_| self.client.sticky(ctx)),
         }
     }
 
@@ -277,9 +288,9 @@ impl Shim {
     fn sync_ctx(&self, ctx: u32) -> CallResult<()> {
         let points: Vec<u64> = {
             let st = self.st();
-            st.streams.values().filter(|s| s.ctx == ctx).map(|s| s.last).chain(st.legacy.get(&ctx).copied()).collect()
+            st.streams.values().filter(|s| s.ctx == ctx).map(|s| s.last).chain(st.legacy.get(&ctx).copied()).chain(st.orphans.get(&ctx).copied()).collect()
         };
-        self.wait_all(&points)
+        self.wait_all(ctx, &points)
     }
 
     fn create_ctx(&self, flags: c_uint, dev: CUdevice) -> CallResult<u32> {
@@ -303,6 +314,8 @@ impl Shim {
         st.streams.retain(|_, x| x.ctx != c);
         st.events.retain(|_, x| x.ctx != c);
         st.legacy.remove(&c);
+        st.orphans.remove(&c);
+        self.client.forget(c);
         if st.primary.is_some_and(|(p, _)| p == c) {
             st.primary = None;
         }
@@ -328,7 +341,7 @@ pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
     }
     let r = Client::from_env().and_then(|client| {
         let info = client.device_info()?;
-        Ok(Shim { client, info, st: Mutex::new(State::default()) })
+        Ok(Shim { client, info, st: Mutex::new(State::default()), order: Mutex::new(()) })
     });
     match r {
         Ok(s) => {
@@ -795,7 +808,9 @@ fn host_copy(api: &str, to_device: bool, dev: CUdeviceptr, host: *mut c_void, n:
             return Err(bad("null host pointer"));
         }
         s.client.check_async()?;
+        s.client.sticky(t.ctx)?;
         // Ordered after what CUDA's stream semantics order it after.
+        let _order = s.order.lock().unwrap_or_else(|e| e.into_inner());
         s.enqueue_waits(t)?;
         let last = if to_device {
             // SAFETY: the caller provides `n` readable bytes at `host`.
@@ -1179,7 +1194,11 @@ pub extern "C" fn cuStreamDestroy_v2(h: H) -> CUresult {
         let id = dec(TAG_STREAM, h).ok_or_else(|| invalid_handle("stream"))?;
         let ctx = s.st().streams.get(&id).map(|x| x.ctx).ok_or_else(|| invalid_handle("stream"))?;
         s.client.empty(Request::StreamDestroy(HandleReq { ctx, handle: id }))?;
-        s.st().streams.remove(&id);
+        let mut st = s.st();
+        if let Some(gone) = st.streams.remove(&id) {
+            let o = st.orphans.entry(ctx).or_insert(0);
+            *o = (*o).max(gone.last);
+        }
         Ok(())
     })
 }
@@ -1196,7 +1215,7 @@ fn stream_sync(h: H, default: Default) -> CUresult {
             return s.client.empty(Request::StreamSynchronize(HandleReq { ctx: t.ctx, handle: t.stream }));
         }
         let points = s.sync_points(t);
-        s.wait_all(&points)
+        s.wait_all(t.ctx, &points)
     })
 }
 
@@ -1246,7 +1265,10 @@ fn stream_wait_event(h: H, e: H, flags: c_uint, default: Default) -> CUresult {
         if s.client.ring().is_none() {
             return Ok(());
         }
-        s.client.enqueue(Request::StreamWait(StreamWaitReq { ctx: t.ctx, stream: t.stream, seq })).map(|_| ())
+        let _order = s.order.lock().unwrap_or_else(|e| e.into_inner());
+        let w = s.client.enqueue(Request::StreamWait(StreamWaitReq { ctx: t.ctx, stream: t.stream, seq }))?;
+        s.note(t, w);
+        Ok(())
     })
 }
 
@@ -1317,7 +1339,7 @@ pub extern "C" fn cuEventSynchronize(e: H) -> CUresult {
             return s.client.empty(Request::EventSynchronize(HandleReq { ctx, handle: ev }));
         }
         let seq = s.st().events.get(&ev).and_then(|e| e.recorded).unwrap_or(0);
-        s.wait_all(&[seq])
+        s.wait_all(ctx, &[seq])
     })
 }
 

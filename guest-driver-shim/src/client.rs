@@ -76,6 +76,8 @@ pub struct Client {
     staging: Option<Mutex<Staging>>,
     /// Pinned allocations by start address.
     pinned: Mutex<BTreeMap<usize, Pinned>>,
+    /// Sticky errors of contexts whose kernels faulted.
+    sticky: Mutex<std::collections::HashMap<u32, CallError>>,
 }
 
 /// The host kick: one write to the eventfd the worker watches. It holds a
@@ -171,7 +173,9 @@ impl Client {
             }
         }
         let mut ring = None;
-        if ring_wanted() {
+        // Without a staging buffer copies travel inline on the socket,
+        // outside the ring's stream order: no ring then.
+        if ring_wanted() && size > 0 {
             let sq = env_size("VGPU_RING_SIZE", ring::DEFAULT_SQ as usize) as u32;
             // SAFETY: eventfd with no memory arguments; checked below.
             let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -190,12 +194,12 @@ impl Client {
             }
         }
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
-        Ok(Client { t: Mutex::new(Box::new(t)), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()) })
+        Ok(Client { t: Mutex::new(Box::new(t)), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default() })
     }
 
     pub fn with_transport(mut t: Box<dyn Transport>) -> Client {
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
-        Client { t: Mutex::new(t), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring: None, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()) }
+        Client { t: Mutex::new(t), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring: None, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default() }
     }
 
     pub fn ring(&self) -> Option<&RingClient> {
@@ -250,12 +254,32 @@ impl Client {
         self.check_async()
     }
 
-    /// The asynchronous error reported since the last check, if any.
+    /// The asynchronous error reported since the last check, if any. A
+    /// sticky one (a kernel fault) is also kept for its context, which
+    /// then reports it from every synchronising call.
     pub fn check_async(&self) -> CallResult<()> {
         match self.ring.as_ref().and_then(|r| r.take_error()) {
-            Some(e) => Err(e),
+            Some((e, ctx)) => {
+                if ctx != 0 && e.code.is_sticky() {
+                    lock(&self.sticky).insert(ctx, e.clone());
+                }
+                Err(e)
+            }
             None => Ok(()),
         }
+    }
+
+    /// The sticky error of context `ctx`, if one of its kernels faulted.
+    pub fn sticky(&self, ctx: u32) -> CallResult<()> {
+        match lock(&self.sticky).get(&ctx) {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Forgets a destroyed context's sticky error.
+    pub fn forget(&self, ctx: u32) {
+        lock(&self.sticky).remove(&ctx);
     }
 
     pub fn is_done(&self, seq: u64) -> bool {

@@ -118,18 +118,33 @@ impl RingClient {
     }
 
     /// The newest asynchronous error the worker reported since the last
-    /// call to this, if any.
-    pub fn take_error(&self) -> Option<CallError> {
-        let c = self.u32_at(ring::ERR_COUNT).load(Ordering::Acquire);
-        if self.err_seen.swap(c, Ordering::AcqRel) == c {
-            return None;
+    /// call to this, if any, and the context of the work that failed (0 if
+    /// the worker did not name one). The block is a sequence lock: read
+    /// again while the worker is writing it.
+    pub fn take_error(&self) -> Option<(CallError, u32)> {
+        let count = self.u32_at(ring::ERR_COUNT);
+        for _ in 0..1000 {
+            let c = count.load(Ordering::Acquire);
+            if c % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            if self.err_seen.load(Ordering::Acquire) == c {
+                return None;
+            }
+            let code = CuResult::from_u32(self.u32_at(ring::ERR_CODE).load(Ordering::Relaxed));
+            let ctx = self.u32_at(ring::ERR_CTX).load(Ordering::Relaxed);
+            let n = (self.u32_at(ring::ERR_LEN).load(Ordering::Relaxed) as usize).min(ring::ERR_TEXT_MAX);
+            let mut text = vec![0u8; n];
+            self.read(ring::ERR_TEXT, &mut text);
+            fence(Ordering::Acquire);
+            if count.load(Ordering::Relaxed) != c || self.err_seen.swap(c, Ordering::AcqRel) == c {
+                continue;
+            }
+            let code = if code.is_ok() { CuResult::CUDA_ERROR_UNKNOWN } else { code };
+            return Some((CallError::new(code, String::from_utf8_lossy(&text).into_owned()), ctx));
         }
-        let code = CuResult::from_u32(self.u32_at(ring::ERR_CODE).load(Ordering::Relaxed));
-        let n = (self.u32_at(ring::ERR_LEN).load(Ordering::Relaxed) as usize).min(ring::ERR_TEXT_MAX);
-        let mut text = vec![0u8; n];
-        self.read(ring::ERR_TEXT, &mut text);
-        let code = if code.is_ok() { CuResult::CUDA_ERROR_UNKNOWN } else { code };
-        Some(CallError::new(code, String::from_utf8_lossy(&text).into_owned()))
+        None
     }
 
     /// Waits until `cond` holds: spins briefly, then sleeps on the ring's

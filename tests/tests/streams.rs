@@ -473,6 +473,19 @@ fn a_tenant_that_corrupts_its_ring_breaks_only_that_ring() {
         std::thread::yield_now();
     }
     assert_eq!(r.u32(ring::BROKEN).load(std::sync::atomic::Ordering::Acquire), 0, "a bad message does not break the ring");
+    // A stream wait for an entry not yet written is refused, not parked
+    // forever (waits never form a cycle).
+    let before = r.u32(ring::ERR_COUNT).load(std::sync::atomic::Ordering::Acquire);
+    let w = entry(ring::FIRST_SEQ + 2, ring::NO_REPLY, &Request::StreamWait(StreamWaitReq { ctx: 1, stream: 0, seq: ring::FIRST_SEQ + 1000 }));
+    let at = (e.len() + e2.len()) as u64;
+    r.write(ring::SQ + at as usize, &w);
+    r.publish(at + w.len() as u64);
+    let t = std::time::Instant::now();
+    while r.u64(ring::done_offset(ring::FIRST_SEQ + 2)).load(std::sync::atomic::Ordering::Acquire) < ring::FIRST_SEQ + 2 {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the forward wait was never completed");
+        std::thread::yield_now();
+    }
+    assert!(r.u32(ring::ERR_COUNT).load(std::sync::atomic::Ordering::Acquire) > before, "the forward wait was reported as an error");
     let mut status = [0u8; 4];
     // SAFETY: inside the reply area of the mapping.
     unsafe { std::ptr::copy_nonoverlapping(r.base.add(ring::reply_offset(1) + 12), status.as_mut_ptr(), 4) };
@@ -483,5 +496,45 @@ impl RawRing {
     fn t_call(&mut self, req: Request) -> Result<Reply, ::cuda::transport::TransportError> {
         use ::cuda::transport::Transport;
         self.t.call(&req, 77)
+    }
+}
+
+const BUSY: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry busy(.param .u32 n)\n{\n    .reg .u32 %r<2>;\n    .reg .pred %p<1>;\n    ld.param.u32 %r0, [n];\n    mov.u32 %r1, 0;\nL:\n    add.u32 %r1, %r1, 1;\n    setp.lt.u32 %p0, %r1, %r0;\n    @%p0 bra L;\n    ret;\n}\n";
+
+/// One tenant queues long kernels on more streams than the device has
+/// lanes; another tenant's calls through its ring are still served while
+/// they run (the engine keeps a thread for rings and bounded work).
+#[test]
+fn a_tenants_long_kernels_do_not_stop_another_tenants_ring() {
+    use ::cuda::client::Client;
+    let m = Mediator::start(&[]);
+    let a_sock = m.tenant("flooder", "16MiB");
+    let b_sock = m.tenant("neighbour", "16MiB");
+    let a = Client::connect_unix(a_sock.to_str().expect("utf8")).expect("connect");
+    assert!(a.ring().is_some());
+    let ctx = a.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+    let img = BUSY.as_bytes().to_vec();
+    let module = a.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("module");
+    let func = match a.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: 4, reserved: 0 }, "busy".into())).expect("function") {
+        Reply::Function(f, _) => f.func,
+        r => panic!("{r:?}"),
+    };
+    let lanes = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let mut last = Vec::new();
+    for _ in 0..lanes + 2 {
+        let stream = a.handle(Request::StreamCreate(ObjCreateReq { ctx, flags: 1 })).expect("stream");
+        let launch = LaunchReq { ctx, func, stream, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 4, reserved: 0 };
+        last.push(a.enqueue(Request::LaunchKernel(launch, 60_000_000u32.to_le_bytes().to_vec())).expect("launch"));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let b = Client::connect_unix(b_sock.to_str().expect("utf8")).expect("connect");
+    for _ in 0..100 {
+        assert_eq!(b.call(Request::Ping).expect("ping"), Reply::Empty);
+    }
+    let bctx = b.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+    assert!(matches!(b.call(Request::MemAlloc(MemAllocReq { ctx: bctx, reserved: 0, size: 4096 })), Ok(Reply::Ptr(_))));
+    assert!(last.iter().all(|s| !a.is_done(*s)), "the neighbour was served before any of the flooder's kernels ended");
+    for s in last {
+        a.wait(s).expect("the flooder's kernels finish");
     }
 }

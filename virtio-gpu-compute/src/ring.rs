@@ -56,12 +56,15 @@ pub const STATE: usize = 128;
 pub const WAITERS: usize = 192;
 pub const WAKE: usize = 256;
 pub const BROKEN: usize = 320;
-/// The error block: ERR_COUNT (u32, bumped per error), ERR_CODE (u32),
-/// ERR_SEQ (u64, the entry that failed), ERR_LEN (u32) and ERR_TEXT.
+/// The error block, a sequence lock: ERR_COUNT (u32) is odd while the
+/// worker writes the block and grows by 2 per error; ERR_CODE (u32),
+/// ERR_SEQ (u64, the entry that failed), ERR_LEN (u32), ERR_CTX (u32, the
+/// context of the failed work, 0 if none) and ERR_TEXT.
 pub const ERR_COUNT: usize = 1024;
 pub const ERR_CODE: usize = 1028;
 pub const ERR_SEQ: usize = 1032;
 pub const ERR_LEN: usize = 1040;
+pub const ERR_CTX: usize = 1044;
 pub const ERR_TEXT: usize = 1048;
 pub const ERR_TEXT_MAX: usize = 1024;
 pub const DONE: usize = 4096;

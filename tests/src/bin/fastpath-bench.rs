@@ -9,6 +9,8 @@
 //!      ring with a synchronize after each launch)
 //!   3. HtoD and DtoH bandwidth from pinned and pageable memory vs memcpy
 //!   4. scrub on allocation vs memset of the same size
+//!   5. a tenant's second connection's null call while its first runs
+//!      long kernels back to back (no process of a tenant starves another)
 //!
 //! Usage: fastpath-bench [--quick]
 
@@ -25,6 +27,50 @@ use virtio_gpu_compute::*;
 use vgpu_tests::Mediator;
 
 const NOP: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry nop()\n{\n    ret;\n}\n";
+/// A one-thread kernel that loops `n` times.
+const BUSY: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry busy(.param .u32 n)\n{\n    .reg .u32 %r<2>;\n    .reg .pred %p<1>;\n    ld.param.u32 %r0, [n];\n    mov.u32 %r1, 0;\nL:\n    add.u32 %r1, %r1, 1;\n    setp.lt.u32 %p0, %r1, %r0;\n    @%p0 bra L;\n    ret;\n}\n";
+
+/// Median and worst null call (µs) of a second connection of the tenant
+/// while a first one runs synchronous launches of a kernel of several
+/// milliseconds over its socket, back to back.
+fn sibling_latency(sock: &str, n: usize) -> (f64, f64, f64) {
+    std::env::set_var("VGPU_RING", "0");
+    let a = Client::connect_unix(sock).expect("connect");
+    std::env::remove_var("VGPU_RING");
+    let ctx = a.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+    let img = BUSY.as_bytes().to_vec();
+    let m = a.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("module");
+    let f = match a.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: 4, reserved: 0 }, "busy".into())).expect("function") {
+        Reply::Function(f, _) => f.func,
+        r => panic!("{r:?}"),
+    };
+    let req = Request::LaunchKernel(LaunchReq { ctx, func: f, stream: 0, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 4, reserved: 0 }, 300_000u32.to_le_bytes().to_vec());
+    let s = Instant::now();
+    a.empty(req.clone()).expect("launch");
+    let kernel_ms = s.elapsed().as_secs_f64() * 1e3;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let flood = std::thread::spawn(move || {
+        while !stop2.load(Ordering::Relaxed) {
+            a.empty(req.clone()).expect("launch");
+        }
+    });
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let b = Client::connect_unix(sock).expect("connect");
+    let mut t: Vec<f64> = (0..n)
+        .map(|_| {
+            let s = Instant::now();
+            b.call(Request::Ping).expect("ping");
+            let dt = s.elapsed().as_secs_f64() * 1e6;
+            std::thread::sleep(std::time::Duration::from_micros(200));
+            dt
+        })
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    let _ = flood.join();
+    let worst = t.iter().cloned().fold(0.0, f64::max);
+    (kernel_ms, median(&mut t), worst)
+}
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -207,10 +253,12 @@ fn main() {
     std::env::remove_var("VGPU_RING");
     let sock_null = null_calls(&sock_client, n);
     drop((ring_client, sock_client));
+    let (kernel_ms, sib_med, sib_worst) = sibling_latency(&sock_s, if quick { 200 } else { 2000 });
     println!("floor_socket_pingpong_us   median={sp:.2}");
     println!("floor_shm_pingpong_us      median={shm:.3}");
     println!("null_call_ring_us          median={ring_null:.2}   ratio_to_socket_pingpong={:.3} (target <= 0.25)", ring_null / sp);
     println!("null_call_socket_us        median={sock_null:.2}   ratio_to_socket_pingpong={:.3}", sock_null / sp);
+    println!("sibling_null_call_us       median={sib_med:.2} worst={sib_worst:.0}   (a second connection of the tenant while the first launches {kernel_ms:.1} ms kernels back to back)");
 
     // 2. Launch throughput, through the C API.
     std::env::set_var("VGPU_SOCKET", &sock);

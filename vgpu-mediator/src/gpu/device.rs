@@ -18,7 +18,7 @@ use virtio_gpu_compute::{CuResult, Opcode, Reply, Request, Wire, MAX_PAYLOAD, VE
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::worker::engine::{Ring, RingMem};
-use crate::worker::service::{BlobAccess, Conn, DeviceService, Tenant};
+use crate::worker::service::{BlobAccess, Conn, DeviceService, Pieces, Tenant};
 
 /// How the device presents itself.
 #[derive(Debug, Clone)]
@@ -59,20 +59,23 @@ struct CtxBlobs {
 }
 
 impl BlobAccess for CtxBlobs {
-    fn pieces(&self, res: u32, off: u64, len: u64) -> Result<Vec<(*mut u8, usize)>, String> {
+    fn pieces(&self, res: u32, off: u64, len: u64) -> Result<Pieces, String> {
         if !self.attached.read().unwrap_or_else(|e| e.into_inner()).contains(&res) {
             return Err(format!("blob {res} is not attached to this context"));
         }
         let table = self.resources.read().unwrap_or_else(|e| e.into_inner());
         let blob = table.get(&res).ok_or_else(|| format!("no blob {res}"))?;
         let end = off.checked_add(len).filter(|e| *e <= blob.size).ok_or_else(|| format!("range {off}+{len} exceeds blob {res} of {} bytes", blob.size))?;
+        // One snapshot of guest memory for every run: its regions stay
+        // mapped as long as the pieces live, whatever memory table the VMM
+        // sends meanwhile.
+        let mem = self.mem.read().unwrap_or_else(|e| e.into_inner()).clone();
         let mut out = Vec::new();
         let mut pos = 0u64;
         for &(gpa, n) in &blob.entries {
             let (a, b) = (pos.max(off), (pos + n).min(end));
             if a < b {
                 let at = GuestAddress(gpa + (a - pos));
-                let mem = self.mem.read().unwrap_or_else(|e| e.into_inner());
                 let slice = mem.get_slice(at, (b - a) as usize).map_err(|e| format!("blob {res}: {e}"))?;
                 out.push((slice.ptr_guard_mut().as_ptr(), (b - a) as usize));
             }
@@ -81,7 +84,7 @@ impl BlobAccess for CtxBlobs {
                 break;
             }
         }
-        Ok(out)
+        Ok(Pieces { runs: out, _keep: Box::new(mem) })
     }
 }
 
@@ -375,6 +378,7 @@ impl GpuDevice {
         c.submits += 1;
         let (sh, msg) = SubmitHeader::split(payload).or_else(|e| refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("submit header: {e}")))?;
         let reply_pieces = c.blobs.pieces(sh.reply_blob, sh.reply_offset, sh.reply_capacity as u64).or_else(|e| refuse(ty::RESP_ERR_INVALID_PARAMETER, format!("reply buffer: {e}")))?;
+        let (reply_pieces, _reply_mem) = (reply_pieces.runs.clone(), reply_pieces);
         let (op, seq, reply) = match Request::decode(msg) {
             Err(e) => {
                 let h = virtio_gpu_compute::MsgHeader::decode(msg).ok();
@@ -456,7 +460,7 @@ impl GpuDevice {
             Ok(p) => p,
             Err(e) => return bad(format!("ring blob: {e}")),
         };
-        let mem = match RingMem::new(pieces, Box::new(c.blobs.clone())) {
+        let mem = match RingMem::new(pieces.runs.clone(), Box::new(pieces)) {
             Ok(m) => m,
             Err(e) => return bad(format!("ring blob: {e}")),
         };

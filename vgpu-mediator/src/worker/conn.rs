@@ -834,6 +834,16 @@ fn handle_message(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, h: &
             Err(why) => Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, format!("AttachRing {why} (the ring's memfd and an eventfd)")),
             Ok([mem, kick]) => attach_ring(pool, id, t, io, b.sq_size, mem, kick).unwrap_or_else(|r| r),
         },
+        Ok((_, Request::UnregisterShm(b))) => {
+            let mut conn = io.conn.lock().unwrap_or_else(|e| e.into_inner());
+            if b.id == RING_REGION || !conn.regions.contains_key(&b.id) {
+                Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, format!("no shared region {}", b.id))
+            } else {
+                svc.set_shm(&mut conn, b.id, None);
+                t.host.release(io.shm_held.remove(&b.id).unwrap_or(0));
+                Reply::Empty
+            }
+        }
         Ok((_, Request::GetConnStats)) => {
             let (entries, kicks) = io.ring.as_ref().map(|r| (r.entries.load(Ordering::Relaxed), r.kicks.load(Ordering::Relaxed))).unwrap_or((0, 0));
             Reply::ConnStats(ConnStats { messages: io.messages, ring_entries: entries, kicks })

@@ -170,6 +170,19 @@ struct Item {
     seq: u64,
     work: Work,
     _inflight: WorkGuard,
+    _charge: Charge,
+}
+
+/// Host bytes one queued item costs besides its message.
+const QUEUED_ITEM_BYTES: u64 = 256;
+
+/// Host budget held by queued work until it is dropped.
+struct Charge(Arc<Tenant>, u64);
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.0.host.release(self.1);
+    }
 }
 
 #[derive(Default)]
@@ -247,6 +260,10 @@ pub struct Ring {
     pub kick_fd: Option<OwnedFd>,
     pub entries: AtomicU64,
     pub kicks: AtomicU64,
+    /// One error-block writer at a time, and the count it last wrote (the
+    /// shared word is the tenant's to scribble on).
+    err_lock: Mutex<()>,
+    err_count: AtomicU32,
 }
 
 impl Ring {
@@ -275,6 +292,8 @@ impl Ring {
             kick_fd,
             entries: AtomicU64::new(0),
             kicks: AtomicU64::new(0),
+            err_lock: Mutex::new(()),
+            err_count: AtomicU32::new(0),
         };
         for k in 0..ring::ENTRY_SLOTS {
             r.mem.u64_at(ring::done_offset(k)).store(k, Ordering::Release);
@@ -298,7 +317,9 @@ impl Ring {
 
     fn wake(self: &Arc<Self>, engine: &Engine) {
         if !self.closed.load(Ordering::Acquire) && !self.polling.swap(true, Ordering::SeqCst) {
-            engine.push(Job::Ring(self.clone()));
+            // Rings go first: their consumers keep every tenant's calls
+            // moving, and each takes a thread only while there is work.
+            engine.push_front(Job::Ring(self.clone()));
         }
     }
 
@@ -352,7 +373,8 @@ impl Ring {
                         }
                         self.polling.store(false, Ordering::SeqCst);
                         self.wake(engine);
-                        engine.run_job(job);
+                        engine.notify_queued();
+                        engine.run_long(job);
                         return;
                     }
                 }
@@ -393,7 +415,7 @@ impl Ring {
     fn break_ring(&self, e: &RingBroken) {
         if !self.broken.swap(true, Ordering::AcqRel) {
             tracing::warn!(tenant = %self.tenant.name, "command ring no longer served: {e}");
-            self.report(0, CuResult::CUDA_ERROR_ILLEGAL_STATE, &format!("command ring broken: {e}"));
+            self.report(0, 0, CuResult::CUDA_ERROR_ILLEGAL_STATE, &format!("command ring broken: {e}"));
             self.mem.u32_at(ring::BROKEN).store(CuResult::CUDA_ERROR_ILLEGAL_STATE as u32, Ordering::Release);
             self.wake_waiters();
         }
@@ -488,6 +510,10 @@ impl Ring {
             Request::MemcpyHtoD(b, _) if b.loc == DataLoc::Inline as u32 => refuse("ring copies go through shared regions"),
             Request::MemcpyDtoH(b) if b.loc == DataLoc::Inline as u32 => refuse("ring copies go through shared regions"),
             Request::GetConnStats => Ok(Prepared::Done(Reply::ConnStats(ConnStats { messages: 0, ring_entries: self.entries.load(Ordering::Relaxed), kicks: self.kicks.load(Ordering::Relaxed) }))),
+            Request::UnregisterShm(_) => refuse("unregistering a shared region goes on the socket"),
+            // Only an entry written before can be waited for: waits never
+            // form a cycle and every wait ends.
+            Request::StreamWait(b) if b.seq >= seq => Err(Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, format!("a stream wait for entry {} at entry {seq}", b.seq))),
             req => {
                 let mut conn = lock(&self.conn);
                 self.svc.prepare(&self.tenant, &mut conn, req)
@@ -499,7 +525,18 @@ impl Ring {
                 let res = if matches!(r, Reply::Error(..)) { Err(r) } else { Ok(r) };
                 self.finish(engine, seq, reply, res, op)
             }
-            Ok(Prepared::Work(w)) => self.enqueue(engine, seq, w),
+            Ok(Prepared::Work(mut w)) => {
+                if let WorkKind::Record { order, .. } = &mut w.kind {
+                    *order = seq;
+                }
+                // Queued work is charged to the tenant's host budget until
+                // it ran.
+                let cost = QUEUED_ITEM_BYTES + msg.len() as u64;
+                match self.tenant.host.reserve(cost, "queued stream work") {
+                    Ok(()) => self.enqueue(engine, seq, w, cost),
+                    Err(r) => self.finish(engine, seq, reply, Err(r), op),
+                }
+            }
         }
     }
 
@@ -516,12 +553,12 @@ impl Ring {
             }
             self.mem.write(ring::reply_offset(reply), &bytes);
         } else if let Reply::Error(code, msg) = &r {
-            self.report(seq, *code, msg);
+            self.report(seq, 0, *code, msg);
         }
         self.complete(engine, seq);
     }
 
-    fn enqueue(self: &Arc<Self>, engine: &Engine, seq: u64, work: Work) {
+    fn enqueue(self: &Arc<Self>, engine: &Engine, seq: u64, work: Work, cost: u64) {
         let key = (work.ctx, work.stream);
         let stream = {
             let mut m = lock(&self.streams);
@@ -530,12 +567,13 @@ impl Ring {
             }
             if m.len() >= MAX_STREAMS && !m.contains_key(&key) {
                 drop(m);
+                self.tenant.host.release(cost);
                 return self.finish(engine, seq, ring::NO_REPLY, Err(Reply::error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("more than {MAX_STREAMS} streams with work queued"))), Opcode::Ping);
             }
             m.entry(key).or_default().clone()
         };
         let short = work_is_short(&work.kind) && !matches!(work.kind, WorkKind::Wait { .. });
-        let item = Item { seq, work, _inflight: self.tenant.begin_work() };
+        let item = Item { seq, work, _inflight: self.tenant.begin_work(), _charge: Charge(self.tenant.clone(), cost) };
         let mut q = lock(&stream.q);
         if short && !q.scheduled {
             // The stream is idle and the work bounded: run it now, on the
@@ -600,30 +638,40 @@ impl Ring {
         }
     }
 
-    /// Runs one item and completes its entry.
+    /// Runs one item and completes its entry (a bug in the work fails
+    /// that entry, and the entry still completes).
     fn run_item(self: &Arc<Self>, engine: &Engine, item: Item) {
         let res = match &item.work.kind {
             WorkKind::Wait { .. } => Ok(()),
-            _ => self.svc.execute(&self.tenant, &item.work).map(|_| ()),
+            _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.svc.execute(&self.tenant, &item.work).map(|_| ())))
+                .unwrap_or_else(|_| Err(BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error"))),
         };
         if let Err(e) = &res {
-            self.report_backend(item.seq, e);
+            self.report_backend(item.seq, item.work.ctx, e);
         }
         self.complete(engine, item.seq);
     }
 
-    fn report_backend(&self, seq: u64, e: &BackendError) {
-        self.report(seq, e.code, &e.msg);
+    fn report_backend(&self, seq: u64, ctx: u32, e: &BackendError) {
+        self.report(seq, ctx, e.code, &e.msg);
     }
 
-    /// Records an asynchronous error in the ring's error block.
-    fn report(&self, seq: u64, code: CuResult, msg: &str) {
+    /// Records an asynchronous error in the ring's error block (a
+    /// sequence lock: one writer at a time, the count odd while it writes).
+    fn report(&self, seq: u64, ctx: u32, code: CuResult, msg: &str) {
         let text = &msg.as_bytes()[..msg.len().min(ring::ERR_TEXT_MAX)];
+        let _g = lock(&self.err_lock);
+        let count = self.mem.u32_at(ring::ERR_COUNT);
+        let c = self.err_count.load(Ordering::Relaxed);
+        count.store(c.wrapping_add(1), Ordering::Release);
+        std::sync::atomic::fence(Ordering::Release);
         self.mem.u32_at(ring::ERR_CODE).store(code as u32, Ordering::Relaxed);
         self.mem.u64_at(ring::ERR_SEQ).store(seq, Ordering::Relaxed);
         self.mem.u32_at(ring::ERR_LEN).store(text.len() as u32, Ordering::Relaxed);
+        self.mem.u32_at(ring::ERR_CTX).store(ctx, Ordering::Relaxed);
         self.mem.write(ring::ERR_TEXT, text);
-        self.mem.u32_at(ring::ERR_COUNT).fetch_add(1, Ordering::Release);
+        self.err_count.store(c.wrapping_add(2), Ordering::Relaxed);
+        count.store(c.wrapping_add(2), Ordering::Release);
     }
 
     /// Marks entry `seq` complete, wakes the streams parked on it and any
@@ -634,7 +682,7 @@ impl Ring {
             let k = (seq % ring::ENTRY_SLOTS) as usize;
             d.slots[k] = d.slots[k].max(seq);
             d.pending = d.pending.saturating_sub(1);
-            self.mem.u64_at(ring::done_offset(seq)).store(seq, Ordering::Release);
+            self.mem.u64_at(ring::done_offset(seq)).store(d.slots[k], Ordering::Release);
             let mut ready = Vec::new();
             let mut i = 0;
             while i < d.parked.len() {
@@ -670,24 +718,41 @@ pub enum Job {
     Stream(Arc<Ring>, Arc<Stream>),
 }
 
+impl Job {
+    /// A second handle to the same job (cheap: two Arcs).
+    fn clone_ref(&self) -> Job {
+        match self {
+            Job::Ring(r) => Job::Ring(r.clone()),
+            Job::Stream(r, s) => Job::Stream(r.clone(), s.clone()),
+        }
+    }
+}
+
 #[derive(Default)]
 struct ReadyQ {
     jobs: VecDeque<Job>,
     idle: usize,
+    /// Stream jobs of unbounded length (launches, big copies) running.
+    long: usize,
 }
 
-/// The engine's fixed thread pool and its ready queue.
+/// The engine's fixed thread pool and its ready queue. At most `long_cap`
+/// threads run work of unbounded length at once, so one thread is always
+/// left for rings and bounded work: no tenant's kernels can stop another
+/// tenant's calls from being consumed.
 pub struct Engine {
     q: Mutex<ReadyQ>,
     cv: Condvar,
+    long_cap: usize,
 }
 
 impl Engine {
     /// Starts `threads` engine threads. With `seccomp`, each narrows its
     /// filter like a connection thread: it decodes tenant bytes.
     pub fn start(threads: usize, seccomp: bool) -> std::io::Result<Arc<Engine>> {
-        let e = Arc::new(Engine { q: Mutex::new(ReadyQ::default()), cv: Condvar::new() });
-        for i in 0..threads.max(2) {
+        let threads = threads.max(2);
+        let e = Arc::new(Engine { q: Mutex::new(ReadyQ::default()), cv: Condvar::new(), long_cap: threads - 1 });
+        for i in 0..threads {
             let e2 = e.clone();
             std::thread::Builder::new().name(format!("vgpu-engine-{i}")).spawn(move || {
                 if seccomp && super::seccomp::confine_connection_thread().is_err() {
@@ -709,6 +774,32 @@ impl Engine {
         lock(&self.q).jobs.push_back(job);
     }
 
+    fn push_front(&self, job: Job) {
+        lock(&self.q).jobs.push_front(job);
+        self.cv.notify_one();
+    }
+
+    /// Runs a job of unbounded length counted in `long` (taken by the
+    /// caller), then gives its slot back.
+    fn run_long(&self, job: Job) {
+        self.run_job(job);
+        lock(&self.q).long -= 1;
+        self.cv.notify_one();
+    }
+
+    /// Whether `job` may start now, taking a long slot if it needs one.
+    fn admit(q: &mut ReadyQ, cap: usize, job: &Job) -> Option<bool> {
+        match job {
+            Job::Ring(_) => Some(false),
+            Job::Stream(_, s) if s.is_short() => Some(false),
+            Job::Stream(..) if q.long < cap => {
+                q.long += 1;
+                Some(true)
+            }
+            Job::Stream(..) => None,
+        }
+    }
+
     /// Wakes idle threads for queued jobs.
     fn notify_queued(&self) {
         let q = lock(&self.q);
@@ -724,21 +815,30 @@ impl Engine {
     /// thread is idle to take over the ring its caller polls.
     fn steal_stream_job(&self) -> Option<(Job, bool)> {
         let mut q = lock(&self.q);
-        let idle = q.idle > 0;
-        let i = q.jobs.iter().position(|j| matches!(j, Job::Stream(_, s) if idle || s.is_short()))?;
+        let room = q.idle > 0 && q.long < self.long_cap;
+        let i = q.jobs.iter().position(|j| matches!(j, Job::Stream(_, s) if room || s.is_short()))?;
         let job = q.jobs.remove(i)?;
         let short = matches!(&job, Job::Stream(_, s) if s.is_short());
+        if !short {
+            q.long += 1;
+        }
         Some((job, short))
     }
 
     fn run_job(&self, job: Job) {
-        // A bug must cost the job, never the engine thread.
+        let ring = match &job {
+            Job::Ring(r) | Job::Stream(r, _) => r.clone(),
+        };
+        // A bug must cost the job, never the engine thread; the ring it
+        // came from stops being served (its waiters see BROKEN).
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
             Job::Ring(r) => r.poll(self),
             Job::Stream(r, s) => r.run_stream(self, s),
         }));
         if r.is_err() {
-            tracing::error!("an engine job panicked; the worker goes on");
+            tracing::error!(tenant = %ring.tenant.name, "an engine job panicked; its ring is no longer served, the worker goes on");
+            ring.break_ring(&RingBroken("internal error".into()));
+            ring.polling.store(false, Ordering::SeqCst);
         }
     }
 
@@ -750,18 +850,35 @@ impl Engine {
 
     fn run(self: Arc<Self>) {
         loop {
-            let job = {
+            let (job, long) = {
                 let mut q = lock(&self.q);
                 loop {
-                    if let Some(j) = q.jobs.pop_front() {
-                        break j;
+                    // The oldest job that may start: long work waits while
+                    // every long slot is taken.
+                    let mut found = None;
+                    for i in 0..q.jobs.len() {
+                        let cap = self.long_cap;
+                        let job = q.jobs[i].clone_ref();
+                        if let Some(long) = Self::admit(&mut q, cap, &job) {
+                            found = Some((i, long));
+                            break;
+                        }
+                    }
+                    if let Some((i, long)) = found {
+                        if let Some(j) = q.jobs.remove(i) {
+                            break (j, long);
+                        }
                     }
                     q.idle += 1;
                     q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
                     q.idle -= 1;
                 }
             };
-            self.run_job(job);
+            if long {
+                self.run_long(job);
+            } else {
+                self.run_job(job);
+            }
         }
     }
 }

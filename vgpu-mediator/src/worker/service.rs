@@ -95,6 +95,9 @@ pub struct Tenant {
     idle_waiters: AtomicU32,
     /// `deferred` has entries (checked without the state lock).
     has_deferred: AtomicBool,
+    /// A faulted tenant's device context is to be rebuilt once its work
+    /// in flight is done.
+    needs_recovery: AtomicBool,
     kernels: AtomicU64,
     device_ns: AtomicU64,
     scrubbed: AtomicU64,
@@ -140,7 +143,8 @@ struct Ctx {
     /// Host bytes charged to the tenant for this context and its objects.
     charged: u64,
     streams: HashSet<u32>,
-    events: HashMap<u32, Option<Instant>>,
+    /// Each event's newest record: (ring entry, or u64::MAX off a ring; time).
+    events: HashMap<u32, Option<(u64, Instant)>>,
     /// Set by a kernel fault; every later call on the context returns it.
     sticky: Option<(CuResult, String)>,
 }
@@ -184,7 +188,7 @@ impl Drop for WorkGuard {
         if t.idle_waiters.load(Ordering::SeqCst) > 0 {
             t.idle.notify_all();
         }
-        if !t.has_deferred.load(Ordering::Acquire) {
+        if !t.has_deferred.load(Ordering::Acquire) && !t.needs_recovery.load(Ordering::Acquire) {
             return;
         }
         let mut st = t.state.lock();
@@ -193,6 +197,12 @@ impl Drop for WorkGuard {
             t.has_deferred.store(false, Ordering::Release);
             for (addr, len) in std::mem::take(&mut st.deferred) {
                 return_alloc(t, &mut st, addr, len);
+            }
+            if t.needs_recovery.swap(false, Ordering::AcqRel) && st.faulted && st.ctxs.is_empty() {
+                match t.backend.recover_tenant(t.slot) {
+                    Ok(()) => st.faulted = false,
+                    Err(e) => tracing::error!(tenant = %t.name, "rebuilding the tenant's device context failed: {}", e.msg),
+                }
             }
         }
     }
@@ -224,8 +234,20 @@ impl TenantState {
 pub trait BlobAccess: Send + Sync {
     /// The host memory behind bytes [off, off+len) of blob `res`, as
     /// contiguous runs in order. The runs stay mapped while `self` lives.
-    fn pieces(&self, res: u32, off: u64, len: u64) -> Result<Vec<(*mut u8, usize)>, String>;
+    fn pieces(&self, res: u32, off: u64, len: u64) -> Result<Pieces, String>;
 }
+
+/// Runs of host memory behind a blob range, and what keeps them mapped.
+pub struct Pieces {
+    pub runs: Vec<(*mut u8, usize)>,
+    pub _keep: Box<dyn Send + Sync>,
+}
+
+// SAFETY: the runs point into the guest memory mapping `_keep` holds; the
+// pointers are only dereferenced by copies while the value lives.
+unsafe impl Send for Pieces {}
+// SAFETY: as above.
+unsafe impl Sync for Pieces {}
 
 /// Per-connection state: the contexts this client created (destroyed when
 /// it disconnects, as process exit does on a GPU), its shared buffer, and
@@ -263,7 +285,9 @@ pub enum WorkKind {
     HtoD { dst: u64, size: u64, src: HostMem },
     DtoH { src: u64, size: u64, dst: HostMem },
     DtoD { dst: u64, src: u64, size: u64 },
-    Record { event: u32 },
+    /// Records an event; `order` (the ring entry) keeps the newest record
+    /// when records of one event on several streams finish out of order.
+    Record { event: u32, order: u64 },
     /// Waits for ring entry `seq` (handled by the stream engine).
     Wait { seq: u64 },
 }
@@ -352,6 +376,7 @@ impl DeviceService {
             idle: Condvar::new(),
             idle_waiters: AtomicU32::new(0),
             has_deferred: AtomicBool::new(false),
+            needs_recovery: AtomicBool::new(false),
             kernels: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             scrubbed: AtomicU64::new(0),
@@ -474,8 +499,12 @@ impl DeviceService {
         for a in mine {
             self.free_alloc(t, st, a);
         }
-        if st.faulted && st.ctxs.is_empty() {
-            // Modules and allocations of the poisoned context are gone.
+        if st.faulted && st.ctxs.is_empty() && !t.wait_idle(Duration::ZERO) {
+            // Work still runs on the poisoned context: rebuilt once it ends.
+            t.needs_recovery.store(true, Ordering::Release);
+        } else if st.faulted && st.ctxs.is_empty() {
+            // Modules and allocations of the poisoned context are gone
+            // (none is still deferred: no work is in flight).
             match self.backend.recover_tenant(t.slot) {
                 Ok(()) => st.faulted = false,
                 Err(e) => tracing::error!(tenant = %t.name, "rebuilding the tenant's device context failed: {}", e.msg),
@@ -637,7 +666,7 @@ impl DeviceService {
                 if !c.events.contains_key(&b.event) {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {}", b.event)));
                 }
-                (b.ctx, b.stream, WorkKind::Record { event: b.event })
+                (b.ctx, b.stream, WorkKind::Record { event: b.event, order: u64::MAX })
             }
             Request::StreamWait(b) => (b.ctx, b.stream, WorkKind::Wait { seq: b.seq }),
             _ => return Err(err(CuResult::CUDA_ERROR_UNKNOWN, "not a stream-ordered request")),
@@ -710,7 +739,7 @@ impl DeviceService {
                     HostMem::Shm(shm, off) => shm.with_slice(*off, *size, |s| b.write(slot, *dst, s)),
                     HostMem::Blob(blobs, res, off) => {
                         let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
-                        each_piece(&pieces, *dst, |at, p, n| {
+                        each_piece(&pieces.runs, *dst, |at, p, n| {
                             // SAFETY: BlobAccess hands out runs inside guest
                             // RAM mapped for the life of `blobs`; the guest
                             // may change them concurrently, which only
@@ -732,7 +761,7 @@ impl DeviceService {
                     HostMem::Shm(shm, off) => shm.with_slice_mut(*off, *size, |s| b.read(slot, *src, s)).map(|_| None),
                     HostMem::Blob(blobs, res, off) => {
                         let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
-                        each_piece(&pieces, *src, |at, p, n| {
+                        each_piece(&pieces.runs, *src, |at, p, n| {
                             // SAFETY: as for HtoD; the runs are writable
                             // guest RAM that no other host code aliases.
                             b.read(slot, at, unsafe { std::slice::from_raw_parts_mut(p, n) })
@@ -742,10 +771,12 @@ impl DeviceService {
                     HostMem::Inline(_) => Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "a device-to-host copy has no inline destination")),
                 })
             }
-            WorkKind::Record { event } => {
+            WorkKind::Record { event, order } => {
                 let mut st = t.state.lock();
                 if let Some(e) = st.ctxs.get_mut(&w.ctx).and_then(|c| c.events.get_mut(event)) {
-                    *e = Some(Instant::now());
+                    if e.is_none_or(|(o, _)| *order == u64::MAX || *order >= o) {
+                        *e = Some((*order, Instant::now()));
+                    }
                 }
                 Ok(None)
             }
@@ -1013,7 +1044,7 @@ impl DeviceService {
                 let c = Self::ctx(st, b.ctx)?;
                 let get = |h: u32| -> R<Instant> {
                     match c.events.get(&h) {
-                        Some(Some(i)) => Ok(*i),
+                        Some(Some((_, i))) => Ok(*i),
                         Some(None) => Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("event {h} was never recorded"))),
                         None => Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no event {h}"))),
                     }

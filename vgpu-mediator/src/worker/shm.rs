@@ -21,7 +21,9 @@ pub enum ShmError {
 pub struct Shm {
     ptr: *mut u8,
     len: usize,
-    _file: File,
+    /// Copies on several streams may use one region at once: readers
+    /// share it, a writer has it alone (no aliasing `&mut`).
+    access: std::sync::RwLock<()>,
 }
 
 // SAFETY: the mapping is owned by this value and only reached through the
@@ -49,7 +51,10 @@ impl Shm {
         if ptr == libc::MAP_FAILED {
             return Err(ShmError::Map(std::io::Error::last_os_error()));
         }
-        Ok(Shm { ptr: ptr.cast(), len: size as usize, _file: file })
+        // The mapping keeps the memory; the descriptor can go (a region
+        // costs no fd while it is registered).
+        drop(file);
+        Ok(Shm { ptr: ptr.cast(), len: size as usize, access: std::sync::RwLock::new(()) })
     }
 
     /// The start of the mapping, for host-memory registration only.
@@ -77,15 +82,18 @@ impl Shm {
     /// makes decisions on these bytes.
     pub fn with_slice<T, E: From<crate::backend::BackendError>>(&self, off: u64, n: u64, f: impl FnOnce(&[u8]) -> Result<T, E>) -> Result<T, E> {
         let o = self.range(off, n).ok_or_else(|| E::from(range_error(off, n)))?;
-        // SAFETY: [o, o+n) lies inside the live mapping (checked above).
+        let _g = self.access.read().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: [o, o+n) lies inside the live mapping (checked above), and
+        // no worker thread writes the region while the read guard is held.
         let s = unsafe { std::slice::from_raw_parts(self.ptr.add(o), n as usize) };
         f(s)
     }
 
     pub fn with_slice_mut<T, E: From<crate::backend::BackendError>>(&self, off: u64, n: u64, f: impl FnOnce(&mut [u8]) -> Result<T, E>) -> Result<T, E> {
         let o = self.range(off, n).ok_or_else(|| E::from(range_error(off, n)))?;
+        let _g = self.access.write().unwrap_or_else(|e| e.into_inner());
         // SAFETY: [o, o+n) lies inside the live mapping (checked above); the
-        // worker holds the tenant's lock, so no other worker thread uses it.
+        // write guard keeps every other worker thread off the region.
         let s = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(o), n as usize) };
         f(s)
     }
