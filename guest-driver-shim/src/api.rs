@@ -293,6 +293,16 @@ impl Shim {
         self.wait_all(ctx, &points)
     }
 
+    /// Waits for every context's queued work (before host memory that
+    /// copies may still use goes away).
+    fn sync_all(&self) -> CallResult<()> {
+        let ctxs = self.st().ctxs.clone();
+        for c in ctxs {
+            self.sync_ctx(c)?;
+        }
+        Ok(())
+    }
+
     fn create_ctx(&self, flags: c_uint, dev: CUdevice) -> CallResult<u32> {
         self.device(dev)?;
         let c = self.client.handle(Request::CtxCreate(CtxCreateReq { flags, reserved: 0 }))?;
@@ -782,15 +792,46 @@ pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags
 #[no_mangle]
 pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
     with("cuMemFreeHost", |s| {
-        // Copies queued from or to it finish first.
-        let ctxs = s.st().ctxs.clone();
-        for c in ctxs {
-            s.sync_ctx(c)?;
-        }
+        s.sync_all()?;
         if !s.client.free_pinned(p.cast())? {
             return Err(bad("not a pointer returned by cuMemAllocHost or cuMemHostAlloc"));
         }
         Ok(())
+    })
+}
+
+const CU_MEMHOSTREGISTER_KNOWN: c_uint = 0x1 | 0x2 | 0x4 | 0x8;
+
+/// Page-locks a range of the process's memory: here, its pages are
+/// re-backed in place by memory shared with the device worker (the
+/// contents and addresses stay), so copies from and to it are one copy by
+/// the worker. DEVICEMAP and IOMEMORY are refused. The range must not be
+/// used by other threads while it is being registered or unregistered.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytes: usize, flags: c_uint) -> CUresult {
+    with("cuMemHostRegister", |s| {
+        if p.is_null() || bytes == 0 || flags & !CU_MEMHOSTREGISTER_KNOWN != 0 {
+            return Err(bad("null pointer, zero size or unknown flags"));
+        }
+        if flags & (0x2 | 0x4) != 0 {
+            return Err(CallError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "mapped and I/O registrations are unsupported on this device"));
+        }
+        s.current()?;
+        s.client.register_host(p.cast(), bytes)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostRegister(p: *mut c_void, bytes: usize, flags: c_uint) -> CUresult {
+    // SAFETY: same contract as cuMemHostRegister_v2.
+    unsafe { cuMemHostRegister_v2(p, bytes, flags) }
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
+    with("cuMemHostUnregister", |s| {
+        s.sync_all()?;
+        s.client.unregister_host(p.cast())
     })
 }
 
@@ -1478,6 +1519,8 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
         "cuMemAllocHost" => if v2 { f!(cuMemAllocHost_v2) } else { f!(cuMemAllocHost) },
         "cuMemHostAlloc" => f!(cuMemHostAlloc),
         "cuMemFreeHost" => f!(cuMemFreeHost),
+        "cuMemHostRegister" => if version >= 6050 { f!(cuMemHostRegister_v2) } else { f!(cuMemHostRegister) },
+        "cuMemHostUnregister" => f!(cuMemHostUnregister),
         "cuEventCreate" => f!(cuEventCreate),
         "cuEventRecord" => f!(cuEventRecord),
         "cuEventSynchronize" => f!(cuEventSynchronize),

@@ -78,7 +78,14 @@ pub struct Client {
     pinned: Mutex<BTreeMap<usize, Pinned>>,
     /// Sticky errors of contexts whose kernels faulted.
     sticky: Mutex<std::collections::HashMap<u32, CallError>>,
+    /// Registered host ranges by page-aligned start: length and, where the
+    /// worker shares them, how copies name them.
+    registered: Mutex<BTreeMap<usize, Registered>>,
 }
+
+/// A registered host range: its length and, where the worker shares it,
+/// how copies name it.
+type Registered = (usize, Option<(DataLoc, u32)>);
 
 /// The host kick: one write to the eventfd the worker watches. It holds a
 /// duplicate of the tenant socket to notice the worker going away.
@@ -194,12 +201,12 @@ impl Client {
             }
         }
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
-        Ok(Client { t: Mutex::new(Box::new(t)), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default() })
+        Ok(Client { t: Mutex::new(Box::new(t)), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default(), registered: Mutex::default() })
     }
 
     pub fn with_transport(mut t: Box<dyn Transport>) -> Client {
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
-        Client { t: Mutex::new(t), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring: None, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default() }
+        Client { t: Mutex::new(t), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring: None, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default(), registered: Mutex::default() }
     }
 
     pub fn ring(&self) -> Option<&RingClient> {
@@ -300,11 +307,61 @@ impl Client {
         }
     }
 
-    /// The pinned region holding `[p, p+n)`, if any: (location, id, offset).
+    /// The pinned or registered region holding `[p, p+n)`, if any:
+    /// (location, id, offset).
     fn pinned_at(&self, p: usize, n: usize) -> Option<(DataLoc, u32, u64)> {
-        let m = lock(&self.pinned);
-        let (&start, r) = m.range(..=p).next_back()?;
-        (p + n <= start + r.len).then_some((r.loc, r.id, (p - start) as u64))
+        {
+            let m = lock(&self.pinned);
+            if let Some((&start, r)) = m.range(..=p).next_back() {
+                if p + n <= start + r.len {
+                    return Some((r.loc, r.id, (p - start) as u64));
+                }
+            }
+        }
+        let m = lock(&self.registered);
+        let (&start, &(len, shared)) = m.range(..=p).next_back()?;
+        let (loc, id) = shared?;
+        (p + n <= start + len).then_some((loc, id, (p - start) as u64))
+    }
+
+    /// Registers `[p, p+n)` (cuMemHostRegister): its pages are re-backed in
+    /// place by memory shared with the worker, so copies from and to it
+    /// are one copy by the worker. Memory that cannot be (file mappings,
+    /// a guest) stays registered as pageable: copies from it are staged.
+    pub fn register_host(&self, p: *mut u8, n: usize) -> CallResult<()> {
+        let page = 4096usize;
+        let start = (p as usize) / page * page;
+        let end = (p as usize + n).next_multiple_of(page);
+        {
+            let m = lock(&self.registered);
+            if m.range(..end).next_back().is_some_and(|(s, (l, _))| s + l > start) {
+                return Err(CallError::new(CuResult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "the range overlaps a registered one"));
+            }
+        }
+        let shared = {
+            let mut t = lock(&self.t);
+            if let Some(r) = &self.ring {
+                r.wait_consumed()?;
+            }
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+            t.register_host(start as *mut u8, end - start, seq)?
+        };
+        lock(&self.registered).insert(start, (end - start, shared));
+        Ok(())
+    }
+
+    /// Unregisters the range registered at `p` (cuMemHostUnregister).
+    pub fn unregister_host(&self, p: *mut u8) -> CallResult<()> {
+        let start = (p as usize) / 4096 * 4096;
+        let Some((len, shared)) = lock(&self.registered).remove(&start) else {
+            return Err(CallError::new(CuResult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "not the start of a registered range"));
+        };
+        let Some((_, id)) = shared else { return Ok(()) };
+        if let Some(r) = &self.ring {
+            r.wait_consumed()?;
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        lock(&self.t).unregister_host(start as *mut u8, len, id, seq)
     }
 
     /// Allocates `size` bytes of pinned host memory shared with the worker.

@@ -40,6 +40,74 @@ pub trait Transport: Send {
     fn free_pinned(&mut self, _p: *mut u8, _len: usize, _id: u32, _seq: u32) -> CallResult<()> {
         Ok(())
     }
+    /// Makes the page-aligned range `[p, p+len)` of the process's own
+    /// memory shared with the worker, in place: how copies name it, or None
+    /// where this transport cannot (copies from it are then staged).
+    fn register_host(&mut self, _p: *mut u8, _len: usize, _seq: u32) -> CallResult<Option<(DataLoc, u32)>> {
+        Ok(None)
+    }
+    /// Undoes [`Transport::register_host`]: the range is private memory
+    /// again, with the same contents.
+    fn unregister_host(&mut self, _p: *mut u8, _len: usize, _id: u32, _seq: u32) -> CallResult<()> {
+        Ok(())
+    }
+}
+
+/// Whether `[p, p+len)` lies in private, writable, anonymous mappings of
+/// this process (heap or anonymous mmap): the only memory registration
+/// re-backs in place.
+fn private_anonymous(p: usize, len: usize) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return false };
+    let mut covered = p;
+    let end = p + len;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else { continue };
+        let path = f.nth(3).unwrap_or("");
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else { continue };
+        if b <= covered || a > covered {
+            continue;
+        }
+        if !perms.starts_with("rw") || !perms.ends_with('p') || !(path.is_empty() || path == "[heap]") {
+            return false;
+        }
+        covered = b;
+        if covered >= end {
+            return true;
+        }
+    }
+    false
+}
+
+/// Replaces `[p, p+len)` with `len` bytes of `fd` (shared) or, with no fd,
+/// private anonymous memory, keeping its contents.
+fn remap_in_place(p: *mut u8, len: usize, fd: Option<i32>) -> std::io::Result<()> {
+    // SAFETY: a fresh private anonymous mapping for the copy; checked.
+    let tmp = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+    if tmp == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `p` is `len` bytes of this process's memory (checked by the
+    // caller against /proc/self/maps) and `tmp` a fresh mapping of `len`.
+    unsafe { std::ptr::copy_nonoverlapping(p, tmp.cast::<u8>(), len) };
+    let (flags, fd) = match fd {
+        Some(fd) => (libc::MAP_SHARED | libc::MAP_FIXED, fd),
+        None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1),
+    };
+    // SAFETY: replaces exactly the caller's page-aligned range, which it
+    // owns; MAP_FIXED over our own pages, checked below.
+    let q = unsafe { libc::mmap(p.cast(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0) };
+    let r = if q == p.cast() {
+        // SAFETY: both mappings are `len` bytes and distinct.
+        unsafe { std::ptr::copy_nonoverlapping(tmp.cast::<u8>(), p, len) };
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    };
+    // SAFETY: unmapping the temporary mapping made above.
+    unsafe { libc::munmap(tmp, len) };
+    r
 }
 
 /// The worker's answer to AttachRing and, on success, the ring's mapping.
@@ -174,6 +242,40 @@ impl Transport for UnixTransport {
                     Err(e) => CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, e.to_string()),
                 })
             }
+        }
+    }
+
+    fn register_host(&mut self, p: *mut u8, len: usize, seq: u32) -> CallResult<Option<(DataLoc, u32)>> {
+        if !private_anonymous(p as usize, len) {
+            return Ok(None);
+        }
+        let io = |e: TransportError| CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("registering {len} bytes: {e}"));
+        let (fd, q) = shared_memfd(len, false).map_err(io)?;
+        // SAFETY: the memfd mapping made above is not used any more.
+        unsafe { libc::munmap(q.cast(), len) };
+        let id = self.next_region;
+        self.next_region = self.next_region.wrapping_add(1).max(1);
+        match self.send_fds(&Request::RegisterShm(RegisterShmReq { size: len as u64, id, flags: 0 }), seq, &[fd.as_raw_fd()]) {
+            Ok(Reply::Empty) => {}
+            Ok(Reply::Error(code, msg)) => return Err(CallError::new(code, msg)),
+            Ok(r) => return Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
+            Err(e) => return Err(CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, e.to_string())),
+        }
+        if let Err(e) = remap_in_place(p, len, Some(fd.as_raw_fd())) {
+            let _ = self.call(&Request::UnregisterShm(ShmIdReq { id, reserved: 0 }), seq);
+            return Err(CallError::new(CuResult::CUDA_ERROR_OPERATING_SYSTEM, format!("re-backing the range with shared memory: {e}")));
+        }
+        Ok(Some((DataLoc::Shared, id)))
+    }
+
+    fn unregister_host(&mut self, p: *mut u8, len: usize, id: u32, seq: u32) -> CallResult<()> {
+        let r = self.call(&Request::UnregisterShm(ShmIdReq { id, reserved: 0 }), seq);
+        remap_in_place(p, len, None).map_err(|e| CallError::new(CuResult::CUDA_ERROR_OPERATING_SYSTEM, format!("making the range private again: {e}")))?;
+        match r {
+            Ok(Reply::Empty) => Ok(()),
+            Ok(Reply::Error(code, msg)) => Err(CallError::new(code, msg)),
+            Ok(r) => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
+            Err(e) => Err(CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, e.to_string())),
         }
     }
 

@@ -115,6 +115,7 @@ fn stream_semantics_through_the_driver_api() {
     errors_surface_at_the_next_synchronising_call();
     pinned_memory_copies_and_pageable_copies_agree();
     per_thread_default_streams_are_separate_streams();
+    registered_host_memory_is_shared_in_place();
     drop(m);
 }
 
@@ -307,6 +308,44 @@ fn pinned_memory_copies_and_pageable_copies_agree() {
     assert!(host[..] == pattern[..], "pageable upload, pinned download");
     ok(cu::cuMemFreeHost(pinned), "cuMemFreeHost");
     assert_ne!(cu::cuMemFreeHost(pinned), 0, "a second free is refused");
+}
+
+fn registered_host_memory_is_shared_in_place() {
+    let c = Ctx::new();
+    let n = 3 << 20;
+    let d = c.alloc(n);
+    let mut host: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+    let p = host.as_mut_ptr();
+    // SAFETY: `host` holds `n` bytes and outlives the registration.
+    ok(unsafe { cu::cuMemHostRegister_v2(p.cast(), n, 0) }, "cuMemHostRegister");
+    assert_eq!(host.as_ptr(), p as *const u8, "the buffer keeps its address");
+    assert!(host.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8), "and its contents");
+    // SAFETY: the same range again.
+    let again = unsafe { cu::cuMemHostRegister_v2(p.cast(), n, 0) };
+    assert_eq!(again, CuResult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED as u32);
+    let s = c.stream(0);
+    let entries = || {
+        let (mut m, mut e, mut k) = (0u64, 0u64, 0u64);
+        // SAFETY: valid out-pointers.
+        ok(unsafe { cu::vgpuGetConnectionStats(&mut m, &mut e, &mut k) }, "stats");
+        e
+    };
+    let before = entries();
+    // SAFETY: registered source of `n` bytes, live until the sync.
+    ok(unsafe { cu::cuMemcpyHtoDAsync_v2(d, p.cast(), n, s) }, "HtoD from registered memory");
+    ok(cu::cuStreamSynchronize(s), "sync");
+    // One entry for the whole 3 MiB (staged, it would be 12 chunks), and
+    // one for the statistics call.
+    assert!(entries() - before <= 3, "the registered range was copied in place");
+    host.iter_mut().for_each(|b| *b = 0);
+    // SAFETY: registered destination of `n` bytes.
+    ok(unsafe { cu::cuMemcpyDtoHAsync_v2(p.cast(), d, n, s) }, "DtoH into registered memory");
+    ok(cu::cuStreamSynchronize(s), "sync");
+    assert!(host.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8), "the round trip through registered memory");
+    ok(cu::cuMemHostUnregister(p.cast()), "cuMemHostUnregister");
+    assert_eq!(cu::cuMemHostUnregister(p.cast()), CuResult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED as u32);
+    host[0] = 7;
+    assert!(host[0] == 7 && host[1] == 1, "the buffer is ordinary memory again, contents kept");
 }
 
 fn per_thread_default_streams_are_separate_streams() {

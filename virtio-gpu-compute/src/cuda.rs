@@ -61,6 +61,8 @@ cuda_results! {
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701, "too many resources requested for launch";
     CUDA_ERROR_LAUNCH_TIMEOUT = 702, "the launch timed out and was terminated";
     CUDA_ERROR_ASSERT = 710, "device-side assert triggered";
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712, "part or all of the requested memory range is already mapped";
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713, "pointer does not correspond to a registered memory region";
     CUDA_ERROR_ILLEGAL_INSTRUCTION = 715, "an illegal instruction was encountered";
     CUDA_ERROR_MISALIGNED_ADDRESS = 716, "misaligned address";
     CUDA_ERROR_LAUNCH_FAILED = 719, "unspecified launch failure";
