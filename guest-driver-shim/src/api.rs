@@ -87,6 +87,8 @@ struct Shim {
 }
 
 static SHIM: Mutex<Option<Arc<Shim>>> = Mutex::new(None);
+/// The shim once cuInit succeeded: calls read it without a lock.
+static READY: std::sync::OnceLock<Arc<Shim>> = std::sync::OnceLock::new();
 static LAST_ERROR: Mutex<String> = Mutex::new(String::new());
 
 thread_local! {
@@ -118,11 +120,10 @@ fn invalid_handle(what: &str) -> CallError {
 /// Runs `f` against the initialised shim, mapping errors to `CUresult`.
 /// Threads run their calls concurrently: no lock is held across `f`.
 fn with(api: &str, f: impl FnOnce(&Shim) -> CallResult<()>) -> CUresult {
-    let s = SHIM.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let Some(s) = s else {
+    let Some(s) = READY.get() else {
         return fail(api, CallError::new(CuResult::CUDA_ERROR_NOT_INITIALIZED, "cuInit has not been called"));
     };
-    match f(&s) {
+    match f(s) {
         Ok(()) => 0,
         Err(e) => fail(api, e),
     }
@@ -355,7 +356,9 @@ pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
     });
     match r {
         Ok(s) => {
-            *g = Some(Arc::new(s));
+            let s = Arc::new(s);
+            let _ = READY.set(s.clone());
+            *g = Some(s);
             0
         }
         Err(e) => fail("cuInit", e),

@@ -78,6 +78,7 @@ pub struct Client {
     pinned: Mutex<BTreeMap<usize, Pinned>>,
     /// Sticky errors of contexts whose kernels faulted.
     sticky: Mutex<std::collections::HashMap<u32, CallError>>,
+    any_sticky: AtomicBool,
     /// Registered host ranges by page-aligned start: length and, where the
     /// worker shares them, how copies name them.
     registered: Mutex<BTreeMap<usize, Registered>>,
@@ -201,12 +202,12 @@ impl Client {
             }
         }
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
-        Ok(Client { t: Mutex::new(Box::new(t)), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default(), registered: Mutex::default() })
+        Ok(Client { t: Mutex::new(Box::new(t)), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default(), any_sticky: AtomicBool::new(false), registered: Mutex::default() })
     }
 
     pub fn with_transport(mut t: Box<dyn Transport>) -> Client {
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
-        Client { t: Mutex::new(t), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring: None, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default(), registered: Mutex::default() }
+        Client { t: Mutex::new(t), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring: None, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default(), any_sticky: AtomicBool::new(false), registered: Mutex::default() }
     }
 
     pub fn ring(&self) -> Option<&RingClient> {
@@ -269,6 +270,7 @@ impl Client {
             Some((e, ctx)) => {
                 if ctx != 0 && e.code.is_sticky() {
                     lock(&self.sticky).insert(ctx, e.clone());
+                    self.any_sticky.store(true, Ordering::Release);
                 }
                 Err(e)
             }
@@ -278,6 +280,9 @@ impl Client {
 
     /// The sticky error of context `ctx`, if one of its kernels faulted.
     pub fn sticky(&self, ctx: u32) -> CallResult<()> {
+        if !self.any_sticky.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match lock(&self.sticky).get(&ctx) {
             Some(e) => Err(e.clone()),
             None => Ok(()),

@@ -245,17 +245,19 @@ impl RingClient {
             }
             return Err(e);
         }
-        let mut bytes = Vec::with_capacity(len);
+        let mut hdr = Vec::with_capacity(EntryHeader::SIZE);
         if pad > 0 {
-            EntryHeader { len: pad as u32, flags: ring::ENTRY_PAD, reply: ring::NO_REPLY, seq: 0 }.put(&mut bytes);
-            self.write(ring::SQ + pos as usize, &bytes);
+            EntryHeader { len: pad as u32, flags: ring::ENTRY_PAD, reply: ring::NO_REPLY, seq: 0 }.put(&mut hdr);
+            self.write(ring::SQ + pos as usize, &hdr);
             s.tail += pad;
-            bytes.clear();
+            hdr.clear();
         }
-        EntryHeader { len: len as u32, flags: 0, reply, seq }.put(&mut bytes);
-        bytes.extend_from_slice(&msg);
-        bytes.resize(len, 0);
-        self.write(ring::SQ + (s.tail % self.sq_size) as usize, &bytes);
+        // Header, message and padding straight into the queue.
+        let at = ring::SQ + (s.tail % self.sq_size) as usize;
+        EntryHeader { len: len as u32, flags: 0, reply, seq }.put(&mut hdr);
+        self.write(at, &hdr);
+        self.write(at + EntryHeader::SIZE, &msg);
+        self.write(at + EntryHeader::SIZE + msg.len(), &[0u8; ring::ENTRY_ALIGN][..len - EntryHeader::SIZE - msg.len()]);
         s.tail += len as u64;
         s.seq += 1;
         self.u64_at(ring::SQ_TAIL).store(s.tail, Ordering::Release);

@@ -529,13 +529,7 @@ impl Ring {
                 if let WorkKind::Record { order, .. } = &mut w.kind {
                     *order = seq;
                 }
-                // Queued work is charged to the tenant's host budget until
-                // it ran.
-                let cost = QUEUED_ITEM_BYTES + msg.len() as u64;
-                match self.tenant.host.reserve(cost, "queued stream work") {
-                    Ok(()) => self.enqueue(engine, seq, w, cost),
-                    Err(r) => self.finish(engine, seq, reply, Err(r), op),
-                }
+                self.enqueue(engine, seq, reply, op, w, QUEUED_ITEM_BYTES + msg.len() as u64)
             }
         }
     }
@@ -558,7 +552,9 @@ impl Ring {
         self.complete(engine, seq);
     }
 
-    fn enqueue(self: &Arc<Self>, engine: &Engine, seq: u64, work: Work, cost: u64) {
+    /// Runs `work` now if its stream is idle and the work bounded, or
+    /// queues it on its stream, charged (`cost` host bytes) until it ran.
+    fn enqueue(self: &Arc<Self>, engine: &Engine, seq: u64, reply: u16, op: Opcode, work: Work, cost: u64) {
         let key = (work.ctx, work.stream);
         let stream = {
             let mut m = lock(&self.streams);
@@ -567,15 +563,15 @@ impl Ring {
             }
             if m.len() >= MAX_STREAMS && !m.contains_key(&key) {
                 drop(m);
-                self.tenant.host.release(cost);
                 return self.finish(engine, seq, ring::NO_REPLY, Err(Reply::error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("more than {MAX_STREAMS} streams with work queued"))), Opcode::Ping);
             }
             m.entry(key).or_default().clone()
         };
         let short = work_is_short(&work.kind) && !matches!(work.kind, WorkKind::Wait { .. });
-        let item = Item { seq, work, _inflight: self.tenant.begin_work(), _charge: Charge(self.tenant.clone(), cost) };
+        let inflight = self.tenant.begin_work();
         let mut q = lock(&stream.q);
         if short && !q.scheduled {
+            let item = Item { seq, work, _inflight: inflight, _charge: Charge(self.tenant.clone(), 0) };
             // The stream is idle and the work bounded: run it now, on the
             // polling thread, the cheapest way to the device (stream order
             // holds: nothing of this stream is queued or running).
@@ -584,6 +580,12 @@ impl Ring {
             self.run_item(engine, item);
             return self.reschedule(engine, stream, false);
         }
+        // Queued work is charged to the tenant's host budget until it ran.
+        if let Err(r) = self.tenant.host.reserve(cost, "queued stream work") {
+            drop(q);
+            return self.finish(engine, seq, reply, Err(r), op);
+        }
+        let item = Item { seq, work, _inflight: inflight, _charge: Charge(self.tenant.clone(), cost) };
         q.items.push_back(item);
         if !q.scheduled {
             q.scheduled = true;
