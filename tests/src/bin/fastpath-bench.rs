@@ -12,7 +12,8 @@
 //!   5. a tenant's second connection's null call while its first runs
 //!      long kernels back to back (no process of a tenant starves another)
 //!
-//! Usage: fastpath-bench [--quick]
+//! Usage: fastpath-bench [--quick] [--copy-loop SECONDS]
+//! (`--copy-loop` only repeats 64 KiB pinned copies, for a profiler)
 
 use std::ffi::c_void;
 use std::io::{Read, Write};
@@ -232,6 +233,29 @@ fn bandwidth(bytes: usize, iters: usize, mut f: impl FnMut()) -> f64 {
     bytes as f64 / best / 1e9
 }
 
+/// Synchronous 64 KiB copies from pinned memory for `secs` seconds.
+unsafe fn copy_loop(secs: f64) {
+    // SAFETY: arguments follow the CUDA API contract; out-pointers are
+    // valid locals and the pinned buffer holds the copied size.
+    unsafe {
+        check(cu::cuInit(0), "cuInit");
+        let mut ctx = std::ptr::null_mut();
+        check(cu::cuCtxCreate_v2(&mut ctx, 0, 0), "cuCtxCreate");
+        let size = 64 << 10;
+        let mut d = 0u64;
+        check(cu::cuMemAlloc_v2(&mut d, size), "alloc");
+        let mut pinned: *mut c_void = std::ptr::null_mut();
+        check(cu::cuMemAllocHost_v2(&mut pinned, size), "cuMemAllocHost");
+        let s = Instant::now();
+        let mut n = 0u64;
+        while s.elapsed().as_secs_f64() < secs {
+            check(cu::cuMemcpyHtoD_v2(d, pinned, size), "htod");
+            n += 1;
+        }
+        println!("copy_loop: {n} copies of 64 KiB, {:.2} µs each", s.elapsed().as_secs_f64() / n as f64 * 1e6);
+    }
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let m = Mediator::start(&["--device-memory", "1GiB"]);
@@ -262,6 +286,12 @@ fn main() {
 
     // 2. Launch throughput, through the C API.
     std::env::set_var("VGPU_SOCKET", &sock);
+    if let Some(secs) = std::env::args().skip_while(|a| a != "--copy-loop").nth(1).and_then(|v| v.parse::<f64>().ok()) {
+        // For profiling: 64 KiB pinned host-to-device copies, nothing else.
+        // SAFETY: as below.
+        unsafe { copy_loop(secs) };
+        return;
+    }
     let launches = if quick { 10_000 } else { 100_000 };
     let sync_n = if quick { 2_000 } else { 20_000 };
     // SAFETY: for all calls below, arguments follow the CUDA API contract;
