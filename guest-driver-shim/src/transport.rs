@@ -53,6 +53,16 @@ pub trait Transport: Send {
     }
 }
 
+/// A call that answers nothing on success, as a CallResult.
+fn empty_reply(r: Result<Reply, TransportError>) -> CallResult<()> {
+    match r {
+        Ok(Reply::Empty) => Ok(()),
+        Ok(Reply::Error(code, msg)) => Err(CallError::new(code, msg)),
+        Ok(r) => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
+        Err(e) => Err(CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, e.to_string())),
+    }
+}
+
 /// Whether `[p, p+len)` lies in private, writable, anonymous mappings of
 /// this process (heap or anonymous mmap): the only memory registration
 /// re-backs in place.
@@ -228,21 +238,13 @@ impl Transport for UnixTransport {
         let id = self.next_region;
         self.next_region = self.next_region.wrapping_add(1).max(1);
         let reply = self.send_fds(&Request::RegisterShm(RegisterShmReq { size: size.max(1) as u64, id, flags: 0 }), seq, &[fd.as_raw_fd()]);
-        match reply {
-            Ok(Reply::Empty) => {
-                self.pinned.insert(id, (p, size.max(1)));
-                Ok((p, DataLoc::Shared, id))
-            }
-            other => {
-                // SAFETY: unmapping the mapping made above, which nothing else uses.
-                unsafe { libc::munmap(p.cast(), size.max(1)) };
-                Err(match other {
-                    Ok(Reply::Error(code, msg)) => CallError::new(code, msg),
-                    Ok(r) => CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}")),
-                    Err(e) => CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, e.to_string()),
-                })
-            }
+        if let Err(e) = empty_reply(reply) {
+            // SAFETY: unmapping the mapping made above, which nothing else uses.
+            unsafe { libc::munmap(p.cast(), size.max(1)) };
+            return Err(e);
         }
+        self.pinned.insert(id, (p, size.max(1)));
+        Ok((p, DataLoc::Shared, id))
     }
 
     fn register_host(&mut self, p: *mut u8, len: usize, seq: u32) -> CallResult<Option<(DataLoc, u32)>> {
@@ -255,12 +257,7 @@ impl Transport for UnixTransport {
         unsafe { libc::munmap(q.cast(), len) };
         let id = self.next_region;
         self.next_region = self.next_region.wrapping_add(1).max(1);
-        match self.send_fds(&Request::RegisterShm(RegisterShmReq { size: len as u64, id, flags: 0 }), seq, &[fd.as_raw_fd()]) {
-            Ok(Reply::Empty) => {}
-            Ok(Reply::Error(code, msg)) => return Err(CallError::new(code, msg)),
-            Ok(r) => return Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
-            Err(e) => return Err(CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, e.to_string())),
-        }
+        empty_reply(self.send_fds(&Request::RegisterShm(RegisterShmReq { size: len as u64, id, flags: 0 }), seq, &[fd.as_raw_fd()]))?;
         if let Err(e) = remap_in_place(p, len, Some(fd.as_raw_fd())) {
             let _ = self.call(&Request::UnregisterShm(ShmIdReq { id, reserved: 0 }), seq);
             return Err(CallError::new(CuResult::CUDA_ERROR_OPERATING_SYSTEM, format!("re-backing the range with shared memory: {e}")));
@@ -271,12 +268,7 @@ impl Transport for UnixTransport {
     fn unregister_host(&mut self, p: *mut u8, len: usize, id: u32, seq: u32) -> CallResult<()> {
         let r = self.call(&Request::UnregisterShm(ShmIdReq { id, reserved: 0 }), seq);
         remap_in_place(p, len, None).map_err(|e| CallError::new(CuResult::CUDA_ERROR_OPERATING_SYSTEM, format!("making the range private again: {e}")))?;
-        match r {
-            Ok(Reply::Empty) => Ok(()),
-            Ok(Reply::Error(code, msg)) => Err(CallError::new(code, msg)),
-            Ok(r) => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
-            Err(e) => Err(CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, e.to_string())),
-        }
+        empty_reply(r)
     }
 
     fn free_pinned(&mut self, _p: *mut u8, _len: usize, id: u32, seq: u32) -> CallResult<()> {
@@ -286,12 +278,7 @@ impl Transport for UnixTransport {
             // caller no longer uses it.
             unsafe { libc::munmap(p.cast(), n) };
         }
-        match r {
-            Ok(Reply::Empty) => Ok(()),
-            Ok(Reply::Error(code, msg)) => Err(CallError::new(code, msg)),
-            Ok(r) => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
-            Err(e) => Err(CallError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, e.to_string())),
-        }
+        empty_reply(r)
     }
 }
 

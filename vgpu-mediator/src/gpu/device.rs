@@ -393,8 +393,7 @@ impl GpuDevice {
                 (h.opcode(), h.seq, Reply::Empty)
             }
             Ok((h, Request::GetConnStats)) => {
-                let (entries, kicks) = c.ring.as_ref().map(|r| (r.entries.load(std::sync::atomic::Ordering::Relaxed), r.kicks.load(std::sync::atomic::Ordering::Relaxed))).unwrap_or((0, 0));
-                (h.opcode(), h.seq, Reply::ConnStats(virtio_gpu_compute::ConnStats { messages: c.submits, ring_entries: entries, kicks }))
+                (h.opcode(), h.seq, Reply::ConnStats(Ring::stats(c.ring.as_deref(), c.submits)))
             }
             Ok((h, req)) => {
                 let (svc, tenant) = (self.svc.clone(), self.tenant.clone());

@@ -845,8 +845,7 @@ fn handle_message(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, h: &
             }
         }
         Ok((_, Request::GetConnStats)) => {
-            let (entries, kicks) = io.ring.as_ref().map(|r| (r.entries.load(Ordering::Relaxed), r.kicks.load(Ordering::Relaxed))).unwrap_or((0, 0));
-            Reply::ConnStats(ConnStats { messages: io.messages, ring_entries: entries, kicks })
+            Reply::ConnStats(Ring::stats(io.ring.as_deref(), io.messages))
         }
         Ok((_, req)) => {
             // Fds on any other message go to the closer, unused.

@@ -127,41 +127,35 @@ impl RingMem {
         unsafe { AtomicU32::from_ptr(p.cast()) }
     }
 
-    /// Copies `[off, off+out.len())` out of shared memory, across runs.
-    fn read(&self, mut off: usize, out: &mut [u8]) -> bool {
+    /// Calls `f(slice, done)` for consecutive volatile slices covering
+    /// `[off, off+len)` across runs (`done`: bytes before this slice);
+    /// false if the range leaves the ring.
+    fn each_run(&self, mut off: usize, len: usize, mut f: impl FnMut(vm_memory::VolatileSlice<'_>, usize)) -> bool {
         let mut done = 0;
-        while done < out.len() {
+        while done < len {
             let Some(i) = self.runs.partition_point(|r| r.0 <= off).checked_sub(1) else { return false };
-            let (start, p, len) = self.runs[i];
-            if off >= start + len {
+            let (start, p, rlen) = self.runs[i];
+            if off >= start + rlen {
                 return false;
             }
-            let n = (start + len - off).min(out.len() - done);
+            let n = (start + rlen - off).min(len - done);
             // SAFETY: [off, off+n) lies inside run i of the live mapping.
-            let v = unsafe { vm_memory::VolatileSlice::new(p.add(off - start), n) };
-            v.copy_to(&mut out[done..done + n]);
+            f(unsafe { vm_memory::VolatileSlice::new(p.add(off - start), n) }, done);
             done += n;
             off += n;
         }
         true
     }
 
-    fn write(&self, mut off: usize, data: &[u8]) -> bool {
-        let mut done = 0;
-        while done < data.len() {
-            let Some(i) = self.runs.partition_point(|r| r.0 <= off).checked_sub(1) else { return false };
-            let (start, p, len) = self.runs[i];
-            if off >= start + len {
-                return false;
-            }
-            let n = (start + len - off).min(data.len() - done);
-            // SAFETY: [off, off+n) lies inside run i of the live mapping.
-            let v = unsafe { vm_memory::VolatileSlice::new(p.add(off - start), n) };
-            v.copy_from(&data[done..done + n]);
-            done += n;
-            off += n;
-        }
-        true
+    /// Copies `[off, off+out.len())` out of shared memory, across runs.
+    fn read(&self, off: usize, out: &mut [u8]) -> bool {
+        self.each_run(off, out.len(), |v, done| {
+            v.copy_to(&mut out[done..done + v.len()]);
+        })
+    }
+
+    fn write(&self, off: usize, data: &[u8]) -> bool {
+        self.each_run(off, data.len(), |v, done| v.copy_from(&data[done..done + v.len()]))
     }
 }
 
@@ -307,6 +301,13 @@ impl Ring {
         // No job polls it yet: the first entry must wake it.
         r.mem.u32_at(ring::STATE).store(ring::STATE_SLEEPING, Ordering::Release);
         Ok(Arc::new(r))
+    }
+
+    /// A connection's transport figures: its `messages`, and the entries
+    /// and kicks of its ring if it has one.
+    pub fn stats(ring: Option<&Ring>, messages: u64) -> ConnStats {
+        let (ring_entries, kicks) = ring.map(|r| (r.entries.load(Ordering::Relaxed), r.kicks.load(Ordering::Relaxed))).unwrap_or((0, 0));
+        ConnStats { messages, ring_entries, kicks }
     }
 
     /// The tenant found the ring asleep and woke it.
@@ -509,7 +510,7 @@ impl Ring {
             Request::ModuleLoad(..) => refuse("module images go on the socket"),
             Request::MemcpyHtoD(b, _) if b.loc == DataLoc::Inline as u32 => refuse("ring copies go through shared regions"),
             Request::MemcpyDtoH(b) if b.loc == DataLoc::Inline as u32 => refuse("ring copies go through shared regions"),
-            Request::GetConnStats => Ok(Prepared::Done(Reply::ConnStats(ConnStats { messages: 0, ring_entries: self.entries.load(Ordering::Relaxed), kicks: self.kicks.load(Ordering::Relaxed) }))),
+            Request::GetConnStats => Ok(Prepared::Done(Reply::ConnStats(Ring::stats(Some(self), 0)))),
             Request::UnregisterShm(_) => refuse("unregistering a shared region goes on the socket"),
             // Only an entry written before can be waited for: waits never
             // form a cycle and every wait ends.
