@@ -9,6 +9,7 @@
 
 pub mod capset;
 pub mod cuda;
+pub mod fatbin;
 pub mod msg;
 pub mod ring;
 pub mod size;

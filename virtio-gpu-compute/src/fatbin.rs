@@ -1,0 +1,308 @@
+//! NVIDIA fatbin containers: the `fatbinc` wrapper a host program embeds,
+//! the fatbin header, and its entries (PTX text or cubin ELF images, per
+//! architecture, optionally LZ4-compressed). Parsing is bounded and
+//! total: a hostile image gets an error, never a panic or an unbounded
+//! allocation.
+//!
+//! Layout (little-endian), as observed in images `nvcc` and `nvrtc` emit:
+//! the header is `{ u32 magic 0xBA55ED50, u16 version, u16 header_size,
+//! u64 body_size }`; the body is a sequence of entries, each `{ u16 kind
+//! (1 PTX, 2 ELF), u16 version, u32 header_size, u64 payload_size,
+//! u32 compressed_size, u32 _, u16 minor, u16 major, u32 arch, u32
+//! name_offset, u32 name_len, u64 flags, u64 _, u64 uncompressed_size }`
+//! followed by its payload at `header_size`. Flag 0x2000 marks an LZ4
+//! block-compressed payload; 0x8000 (zstd) is recognised and refused.
+
+use thiserror::Error;
+
+pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
+pub const WRAPPER_MAGIC: u32 = 0x4662_43B1;
+
+const KIND_PTX: u16 = 1;
+const KIND_ELF: u16 = 2;
+const FLAG_COMPRESSED: u64 = 0x2000;
+const FLAG_OTHER_COMPRESSION: u64 = 0x1000 | 0x8000;
+const ENTRY_MIN_HEADER: usize = 64;
+/// No entry decompresses to more than this (the module image limit).
+pub const MAX_UNCOMPRESSED: u64 = 256 << 20;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum FatbinError {
+    #[error("fatbin is truncated ({0})")]
+    Truncated(&'static str),
+    #[error("not a fatbin (magic {0:#x})")]
+    BadMagic(u32),
+    #[error("fatbin entry {index} is malformed: {what}")]
+    BadEntry { index: usize, what: &'static str },
+    #[error("fatbin entry {index} is compressed in an unknown way (flags {flags:#x})")]
+    UnknownCompression { index: usize, flags: u64 },
+    #[error("fatbin entry {index} does not decompress: {what}")]
+    Decompress { index: usize, what: &'static str },
+}
+
+/// What an entry holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Ptx,
+    Elf,
+    Other(u16),
+}
+
+/// One entry of a fatbin, borrowing its payload.
+#[derive(Debug, Clone)]
+pub struct Entry<'a> {
+    pub index: usize,
+    pub kind: Kind,
+    /// Virtual architecture (PTX) or real one (cubin), e.g. 80 for sm_80.
+    pub arch: u32,
+    pub flags: u64,
+    payload: &'a [u8],
+    uncompressed: u64,
+}
+
+impl Entry<'_> {
+    pub fn compressed(&self) -> bool {
+        self.flags & FLAG_COMPRESSED != 0
+    }
+
+    /// The entry's contents, decompressed; PTX loses its trailing NULs.
+    pub fn contents(&self) -> Result<Vec<u8>, FatbinError> {
+        let mut data = if self.compressed() {
+            if self.uncompressed == 0 || self.uncompressed > MAX_UNCOMPRESSED {
+                return Err(FatbinError::BadEntry { index: self.index, what: "uncompressed size out of range" });
+            }
+            lz4_block(self.payload, self.uncompressed as usize).map_err(|what| FatbinError::Decompress { index: self.index, what })?
+        } else {
+            self.payload.to_vec()
+        };
+        if self.kind == Kind::Ptx {
+            while data.last() == Some(&0) {
+                data.pop();
+            }
+        }
+        Ok(data)
+    }
+}
+
+fn u16_at(b: &[u8], o: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(b.get(o..o + 2)?.try_into().ok()?))
+}
+fn u32_at(b: &[u8], o: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?))
+}
+fn u64_at(b: &[u8], o: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?))
+}
+
+/// The whole fatbin's length (header plus body) from its first 16 bytes.
+pub fn total_len(head: &[u8]) -> Result<u64, FatbinError> {
+    let magic = u32_at(head, 0).ok_or(FatbinError::Truncated("header"))?;
+    if magic != FATBIN_MAGIC {
+        return Err(FatbinError::BadMagic(magic));
+    }
+    let hs = u16_at(head, 6).ok_or(FatbinError::Truncated("header"))? as u64;
+    let body = u64_at(head, 8).ok_or(FatbinError::Truncated("header"))?;
+    hs.checked_add(body).ok_or(FatbinError::Truncated("size overflows"))
+}
+
+/// The entries of a fatbin image.
+pub fn entries(image: &[u8]) -> Result<Vec<Entry<'_>>, FatbinError> {
+    let total = total_len(image)?;
+    let hs = u16_at(image, 6).unwrap_or(0) as usize;
+    if hs < 16 || total > image.len() as u64 {
+        return Err(FatbinError::Truncated("body"));
+    }
+    let end = total as usize;
+    let mut off = hs;
+    let mut out = Vec::new();
+    while off < end {
+        let index = out.len();
+        if out.len() >= 4096 {
+            return Err(FatbinError::BadEntry { index, what: "too many entries" });
+        }
+        let e = image.get(off..end).ok_or(FatbinError::Truncated("entry"))?;
+        let bad = |what| FatbinError::BadEntry { index, what };
+        if e.len() < ENTRY_MIN_HEADER {
+            // Trailing padding is allowed; a partial header is not.
+            if e.iter().all(|b| *b == 0) {
+                break;
+            }
+            return Err(FatbinError::Truncated("entry header"));
+        }
+        let kind = match u16_at(e, 0).unwrap_or(0) {
+            KIND_PTX => Kind::Ptx,
+            KIND_ELF => Kind::Elf,
+            k => Kind::Other(k),
+        };
+        let ehs = u32_at(e, 4).unwrap_or(0) as usize;
+        let psz = u64_at(e, 8).unwrap_or(0);
+        if ehs < ENTRY_MIN_HEADER || ehs > e.len() {
+            return Err(bad("header size"));
+        }
+        if psz > (e.len() - ehs) as u64 {
+            return Err(bad("payload runs past the fatbin"));
+        }
+        let psz = psz as usize;
+        let flags = u64_at(e, 40).unwrap_or(0);
+        let compressed_size = u32_at(e, 16).unwrap_or(0) as usize;
+        let mut payload = &e[ehs..ehs + psz];
+        if flags & FLAG_COMPRESSED != 0 && compressed_size > 0 && compressed_size <= psz {
+            payload = &payload[..compressed_size];
+        }
+        // Other compression schemes (zstd, 0x8000; the old 0x1000) are
+        // refused, not misread as plain payloads.
+        if flags & FLAG_OTHER_COMPRESSION != 0 {
+            return Err(FatbinError::UnknownCompression { index, flags });
+        }
+        out.push(Entry { index, kind, arch: u32_at(e, 28).unwrap_or(0), flags, payload, uncompressed: u64_at(e, 56).unwrap_or(0) });
+        off += ehs + psz;
+    }
+    Ok(out)
+}
+
+/// The best PTX a device of virtual architecture `arch` can run: the
+/// highest one not above `arch`. `Ok(None)` if the fatbin carries none.
+pub fn best_ptx(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
+    let es = entries(image)?;
+    let best = es.iter().filter(|e| e.kind == Kind::Ptx && e.arch <= arch).max_by_key(|e| e.arch);
+    best.map(|e| e.contents()).transpose()
+}
+
+/// The highest PTX architecture a fatbin carries, if any.
+pub fn ptx_archs(image: &[u8]) -> Result<Vec<u32>, FatbinError> {
+    Ok(entries(image)?.iter().filter(|e| e.kind == Kind::Ptx).map(|e| e.arch).collect())
+}
+
+/// Decodes one LZ4 block (the raw block format, no frame) of exactly
+/// `size` bytes of output.
+pub fn lz4_block(src: &[u8], size: usize) -> Result<Vec<u8>, &'static str> {
+    let mut out: Vec<u8> = Vec::with_capacity(size);
+    let mut i = 0usize;
+    let read_len = |i: &mut usize, mut n: usize| -> Result<usize, &'static str> {
+        if n == 15 {
+            loop {
+                let b = *src.get(*i).ok_or("length runs past the input")?;
+                *i += 1;
+                n = n.checked_add(b as usize).ok_or("length overflows")?;
+                if b != 255 {
+                    break;
+                }
+            }
+        }
+        Ok(n)
+    };
+    while i < src.len() {
+        let token = src[i];
+        i += 1;
+        let lit = read_len(&mut i, (token >> 4) as usize)?;
+        let lits = src.get(i..i.checked_add(lit).ok_or("literal length overflows")?).ok_or("literals run past the input")?;
+        if out.len() + lit > size {
+            return Err("output exceeds the stated size");
+        }
+        out.extend_from_slice(lits);
+        i += lit;
+        if i == src.len() {
+            break;
+        }
+        let off = u16_at(src, i).ok_or("match offset runs past the input")? as usize;
+        i += 2;
+        if off == 0 || off > out.len() {
+            return Err("match offset out of range");
+        }
+        let mlen = read_len(&mut i, (token & 15) as usize)?.checked_add(4).ok_or("match length overflows")?;
+        if out.len() + mlen > size {
+            return Err("output exceeds the stated size");
+        }
+        let start = out.len() - off;
+        for k in 0..mlen {
+            out.push(out[start + k]);
+        }
+    }
+    if out.len() != size {
+        return Err("output is shorter than the stated size");
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(kind: u16, arch: u32, flags: u64, payload: &[u8], uncompressed: u64) -> Vec<u8> {
+        let mut e = vec![0u8; 64];
+        e[0..2].copy_from_slice(&kind.to_le_bytes());
+        e[2..4].copy_from_slice(&0x101u16.to_le_bytes());
+        e[4..8].copy_from_slice(&64u32.to_le_bytes());
+        let padded = payload.len().next_multiple_of(8);
+        e[8..16].copy_from_slice(&(padded as u64).to_le_bytes());
+        e[16..20].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        e[28..32].copy_from_slice(&arch.to_le_bytes());
+        e[40..48].copy_from_slice(&flags.to_le_bytes());
+        e[56..64].copy_from_slice(&uncompressed.to_le_bytes());
+        e.extend_from_slice(payload);
+        e.resize(64 + padded, 0);
+        e
+    }
+
+    fn fatbin(entries: &[Vec<u8>]) -> Vec<u8> {
+        let body: Vec<u8> = entries.concat();
+        let mut f = Vec::new();
+        f.extend_from_slice(&FATBIN_MAGIC.to_le_bytes());
+        f.extend_from_slice(&1u16.to_le_bytes());
+        f.extend_from_slice(&16u16.to_le_bytes());
+        f.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        f.extend_from_slice(&body);
+        f
+    }
+
+    /// "abcabcabcabc!" as an LZ4 block: 3 literals, a 9-byte match at
+    /// offset 3, then the last literal.
+    const LZ4: &[u8] = &[0x35, b'a', b'b', b'c', 3, 0, 0x10, b'!'];
+
+    #[test]
+    fn lz4_decodes_and_refuses_bad_input() {
+        assert_eq!(lz4_block(LZ4, 13).unwrap(), b"abcabcabcabc!");
+        assert!(lz4_block(LZ4, 12).is_err());
+        assert!(lz4_block(LZ4, 14).is_err());
+        assert!(lz4_block(&[0x35, b'a', b'b', b'c', 9, 0, 0x10, b'!'], 13).is_err());
+        assert!(lz4_block(&[0xF0, 255, 255], 100).is_err());
+        assert!(lz4_block(&[0x10], 1).is_err());
+    }
+
+    #[test]
+    fn picks_the_best_ptx_and_decompresses() {
+        let f = fatbin(&[
+            entry(KIND_ELF, 80, 0x11, b"\x7fELF....", 0),
+            entry(KIND_PTX, 52, 0x11, b".version 7.0\0\0", 0),
+            entry(KIND_PTX, 80, 0x2011, LZ4, 13),
+            entry(KIND_PTX, 90, 0x11, b".version 8.0", 0),
+        ]);
+        assert_eq!(total_len(&f).unwrap() as usize, f.len());
+        let es = entries(&f).unwrap();
+        assert_eq!(es.len(), 4);
+        assert_eq!(es[0].kind, Kind::Elf);
+        assert_eq!(best_ptx(&f, 80).unwrap().unwrap(), b"abcabcabcabc!");
+        assert_eq!(best_ptx(&f, 75).unwrap().unwrap(), b".version 7.0");
+        assert_eq!(best_ptx(&f, 50).unwrap(), None);
+        assert_eq!(ptx_archs(&f).unwrap(), vec![52, 80, 90]);
+    }
+
+    #[test]
+    fn hostile_images_are_errors() {
+        let good = fatbin(&[entry(KIND_PTX, 80, 0x11, b"x", 0)]);
+        for cut in 0..good.len() {
+            assert!(entries(&good[..cut]).is_err(), "truncated at {cut}");
+        }
+        let mut big = good.clone();
+        big[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(entries(&big).is_err());
+        let mut e = good.clone();
+        e[16 + 8..16 + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert!(entries(&e).is_err());
+        let zstd = fatbin(&[entry(KIND_PTX, 80, 0x8011, b"x", 1)]);
+        assert!(matches!(entries(&zstd), Err(FatbinError::UnknownCompression { .. })));
+        let huge = fatbin(&[entry(KIND_PTX, 80, 0x2011, LZ4, 1 << 40)]);
+        assert!(best_ptx(&huge, 80).is_err());
+        assert_eq!(entries(b"\x50\xed\x55\xbaxxxx").unwrap_err(), FatbinError::Truncated("header"));
+    }
+}
