@@ -1,6 +1,6 @@
 //! Kernel-side limits through the whole stack: the instruction budget stops
 //! a runaway kernel, unsupported PTX names itself in the JIT error log, and
-//! non-PTX images are refused as unsupported on this device.
+//! images without PTX have no binary for this device.
 
 use virtio_gpu_compute::*;
 use vgpu_tests::*;
@@ -38,7 +38,7 @@ fn unsupported_ptx_instruction_is_named_in_the_jit_log() {
 }
 
 #[test]
-fn cubin_and_fatbin_images_are_unsupported_on_the_cpu_device() {
+fn cubins_and_fatbins_without_ptx_have_no_binary_for_the_cpu_device() {
     let m = Mediator::start(&[]);
     let a = m.tenant("bin", "16MiB");
     let mut r = Raw::connect(&a);
@@ -50,7 +50,7 @@ fn cubin_and_fatbin_images_are_unsupported_on_the_cpu_device() {
     fatbin.extend_from_slice(&[1, 0, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
     for (image, fmt) in [(b"\x7fELF\x02\x01\x01\x00rest-of-cubin".to_vec(), ImageFormat::Cubin), (fatbin, ImageFormat::Fatbin)] {
         match r.call(Request::ModuleLoad(ModuleLoadReq { ctx, format: fmt as u32, image_len: image.len() as u64 }, image)) {
-            Reply::Error(CuResult::CUDA_ERROR_NOT_SUPPORTED, msg) => assert!(msg.contains("unsupported on this device"), "{msg}"),
+            Reply::Error(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, msg) => assert!(msg.contains("PTX"), "{msg}"),
             o => panic!("{o:?}"),
         }
     }

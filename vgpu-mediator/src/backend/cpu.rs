@@ -451,20 +451,31 @@ impl Backend for CpuBackend {
     }
 
     fn load_module(&self, _slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64, data: &mut ModuleDataAlloc<'_>) -> Result<Arc<dyn DeviceModule>, BackendError> {
-        if format != ImageFormat::Ptx {
-            return Err(BackendError::new(
-                CuResult::CUDA_ERROR_NOT_SUPPORTED,
-                format!("{format:?} images are unsupported on this device: the CPU reference device runs PTX only"),
-            ));
-        }
+        let (major, minor) = self.desc.cc;
+        let arch = major * 10 + minor;
+        // A fatbin runs here through the best PTX it carries; a cubin
+        // (machine code for a real GPU) cannot run at all.
+        let ptx;
+        let image = match format {
+            ImageFormat::Ptx => image,
+            ImageFormat::Cubin => {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "cubin images are machine code for a real GPU; the CPU reference device runs PTX only (compile to PTX, e.g. nvrtc -arch=compute_XX)"));
+            }
+            ImageFormat::Fatbin => {
+                let bad = |e: virtio_gpu_compute::fatbin::FatbinError| BackendError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, e.to_string());
+                ptx = virtio_gpu_compute::fatbin::best_ptx(image, arch).map_err(bad)?.ok_or_else(|| {
+                    let have = virtio_gpu_compute::fatbin::ptx_archs(image).unwrap_or_default();
+                    BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the fatbin carries no PTX for compute_{arch} or older (PTX for {have:?}; its cubins cannot run on the CPU reference device)"))
+                })?;
+                &ptx[..]
+            }
+        };
         let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image))
             .map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
         let mut m = Module::parse_within(text, host_limit).map_err(|e| {
             let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
             BackendError::new(code, e.to_string())
         })?;
-        let (major, minor) = self.desc.cc;
-        let arch = major * 10 + minor;
         if m.target > arch {
             return Err(BackendError::new(
                 CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU,
@@ -548,11 +559,11 @@ mod tests {
     }
 
     #[test]
-    fn non_ptx_images_are_unsupported_on_this_device() {
+    fn cubins_have_no_binary_for_this_device() {
         let b = CpuBackend::new(0, 1 << 16, 0).unwrap();
         let e = b.load_module(0, b"\x7fELF\x02\x01\x01", ImageFormat::Cubin, u64::MAX, &mut |_, _| unreachable!()).err().unwrap();
-        assert_eq!(e.code, CuResult::CUDA_ERROR_NOT_SUPPORTED);
-        assert!(e.msg.contains("unsupported on this device"));
+        assert_eq!(e.code, CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU);
+        assert!(e.msg.contains("PTX only"));
     }
 
     const CONST_PTX: &str = ".version 8.0\n.target sm_80\n.address_size 64\n.visible .const .align 4 .u32 c[4] = {1, 2, 3, 4};\n.visible .global .align 4 .u32 g;\n.visible .entry k() {\n .reg .b64 %rd<3>;\n .reg .b32 %r<3>;\n mov.u64 %rd1, c;\n cvta.const.u64 %rd2, %rd1;\n ld.u32 %r1, [%rd2+8];\n st.global.u32 [g], %r1;\n st.u32 [%rd2], %r1;\n ret;\n}\n";
