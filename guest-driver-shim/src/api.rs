@@ -13,8 +13,15 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use virtio_gpu_compute::*;
+use virtio_gpu_compute::fatbin;
 
 use crate::client::{CallError, CallResult, Client};
+
+mod ctx;
+mod export;
+mod library;
+mod mem;
+mod unsupported;
 
 pub type CUresult = c_uint;
 pub type CUdevice = c_int;
@@ -41,8 +48,19 @@ fn dec(tag: usize, h: H) -> Option<u32> {
 
 struct Func {
     ctx: u32,
+    module: u32,
+    name: String,
     params: Vec<ParamDesc>,
     size: u32,
+    /// Settable attributes: max dynamic shared memory, carveout, cache
+    /// configuration.
+    conf: Mutex<library::FuncConf>,
+}
+
+/// A loaded module: its context and its kernels' names.
+struct ModInfo {
+    ctx: u32,
+    entries: Arc<Vec<String>>,
 }
 
 /// A stream as the shim tracks it: its context, whether it synchronises
@@ -52,6 +70,8 @@ struct StreamInfo {
     ctx: u32,
     blocking: bool,
     last: u64,
+    flags: c_uint,
+    priority: c_int,
 }
 
 /// An event and the ring entry of its newest record, if any.
@@ -64,7 +84,7 @@ struct EventInfo {
 struct State {
     primary: Option<(u32, u32)>,
     ctxs: Vec<u32>,
-    modules: HashMap<u32, u32>,
+    modules: HashMap<u32, ModInfo>,
     funcs: HashMap<u32, Arc<Func>>,
     streams: HashMap<u32, StreamInfo>,
     events: HashMap<u32, EventInfo>,
@@ -73,6 +93,23 @@ struct State {
     /// Newest entry of each context's destroyed streams: their work still
     /// runs, and context-wide synchronisation still covers it.
     orphans: HashMap<u32, u64>,
+    /// Each context's settings (flags, limits, cache configuration).
+    conf: HashMap<u32, ctx::CtxConf>,
+    /// Flags the next primary context is made with.
+    primary_flags: c_uint,
+    /// Device memory this process allocated: base address to size.
+    allocs: std::collections::BTreeMap<u64, Alloc>,
+}
+
+/// A device allocation as the shim tracks it (for pointer queries and
+/// unified-address copies).
+#[derive(Clone, Copy)]
+struct Alloc {
+    size: u64,
+    ctx: u32,
+    /// The address range is reserved in this process, so no host mapping
+    /// can ever alias it.
+    reserved: bool,
 }
 
 struct Shim {
@@ -99,6 +136,12 @@ thread_local! {
 
 fn log_enabled() -> bool {
     std::env::var_os("VGPU_LOG").is_some()
+}
+
+/// `VGPU_TRACE=1`: log every symbol lookup (what a runtime asks of us).
+fn trace_enabled() -> bool {
+    static T: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *T.get_or_init(|| std::env::var_os("VGPU_TRACE").is_some())
 }
 
 fn fail(api: &str, e: CallError) -> CUresult {
@@ -195,7 +238,7 @@ impl Shim {
             return Ok(id);
         }
         let id = self.client.handle(Request::StreamCreate(ObjCreateReq { ctx, flags: 0 }))?;
-        self.st().streams.insert(id, StreamInfo { ctx, blocking: true, last: 0 });
+        self.st().streams.insert(id, StreamInfo { ctx, blocking: true, last: 0, flags: 0, priority: 0 });
         PER_THREAD.with(|m| m.borrow_mut().insert(ctx, id));
         Ok(id)
     }
@@ -307,25 +350,60 @@ impl Shim {
     fn create_ctx(&self, flags: c_uint, dev: CUdevice) -> CallResult<u32> {
         self.device(dev)?;
         let c = self.client.handle(Request::CtxCreate(CtxCreateReq { flags, reserved: 0 }))?;
-        self.st().ctxs.push(c);
+        let mut st = self.st();
+        st.ctxs.push(c);
+        st.conf.insert(c, ctx::CtxConf::new(flags));
         Ok(c)
+    }
+
+    /// The device's primary context, made (unreferenced) if there is none.
+    fn primary_ctx(&self, dev: CUdevice) -> CallResult<u32> {
+        self.device(dev)?;
+        if let Some((c, _)) = self.st().primary {
+            return Ok(c);
+        }
+        let flags = self.st().primary_flags;
+        let c = self.create_ctx(flags, dev)?;
+        let mut st = self.st();
+        match st.primary {
+            // Another thread made one meanwhile: use it, drop ours.
+            Some((p, _)) => {
+                drop(st);
+                let _ = self.destroy_ctx(c);
+                Ok(p)
+            }
+            None => {
+                st.primary = Some((c, 0));
+                Ok(c)
+            }
+        }
     }
 
     fn destroy_ctx(&self, c: u32) -> CallResult<()> {
         if !self.st().ctxs.contains(&c) {
             return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "invalid context"));
         }
-        // Work queued in the context finishes first, as on CUDA.
+        // What the runtime stored in the context is destroyed with it
+        // (while the context is still usable), and work queued in it
+        // finishes first, as on CUDA.
+        export::context_destroyed(c);
         let _ = self.sync_ctx(c);
         let r = self.client.empty(Request::CtxDestroy(CtxReq { ctx: c, reserved: 0 }));
         let mut st = self.st();
         st.ctxs.retain(|x| *x != c);
-        st.modules.retain(|_, x| *x != c);
+        st.modules.retain(|_, m| m.ctx != c);
         st.funcs.retain(|_, f| f.ctx != c);
         st.streams.retain(|_, x| x.ctx != c);
         st.events.retain(|_, x| x.ctx != c);
         st.legacy.remove(&c);
         st.orphans.remove(&c);
+        st.conf.remove(&c);
+        let gone: Vec<(u64, Alloc)> = st.allocs.iter().filter(|(_, a)| a.ctx == c).map(|(b, a)| (*b, *a)).collect();
+        for (base, a) in gone {
+            st.allocs.remove(&base);
+            mem::unreserve(base, a);
+        }
+        ctx::forget_on_thread(c);
         self.client.forget(c);
         if st.primary.is_some_and(|(p, _)| p == c) {
             st.primary = None;
@@ -489,7 +567,10 @@ pub unsafe extern "C" fn cuDeviceComputeCapability(major: *mut c_int, minor: *mu
     })
 }
 
-/// `CUdevice_attribute` values this device answers.
+/// `CUdevice_attribute` values this device answers: its real limits where
+/// the device states them, CUDA's documented values for an sm_80-class
+/// device elsewhere (docs/cuda-stacks.md lists them), and 0 for features
+/// it lacks (textures are sized but unsupported).
 pub fn attribute(info: &DeviceInfo, attr: c_int) -> Option<c_int> {
     let i = |v: u32| v.min(i32::MAX as u32) as c_int;
     Some(match attr {
@@ -502,15 +583,35 @@ pub fn attribute(info: &DeviceInfo, attr: c_int) -> Option<c_int> {
         11 => i32::MAX,
         12 | 82 => 65536,
         13 | 36 => 1_000_000,
-        14 => 512,
-        15 | 18 | 19 | 20 | 31 | 32 | 33 | 35 | 38 | 40 | 41 | 50 | 83 | 84 => 0,
+        14 | 30 => 512,
+        // Streams overlap (copies with kernels, kernels with kernels),
+        // addresses are unified, priorities and registration are accepted.
+        15 | 31 | 40 | 41 | 78 | 79 | 80 | 99 | 126 => 1,
         16 => i(info.sm_count),
         17 => (info.instruction_budget != 0) as c_int,
+        18 | 19 | 20 | 32 | 33 | 35 | 38 | 44 | 50 | 83..=86 | 88..=96 | 98 | 100..=105 | 107..=125 | 127..=130 | 132 | 133 | 135..=143 => 0,
+        21 | 56 | 70 => 131072,
+        22 | 27 | 28 | 45 | 46 | 52 | 53 | 55 | 61 | 63 | 64 | 66 | 67 | 73 | 74 | 77 => 32768,
+        23 | 57 => 65536,
+        24..=26 | 58..=60 => 16384,
+        29 | 43 | 62 | 65 => 2048,
+        47 | 48 => 8192,
+        49 => 32768,
+        51 => 32,
+        54 | 68 => 2046,
+        42 => 32768,
+        69 => 1 << 28,
+        71 => 65000,
+        72 => 2_097_120,
         34 => i(info.ordinal),
         37 => 64,
         39 => 2048,
         75 => i(info.cc_major),
         76 => i(info.cc_minor),
+        87 => 2,
+        106 => 32,
+        131 => -1,
+        134 => info.numa_node,
         _ => return None,
     })
 }
@@ -636,18 +737,14 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut H, dev: CUdevice) -
         if pctx.is_null() {
             return Err(bad("null context pointer"));
         }
-        let held = s.st().primary;
-        let c = match held {
-            Some((c, n)) => {
-                s.st().primary = Some((c, n + 1));
-                c
+        let c = s.primary_ctx(dev)?;
+        let mut st = s.st();
+        if let Some((p, n)) = st.primary.as_mut() {
+            if *p == c {
+                *n += 1;
             }
-            None => {
-                let c = s.create_ctx(0, dev)?;
-                s.st().primary = Some((c, 1));
-                c
-            }
-        };
+        }
+        drop(st);
         out(pctx, enc(TAG_CTX, c))
     })
 }
@@ -659,11 +756,11 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
         let held = s.st().primary;
         match held {
             Some((c, 1)) => s.destroy_ctx(c),
+            Some((_, 0)) | None => Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "primary context is not retained")),
             Some((c, n)) => {
                 s.st().primary = Some((c, n - 1));
                 Ok(())
             }
-            None => Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "primary context is not retained")),
         }
     })
 }
@@ -686,7 +783,10 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> C
         }
         let ctx = s.current()?;
         match s.client.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: size as u64 }))? {
-            Reply::Ptr(p) => out(dptr, p),
+            Reply::Ptr(p) => {
+                s.track(p, size as u64, ctx);
+                out(dptr, p)
+            }
             r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
         }
     })
@@ -697,9 +797,15 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> C
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     with("cuMemFree", |s| {
+        // Freeing NULL is a no-op, as on CUDA.
+        if dptr == 0 {
+            return Ok(());
+        }
         let ctx = s.current()?;
         s.sync_ctx(ctx)?;
-        s.client.empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr }))
+        s.client.empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr }))?;
+        s.untrack(dptr);
+        Ok(())
     })
 }
 
@@ -983,10 +1089,22 @@ unsafe fn image_bytes<'a>(image: *const c_void) -> CallResult<&'a [u8]> {
     if image.is_null() {
         return Err(bad("null module image"));
     }
-    let p = image.cast::<u8>();
+    let mut p = image.cast::<u8>();
     // SAFETY: every image format starts with at least 16 readable bytes
     // except PTX text, which is NUL-terminated; we only read 4 to classify.
-    let head = unsafe { std::slice::from_raw_parts(p, 4) };
+    let mut head = unsafe { std::slice::from_raw_parts(p, 4) };
+    if u32::from_le_bytes([head[0], head[1], head[2], head[3]]) == fatbin::WRAPPER_MAGIC {
+        // The `fatbinc` wrapper a host program embeds: { magic, version,
+        // pointer to the fatbin, ... }.
+        // SAFETY: the wrapper is 24 bytes; its data pointer is at 8.
+        let data = unsafe { p.add(8).cast::<*const u8>().read_unaligned() };
+        if data.is_null() {
+            return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, "fatbin wrapper without data"));
+        }
+        p = data;
+        // SAFETY: as above, for the wrapped image.
+        head = unsafe { std::slice::from_raw_parts(p, 4) };
+    }
     let len = if head == b"\x7fELF" {
         // SAFETY: an ELF64 header is 64 bytes.
         let h = unsafe { std::slice::from_raw_parts(p, 64) };
@@ -995,10 +1113,10 @@ unsafe fn image_bytes<'a>(image: *const c_void) -> CallResult<&'a [u8]> {
         let sh_end = u64at(0x28) + u16at(0x3A) * u16at(0x3C);
         let ph_end = u64at(0x20) + u16at(0x36) * u16at(0x38);
         sh_end.max(ph_end).max(64)
-    } else if u32::from_le_bytes([head[0], head[1], head[2], head[3]]) == 0xBA55_ED50 {
+    } else if u32::from_le_bytes([head[0], head[1], head[2], head[3]]) == fatbin::FATBIN_MAGIC {
         // SAFETY: a fatbin header is 16 bytes: magic, version, header size, body size.
         let h = unsafe { std::slice::from_raw_parts(p, 16) };
-        u16::from_le_bytes([h[6], h[7]]) as u64 + u64::from_le_bytes(h[8..16].try_into().unwrap_or([0; 8]))
+        fatbin::total_len(h).map_err(|e| CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, e.to_string()))?
     } else {
         // SAFETY: PTX images are NUL-terminated strings.
         unsafe { CStr::from_ptr(p.cast()) }.to_bytes().len() as u64
@@ -1010,6 +1128,42 @@ unsafe fn image_bytes<'a>(image: *const c_void) -> CallResult<&'a [u8]> {
     Ok(unsafe { std::slice::from_raw_parts(p, len as usize) })
 }
 
+/// Loads a module image into context `ctx`; returns the module's id.
+fn load_image(s: &Shim, ctx: u32, bytes: &[u8]) -> CallResult<u32> {
+    let format = ImageFormat::sniff(bytes);
+    let entries = Arc::new(entry_names(bytes));
+    let id = s.client.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: format as u32, image_len: bytes.len() as u64 }, bytes.to_vec()))?;
+    s.st().modules.insert(id, ModInfo { ctx, entries });
+    Ok(id)
+}
+
+/// The kernels (`.entry` names) of an image: of its PTX, or of the PTX a
+/// fatbin carries.
+fn entry_names(bytes: &[u8]) -> Vec<String> {
+    let text: std::borrow::Cow<'_, [u8]> = match ImageFormat::sniff(bytes) {
+        ImageFormat::Ptx => bytes.into(),
+        ImageFormat::Fatbin => match fatbin::best_ptx(bytes, u32::MAX) {
+            Ok(Some(p)) => p.into(),
+            _ => return Vec::new(),
+        },
+        ImageFormat::Cubin => return Vec::new(),
+    };
+    let text = String::from_utf8_lossy(&text);
+    let mut names = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace().skip_while(|w| *w != ".entry");
+        if words.next().is_some() {
+            if let Some(w) = words.next() {
+                let name: String = w.chars().take_while(|c| c.is_alphanumeric() || matches!(c, '_' | '$' | '.')).collect();
+                if !name.is_empty() {
+                    names.push(name);
+                }
+            }
+        }
+    }
+    names
+}
+
 fn load_module(s: &Shim, m: *mut H, image: *const c_void) -> CallResult<()> {
     if m.is_null() {
         return Err(bad("null module pointer"));
@@ -1017,10 +1171,21 @@ fn load_module(s: &Shim, m: *mut H, image: *const c_void) -> CallResult<()> {
     let ctx = s.current()?;
     // SAFETY: per the API contract `image` points at a module image.
     let bytes = unsafe { image_bytes(image)? };
-    let format = ImageFormat::sniff(bytes);
-    let id = s.client.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: format as u32, image_len: bytes.len() as u64 }, bytes.to_vec()))?;
-    s.st().modules.insert(id, ctx);
+    let id = load_image(s, ctx, bytes)?;
     out(m, enc(TAG_MOD, id))
+}
+
+/// Looks up kernel `name` in module `module` of context `ctx`.
+fn get_function(s: &Shim, ctx: u32, module: u32, name: &str) -> CallResult<u32> {
+    let req = Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: name.len() as u32, reserved: 0 }, name.to_string());
+    match s.client.call(req)? {
+        Reply::Function(fr, params) => {
+            let conf = Mutex::new(library::FuncConf::new(&s.info));
+            s.st().funcs.insert(fr.func, Arc::new(Func { ctx, module, name: name.to_string(), params, size: fr.params_size, conf }));
+            Ok(fr.func)
+        }
+        r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
+    }
 }
 
 #[no_mangle]
@@ -1054,7 +1219,7 @@ pub unsafe extern "C" fn cuModuleLoadDataEx(m: *mut H, image: *const c_void, n: 
 pub extern "C" fn cuModuleUnload(m: H) -> CUresult {
     with("cuModuleUnload", |s| {
         let id = dec(TAG_MOD, m).ok_or_else(|| invalid_handle("module"))?;
-        let ctx = s.st().modules.get(&id).copied().ok_or_else(|| invalid_handle("module"))?;
+        let ctx = s.st().modules.get(&id).map(|m| m.ctx).ok_or_else(|| invalid_handle("module"))?;
         // Launches queued from it run first.
         s.sync_ctx(ctx)?;
         s.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: id }))?;
@@ -1070,17 +1235,11 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut H, m: H, name: *const c_cha
             return Err(bad("null pointer"));
         }
         let id = dec(TAG_MOD, m).ok_or_else(|| invalid_handle("module"))?;
-        let ctx = s.st().modules.get(&id).copied().ok_or_else(|| invalid_handle("module"))?;
+        let ctx = s.st().modules.get(&id).map(|m| m.ctx).ok_or_else(|| invalid_handle("module"))?;
         // SAFETY: per the API contract `name` is a NUL-terminated string.
-        let n = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| bad("function name is not UTF-8"))?.to_string();
-        let req = Request::ModuleGetFunction(GetFunctionReq { ctx, module: id, name_len: n.len() as u32, reserved: 0 }, n);
-        match s.client.call(req)? {
-            Reply::Function(fr, params) => {
-                s.st().funcs.insert(fr.func, Arc::new(Func { ctx, params, size: fr.params_size }));
-                out(f, enc(TAG_FUNC, fr.func))
-            }
-            r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
-        }
+        let n = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| bad("function name is not UTF-8"))?;
+        let func = get_function(s, ctx, id, n)?;
+        out(f, enc(TAG_FUNC, func))
     })
 }
 
@@ -1092,23 +1251,27 @@ pub unsafe extern "C" fn cuModuleGetGlobal_v2(dptr: *mut u64, bytes: *mut usize,
             return Err(bad("null name"));
         }
         let id = dec(TAG_MOD, m).ok_or_else(|| invalid_handle("module"))?;
-        let ctx = s.st().modules.get(&id).copied().ok_or_else(|| invalid_handle("module"))?;
+        let ctx = s.st().modules.get(&id).map(|m| m.ctx).ok_or_else(|| invalid_handle("module"))?;
         // SAFETY: per the API contract `name` is a NUL-terminated string.
-        let n = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| bad("variable name is not UTF-8"))?.to_string();
-        let req = Request::ModuleGetGlobal(GetFunctionReq { ctx, module: id, name_len: n.len() as u32, reserved: 0 }, n);
-        match s.client.call(req)? {
-            Reply::Global(addr, size) => {
-                if !dptr.is_null() {
-                    out(dptr, addr)?;
-                }
-                if !bytes.is_null() {
-                    out(bytes, size as usize)?;
-                }
-                Ok(())
-            }
-            r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
+        let n = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| bad("variable name is not UTF-8"))?;
+        let (addr, size) = get_global(s, ctx, id, n)?;
+        if !dptr.is_null() {
+            out(dptr, addr)?;
         }
+        if !bytes.is_null() {
+            out(bytes, size as usize)?;
+        }
+        Ok(())
     })
+}
+
+/// A module variable's device address and size.
+fn get_global(s: &Shim, ctx: u32, module: u32, name: &str) -> CallResult<(u64, u64)> {
+    let req = Request::ModuleGetGlobal(GetFunctionReq { ctx, module, name_len: name.len() as u32, reserved: 0 }, name.to_string());
+    match s.client.call(req)? {
+        Reply::Global(addr, size) => Ok((addr, size)),
+        r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
+    }
 }
 
 /// The CUDA 3.x entry point: a 32-bit size.
@@ -1133,7 +1296,7 @@ const CU_LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
 #[allow(clippy::too_many_arguments)]
 unsafe fn launch(f: H, grid: [c_uint; 3], block: [c_uint; 3], shared: c_uint, stream: H, params: *mut *mut c_void, extra: *mut *mut c_void, default: Default) -> CUresult {
     with("cuLaunchKernel", |s| {
-        let fid = dec(TAG_FUNC, f).ok_or_else(|| invalid_handle("function"))?;
+        let fid = s.func_id(f)?;
         let func = s.st().funcs.get(&fid).cloned().ok_or_else(|| invalid_handle("function"))?;
         let ctx = s.current()?;
         if ctx != func.ctx {
@@ -1212,23 +1375,26 @@ const CU_STREAM_NON_BLOCKING: c_uint = 1;
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(p: *mut H, flags: c_uint) -> CUresult {
-    with("cuStreamCreate", |s| {
-        if p.is_null() || flags > 1 {
-            return Err(bad("null pointer or unknown stream flags"));
-        }
-        let ctx = s.current()?;
-        let id = s.client.handle(Request::StreamCreate(ObjCreateReq { ctx, flags }))?;
-        s.st().streams.insert(id, StreamInfo { ctx, blocking: flags & CU_STREAM_NON_BLOCKING == 0, last: 0 });
-        out(p, enc(TAG_STREAM, id))
-    })
+    with("cuStreamCreate", |s| create_stream(s, p, flags, 0))
 }
 
-/// Priorities are accepted and recorded nowhere: every stream of a tenant
-/// has the same priority on this device (cuCtxGetStreamPriorityRange says 0..0).
+fn create_stream(s: &Shim, p: *mut H, flags: c_uint, priority: c_int) -> CallResult<()> {
+    if p.is_null() || flags > 1 {
+        return Err(bad("null pointer or unknown stream flags"));
+    }
+    let ctx = s.current()?;
+    let id = s.client.handle(Request::StreamCreate(ObjCreateReq { ctx, flags }))?;
+    // Out-of-range priorities are clamped, as on CUDA.
+    let priority = priority.clamp(ctx::PRIORITY_GREATEST, ctx::PRIORITY_LEAST);
+    s.st().streams.insert(id, StreamInfo { ctx, blocking: flags & CU_STREAM_NON_BLOCKING == 0, last: 0, flags, priority });
+    out(p, enc(TAG_STREAM, id))
+}
+
+/// Priorities are recorded and reported back; the device does not yet
+/// schedule by them (every stream of a tenant is served alike).
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamCreateWithPriority(p: *mut H, flags: c_uint, _priority: c_int) -> CUresult {
-    // SAFETY: same contract as cuStreamCreate.
-    unsafe { cuStreamCreate(p, flags) }
+pub unsafe extern "C" fn cuStreamCreateWithPriority(p: *mut H, flags: c_uint, priority: c_int) -> CUresult {
+    with("cuStreamCreateWithPriority", |s| create_stream(s, p, flags, priority))
 }
 
 /// Returns at once; work queued on the stream still runs (as on CUDA).
@@ -1466,6 +1632,39 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
             "cuStreamQuery" => f!(cuStreamQuery_ptsz),
             "cuStreamWaitEvent" => f!(cuStreamWaitEvent_ptsz),
             "cuEventRecord" => f!(cuEventRecord_ptsz),
+            "cuMemcpy" => f!(mem::cuMemcpy_ptds),
+            "cuMemcpyAsync" => f!(mem::cuMemcpyAsync_ptsz),
+            "cuMemcpyPeer" => f!(mem::cuMemcpyPeer_ptds),
+            "cuMemcpyPeerAsync" => f!(mem::cuMemcpyPeerAsync_ptsz),
+            "cuMemcpy2D" if v2 => f!(mem::cuMemcpy2D_v2_ptds),
+            "cuMemcpy2DUnaligned" if v2 => f!(mem::cuMemcpy2DUnaligned_v2_ptds),
+            "cuMemcpy2DAsync" if v2 => f!(mem::cuMemcpy2DAsync_v2_ptsz),
+            "cuMemcpy3D" if v2 => f!(mem::cuMemcpy3D_v2_ptds),
+            "cuMemcpy3DAsync" if v2 => f!(mem::cuMemcpy3DAsync_v2_ptsz),
+            "cuMemsetD16" if v2 => f!(mem::cuMemsetD16_v2_ptds),
+            "cuMemsetD16Async" => f!(mem::cuMemsetD16Async_ptsz),
+            "cuMemsetD2D8" if v2 => f!(mem::cuMemsetD2D8_v2_ptds),
+            "cuMemsetD2D16" if v2 => f!(mem::cuMemsetD2D16_v2_ptds),
+            "cuMemsetD2D32" if v2 => f!(mem::cuMemsetD2D32_v2_ptds),
+            "cuMemsetD2D8Async" => f!(mem::cuMemsetD2D8Async_ptsz),
+            "cuMemsetD2D16Async" => f!(mem::cuMemsetD2D16Async_ptsz),
+            "cuMemsetD2D32Async" => f!(mem::cuMemsetD2D32Async_ptsz),
+            "cuLaunchKernelEx" => f!(library::cuLaunchKernelEx_ptsz),
+            "cuLaunchCooperativeKernel" => f!(library::cuLaunchCooperativeKernel_ptsz),
+            "cuLaunchHostFunc" => f!(library::cuLaunchHostFunc_ptsz),
+            "cuStreamAddCallback" => f!(library::cuStreamAddCallback_ptsz),
+            "cuStreamGetFlags" => f!(library::cuStreamGetFlags_ptsz),
+            "cuStreamGetPriority" => f!(library::cuStreamGetPriority_ptsz),
+            "cuStreamGetCtx" if version >= 12050 => f!(library::cuStreamGetCtx_v2_ptsz),
+            "cuStreamGetCtx" => f!(library::cuStreamGetCtx_ptsz),
+            "cuStreamGetId" => f!(library::cuStreamGetId_ptsz),
+            "cuStreamGetDevice" => f!(library::cuStreamGetDevice_ptsz),
+            "cuStreamIsCapturing" => f!(library::cuStreamIsCapturing_ptsz),
+            "cuStreamGetCaptureInfo" if version >= 12030 => f!(library::cuStreamGetCaptureInfo_v3_ptsz),
+            "cuStreamGetCaptureInfo" if version >= 11030 => f!(library::cuStreamGetCaptureInfo_v2_ptsz),
+            "cuStreamGetCaptureInfo" => f!(library::cuStreamGetCaptureInfo_ptsz),
+            "cuStreamBeginCapture" => f!(library::cuStreamBeginCapture_v2_ptsz),
+            "cuEventRecordWithFlags" => f!(library::cuEventRecordWithFlags_ptsz),
             _ => None,
         };
         if found.is_some() {
@@ -1529,8 +1728,118 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
         "cuEventSynchronize" => f!(cuEventSynchronize),
         "cuEventElapsedTime" => f!(cuEventElapsedTime),
         "cuEventDestroy" => if v4000 { f!(cuEventDestroy_v2) } else { f!(cuEventDestroy) },
+        "cuGetExportTable" => f!(export::cuGetExportTable),
+        // contexts and devices
+        "cuCtxPushCurrent" => f!(ctx::cuCtxPushCurrent_v2),
+        "cuCtxPopCurrent" => f!(ctx::cuCtxPopCurrent_v2),
+        "cuCtxGetFlags" => f!(ctx::cuCtxGetFlags),
+        "cuCtxSetFlags" => f!(ctx::cuCtxSetFlags),
+        "cuCtxGetApiVersion" => f!(ctx::cuCtxGetApiVersion),
+        "cuCtxGetId" => f!(ctx::cuCtxGetId),
+        "cuCtxGetLimit" => f!(ctx::cuCtxGetLimit),
+        "cuCtxSetLimit" => f!(ctx::cuCtxSetLimit),
+        "cuCtxGetCacheConfig" => f!(ctx::cuCtxGetCacheConfig),
+        "cuCtxSetCacheConfig" => f!(ctx::cuCtxSetCacheConfig),
+        "cuCtxGetSharedMemConfig" => f!(ctx::cuCtxGetSharedMemConfig),
+        "cuCtxSetSharedMemConfig" => f!(ctx::cuCtxSetSharedMemConfig),
+        "cuCtxGetStreamPriorityRange" => f!(ctx::cuCtxGetStreamPriorityRange),
+        "cuCtxResetPersistingL2Cache" => f!(ctx::cuCtxResetPersistingL2Cache),
+        "cuDevicePrimaryCtxGetState" => f!(ctx::cuDevicePrimaryCtxGetState),
+        "cuDevicePrimaryCtxSetFlags" => f!(ctx::cuDevicePrimaryCtxSetFlags_v2),
+        "cuDevicePrimaryCtxReset" => f!(ctx::cuDevicePrimaryCtxReset_v2),
+        "cuDeviceGetPCIBusId" => f!(ctx::cuDeviceGetPCIBusId),
+        "cuDeviceGetByPCIBusId" => f!(ctx::cuDeviceGetByPCIBusId),
+        "cuDeviceCanAccessPeer" => f!(ctx::cuDeviceCanAccessPeer),
+        "cuDeviceGetP2PAttribute" => f!(ctx::cuDeviceGetP2PAttribute),
+        "cuDeviceGetProperties" => f!(ctx::cuDeviceGetProperties),
+        // memory
+        "cuMemAllocPitch" if v2 => f!(mem::cuMemAllocPitch_v2),
+        "cuMemGetAddressRange" if v2 => f!(mem::cuMemGetAddressRange_v2),
+        "cuMemHostGetDevicePointer" if v2 => f!(mem::cuMemHostGetDevicePointer_v2),
+        "cuMemHostGetFlags" => f!(mem::cuMemHostGetFlags),
+        "cuPointerGetAttribute" => f!(mem::cuPointerGetAttribute),
+        "cuPointerGetAttributes" => f!(mem::cuPointerGetAttributes),
+        "cuPointerSetAttribute" => f!(mem::cuPointerSetAttribute),
+        "cuMemcpy" => f!(mem::cuMemcpy),
+        "cuMemcpyAsync" => f!(mem::cuMemcpyAsync),
+        "cuMemcpyPeer" => f!(mem::cuMemcpyPeer),
+        "cuMemcpyPeerAsync" => f!(mem::cuMemcpyPeerAsync),
+        "cuMemcpy2D" if v2 => f!(mem::cuMemcpy2D_v2),
+        "cuMemcpy2DUnaligned" if v2 => f!(mem::cuMemcpy2DUnaligned_v2),
+        "cuMemcpy2DAsync" if v2 => f!(mem::cuMemcpy2DAsync_v2),
+        "cuMemcpy3D" if v2 => f!(mem::cuMemcpy3D_v2),
+        "cuMemcpy3DAsync" if v2 => f!(mem::cuMemcpy3DAsync_v2),
+        "cuMemsetD16" if v2 => f!(mem::cuMemsetD16_v2),
+        "cuMemsetD16Async" => f!(mem::cuMemsetD16Async),
+        "cuMemsetD2D8" if v2 => f!(mem::cuMemsetD2D8_v2),
+        "cuMemsetD2D16" if v2 => f!(mem::cuMemsetD2D16_v2),
+        "cuMemsetD2D32" if v2 => f!(mem::cuMemsetD2D32_v2),
+        "cuMemsetD2D8Async" => f!(mem::cuMemsetD2D8Async),
+        "cuMemsetD2D16Async" => f!(mem::cuMemsetD2D16Async),
+        "cuMemsetD2D32Async" => f!(mem::cuMemsetD2D32Async),
+        // modules, libraries, kernels, functions
+        "cuModuleLoad" => f!(library::cuModuleLoad),
+        "cuModuleLoadFatBinary" => f!(library::cuModuleLoadFatBinary),
+        "cuModuleGetLoadingMode" => f!(library::cuModuleGetLoadingMode),
+        "cuModuleGetFunctionCount" => f!(library::cuModuleGetFunctionCount),
+        "cuModuleEnumerateFunctions" => f!(library::cuModuleEnumerateFunctions),
+        "cuLibraryLoadData" => f!(library::cuLibraryLoadData),
+        "cuLibraryLoadFromFile" => f!(library::cuLibraryLoadFromFile),
+        "cuLibraryUnload" => f!(library::cuLibraryUnload),
+        "cuLibraryGetKernel" => f!(library::cuLibraryGetKernel),
+        "cuLibraryGetModule" => f!(library::cuLibraryGetModule),
+        "cuLibraryGetGlobal" => f!(library::cuLibraryGetGlobal),
+        "cuLibraryGetKernelCount" => f!(library::cuLibraryGetKernelCount),
+        "cuLibraryEnumerateKernels" => f!(library::cuLibraryEnumerateKernels),
+        "cuKernelGetFunction" => f!(library::cuKernelGetFunction),
+        "cuKernelGetLibrary" => f!(library::cuKernelGetLibrary),
+        "cuKernelGetName" => f!(library::cuKernelGetName),
+        "cuKernelGetAttribute" => f!(library::cuKernelGetAttribute),
+        "cuKernelSetAttribute" => f!(library::cuKernelSetAttribute),
+        "cuKernelSetCacheConfig" => f!(library::cuKernelSetCacheConfig),
+        "cuKernelGetParamInfo" => f!(library::cuKernelGetParamInfo),
+        "cuFuncGetAttribute" => f!(library::cuFuncGetAttribute),
+        "cuFuncSetAttribute" => f!(library::cuFuncSetAttribute),
+        "cuFuncSetCacheConfig" => f!(library::cuFuncSetCacheConfig),
+        "cuFuncSetSharedMemConfig" => f!(library::cuFuncSetSharedMemConfig),
+        "cuFuncGetName" => f!(library::cuFuncGetName),
+        "cuFuncGetParamInfo" => f!(library::cuFuncGetParamInfo),
+        "cuFuncGetModule" => f!(library::cuFuncGetModule),
+        "cuFuncIsLoaded" => f!(library::cuFuncIsLoaded),
+        "cuFuncLoad" => f!(library::cuFuncLoad),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor" => f!(library::cuOccupancyMaxActiveBlocksPerMultiprocessor),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags" => f!(library::cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags),
+        "cuOccupancyMaxPotentialBlockSize" => f!(library::cuOccupancyMaxPotentialBlockSize),
+        "cuOccupancyMaxPotentialBlockSizeWithFlags" => f!(library::cuOccupancyMaxPotentialBlockSizeWithFlags),
+        "cuOccupancyAvailableDynamicSMemPerBlock" => f!(library::cuOccupancyAvailableDynamicSMemPerBlock),
+        "cuLinkCreate" => f!(library::cuLinkCreate_v2),
+        "cuLinkAddData" => f!(library::cuLinkAddData_v2),
+        "cuLinkAddFile" => f!(library::cuLinkAddFile_v2),
+        "cuLinkComplete" => f!(library::cuLinkComplete),
+        "cuLinkDestroy" => f!(library::cuLinkDestroy),
+        // launches, streams, events
+        "cuLaunchKernelEx" => f!(library::cuLaunchKernelEx),
+        "cuLaunchCooperativeKernel" => f!(library::cuLaunchCooperativeKernel),
+        "cuLaunchHostFunc" => f!(library::cuLaunchHostFunc),
+        "cuStreamAddCallback" => f!(library::cuStreamAddCallback),
+        "cuStreamGetFlags" => f!(library::cuStreamGetFlags),
+        "cuStreamGetPriority" => f!(library::cuStreamGetPriority),
+        "cuStreamGetCtx" if version >= 12050 => f!(library::cuStreamGetCtx_v2),
+        "cuStreamGetCtx" => f!(library::cuStreamGetCtx),
+        "cuStreamGetId" => f!(library::cuStreamGetId),
+        "cuStreamGetDevice" => f!(library::cuStreamGetDevice),
+        "cuStreamIsCapturing" => f!(library::cuStreamIsCapturing),
+        "cuStreamGetCaptureInfo" if version >= 12030 => f!(library::cuStreamGetCaptureInfo_v3),
+        "cuStreamGetCaptureInfo" if version >= 11030 => f!(library::cuStreamGetCaptureInfo_v2),
+        "cuStreamGetCaptureInfo" => f!(library::cuStreamGetCaptureInfo),
+        "cuStreamBeginCapture" => f!(library::cuStreamBeginCapture_v2),
+        "cuThreadExchangeStreamCaptureMode" => f!(library::cuThreadExchangeStreamCaptureMode),
+        "cuEventRecordWithFlags" => f!(library::cuEventRecordWithFlags),
+        "cuProfilerStart" => f!(library::cuProfilerStart),
+        "cuProfilerStop" => f!(library::cuProfilerStop),
+        "cuProfilerInitialize" => f!(library::cuProfilerInitialize),
         "cuGetProcAddress" => if version >= 12000 { f!(cuGetProcAddress_v2) } else { f!(cuGetProcAddress) },
-        _ => None,
+        _ => unsupported::lookup(base),
     }
 }
 
@@ -1544,6 +1853,9 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *m
     // SAFETY: per the API contract `symbol` is a NUL-terminated string.
     let name = unsafe { CStr::from_ptr(symbol) }.to_str().unwrap_or("");
     let found = proc_address(name, version, flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0);
+    if found.is_none() && log_enabled() || trace_enabled() {
+        eprintln!("libcuda(vgpu): cuGetProcAddress: {} {name} (version {version}, flags {flags:#x})", if found.is_some() { "found" } else { "no" });
+    }
     // SAFETY: `pfn` is non-null (checked); `status` is optional.
     unsafe {
         *pfn = found.unwrap_or(std::ptr::null_mut());

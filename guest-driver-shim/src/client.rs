@@ -329,6 +329,19 @@ impl Client {
         (p + n <= start + len).then_some((loc, id, (p - start) as u64))
     }
 
+    /// The pinned allocation or registered range holding address `p`:
+    /// (start, length, whether it was registered rather than allocated).
+    pub fn host_range(&self, p: usize) -> Option<(usize, usize, bool)> {
+        if let Some((&start, r)) = lock(&self.pinned).range(..=p).next_back() {
+            if p < start + r.len {
+                return Some((start, r.len, false));
+            }
+        }
+        let m = lock(&self.registered);
+        let (&start, &(len, _)) = m.range(..=p).next_back()?;
+        (p < start + len).then_some((start, len, true))
+    }
+
     /// Registers `[p, p+n)` (cuMemHostRegister): its pages are re-backed in
     /// place by memory shared with the worker, so copies from and to it
     /// are one copy by the worker. Memory that cannot be (file mappings,

@@ -5,5 +5,6 @@
 pub mod api;
 pub mod client;
 pub mod drm;
+pub mod ptxlink;
 pub mod ring;
 pub mod transport;
