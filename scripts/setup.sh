@@ -44,18 +44,19 @@ fi
 echo "setup: building the workspace (release)" >&2
 cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
 
-# The NVRTC suite (tests/nvrtc, tests/tests/nvrtc_suite.rs): NVRTC and the
-# CUDA headers from PyPI, pinned in tests/nvrtc/requirements.txt, in a
-# virtual environment (pip runs only when the pins changed), then the suite's
-# CUDA C++ kernels compiled to PTX for compute_70/80/90 in target/nvrtc
-# (only what changed is compiled again).
+# The NVRTC suite (tests/nvrtc, tests/tests/nvrtc_suite.rs) and the CUDA
+# stacks (tests/stacks, tests/tests/cuda_stacks.rs): NVRTC, the CUDA runtime
+# and headers, numba-cuda and CuPy from PyPI, pinned in the two
+# requirements files, in one virtual environment (pip runs only when the
+# pins changed), then the suite's CUDA C++ kernels compiled to PTX for
+# compute_70/80/90 in target/nvrtc (only what changed is compiled again).
 PYENV="$ROOT/target/pyenv"
-NVRTC_REQS="$ROOT/tests/nvrtc/requirements.txt"
-if [ ! -x "$PYENV/bin/python" ] || ! cmp -s "$NVRTC_REQS" "$PYENV/.requirements"; then
-    echo "setup: installing the NVRTC suite's packages in target/pyenv" >&2
+REQS=("$ROOT/tests/nvrtc/requirements.txt" "$ROOT/tests/stacks/requirements.txt")
+if [ ! -x "$PYENV/bin/python" ] || ! cat "${REQS[@]}" | cmp -s - "$PYENV/.requirements"; then
+    echo "setup: installing the NVRTC suite's and the CUDA stacks' packages in target/pyenv" >&2
     [ -x "$PYENV/bin/python" ] || python3 -m venv "$PYENV"
-    "$PYENV/bin/pip" install --quiet --disable-pip-version-check -r "$NVRTC_REQS"
-    cp "$NVRTC_REQS" "$PYENV/.requirements"
+    "$PYENV/bin/pip" install --quiet --disable-pip-version-check -r "${REQS[0]}" -r "${REQS[1]}"
+    cat "${REQS[@]}" > "$PYENV/.requirements"
 fi
 echo "setup: compiling the NVRTC suite's kernels (target/nvrtc)" >&2
 "$PYENV/bin/python" "$ROOT/scripts/nvrtc-compile.py"

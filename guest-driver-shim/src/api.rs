@@ -128,6 +128,8 @@ static SHIM: Mutex<Option<Arc<Shim>>> = Mutex::new(None);
 static READY: std::sync::OnceLock<Arc<Shim>> = std::sync::OnceLock::new();
 static LAST_ERROR: Mutex<String> = Mutex::new(String::new());
 
+// Thread-locals with destructors are reached with `try_with`: runtimes
+// call the driver from their own thread-exit destructors, after ours ran.
 thread_local! {
     static CURRENT: Cell<u32> = const { Cell::new(0) };
     /// This thread's per-thread default stream in each context.
@@ -234,12 +236,13 @@ impl Shim {
 
     /// This thread's per-thread default stream in `ctx`, made on first use.
     fn per_thread(&self, ctx: u32) -> CallResult<u32> {
-        if let Some(id) = PER_THREAD.with(|m| m.borrow().get(&ctx).copied()).filter(|id| self.st().streams.contains_key(id)) {
+        if let Some(id) = PER_THREAD.try_with(|m| m.borrow().get(&ctx).copied()).ok().flatten().filter(|id| self.st().streams.contains_key(id)) {
             return Ok(id);
         }
         let id = self.client.handle(Request::StreamCreate(ObjCreateReq { ctx, flags: 0 }))?;
         self.st().streams.insert(id, StreamInfo { ctx, blocking: true, last: 0, flags: 0, priority: 0 });
-        PER_THREAD.with(|m| m.borrow_mut().insert(ctx, id));
+        // A thread being torn down keeps no per-thread stream.
+        let _ = PER_THREAD.try_with(|m| m.borrow_mut().insert(ctx, id));
         Ok(id)
     }
 
@@ -1085,6 +1088,10 @@ pub extern "C" fn cuMemsetD32Async_ptsz(dst: CUdeviceptr, v: c_uint, n: usize, s
 /// Finds the length of a module image given only its start, as the driver
 /// does: PTX is NUL-terminated text, a cubin is an ELF file whose tables
 /// bound it, a fatbin states its size in its header.
+/// The largest image accepted from the application; fatbins are trimmed
+/// to the device's entries before they travel (within MAX_IMAGE).
+const MAX_FATBIN: u64 = 1 << 30;
+
 unsafe fn image_bytes<'a>(image: *const c_void) -> CallResult<&'a [u8]> {
     if image.is_null() {
         return Err(bad("null module image"));
@@ -1121,7 +1128,7 @@ unsafe fn image_bytes<'a>(image: *const c_void) -> CallResult<&'a [u8]> {
         // SAFETY: PTX images are NUL-terminated strings.
         unsafe { CStr::from_ptr(p.cast()) }.to_bytes().len() as u64
     };
-    if len == 0 || len > MAX_IMAGE {
+    if len == 0 || len > MAX_FATBIN {
         return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("module image of {len} bytes")));
     }
     // SAFETY: the image format bounds the image to `len` readable bytes.
@@ -1130,6 +1137,19 @@ unsafe fn image_bytes<'a>(image: *const c_void) -> CallResult<&'a [u8]> {
 
 /// Loads a module image into context `ctx`; returns the module's id.
 fn load_image(s: &Shim, ctx: u32, bytes: &[u8]) -> CallResult<u32> {
+    // A fatbin travels as only what this device can use (runtimes embed
+    // fatbins of tens of MiB with code for every architecture).
+    let selected;
+    let bytes = if ImageFormat::sniff(bytes) == ImageFormat::Fatbin {
+        let arch = s.info.cc_major * 10 + s.info.cc_minor;
+        let archs = fatbin::ptx_archs(bytes).unwrap_or_default();
+        selected = fatbin::select(bytes, arch).map_err(|e| CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, e.to_string()))?.ok_or_else(|| {
+            CallError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the fatbin has no code for sm_{arch} (PTX for {archs:?})"))
+        })?;
+        &selected[..]
+    } else {
+        bytes
+    };
     let format = ImageFormat::sniff(bytes);
     let entries = Arc::new(entry_names(bytes));
     let id = s.client.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: format as u32, image_len: bytes.len() as u64 }, bytes.to_vec()))?;

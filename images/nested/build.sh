@@ -86,6 +86,15 @@ for p in vectorAdd matrixMul reduction tenant_probe; do
 done
 cc -O2 -Wall -o "$SAMPLES/drm_probe" "$ROOT/samples/drm_probe.c"
 
+# The CUDA runtime program, on PyPI's libcudart (target/pyenv, from
+# scripts/setup.sh). Guests get its kernels as PTX that NVRTC compiles
+# here: libnvrtc (about 100 MiB) stays out of the initramfs.
+NV="$(echo "$ROOT"/target/pyenv/lib/python3*/site-packages/nvidia)"
+[ -d "$NV/cuda_runtime" ] || { echo "nested: $NV/cuda_runtime is missing (run scripts/setup.sh)" >&2; exit 1; }
+cc -O2 -Wall -I "$NV/cuda_runtime/include" -I "$NV/cuda_nvcc/include" -I "$NV/cuda_nvrtc/include" \
+    -o "$SAMPLES/runtime_probe" "$ROOT/samples/runtime_probe.c" -L "$NV/cuda_runtime/lib" -l:libcudart.so.12 -ldl
+LD_LIBRARY_PATH="$NV/cuda_runtime/lib:$NV/cuda_nvrtc/lib" "$SAMPLES/runtime_probe" --emit-ptx "$SAMPLES/runtime_probe.ptx" compute_70 >/dev/null
+
 # The shim and the samples, as a guest (or L1 host process) installs them.
 install_vgpu_userspace() {
     local d="$1"
@@ -100,6 +109,12 @@ install_vgpu_userspace() {
     done
     copy_prog "$BIN/vgpu-smi" "$d"
     copy_prog "$SAMPLES/drm_probe" "$d"
+    copy_prog "$SAMPLES/runtime_probe" "$d"
+    install -m 0755 "$NV/cuda_runtime/lib/libcudart.so.12" "$d/opt/vgpu/lib/"
+    for lib in $(ldd "$NV/cuda_runtime/lib/libcudart.so.12" | grep -oE '/[^ ]+\.so[^ ]*'); do
+        install -D -m 0755 "$lib" "$d$lib"
+    done
+    cp "$SAMPLES/runtime_probe.ptx" "$d/opt/vgpu/kernels/"
 }
 
 # 2. L2: the guest our VMM boots.

@@ -55,3 +55,72 @@ fn cubins_and_fatbins_without_ptx_have_no_binary_for_the_cpu_device() {
         }
     }
 }
+
+/// An LZ4 block of literals only (what a compressor emits for short or
+/// incompressible input): one sequence with no match.
+fn lz4_literals(data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    if data.len() < 15 {
+        out.push((data.len() as u8) << 4);
+    } else {
+        out.push(0xF0);
+        let mut rest = data.len() - 15;
+        while rest >= 255 {
+            out.push(255);
+            rest -= 255;
+        }
+        out.push(rest as u8);
+    }
+    out.extend_from_slice(data);
+    out
+}
+
+/// One fatbin entry: kind (1 PTX, 2 ELF), architecture, flags, payload and
+/// its uncompressed size (0 when stored as is).
+fn fatbin_entry(kind: u16, arch: u32, flags: u64, payload: &[u8], uncompressed: u64) -> Vec<u8> {
+    let padded = payload.len().next_multiple_of(8);
+    let mut e = vec![0u8; 64];
+    e[0..2].copy_from_slice(&kind.to_le_bytes());
+    e[2..4].copy_from_slice(&0x101u16.to_le_bytes());
+    e[4..8].copy_from_slice(&64u32.to_le_bytes());
+    e[8..16].copy_from_slice(&(padded as u64).to_le_bytes());
+    e[16..20].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    e[28..32].copy_from_slice(&arch.to_le_bytes());
+    e[40..48].copy_from_slice(&flags.to_le_bytes());
+    e[56..64].copy_from_slice(&uncompressed.to_le_bytes());
+    e.extend_from_slice(payload);
+    e.resize(64 + padded, 0);
+    e
+}
+
+#[test]
+fn a_fatbin_runs_through_its_compressed_ptx_on_the_cpu_device() {
+    let m = Mediator::start(&[]);
+    let a = m.tenant("fat", "16MiB");
+    let mut r = Raw::connect(&a);
+    let ctx = r.ctx();
+    let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry from_fatbin(.param .u64 p)\n{\n .reg .b64 %rd<2>;\n .reg .b32 %r<2>;\n ld.param.u64 %rd1, [p];\n mov.u32 %r1, 77;\n st.global.u32 [%rd1], %r1;\n ret;\n}\n\0";
+    let body = [
+        fatbin_entry(2, 80, 0x11, b"\x7fELF-a-cubin-for-sm_80", 0),
+        fatbin_entry(1, 70, 0x2011, &lz4_literals(ptx.as_bytes()), ptx.len() as u64),
+        fatbin_entry(1, 90, 0x11, b".version 8.0\n.target sm_90\n", 0),
+    ]
+    .concat();
+    let mut fatbin = 0xBA55_ED50u32.to_le_bytes().to_vec();
+    fatbin.extend_from_slice(&1u16.to_le_bytes());
+    fatbin.extend_from_slice(&16u16.to_le_bytes());
+    fatbin.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    fatbin.extend_from_slice(&body);
+    let module = Raw::handle(r.call(Request::ModuleLoad(ModuleLoadReq { ctx, format: ImageFormat::Fatbin as u32, image_len: fatbin.len() as u64 }, fatbin.clone())));
+    assert!(matches!(r.function(ctx, module, "from_fatbin"), Reply::Function(..)), "the compute_70 PTX was chosen and loaded");
+    // A corrupt compressed entry is a clear error, not a crash: its first
+    // LZ4 token now asks for a match before any output exists.
+    let first = fatbin_entry(2, 80, 0x11, b"\x7fELF-a-cubin-for-sm_80", 0).len();
+    let mut bad = fatbin.clone();
+    bad[16 + first + 64] = 0x0F;
+    match r.call(Request::ModuleLoad(ModuleLoadReq { ctx, format: ImageFormat::Fatbin as u32, image_len: bad.len() as u64 }, bad)) {
+        Reply::Error(CuResult::CUDA_ERROR_INVALID_IMAGE, msg) => assert!(msg.contains("does not decompress"), "{msg}"),
+        o => panic!("{o:?}"),
+    }
+    assert!(r.ping(), "the worker still serves the tenant");
+}

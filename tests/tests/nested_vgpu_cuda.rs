@@ -90,3 +90,14 @@ fn capset_probe_succeeds_and_a_foreign_context_type_is_refused() {
     assert!(probe.contains(&"context_init capset=4: EINVAL"), "{probe:?}");
     assert!(lines(out, "L2-FOREIGN: ").iter().any(|l| l.contains("CUDA_ERROR_NO_DEVICE")), "the shim refuses a foreign capset cleanly");
 }
+
+#[test]
+fn a_cuda_runtime_program_runs_in_the_guest() {
+    let Some(out) = output("cuda") else { return };
+    let rt = lines(out, "L2-RUNTIME: ").join("\n");
+    assert!(rt.contains("runtime probe: all passed"), "the CUDA runtime program in the guest:\n{rt}");
+    for check in ["ok axpy through cudaLaunchKernel", "ok shared-memory block sums on a stream", "ok memory info is the quota", "ok allocation past the quota fails"] {
+        assert!(rt.contains(check), "missing '{check}':\n{rt}");
+    }
+    assert!(rt.contains("quota: total 33554432 bytes"), "the guest sees its vGPU's quota:\n{rt}");
+}

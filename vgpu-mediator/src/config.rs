@@ -163,10 +163,11 @@ fn default_compute_capability() -> String {
 
 /// A compute capability "MAJOR.MINOR" a CPU device can report: 7.0 to 9.0.
 pub fn parse_compute_capability(s: &str) -> Result<(u32, u32), String> {
-    let bad = || format!("compute capability must be MAJOR.MINOR from 7.0 to 9.0 (e.g. 8.0), not '{s}'");
+    let bad = || format!("compute capability must be MAJOR.MINOR from 7.0 to 12.1 (e.g. 8.0), not '{s}'");
     let (a, b) = s.split_once('.').ok_or_else(bad)?;
     let (a, b): (u32, u32) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
-    if !(7..=9).contains(&a) || b > 9 || (a == 9 && b != 0) {
+    // NVIDIA's architectures: 7.x, 8.x, 9.0, 10.x, 11.0, 12.x.
+    if !(7..=12).contains(&a) || b > 9 || (a == 9 && b != 0) || (a == 11 && b != 0) || (a == 12 && b > 1) {
         return Err(bad());
     }
     Ok((a, b))

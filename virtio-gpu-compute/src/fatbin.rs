@@ -58,6 +58,8 @@ pub struct Entry<'a> {
     pub flags: u64,
     payload: &'a [u8],
     uncompressed: u64,
+    /// The whole entry, header and payload, as it stands in the image.
+    raw: &'a [u8],
 }
 
 impl Entry<'_> {
@@ -154,7 +156,7 @@ pub fn entries(image: &[u8]) -> Result<Vec<Entry<'_>>, FatbinError> {
         if flags & FLAG_OTHER_COMPRESSION != 0 {
             return Err(FatbinError::UnknownCompression { index, flags });
         }
-        out.push(Entry { index, kind, arch: u32_at(e, 28).unwrap_or(0), flags, payload, uncompressed: u64_at(e, 56).unwrap_or(0) });
+        out.push(Entry { index, kind, arch: u32_at(e, 28).unwrap_or(0), flags, payload, uncompressed: u64_at(e, 56).unwrap_or(0), raw: &e[..ehs + psz] });
         off += ehs + psz;
     }
     Ok(out)
@@ -166,6 +168,29 @@ pub fn best_ptx(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError>
     let es = entries(image)?;
     let best = es.iter().filter(|e| e.kind == Kind::Ptx && e.arch <= arch).max_by_key(|e| e.arch);
     best.map(|e| e.contents()).transpose()
+}
+
+/// A fatbin holding only what a device of architecture `arch` can use:
+/// the cubins built for exactly `arch` and the best PTX (the highest not
+/// above `arch`). Entries are copied as they are (still compressed).
+/// `Ok(None)` if nothing in the image suits the device.
+pub fn select(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
+    let es = entries(image)?;
+    let ptx = es.iter().filter(|e| e.kind == Kind::Ptx && e.arch <= arch).max_by_key(|e| e.arch).map(|e| e.index);
+    let keep: Vec<&Entry<'_>> = es.iter().filter(|e| (e.kind == Kind::Elf && e.arch == arch) || Some(e.index) == ptx).collect();
+    if keep.is_empty() {
+        return Ok(None);
+    }
+    let body: usize = keep.iter().map(|e| e.raw.len()).sum();
+    let mut out = Vec::with_capacity(16 + body);
+    out.extend_from_slice(&FATBIN_MAGIC.to_le_bytes());
+    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&16u16.to_le_bytes());
+    out.extend_from_slice(&(body as u64).to_le_bytes());
+    for e in keep {
+        out.extend_from_slice(e.raw);
+    }
+    Ok(Some(out))
 }
 
 /// The highest PTX architecture a fatbin carries, if any.
@@ -285,6 +310,12 @@ mod tests {
         assert_eq!(best_ptx(&f, 75).unwrap().unwrap(), b".version 7.0");
         assert_eq!(best_ptx(&f, 50).unwrap(), None);
         assert_eq!(ptx_archs(&f).unwrap(), vec![52, 80, 90]);
+        // Selection keeps the sm_80 cubin and the compute_80 PTX only.
+        let sel = select(&f, 80).unwrap().unwrap();
+        let kept = entries(&sel).unwrap();
+        assert_eq!(kept.iter().map(|e| (e.kind, e.arch)).collect::<Vec<_>>(), vec![(Kind::Elf, 80), (Kind::Ptx, 80)]);
+        assert_eq!(best_ptx(&sel, 80).unwrap().unwrap(), b"abcabcabcabc!");
+        assert_eq!(select(&f, 50).unwrap(), None);
     }
 
     #[test]

@@ -69,7 +69,7 @@ impl Shim {
 /// Pops the current context of the thread that is destroying `c`, and
 /// removes `c` from every level of its stack.
 pub(super) fn forget_on_thread(c: u32) {
-    STACK.with(|s| s.borrow_mut().retain(|x| *x != c));
+    let _ = STACK.try_with(|s| s.borrow_mut().retain(|x| *x != c));
 }
 
 #[no_mangle]
@@ -78,7 +78,7 @@ pub extern "C" fn cuCtxPushCurrent_v2(ctx: H) -> CUresult {
         let c = s.live_ctx(ctx)?;
         let prev = CURRENT.with(|cur| cur.replace(c));
         if prev != 0 {
-            STACK.with(|st| st.borrow_mut().push(prev));
+            STACK.try_with(|st| st.borrow_mut().push(prev)).map_err(|_| CallError::new(CuResult::CUDA_ERROR_DEINITIALIZED, "the thread is exiting"))?;
         }
         Ok(())
     })
@@ -93,7 +93,7 @@ pub extern "C" fn cuCtxPushCurrent(ctx: H) -> CUresult {
 pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut H) -> CUresult {
     with("cuCtxPopCurrent", |s| {
         let c = s.current()?;
-        let below = STACK.with(|st| st.borrow_mut().pop()).unwrap_or(0);
+        let below = STACK.try_with(|st| st.borrow_mut().pop()).ok().flatten().unwrap_or(0);
         CURRENT.with(|cur| cur.set(below));
         if !pctx.is_null() {
             out(pctx, enc(TAG_CTX, c))?;

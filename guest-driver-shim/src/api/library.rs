@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use virtio_gpu_compute::fatbin;
 use virtio_gpu_compute::*;
 
 use crate::client::{CallError, CallResult};
@@ -34,7 +35,8 @@ impl FuncConf {
 
 struct Library {
     image: Arc<Vec<u8>>,
-    entries: Arc<Vec<String>>,
+    /// Its kernels' names, found when first asked for.
+    entries: Arc<std::sync::OnceLock<Vec<String>>>,
     /// The module it is loaded as, per context.
     modules: HashMap<u32, u32>,
 }
@@ -113,7 +115,7 @@ fn load_library(s: &Shim, lib: *mut H, bytes: &[u8]) -> CallResult<()> {
         return Err(bad("null library pointer"));
     }
     let image = Arc::new(bytes.to_vec());
-    let entries = Arc::new(super::entry_names(bytes));
+    let entries = Arc::new(std::sync::OnceLock::new());
     let id = with_libs(|l| {
         l.next += 1;
         l.libs.insert(l.next, Library { image, entries, modules: HashMap::new() });
@@ -184,6 +186,17 @@ pub extern "C" fn cuLibraryUnload(lib: H) -> CUresult {
     })
 }
 
+/// A library's kernel names (of the code this device would run).
+fn lib_entries(id: u32) -> Vec<String> {
+    let Some((image, cell)) = with_libs(|l| l.libs.get(&id).map(|x| (x.image.clone(), x.entries.clone()))) else { return Vec::new() };
+    let arch = super::READY.get().map(|s| s.info.cc_major * 10 + s.info.cc_minor).unwrap_or(u32::MAX);
+    cell.get_or_init(|| match ImageFormat::sniff(&image) {
+        ImageFormat::Fatbin => fatbin::best_ptx(&image, arch).ok().flatten().map(|p| super::entry_names(&p)).unwrap_or_default(),
+        _ => super::entry_names(&image),
+    })
+    .clone()
+}
+
 fn lib_id(lib: H) -> CallResult<u32> {
     let id = dec(TAG_LIB, lib).ok_or_else(|| invalid_handle("library"))?;
     if with_libs(|l| l.libs.contains_key(&id)) { Ok(id) } else { Err(invalid_handle("library")) }
@@ -210,7 +223,7 @@ pub unsafe extern "C" fn cuLibraryGetKernel(k: *mut H, lib: H, name: *const c_ch
         if let Ok(ctx) = s.current() {
             let m = s.lib_module(id, ctx)?;
             get_function(s, ctx, m, &n)?;
-        } else if !with_libs(|l| l.libs.get(&id).is_some_and(|x| x.entries.contains(&n))) {
+        } else if !lib_entries(id).contains(&n) {
             return Err(CallError::new(CuResult::CUDA_ERROR_NOT_FOUND, format!("no kernel {n} in the library")));
         }
         let cname = CString::new(n.clone()).map_err(|_| bad("name contains NUL"))?;
@@ -256,15 +269,14 @@ pub unsafe extern "C" fn cuLibraryGetGlobal(dptr: *mut CUdeviceptr, bytes: *mut 
 pub unsafe extern "C" fn cuLibraryGetKernelCount(count: *mut c_uint, lib: H) -> CUresult {
     with("cuLibraryGetKernelCount", |_| {
         let id = lib_id(lib)?;
-        let n = with_libs(|l| l.libs.get(&id).map(|x| x.entries.len())).unwrap_or(0);
-        out(count, n as c_uint)
+        out(count, lib_entries(id).len() as c_uint)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuLibraryEnumerateKernels(kernels: *mut H, n: c_uint, lib: H) -> CUresult {
     let names = match with("cuLibraryEnumerateKernels", |_| lib_id(lib).map(|_| ())) {
-        0 => with_libs(|l| dec(TAG_LIB, lib).and_then(|id| l.libs.get(&id)).map(|x| x.entries.clone())).unwrap_or_default(),
+        0 => lib_entries(dec(TAG_LIB, lib).unwrap_or(0)),
         r => return r,
     };
     if kernels.is_null() || (n as usize) < names.len() {
@@ -636,7 +648,7 @@ fn add_input(state: H, kind: c_int, data: &[u8], name: &str) -> CallResult<()> {
     let id = dec(TAG_LINK, state).ok_or_else(|| invalid_handle("link state"))?;
     let ptx = match kind {
         JIT_INPUT_PTX => data.strip_suffix(&[0]).unwrap_or(data).to_vec(),
-        JIT_INPUT_FATBINARY => match virtio_gpu_compute::fatbin::best_ptx(data, u32::MAX) {
+        JIT_INPUT_FATBINARY => match fatbin::best_ptx(data, u32::MAX) {
             Ok(Some(p)) => p,
             Ok(None) => return Err(CallError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("{name}: the fatbin carries no PTX"))),
             Err(e) => return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("{name}: {e}"))),

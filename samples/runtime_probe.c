@@ -1,0 +1,300 @@
+/*
+ * A CUDA runtime API program, as application code is written: it links
+ * NVIDIA's libcudart (from PyPI), compiles its kernels at run time with
+ * NVRTC, loads them with cudaLibraryLoadData and launches them with
+ * cudaLaunchKernel. It exercises device queries, allocation, copies
+ * (pageable, pinned, 2D, device to device, unified), memsets, streams,
+ * events, host functions and the memory quota. Each check prints
+ * "ok <name>"; any failure prints "FAIL <name>: <why>" and exits 1.
+ *
+ * NVRTC is loaded at run time (dlopen), as CuPy and numba do, so the
+ * program also runs where it is absent: `runtime_probe --ptx FILE` loads
+ * PTX compiled elsewhere (`runtime_probe --emit-ptx FILE compute_XY`
+ * writes it), which is how the nested test's VM guests run it.
+ */
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <nvrtc.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures;
+
+#define CK(call)                                                                      \
+    do {                                                                              \
+        cudaError_t e_ = (call);                                                      \
+        if (e_ != cudaSuccess) {                                                      \
+            printf("FAIL %s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorName(e_)); \
+            exit(1);                                                                  \
+        }                                                                             \
+    } while (0)
+
+static void check(int ok, const char *name, const char *why) {
+    if (ok) {
+        printf("ok %s\n", name);
+    } else {
+        printf("FAIL %s: %s\n", name, why);
+        failures++;
+    }
+}
+
+static const char *SOURCE =
+    "extern \"C\" __global__ void axpy(float a, const float *x, float *y, int n) {\n"
+    "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+    "    if (i < n) y[i] = a * x[i] + y[i];\n"
+    "}\n"
+    "__device__ unsigned int hits;\n"
+    "extern \"C\" __global__ void block_sums(const int *in, int *out, int n) {\n"
+    "    extern __shared__ int part[];\n"
+    "    int t = threadIdx.x, i = blockIdx.x * blockDim.x + t;\n"
+    "    part[t] = i < n ? in[i] : 0;\n"
+    "    __syncthreads();\n"
+    "    for (int s = blockDim.x / 2; s > 0; s >>= 1) {\n"
+    "        if (t < s) part[t] += part[t + s];\n"
+    "        __syncthreads();\n"
+    "    }\n"
+    "    if (t == 0) { out[blockIdx.x] = part[0]; atomicAdd(&hits, 1u); }\n"
+    "}\n";
+
+/* NVRTC's entry points, resolved from libnvrtc.so.12 at run time. */
+static struct {
+    nvrtcResult (*create)(nvrtcProgram *, const char *, const char *, int, const char *const *, const char *const *);
+    nvrtcResult (*compile)(nvrtcProgram, int, const char *const *);
+    nvrtcResult (*log_size)(nvrtcProgram, size_t *);
+    nvrtcResult (*log)(nvrtcProgram, char *);
+    nvrtcResult (*ptx_size)(nvrtcProgram, size_t *);
+    nvrtcResult (*ptx)(nvrtcProgram, char *);
+    nvrtcResult (*destroy)(nvrtcProgram *);
+} nv;
+
+static void load_nvrtc(void) {
+    void *h = dlopen("libnvrtc.so.12", RTLD_NOW);
+    if (!h) {
+        printf("FAIL nvrtc: %s\n", dlerror());
+        exit(1);
+    }
+#define SYM(field, name) *(void **)&nv.field = dlsym(h, name)
+    SYM(create, "nvrtcCreateProgram");
+    SYM(compile, "nvrtcCompileProgram");
+    SYM(log_size, "nvrtcGetProgramLogSize");
+    SYM(log, "nvrtcGetProgramLog");
+    SYM(ptx_size, "nvrtcGetPTXSize");
+    SYM(ptx, "nvrtcGetPTX");
+    SYM(destroy, "nvrtcDestroyProgram");
+#undef SYM
+    if (!nv.create || !nv.compile || !nv.log_size || !nv.log || !nv.ptx_size || !nv.ptx || !nv.destroy) {
+        printf("FAIL nvrtc: missing entry points\n");
+        exit(1);
+    }
+}
+
+static char *compile(const char *arch_name) {
+    load_nvrtc();
+    nvrtcProgram prog;
+    if (nv.create(&prog, SOURCE, "probe.cu", 0, NULL, NULL) != NVRTC_SUCCESS) {
+        printf("FAIL nvrtc: create\n");
+        exit(1);
+    }
+    char arch[64];
+    snprintf(arch, sizeof arch, "--gpu-architecture=%s", arch_name);
+    const char *opts[] = {arch};
+    nvrtcResult r = nv.compile(prog, 1, opts);
+    if (r != NVRTC_SUCCESS) {
+        size_t n = 0;
+        nv.log_size(prog, &n);
+        char *log = malloc(n + 1);
+        nv.log(prog, log);
+        printf("FAIL nvrtc: error %d\n%s\n", (int)r, log);
+        exit(1);
+    }
+    size_t n = 0;
+    nv.ptx_size(prog, &n);
+    char *ptx = malloc(n);
+    nv.ptx(prog, ptx);
+    nv.destroy(&prog);
+    printf("ok nvrtc (%s, %zu bytes of PTX)\n", arch, n);
+    return ptx;
+}
+
+static char *read_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        printf("FAIL read %s\n", path);
+        exit(1);
+    }
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = calloc(n + 1, 1);
+    if (fread(b, 1, n, f) != (size_t)n) {
+        printf("FAIL read %s\n", path);
+        exit(1);
+    }
+    fclose(f);
+    return b;
+}
+
+static dim3 d3(unsigned x) {
+    dim3 d = {x, 1, 1};
+    return d;
+}
+
+struct host_mark {
+    cudaStream_t stream;
+    const int *data;
+    int seen;
+};
+
+static void CUDART_CB on_host(void *p) {
+    struct host_mark *m = p;
+    m->seen = m->data[0];
+}
+
+int main(int argc, char **argv) {
+    if (argc == 4 && strcmp(argv[1], "--emit-ptx") == 0) {
+        char *ptx = compile(argv[3]);
+        FILE *f = fopen(argv[2], "wb");
+        if (!f || fwrite(ptx, 1, strlen(ptx), f) != strlen(ptx) || fclose(f) != 0) {
+            printf("FAIL writing %s\n", argv[2]);
+            return 1;
+        }
+        return 0;
+    }
+    const char *ptx_file = argc == 3 && strcmp(argv[1], "--ptx") == 0 ? argv[2] : NULL;
+    int count = 0, driver = 0, runtime = 0;
+    CK(cudaGetDeviceCount(&count));
+    CK(cudaDriverGetVersion(&driver));
+    CK(cudaRuntimeGetVersion(&runtime));
+    check(count == 1, "device count", "expected one vGPU");
+    struct cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("device: %s, compute %d.%d, %d SMs, %zu MiB, driver %d, runtime %d\n", prop.name, prop.major, prop.minor,
+           prop.multiProcessorCount, prop.totalGlobalMem >> 20, driver, runtime);
+    CK(cudaSetDevice(0));
+    size_t free_b = 0, total_b = 0;
+    CK(cudaMemGetInfo(&free_b, &total_b));
+    check(total_b == prop.totalGlobalMem && free_b <= total_b, "memory info is the quota", "cudaMemGetInfo disagrees with totalGlobalMem");
+    printf("quota: total %zu bytes, free %zu bytes\n", total_b, free_b);
+
+    char arch[32];
+    snprintf(arch, sizeof arch, "compute_%d%d", prop.major, prop.minor);
+    char *ptx = ptx_file ? read_file(ptx_file) : compile(arch);
+    cudaLibrary_t lib;
+    CK(cudaLibraryLoadData(&lib, ptx, NULL, NULL, 0, NULL, NULL, 0));
+    cudaKernel_t axpy, sums;
+    CK(cudaLibraryGetKernel(&axpy, lib, "axpy"));
+    CK(cudaLibraryGetKernel(&sums, lib, "block_sums"));
+    check(cudaLibraryGetKernel(&sums, lib, "no_such_kernel") != cudaSuccess, "unknown kernel is an error", "lookup succeeded");
+    cudaGetLastError();
+
+    /* axpy over pageable memory, synchronous copies. */
+    const int n = 1 << 16;
+    float *hx = malloc(n * sizeof(float)), *hy = malloc(n * sizeof(float));
+    for (int i = 0; i < n; i++) { hx[i] = (float)i; hy[i] = 1.0f; }
+    float *dx, *dy;
+    CK(cudaMalloc((void **)&dx, n * sizeof(float)));
+    CK(cudaMalloc((void **)&dy, n * sizeof(float)));
+    CK(cudaMemcpy(dx, hx, n * sizeof(float), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dy, hy, n * sizeof(float), cudaMemcpyDefault));
+    float a = 2.0f;
+    int nn = n;
+    void *args[] = {&a, &dx, &dy, &nn};
+    CK(cudaLaunchKernel((const void *)axpy, d3((n + 255) / 256), d3(256), args, 0, 0));
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(hy, dy, n * sizeof(float), cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int i = 0; i < n; i++) bad += hy[i] != 2.0f * i + 1.0f;
+    check(bad == 0, "axpy through cudaLaunchKernel", "wrong results");
+
+    /* Device to device, memset, and a unified-address copy back. */
+    CK(cudaMemcpy(dx, dy, n * sizeof(float), cudaMemcpyDeviceToDevice));
+    CK(cudaMemset(dy, 0, n * sizeof(float)));
+    CK(cudaMemcpy(hx, dx, n * sizeof(float), cudaMemcpyDefault));
+    CK(cudaMemcpy(hy, dy, n * sizeof(float), cudaMemcpyDefault));
+    bad = 0;
+    for (int i = 0; i < n; i++) bad += hx[i] != 2.0f * i + 1.0f || hy[i] != 0.0f;
+    check(bad == 0, "device copy, memset, unified copies", "wrong contents");
+    struct cudaPointerAttributes pa;
+    CK(cudaPointerGetAttributes(&pa, dx));
+    check(pa.type == cudaMemoryTypeDevice && pa.device == 0, "pointer attributes", "dx is not device memory");
+
+    /* Block sums with dynamic shared memory on a stream, pinned buffers,
+       events and a host function in stream order. */
+    const int blocks = 64, threads = 128, m = blocks * threads;
+    int *hin, *hout;
+    CK(cudaMallocHost((void **)&hin, m * sizeof(int)));
+    CK(cudaHostAlloc((void **)&hout, blocks * sizeof(int), cudaHostAllocDefault));
+    for (int i = 0; i < m; i++) hin[i] = i % 7;
+    int *din, *dout;
+    CK(cudaMalloc((void **)&din, m * sizeof(int)));
+    CK(cudaMalloc((void **)&dout, blocks * sizeof(int)));
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaEvent_t t0, t1;
+    CK(cudaEventCreate(&t0));
+    CK(cudaEventCreate(&t1));
+    CK(cudaEventRecord(t0, s));
+    CK(cudaMemcpyAsync(din, hin, m * sizeof(int), cudaMemcpyHostToDevice, s));
+    int mm = m;
+    void *sargs[] = {&din, &dout, &mm};
+    CK(cudaLaunchKernel((const void *)sums, d3(blocks), d3(threads), sargs, threads * sizeof(int), s));
+    CK(cudaMemcpyAsync(hout, dout, blocks * sizeof(int), cudaMemcpyDeviceToHost, s));
+    struct host_mark mark = {s, hout, -1};
+    CK(cudaLaunchHostFunc(s, on_host, &mark));
+    CK(cudaEventRecord(t1, s));
+    CK(cudaStreamSynchronize(s));
+    float ms = -1;
+    CK(cudaEventElapsedTime(&ms, t0, t1));
+    bad = 0;
+    for (int b = 0; b < blocks; b++) {
+        int want = 0;
+        for (int i = b * threads; i < (b + 1) * threads; i++) want += i % 7;
+        bad += hout[b] != want;
+    }
+    check(bad == 0, "shared-memory block sums on a stream", "wrong sums");
+    check(mark.seen == hout[0], "host function runs in stream order", "it ran before the copy finished");
+    check(ms >= 0, "event timing", "negative elapsed time");
+    unsigned int hits = 0;
+    void *hits_addr = NULL;
+    size_t hits_size = 0;
+    cudaLibraryGetGlobal(&hits_addr, &hits_size, lib, "hits");
+    CK(cudaMemcpy(&hits, hits_addr, sizeof hits, cudaMemcpyDeviceToHost));
+    check(hits == (unsigned)blocks && hits_size == sizeof hits, "atomics on a module global", "wrong hit count");
+
+    /* A pitched 2D copy. */
+    size_t pitch = 0;
+    int *d2;
+    const int w = 100, h = 30;
+    CK(cudaMallocPitch((void **)&d2, &pitch, w * sizeof(int), h));
+    int *h2 = malloc(w * h * sizeof(int)), *back = calloc(w * h, sizeof(int));
+    for (int i = 0; i < w * h; i++) h2[i] = i * 3;
+    CK(cudaMemcpy2D(d2, pitch, h2, w * sizeof(int), w * sizeof(int), h, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy2D(back, w * sizeof(int), d2, pitch, w * sizeof(int), h, cudaMemcpyDeviceToHost));
+    check(pitch >= w * sizeof(int) && memcmp(h2, back, w * h * sizeof(int)) == 0, "pitched 2D copies", "rows differ");
+
+    /* The quota: an allocation past it fails cleanly, and memory comes back. */
+    void *big = NULL;
+    cudaError_t e = cudaMalloc(&big, total_b + (1 << 20));
+    check(e == cudaErrorMemoryAllocation, "allocation past the quota fails", cudaGetErrorName(e));
+    cudaGetLastError();
+
+    CK(cudaFree(d2));
+    CK(cudaFree(din));
+    CK(cudaFree(dout));
+    CK(cudaFree(dx));
+    CK(cudaFree(dy));
+    CK(cudaFree(NULL));
+    CK(cudaFreeHost(hin));
+    CK(cudaFreeHost(hout));
+    CK(cudaStreamDestroy(s));
+    CK(cudaEventDestroy(t0));
+    CK(cudaEventDestroy(t1));
+    CK(cudaLibraryUnload(lib));
+    CK(cudaDeviceSynchronize());
+    size_t free_after = 0;
+    CK(cudaMemGetInfo(&free_after, &total_b));
+    check(free_after == free_b, "all memory returned", "free memory differs after the frees");
+    printf(failures ? "runtime probe: %d FAILED\n" : "runtime probe: all passed\n", failures);
+    return failures ? 1 : 0;
+}

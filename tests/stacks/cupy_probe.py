@@ -1,0 +1,51 @@
+"""CuPy on the vGPU: array creation, elementwise arithmetic, sum/max
+reductions, a RawKernel, .get(), and the quota as device memory.
+Prints "ok <check>" per check; exits 1 if any fails.
+
+Usage: cupy_probe.py QUOTA_BYTES
+"""
+import sys
+
+import numpy as np
+import cupy as cp
+
+quota = int(sys.argv[1])
+failed = []
+
+
+def check(ok, name):
+    print(("ok " if ok else "FAIL ") + name, flush=True)
+    if not ok:
+        failed.append(name)
+
+
+check(cp.cuda.runtime.getDeviceCount() == 1, "one device")
+a = cp.arange(1000, dtype=cp.float32)
+check((a.get() == np.arange(1000, dtype=np.float32)).all(), "arange and .get()")
+b = cp.sqrt(a * 4 + 1) - 1
+check(np.allclose(b.get(), np.sqrt(np.arange(1000) * 4 + 1) - 1), "elementwise arithmetic")
+check(float(a.sum()) == 499500.0, "sum")
+check(float((a - 500).max()) == 499.0 and float(a.min()) == 0.0, "max and min")
+m = cp.asarray(np.arange(12, dtype=np.int64).reshape(3, 4))
+check((m.sum(axis=0).get() == np.arange(12).reshape(3, 4).sum(axis=0)).all(), "sum along an axis")
+
+kernel = cp.RawKernel(r'''
+extern "C" __global__ void affine(const float* x, float* y, float k, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = k * x[i] + 1.0f;
+}''', "affine")
+y = cp.empty_like(a)
+kernel((8,), (128,), (a, y, cp.float32(0.5), cp.int32(1000)))
+check(np.allclose(y.get(), 0.5 * np.arange(1000) + 1), "RawKernel")
+
+free, total = cp.cuda.runtime.memGetInfo()
+check(total == quota and free <= quota, "memory info is the quota (%d of %d)" % (total, quota))
+cp.get_default_memory_pool().free_all_blocks()
+try:
+    cp.empty(quota + (1 << 20), dtype=cp.uint8)
+    check(False, "allocation past the quota fails")
+except cp.cuda.memory.OutOfMemoryError as e:
+    check(True, "allocation past the quota fails (%s)" % str(e).splitlines()[0])
+
+print("cupy probe: %s" % ("%d FAILED" % len(failed) if failed else "all passed"))
+sys.exit(1 if failed else 0)
