@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The demo: one vgpu-mediatord with a CPU reference device, two tenants with
 # different quotas, and the CUDA sample programs (vectorAdd, matrixMul,
-# reduction) running as both tenants at once through libcuda.so.1. Prints
+# reduction) running as both tenants at once through libcuda.so.1, then
+# numba-cuda and CuPy from PyPI as the same tenants. Prints
 # each program's result and each tenant's usage, then stops the mediator.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,11 +60,19 @@ echo "== the admin's view (vgpuctl)"
 "${CTL[@]}" tenant show bob
 "${CTL[@]}" metrics | grep -E '^vgpu_tenant_(memory_quota|kernels|device_seconds|scrubbed)' || true
 
+echo "== Python CUDA stacks from PyPI, unmodified: numba-cuda as alice, CuPy as bob"
+PY="$ROOT/target/pyenv/bin/python"
+VGPU_SOCKET="$SOCK_A" LD_LIBRARY_PATH="$BIN" "$PY" "$ROOT/tests/stacks/numba_probe.py" $((256 << 20)) 2>&1 | sed "s/^/[alice numba] /" || fail=1
+# The CPU device runs PTX: CuPy compiles to PTX and uses its own reduction
+# kernels (docs/cuda-stacks.md).
+CUPY_COMPILE_WITH_PTX=1 CUPY_ACCELERATORS= CUPY_CACHE_DIR="$RUN/cupy-cache" VGPU_SOCKET="$SOCK_B" LD_LIBRARY_PATH="$BIN" \
+    "$PY" "$ROOT/tests/stacks/cupy_probe.py" $((64 << 20)) 2>&1 | sed "s/^/[bob cupy] /" || fail=1
+
 if [ "$fail" -ne 0 ]; then
-    echo "demo: FAILED (a sample program did not pass)" >&2
+    echo "demo: FAILED (a program did not pass)" >&2
     exit 1
 fi
-echo "demo: all samples PASSED for both host tenants"
+echo "demo: all samples, numba-cuda and CuPy PASSED for both host tenants"
 kill "$MED" 2>/dev/null; wait "$MED" 2>/dev/null || true
 MED=""
 
@@ -72,8 +81,8 @@ echo "== now VMs: two stock Debian kernel guests under vgpu-vmm share one device
 echo "   (they run in the nested test host: QEMU TCG boots an L1 Linux whose KVM runs our VMM; about a minute)"
 bash "$ROOT/images/nested/run.sh" demo 900 | tr -d '\r' | sed 's/\x1b\[[0-9;?]*[A-Za-z]//g' \
     | grep -vE '^\s*$|SeaBIOS|Booting from|WARN|reboot: Power down|^L1: ' | tee "$RUN/vm-demo.log"
-if ! grep -q 'DEMO-RESULT vms_done=2 guest_samples_passed=6' "$RUN/vm-demo.log"; then
+if ! grep -q 'DEMO-RESULT vms_done=2 guest_samples_passed=6 runtime_passed=2' "$RUN/vm-demo.log"; then
     echo "demo: FAILED (a VM did not finish its samples)" >&2
     exit 1
 fi
-echo "demo: both VMs and the host tenant PASSED on one shared device"
+echo "demo: both VMs (C samples and the CUDA runtime program) and the host tenant PASSED on one shared device"

@@ -161,7 +161,7 @@ fn default_compute_capability() -> String {
     "8.0".to_string()
 }
 
-/// A compute capability "MAJOR.MINOR" a CPU device can report: 7.0 to 9.0.
+/// A compute capability "MAJOR.MINOR" a CPU device can report: 7.0 to 12.1.
 pub fn parse_compute_capability(s: &str) -> Result<(u32, u32), String> {
     let bad = || format!("compute capability must be MAJOR.MINOR from 7.0 to 12.1 (e.g. 8.0), not '{s}'");
     let (a, b) = s.split_once('.').ok_or_else(bad)?;

@@ -32,7 +32,7 @@ struct Cli {
     #[arg(long)]
     launch_timeout_ms: Option<u64>,
     /// Compute capability the CPU devices report and accept PTX for
-    /// (7.0 to 9.0; default 8.0).
+    /// (7.0 to 12.1; default 8.0).
     #[arg(long)]
     compute_capability: Option<String>,
     /// NVIDIA GPUs and MIG instances: auto, off or required.

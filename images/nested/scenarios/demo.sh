@@ -35,4 +35,5 @@ vgpuctl --run-dir $run tenant show vm-b
 vgpuctl --run-dir $run metrics | grep -E '^vgpu_tenant_(kernels_total|device_seconds_total|scrubbed_bytes_total)'
 n=$(grep -c GUEST-DONE /tmp/vm-a.log /tmp/vm-b.log | awk -F: '{s+=$2} END {print s}')
 p=$(cat /tmp/vm-a.log /tmp/vm-b.log | grep -c PASSED)
-echo "DEMO-RESULT vms_done=$n guest_samples_passed=$p"
+r=$(cat /tmp/vm-a.log /tmp/vm-b.log | grep -c "runtime probe: all passed")
+echo "DEMO-RESULT vms_done=$n guest_samples_passed=$p runtime_passed=$r"
