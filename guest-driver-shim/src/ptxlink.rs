@@ -124,12 +124,21 @@ pub fn link(inputs: &[Vec<u8>]) -> Result<Vec<u8>, String> {
     for t in &texts {
         parsed.push(items(t)?);
     }
-    let mut defined = std::collections::HashSet::new();
-    for (_, its) in &parsed {
-        for it in its.iter().filter(|i| i.defines) {
-            if let Some(n) = &it.name {
-                if !defined.insert(n.clone()) && !it.text.contains(".weak") {
-                    return Err(format!("symbol {n} is defined twice"));
+    // Each defined symbol: a strong definition wins over weak ones, the
+    // first weak one over later weak ones; two strong ones are an error.
+    let mut defined: std::collections::HashMap<String, (usize, usize, bool)> = std::collections::HashMap::new();
+    for (m, (_, its)) in parsed.iter().enumerate() {
+        for (k, it) in its.iter().enumerate().filter(|(_, i)| i.defines) {
+            let Some(n) = &it.name else { continue };
+            let weak = it.text.split_whitespace().any(|w| w == ".weak");
+            match defined.get(n) {
+                Some(&(_, _, false)) if !weak => return Err(format!("symbol {n} is defined twice")),
+                Some(&(_, _, true)) if !weak => {
+                    defined.insert(n.clone(), (m, k, false));
+                }
+                Some(_) => {}
+                None => {
+                    defined.insert(n.clone(), (m, k, weak));
                 }
             }
         }
@@ -139,10 +148,15 @@ pub fn link(inputs: &[Vec<u8>]) -> Result<Vec<u8>, String> {
     let arch = headers.iter().filter(|l| l.starts_with(".target")).map(|l| target_arch(l)).max().unwrap_or(52);
     let mut out = format!(".version {}.{}\n.target sm_{arch}\n.address_size 64\n\n", ver.0, ver.1);
     let mut declared = std::collections::HashSet::new();
-    for (_, its) in &parsed {
-        for it in its {
+    for (m, (_, its)) in parsed.iter().enumerate() {
+        for (k, it) in its.iter().enumerate() {
             let name = it.name.clone();
-            let resolved = name.as_ref().is_some_and(|n| defined.contains(n));
+            let chosen = name.as_ref().and_then(|n| defined.get(n));
+            if it.defines && chosen.is_some_and(|&(cm, ck, _)| (cm, ck) != (m, k)) {
+                // A definition that lost to another (weak ones).
+                continue;
+            }
+            let resolved = chosen.is_some();
             if !it.defines && (it.external && resolved || name.as_ref().is_some_and(|n| !declared.insert(n.clone()) && !resolved)) {
                 continue;
             }
@@ -176,6 +190,15 @@ mod tests {
         assert!(e.contains("defined twice"), "{e}");
         assert!(link(&[MAIN.as_bytes().to_vec(), b"{ unbalanced".to_vec()]).is_err());
         assert!(link(&[]).is_err());
+    }
+
+    #[test]
+    fn a_strong_definition_wins_over_weak_ones() {
+        let weak = ".version 8.0\n.target sm_80\n.address_size 64\n.weak .func (.param .b32 func_retval0) twice(\n\t.param .b32 twice_param_0\n)\n{\n\tret;\n}\n";
+        let out = String::from_utf8(link(&[weak.as_bytes().to_vec(), MAIN.as_bytes().to_vec(), LIB.as_bytes().to_vec(), weak.as_bytes().to_vec()]).unwrap()).unwrap();
+        assert_eq!(out.matches("func_retval0) twice(").count(), 1, "{out}");
+        assert!(out.contains(".visible .func (.param .b32 func_retval0) twice("), "{out}");
+        assert!(!out.contains(".weak"), "{out}");
     }
 
     #[test]

@@ -23,7 +23,9 @@ const KIND_ELF: u16 = 2;
 const FLAG_COMPRESSED: u64 = 0x2000;
 const FLAG_OTHER_COMPRESSION: u64 = 0x1000 | 0x8000;
 const ENTRY_MIN_HEADER: usize = 64;
-/// No entry decompresses to more than this (the module image limit).
+/// No entry decompresses to more than this; callers pass a tighter
+/// limit where a budget applies (the device worker: the tenant's host
+/// memory budget).
 pub const MAX_UNCOMPRESSED: u64 = 256 << 20;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -36,6 +38,8 @@ pub enum FatbinError {
     BadEntry { index: usize, what: &'static str },
     #[error("fatbin entry {index} is compressed in an unknown way (flags {flags:#x})")]
     UnknownCompression { index: usize, flags: u64 },
+    #[error("fatbin entry {index} decompresses to {size} bytes, over the limit of {limit}")]
+    TooLarge { index: usize, size: u64, limit: u64 },
     #[error("fatbin entry {index} does not decompress: {what}")]
     Decompress { index: usize, what: &'static str },
 }
@@ -69,9 +73,15 @@ impl Entry<'_> {
 
     /// The entry's contents, decompressed; PTX loses its trailing NULs.
     pub fn contents(&self) -> Result<Vec<u8>, FatbinError> {
+        self.contents_within(MAX_UNCOMPRESSED)
+    }
+
+    /// [`Entry::contents`], refusing an entry that would decompress to
+    /// more than `limit` bytes.
+    pub fn contents_within(&self, limit: u64) -> Result<Vec<u8>, FatbinError> {
         let mut data = if self.compressed() {
-            if self.uncompressed == 0 || self.uncompressed > MAX_UNCOMPRESSED {
-                return Err(FatbinError::BadEntry { index: self.index, what: "uncompressed size out of range" });
+            if self.uncompressed == 0 || self.uncompressed > MAX_UNCOMPRESSED.min(limit) {
+                return Err(FatbinError::TooLarge { index: self.index, size: self.uncompressed, limit: MAX_UNCOMPRESSED.min(limit) });
             }
             lz4_block(self.payload, self.uncompressed as usize).map_err(|what| FatbinError::Decompress { index: self.index, what })?
         } else {
@@ -165,9 +175,14 @@ pub fn entries(image: &[u8]) -> Result<Vec<Entry<'_>>, FatbinError> {
 /// The best PTX a device of virtual architecture `arch` can run: the
 /// highest one not above `arch`. `Ok(None)` if the fatbin carries none.
 pub fn best_ptx(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
+    best_ptx_within(image, arch, MAX_UNCOMPRESSED)
+}
+
+/// [`best_ptx`], decompressing at most `limit` bytes.
+pub fn best_ptx_within(image: &[u8], arch: u32, limit: u64) -> Result<Option<Vec<u8>>, FatbinError> {
     let es = entries(image)?;
     let best = es.iter().filter(|e| e.kind == Kind::Ptx && e.arch <= arch).max_by_key(|e| e.arch);
-    best.map(|e| e.contents()).transpose()
+    best.map(|e| e.contents_within(limit)).transpose()
 }
 
 /// A fatbin holding only what a device of architecture `arch` can use:
@@ -201,7 +216,9 @@ pub fn ptx_archs(image: &[u8]) -> Result<Vec<u32>, FatbinError> {
 /// Decodes one LZ4 block (the raw block format, no frame) of exactly
 /// `size` bytes of output.
 pub fn lz4_block(src: &[u8], size: usize) -> Result<Vec<u8>, &'static str> {
-    let mut out: Vec<u8> = Vec::with_capacity(size);
+    let mut out: Vec<u8> = Vec::new();
+    // Memory the host cannot give is an error, not an abort.
+    out.try_reserve_exact(size).map_err(|_| "no memory for the output")?;
     let mut i = 0usize;
     let read_len = |i: &mut usize, mut n: usize| -> Result<usize, &'static str> {
         if n == 15 {
@@ -221,7 +238,7 @@ pub fn lz4_block(src: &[u8], size: usize) -> Result<Vec<u8>, &'static str> {
         i += 1;
         let lit = read_len(&mut i, (token >> 4) as usize)?;
         let lits = src.get(i..i.checked_add(lit).ok_or("literal length overflows")?).ok_or("literals run past the input")?;
-        if out.len() + lit > size {
+        if lit > size - out.len() {
             return Err("output exceeds the stated size");
         }
         out.extend_from_slice(lits);
@@ -235,7 +252,7 @@ pub fn lz4_block(src: &[u8], size: usize) -> Result<Vec<u8>, &'static str> {
             return Err("match offset out of range");
         }
         let mlen = read_len(&mut i, (token & 15) as usize)?.checked_add(4).ok_or("match length overflows")?;
-        if out.len() + mlen > size {
+        if mlen > size - out.len() {
             return Err("output exceeds the stated size");
         }
         let start = out.len() - off;
@@ -334,6 +351,9 @@ mod tests {
         assert!(matches!(entries(&zstd), Err(FatbinError::UnknownCompression { .. })));
         let huge = fatbin(&[entry(KIND_PTX, 80, 0x2011, LZ4, 1 << 40)]);
         assert!(best_ptx(&huge, 80).is_err());
+        let big = fatbin(&[entry(KIND_PTX, 80, 0x2011, LZ4, 13)]);
+        assert!(matches!(best_ptx_within(&big, 80, 12), Err(FatbinError::TooLarge { .. })));
+        assert!(best_ptx_within(&big, 80, 13).is_ok());
         assert_eq!(entries(b"\x50\xed\x55\xbaxxxx").unwrap_err(), FatbinError::Truncated("header"));
     }
 }

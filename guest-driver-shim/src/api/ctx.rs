@@ -72,16 +72,24 @@ pub(super) fn forget_on_thread(c: u32) {
     let _ = STACK.try_with(|s| s.borrow_mut().retain(|x| *x != c));
 }
 
+/// Makes `c` current, keeping the previous current context below it.
+pub(super) fn push_current(c: u32) -> CallResult<()> {
+    let prev = CURRENT.with(|cur| cur.replace(c));
+    if prev != 0 {
+        STACK.try_with(|st| st.borrow_mut().push(prev)).map_err(|_| CallError::new(CuResult::CUDA_ERROR_DEINITIALIZED, "the thread is exiting"))?;
+    }
+    Ok(())
+}
+
+/// Pops the current context: the one below becomes current (or none).
+pub(super) fn pop_current() {
+    let below = STACK.try_with(|st| st.borrow_mut().pop()).ok().flatten().unwrap_or(0);
+    CURRENT.with(|cur| cur.set(below));
+}
+
 #[no_mangle]
 pub extern "C" fn cuCtxPushCurrent_v2(ctx: H) -> CUresult {
-    with("cuCtxPushCurrent", |s| {
-        let c = s.live_ctx(ctx)?;
-        let prev = CURRENT.with(|cur| cur.replace(c));
-        if prev != 0 {
-            STACK.try_with(|st| st.borrow_mut().push(prev)).map_err(|_| CallError::new(CuResult::CUDA_ERROR_DEINITIALIZED, "the thread is exiting"))?;
-        }
-        Ok(())
-    })
+    with("cuCtxPushCurrent", |s| push_current(s.live_ctx(ctx)?))
 }
 
 #[no_mangle]
@@ -93,8 +101,7 @@ pub extern "C" fn cuCtxPushCurrent(ctx: H) -> CUresult {
 pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut H) -> CUresult {
     with("cuCtxPopCurrent", |s| {
         let c = s.current()?;
-        let below = STACK.try_with(|st| st.borrow_mut().pop()).ok().flatten().unwrap_or(0);
-        CURRENT.with(|cur| cur.set(below));
+        pop_current();
         if !pctx.is_null() {
             out(pctx, enc(TAG_CTX, c))?;
         }
@@ -233,8 +240,8 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c
     with("cuDevicePrimaryCtxGetState", |s| {
         s.device(dev)?;
         let st = s.st();
-        let f = st.primary.and_then(|(c, _)| st.conf.get(&c).map(|c| c.flags)).unwrap_or(st.primary_flags);
-        let a = st.primary.is_some_and(|(_, n)| n > 0) as c_int;
+        let f = st.primary.and_then(|c| st.conf.get(&c).map(|c| c.flags)).unwrap_or(st.primary_flags);
+        let a = (st.primary.is_some() && st.primary_refs > 0) as c_int;
         drop(st);
         out(flags, f)?;
         out(active, a)
@@ -250,7 +257,7 @@ pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: c_uint) ->
         }
         let mut st = s.st();
         st.primary_flags = flags;
-        if let Some((c, _)) = st.primary {
+        if let Some(c) = st.primary {
             st.conf.entry(c).or_insert_with(|| CtxConf::new(0)).flags = flags;
         }
         Ok(())
@@ -263,15 +270,16 @@ pub extern "C" fn cuDevicePrimaryCtxSetFlags(dev: CUdevice, flags: c_uint) -> CU
 }
 
 /// Destroys the primary context and everything in it (its memory is
-/// freed, and scrubbed by the device before anyone else gets it); the next
-/// retain makes a fresh one.
+/// freed, and scrubbed by the device before anyone else gets it). Its
+/// references stay: holders may still release them, and the next use
+/// makes a fresh context, as on CUDA.
 #[no_mangle]
 pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
     with("cuDevicePrimaryCtxReset", |s| {
         s.device(dev)?;
-        let held = s.st().primary;
+        let held = s.st().primary.take();
         match held {
-            Some((c, _)) => s.destroy_ctx(c),
+            Some(c) => s.destroy_ctx(c),
             None => Ok(()),
         }
     })
@@ -363,7 +371,7 @@ pub struct DevProp {
 pub unsafe extern "C" fn cuDeviceGetProperties(p: *mut DevProp, dev: CUdevice) -> CUresult {
     with("cuDeviceGetProperties", |s| {
         s.device(dev)?;
-        let a = |n| super::attribute(&s.info, n).unwrap_or(0);
+        let a = |n| s.attribute(n).unwrap_or(0);
         out(
             p,
             DevProp {

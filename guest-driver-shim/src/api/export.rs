@@ -58,16 +58,25 @@ fn slot<F>(f: F) -> Option<unsafe extern "C" fn()>
 where
     F: Copy,
 {
-    // SAFETY: `F` is always an `unsafe extern "C" fn(..)` pointer here;
-    // the table stores it type-erased, and callers call it with the
-    // signature the table's documentation gives.
+    // Only function pointers are stored: same size as the erased type.
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<unsafe extern "C" fn()>(), "export table slots hold function pointers");
+    // SAFETY: `F` is always an `unsafe extern "C" fn(..)` pointer here
+    // (size checked above); the table stores it type-erased, and callers
+    // call it with the signature the table's documentation gives.
     Some(unsafe { std::mem::transmute_copy::<F, unsafe extern "C" fn()>(&f) })
+}
+
+/// For slots a runtime does not call in normal operation: a function that
+/// reads no arguments (safe to call with any, under the C convention) and
+/// answers CUDA_ERROR_NOT_SUPPORTED.
+extern "C" fn not_supported() -> CUresult {
+    fail("cuGetExportTable slot", CallError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "this export table entry is not supported"))
 }
 
 fn cudart_interface() -> &'static CudartInterface {
     static T: OnceLock<CudartInterface> = OnceLock::new();
     T.get_or_init(|| {
-        let mut slots: [Option<unsafe extern "C" fn()>; 12] = [None; 12];
+        let mut slots: [Option<unsafe extern "C" fn()>; 12] = [slot(not_supported as extern "C" fn() -> CUresult); 12];
         slots[1] = slot(primary_ctx as unsafe extern "C" fn(*mut H, CUdevice) -> CUresult);
         let n = slot(noop as extern "C" fn() -> CUresult);
         // Slots the runtime does not call in normal operation answer
@@ -330,7 +339,7 @@ unsafe extern "C" fn integrity_check(version: u32, time: u64, out: *mut [u64; 2]
         _ => {
             let mut devices = Vec::new();
             let r = with("cuGetExportTable integrity check", |s| {
-                let a = |n| super::attribute(&s.info, n).unwrap_or(0);
+                let a = |n| s.attribute(n).unwrap_or(0);
                 devices.push(DeviceId { uuid: s.info.uuid, pci: [a(50), a(33), a(34)] });
                 Ok(())
             });
@@ -353,7 +362,7 @@ unsafe extern "C" fn integrity_check(version: u32, time: u64, out: *mut [u64; 2]
 
 fn integrity_table() -> &'static Table<2> {
     static T: OnceLock<Table<2>> = OnceLock::new();
-    T.get_or_init(|| Table { size: 3 * 8, slots: [slot(integrity_check as unsafe extern "C" fn(u32, u64, *mut [u64; 2]) -> CUresult), None] })
+    T.get_or_init(|| Table { size: 3 * 8, slots: [slot(integrity_check as unsafe extern "C" fn(u32, u64, *mut [u64; 2]) -> CUresult), slot(not_supported as extern "C" fn() -> CUresult)] })
 }
 
 // ---- the entry point ----------------------------------------------------------------

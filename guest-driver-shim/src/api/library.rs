@@ -75,6 +75,14 @@ impl Shim {
             return Ok(m);
         }
         let m = load_image(self, ctx, &image)?;
+        // Another thread may have loaded it meanwhile: keep one. (The
+        // handle tables' lock is never taken inside the libraries' one.)
+        let other = with_libs(|l| l.libs.get(&lib).and_then(|x| x.modules.get(&ctx).copied()));
+        if let Some(o) = other.filter(|o| *o != m && self.st().modules.contains_key(o)) {
+            let _ = self.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: m }));
+            self.forget_module(m);
+            return Ok(o);
+        }
         with_libs(|l| l.libs.get_mut(&lib).map(|x| x.modules.insert(ctx, m)));
         Ok(m)
     }
@@ -114,7 +122,11 @@ fn load_library(s: &Shim, lib: *mut H, bytes: &[u8]) -> CallResult<()> {
     if lib.is_null() {
         return Err(bad("null library pointer"));
     }
-    let image = Arc::new(bytes.to_vec());
+    // A fatbin is kept as only what this device can use.
+    let image = Arc::new(match ImageFormat::sniff(bytes) {
+        ImageFormat::Fatbin => super::select_for(s, bytes)?,
+        _ => bytes.to_vec(),
+    });
     let entries = Arc::new(std::sync::OnceLock::new());
     let id = with_libs(|l| {
         l.next += 1;
@@ -175,14 +187,17 @@ pub extern "C" fn cuLibraryUnload(lib: H) -> CUresult {
             Some(gone)
         });
         let gone = gone.ok_or_else(|| invalid_handle("library"))?;
+        let mut first = None;
         for (ctx, m) in gone.modules {
             if s.st().modules.contains_key(&m) {
-                s.sync_ctx(ctx)?;
-                s.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: m }))?;
-                s.st().modules.remove(&m);
+                let r = s.sync_ctx(ctx).and_then(|_| s.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: m })));
+                s.forget_module(m);
+                if let Err(e) = r {
+                    first.get_or_insert(e);
+                }
             }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     })
 }
 
@@ -498,21 +513,9 @@ pub extern "C" fn cuFuncSetSharedMemConfig(f: H, cfg: c_uint) -> CUresult {
 pub unsafe extern "C" fn cuFuncGetName(name: *mut *const c_char, f: H) -> CUresult {
     with("cuFuncGetName", |s| {
         let func = s.func(f)?;
-        // Interned: a function's name stays valid as long as the process.
-        out(name, intern(&func.name))
+        // Valid as long as the function: it lives in the function's record.
+        out(name, func.name.as_ptr())
     })
-}
-
-fn intern(name: &str) -> *const c_char {
-    static NAMES: Mutex<Vec<CString>> = Mutex::new(Vec::new());
-    let mut v = NAMES.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(c) = v.iter().find(|c| c.to_bytes() == name.as_bytes()) {
-        return c.as_ptr();
-    }
-    let c = CString::new(name).unwrap_or_default();
-    let p = c.as_ptr();
-    v.push(c);
-    p
 }
 
 #[no_mangle]
@@ -635,7 +638,7 @@ pub unsafe extern "C" fn cuLinkCreate_v2(_n: c_uint, _opts: *mut c_int, _vals: *
     with("cuLinkCreate", |s| {
         s.current()?;
         let mut l = links();
-        if l.len() >= 1024 {
+        if l.len() >= 64 {
             return Err(CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many links in progress"));
         }
         let id = l.iter().map(|(i, _)| *i).max().unwrap_or(0) + 1;
@@ -648,7 +651,7 @@ fn add_input(state: H, kind: c_int, data: &[u8], name: &str) -> CallResult<()> {
     let id = dec(TAG_LINK, state).ok_or_else(|| invalid_handle("link state"))?;
     let ptx = match kind {
         JIT_INPUT_PTX => data.strip_suffix(&[0]).unwrap_or(data).to_vec(),
-        JIT_INPUT_FATBINARY => match fatbin::best_ptx(data, u32::MAX) {
+        JIT_INPUT_FATBINARY => match fatbin::best_ptx(data, super::READY.get().map_or(u32::MAX, |s| s.info.cc_major * 10 + s.info.cc_minor)) {
             Ok(Some(p)) => p,
             Ok(None) => return Err(CallError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("{name}: the fatbin carries no PTX"))),
             Err(e) => return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("{name}: {e}"))),

@@ -120,19 +120,21 @@ pub(super) fn unreserve(base: u64, a: Alloc) {
 }
 
 impl Shim {
-    /// Records a new allocation (and reserves its addresses).
-    pub(super) fn track(&self, base: u64, size: u64, ctx: u32) {
+    /// Records device memory at `base` (an allocation, or a variable of
+    /// `module`) and reserves its addresses.
+    pub(super) fn track(&self, base: u64, size: u64, ctx: u32, module: u32) {
         let reserved = reserve(base, size);
         if !reserved && super::log_enabled() {
             eprintln!("libcuda(vgpu): device range {base:#x}+{size:#x} overlaps a host mapping; unified copies treat it as device memory");
         }
-        self.st().allocs.insert(base, Alloc { size, ctx, reserved });
+        let stale = self.st().allocs.insert(base, Alloc { size, ctx, module, reserved });
+        if let Some(old) = stale {
+            unreserve(base, old);
+        }
     }
 
-    pub(super) fn untrack(&self, base: u64) {
-        if let Some(a) = self.st().allocs.remove(&base) {
-            unreserve(base, a);
-        }
+    pub(super) fn is_tracked(&self, p: u64) -> bool {
+        self.alloc_at(p).is_some()
     }
 
     /// The allocation holding `p`: (base, allocation).
@@ -142,9 +144,6 @@ impl Shim {
         (p < b + a.size).then_some((b, a))
     }
 
-    fn is_device(&self, p: u64) -> bool {
-        self.alloc_at(p).is_some()
-    }
 }
 
 #[no_mangle]
@@ -326,7 +325,7 @@ pub unsafe extern "C" fn cuPointerGetAttributes(n: c_uint, attrs: *const c_int, 
 #[no_mangle]
 pub extern "C" fn cuPointerSetAttribute(_value: *const c_void, attr: c_int, p: CUdeviceptr) -> CUresult {
     with("cuPointerSetAttribute", |s| {
-        if !s.is_device(p) {
+        if !s.is_tracked(p) {
             return Err(bad("not device memory"));
         }
         // SYNC_MEMOPS: every copy on this device is already synchronous
@@ -357,7 +356,7 @@ impl Loc {
 }
 
 fn classify(s: &Shim, p: u64) -> Loc {
-    if s.is_device(p) { Loc::Device(p) } else { Loc::Host(p as *mut u8) }
+    if s.is_tracked(p) { Loc::Device(p) } else { Loc::Host(p as *mut u8) }
 }
 
 /// One contiguous copy between any two locations, on `stream`.
@@ -513,7 +512,9 @@ impl Memcpy2D {
 /// The start of one side of a 3D copy.
 fn side(s: &Shim, kind: c_uint, host: *const c_void, dev: CUdeviceptr, array: H) -> CallResult<Loc> {
     match kind {
+        1 if host.is_null() => Err(bad("null host pointer")),
         1 => Ok(Loc::Host(host.cast_mut().cast())),
+        2 | 4 if dev == 0 => Err(bad("null device pointer")),
         2 => Ok(Loc::Device(dev)),
         4 => Ok(classify(s, dev)),
         3 => {
@@ -545,6 +546,18 @@ fn plan3d(s: &Shim, p: *const Memcpy3D) -> CallResult<Plan> {
     }
     if (c.height > 1 || c.depth > 1) && (c.src_pitch < c.width || c.dst_pitch < c.width) {
         return Err(bad("pitch smaller than the row width"));
+    }
+    if c.depth > 1 && (c.src_height < c.height || c.dst_height < c.height) {
+        return Err(bad("slice height smaller than the copy's height"));
+    }
+    // Every offset the copy touches must be representable: the furthest
+    // byte on each side, computed with overflow checks.
+    let last = |x: usize, y: usize, z: usize, pitch: usize, height: usize| -> Option<usize> {
+        let rows = z.checked_add(c.depth.max(1) - 1)?.checked_mul(height.max(c.height))?.checked_add(y)?.checked_add(c.height.max(1) - 1)?;
+        rows.checked_mul(pitch.max(c.width))?.checked_add(x)?.checked_add(c.width)
+    };
+    if last(c.src_x, c.src_y, c.src_z, c.src_pitch, c.src_height).is_none() || last(c.dst_x, c.dst_y, c.dst_z, c.dst_pitch, c.dst_height).is_none() {
+        return Err(bad("copy extents overflow"));
     }
     let src = side(s, c.src_type, c.src_host, c.src_device, c.src_array)?;
     let dst = side(s, c.dst_type, c.dst_host, c.dst_device, c.dst_array)?;

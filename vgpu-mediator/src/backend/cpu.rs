@@ -349,6 +349,7 @@ impl CpuBackend {
                 max_grid: [i32::MAX as u32, 65535, 65535],
                 instruction_budget: budget,
                 numa_node: -1,
+                attributes: None,
             },
             va_base: DEVICE_VA_BASE + ordinal as u64 * DEVICE_VA_STRIDE,
             arena: Arena::new(memory.max(GRANULE) as usize)?,
@@ -462,8 +463,13 @@ impl Backend for CpuBackend {
                 return Err(BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "cubin images are machine code for a real GPU; the CPU reference device runs PTX only (compile to PTX, e.g. nvrtc -arch=compute_XX)"));
             }
             ImageFormat::Fatbin => {
-                let bad = |e: virtio_gpu_compute::fatbin::FatbinError| BackendError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, e.to_string());
-                ptx = virtio_gpu_compute::fatbin::best_ptx(image, arch).map_err(bad)?.ok_or_else(|| {
+                let bad = |e: virtio_gpu_compute::fatbin::FatbinError| {
+                    let code = if matches!(e, virtio_gpu_compute::fatbin::FatbinError::TooLarge { .. }) { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_IMAGE };
+                    BackendError::new(code, e.to_string())
+                };
+                // The decompressed text counts against the tenant's host
+                // memory budget, like the module parsed from it.
+                ptx = virtio_gpu_compute::fatbin::best_ptx_within(image, arch, host_limit).map_err(bad)?.ok_or_else(|| {
                     let have = virtio_gpu_compute::fatbin::ptx_archs(image).unwrap_or_default();
                     BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the fatbin carries no PTX for compute_{arch} or older (PTX for {have:?}; its cubins cannot run on the CPU reference device)"))
                 })?;
