@@ -49,7 +49,7 @@ fn dec(tag: usize, h: H) -> Option<u32> {
 struct Func {
     ctx: u32,
     module: u32,
-    name: String,
+    name: std::ffi::CString,
     params: Vec<ParamDesc>,
     size: u32,
     /// Settable attributes: max dynamic shared memory, carveout, cache
@@ -82,7 +82,11 @@ struct EventInfo {
 
 #[derive(Default)]
 struct State {
-    primary: Option<(u32, u32)>,
+    /// The device's primary context, while it exists.
+    primary: Option<u32>,
+    /// References to the primary context (cuDevicePrimaryCtxRetain less
+    /// Release); a reset destroys the context but keeps them, as on CUDA.
+    primary_refs: u32,
     ctxs: Vec<u32>,
     modules: HashMap<u32, ModInfo>,
     funcs: HashMap<u32, Arc<Func>>,
@@ -107,6 +111,8 @@ struct State {
 struct Alloc {
     size: u64,
     ctx: u32,
+    /// The module whose variable this is (0: an allocation).
+    module: u32,
     /// The address range is reserved in this process, so no host mapping
     /// can ever alias it.
     reserved: bool,
@@ -115,6 +121,9 @@ struct Alloc {
 struct Shim {
     client: Client,
     info: DeviceInfo,
+    /// `CUdevice_attribute` values by number, from the worker (the GPU's
+    /// own on the cuda backend), or the reference table of an older one.
+    attrs: Vec<i32>,
     /// Handle tables; held only while they are read or changed, never
     /// across a call to the device.
     st: Mutex<State>,
@@ -209,6 +218,11 @@ impl Shim {
             return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "no current context"));
         }
         Ok(c)
+    }
+
+    /// A `CUdevice_attribute` value, if the device has one.
+    fn attribute(&self, attr: c_int) -> Option<c_int> {
+        usize::try_from(attr).ok().and_then(|a| self.attrs.get(a)).copied().filter(|v| *v != virtio_gpu_compute::attrs::UNSUPPORTED)
     }
 
     fn device(&self, dev: CUdevice) -> CallResult<()> {
@@ -359,10 +373,24 @@ impl Shim {
         Ok(c)
     }
 
+    /// Forgets an unloaded module: its functions and its variables' ranges.
+    fn forget_module(&self, id: u32) {
+        let gone: Vec<(u64, Alloc)> = {
+            let mut st = self.st();
+            st.modules.remove(&id);
+            st.funcs.retain(|_, f| f.module != id);
+            let bases: Vec<u64> = st.allocs.iter().filter(|(_, a)| a.module == id).map(|(b, _)| *b).collect();
+            bases.into_iter().filter_map(|b| st.allocs.remove(&b).map(|a| (b, a))).collect()
+        };
+        for (base, a) in gone {
+            mem::unreserve(base, a);
+        }
+    }
+
     /// The device's primary context, made (unreferenced) if there is none.
     fn primary_ctx(&self, dev: CUdevice) -> CallResult<u32> {
         self.device(dev)?;
-        if let Some((c, _)) = self.st().primary {
+        if let Some(c) = self.st().primary {
             return Ok(c);
         }
         let flags = self.st().primary_flags;
@@ -370,13 +398,13 @@ impl Shim {
         let mut st = self.st();
         match st.primary {
             // Another thread made one meanwhile: use it, drop ours.
-            Some((p, _)) => {
+            Some(p) => {
                 drop(st);
                 let _ = self.destroy_ctx(c);
                 Ok(p)
             }
             None => {
-                st.primary = Some((c, 0));
+                st.primary = Some(c);
                 Ok(c)
             }
         }
@@ -391,7 +419,17 @@ impl Shim {
         // finishes first, as on CUDA.
         export::context_destroyed(c);
         let _ = self.sync_ctx(c);
+        // Its memory is forgotten before the worker frees it (another
+        // thread may be handed the same addresses at once).
+        let gone: Vec<(u64, Alloc)> = {
+            let mut st = self.st();
+            let bases: Vec<u64> = st.allocs.iter().filter(|(_, a)| a.ctx == c).map(|(b, _)| *b).collect();
+            bases.into_iter().filter_map(|b| st.allocs.remove(&b).map(|a| (b, a))).collect()
+        };
         let r = self.client.empty(Request::CtxDestroy(CtxReq { ctx: c, reserved: 0 }));
+        for (base, a) in gone {
+            mem::unreserve(base, a);
+        }
         let mut st = self.st();
         st.ctxs.retain(|x| *x != c);
         st.modules.retain(|_, m| m.ctx != c);
@@ -401,21 +439,15 @@ impl Shim {
         st.legacy.remove(&c);
         st.orphans.remove(&c);
         st.conf.remove(&c);
-        let gone: Vec<(u64, Alloc)> = st.allocs.iter().filter(|(_, a)| a.ctx == c).map(|(b, a)| (*b, *a)).collect();
-        for (base, a) in gone {
-            st.allocs.remove(&base);
-            mem::unreserve(base, a);
-        }
         ctx::forget_on_thread(c);
         self.client.forget(c);
-        if st.primary.is_some_and(|(p, _)| p == c) {
+        if st.primary == Some(c) {
             st.primary = None;
         }
-        CURRENT.with(|cur| {
-            if cur.get() == c {
-                cur.set(0)
-            }
-        });
+        // Destroying the current context pops it, as on CUDA.
+        if CURRENT.with(|cur| cur.get()) == c {
+            ctx::pop_current();
+        }
         r
     }
 }
@@ -433,7 +465,8 @@ pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
     }
     let r = Client::from_env().and_then(|client| {
         let info = client.device_info()?;
-        Ok(Shim { client, info, st: Mutex::new(State::default()), order: Mutex::new(()) })
+        let attrs = client.device_attributes().unwrap_or_else(|_| virtio_gpu_compute::attrs::reference_table(&info));
+        Ok(Shim { client, info, attrs, st: Mutex::new(State::default()), order: Mutex::new(()) })
     });
     match r {
         Ok(s) => {
@@ -570,60 +603,11 @@ pub unsafe extern "C" fn cuDeviceComputeCapability(major: *mut c_int, minor: *mu
     })
 }
 
-/// `CUdevice_attribute` values this device answers: its real limits where
-/// the device states them, CUDA's documented values for an sm_80-class
-/// device elsewhere (docs/cuda-stacks.md lists them), and 0 for features
-/// it lacks (textures are sized but unsupported).
-pub fn attribute(info: &DeviceInfo, attr: c_int) -> Option<c_int> {
-    let i = |v: u32| v.min(i32::MAX as u32) as c_int;
-    Some(match attr {
-        1 => i(info.max_threads_per_block),
-        2..=4 => i(info.max_block[(attr - 2) as usize]),
-        5..=7 => i(info.max_grid[(attr - 5) as usize]),
-        8 | 81 | 97 => i(info.max_shared_per_block),
-        9 => 65536,
-        10 => i(info.warp_size),
-        11 => i32::MAX,
-        12 | 82 => 65536,
-        13 | 36 => 1_000_000,
-        14 | 30 => 512,
-        // Streams overlap (copies with kernels, kernels with kernels),
-        // addresses are unified, priorities and registration are accepted.
-        15 | 31 | 40 | 41 | 78 | 79 | 80 | 99 | 126 => 1,
-        16 => i(info.sm_count),
-        17 => (info.instruction_budget != 0) as c_int,
-        18 | 19 | 20 | 32 | 33 | 35 | 38 | 44 | 50 | 83..=86 | 88..=96 | 98 | 100..=105 | 107..=125 | 127..=130 | 132 | 133 | 135..=143 => 0,
-        21 | 56 | 70 => 131072,
-        22 | 27 | 28 | 45 | 46 | 52 | 53 | 55 | 61 | 63 | 64 | 66 | 67 | 73 | 74 | 77 => 32768,
-        23 | 57 => 65536,
-        24..=26 | 58..=60 => 16384,
-        29 | 43 | 62 | 65 => 2048,
-        47 | 48 => 8192,
-        49 => 32768,
-        51 => 32,
-        54 | 68 => 2046,
-        42 => 32768,
-        69 => 1 << 28,
-        71 => 65000,
-        72 => 2_097_120,
-        34 => i(info.ordinal),
-        37 => 64,
-        39 => 2048,
-        75 => i(info.cc_major),
-        76 => i(info.cc_minor),
-        87 => 2,
-        106 => 32,
-        131 => -1,
-        134 => info.numa_node,
-        _ => return None,
-    })
-}
-
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, dev: CUdevice) -> CUresult {
     with("cuDeviceGetAttribute", |s| {
         s.device(dev)?;
-        let a = attribute(&s.info, attr).ok_or_else(|| bad(&format!("unsupported device attribute {attr}")))?;
+        let a = s.attribute(attr).ok_or_else(|| bad(&format!("unsupported device attribute {attr}")))?;
         out(v, a)
     })
 }
@@ -637,7 +621,8 @@ pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut H, flags: c_uint, dev: CUdevi
             return Err(bad("null context pointer"));
         }
         let c = s.create_ctx(flags, dev)?;
-        CURRENT.with(|cur| cur.set(c));
+        // The new context is pushed: cuCtxPopCurrent restores the last one.
+        ctx::push_current(c)?;
         out(pctx, enc(TAG_CTX, c))
     })
 }
@@ -703,8 +688,9 @@ pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut H) -> CUresult {
 #[no_mangle]
 pub extern "C" fn cuCtxSetCurrent(ctx: H) -> CUresult {
     with("cuCtxSetCurrent", |s| {
+        // NULL pops the stack (a no-op on an empty one), as on CUDA.
         if ctx.is_null() {
-            CURRENT.with(|c| c.set(0));
+            ctx::pop_current();
             return Ok(());
         }
         let c = dec(TAG_CTX, ctx).filter(|c| s.st().ctxs.contains(c)).ok_or_else(|| CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "invalid context"))?;
@@ -741,13 +727,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut H, dev: CUdevice) -
             return Err(bad("null context pointer"));
         }
         let c = s.primary_ctx(dev)?;
-        let mut st = s.st();
-        if let Some((p, n)) = st.primary.as_mut() {
-            if *p == c {
-                *n += 1;
-            }
-        }
-        drop(st);
+        s.st().primary_refs += 1;
         out(pctx, enc(TAG_CTX, c))
     })
 }
@@ -756,14 +736,19 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut H, dev: CUdevice) -
 pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
     with("cuDevicePrimaryCtxRelease", |s| {
         s.device(dev)?;
-        let held = s.st().primary;
-        match held {
-            Some((c, 1)) => s.destroy_ctx(c),
-            Some((_, 0)) | None => Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "primary context is not retained")),
-            Some((c, n)) => {
-                s.st().primary = Some((c, n - 1));
-                Ok(())
+        // The count and the decision to destroy change under one lock: a
+        // retain racing with the last release gets a fresh context.
+        let last = {
+            let mut st = s.st();
+            if st.primary_refs == 0 {
+                return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "primary context is not retained"));
             }
+            st.primary_refs -= 1;
+            if st.primary_refs == 0 { st.primary.take() } else { None }
+        };
+        match last {
+            Some(c) => s.destroy_ctx(c),
+            None => Ok(()),
         }
     })
 }
@@ -787,7 +772,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> C
         let ctx = s.current()?;
         match s.client.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: size as u64 }))? {
             Reply::Ptr(p) => {
-                s.track(p, size as u64, ctx);
+                s.track(p, size as u64, ctx, 0);
                 out(dptr, p)
             }
             r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
@@ -806,9 +791,23 @@ pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
         }
         let ctx = s.current()?;
         s.sync_ctx(ctx)?;
-        s.client.empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr }))?;
-        s.untrack(dptr);
-        Ok(())
+        // Forgotten before the worker frees it: once freed, another thread
+        // may be handed the same address.
+        let gone = s.st().allocs.remove(&dptr);
+        match s.client.empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr })) {
+            Ok(()) => {
+                if let Some(a) = gone {
+                    mem::unreserve(dptr, a);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if let Some(a) = gone {
+                    s.st().allocs.insert(dptr, a);
+                }
+                Err(e)
+            }
+        }
     })
 }
 
@@ -1117,16 +1116,25 @@ unsafe fn image_bytes<'a>(image: *const c_void) -> CallResult<&'a [u8]> {
         let h = unsafe { std::slice::from_raw_parts(p, 64) };
         let u64at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap_or([0; 8]));
         let u16at = |o: usize| u16::from_le_bytes([h[o], h[o + 1]]) as u64;
-        let sh_end = u64at(0x28) + u16at(0x3A) * u16at(0x3C);
-        let ph_end = u64at(0x20) + u16at(0x36) * u16at(0x38);
-        sh_end.max(ph_end).max(64)
+        let sh_end = u64at(0x28).saturating_add(u16at(0x3A) * u16at(0x3C));
+        let ph_end = u64at(0x20).saturating_add(u16at(0x36) * u16at(0x38));
+        let n = sh_end.max(ph_end).max(64);
+        // Only fatbins may exceed the message limit (they are trimmed).
+        if n > MAX_IMAGE {
+            return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("cubin of {n} bytes exceeds {MAX_IMAGE}")));
+        }
+        n
     } else if u32::from_le_bytes([head[0], head[1], head[2], head[3]]) == fatbin::FATBIN_MAGIC {
         // SAFETY: a fatbin header is 16 bytes: magic, version, header size, body size.
         let h = unsafe { std::slice::from_raw_parts(p, 16) };
         fatbin::total_len(h).map_err(|e| CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, e.to_string()))?
     } else {
         // SAFETY: PTX images are NUL-terminated strings.
-        unsafe { CStr::from_ptr(p.cast()) }.to_bytes().len() as u64
+        let n = unsafe { CStr::from_ptr(p.cast()) }.to_bytes().len() as u64;
+        if n > MAX_IMAGE {
+            return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("PTX of {n} bytes exceeds {MAX_IMAGE}")));
+        }
+        n
     };
     if len == 0 || len > MAX_FATBIN {
         return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("module image of {len} bytes")));
@@ -1141,11 +1149,7 @@ fn load_image(s: &Shim, ctx: u32, bytes: &[u8]) -> CallResult<u32> {
     // fatbins of tens of MiB with code for every architecture).
     let selected;
     let bytes = if ImageFormat::sniff(bytes) == ImageFormat::Fatbin {
-        let arch = s.info.cc_major * 10 + s.info.cc_minor;
-        let archs = fatbin::ptx_archs(bytes).unwrap_or_default();
-        selected = fatbin::select(bytes, arch).map_err(|e| CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, e.to_string()))?.ok_or_else(|| {
-            CallError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the fatbin has no code for sm_{arch} (PTX for {archs:?})"))
-        })?;
+        selected = select_for(s, bytes)?;
         &selected[..]
     } else {
         bytes
@@ -1155,6 +1159,17 @@ fn load_image(s: &Shim, ctx: u32, bytes: &[u8]) -> CallResult<u32> {
     let id = s.client.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: format as u32, image_len: bytes.len() as u64 }, bytes.to_vec()))?;
     s.st().modules.insert(id, ModInfo { ctx, entries });
     Ok(id)
+}
+
+/// A fatbin trimmed to what this device can use (its cubins for the exact
+/// architecture and its best PTX); an error if nothing suits it.
+fn select_for(s: &Shim, bytes: &[u8]) -> CallResult<Vec<u8>> {
+    let arch = s.info.cc_major * 10 + s.info.cc_minor;
+    let sel = fatbin::select(bytes, arch).map_err(|e| CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, e.to_string()))?;
+    sel.ok_or_else(|| {
+        let archs = fatbin::ptx_archs(bytes).unwrap_or_default();
+        CallError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the fatbin has no code for sm_{arch} (PTX for {archs:?})"))
+    })
 }
 
 /// The kernels (`.entry` names) of an image: of its PTX, or of the PTX a
@@ -1201,7 +1216,8 @@ fn get_function(s: &Shim, ctx: u32, module: u32, name: &str) -> CallResult<u32> 
     match s.client.call(req)? {
         Reply::Function(fr, params) => {
             let conf = Mutex::new(library::FuncConf::new(&s.info));
-            s.st().funcs.insert(fr.func, Arc::new(Func { ctx, module, name: name.to_string(), params, size: fr.params_size, conf }));
+            let name = std::ffi::CString::new(name).map_err(|_| bad("function name contains NUL"))?;
+            s.st().funcs.insert(fr.func, Arc::new(Func { ctx, module, name, params, size: fr.params_size, conf }));
             Ok(fr.func)
         }
         r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
@@ -1243,7 +1259,7 @@ pub extern "C" fn cuModuleUnload(m: H) -> CUresult {
         // Launches queued from it run first.
         s.sync_ctx(ctx)?;
         s.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: id }))?;
-        s.st().modules.remove(&id);
+        s.forget_module(id);
         Ok(())
     })
 }
@@ -1289,7 +1305,13 @@ pub unsafe extern "C" fn cuModuleGetGlobal_v2(dptr: *mut u64, bytes: *mut usize,
 fn get_global(s: &Shim, ctx: u32, module: u32, name: &str) -> CallResult<(u64, u64)> {
     let req = Request::ModuleGetGlobal(GetFunctionReq { ctx, module, name_len: name.len() as u32, reserved: 0 }, name.to_string());
     match s.client.call(req)? {
-        Reply::Global(addr, size) => Ok((addr, size)),
+        Reply::Global(addr, size) => {
+            // Device memory like any other, for unified-address copies.
+            if size > 0 && !s.is_tracked(addr) {
+                s.track(addr, size, ctx, module);
+            }
+            Ok((addr, size))
+        }
         r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
     }
 }

@@ -512,6 +512,14 @@ impl Client {
         }
     }
 
+    /// The device's `CUdevice_attribute` table, as the worker answers it.
+    pub fn device_attributes(&self) -> CallResult<Vec<i32>> {
+        match self.call(Request::GetDeviceAttributes)? {
+            Reply::Attributes(a) => Ok(a),
+            r => Err(unexpected(r)),
+        }
+    }
+
     pub fn tenant_info(&self) -> CallResult<TenantInfo> {
         match self.call(Request::GetTenantInfo)? {
             Reply::TenantInfo(t) => Ok(t),

@@ -145,3 +145,22 @@ fn cubins_are_refused_with_no_binary_for_gpu() {
     assert!(text.contains("refused:") && text.contains("CUDA_ERROR_NO_BINARY_FOR_GPU"), "{text}");
     assert!(text.contains("cubin images are machine code for a real GPU"), "{text}");
 }
+
+/// The device worker answers the whole `CUdevice_attribute` table the shim
+/// hands runtimes (on a GPU, the hardware's own values), with what the
+/// vGPU does not offer reading 0.
+#[test]
+fn the_worker_answers_every_device_attribute() {
+    use virtio_gpu_compute::{attrs, Reply, Request};
+    let m = Mediator::start(&["--compute-capability", "9.0"]);
+    let sock = m.tenant("attrs", "16MiB");
+    let mut r = Raw::connect(&sock);
+    let t = match r.call(Request::GetDeviceAttributes) {
+        Reply::Attributes(t) => t,
+        o => panic!("{o:?}"),
+    };
+    assert_eq!(t.len(), attrs::COUNT);
+    assert_eq!((t[75], t[76]), (9, 0), "compute capability");
+    assert_eq!((t[41], t[83], t[95], t[115]), (1, 0, 0, 0), "unified addressing on; managed memory, cooperative launch, pools off");
+    assert!((1..=138).all(|a| t[a] != attrs::UNSUPPORTED), "{t:?}");
+}

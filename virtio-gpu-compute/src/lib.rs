@@ -7,6 +7,7 @@
 //! input and never panics; `tests/decoder_never_panics.rs` checks that with
 //! random input, and `fuzz/` holds the cargo-fuzz target.
 
+pub mod attrs;
 pub mod capset;
 pub mod cuda;
 pub mod fatbin;

@@ -121,6 +121,7 @@ opcodes! {
     StreamWait = 30,
     GetConnStats = 31,
     RingKick = 32,
+    GetDeviceAttributes = 33,
 }
 
 /// Where a copy's host-side bytes live.
@@ -309,6 +310,8 @@ pub enum Request {
     StreamWait(StreamWaitReq),
     GetConnStats,
     RingKick,
+    /// Every `CUdevice_attribute` value of the device, as the tenant sees it.
+    GetDeviceAttributes,
 }
 
 fn zero(v: u32, what: &'static str) -> Result<(), WireError> {
@@ -405,6 +408,7 @@ impl Request {
             Request::StreamWait(_) => Opcode::StreamWait,
             Request::GetConnStats => Opcode::GetConnStats,
             Request::RingKick => Opcode::RingKick,
+            Request::GetDeviceAttributes => Opcode::GetDeviceAttributes,
         }
     }
 
@@ -412,7 +416,7 @@ impl Request {
     pub fn encode(&self, seq: u32) -> Vec<u8> {
         let mut p = Vec::new();
         match self {
-            Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick => {}
+            Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick | Request::GetDeviceAttributes => {}
             Request::CtxCreate(b) => b.put(&mut p),
             Request::StreamCreate(b) | Request::EventCreate(b) => b.put(&mut p),
             Request::CtxDestroy(b) | Request::CtxSynchronize(b) => b.put(&mut p),
@@ -479,6 +483,7 @@ impl Request {
             Opcode::MemGetInfo => Request::MemGetInfo,
             Opcode::GetConnStats => Request::GetConnStats,
             Opcode::RingKick => Request::RingKick,
+            Opcode::GetDeviceAttributes => Request::GetDeviceAttributes,
             Opcode::AttachRing => {
                 let b = AttachRingReq::get(r)?;
                 zero(b.flags, "ring.flags")?;
@@ -640,6 +645,9 @@ pub enum Reply {
     Elapsed(f32),
     Data(Vec<u8>),
     ConnStats(ConnStats),
+    /// `CUdevice_attribute` values by attribute number
+    /// ([`crate::attrs::UNSUPPORTED`] where the device has none).
+    Attributes(Vec<i32>),
     Error(CuResult, String),
 }
 
@@ -669,6 +677,11 @@ impl Reply {
             Reply::Elapsed(ms) => ElapsedReply { ms_bits: ms.to_bits(), reserved: 0 }.put(&mut p),
             Reply::Data(d) => p.extend_from_slice(d),
             Reply::ConnStats(c) => c.put(&mut p),
+            Reply::Attributes(v) => {
+                for a in v.iter().take(crate::attrs::COUNT) {
+                    p.extend_from_slice(&a.to_le_bytes());
+                }
+            }
             Reply::Error(code, msg) => {
                 status = if code.is_ok() { CuResult::CUDA_ERROR_UNKNOWN as u32 } else { *code as u32 };
                 let mut end = msg.len().min(MAX_ERROR_TEXT);
@@ -732,6 +745,14 @@ impl Reply {
             }
             Opcode::MemcpyDtoH => Reply::Data(r.rest().to_vec()),
             Opcode::GetConnStats => Reply::ConnStats(ConnStats::get(&mut r)?),
+            Opcode::GetDeviceAttributes => {
+                let rest = r.rest();
+                bounded("device attributes", rest.len() as u64, (crate::attrs::COUNT * 4) as u64)?;
+                if !rest.len().is_multiple_of(4) {
+                    return Err(WireError::BadField { what: "device attributes length", value: rest.len() as u64 });
+                }
+                Reply::Attributes(rest.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            }
             _ => Reply::Empty,
         };
         end(&r)?;

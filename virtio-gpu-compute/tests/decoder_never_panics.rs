@@ -62,7 +62,7 @@ fn every_opcode_rejects_truncated_body() {
     for op in Opcode::ALL {
         let m = header(*op as u16, 0);
         match Request::decode(&m) {
-            Ok((_, r)) => assert!(matches!(r, Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick), "{op:?} accepted an empty body"),
+            Ok((_, r)) => assert!(matches!(r, Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick | Request::GetDeviceAttributes), "{op:?} accepted an empty body"),
             Err(e) => assert!(matches!(e, WireError::Truncated), "{op:?}: {e}"),
         }
     }
@@ -110,4 +110,16 @@ fn image_formats_are_sniffed_by_magic() {
     assert_eq!(ImageFormat::sniff(b"\x7fELF...."), ImageFormat::Cubin);
     assert_eq!(ImageFormat::sniff(&0xBA55_ED50u32.to_le_bytes()), ImageFormat::Fatbin);
     assert_eq!(ImageFormat::sniff(b".version 7.0"), ImageFormat::Ptx);
+}
+
+#[test]
+fn device_attributes_round_trip_and_are_bounded() {
+    let table: Vec<i32> = (0..virtio_gpu_compute::attrs::COUNT as i32).map(|a| a * 3 - 7).collect();
+    let bytes = Reply::Attributes(table.clone()).encode(Opcode::GetDeviceAttributes, 5);
+    let h = MsgHeader::decode(&bytes).unwrap();
+    let back = Reply::decode_payload(Opcode::GetDeviceAttributes, h.status, &bytes[MsgHeader::SIZE..]).unwrap();
+    assert_eq!(back, Reply::Attributes(table));
+    let too_long = vec![0u8; virtio_gpu_compute::attrs::COUNT * 4 + 4];
+    assert!(Reply::decode_payload(Opcode::GetDeviceAttributes, 0, &too_long).is_err());
+    assert!(Reply::decode_payload(Opcode::GetDeviceAttributes, 0, &[1, 2, 3]).is_err());
 }

@@ -376,6 +376,29 @@ fn attr(dev: cu::CUdevice, a: cu::CUdevice_attribute) -> Result<u32, BackendErro
     Ok(v.max(0) as u32)
 }
 
+/// Every `CUdevice_attribute` the driver answers for `dev`, by number,
+/// through the raw entry point (cudarc's enum cannot name numbers its
+/// CUDA 12.2 headers lack).
+fn raw_attributes(dev: cu::CUdevice) -> Vec<i32> {
+    type GetAttr = unsafe extern "C" fn(*mut std::ffi::c_int, std::ffi::c_int, cu::CUdevice) -> cu::CUresult;
+    // SAFETY: looks a symbol up by name; its signature is
+    // cuDeviceGetAttribute's, with the attribute as a plain int.
+    let Some(get) = (unsafe { cu::culib().get::<GetAttr>(b"cuDeviceGetAttribute").ok().map(|s| *s) }) else {
+        return vec![virtio_gpu_compute::attrs::UNSUPPORTED; virtio_gpu_compute::attrs::COUNT];
+    };
+    (0..virtio_gpu_compute::attrs::COUNT as std::ffi::c_int)
+        .map(|a| {
+            let mut v = 0;
+            // SAFETY: valid out-pointer and device; unknown numbers return
+            // CUDA_ERROR_INVALID_VALUE.
+            match unsafe { get(&mut v, a, dev) } {
+                cu::CUresult::CUDA_SUCCESS => v,
+                _ => virtio_gpu_compute::attrs::UNSUPPORTED,
+            }
+        })
+        .collect()
+}
+
 impl CudaBackend {
     /// Opens device 0 of this process (the worker's `CUDA_VISIBLE_DEVICES`
     /// names exactly one GPU or MIG instance).
@@ -428,6 +451,7 @@ impl CudaBackend {
             ],
             instruction_budget: 0,
             numa_node,
+            attributes: Some(raw_attributes(dev)),
         };
         Ok(CudaBackend {
             desc,

@@ -43,6 +43,9 @@ pub struct DeviceDesc {
     pub max_grid: [u32; 3],
     pub instruction_budget: u64,
     pub numa_node: i32,
+    /// The hardware's own `CUdevice_attribute` values by number (a GPU);
+    /// `None` for the CPU device, which answers the reference table.
+    pub attributes: Option<Vec<i32>>,
 }
 
 /// One tenant's live allocations: start address -> length. Kernel and copy

@@ -853,6 +853,14 @@ impl DeviceService {
         Ok(match req {
             Request::Ping => Reply::Empty,
             Request::GetDeviceInfo => Reply::DeviceInfo(self.device_info(t, st.used)),
+            Request::GetDeviceAttributes => {
+                let mut table = match &self.backend.desc().attributes {
+                    Some(hw) => hw.clone(),
+                    None => virtio_gpu_compute::attrs::reference_table(&self.device_info(t, st.used)),
+                };
+                virtio_gpu_compute::attrs::vgpu_view(&mut table);
+                Reply::Attributes(table)
+            }
             Request::GetTenantInfo => Reply::TenantInfo(TenantInfo {
                 name: fixed_name(&t.name),
                 quota: t.quota,
