@@ -185,13 +185,28 @@ pub fn best_ptx_within(image: &[u8], arch: u32, limit: u64) -> Result<Option<Vec
     best.map(|e| e.contents_within(limit)).transpose()
 }
 
+/// The PTX an interpreting device of architecture `arch` runs: the best
+/// one not above `arch`, else the oldest newer one (an interpreter does not
+/// depend on the architecture a PTX names; what it cannot run it names in
+/// its error). The flag says whether the PTX is newer than `arch`.
+pub fn ptx_for_interpreter(image: &[u8], arch: u32, limit: u64) -> Result<Option<(Vec<u8>, bool)>, FatbinError> {
+    let es = entries(image)?;
+    let ptx = || es.iter().filter(|e| e.kind == Kind::Ptx);
+    let pick = ptx().filter(|e| e.arch <= arch).max_by_key(|e| e.arch).or_else(|| ptx().filter(|e| e.arch > arch).min_by_key(|e| e.arch));
+    pick.map(|e| e.contents_within(limit).map(|c| (c, e.arch > arch))).transpose()
+}
+
 /// A fatbin holding only what a device of architecture `arch` can use:
 /// the cubins built for exactly `arch` and the best PTX (the highest not
-/// above `arch`). Entries are copied as they are (still compressed).
+/// above `arch`, else the oldest newer one, which only an interpreting
+/// device may run). Entries are copied as they are (still compressed).
 /// `Ok(None)` if nothing in the image suits the device.
 pub fn select(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
     let es = entries(image)?;
-    let ptx = es.iter().filter(|e| e.kind == Kind::Ptx && e.arch <= arch).max_by_key(|e| e.arch).map(|e| e.index);
+    // The best PTX for `arch`, or for an interpreting device the oldest
+    // newer one (see [`ptx_for_interpreter`]).
+    let ptxs = || es.iter().filter(|e| e.kind == Kind::Ptx);
+    let ptx = ptxs().filter(|e| e.arch <= arch).max_by_key(|e| e.arch).or_else(|| ptxs().filter(|e| e.arch > arch).min_by_key(|e| e.arch)).map(|e| e.index);
     let keep: Vec<&Entry<'_>> = es.iter().filter(|e| (e.kind == Kind::Elf && e.arch == arch) || Some(e.index) == ptx).collect();
     if keep.is_empty() {
         return Ok(None);
@@ -332,7 +347,13 @@ mod tests {
         let kept = entries(&sel).unwrap();
         assert_eq!(kept.iter().map(|e| (e.kind, e.arch)).collect::<Vec<_>>(), vec![(Kind::Elf, 80), (Kind::Ptx, 80)]);
         assert_eq!(best_ptx(&sel, 80).unwrap().unwrap(), b"abcabcabcabc!");
-        assert_eq!(select(&f, 50).unwrap(), None);
+        // Only newer PTX: the oldest of it, flagged as newer.
+        let sel = select(&f, 50).unwrap().unwrap();
+        assert_eq!(entries(&sel).unwrap().iter().map(|e| (e.kind, e.arch)).collect::<Vec<_>>(), vec![(Kind::Ptx, 52)]);
+        assert_eq!(ptx_for_interpreter(&f, 50, MAX_UNCOMPRESSED).unwrap().unwrap(), (b".version 7.0".to_vec(), true));
+        assert_eq!(ptx_for_interpreter(&f, 85, MAX_UNCOMPRESSED).unwrap().unwrap(), (b"abcabcabcabc!".to_vec(), false));
+        let cubin_only = fatbin(&[entry(KIND_ELF, 90, 0x11, b"\x7fELF", 0)]);
+        assert_eq!(select(&cubin_only, 80).unwrap(), None);
     }
 
     #[test]

@@ -454,9 +454,12 @@ impl Backend for CpuBackend {
     fn load_module(&self, _slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64, data: &mut ModuleDataAlloc<'_>) -> Result<Arc<dyn DeviceModule>, BackendError> {
         let (major, minor) = self.desc.cc;
         let arch = major * 10 + minor;
-        // A fatbin runs here through the best PTX it carries; a cubin
-        // (machine code for a real GPU) cannot run at all.
+        // A fatbin runs here through the best PTX it carries (or, if all of
+        // it is newer than the device, the oldest: the interpreter does not
+        // depend on the architecture a PTX names); a cubin (machine code
+        // for a real GPU) cannot run at all.
         let ptx;
+        let mut newer = false;
         let image = match format {
             ImageFormat::Ptx => image,
             ImageFormat::Cubin => {
@@ -469,10 +472,10 @@ impl Backend for CpuBackend {
                 };
                 // The decompressed text counts against the tenant's host
                 // memory budget, like the module parsed from it.
-                ptx = virtio_gpu_compute::fatbin::best_ptx_within(image, arch, host_limit).map_err(bad)?.ok_or_else(|| {
-                    let have = virtio_gpu_compute::fatbin::ptx_archs(image).unwrap_or_default();
-                    BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the fatbin carries no PTX for compute_{arch} or older (PTX for {have:?}; its cubins cannot run on the CPU reference device)"))
+                let (text, is_newer) = virtio_gpu_compute::fatbin::ptx_for_interpreter(image, arch, host_limit).map_err(bad)?.ok_or_else(|| {
+                    BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "the fatbin carries no PTX (its cubins cannot run on the CPU reference device)")
                 })?;
+                (ptx, newer) = (text, is_newer);
                 &ptx[..]
             }
         };
@@ -482,7 +485,7 @@ impl Backend for CpuBackend {
             let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
             BackendError::new(code, e.to_string())
         })?;
-        if m.target > arch {
+        if m.target > arch && !newer {
             return Err(BackendError::new(
                 CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU,
                 format!("the module targets sm_{}, newer than this device's compute capability {major}.{minor}", m.target),

@@ -1220,6 +1220,23 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                     regs[0] = carry as u64;
                 }
             }
+            Op::MinMax16x2 { max, signed, relu, d, a, b } => {
+                let (x, y) = (rd(regs, a, c, clock) as u32, rd(regs, b, c, clock) as u32);
+                let half = |v: u32, i: u32| -> i32 {
+                    let h = (v >> (16 * i)) as u16;
+                    if *signed { h as i16 as i32 } else { h as i32 }
+                };
+                let mut r = 0u32;
+                for i in 0..2 {
+                    let (p, q) = (half(x, i), half(y, i));
+                    let mut v = if *max { p.max(q) } else { p.min(q) };
+                    if *relu {
+                        v = v.max(0);
+                    }
+                    r |= (v as u16 as u32) << (16 * i);
+                }
+                regs[*d as usize] = r as u64;
+            }
             Op::Un { op, ty, d, a } => regs[*d as usize] = un(*op, *ty, rd(regs, a, c, clock)),
             Op::Mad { mode, ty, d, a, b, c: cc, carry } => {
                 let (x, y, z) = (rd(regs, a, c, clock), rd(regs, b, c, clock), rd(regs, cc, c, clock));

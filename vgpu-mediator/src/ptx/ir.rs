@@ -223,6 +223,9 @@ pub enum Op {
     BinR { op: Bin, ty: Ty, round: Round, d: u32, a: Src, b: Src },
     /// `add.cc`, `addc{.cc}`, `sub.cc`, `subc{.cc}`: the carry lives in slot 0.
     Carry { sub: bool, cin: bool, cout: bool, ty: Ty, d: u32, a: Src, b: Src },
+    /// `min`/`max` `.s16x2`/`.u16x2` (`.relu` for signed): each 16-bit half
+    /// of two 32-bit registers on its own.
+    MinMax16x2 { max: bool, signed: bool, relu: bool, d: u32, a: Src, b: Src },
     Un { op: Un, ty: Ty, d: u32, a: Src },
     Mad { mode: MadMode, ty: Ty, d: u32, a: Src, b: Src, c: Src, carry: (bool, bool) },
     Fma { ty: Ty, round: Round, d: u32, a: Src, b: Src, c: Src, sat: bool, relu: bool },

@@ -1621,6 +1621,16 @@ impl Cx<'_, '_, '_, '_> {
                 let sub = base.starts_with("sub");
                 Op::Carry { sub, cin: base.ends_with('c'), cout: has("cc"), ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)?, b: self.src(&ops[2], ty)? }
             }
+            "min" | "max" if mods.iter().any(|m| *m == "s16x2" || *m == "u16x2") => {
+                need(3)?;
+                let signed = has("s16x2");
+                let relu = has("relu");
+                if relu && !signed {
+                    return self.unsupported();
+                }
+                let (d, a, b) = (self.reg(&ops[0])?, self.src(&ops[1], Ty::B32)?, self.src(&ops[2], Ty::B32)?);
+                Op::MinMax16x2 { max: base == "max", signed, relu, d, a, b }
+            }
             "add" | "sub" | "mul" | "div" | "rem" | "min" | "max" | "and" | "or" | "xor" | "shl" | "shr" | "copysign" | "mul24" => {
                 if mods.iter().any(|m| *m == "xorsign" || *m == "abs") {
                     return self.unsupported();

@@ -735,3 +735,20 @@ mod hostile {
         assert_eq!(got, want);
     }
 }
+
+#[test]
+fn packed_16x2_min_and_max_work_on_each_half() {
+    let src = ".version 8.8\n.target sm_100\n.address_size 64\n.visible .entry k(.param .u64 out)\n{\n .reg .b32 %r<9>;\n .reg .b64 %rd<2>;\n ld.param.u64 %rd1, [out];\n mov.b32 %r1, 0xFFFE0005;\n mov.b32 %r2, 0x00030009;\n min.s16x2 %r3, %r1, %r2;\n max.s16x2 %r4, %r1, %r2;\n min.u16x2 %r5, %r1, %r2;\n max.u16x2 %r6, %r1, %r2;\n max.s16x2.relu %r7, %r1, 0xFFF0FFF0;\n st.global.v4.u32 [%rd1], {%r3, %r4, %r5, %r6};\n st.global.u32 [%rd1+16], %r7;\n ret;\n}\n";
+    let m = Module::parse(src).unwrap();
+    let mut mem = VecMem::new();
+    let out = mem.alloc(&[0u8; 20]);
+    launch(m.kernel("k").unwrap(), &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(out).0, &mut mem, &Limits::default()).unwrap();
+    let w: Vec<u32> = mem.bytes(out).chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    // High halves: -2 vs 3; low halves: 5 vs 9.
+    assert_eq!(w[0], 0xFFFE_0005, "signed min");
+    assert_eq!(w[1], 0x0003_0009, "signed max");
+    assert_eq!(w[2], 0x0003_0005, "unsigned min");
+    assert_eq!(w[3], 0xFFFE_0009, "unsigned max");
+    assert_eq!(w[4], 0x0000_0005, "signed max with relu clamps negatives to 0");
+    assert!(Module::parse(&src.replace("max.s16x2.relu", "max.u16x2.relu")).is_err(), "relu is for signed halves only");
+}
