@@ -55,12 +55,18 @@ struct Func {
     /// Settable attributes: max dynamic shared memory, carveout, cache
     /// configuration.
     conf: Mutex<library::FuncConf>,
+    /// Its module's code architecture (0: the device's).
+    arch: u32,
 }
 
 /// A loaded module: its context and its kernels' names.
 struct ModInfo {
     ctx: u32,
     entries: Arc<Vec<String>>,
+    /// The architecture its code was built for (the PTX's `.target`, or
+    /// the fatbin entry's), which CU_FUNC_ATTRIBUTE_PTX_VERSION reports:
+    /// libraries pick host-side tuning to match the code they run.
+    arch: u32,
 }
 
 /// A stream as the shim tracks it: its context, whether it synchronises
@@ -1157,7 +1163,8 @@ fn load_image(s: &Shim, ctx: u32, bytes: &[u8]) -> CallResult<u32> {
     let format = ImageFormat::sniff(bytes);
     let entries = Arc::new(entry_names(bytes));
     let id = s.client.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: format as u32, image_len: bytes.len() as u64 }, bytes.to_vec()))?;
-    s.st().modules.insert(id, ModInfo { ctx, entries });
+    let arch = code_arch(bytes).unwrap_or(s.info.cc_major * 10 + s.info.cc_minor);
+    s.st().modules.insert(id, ModInfo { ctx, entries, arch });
     Ok(id)
 }
 
@@ -1170,6 +1177,21 @@ fn select_for(s: &Shim, bytes: &[u8]) -> CallResult<Vec<u8>> {
         let archs = fatbin::ptx_archs(bytes).unwrap_or_default();
         CallError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the fatbin has no code for sm_{arch} (PTX for {archs:?})"))
     })
+}
+
+/// The architecture an image's code targets: a PTX's `.target sm_XY`, a
+/// fatbin's PTX entry (as the device would choose it), a cubin's none.
+fn code_arch(bytes: &[u8]) -> Option<u32> {
+    match ImageFormat::sniff(bytes) {
+        ImageFormat::Ptx => {
+            let head = &bytes[..bytes.len().min(64 << 10)];
+            let text = String::from_utf8_lossy(head);
+            let line = text.lines().find(|l| l.trim_start().starts_with(".target"))?;
+            line.split(|c: char| c.is_whitespace() || c == ',').filter_map(|w| w.strip_prefix("sm_")).filter_map(|w| w.trim_end_matches(|c: char| c.is_alphabetic()).parse().ok()).max()
+        }
+        ImageFormat::Fatbin => fatbin::entries(bytes).ok()?.iter().filter(|e| e.kind == fatbin::Kind::Ptx).map(|e| e.arch).max(),
+        ImageFormat::Cubin => None,
+    }
 }
 
 /// The kernels (`.entry` names) of an image: of its PTX, or of the PTX a
@@ -1216,8 +1238,9 @@ fn get_function(s: &Shim, ctx: u32, module: u32, name: &str) -> CallResult<u32> 
     match s.client.call(req)? {
         Reply::Function(fr, params) => {
             let conf = Mutex::new(library::FuncConf::new(&s.info));
+            let arch = s.st().modules.get(&module).map_or(0, |m| m.arch);
             let name = std::ffi::CString::new(name).map_err(|_| bad("function name contains NUL"))?;
-            s.st().funcs.insert(fr.func, Arc::new(Func { ctx, module, name, params, size: fr.params_size, conf }));
+            s.st().funcs.insert(fr.func, Arc::new(Func { ctx, module, name, params, size: fr.params_size, conf, arch }));
             Ok(fr.func)
         }
         r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),

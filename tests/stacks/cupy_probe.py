@@ -1,5 +1,6 @@
 """CuPy on the vGPU: array creation, elementwise arithmetic, sum/max
-reductions, a RawKernel, .get(), and the quota as device memory.
+reductions (with CuPy's default accelerators: CUB's prebuilt kernels), a
+RawKernel, .get(), and the quota as device memory.
 Prints "ok <check>" per check; exits 1 if any fails.
 
 Usage: cupy_probe.py QUOTA_BYTES
@@ -26,6 +27,9 @@ b = cp.sqrt(a * 4 + 1) - 1
 check(np.allclose(b.get(), np.sqrt(np.arange(1000) * 4 + 1) - 1), "elementwise arithmetic")
 check(float(a.sum()) == 499500.0, "sum")
 check(float((a - 500).max()) == 499.0 and float(a.min()) == 0.0, "max and min")
+big = cp.arange(200000, dtype=cp.float64)
+check(float(big.sum()) == 19999900000.0 and float(big.max()) == 199999.0, "multi-block reductions of 200000 elements")
+print("accelerators:", [a for a in cp._core.get_reduction_accelerators()] if hasattr(cp._core, "get_reduction_accelerators") else "default", flush=True)
 m = cp.asarray(np.arange(12, dtype=np.int64).reshape(3, 4))
 check((m.sum(axis=0).get() == np.arange(12).reshape(3, 4).sum(axis=0)).all(), "sum along an axis")
 

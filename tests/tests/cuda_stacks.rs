@@ -115,13 +115,15 @@ fn cupy_arrays_reductions_and_raw_kernels_run_on_the_cpu_device() {
         .arg(QUOTA.to_string())
         .env("VGPU_SOCKET", &sock)
         .env("LD_LIBRARY_PATH", lib_dir())
-        // The CPU device runs PTX: CuPy is told to compile to PTX, and to
-        // use its own reduction kernels rather than CUB's prebuilt ones
-        // (docs/cuda-stacks.md says why).
+        // The CPU device runs PTX: CuPy is told to compile its kernels to
+        // PTX (docs/cuda-stacks.md). Its default accelerator, CUB, runs
+        // from the PTX in CuPy's prebuilt fatbin.
         .env("CUPY_COMPILE_WITH_PTX", "1")
-        .env("CUPY_ACCELERATORS", "")
+        .env_remove("CUPY_ACCELERATORS")
         .env("CUPY_CACHE_DIR", bin_dir().join(format!("cupy-cache-{}", std::process::id())));
-    run(c, "cupy_probe.py", "cupy probe: all passed");
+    let text = run(c, "cupy_probe.py", "cupy probe: all passed");
+    assert!(text.contains("accelerators: [1]"), "CuPy's default reduction accelerator (CUB) was in use:\n{text}");
+    assert!(text.contains("ok multi-block reductions"), "{text}");
 }
 
 /// Without the CuPy settings above, its default cubins are refused with a

@@ -113,6 +113,24 @@ fn a_fatbin_runs_through_its_compressed_ptx_on_the_cpu_device() {
     fatbin.extend_from_slice(&body);
     let module = Raw::handle(r.call(Request::ModuleLoad(ModuleLoadReq { ctx, format: ImageFormat::Fatbin as u32, image_len: fatbin.len() as u64 }, fatbin.clone())));
     assert!(matches!(r.function(ctx, module, "from_fatbin"), Reply::Function(..)), "the compute_70 PTX was chosen and loaded");
+    // A fatbin whose PTX is all newer than the device (compute_90 only, on
+    // this 8.0 device) runs through that PTX: the interpreter does not
+    // depend on the architecture a PTX names.
+    let newer = ptx.replace(".target sm_70", ".target sm_90").replace("from_fatbin", "from_newer");
+    let body90 = fatbin_entry(1, 90, 0x2011, &lz4_literals(newer.as_bytes()), newer.len() as u64);
+    let mut only_newer = 0xBA55_ED50u32.to_le_bytes().to_vec();
+    only_newer.extend_from_slice(&1u16.to_le_bytes());
+    only_newer.extend_from_slice(&16u16.to_le_bytes());
+    only_newer.extend_from_slice(&(body90.len() as u64).to_le_bytes());
+    only_newer.extend_from_slice(&body90);
+    let m90 = Raw::handle(r.call(Request::ModuleLoad(ModuleLoadReq { ctx, format: ImageFormat::Fatbin as u32, image_len: only_newer.len() as u64 }, only_newer)));
+    assert!(matches!(r.function(ctx, m90, "from_newer"), Reply::Function(..)));
+    // The same PTX alone is refused, as a real driver refuses PTX newer
+    // than the device.
+    match r.load(ctx, newer.trim_end_matches('\0')) {
+        Reply::Error(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, msg) => assert!(msg.contains("sm_90"), "{msg}"),
+        o => panic!("{o:?}"),
+    }
     // A corrupt compressed entry is a clear error, not a crash: its first
     // LZ4 token now asks for a match before any output exists.
     let first = fatbin_entry(2, 80, 0x11, b"\x7fELF-a-cubin-for-sm_80", 0).len();

@@ -433,7 +433,8 @@ fn func_attribute(s: &Shim, f: &super::Func, attr: c_int) -> CallResult<c_int> {
         0 => s.info.max_threads_per_block as c_int,
         1..=3 => 0,
         4 => 32,
-        5 | 6 => arch,
+        // The code's architecture, which may differ from the device's.
+        5 | 6 => if f.arch > 0 { f.arch as c_int } else { arch },
         7 => 0,
         8 => conf.max_dynamic_shared,
         9 => conf.carveout,
