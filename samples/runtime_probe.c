@@ -262,6 +262,47 @@ int main(int argc, char **argv) {
     CK(cudaMemcpy(&hits, hits_addr, sizeof hits, cudaMemcpyDeviceToHost));
     check(hits == (unsigned)blocks && hits_size == sizeof hits, "atomics on a module global", "wrong hit count");
 
+    /* A CUDA graph, made by capturing a stream: two kernel launches and a
+       copy back, replayed three times. */
+    {
+        const int g = 4096;
+        float *gx, *gy, *hg;
+        CK(cudaMalloc((void **)&gx, g * sizeof(float)));
+        CK(cudaMalloc((void **)&gy, g * sizeof(float)));
+        CK(cudaMallocHost((void **)&hg, g * sizeof(float)));
+        for (int i = 0; i < g; i++) hg[i] = (float)(i % 100);
+        CK(cudaMemcpy(gx, hg, g * sizeof(float), cudaMemcpyHostToDevice));
+        CK(cudaMemset(gy, 0, g * sizeof(float)));
+        cudaStream_t cs;
+        CK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+        CK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal));
+        enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+        CK(cudaStreamIsCapturing(cs, &st));
+        float ga = 1.5f;
+        int gn = g;
+        void *gargs[] = {&ga, &gx, &gy, &gn};
+        CK(cudaLaunchKernel((const void *)axpy, d3(g / 256), d3(256), gargs, 0, cs));
+        CK(cudaLaunchKernel((const void *)axpy, d3(g / 256), d3(256), gargs, 0, cs));
+        CK(cudaMemcpyAsync(hg, gy, g * sizeof(float), cudaMemcpyDeviceToHost, cs));
+        cudaGraph_t graph;
+        CK(cudaStreamEndCapture(cs, &graph));
+        size_t nodes = 0;
+        CK(cudaGraphGetNodes(graph, NULL, &nodes));
+        cudaGraphExec_t exec;
+        CK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int r = 0; r < 3; r++) CK(cudaGraphLaunch(exec, cs));
+        CK(cudaStreamSynchronize(cs));
+        int gbad = 0;
+        for (int i = 0; i < g; i++) gbad += hg[i] != 9.0f * (float)(i % 100);
+        check(st == cudaStreamCaptureStatusActive && nodes == 3 && gbad == 0, "stream capture and graph replay", "wrong capture status, node count or results");
+        CK(cudaGraphExecDestroy(exec));
+        CK(cudaGraphDestroy(graph));
+        CK(cudaStreamDestroy(cs));
+        CK(cudaFree(gx));
+        CK(cudaFree(gy));
+        CK(cudaFreeHost(hg));
+    }
+
     /* A pitched 2D copy. */
     size_t pitch = 0;
     int *d2;

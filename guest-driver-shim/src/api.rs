@@ -19,6 +19,7 @@ use crate::client::{CallError, CallResult, Client};
 
 mod ctx;
 mod export;
+mod graph;
 mod library;
 mod mem;
 mod unsupported;
@@ -965,6 +966,10 @@ fn host_copy(api: &str, to_device: bool, dev: CUdeviceptr, host: *mut c_void, n:
         if host.is_null() {
             return Err(bad("null host pointer"));
         }
+        let node = || if to_device { graph::Node::HtoD { dst: dev, host: host as usize, n } } else { graph::Node::DtoH { host: host as usize, src: dev, n } };
+        if graph::record(t, node)? {
+            return Ok(());
+        }
         s.client.check_async()?;
         s.client.sticky(t.ctx)?;
         // Ordered after what CUDA's stream semantics order it after.
@@ -987,6 +992,9 @@ fn host_copy(api: &str, to_device: bool, dev: CUdeviceptr, host: *mut c_void, n:
 fn dtod(api: &str, dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: H, sync: bool, default: Default) -> CUresult {
     with(api, |s| {
         let t = s.target(stream, default)?;
+        if graph::record(t, || graph::Node::DtoD { dst, src, n })? {
+            return Ok(());
+        }
         let seq = s.enqueue(t, Request::MemcpyDtoD(MemcpyDtoDReq { ctx: t.ctx, stream: t.stream, dst, src, size: n as u64 }))?;
         if sync { s.client.wait(seq) } else { Ok(()) }
     })
@@ -1048,6 +1056,9 @@ fn memset(api: &str, dst: CUdeviceptr, value: u32, elem: u32, count: usize, stre
     with(api, |s| {
         let t = s.target(stream, default)?;
         if count == 0 {
+            return Ok(());
+        }
+        if graph::record(t, || graph::Node::Memset { dptr: dst, value, elem, count })? {
             return Ok(());
         }
         let seq = s.enqueue(t, Request::Memset(MemsetReq { ctx: t.ctx, stream: t.stream, dptr: dst, value, elem_size: elem, count: count as u64 }))?;
@@ -1416,6 +1427,9 @@ unsafe fn launch(f: H, grid: [c_uint; 3], block: [c_uint; 3], shared: c_uint, st
             return Err(bad("kernel takes parameters but neither kernelParams nor extra was given"));
         }
         let req = LaunchReq { ctx, func: fid, stream: t.stream, shared_bytes: shared, grid, block, params_len: buf.len() as u32, reserved: 0 };
+        if graph::record(t, || graph::Node::Launch { req, params: buf.clone() })? {
+            return Ok(());
+        }
         s.enqueue(t, Request::LaunchKernel(req, buf)).map(|_| ())
     })
 }
@@ -1486,6 +1500,7 @@ pub extern "C" fn cuStreamDestroy(h: H) -> CUresult {
 fn stream_sync(h: H, default: Default) -> CUresult {
     with("cuStreamSynchronize", |s| {
         let t = s.target(h, default)?;
+        graph::refuse_if_capturing(t)?;
         if s.client.ring().is_none() {
             return s.client.empty(Request::StreamSynchronize(HandleReq { ctx: t.ctx, handle: t.stream }));
         }
@@ -1507,6 +1522,7 @@ pub extern "C" fn cuStreamSynchronize_ptsz(h: H) -> CUresult {
 fn stream_query(h: H, default: Default) -> CUresult {
     with("cuStreamQuery", |s| {
         let t = s.target(h, default)?;
+        graph::refuse_if_capturing(t)?;
         if s.sync_points(t).iter().all(|p| s.client.is_done(*p)) {
             s.client.check_async()
         } else {
@@ -1533,6 +1549,10 @@ fn stream_wait_event(h: H, e: H, flags: c_uint, default: Default) -> CUresult {
         }
         let t = s.target(h, default)?;
         let (_, ev) = s.event(e)?;
+        // A capturing stream's work is a chain: nothing to wait for in it.
+        if graph::capturing(t) {
+            return Ok(());
+        }
         let Some(seq) = s.st().events.get(&ev).and_then(|e| e.recorded) else { return Ok(()) };
         if s.client.is_done(seq) {
             return Ok(());
@@ -1576,6 +1596,9 @@ fn event_record(e: H, stream: H, default: Default) -> CUresult {
         let t = s.target(stream, default)?;
         if t.ctx != ctx {
             return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "event and stream belong to different contexts"));
+        }
+        if graph::record(t, || graph::Node::Record { event: e })? {
+            return Ok(());
         }
         let seq = s.enqueue(t, Request::EventRecord(EventRecordReq { ctx, event: ev, stream: t.stream, reserved: 0 }))?;
         if let Some(x) = s.st().events.get_mut(&ev) {
@@ -1728,7 +1751,10 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
             "cuStreamGetCaptureInfo" if version >= 12030 => f!(library::cuStreamGetCaptureInfo_v3_ptsz),
             "cuStreamGetCaptureInfo" if version >= 11030 => f!(library::cuStreamGetCaptureInfo_v2_ptsz),
             "cuStreamGetCaptureInfo" => f!(library::cuStreamGetCaptureInfo_ptsz),
-            "cuStreamBeginCapture" => f!(library::cuStreamBeginCapture_v2_ptsz),
+            "cuStreamBeginCapture" => f!(graph::cuStreamBeginCapture_v2_ptsz),
+            "cuStreamEndCapture" => f!(graph::cuStreamEndCapture_ptsz),
+            "cuGraphLaunch" => f!(graph::cuGraphLaunch_ptsz),
+            "cuGraphUpload" => f!(graph::cuGraphUpload_ptsz),
             "cuEventRecordWithFlags" => f!(library::cuEventRecordWithFlags_ptsz),
             _ => None,
         };
@@ -1897,7 +1923,19 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
         "cuStreamGetCaptureInfo" if version >= 12030 => f!(library::cuStreamGetCaptureInfo_v3),
         "cuStreamGetCaptureInfo" if version >= 11030 => f!(library::cuStreamGetCaptureInfo_v2),
         "cuStreamGetCaptureInfo" => f!(library::cuStreamGetCaptureInfo),
-        "cuStreamBeginCapture" => f!(library::cuStreamBeginCapture_v2),
+        "cuStreamBeginCapture" => f!(graph::cuStreamBeginCapture_v2),
+        "cuStreamEndCapture" => f!(graph::cuStreamEndCapture),
+        "cuGraphCreate" => f!(graph::cuGraphCreate),
+        "cuGraphDestroy" => f!(graph::cuGraphDestroy),
+        "cuGraphGetNodes" => f!(graph::cuGraphGetNodes),
+        "cuGraphInstantiate" if version >= 12000 => f!(graph::cuGraphInstantiateWithFlags),
+        "cuGraphInstantiate" => f!(graph::cuGraphInstantiate_v2),
+        "cuGraphInstantiateWithFlags" => f!(graph::cuGraphInstantiateWithFlags),
+        "cuGraphInstantiateWithParams" => f!(graph::cuGraphInstantiateWithParams),
+        "cuGraphExecDestroy" => f!(graph::cuGraphExecDestroy),
+        "cuGraphExecGetFlags" => f!(graph::cuGraphExecGetFlags),
+        "cuGraphUpload" => f!(graph::cuGraphUpload),
+        "cuGraphLaunch" => f!(graph::cuGraphLaunch),
         "cuThreadExchangeStreamCaptureMode" => f!(library::cuThreadExchangeStreamCaptureMode),
         "cuEventRecordWithFlags" => f!(library::cuEventRecordWithFlags),
         "cuProfilerStart" => f!(library::cuProfilerStart),

@@ -42,6 +42,24 @@ y = cp.empty_like(a)
 kernel((8,), (128,), (a, y, cp.float32(0.5), cp.int32(1000)))
 check(np.allclose(y.get(), 0.5 * np.arange(1000) + 1), "RawKernel")
 
+# A CUDA graph captured from a stream, replayed twice (kernels warmed up
+# first: compiling is not stream work).
+x = cp.arange(1000, dtype=cp.float32)
+z = cp.zeros_like(x)
+cp.multiply(x, 2, out=z)
+z += 1
+z.fill(0)
+s = cp.cuda.Stream(non_blocking=True)
+with s:
+    s.begin_capture()
+    cp.multiply(x, 2, out=y)
+    z += y
+    graph = s.end_capture()
+graph.launch(stream=s)
+graph.launch(stream=s)
+s.synchronize()
+check(np.allclose(z.get(), 4 * np.arange(1000)), "CUDA graph capture and replay")
+
 free, total = cp.cuda.runtime.memGetInfo()
 check(total == quota and free <= quota, "memory info is the quota (%d of %d)" % (total, quota))
 cp.get_default_memory_pool().free_all_blocks()

@@ -86,6 +86,7 @@ fn a_cuda_runtime_program_with_nvrtc_runs_on_the_cpu_device() {
         "ok host function runs in stream order",
         "ok atomics on a module global",
         "ok pitched 2D copies",
+        "ok stream capture and graph replay",
         "ok allocation past the quota fails",
         "ok all memory returned",
     ] {

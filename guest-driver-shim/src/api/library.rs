@@ -803,7 +803,7 @@ type StreamCallback = Option<unsafe extern "C" fn(H, CUresult, *mut c_void)>;
 
 /// Runs a host function in stream order: once the stream's earlier work is
 /// done, on the calling thread, before anything later is queued on it.
-fn host_func(api: &str, stream: H, default: Default, call: impl FnOnce(CUresult)) -> CUresult {
+pub(super) fn host_func(api: &str, stream: H, default: Default, call: impl FnOnce(CUresult)) -> CUresult {
     let mut status = None;
     let r = with(api, |s| {
         let t = s.target(stream, default)?;
@@ -822,18 +822,30 @@ fn host_func(api: &str, stream: H, default: Default, call: impl FnOnce(CUresult)
     }
 }
 
+/// cuLaunchHostFunc: recorded on a capturing stream, else run in order.
+fn launch_host_func(stream: H, f: HostFn, data: *mut c_void, default: Default) -> CUresult {
+    let Some(f) = f else { return fail("cuLaunchHostFunc", bad("null host function")) };
+    let mut recorded = false;
+    let r = with("cuLaunchHostFunc", |s| {
+        let t = s.target(stream, default)?;
+        recorded = super::graph::record(t, || super::graph::Node::Host { f, data: data as usize })?;
+        Ok(())
+    });
+    if r != 0 || recorded {
+        return r;
+    }
+    // SAFETY: the caller's function takes its user data.
+    host_func("cuLaunchHostFunc", stream, default, |_| unsafe { f(data) })
+}
+
 #[no_mangle]
 pub extern "C" fn cuLaunchHostFunc(stream: H, f: HostFn, data: *mut c_void) -> CUresult {
-    let Some(f) = f else { return fail("cuLaunchHostFunc", bad("null host function")) };
-    // SAFETY: the caller's function takes its user data.
-    host_func("cuLaunchHostFunc", stream, Default::Legacy, |_| unsafe { f(data) })
+    launch_host_func(stream, f, data, Default::Legacy)
 }
 
 #[no_mangle]
 pub extern "C" fn cuLaunchHostFunc_ptsz(stream: H, f: HostFn, data: *mut c_void) -> CUresult {
-    let Some(f) = f else { return fail("cuLaunchHostFunc", bad("null host function")) };
-    // SAFETY: the caller's function takes its user data.
-    host_func("cuLaunchHostFunc", stream, Default::PerThread, |_| unsafe { f(data) })
+    launch_host_func(stream, f, data, Default::PerThread)
 }
 
 #[no_mangle]
@@ -917,14 +929,9 @@ pub extern "C" fn cuStreamGetCtx_v2_ptsz(h: H, ctx: *mut H, green: *mut H) -> CU
     stream_ctx_v2(h, ctx, green, Default::PerThread)
 }
 
-/// Streams are never capturing: graphs are not supported yet, so
-/// cuStreamBeginCapture fails and every stream reports
-/// CU_STREAM_CAPTURE_STATUS_NONE.
+/// CU_STREAM_CAPTURE_STATUS_ACTIVE while the stream captures (graph.rs).
 fn is_capturing(h: H, status: *mut c_int, default: Default) -> CUresult {
-    with("cuStreamIsCapturing", |s| {
-        stream_props(s, h, default)?;
-        out(status, 0)
-    })
+    with("cuStreamIsCapturing", |s| out(status, super::graph::capture_status(s, h, default)?.0))
 }
 
 #[no_mangle]
@@ -937,14 +944,23 @@ pub extern "C" fn cuStreamIsCapturing_ptsz(h: H, status: *mut c_int) -> CUresult
     is_capturing(h, status, Default::PerThread)
 }
 
-/// Every version of cuStreamGetCaptureInfo: status NONE; the outputs that
-/// only mean something while capturing are left alone, as CUDA does.
-fn capture_info(h: H, status: *mut c_int, id: *mut u64, default: Default) -> CUresult {
+/// Every version of cuStreamGetCaptureInfo: the status, the capture's id
+/// and graph; a capture is a chain, so it reports no dependency set.
+fn capture_info(h: H, status: *mut c_int, id: *mut u64, graph: *mut H, deps: *mut *const H, n: *mut usize, default: Default) -> CUresult {
     with("cuStreamGetCaptureInfo", |s| {
-        stream_props(s, h, default)?;
-        out(status, 0)?;
-        if !id.is_null() {
-            out(id, 0)?;
+        let (st, cid, g) = super::graph::capture_status(s, h, default)?;
+        out(status, st)?;
+        if !id.is_null() && st != 0 {
+            out(id, cid)?;
+        }
+        if !graph.is_null() && st != 0 {
+            out(graph, enc(super::graph::TAG_GRAPH, g))?;
+        }
+        if !deps.is_null() && st != 0 {
+            out(deps, std::ptr::null())?;
+        }
+        if !n.is_null() && st != 0 {
+            out(n, 0)?;
         }
         Ok(())
     })
@@ -952,27 +968,38 @@ fn capture_info(h: H, status: *mut c_int, id: *mut u64, default: Default) -> CUr
 
 #[no_mangle]
 pub extern "C" fn cuStreamGetCaptureInfo(h: H, status: *mut c_int, id: *mut u64) -> CUresult {
-    capture_info(h, status, id, Default::Legacy)
+    capture_info(h, status, id, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), Default::Legacy)
 }
 #[no_mangle]
 pub extern "C" fn cuStreamGetCaptureInfo_ptsz(h: H, status: *mut c_int, id: *mut u64) -> CUresult {
-    capture_info(h, status, id, Default::PerThread)
+    capture_info(h, status, id, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), Default::PerThread)
 }
 #[no_mangle]
-pub extern "C" fn cuStreamGetCaptureInfo_v2(h: H, status: *mut c_int, id: *mut u64, _g: *mut H, _d: *mut *const H, _n: *mut usize) -> CUresult {
-    capture_info(h, status, id, Default::Legacy)
+pub extern "C" fn cuStreamGetCaptureInfo_v2(h: H, status: *mut c_int, id: *mut u64, g: *mut H, d: *mut *const H, n: *mut usize) -> CUresult {
+    capture_info(h, status, id, g, d, n, Default::Legacy)
 }
 #[no_mangle]
-pub extern "C" fn cuStreamGetCaptureInfo_v2_ptsz(h: H, status: *mut c_int, id: *mut u64, _g: *mut H, _d: *mut *const H, _n: *mut usize) -> CUresult {
-    capture_info(h, status, id, Default::PerThread)
+pub extern "C" fn cuStreamGetCaptureInfo_v2_ptsz(h: H, status: *mut c_int, id: *mut u64, g: *mut H, d: *mut *const H, n: *mut usize) -> CUresult {
+    capture_info(h, status, id, g, d, n, Default::PerThread)
+}
+/// v3 adds edge data between the dependencies (none here).
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3(h: H, status: *mut c_int, id: *mut u64, g: *mut H, d: *mut *const H, e: *mut *const c_void, n: *mut usize) -> CUresult {
+    let r = capture_info(h, status, id, g, d, n, Default::Legacy);
+    if r == 0 && !e.is_null() {
+        // SAFETY: non-null out-pointer per the API contract.
+        unsafe { *e = std::ptr::null() };
+    }
+    r
 }
 #[no_mangle]
-pub extern "C" fn cuStreamGetCaptureInfo_v3(h: H, status: *mut c_int, id: *mut u64, _g: *mut H, _d: *mut *const H, _e: *mut *const c_void, _n: *mut usize) -> CUresult {
-    capture_info(h, status, id, Default::Legacy)
-}
-#[no_mangle]
-pub extern "C" fn cuStreamGetCaptureInfo_v3_ptsz(h: H, status: *mut c_int, id: *mut u64, _g: *mut H, _d: *mut *const H, _e: *mut *const c_void, _n: *mut usize) -> CUresult {
-    capture_info(h, status, id, Default::PerThread)
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3_ptsz(h: H, status: *mut c_int, id: *mut u64, g: *mut H, d: *mut *const H, e: *mut *const c_void, n: *mut usize) -> CUresult {
+    let r = capture_info(h, status, id, g, d, n, Default::PerThread);
+    if r == 0 && !e.is_null() {
+        // SAFETY: non-null out-pointer per the API contract.
+        unsafe { *e = std::ptr::null() };
+    }
+    r
 }
 
 thread_local! {
@@ -987,15 +1014,6 @@ pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) -> 
     // SAFETY: non-null, and the API contract makes it a CUstreamCaptureMode.
     unsafe { *mode = CAPTURE_MODE.with(|m| m.replace(*mode)) };
     0
-}
-
-#[no_mangle]
-pub extern "C" fn cuStreamBeginCapture_v2(_h: H, _mode: c_int) -> CUresult {
-    fail("cuStreamBeginCapture", CallError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "stream capture (CUDA graphs) is unsupported on this device"))
-}
-#[no_mangle]
-pub extern "C" fn cuStreamBeginCapture_v2_ptsz(h: H, mode: c_int) -> CUresult {
-    cuStreamBeginCapture_v2(h, mode)
 }
 
 #[no_mangle]
