@@ -20,7 +20,7 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
 fi
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(decode ptx virtio_gpu)
+[ ${#targets[@]} -gt 0 ] || targets=(decode ptx fatbin virtio_gpu)
 echo "fuzz: building ${targets[*]} (nightly, AddressSanitizer)" >&2
 cargo +nightly fuzz build -O
 status=0
