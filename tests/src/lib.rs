@@ -482,3 +482,90 @@ impl Raw {
 pub fn faults_ptx() -> String {
     std::fs::read_to_string(workspace().join("samples/kernels/faults.ptx")).expect("faults.ptx")
 }
+
+/// Saturating tenants with weights on one device, for the fair-share
+/// benchmark (share-bench) and tests/tests/scheduling.rs.
+pub mod shares {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use ::cuda::client::Client;
+    use serde_json::json;
+    use virtio_gpu_compute::*;
+
+    use crate::Mediator;
+
+    const SPIN: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry spin(.param .u32 n)\n{\n .reg .b32 %r<4>;\n .reg .pred %p<2>;\n ld.param.u32 %r1, [n];\n mov.u32 %r2, 0;\nLOOP:\n add.u32 %r2, %r2, 1;\n setp.lt.u32 %p1, %r2, %r1;\n @%p1 bra LOOP;\n ret;\n}\n\0";
+
+    fn tenant_ns(c: &Client) -> u64 {
+        match c.call(Request::GetTenantInfo).expect("tenant info") {
+            Reply::TenantInfo(t) => t.device_ns,
+            r => panic!("{r:?}"),
+        }
+    }
+
+    /// One thread's loop until `stop`: a spin kernel of `iters` loop
+    /// turns, four launches always queued (as asynchronous cuLaunchKernel
+    /// calls leave them), the oldest waited for before the next is queued.
+    fn saturate(sock: &str, iters: u32, stop: Arc<AtomicBool>) {
+        let c = Client::connect_unix(sock).expect("connect");
+        let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+        let img = SPIN.as_bytes().to_vec();
+        let m = c.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("load");
+        let f = match c.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: 4, reserved: 0 }, "spin".into())).expect("function") {
+            Reply::Function(f, _) => f.func,
+            r => panic!("{r:?}"),
+        };
+        let req = LaunchReq { ctx, func: f, stream: 0, shared_bytes: 0, grid: [1, 1, 1], block: [32, 1, 1], params_len: 4, reserved: 0 };
+        let launch = || c.enqueue(Request::LaunchKernel(req, iters.to_le_bytes().to_vec())).expect("launch");
+        let mut queued: std::collections::VecDeque<u64> = (0..4).map(|_| launch()).collect();
+        while !stop.load(Ordering::Relaxed) {
+            if let Some(oldest) = queued.pop_front() {
+                c.wait(oldest).expect("sync");
+            }
+            queued.push_back(launch());
+        }
+        for seq in queued {
+            c.wait(seq).expect("sync");
+        }
+    }
+
+    /// Creates tenants `TAG0..` with `weights`, saturates them from two
+    /// threads each, and returns each one's share of the device time used
+    /// in a window of `secs` (after half a second of warm-up), and the
+    /// device time in that window.
+    pub fn measure(m: &Mediator, tag: &str, weights: &[u32], secs: f64, iters: u32) -> (Vec<f64>, Duration) {
+        let socks: Vec<String> = weights
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let v = m.tenant_with(json!({"name": format!("{tag}{i}"), "memory": "16MiB", "weight": w}));
+                v["socket"].as_str().expect("socket").to_string()
+            })
+            .collect();
+        let probes: Vec<Client> = socks.iter().map(|s| Client::connect_unix(s).expect("connect")).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads: Vec<_> = socks
+            .iter()
+            .flat_map(|s| [s.clone(), s.clone()])
+            .map(|s| {
+                let stop = stop.clone();
+                std::thread::spawn(move || saturate(&s, iters, stop))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        let before: Vec<u64> = probes.iter().map(tenant_ns).collect();
+        let t0 = Instant::now();
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        let after: Vec<u64> = probes.iter().map(tenant_ns).collect();
+        let _ = t0.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        for t in threads {
+            t.join().expect("thread");
+        }
+        let used: Vec<f64> = before.iter().zip(&after).map(|(b, a)| (a - b) as f64).collect();
+        let total: f64 = used.iter().sum();
+        (used.iter().map(|u| u / total).collect(), Duration::from_nanos(total as u64))
+    }
+}

@@ -22,7 +22,7 @@ const REPLY_GPA: u64 = 0x20_0000;
 
 fn service() -> Arc<DeviceService> {
     let backend = Arc::new(CpuBackend::new(0, 64 << 20, 100_000_000).unwrap());
-    Arc::new(DeviceService::new(0, backend, Scheduler::new(2, Box::new(Fifo))))
+    Arc::new(DeviceService::new(0, backend, Scheduler::new(2, Arc::new(Fifo))))
 }
 
 fn device_on(svc: &Arc<DeviceService>, name: &str, quota: u64) -> (GpuDevice, GuestMemoryMmap, Arc<Tenant>) {
@@ -393,7 +393,7 @@ fn a_deleted_vm_tenant_can_neither_compute_nor_create_contexts() {
 fn a_vm_context_ring_in_scattered_guest_pages_serves_entries_after_one_kick() {
     use virtio_gpu_compute::ring;
     let svc = service();
-    let _ = svc.engine.set(crate::worker::engine::Engine::start(2, false).unwrap());
+    let _ = svc.engine.set(crate::worker::engine::Engine::start(2, false, None).unwrap());
     let (mut dev, mem, _t) = device_on(&svc, "ringvm", 8 << 20);
     ready(&mut dev);
     const RING: u32 = 20;

@@ -747,14 +747,17 @@ pub struct Engine {
     q: Mutex<ReadyQ>,
     cv: Condvar,
     long_cap: usize,
+    /// Orders long stream work between tenants by weighted fair share
+    /// (the scheduler's passes); `None`: oldest first.
+    fair: Option<Arc<crate::sched::WeightedFair>>,
 }
 
 impl Engine {
     /// Starts `threads` engine threads. With `seccomp`, each narrows its
     /// filter like a connection thread: it decodes tenant bytes.
-    pub fn start(threads: usize, seccomp: bool) -> std::io::Result<Arc<Engine>> {
+    pub fn start(threads: usize, seccomp: bool, fair: Option<Arc<crate::sched::WeightedFair>>) -> std::io::Result<Arc<Engine>> {
         let threads = threads.max(2);
-        let e = Arc::new(Engine { q: Mutex::new(ReadyQ::default()), cv: Condvar::new(), long_cap: threads - 1 });
+        let e = Arc::new(Engine { q: Mutex::new(ReadyQ::default()), cv: Condvar::new(), long_cap: threads - 1, fair });
         for i in 0..threads {
             let e2 = e.clone();
             std::thread::Builder::new().name(format!("vgpu-engine-{i}")).spawn(move || {
@@ -845,6 +848,12 @@ impl Engine {
         }
     }
 
+    fn tenant_of(job: &Job) -> String {
+        match job {
+            Job::Ring(r) | Job::Stream(r, _) => r.tenant.name.clone(),
+        }
+    }
+
     /// Whether jobs wait and no thread is idle to take them.
     fn others_waiting(&self) -> bool {
         let q = lock(&self.q);
@@ -866,6 +875,24 @@ impl Engine {
                             found = Some((i, long));
                             break;
                         }
+                    }
+                    // Long work (launches, big copies) goes by fair share:
+                    // of the queued long stream jobs, the one whose tenant
+                    // has used least for its weight.
+                    if let (Some((i, true)), Some(fair)) = (found, &self.fair) {
+                        let mut best = (i, fair.pass_of(&Self::tenant_of(&q.jobs[i])));
+                        for k in i + 1..q.jobs.len() {
+                            if let Job::Stream(_, st) = &q.jobs[k] {
+                                if !st.is_short() {
+                                    let p = fair.pass_of(&Self::tenant_of(&q.jobs[k]));
+                                    if p < best.1 {
+                                        best = (k, p);
+                                    }
+                                }
+                            }
+                        }
+                        fair.advance(best.1);
+                        found = Some((best.0, true));
                     }
                     if let Some((i, long)) = found {
                         if let Some(j) = q.jobs.remove(i) {

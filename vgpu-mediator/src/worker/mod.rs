@@ -22,7 +22,7 @@ use tracing::{info, warn};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::ipc::{CmdLine, MsgLine, TenantCmd, WorkerCmd, WorkerMsg};
-use crate::sched::{Fifo, Scheduler};
+use crate::sched::{Scheduler, WeightedFair};
 use service::{DeviceService, Tenant};
 
 pub struct WorkerOptions {
@@ -145,10 +145,11 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
             warn!("the block thread pool could not be built ({e}); launches run on one thread");
         }
     }
-    let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, Box::new(Fifo))));
+    let fair = Arc::new(WeightedFair::new());
+    let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, fair.clone())));
     // Rings and streams: one engine thread per lane, and one more so a
     // ring is consumed while every lane runs a kernel.
-    let engine = engine::Engine::start(opts.lanes + 1, seccomp)?;
+    let engine = engine::Engine::start(opts.lanes + 1, seccomp, Some(fair))?;
     let _ = svc.engine.set(engine.clone());
     let pool = conn::Pool::start(svc.clone(), engine.clone(), opts.connection_threads, seccomp)?;
     let mut listening: HashMap<String, Listening> = HashMap::new();
