@@ -1198,7 +1198,7 @@ fn code_arch(bytes: &[u8]) -> Option<u32> {
             let head = &bytes[..bytes.len().min(64 << 10)];
             let text = String::from_utf8_lossy(head);
             let line = text.lines().find(|l| l.trim_start().starts_with(".target"))?;
-            line.split(|c: char| c.is_whitespace() || c == ',').filter_map(|w| w.strip_prefix("sm_")).filter_map(|w| w.trim_end_matches(|c: char| c.is_alphabetic()).parse().ok()).max()
+            Some(crate::ptxlink::target_arch(line)).filter(|a| *a > 0)
         }
         ImageFormat::Fatbin => fatbin::entries(bytes).ok()?.iter().filter(|e| e.kind == fatbin::Kind::Ptx).map(|e| e.arch).max(),
         ImageFormat::Cubin => None,

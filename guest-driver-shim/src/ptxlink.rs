@@ -106,7 +106,8 @@ fn version(line: &str) -> (u32, u32) {
     (a.parse().unwrap_or(0), b.parse().unwrap_or(0))
 }
 
-fn target_arch(line: &str) -> u32 {
+/// The highest `sm_XY` a `.target` line names (0 if none).
+pub(crate) fn target_arch(line: &str) -> u32 {
     line.split(|c: char| c.is_whitespace() || c == ',').filter_map(|w| w.strip_prefix("sm_")).filter_map(|w| w.trim_end_matches(|c: char| c.is_alphabetic()).parse().ok()).max().unwrap_or(0)
 }
 

@@ -191,9 +191,13 @@ pub fn best_ptx_within(image: &[u8], arch: u32, limit: u64) -> Result<Option<Vec
 /// its error). The flag says whether the PTX is newer than `arch`.
 pub fn ptx_for_interpreter(image: &[u8], arch: u32, limit: u64) -> Result<Option<(Vec<u8>, bool)>, FatbinError> {
     let es = entries(image)?;
+    interpreter_ptx(&es, arch).map(|e| e.contents_within(limit).map(|c| (c, e.arch > arch))).transpose()
+}
+
+/// The PTX entry [`ptx_for_interpreter`] and [`select`] choose.
+fn interpreter_ptx<'e, 'a>(es: &'e [Entry<'a>], arch: u32) -> Option<&'e Entry<'a>> {
     let ptx = || es.iter().filter(|e| e.kind == Kind::Ptx);
-    let pick = ptx().filter(|e| e.arch <= arch).max_by_key(|e| e.arch).or_else(|| ptx().filter(|e| e.arch > arch).min_by_key(|e| e.arch));
-    pick.map(|e| e.contents_within(limit).map(|c| (c, e.arch > arch))).transpose()
+    ptx().filter(|e| e.arch <= arch).max_by_key(|e| e.arch).or_else(|| ptx().filter(|e| e.arch > arch).min_by_key(|e| e.arch))
 }
 
 /// A fatbin holding only what a device of architecture `arch` can use:
@@ -203,10 +207,7 @@ pub fn ptx_for_interpreter(image: &[u8], arch: u32, limit: u64) -> Result<Option
 /// `Ok(None)` if nothing in the image suits the device.
 pub fn select(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
     let es = entries(image)?;
-    // The best PTX for `arch`, or for an interpreting device the oldest
-    // newer one (see [`ptx_for_interpreter`]).
-    let ptxs = || es.iter().filter(|e| e.kind == Kind::Ptx);
-    let ptx = ptxs().filter(|e| e.arch <= arch).max_by_key(|e| e.arch).or_else(|| ptxs().filter(|e| e.arch > arch).min_by_key(|e| e.arch)).map(|e| e.index);
+    let ptx = interpreter_ptx(&es, arch).map(|e| e.index);
     let keep: Vec<&Entry<'_>> = es.iter().filter(|e| (e.kind == Kind::Elf && e.arch == arch) || Some(e.index) == ptx).collect();
     if keep.is_empty() {
         return Ok(None);

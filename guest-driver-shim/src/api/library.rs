@@ -201,15 +201,11 @@ pub extern "C" fn cuLibraryUnload(lib: H) -> CUresult {
     })
 }
 
-/// A library's kernel names (of the code this device would run).
+/// A library's kernel names (its image is already only what this device
+/// runs).
 fn lib_entries(id: u32) -> Vec<String> {
     let Some((image, cell)) = with_libs(|l| l.libs.get(&id).map(|x| (x.image.clone(), x.entries.clone()))) else { return Vec::new() };
-    let arch = super::READY.get().map(|s| s.info.cc_major * 10 + s.info.cc_minor).unwrap_or(u32::MAX);
-    cell.get_or_init(|| match ImageFormat::sniff(&image) {
-        ImageFormat::Fatbin => fatbin::best_ptx(&image, arch).ok().flatten().map(|p| super::entry_names(&p)).unwrap_or_default(),
-        _ => super::entry_names(&image),
-    })
-    .clone()
+    cell.get_or_init(|| super::entry_names(&image)).clone()
 }
 
 fn lib_id(lib: H) -> CallResult<u32> {

@@ -848,9 +848,9 @@ impl Engine {
         }
     }
 
-    fn tenant_of(job: &Job) -> String {
+    fn tenant_of(job: &Job) -> &str {
         match job {
-            Job::Ring(r) | Job::Stream(r, _) => r.tenant.name.clone(),
+            Job::Ring(r) | Job::Stream(r, _) => &r.tenant.name,
         }
     }
 
@@ -880,11 +880,11 @@ impl Engine {
                     // of the queued long stream jobs, the one whose tenant
                     // has used least for its weight.
                     if let (Some((i, true)), Some(fair)) = (found, &self.fair) {
-                        let mut best = (i, fair.pass_of(&Self::tenant_of(&q.jobs[i])));
+                        let mut best = (i, fair.pass_of(Self::tenant_of(&q.jobs[i])));
                         for k in i + 1..q.jobs.len() {
                             if let Job::Stream(_, st) = &q.jobs[k] {
                                 if !st.is_short() {
-                                    let p = fair.pass_of(&Self::tenant_of(&q.jobs[k]));
+                                    let p = fair.pass_of(Self::tenant_of(&q.jobs[k]));
                                     if p < best.1 {
                                         best = (k, p);
                                     }
