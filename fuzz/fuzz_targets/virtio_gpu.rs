@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
     static N: AtomicU64 = AtomicU64::new(0);
     let name = format!("fuzz{}", N.fetch_add(1, Ordering::Relaxed));
     let svc = service();
-    let tenant = svc.add_tenant(&name, 4 << 20, 1, 16 << 20).expect("tenant");
+    let tenant = svc.add_tenant(&name, 4 << 20, Default::default(), 16 << 20).expect("tenant");
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM)]).expect("guest memory");
     let mut dev = GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), tenant);
     if mode & 1 == 0 {

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::sched::{Priority, Share};
+
 /// A command line: `id` pairs it with its reply.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CmdLine {
@@ -25,6 +27,11 @@ pub struct TenantCmd {
     pub name: String,
     pub quota: u64,
     pub weight: u32,
+    /// Hard cap, percent of the device's lane time.
+    #[serde(default)]
+    pub cap: Option<u32>,
+    #[serde(default)]
+    pub priority: Priority,
     pub socket: PathBuf,
     /// Serve the socket as a VM's vhost-user virtio-gpu backend.
     #[serde(default)]
@@ -41,6 +48,8 @@ pub enum WorkerCmd {
     /// Revokes the tenant at once and replies; its teardown finishes in the
     /// background and is reported with a `Removed` event.
     RemoveTenant { name: String },
+    /// Changes a tenant's scheduling parameters and quota live.
+    SetTenant { name: String, share: Option<Share>, quota: Option<u64> },
     Stats,
 }
 
@@ -79,10 +88,20 @@ pub struct TenantStats {
     pub device_ns: u64,
     pub bytes_scrubbed: u64,
     pub weight: u32,
+    #[serde(default)]
+    pub cap: Option<u32>,
+    #[serde(default)]
+    pub priority: Priority,
     pub connections: u32,
     /// Host memory the tenant's objects keep in the worker, and its limit.
     #[serde(default)]
     pub host_used: u64,
     #[serde(default)]
     pub host_limit: u64,
+}
+
+impl TenantCmd {
+    pub fn share(&self) -> Share {
+        Share { weight: self.weight, cap: self.cap, priority: self.priority }
+    }
 }

@@ -3,114 +3,383 @@
 //! by default) and accounts device time per call.
 //!
 //! The order in which waiting work gets a lane is a [`Policy`]: FIFO, or
-//! [`WeightedFair`] (stride scheduling on device time, the workers'
-//! default), which gives each tenant with work waiting a share of the
-//! lanes in proportion to its weight.
+//! [`WeightedFair`] (the workers' default): stride scheduling on measured
+//! device time, with per-tenant weights, hard caps and priority classes
+//! (docs/scheduling.md).
+//!
+//! Work that runs long is preempted: the CPU device's interpreter calls
+//! [`Running::checkpoint`] between blocks and every few thousand
+//! instructions, and there the running work gives its lane to waiting work
+//! the policy puts first (after a quantum, at once for a higher priority
+//! class), or stops while its tenant is over its cap. It resumes where it
+//! stopped once the policy picks it again.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// A tenant's priority class: latency-sensitive work goes first within its
+/// share, batch work last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    Latency,
+    #[default]
+    Normal,
+    Batch,
+}
+
+impl Priority {
+    fn rank(self) -> u8 {
+        match self {
+            Priority::Latency => 2,
+            Priority::Normal => 1,
+            Priority::Batch => 0,
+        }
+    }
+
+    /// How far ahead of the others, in virtual time, the class may run
+    /// before it stops going first.
+    fn lead(self) -> f64 {
+        match self {
+            Priority::Latency => CLASS_LEAD,
+            Priority::Normal => 0.0,
+            Priority::Batch => -CLASS_LEAD,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Latency => "latency",
+            Priority::Normal => "normal",
+            Priority::Batch => "batch",
+        }
+    }
+}
+
+/// A class's lead: 20 ms of device time at weight 1, in virtual-time ns.
+const CLASS_LEAD: f64 = 20e6;
+/// Running work is charged at least this often while it runs.
+const CHARGE_EVERY: Duration = Duration::from_micros(250);
+/// Work of the same class is preempted only after running this long in
+/// one turn, so two saturating tenants do not trade the lane at every
+/// checkpoint.
+pub const QUANTUM: Duration = Duration::from_millis(1);
+/// A capped tenant may run ahead of its rate by this much wall time.
+const CAP_BURST: Duration = Duration::from_millis(20);
+/// Longest a waiter sleeps before it looks again (a guard; every change
+/// that matters also wakes it).
+const RECHECK: Duration = Duration::from_millis(50);
+
+/// A tenant's scheduling parameters, set when it is added and changeable
+/// live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Share {
+    pub weight: u32,
+    /// Hard cap: the percentage of the device's lane time the tenant never
+    /// exceeds, even alone (None: uncapped).
+    pub cap: Option<u32>,
+    pub priority: Priority,
+}
+
+impl Default for Share {
+    fn default() -> Share {
+        Share { weight: 1, cap: None, priority: Priority::Normal }
+    }
+}
 
 /// A unit of work waiting for a lane.
 #[derive(Debug, Clone)]
 pub struct Waiting {
     pub ticket: u64,
     pub tenant: String,
-    pub weight: u32,
+}
+
+/// What a policy decides for the waiting queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// Index into the queue of the entry to run next.
+    Run(usize),
+    /// Nothing may run before this much time has passed (every waiting
+    /// tenant is over its cap).
+    Wait(Duration),
 }
 
 /// Chooses which waiting entry runs next.
 pub trait Policy: Send + Sync {
-    /// Index into `queue` (never empty) of the entry to run next.
-    fn pick(&self, queue: &VecDeque<Waiting>) -> usize;
+    /// What runs next of `queue` (never empty).
+    fn pick(&self, queue: &VecDeque<Waiting>) -> Pick;
     /// Accounts `dt` of device time that work of `tenant` just used.
-    fn charge(&self, _tenant: &str, _weight: u32, _dt: Duration) {}
+    fn charge(&self, _tenant: &str, _dt: Duration) {}
+    /// How long the tenant must wait before it may run (over its cap).
+    fn throttled(&self, _tenant: &str) -> Option<Duration> {
+        None
+    }
+    /// Whether `waiting`'s work may take the lane of `running`'s before
+    /// the quantum is up (a higher priority class).
+    fn urgent(&self, _waiting: &str, _running: &str) -> bool {
+        false
+    }
+    fn configure(&self, _tenant: &str, _share: Share) {}
+    fn forget(&self, _tenant: &str) {}
+    /// Work of `tenant` entered the scheduler (queued or running).
+    fn begin(&self, _tenant: &str) {}
+    /// That work left it.
+    fn end(&self, _tenant: &str) {}
 }
 
 /// First come, first served.
 pub struct Fifo;
 
 impl Policy for Fifo {
-    fn pick(&self, _queue: &VecDeque<Waiting>) -> usize {
-        0
+    fn pick(&self, _queue: &VecDeque<Waiting>) -> Pick {
+        Pick::Run(0)
     }
 }
 
-/// Weighted fair sharing by stride scheduling on measured device time:
-/// each tenant has a pass, advanced by the device time its work used
-/// divided by its weight; the waiting entry whose tenant has the lowest
-/// pass runs next (the earliest among equals). A tenant coming back from
-/// idle starts at the current virtual time, the pass of the last work
-/// picked, so time it did not use is not banked. Work-conserving: a free
-/// lane never waits while work is queued.
-#[derive(Default)]
+/// Weighted fair sharing by stride scheduling on measured device time.
+///
+/// - Each tenant has a pass, advanced by the device time its work used
+///   divided by its weight; the waiting entry whose tenant has the lowest
+///   key (its pass, less its class's lead) runs next, the earliest among
+///   equals.
+/// - Virtual time is the lowest pass among tenants with work in the
+///   scheduler. A tenant coming back from idle starts no further behind it
+///   than [`IDLE_SLACK`], so time it did not use is not banked (beyond the
+///   slack, which spares a tenant whose next launch comes a moment after
+///   its last one ended).
+/// - A capped tenant draws on a token bucket filled at its cap times the
+///   device's lanes; while it is empty the tenant's work does not run, even
+///   on an idle device.
+/// - Otherwise work-conserving: a free lane never waits while runnable
+///   work is queued.
 pub struct WeightedFair {
     state: Mutex<Passes>,
+    lanes: f64,
 }
 
-#[derive(Default)]
 struct Passes {
-    /// Virtual time: the (lifted) pass of the last entry picked.
+    /// Virtual time when it was last computed (kept while nothing runs).
     now: f64,
-    pass: std::collections::HashMap<String, f64>,
+    tenants: HashMap<String, Account>,
+}
+
+impl Passes {
+    /// The tenant's account, made (unconfigured) if it has none. Accounts
+    /// made this way are pruned once idle when the map grows large, so it
+    /// stays bounded.
+    fn account(&mut self, tenant: &str, now: f64) -> &mut Account {
+        if self.tenants.len() > 4096 && !self.tenants.contains_key(tenant) {
+            self.tenants.retain(|_, a| a.configured || a.active > 0);
+        }
+        self.tenants.entry(tenant.to_string()).or_insert_with(|| Account::new(now, Share::default(), false))
+    }
+
+    /// Virtual time: the lowest pass among active tenants.
+    fn now(&mut self) -> f64 {
+        if let Some(low) = self.tenants.values().filter(|a| a.active > 0).map(|a| a.pass).min_by(f64::total_cmp) {
+            self.now = self.now.max(low);
+        }
+        self.now
+    }
+}
+
+/// How far behind virtual time a tenant coming back from idle may start,
+/// in virtual ns (2 ms of device time at weight 1).
+pub const IDLE_SLACK: f64 = 2e6;
+
+struct Account {
+    pass: f64,
+    /// Entries of the tenant's work in the scheduler.
+    active: u32,
+    share: Share,
+    /// Lane-ns the tenant may still use now (capped tenants).
+    tokens: f64,
+    refilled: Instant,
+    /// Set through `configure` (kept until `forget`), not made by a charge.
+    configured: bool,
+}
+
+impl Account {
+    fn new(now: f64, share: Share, configured: bool) -> Account {
+        Account { pass: now, active: 0, share, tokens: 0.0, refilled: Instant::now(), configured }
+    }
+
+    /// Lane-ns per wall ns the tenant may use (capped tenants).
+    fn rate(&self, lanes: f64) -> Option<f64> {
+        self.share.cap.map(|c| c.min(100) as f64 / 100.0 * lanes)
+    }
+
+    fn refill(&mut self, lanes: f64, at: Instant) {
+        if let Some(rate) = self.rate(lanes) {
+            let dt = at.saturating_duration_since(self.refilled).as_nanos() as f64;
+            self.tokens = (self.tokens + dt * rate).min(rate * CAP_BURST.as_nanos() as f64);
+        }
+        self.refilled = self.refilled.max(at);
+    }
+
+    /// Time until a capped tenant's bucket is no longer empty.
+    fn throttled(&mut self, lanes: f64, at: Instant) -> Option<Duration> {
+        let rate = self.rate(lanes)?;
+        self.refill(lanes, at);
+        if self.tokens >= 0.0 {
+            return None;
+        }
+        if rate <= 0.0 {
+            return Some(RECHECK);
+        }
+        Some(Duration::from_nanos((-self.tokens / rate).ceil() as u64 + 1))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Default for WeightedFair {
+    fn default() -> Self {
+        WeightedFair::new(1)
+    }
 }
 
 impl WeightedFair {
-    pub fn new() -> WeightedFair {
-        WeightedFair::default()
+    /// A policy for a device of `lanes` lanes (what caps are shares of).
+    pub fn new(lanes: usize) -> WeightedFair {
+        WeightedFair { state: Mutex::new(Passes { now: 0.0, tenants: HashMap::new() }), lanes: lanes.max(1) as f64 }
     }
 
-    /// A tenant's pass, lifted to the current virtual time (what it would
-    /// be compared with).
-    pub fn pass_of(&self, tenant: &str) -> f64 {
-        let g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        g.pass.get(tenant).copied().unwrap_or(g.now).max(g.now)
+    /// The key a tenant's work is ordered by: its pass (as it would be if
+    /// it became active now), less its class's lead.
+    pub fn key_of(&self, tenant: &str) -> f64 {
+        let mut g = lock(&self.state);
+        let now = g.now();
+        match g.tenants.get(tenant) {
+            Some(a) if a.active > 0 => a.pass - a.share.priority.lead(),
+            Some(a) => a.pass.max(now - IDLE_SLACK) - a.share.priority.lead(),
+            None => now - IDLE_SLACK,
+        }
     }
 
-    /// Work with pass `pass` was chosen: virtual time moves up to it.
-    pub fn advance(&self, pass: f64) {
-        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        g.now = g.now.max(pass);
-    }
-
-    /// Each tenant's pass relative to the current virtual time (tests and
-    /// diagnostics).
+    /// A tenant's pass relative to virtual time (tests and diagnostics).
     pub fn lag(&self, tenant: &str) -> f64 {
-        let g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        g.pass.get(tenant).copied().unwrap_or(g.now) - g.now
+        let mut g = lock(&self.state);
+        let now = g.now();
+        g.tenants.get(tenant).map(|a| a.pass).unwrap_or(now) - now
+    }
+
+    pub fn share_of(&self, tenant: &str) -> Option<Share> {
+        lock(&self.state).tenants.get(tenant).map(|a| a.share)
     }
 }
 
 impl Policy for WeightedFair {
-    fn pick(&self, queue: &VecDeque<Waiting>) -> usize {
-        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let now = g.now;
-        let lifted = |p: Option<&f64>| p.copied().unwrap_or(now).max(now);
-        let (i, pass) = queue.iter().enumerate().map(|(i, w)| (i, lifted(g.pass.get(&w.tenant)))).fold((0, f64::INFINITY), |best, (i, p)| if p < best.1 { (i, p) } else { best });
-        g.now = pass.max(now);
-        i
+    fn pick(&self, queue: &VecDeque<Waiting>) -> Pick {
+        let mut g = lock(&self.state);
+        let (now, at, lanes) = (g.now(), Instant::now(), self.lanes);
+        let mut best: Option<(usize, f64)> = None;
+        let mut wait = RECHECK;
+        for (i, w) in queue.iter().enumerate() {
+            let key = match g.tenants.get_mut(&w.tenant) {
+                Some(a) => {
+                    if let Some(d) = a.throttled(lanes, at) {
+                        wait = wait.min(d);
+                        continue;
+                    }
+                    a.pass - a.share.priority.lead()
+                }
+                None => now,
+            };
+            if best.is_none_or(|(_, k)| key < k) {
+                best = Some((i, key));
+            }
+        }
+        match best {
+            Some((i, _)) => Pick::Run(i),
+            None => Pick::Wait(wait),
+        }
     }
 
-    fn charge(&self, tenant: &str, weight: u32, dt: Duration) {
-        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let now = g.now;
-        // Bounded by the device's tenants; a pass far behind is as good as
-        // none, so the map is pruned of them when it grows.
-        if g.pass.len() > 4096 {
-            g.pass.retain(|_, p| *p >= now);
+    fn begin(&self, tenant: &str) {
+        let mut g = lock(&self.state);
+        let now = g.now();
+        let a = g.account(tenant, now);
+        if a.active == 0 {
+            a.pass = a.pass.max(now - IDLE_SLACK);
         }
-        let p = g.pass.entry(tenant.to_string()).or_insert(now);
-        *p = p.max(now) + dt.as_nanos() as f64 / weight.max(1) as f64;
+        a.active += 1;
+    }
+
+    fn end(&self, tenant: &str) {
+        let mut g = lock(&self.state);
+        if let Some(a) = g.tenants.get_mut(tenant) {
+            a.active = a.active.saturating_sub(1);
+        }
+        // Virtual time stays where the last active tenants left it.
+        g.now();
+    }
+
+    fn charge(&self, tenant: &str, dt: Duration) {
+        let mut g = lock(&self.state);
+        let now = g.now;
+        let lanes = self.lanes;
+        let a = g.account(tenant, now);
+        let ns = dt.as_nanos() as f64;
+        a.pass += ns / a.share.weight.max(1) as f64;
+        if a.share.cap.is_some() {
+            a.refill(lanes, Instant::now());
+            a.tokens -= ns;
+        }
+    }
+
+    fn throttled(&self, tenant: &str) -> Option<Duration> {
+        let mut g = lock(&self.state);
+        let lanes = self.lanes;
+        g.tenants.get_mut(tenant)?.throttled(lanes, Instant::now())
+    }
+
+    fn urgent(&self, waiting: &str, running: &str) -> bool {
+        let g = lock(&self.state);
+        let rank = |t: &str| g.tenants.get(t).map(|a| a.share.priority).unwrap_or_default().rank();
+        rank(waiting) > rank(running)
+    }
+
+    fn configure(&self, tenant: &str, share: Share) {
+        let mut g = lock(&self.state);
+        let now = g.now();
+        let a = g.tenants.entry(tenant.to_string()).or_insert_with(|| Account::new(now, share, true));
+        if a.share.cap != share.cap {
+            // A new cap starts with a full bucket's worth of nothing: no
+            // burst is owed from before it was set.
+            a.tokens = 0.0;
+            a.refilled = Instant::now();
+        }
+        a.share = share;
+        a.configured = true;
+    }
+
+    fn forget(&self, tenant: &str) {
+        lock(&self.state).tenants.remove(tenant);
     }
 }
 
-pub struct Scheduler {
+/// The device's lanes and the queue of work waiting for one.
+pub struct Scheduler(Arc<Shared>);
+
+struct Shared {
     lanes: usize,
-    policy: std::sync::Arc<dyn Policy>,
+    policy: Arc<dyn Policy>,
     inner: Mutex<Inner>,
     cv: Condvar,
     busy_ns: AtomicU64,
+    /// Entries in the queue (read without the lock by running work).
+    waiting: AtomicUsize,
+    /// Bumped whenever work is queued: running work looks at the queue
+    /// again only when it changed or its charge is due.
+    arrivals: AtomicU64,
 }
 
 struct Inner {
@@ -119,81 +388,316 @@ struct Inner {
     next: u64,
 }
 
-struct Lane<'a>(&'a Scheduler, Instant, &'a str, u32);
+impl Shared {
+    /// Queues an entry for `tenant` and returns once it holds a lane.
+    fn acquire(&self, tenant: &str) {
+        self.policy.begin(tenant);
+        let mut g = lock(&self.inner);
+        if g.queue.is_empty() && g.running < self.lanes && self.policy.throttled(tenant).is_none() {
+            // A free lane and nobody waiting: no queue entry needed.
+            g.running += 1;
+            return;
+        }
+        let ticket = self.enqueue(&mut g, tenant);
+        drop(self.wait_turn(g, ticket));
+    }
 
-impl Drop for Lane<'_> {
-    fn drop(&mut self) {
-        // Released even if the work panicked, so the device never wedges.
-        let s = self.0;
-        let dt = self.1.elapsed();
-        s.busy_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
-        s.policy.charge(self.2, self.3, dt);
-        let mut g = s.inner.lock().unwrap_or_else(|e| e.into_inner());
+    /// Queues new work: running work looks at it at its next checkpoint.
+    fn enqueue(&self, g: &mut Inner, tenant: &str) -> u64 {
+        let ticket = self.enqueue_quiet(g, tenant);
+        self.arrivals.fetch_add(1, Ordering::Release);
+        ticket
+    }
+
+    /// Queues work that stops to let others go (nothing to react to).
+    fn enqueue_quiet(&self, g: &mut Inner, tenant: &str) -> u64 {
+        let ticket = g.next;
+        g.next += 1;
+        g.queue.push_back(Waiting { ticket, tenant: tenant.to_string() });
+        self.waiting.store(g.queue.len(), Ordering::Release);
+        ticket
+    }
+
+    fn dequeue(&self, g: &mut Inner, i: usize) {
+        g.queue.remove(i);
+        self.waiting.store(g.queue.len(), Ordering::Release);
+    }
+
+    /// Waits until the policy picks entry `ticket` while a lane is free,
+    /// then takes the lane.
+    fn wait_turn<'a>(&'a self, mut g: MutexGuard<'a, Inner>, ticket: u64) -> MutexGuard<'a, Inner> {
+        loop {
+            let mut sleep = RECHECK;
+            if g.running < self.lanes {
+                match self.policy.pick(&g.queue) {
+                    Pick::Run(i) if g.queue.get(i).is_some_and(|w| w.ticket == ticket) => {
+                        self.dequeue(&mut g, i);
+                        g.running += 1;
+                        return g;
+                    }
+                    // Someone else's turn: make sure they look.
+                    Pick::Run(_) => self.cv.notify_all(),
+                    Pick::Wait(d) => sleep = d.min(RECHECK),
+                }
+            }
+            g = self.cv.wait_timeout(g, sleep).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn release(&self) {
+        let mut g = lock(&self.inner);
         g.running -= 1;
         let waiting = !g.queue.is_empty();
         drop(g);
         // A wake-up costs a system call: only when someone waits.
         if waiting {
-            s.cv.notify_all();
+            self.cv.notify_all();
         }
     }
 }
 
-impl Scheduler {
-    pub fn new(lanes: usize, policy: std::sync::Arc<dyn Policy>) -> Scheduler {
-        Scheduler { lanes: lanes.max(1), policy, inner: Mutex::new(Inner { running: 0, queue: VecDeque::new(), next: 0 }), cv: Condvar::new(), busy_ns: AtomicU64::new(0) }
+/// Work holding a lane. Made by [`Scheduler::run`], reachable from the code
+/// it runs through [`with_current`].
+pub struct Running {
+    s: Arc<Shared>,
+    tenant: String,
+    base: Instant,
+    /// ns since `base` up to which the work has been charged.
+    charged_to: AtomicU64,
+    /// ns since `base` when the current turn began.
+    turn_from: AtomicU64,
+    /// Lane time charged so far.
+    ran: AtomicU64,
+    /// Time spent preempted.
+    paused_ns: AtomicU64,
+    /// Set while the work has given its lane away: its threads stop at
+    /// their next checkpoint.
+    paused: AtomicBool,
+    /// The scheduler's arrival count when this work last looked at the
+    /// queue.
+    seen: AtomicU64,
+    /// One thread decides for the work at a time; `true` while preempted.
+    deciding: Mutex<bool>,
+    resumed: Condvar,
+    released: AtomicBool,
+}
+
+thread_local! {
+    static CURRENT: Cell<*const Running> = const { Cell::new(std::ptr::null()) };
+}
+
+/// Calls `f` with the work the calling thread runs under
+/// [`Scheduler::run`], if any.
+pub fn with_current<R>(f: impl FnOnce(Option<&Running>) -> R) -> R {
+    let p = CURRENT.with(|c| c.get());
+    // SAFETY: CURRENT is non-null only while `Scheduler::run` executes its
+    // closure on this thread, and the `Running` it points to lives on that
+    // call's stack until the closure returns and CURRENT is cleared.
+    f(unsafe { p.as_ref() })
+}
+
+/// Sets CURRENT for the life of the guard (cleared even on unwind).
+struct Current(*const Running);
+
+impl Current {
+    fn set(r: &Running) -> Current {
+        Current(CURRENT.with(|c| c.replace(r)))
+    }
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.0));
+    }
+}
+
+impl Running {
+    fn new(s: Arc<Shared>, tenant: &str) -> Running {
+        let seen = AtomicU64::new(s.arrivals.load(Ordering::Acquire));
+        Running {
+            s,
+            tenant: tenant.to_string(),
+            base: Instant::now(),
+            charged_to: AtomicU64::new(0),
+            turn_from: AtomicU64::new(0),
+            ran: AtomicU64::new(0),
+            paused_ns: AtomicU64::new(0),
+            paused: AtomicBool::new(false),
+            seen,
+            deciding: Mutex::new(false),
+            resumed: Condvar::new(),
+            released: AtomicBool::new(false),
+        }
     }
 
-    /// Runs `f` once a lane is granted; returns its result and run time.
-    pub fn run<T>(&self, tenant: &str, weight: u32, f: impl FnOnce() -> T) -> (T, Duration) {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if g.queue.is_empty() && g.running < self.lanes {
-            // A free lane and nobody waiting: no queue entry needed.
-            g.running += 1;
-            drop(g);
-            let lane = Lane(self, Instant::now(), tenant, weight);
-            let out = f();
-            let dt = lane.1.elapsed();
-            drop(lane);
-            return (out, dt);
+    fn since_base(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.base).as_nanos() as u64
+    }
+
+    /// Charges the time up to `t` not charged yet.
+    fn charge_to(&self, t: Instant) -> u64 {
+        let to = self.since_base(t);
+        let from = self.charged_to.fetch_max(to, Ordering::AcqRel);
+        let dt = to.saturating_sub(from);
+        if dt > 0 {
+            self.s.policy.charge(&self.tenant, Duration::from_nanos(dt));
+            self.s.busy_ns.fetch_add(dt, Ordering::Relaxed);
+            self.ran.fetch_add(dt, Ordering::Relaxed);
         }
-        let ticket = g.next;
-        g.next += 1;
-        g.queue.push_back(Waiting { ticket, tenant: tenant.to_string(), weight });
-        loop {
-            if g.running < self.lanes {
-                let i = self.policy.pick(&g.queue).min(g.queue.len() - 1);
-                if g.queue[i].ticket == ticket {
-                    g.queue.remove(i);
-                    g.running += 1;
-                    break;
-                }
+        to
+    }
+
+    /// Lane time this work has been charged.
+    pub fn ran(&self) -> Duration {
+        Duration::from_nanos(self.ran.load(Ordering::Relaxed))
+    }
+
+    /// Time this work has spent preempted.
+    pub fn paused(&self) -> Duration {
+        Duration::from_nanos(self.paused_ns.load(Ordering::Relaxed))
+    }
+
+    /// Called by the running work (any of its threads) at points where it
+    /// can stop: charges the time it used, and gives the lane to waiting
+    /// work the policy puts first, or stops while its tenant is over its
+    /// cap. Returns once the work holds a lane again.
+    pub fn checkpoint(&self) {
+        // The common case costs a clock read and a few atomic loads: the
+        // queue is looked at when new work arrived or the charge is due.
+        let t = Instant::now();
+        let due = self.since_base(t).saturating_sub(self.charged_to.load(Ordering::Relaxed)) >= CHARGE_EVERY.as_nanos() as u64;
+        let arrived = self.s.arrivals.load(Ordering::Acquire) != self.seen.load(Ordering::Relaxed);
+        if !self.paused.load(Ordering::Acquire) && !due && !arrived {
+            return;
+        }
+        let mut d = lock(&self.deciding);
+        if *d {
+            // Another thread of this work gave the lane away: wait with it.
+            while *d {
+                d = self.resumed.wait(d).unwrap_or_else(|e| e.into_inner());
             }
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            return;
         }
-        drop(g);
-        let lane = Lane(self, Instant::now(), tenant, weight);
-        let out = f();
-        let dt = lane.1.elapsed();
-        drop(lane);
+        let to = self.charge_to(Instant::now());
+        let turn = Duration::from_nanos(to.saturating_sub(self.turn_from.load(Ordering::Relaxed)));
+        let s = &*self.s;
+        let mut g = lock(&s.inner);
+        self.seen.store(s.arrivals.load(Ordering::Acquire), Ordering::Relaxed);
+        let throttled = s.policy.throttled(&self.tenant).is_some();
+        if g.queue.is_empty() && !throttled {
+            return;
+        }
+        let ticket = s.enqueue_quiet(&mut g, &self.tenant);
+        let stay = match s.policy.pick(&g.queue) {
+            Pick::Run(i) => {
+                let w = &g.queue[i];
+                w.ticket == ticket || (!throttled && (w.tenant == self.tenant || (turn < QUANTUM && !s.policy.urgent(&w.tenant, &self.tenant))))
+            }
+            Pick::Wait(_) => false,
+        };
+        if stay {
+            if let Some(i) = g.queue.iter().position(|w| w.ticket == ticket) {
+                s.dequeue(&mut g, i);
+            }
+            return;
+        }
+        // Give the lane away; this work's entry waits in the queue.
+        *d = true;
+        self.paused.store(true, Ordering::Release);
+        drop(d);
+        g.running -= 1;
+        s.cv.notify_all();
+        let stopped = Instant::now();
+        drop(s.wait_turn(g, ticket));
+        let back = Instant::now();
+        self.paused_ns.fetch_add(back.duration_since(stopped).as_nanos() as u64, Ordering::Relaxed);
+        let at = self.since_base(back);
+        self.charged_to.fetch_max(at, Ordering::AcqRel);
+        self.turn_from.store(at, Ordering::Relaxed);
+        let mut d = lock(&self.deciding);
+        *d = false;
+        self.paused.store(false, Ordering::Release);
+        self.resumed.notify_all();
+    }
+
+    /// Charges what is left and gives the lane back.
+    fn finish(&self) -> Duration {
+        if !self.released.swap(true, Ordering::AcqRel) {
+            self.charge_to(Instant::now());
+            self.s.policy.end(&self.tenant);
+            self.s.release();
+        }
+        self.ran()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // Released even if the work panicked, so the device never wedges.
+        self.finish();
+    }
+}
+
+impl crate::ptx::Preempt for Running {
+    fn checkpoint(&self) {
+        Running::checkpoint(self)
+    }
+
+    fn paused(&self) -> Duration {
+        Running::paused(self)
+    }
+}
+
+impl Scheduler {
+    pub fn new(lanes: usize, policy: Arc<dyn Policy>) -> Scheduler {
+        Scheduler(Arc::new(Shared {
+            lanes: lanes.max(1),
+            policy,
+            inner: Mutex::new(Inner { running: 0, queue: VecDeque::new(), next: 0 }),
+            cv: Condvar::new(),
+            busy_ns: AtomicU64::new(0),
+            waiting: AtomicUsize::new(0),
+            arrivals: AtomicU64::new(0),
+        }))
+    }
+
+    /// Runs `f` once a lane is granted; returns its result and the lane
+    /// time it used (time spent preempted excluded).
+    pub fn run<T>(&self, tenant: &str, f: impl FnOnce() -> T) -> (T, Duration) {
+        self.0.acquire(tenant);
+        let r = Running::new(self.0.clone(), tenant);
+        let out = {
+            let _cur = Current::set(&r);
+            f()
+        };
+        let dt = r.finish();
         (out, dt)
+    }
+
+    /// Sets (or changes) a tenant's weight, cap and class.
+    pub fn configure(&self, tenant: &str, share: Share) {
+        self.0.policy.configure(tenant, share);
+        // A lifted cap may let waiting work run now.
+        self.0.cv.notify_all();
+    }
+
+    pub fn forget(&self, tenant: &str) {
+        self.0.policy.forget(tenant);
     }
 
     /// Total time lanes were busy, summed over lanes.
     pub fn busy(&self) -> Duration {
-        Duration::from_nanos(self.busy_ns.load(Ordering::Relaxed))
+        Duration::from_nanos(self.0.busy_ns.load(Ordering::Relaxed))
     }
 
     pub fn lanes(&self) -> usize {
-        self.lanes
+        self.0.lanes
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
-    use std::sync::Arc;
 
     #[test]
     fn never_runs_more_than_lanes_at_once_and_accounts_time() {
@@ -204,7 +708,7 @@ mod tests {
             .map(|i| {
                 let (s, now, peak) = (s.clone(), now.clone(), peak.clone());
                 std::thread::spawn(move || {
-                    s.run(&format!("t{i}"), 1, || {
+                    s.run(&format!("t{i}"), || {
                         let n = now.fetch_add(1, Ordering::SeqCst) + 1;
                         peak.fetch_max(n, Ordering::SeqCst);
                         std::thread::sleep(Duration::from_millis(5));
@@ -220,21 +724,28 @@ mod tests {
         assert!(s.busy() >= Duration::from_millis(40));
     }
 
-    /// Saturating tenants with `weights`, each from two threads submitting
-    /// work of 1 ms on one lane for `run`: each tenant's device time.
-    fn shares(weights: &[u32], run: Duration) -> Vec<f64> {
-        let s = Arc::new(Scheduler::new(1, Arc::new(WeightedFair::new())));
-        let used: Arc<Vec<AtomicU64>> = Arc::new(weights.iter().map(|_| AtomicU64::new(0)).collect());
-        let stop = Instant::now() + run;
-        let hs: Vec<_> = weights
-            .iter()
-            .enumerate()
-            .flat_map(|(i, w)| std::iter::repeat_n((i, *w), 2))
-            .map(|(i, w)| {
+    fn fair(lanes: usize, shares: &[Share]) -> Arc<Scheduler> {
+        let s = Arc::new(Scheduler::new(lanes, Arc::new(WeightedFair::new(lanes))));
+        for (i, sh) in shares.iter().enumerate() {
+            s.configure(&format!("t{i}"), *sh);
+        }
+        s
+    }
+
+    /// Tenants with `shares`, each saturating `s` from two threads with
+    /// work of 1 ms for `run`: each tenant's lane time over the lane time
+    /// the device had.
+    fn measure(s: &Arc<Scheduler>, tenants: usize, run: Duration) -> Vec<f64> {
+        let used: Arc<Vec<AtomicU64>> = Arc::new((0..tenants).map(|_| AtomicU64::new(0)).collect());
+        let start = Instant::now();
+        let stop = start + run;
+        let hs: Vec<_> = (0..tenants)
+            .flat_map(|i| std::iter::repeat_n(i, 2))
+            .map(|i| {
                 let (s, used) = (s.clone(), used.clone());
                 std::thread::spawn(move || {
                     while Instant::now() < stop {
-                        let (_, dt) = s.run(&format!("t{i}"), w, || std::thread::sleep(Duration::from_millis(1)));
+                        let (_, dt) = s.run(&format!("t{i}"), || std::thread::sleep(Duration::from_millis(1)));
                         used[i].fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
                     }
                 })
@@ -243,17 +754,25 @@ mod tests {
         for h in hs {
             h.join().unwrap();
         }
-        let total: u64 = used.iter().map(|u| u.load(Ordering::Relaxed)).sum();
-        used.iter().map(|u| u.load(Ordering::Relaxed) as f64 / total as f64).collect()
+        let had = start.elapsed().as_nanos() as f64 * s.lanes() as f64;
+        used.iter().map(|u| u.load(Ordering::Relaxed) as f64 / had).collect()
+    }
+
+    fn w(weight: u32) -> Share {
+        Share { weight, ..Share::default() }
     }
 
     #[test]
     fn weighted_fair_shares_follow_weights() {
         // Tolerances wide enough not to flake on a loaded machine; the
-        // benchmark (vgpu-bench --shares) measures the real error.
-        let got = shares(&[1, 3], Duration::from_millis(600));
+        // benchmark (share-bench) measures the real error.
+        let norm = |v: Vec<f64>| {
+            let t: f64 = v.iter().sum();
+            v.into_iter().map(|x| x / t).collect::<Vec<_>>()
+        };
+        let got = norm(measure(&fair(1, &[w(1), w(3)]), 2, Duration::from_millis(600)));
         assert!((got[0] - 0.25).abs() < 0.08 && (got[1] - 0.75).abs() < 0.08, "1:3 gave {got:?}");
-        let got = shares(&[1, 1, 2, 4], Duration::from_millis(800));
+        let got = norm(measure(&fair(1, &[w(1), w(1), w(2), w(4)]), 4, Duration::from_millis(800)));
         for (g, want) in got.iter().zip([0.125, 0.125, 0.25, 0.5]) {
             assert!((g - want).abs() < 0.08, "1:1:2:4 gave {got:?}");
         }
@@ -261,13 +780,104 @@ mod tests {
 
     #[test]
     fn an_idle_tenant_does_not_bank_time() {
-        let p = WeightedFair::new();
-        p.charge("busy", 1, Duration::from_millis(100));
-        let q: VecDeque<Waiting> = [Waiting { ticket: 0, tenant: "busy".into(), weight: 1 }, Waiting { ticket: 1, tenant: "new".into(), weight: 1 }].into();
-        // The newcomer goes first (it has used nothing), but only from now.
-        assert_eq!(p.pick(&q), 1);
-        p.charge("new", 1, Duration::from_millis(1));
-        assert!(p.lag("new") >= 0.0);
-        assert!(p.lag("busy") > p.lag("new"));
+        let p = WeightedFair::new(1);
+        p.begin("busy");
+        p.begin("new");
+        p.end("new");
+        // "new" idles while "busy" uses 100 ms.
+        p.charge("busy", Duration::from_millis(100));
+        p.begin("new");
+        let q: VecDeque<Waiting> = [Waiting { ticket: 0, tenant: "busy".into() }, Waiting { ticket: 1, tenant: "new".into() }].into();
+        // Back from idle, it goes first (it has used nothing), but from no
+        // further back than the slack: the 100 ms it did not use buy it
+        // only 2 ms.
+        assert_eq!(p.pick(&q), Pick::Run(1));
+        assert!(p.lag("new") >= -IDLE_SLACK, "{}", p.lag("new"));
+        p.charge("new", Duration::from_millis(3));
+        assert_eq!(p.pick(&q), Pick::Run(0));
+    }
+
+    #[test]
+    fn a_capped_tenant_stays_under_its_cap_even_alone() {
+        // Two lanes, one tenant capped at 25%, saturating from two threads:
+        // uncapped it would use all of both lanes.
+        let s = fair(2, &[Share { cap: Some(25), ..w(1) }]);
+        let got = measure(&s, 1, Duration::from_millis(800))[0];
+        assert!(got <= 0.27, "capped at 25%, used {:.1}%", got * 100.0);
+        assert!(got >= 0.10, "capped at 25%, used only {:.1}%", got * 100.0);
+        // Lifted live, the same tenant takes the idle device.
+        s.configure("t0", w(1));
+        let got = measure(&s, 1, Duration::from_millis(300))[0];
+        assert!(got > 0.5, "uncapped alone, used {:.1}%", got * 100.0);
+    }
+
+    #[test]
+    fn the_latency_class_goes_first_within_its_lead() {
+        let p = WeightedFair::new(1);
+        p.configure("lat", Share { priority: Priority::Latency, ..w(1) });
+        p.configure("norm", w(1));
+        p.begin("lat");
+        p.begin("norm");
+        let q: VecDeque<Waiting> = [Waiting { ticket: 0, tenant: "norm".into() }, Waiting { ticket: 1, tenant: "lat".into() }].into();
+        // Ahead of the other by 10 ms of device time: still first.
+        p.charge("lat", Duration::from_millis(10));
+        assert_eq!(p.pick(&q), Pick::Run(1));
+        // Ahead by more than the class's lead: the other goes first.
+        p.charge("lat", Duration::from_millis(30));
+        assert_eq!(p.pick(&q), Pick::Run(0));
+        assert!(p.urgent("lat", "norm") && !p.urgent("norm", "lat"));
+    }
+
+    #[test]
+    fn over_its_cap_a_tenant_waits_and_others_run() {
+        let p = WeightedFair::new(1);
+        p.configure("capped", Share { cap: Some(10), ..w(1) });
+        p.charge("capped", Duration::from_millis(50));
+        let wait = p.throttled("capped").expect("over its cap");
+        // 50 ms used at 10% of one lane: about 500 ms to earn back.
+        assert!(wait > Duration::from_millis(300) && wait <= Duration::from_millis(501), "{wait:?}");
+        let q: VecDeque<Waiting> = [Waiting { ticket: 0, tenant: "capped".into() }, Waiting { ticket: 1, tenant: "other".into() }].into();
+        assert_eq!(p.pick(&q), Pick::Run(1));
+        let q: VecDeque<Waiting> = [Waiting { ticket: 0, tenant: "capped".into() }].into();
+        assert!(matches!(p.pick(&q), Pick::Wait(_)));
+    }
+
+    /// Work that runs `total` of busy time, stopping at a checkpoint every
+    /// 50 µs as the CPU device's interpreter does.
+    fn long_work(total: Duration) {
+        let end = Instant::now() + total;
+        let mut spent = Duration::ZERO;
+        while spent < total && Instant::now() < end + Duration::from_secs(5) {
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_micros(50) {
+                std::hint::spin_loop();
+            }
+            spent += t.elapsed();
+            with_current(|r| r.expect("inside Scheduler::run").checkpoint());
+        }
+    }
+
+    #[test]
+    fn long_work_gives_its_lane_to_waiting_work() {
+        let s = fair(1, &[w(1), Share { priority: Priority::Latency, ..w(1) }]);
+        let s2 = s.clone();
+        let long = std::thread::spawn(move || {
+            let t = Instant::now();
+            let (_, ran) = s2.run("t0", || long_work(Duration::from_millis(400)));
+            (ran, t.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        // Same class: runs once the long work's quantum is up; a higher
+        // class: at its next checkpoint. Both long before it ends.
+        let t = Instant::now();
+        s.run("t2", || ());
+        let normal = t.elapsed();
+        let t = Instant::now();
+        s.run("t1", || ());
+        let latency = t.elapsed();
+        let (ran, took) = long.join().unwrap();
+        assert!(normal < Duration::from_millis(150) && latency < Duration::from_millis(150), "waited {normal:?} and {latency:?} behind 400 ms of work");
+        // The long work was charged for what it ran, not for its pauses.
+        assert!(ran >= Duration::from_millis(390) && ran <= took, "ran {ran:?} in {took:?}");
     }
 }

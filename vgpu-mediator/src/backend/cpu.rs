@@ -515,9 +515,13 @@ impl Backend for CpuBackend {
             timeout: self.launch_timeout,
             sm_count: self.desc.sm_count,
             threads: self.launch_threads,
+            preempt: None,
         };
         let cfg = ptx::LaunchConfig { grid: l.grid, block: l.block, dynamic_shared: l.shared_bytes };
-        match ptx::launch(k, &cfg, params, &mut view, &limits) {
+        // Under the device scheduler, the launch may be stopped between its
+        // slices for other tenants' work.
+        let run = crate::sched::with_current(|cur| ptx::launch(k, &cfg, params, &mut view, &ptx::Limits { preempt: cur.map(|r| r as &dyn ptx::Preempt), ..limits }));
+        match run {
             Ok(stats) => Ok(stats.instructions),
             Err(e) => {
                 let code = match &e {

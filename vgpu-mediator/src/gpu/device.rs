@@ -156,7 +156,7 @@ impl GpuDevice {
     /// The capset payload: magic, protocol version, the tenant's limits.
     fn capset(&self) -> Vec<u8> {
         let mut v = Vec::new();
-        CapsetInfo { magic: virtio_gpu_compute::MAGIC, version: VERSION as u32, quota: self.tenant.quota, max_payload: MAX_PAYLOAD, reserved: 0 }.put(&mut v);
+        CapsetInfo { magic: virtio_gpu_compute::MAGIC, version: VERSION as u32, quota: self.tenant.quota(), max_payload: MAX_PAYLOAD, reserved: 0 }.put(&mut v);
         v
     }
 

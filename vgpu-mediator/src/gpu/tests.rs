@@ -27,7 +27,7 @@ fn service() -> Arc<DeviceService> {
 
 fn device_on(svc: &Arc<DeviceService>, name: &str, quota: u64) -> (GpuDevice, GuestMemoryMmap, Arc<Tenant>) {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM)]).unwrap();
-    let t = svc.add_tenant(name, quota, 1, 1 << 30).unwrap();
+    let t = svc.add_tenant(name, quota, Default::default(), 1 << 30).unwrap();
     (GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), t.clone()), mem, t)
 }
 
@@ -393,7 +393,7 @@ fn a_deleted_vm_tenant_can_neither_compute_nor_create_contexts() {
 fn a_vm_context_ring_in_scattered_guest_pages_serves_entries_after_one_kick() {
     use virtio_gpu_compute::ring;
     let svc = service();
-    let _ = svc.engine.set(crate::worker::engine::Engine::start(2, false, None).unwrap());
+    let _ = svc.engine.set(crate::worker::engine::Engine::start(1, false, None).unwrap());
     let (mut dev, mem, _t) = device_on(&svc, "ringvm", 8 << 20);
     ready(&mut dev);
     const RING: u32 = 20;

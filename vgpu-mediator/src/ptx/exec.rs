@@ -98,8 +98,20 @@ pub struct LaunchConfig {
     pub dynamic_shared: u32,
 }
 
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
+/// Where a long launch may be stopped for others: the device scheduler's
+/// hold on the launch's lane ([`crate::sched::Running`]).
+pub trait Preempt: Sync {
+    /// Called between blocks and every few thousand units by each thread of
+    /// the launch; returns once the launch may go on (at once, or after
+    /// others had the lane).
+    fn checkpoint(&self);
+    /// Time the launch has spent stopped so far: not counted against its
+    /// time limit.
+    fn paused(&self) -> Duration;
+}
+
+#[derive(Clone, Copy)]
+pub struct Limits<'a> {
     pub max_threads_per_block: u32,
     pub max_block: [u32; 3],
     pub max_grid: [u32; 3],
@@ -115,6 +127,8 @@ pub struct Limits {
     /// Host threads one launch's blocks may run on (0 or 1: the calling
     /// thread only). Extra threads come from rayon's pool.
     pub threads: usize,
+    /// Lets the device scheduler stop the launch between its slices.
+    pub preempt: Option<&'a dyn Preempt>,
 }
 
 /// Largest per-block register file (threads × registers × 8 bytes) the
@@ -149,6 +163,7 @@ struct Meter<'p> {
     pool: Option<&'p AtomicU64>,
     /// Units taken from the pool so far (the whole budget without one).
     taken: u64,
+    preempt: Option<&'p dyn Preempt>,
 }
 
 /// Units a parallel launch's thread takes from the shared budget at once.
@@ -165,10 +180,25 @@ impl Meter<'_> {
         self.left -= units;
         if self.left <= self.next_clock {
             self.next_clock = self.left.saturating_sub(CLOCK_EVERY);
-            if let Some((at, limit)) = self.deadline {
-                if Instant::now() >= at {
-                    return Err(ExecError::Timeout(limit));
-                }
+            self.clock()?;
+        }
+        Ok(())
+    }
+
+    /// A slice boundary: the scheduler may stop the launch here; then the
+    /// time limit, less the time it was stopped.
+    #[cold]
+    fn clock(&self) -> Result<(), ExecError> {
+        let paused = match self.preempt {
+            Some(p) => {
+                p.checkpoint();
+                p.paused()
+            }
+            None => Duration::ZERO,
+        };
+        if let Some((at, limit)) = self.deadline {
+            if Instant::now() >= at + paused {
+                return Err(ExecError::Timeout(limit));
             }
         }
         Ok(())
@@ -192,9 +222,9 @@ impl Meter<'_> {
     }
 }
 
-impl Default for Limits {
+impl Default for Limits<'_> {
     fn default() -> Self {
-        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0, timeout: None, sm_count: 1, threads: 1 }
+        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0, timeout: None, sm_count: 1, threads: 1, preempt: None }
     }
 }
 
@@ -375,11 +405,11 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
         if let Some(_pool) = PoolClaim::take() {
             let views: Vec<_> = (0..threads).map_while(|_| mem.fork()).collect();
             if views.len() == threads {
-                return launch_parallel(k, cfg, params, views, budget, deadline, block_units, shared, &li);
+                return launch_parallel(k, cfg, params, views, budget, deadline, block_units, shared, &li, limits.preempt);
             }
         }
     }
-    let mut meter = Meter { left: budget, budget, deadline, next_clock: budget.saturating_sub(CLOCK_EVERY), pool: None, taken: budget };
+    let mut meter = Meter { left: budget, budget, deadline, next_clock: budget.saturating_sub(CLOCK_EVERY), pool: None, taken: budget, preempt: limits.preempt };
     let mut b = BlockState::new(k, nthreads as usize, shared);
     let mut stats = Stats::default();
     for i in 0..nblocks {
@@ -451,6 +481,7 @@ fn launch_parallel(
     block_units: u64,
     shared: u64,
     li: &LaunchInfo,
+    preempt: Option<&dyn Preempt>,
 ) -> Result<Stats, ExecError> {
     let nblocks = cfg.grid.iter().map(|&g| g as u64).product::<u64>();
     let nthreads = cfg.block.iter().map(|&d| d as usize).product::<usize>();
@@ -464,7 +495,7 @@ fn launch_parallel(
         for (job, mut view) in views.into_iter().enumerate() {
             let (pool, next, stop, first_err, spent, blocks) = (&pool, &next, &stop, &first_err, &spent, &blocks);
             s.spawn(move |_| {
-                let mut meter = Meter { left: 0, budget, deadline, next_clock: 0, pool: Some(pool), taken: 0 };
+                let mut meter = Meter { left: 0, budget, deadline, next_clock: 0, pool: Some(pool), taken: 0, preempt };
                 let mut b = BlockState::new(k, nthreads, shared);
                 let r = (|| -> Result<(), ExecError> {
                     while !stop.load(Ordering::Relaxed) {

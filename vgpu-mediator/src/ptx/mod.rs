@@ -7,7 +7,7 @@ mod ir;
 mod lex;
 mod parse;
 
-pub use exec::{launch, ExecError, GlobalMem, LaunchConfig, Limits, Stats, SHARED_WINDOW};
+pub use exec::{launch, ExecError, GlobalMem, LaunchConfig, Limits, Preempt, Stats, SHARED_WINDOW};
 pub use ir::{Kernel, Param};
 pub use parse::{Module, Signature};
 

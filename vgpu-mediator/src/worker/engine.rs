@@ -721,43 +721,64 @@ pub enum Job {
     Stream(Arc<Ring>, Arc<Stream>),
 }
 
-impl Job {
-    /// A second handle to the same job (cheap: two Arcs).
-    fn clone_ref(&self) -> Job {
-        match self {
-            Job::Ring(r) => Job::Ring(r.clone()),
-            Job::Stream(r, s) => Job::Stream(r.clone(), s.clone()),
-        }
-    }
-}
-
 #[derive(Default)]
 struct ReadyQ {
     jobs: VecDeque<Job>,
     idle: usize,
     /// Stream jobs of unbounded length (launches, big copies) running.
     long: usize,
+    /// The same, per tenant.
+    long_of: HashMap<String, usize>,
 }
 
-/// The engine's fixed thread pool and its ready queue. At most `long_cap`
-/// threads run work of unbounded length at once, so one thread is always
-/// left for rings and bounded work: no tenant's kernels can stop another
-/// tenant's calls from being consumed.
+impl ReadyQ {
+    fn take_long(&mut self, tenant: &str) {
+        self.long += 1;
+        *self.long_of.entry(tenant.to_string()).or_default() += 1;
+    }
+
+    fn give_long(&mut self, tenant: &str) {
+        self.long -= 1;
+        if let Some(n) = self.long_of.get_mut(tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.long_of.remove(tenant);
+            }
+        }
+    }
+
+    fn long_room(&self, cap: usize, per_tenant: usize, tenant: &str) -> bool {
+        self.long < cap && self.long_of.get(tenant).copied().unwrap_or(0) < per_tenant
+    }
+}
+
+/// The engine's fixed thread pool and its ready queue.
+///
+/// At most `long_cap` threads run work of unbounded length at once, so one
+/// thread is always left for rings and bounded work: no tenant's kernels
+/// can stop another tenant's calls from being consumed. One tenant's long
+/// work takes at most `per_tenant` of those (the device's lanes), so
+/// several tenants' launches wait at the device scheduler together, where
+/// fair share, priority and preemption decide between them.
 pub struct Engine {
     q: Mutex<ReadyQ>,
     cv: Condvar,
     long_cap: usize,
+    per_tenant: usize,
     /// Orders long stream work between tenants by weighted fair share
     /// (the scheduler's passes); `None`: oldest first.
     fair: Option<Arc<crate::sched::WeightedFair>>,
 }
 
 impl Engine {
-    /// Starts `threads` engine threads. With `seccomp`, each narrows its
-    /// filter like a connection thread: it decodes tenant bytes.
-    pub fn start(threads: usize, seccomp: bool, fair: Option<Arc<crate::sched::WeightedFair>>) -> std::io::Result<Arc<Engine>> {
-        let threads = threads.max(2);
-        let e = Arc::new(Engine { q: Mutex::new(ReadyQ::default()), cv: Condvar::new(), long_cap: threads - 1, fair });
+    /// Starts the engine threads for a device of `lanes` lanes: enough for
+    /// four tenants' long work at the scheduler at once, and one more. With
+    /// `seccomp`, each narrows its filter like a connection thread: it
+    /// decodes tenant bytes.
+    pub fn start(lanes: usize, seccomp: bool, fair: Option<Arc<crate::sched::WeightedFair>>) -> std::io::Result<Arc<Engine>> {
+        let lanes = lanes.max(1);
+        let threads = 4 * lanes + 1;
+        let e = Arc::new(Engine { q: Mutex::new(ReadyQ::default()), cv: Condvar::new(), long_cap: threads - 1, per_tenant: lanes, fair });
         for i in 0..threads {
             let e2 = e.clone();
             std::thread::Builder::new().name(format!("vgpu-engine-{i}")).spawn(move || {
@@ -788,20 +809,19 @@ impl Engine {
     /// Runs a job of unbounded length counted in `long` (taken by the
     /// caller), then gives its slot back.
     fn run_long(&self, job: Job) {
+        let tenant = Self::tenant_of(&job).to_string();
         self.run_job(job);
-        lock(&self.q).long -= 1;
-        self.cv.notify_one();
+        lock(&self.q).give_long(&tenant);
+        // Any waiting thread may now admit long work.
+        self.cv.notify_all();
     }
 
-    /// Whether `job` may start now, taking a long slot if it needs one.
-    fn admit(q: &mut ReadyQ, cap: usize, job: &Job) -> Option<bool> {
+    /// Whether `job` may start now: Some(long) if so.
+    fn admissible(&self, q: &ReadyQ, job: &Job) -> Option<bool> {
         match job {
             Job::Ring(_) => Some(false),
             Job::Stream(_, s) if s.is_short() => Some(false),
-            Job::Stream(..) if q.long < cap => {
-                q.long += 1;
-                Some(true)
-            }
+            Job::Stream(r, _) if q.long_room(self.long_cap, self.per_tenant, &r.tenant.name) => Some(true),
             Job::Stream(..) => None,
         }
     }
@@ -821,12 +841,12 @@ impl Engine {
     /// thread is idle to take over the ring its caller polls.
     fn steal_stream_job(&self) -> Option<(Job, bool)> {
         let mut q = lock(&self.q);
-        let room = q.idle > 0 && q.long < self.long_cap;
-        let i = q.jobs.iter().position(|j| matches!(j, Job::Stream(_, s) if room || s.is_short()))?;
+        let idle = q.idle > 0;
+        let i = q.jobs.iter().position(|j| matches!(j, Job::Stream(r, s) if s.is_short() || (idle && q.long_room(self.long_cap, self.per_tenant, &r.tenant.name))))?;
         let job = q.jobs.remove(i)?;
         let short = matches!(&job, Job::Stream(_, s) if s.is_short());
         if !short {
-            q.long += 1;
+            q.take_long(Self::tenant_of(&job));
         }
         Some((job, short))
     }
@@ -867,35 +887,30 @@ impl Engine {
                 loop {
                     // The oldest job that may start: long work waits while
                     // every long slot is taken.
-                    let mut found = None;
-                    for i in 0..q.jobs.len() {
-                        let cap = self.long_cap;
-                        let job = q.jobs[i].clone_ref();
-                        if let Some(long) = Self::admit(&mut q, cap, &job) {
-                            found = Some((i, long));
-                            break;
-                        }
-                    }
+                    let found = (0..q.jobs.len()).find_map(|i| self.admissible(&q, &q.jobs[i]).map(|long| (i, long)));
                     // Long work (launches, big copies) goes by fair share:
-                    // of the queued long stream jobs, the one whose tenant
-                    // has used least for its weight.
-                    if let (Some((i, true)), Some(fair)) = (found, &self.fair) {
-                        let mut best = (i, fair.pass_of(Self::tenant_of(&q.jobs[i])));
-                        for k in i + 1..q.jobs.len() {
-                            if let Job::Stream(_, st) = &q.jobs[k] {
-                                if !st.is_short() {
-                                    let p = fair.pass_of(Self::tenant_of(&q.jobs[k]));
-                                    if p < best.1 {
-                                        best = (k, p);
+                    // of the admissible long stream jobs, the one whose
+                    // tenant comes first by the scheduler's key.
+                    let found = match (found, &self.fair) {
+                        (Some((i, true)), Some(fair)) => {
+                            let mut best = (i, fair.key_of(Self::tenant_of(&q.jobs[i])));
+                            for k in i + 1..q.jobs.len() {
+                                if self.admissible(&q, &q.jobs[k]) == Some(true) {
+                                    let key = fair.key_of(Self::tenant_of(&q.jobs[k]));
+                                    if key < best.1 {
+                                        best = (k, key);
                                     }
                                 }
                             }
+                            Some((best.0, true))
                         }
-                        fair.advance(best.1);
-                        found = Some((best.0, true));
-                    }
+                        (f, _) => f,
+                    };
                     if let Some((i, long)) = found {
                         if let Some(j) = q.jobs.remove(i) {
+                            if long {
+                                q.take_long(Self::tenant_of(&j));
+                            }
                             break (j, long);
                         }
                     }

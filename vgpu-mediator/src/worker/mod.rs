@@ -145,11 +145,12 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
             warn!("the block thread pool could not be built ({e}); launches run on one thread");
         }
     }
-    let fair = Arc::new(WeightedFair::new());
+    let fair = Arc::new(WeightedFair::new(opts.lanes));
     let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, fair.clone())));
-    // Rings and streams: one engine thread per lane, and one more so a
-    // ring is consumed while every lane runs a kernel.
-    let engine = engine::Engine::start(opts.lanes + 1, seccomp, Some(fair))?;
+    // Rings and streams: engine threads for several tenants' launches to
+    // wait at the scheduler at once, and one more so a ring is consumed
+    // while every lane runs a kernel.
+    let engine = engine::Engine::start(opts.lanes, seccomp, Some(fair))?;
     let _ = svc.engine.set(engine.clone());
     let pool = conn::Pool::start(svc.clone(), engine.clone(), opts.connection_threads, seccomp)?;
     let mut listening: HashMap<String, Listening> = HashMap::new();
@@ -167,6 +168,13 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         };
         let reply = match cmd {
             WorkerCmd::Stats => WorkerMsg::Stats(svc.stats()),
+            WorkerCmd::SetTenant { name, share, quota } => match svc.set_tenant(&name, share, quota) {
+                Ok(()) => {
+                    info!(tenant = %name, ?share, ?quota, "tenant changed");
+                    WorkerMsg::Ok
+                }
+                Err(e) => WorkerMsg::Err(e),
+            },
             WorkerCmd::AddTenant(spec) => {
                 let r = if spec.vm { add_vm_tenant(&svc, &spec) } else { add_tenant(&svc, &pool, &spec) };
                 match r {
@@ -215,7 +223,7 @@ fn add_tenant(svc: &Arc<DeviceService>, pool: &conn::Pool, spec: &TenantCmd) -> 
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
-    let tenant = svc.add_tenant(&spec.name, spec.quota, spec.weight, spec.host_limit)?;
+    let tenant = svc.add_tenant(&spec.name, spec.quota, spec.share(), spec.host_limit)?;
     let id = match pool.add_listener(tenant.clone(), listener, spec.max_connections.max(1)) {
         Ok(id) => id,
         Err(e) => {
@@ -236,7 +244,7 @@ fn add_vm_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening
     let listener = UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
     let handle = listener.try_clone().map_err(|e| format!("cloning the listener: {e}"))?;
-    let tenant = svc.add_tenant(name, spec.quota, spec.weight, spec.host_limit)?;
+    let tenant = svc.add_tenant(name, spec.quota, spec.share(), spec.host_limit)?;
     let stop = Arc::new(AtomicBool::new(false));
     let (svc2, t2, stop2) = (svc.clone(), tenant.clone(), stop.clone());
     let started = std::thread::Builder::new().name(format!("vhost-{name}")).spawn(move || crate::gpu::vhost::serve(listener, crate::gpu::GpuConfig::default(), svc2, t2, stop2));

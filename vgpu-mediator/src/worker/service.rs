@@ -73,8 +73,10 @@ impl HostBudget {
 
 pub struct Tenant {
     pub name: String,
-    pub quota: u64,
-    pub weight: u32,
+    /// Device memory the tenant may allocate; resizable live.
+    quota: AtomicU64,
+    /// Weight, cap and class, as last configured (the scheduler has them).
+    share: Mutex<crate::sched::Share>,
     /// Host memory the tenant's objects may keep in the worker.
     pub host: HostBudget,
     /// Set when the tenant is deleted: every path that serves it refuses
@@ -150,6 +152,14 @@ struct Ctx {
 }
 
 impl Tenant {
+    pub fn quota(&self) -> u64 {
+        self.quota.load(Ordering::Acquire)
+    }
+
+    pub fn share(&self) -> crate::sched::Share {
+        *self.share.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn is_revoked(&self) -> bool {
         self.revoked.load(Ordering::Acquire)
     }
@@ -357,7 +367,7 @@ impl DeviceService {
         DeviceService { backend, engine: std::sync::OnceLock::new(), sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
     }
 
-    pub fn add_tenant(&self, name: &str, quota: u64, weight: u32, host_limit: u64) -> Result<Arc<Tenant>, String> {
+    pub fn add_tenant(&self, name: &str, quota: u64, share: crate::sched::Share, host_limit: u64) -> Result<Arc<Tenant>, String> {
         let mut map = self.tenants.write().unwrap_or_else(|e| e.into_inner());
         if map.contains_key(name) {
             return Err(format!("tenant {name} already exists on this device"));
@@ -365,8 +375,8 @@ impl DeviceService {
         let slot = self.backend.open_tenant(name).map_err(|e| format!("setting up tenant {name} on the device: {}", e.msg))?;
         let t = Arc::new(Tenant {
             name: name.to_string(),
-            quota,
-            weight,
+            quota: AtomicU64::new(quota),
+            share: Mutex::new(share),
             host: HostBudget::new(host_limit),
             revoked: AtomicBool::new(false),
             slot,
@@ -385,7 +395,27 @@ impl DeviceService {
             junk_fds: AtomicU32::new(0),
         });
         map.insert(name.to_string(), t.clone());
+        self.sched.configure(name, share);
         Ok(t)
+    }
+
+    /// Changes a tenant's scheduling parameters and quota live. A quota
+    /// below what the tenant has allocated keeps its memory and refuses
+    /// allocations until it frees below the new quota.
+    pub fn set_tenant(&self, name: &str, share: Option<crate::sched::Share>, quota: Option<u64>) -> Result<(), String> {
+        let t = self.tenant(name).ok_or_else(|| format!("no tenant {name} on this device"))?;
+        if let Some(sh) = share {
+            *t.share.lock().unwrap_or_else(|e| e.into_inner()) = sh;
+            self.sched.configure(name, sh);
+        }
+        if let Some(q) = quota {
+            t.quota.store(q, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    fn tenant(&self, name: &str) -> Option<Arc<Tenant>> {
+        self.tenants.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
     }
 
     /// Marks the tenant revoked: from now on every request of it, on any
@@ -406,6 +436,7 @@ impl DeviceService {
     pub fn remove_tenant(&self, name: &str) -> Option<Arc<Tenant>> {
         self.revoke(name);
         let t = self.tenants.write().unwrap_or_else(|e| e.into_inner()).remove(name)?;
+        self.sched.forget(name);
         // Queued work of a revoked tenant is dropped, not run; what runs
         // now is bounded by the launch timeout.
         if !t.wait_idle(Duration::from_secs(120)) {
@@ -432,12 +463,14 @@ impl DeviceService {
             .values()
             .map(|t| TenantStats {
                 name: t.name.clone(),
-                quota: t.quota,
+                quota: t.quota(),
                 used: t.used.load(Ordering::Relaxed),
                 kernels: t.kernels.load(Ordering::Relaxed),
                 device_ns: t.device_ns.load(Ordering::Relaxed),
                 bytes_scrubbed: t.scrubbed.load(Ordering::Relaxed),
-                weight: t.weight,
+                weight: t.share().weight,
+                cap: t.share().cap,
+                priority: t.share().priority,
                 connections: t.connections.load(Ordering::Relaxed),
                 host_used: t.host.used(),
                 host_limit: t.host.limit(),
@@ -541,8 +574,8 @@ impl DeviceService {
     /// context `ctx`; `read_only` ranges are readable but not writable by
     /// kernels (modules' constant memory).
     fn alloc_for(&self, t: &Tenant, st: &mut TenantState, ctx: u32, size: u64, read_only: bool) -> R<u64> {
-        if size > t.quota.saturating_sub(st.used) {
-            return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {size} bytes exceeds the quota ({} of {} bytes used)", st.used, t.quota)));
+        if size > t.quota().saturating_sub(st.used) {
+            return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {size} bytes exceeds the quota ({} of {} bytes used)", st.used, t.quota())));
         }
         t.host.reserve(host_cost::ALLOCATION, "an allocation record")?;
         let (addr, len) = match self.backend.alloc(t.slot, size) {
@@ -552,7 +585,7 @@ impl DeviceService {
                 return Err(e.into());
             }
         };
-        if st.used + len > t.quota {
+        if st.used + len > t.quota() {
             // Granule rounding pushed it over: still over quota.
             self.backend.free(t.slot, addr, len);
             t.host.release(host_cost::ALLOCATION);
@@ -575,8 +608,8 @@ impl DeviceService {
         DeviceInfo {
             name: fixed_name(&d.name),
             uuid: d.uuid,
-            total_mem: t.quota,
-            free_mem: t.quota.saturating_sub(used),
+            total_mem: t.quota(),
+            free_mem: t.quota().saturating_sub(used),
             cc_major: d.cc.0,
             cc_minor: d.cc.1,
             sm_count: d.sm_count,
@@ -825,7 +858,7 @@ impl DeviceService {
     }
 
     fn timed<T>(&self, t: &Tenant, f: impl FnOnce() -> T) -> T {
-        let (out, dt) = self.sched.run(&t.name, t.weight, f);
+        let (out, dt) = self.sched.run(&t.name, f);
         t.device_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
         out
     }
@@ -863,15 +896,15 @@ impl DeviceService {
             }
             Request::GetTenantInfo => Reply::TenantInfo(TenantInfo {
                 name: fixed_name(&t.name),
-                quota: t.quota,
+                quota: t.quota(),
                 used: st.used,
                 kernels: t.kernels.load(Ordering::Relaxed),
                 device_ns: t.device_ns.load(Ordering::Relaxed),
                 bytes_scrubbed: t.scrubbed.load(Ordering::Relaxed),
-                weight: t.weight,
+                weight: t.share().weight,
                 reserved: 0,
             }),
-            Request::MemGetInfo => Reply::MemInfo(MemInfoReply { free: t.quota.saturating_sub(st.used), total: t.quota }),
+            Request::MemGetInfo => Reply::MemInfo(MemInfoReply { free: t.quota().saturating_sub(st.used), total: t.quota() }),
             Request::RegisterShm(_) => return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm must carry a memfd")),
             Request::CtxCreate(b) => {
                 if b.flags & !0x1f != 0 {
