@@ -491,7 +491,7 @@ pub mod shares {
     use std::time::{Duration, Instant};
 
     use ::cuda::client::Client;
-    use serde_json::json;
+    use serde_json::{json, Value};
     use virtio_gpu_compute::*;
 
     use crate::Mediator;
@@ -505,45 +505,91 @@ pub mod shares {
         }
     }
 
-    /// One thread's loop until `stop`: a spin kernel of `iters` loop
-    /// turns, four launches always queued (as asynchronous cuLaunchKernel
-    /// calls leave them), the oldest waited for before the next is queued.
-    fn saturate(sock: &str, iters: u32, stop: Arc<AtomicBool>) {
-        let c = Client::connect_unix(sock).expect("connect");
-        let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
-        let img = SPIN.as_bytes().to_vec();
-        let m = c.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("load");
-        let f = match c.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: 4, reserved: 0 }, "spin".into())).expect("function") {
-            Reply::Function(f, _) => f.func,
-            r => panic!("{r:?}"),
-        };
-        let req = LaunchReq { ctx, func: f, stream: 0, shared_bytes: 0, grid: [1, 1, 1], block: [32, 1, 1], params_len: 4, reserved: 0 };
-        let launch = || c.enqueue(Request::LaunchKernel(req, iters.to_le_bytes().to_vec())).expect("launch");
-        let mut queued: std::collections::VecDeque<u64> = (0..4).map(|_| launch()).collect();
-        while !stop.load(Ordering::Relaxed) {
-            if let Some(oldest) = queued.pop_front() {
-                c.wait(oldest).expect("sync");
-            }
-            queued.push_back(launch());
+    /// A connection with the spin kernel loaded: launches of `iters` loop
+    /// turns over `grid` blocks of 32 threads.
+    pub struct Spinner {
+        pub c: Client,
+        req: LaunchReq,
+    }
+
+    impl Spinner {
+        pub fn new(sock: &str, grid: u32) -> Spinner {
+            let c = Client::connect_unix(sock).expect("connect");
+            let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+            let img = SPIN.as_bytes().to_vec();
+            let m = c.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("load");
+            let f = match c.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: 4, reserved: 0 }, "spin".into())).expect("function") {
+                Reply::Function(f, _) => f.func,
+                r => panic!("{r:?}"),
+            };
+            let req = LaunchReq { ctx, func: f, stream: 0, shared_bytes: 0, grid: [grid, 1, 1], block: [32, 1, 1], params_len: 4, reserved: 0 };
+            Spinner { c, req }
         }
-        for seq in queued {
-            c.wait(seq).expect("sync");
+
+        pub fn launch(&self, iters: u32) -> u64 {
+            self.c.enqueue(Request::LaunchKernel(self.req, iters.to_le_bytes().to_vec())).expect("launch")
+        }
+
+        /// One launch, waited for: its latency from submission to completion.
+        pub fn timed(&self, iters: u32) -> Duration {
+            let t = Instant::now();
+            let seq = self.launch(iters);
+            self.c.wait(seq).expect("sync");
+            t.elapsed()
         }
     }
 
-    /// Creates tenants `TAG0..` with `weights`, saturates them from two
-    /// threads each, and returns each one's share of the device time used
-    /// in a window of `secs` (after half a second of warm-up), and the
-    /// device time in that window.
-    pub fn measure(m: &Mediator, tag: &str, weights: &[u32], secs: f64, iters: u32) -> (Vec<f64>, Duration) {
-        let socks: Vec<String> = weights
-            .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                let v = m.tenant_with(json!({"name": format!("{tag}{i}"), "memory": "16MiB", "weight": w}));
-                v["socket"].as_str().expect("socket").to_string()
-            })
-            .collect();
+    /// One thread's loop until `stop`: launches of `iters` loop turns over
+    /// `grid` blocks, four always queued (as asynchronous cuLaunchKernel
+    /// calls leave them), the oldest waited for before the next is queued.
+    pub fn saturate(sock: &str, iters: u32, grid: u32, stop: Arc<AtomicBool>) {
+        let s = Spinner::new(sock, grid);
+        let mut queued: std::collections::VecDeque<u64> = (0..4).map(|_| s.launch(iters)).collect();
+        while !stop.load(Ordering::Relaxed) {
+            if let Some(oldest) = queued.pop_front() {
+                s.c.wait(oldest).expect("sync");
+            }
+            queued.push_back(s.launch(iters));
+        }
+        for seq in queued {
+            s.c.wait(seq).expect("sync");
+        }
+    }
+
+    /// What tenants used in a measurement window.
+    pub struct Window {
+        /// Device time each tenant used, in ns.
+        pub used: Vec<f64>,
+        pub wall: Duration,
+        /// The device's lanes: its capacity is `lanes × wall`.
+        pub lanes: usize,
+    }
+
+    impl Window {
+        /// Each tenant's share of the device time used.
+        pub fn shares(&self) -> Vec<f64> {
+            let total: f64 = self.used.iter().sum();
+            self.used.iter().map(|u| u / total).collect()
+        }
+
+        /// Each tenant's share of the device's capacity in the window.
+        pub fn of_capacity(&self) -> Vec<f64> {
+            let cap = self.wall.as_nanos() as f64 * self.lanes as f64;
+            self.used.iter().map(|u| u / cap).collect()
+        }
+    }
+
+    /// Lanes of the mediator's first device.
+    pub fn lanes(m: &Mediator) -> usize {
+        let (_, v) = m.api("GET", "/devices", None);
+        v[0]["lanes"].as_u64().expect("lanes") as usize
+    }
+
+    /// Creates the tenants `specs` (POST /tenants bodies), saturates each
+    /// from two threads, and measures a window of `secs` after half a
+    /// second of warm-up.
+    pub fn measure_specs(m: &Mediator, specs: &[Value], secs: f64, iters: u32) -> Window {
+        let socks: Vec<String> = specs.iter().map(|sp| m.tenant_with(sp.clone())["socket"].as_str().expect("socket").to_string()).collect();
         let probes: Vec<Client> = socks.iter().map(|s| Client::connect_unix(s).expect("connect")).collect();
         let stop = Arc::new(AtomicBool::new(false));
         let threads: Vec<_> = socks
@@ -551,7 +597,7 @@ pub mod shares {
             .flat_map(|s| [s.clone(), s.clone()])
             .map(|s| {
                 let stop = stop.clone();
-                std::thread::spawn(move || saturate(&s, iters, stop))
+                std::thread::spawn(move || saturate(&s, iters, 1, stop))
             })
             .collect();
         std::thread::sleep(Duration::from_millis(500));
@@ -559,13 +605,53 @@ pub mod shares {
         let t0 = Instant::now();
         std::thread::sleep(Duration::from_secs_f64(secs));
         let after: Vec<u64> = probes.iter().map(tenant_ns).collect();
-        let _ = t0.elapsed();
+        let wall = t0.elapsed();
         stop.store(true, Ordering::Relaxed);
         for t in threads {
             t.join().expect("thread");
         }
-        let used: Vec<f64> = before.iter().zip(&after).map(|(b, a)| (a - b) as f64).collect();
-        let total: f64 = used.iter().sum();
-        (used.iter().map(|u| u / total).collect(), Duration::from_nanos(total as u64))
+        Window { used: before.iter().zip(&after).map(|(b, a)| (a - b) as f64).collect(), wall, lanes: lanes(m) }
+    }
+
+    /// Tenants `TAG0..` with `weights`: each one's share of the device time
+    /// used in the window, and that device time.
+    pub fn measure(m: &Mediator, tag: &str, weights: &[u32], secs: f64, iters: u32) -> (Vec<f64>, Duration) {
+        let specs: Vec<Value> = weights.iter().enumerate().map(|(i, w)| json!({"name": format!("{tag}{i}"), "memory": "16MiB", "weight": w})).collect();
+        let w = measure_specs(m, &specs, secs, iters);
+        (w.shares(), Duration::from_nanos(w.used.iter().sum::<f64>() as u64))
+    }
+
+    /// The percentile `p` (0..=100) of `v`.
+    pub fn percentile(v: &[Duration], p: f64) -> Duration {
+        let mut s = v.to_vec();
+        s.sort();
+        s[((s.len() - 1) as f64 * p / 100.0).round() as usize]
+    }
+
+    /// Latencies of `n` short launches (`iters` turns, one block) by the
+    /// tenant at `victim`, one at a time; with `aggressor`, while that
+    /// tenant floods launches of `long_iters` turns over `grid` blocks
+    /// from two threads.
+    pub fn victim_latencies(victim: &str, n: usize, iters: u32, aggressor: Option<(&str, u32, u32)>) -> Vec<Duration> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flood: Vec<_> = aggressor
+            .into_iter()
+            .flat_map(|(sock, long, grid)| [(sock.to_string(), long, grid), (sock.to_string(), long, grid)])
+            .map(|(sock, long, grid)| {
+                let stop = stop.clone();
+                std::thread::spawn(move || saturate(&sock, long, grid, stop))
+            })
+            .collect();
+        let v = Spinner::new(victim, 1);
+        // Warm-up, and for the flood to be under way.
+        for _ in 0..20 {
+            v.timed(iters);
+        }
+        let got: Vec<Duration> = (0..n).map(|_| v.timed(iters)).collect();
+        stop.store(true, Ordering::Relaxed);
+        for t in flood {
+            t.join().expect("aggressor thread");
+        }
+        got
     }
 }

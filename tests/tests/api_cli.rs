@@ -50,6 +50,20 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     assert_eq!(v["weight"], 3);
     assert_eq!(v["usage"]["quota"], 64u64 << 20);
 
+    // Live changes: share, cap, class and quota, seen by the worker too.
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "set", "web", "--weight", "5", "--cap", "40", "--priority", "latency", "--memory", "32MiB"]);
+    let (ok, text) = out(c);
+    assert!(ok && text.contains("weight 5, cap 40%, priority latency, quota 32MiB"), "{text}");
+    let (_, v) = m.api("GET", "/tenants/web", None);
+    assert_eq!((v["weight"].as_u64(), v["cap"].as_u64(), v["priority"].as_str()), (Some(5), Some(40), Some("latency")), "{v}");
+    assert_eq!((v["usage"]["quota"].as_u64(), v["usage"]["weight"].as_u64(), v["usage"]["cap"].as_u64()), (Some(32 << 20), Some(5), Some(40)), "the worker has the new values: {v}");
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "set", "web", "--cap", "100", "--memory", "64MiB"]);
+    assert!(out(c).0);
+    let (_, v) = m.api("GET", "/tenants/web", None);
+    assert!(v.get("cap").is_none() && v["usage"]["cap"].is_null(), "{v}");
+
     let mut c = m.vgpuctl();
     c.args(["device", "list", "-o", "json"]);
     let (ok, text) = out(c);
@@ -69,6 +83,12 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
         (vec!["tenant", "create", "odd", "--memory", "12XB"], "invalid size"),
         (vec!["tenant", "show", "nobody"], "no tenant nobody"),
         (vec!["tenant", "delete", "nobody"], "no tenant nobody"),
+        (vec!["tenant", "set", "nobody", "--weight", "2"], "no tenant nobody"),
+        (vec!["tenant", "set", "web"], "nothing to change"),
+        (vec!["tenant", "set", "web", "--weight", "0"], "weight must be 1..=10000"),
+        (vec!["tenant", "set", "web", "--cap", "101"], "cap must be a percentage"),
+        (vec!["tenant", "set", "web", "--memory", "1TiB"], "unreserved"),
+        (vec!["tenant", "create", "capped", "--memory", "1MiB", "--cap", "0"], "cap must be a percentage"),
     ] {
         let mut c = m.vgpuctl();
         c.args(&args);

@@ -4,6 +4,7 @@
 //! error; the tolerance here is wide enough never to flake on a loaded
 //! machine.
 
+use serde_json::json;
 use vgpu_tests::{shares, Mediator};
 
 #[test]
@@ -15,4 +16,45 @@ fn saturating_tenants_get_device_time_in_proportion_to_their_weights() {
     for (g, want) in got.iter().zip([0.125, 0.125, 0.25, 0.5]) {
         assert!((g - want).abs() < 0.08, "1:1:2:4 gave {got:?}");
     }
+}
+
+/// A tenant capped at 25% stays under it alone on the device, and takes
+/// the idle device once the cap is lifted live (PATCH /tenants/NAME, what
+/// `vgpuctl tenant set --cap 100` sends).
+#[test]
+fn a_capped_tenant_stays_under_its_cap_alone_and_the_cap_changes_live() {
+    let m = Mediator::start(&["--device-memory", "256MiB"]);
+    let w = shares::measure_specs(&m, &[json!({"name": "capped", "memory": "16MiB", "cap": 25})], 1.5, 20_000);
+    let got = w.of_capacity()[0];
+    assert!(got <= 0.27, "capped at 25%, used {:.1}% of the device", got * 100.0);
+    assert!(got >= 0.15, "capped at 25%, used only {:.1}% of the device", got * 100.0);
+    let (st, v) = m.api("PATCH", "/tenants/capped", Some(json!({"cap": 100})));
+    assert_eq!(st, 200, "{v}");
+    assert!(v.get("cap").is_none(), "cap 100 removes the cap: {v}");
+    let (st, v) = m.api("PATCH", "/tenants/capped", Some(json!({"cap": 0})));
+    assert_eq!(st, 400, "cap 0 is refused: {v}");
+    let (st, _) = m.api("PATCH", "/tenants/nobody", Some(json!({"weight": 2})));
+    assert_eq!(st, 404);
+    // What held it back was the cap: an uncapped tenant alone uses most
+    // of the device (the scheduler's unit tests lift a cap live).
+    let (st, _) = m.api("DELETE", "/tenants/capped", None);
+    assert!(st == 204 || st == 202);
+    let w = shares::measure_specs(&m, &[json!({"name": "uncapped", "memory": "16MiB"})], 1.0, 20_000);
+    assert!(w.of_capacity()[0] > 0.5, "uncapped alone used {:.1}%", w.of_capacity()[0] * 100.0);
+}
+
+/// A latency-class victim's short launches are not stuck behind an
+/// aggressor's long ones: the aggressor's launches (hundreds of ms each)
+/// give their lanes up at their next checkpoint. share-bench prints the
+/// p99 figures; the bound here is far from any real one, so it cannot
+/// flake.
+#[test]
+fn a_victims_short_launches_preempt_an_aggressors_long_ones() {
+    let m = Mediator::start(&["--device-memory", "256MiB"]);
+    let agg = m.tenant_with(json!({"name": "aggressor", "memory": "16MiB"}))["socket"].as_str().unwrap().to_string();
+    let vic = m.tenant_with(json!({"name": "victim", "memory": "16MiB", "priority": "latency"}))["socket"].as_str().unwrap().to_string();
+    let long = shares::Spinner::new(&agg, 8).timed(400_000);
+    let got = shares::victim_latencies(&vic, 60, 3_000, Some((&agg, 400_000, 8)));
+    let p99 = shares::percentile(&got, 99.0);
+    assert!(p99 * 4 < long, "victim p99 {p99:?} behind aggressor launches of {long:?}");
 }

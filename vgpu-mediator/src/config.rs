@@ -222,6 +222,13 @@ pub struct TenantSpec {
     pub memory: Size,
     #[serde(default = "weight_one")]
     pub weight: u32,
+    /// Hard cap: the percentage (1..=100) of the device's time the tenant
+    /// never exceeds, even alone on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cap: Option<u32>,
+    /// `latency` (goes first within its share), `normal` or `batch`.
+    #[serde(default)]
+    pub priority: crate::sched::Priority,
     /// Device name (e.g. `cpu0`); placed automatically when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
@@ -256,6 +263,19 @@ pub enum TenantKind {
 
 fn weight_one() -> u32 {
     1
+}
+
+/// Checks a tenant's weight and cap.
+pub fn check_share(name: &str, weight: u32, cap: Option<u32>) -> Result<(), String> {
+    if weight == 0 || weight > 10_000 {
+        return Err(format!("tenant {name}: weight must be 1..=10000, not {weight}"));
+    }
+    if let Some(c) = cap {
+        if c == 0 || c > 100 {
+            return Err(format!("tenant {name}: cap must be a percentage of the device, 1..=100, not {c}"));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -312,9 +332,7 @@ impl TenantSpec {
         if self.memory.0 == 0 {
             return Err(format!("tenant {}: memory quota must be positive", self.name));
         }
-        if self.weight == 0 || self.weight > 10_000 {
-            return Err(format!("tenant {}: weight must be 1..=10000, not {}", self.name, self.weight));
-        }
+        check_share(&self.name, self.weight, self.cap)?;
         if let Some(m) = &self.mode {
             match u32::from_str_radix(m, 8) {
                 Ok(v) if v & !0o777 == 0 && v & 0o600 == 0o600 => {}
@@ -374,7 +392,7 @@ memory = 1048576
         .unwrap();
         c.validate().unwrap();
         assert_eq!(c.devices.memory.0, 1 << 30);
-        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, device: Some("cpu1".into()), kind: TenantKind::Process, owner: None, mode: None, host_memory: None, max_connections: None });
+        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, cap: None, priority: Default::default(), device: Some("cpu1".into()), kind: TenantKind::Process, owner: None, mode: None, host_memory: None, max_connections: None });
         assert_eq!(c.tenants[1].weight, 1);
         let api: TenantSpec = serde_json::from_str(r#"{"name":"bob","memory":"1MiB"}"#).unwrap();
         assert_eq!(api, c.tenants[1]);

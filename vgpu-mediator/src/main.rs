@@ -31,6 +31,10 @@ struct Cli {
     /// Wall-clock limit of one kernel launch on a CPU device, milliseconds.
     #[arg(long)]
     launch_timeout_ms: Option<u64>,
+    /// Execution lanes of each CPU device: launches and copies running at
+    /// once (default: one per host core).
+    #[arg(long)]
+    lanes: Option<u32>,
     /// Compute capability the CPU devices report and accept PTX for
     /// (7.0 to 12.1; default 8.0).
     #[arg(long)]
@@ -146,6 +150,9 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(t) = cli.launch_timeout_ms {
         cfg.devices.launch_timeout_ms = t;
+    }
+    if let Some(l) = cli.lanes {
+        cfg.devices.lanes = l;
     }
     if let Some(cc) = cli.compute_capability {
         cfg.devices.compute_capability = cc;

@@ -37,7 +37,7 @@ pub fn router(c: Arc<Control>) -> Router {
     Router::new()
         .route("/devices", get(devices))
         .route("/tenants", get(list_tenants).post(create_tenant))
-        .route("/tenants/{name}", get(show_tenant).delete(delete_tenant))
+        .route("/tenants/{name}", get(show_tenant).delete(delete_tenant).patch(set_tenant))
         .route("/metrics", get(metrics))
         .with_state(c)
 }
@@ -58,6 +58,9 @@ struct DeviceView {
     worker_pid: u32,
     worker_restarts: u64,
     utilization: f64,
+    /// Execution lanes: the device's capacity is this many lane-seconds
+    /// per second.
+    lanes: u32,
 }
 
 fn device_views(c: &Control) -> Vec<DeviceView> {
@@ -82,6 +85,7 @@ fn device_views(c: &Control) -> Vec<DeviceView> {
                 worker_pid: s.pid.load(Ordering::Relaxed),
                 worker_restarts: s.restarts.load(Ordering::Relaxed),
                 utilization: st.as_ref().map(utilization).unwrap_or(0.0),
+                lanes: st.as_ref().map(|d| d.lanes).unwrap_or(s.spec.lanes),
             }
         })
         .collect()
@@ -117,6 +121,11 @@ async fn create_tenant(State(c): St, body: axum::body::Bytes) -> Result<(StatusC
     let spec: TenantSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad tenant description: {e}")))?;
     let rec = blocking(move || c.create_tenant(&spec)).await??;
     Ok((StatusCode::CREATED, Json(rec)))
+}
+
+async fn set_tenant(State(c): St, Path(name): Path<String>, body: axum::body::Bytes) -> Result<Json<TenantRecord>, ControlError> {
+    let change: super::TenantChange = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad tenant change: {e}")))?;
+    Ok(Json(blocking(move || c.set_tenant(&name, &change)).await??))
 }
 
 /// 204 once the tenant is gone and its memory released; 202 while its

@@ -159,6 +159,10 @@ pub struct TenantRecord {
     pub kind: &'static str,
     pub memory: u64,
     pub weight: u32,
+    /// Hard cap, percent of the device's time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cap: Option<u32>,
+    pub priority: crate::sched::Priority,
     pub device: String,
     pub socket: PathBuf,
     pub state: TenantPhase,
@@ -179,6 +183,8 @@ impl TenantRecord {
             name: self.name.clone(),
             quota: self.memory,
             weight: self.weight,
+            cap: self.cap,
+            priority: self.priority,
             socket: self.socket.clone(),
             vm: self.kind == "vm",
             host_limit: self.host_memory,
@@ -189,6 +195,17 @@ impl TenantRecord {
     fn mode_bits(&self) -> u32 {
         u32::from_str_radix(&self.mode, 8).unwrap_or(0o600)
     }
+}
+
+/// What `PATCH /tenants/NAME` may change; absent fields stay as they are.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantChange {
+    pub weight: Option<u32>,
+    /// Percent of the device; 100 removes the cap.
+    pub cap: Option<u32>,
+    pub priority: Option<crate::sched::Priority>,
+    pub memory: Option<Size>,
 }
 
 /// Per-tenant limits applied where a tenant's description leaves them out.
@@ -399,6 +416,8 @@ impl Control {
                 kind: if vm { "vm" } else { "process" },
                 memory: spec.memory.0,
                 weight: spec.weight,
+                cap: spec.cap.filter(|c| *c < 100),
+                priority: spec.priority,
                 device: slot.spec.name.clone(),
                 socket,
                 state: TenantPhase::Creating,
@@ -429,6 +448,76 @@ impl Control {
         let rec = r.clone();
         info!(tenant = %rec.name, device = %rec.device, quota = rec.memory, "tenant created");
         Ok(rec)
+    }
+
+    /// Changes a tenant's weight, cap, class or memory quota live. A larger
+    /// quota must fit the device's unreserved memory; a smaller one keeps
+    /// what the tenant has allocated (it cannot allocate more until it
+    /// frees below the new quota).
+    pub fn set_tenant(&self, name: &str, change: &TenantChange) -> Result<TenantRecord, ControlError> {
+        let (slot, before, after) = {
+            let mut tenants = self.registry();
+            let rec = tenants.get(name).ok_or_else(|| ControlError::NotFound(format!("no tenant {name}")))?;
+            if rec.state != TenantPhase::Ready {
+                return Err(ControlError::Conflict(format!("tenant {name} is {}", if rec.state == TenantPhase::Creating { "still being created" } else { "being deleted" })));
+            }
+            let mut next = rec.clone();
+            if let Some(w) = change.weight {
+                next.weight = w;
+            }
+            if let Some(c) = change.cap {
+                next.cap = (c < 100).then_some(c);
+            }
+            if let Some(p) = change.priority {
+                next.priority = p;
+            }
+            if let Some(m) = change.memory {
+                next.memory = m.0;
+            }
+            crate::config::check_share(name, next.weight, change.cap.or(next.cap)).map_err(ControlError::BadRequest)?;
+            if next.memory == 0 {
+                return Err(ControlError::BadRequest(format!("tenant {name}: memory quota must be positive")));
+            }
+            let slot = self.slot(&rec.device).cloned().ok_or_else(|| ControlError::NotFound(format!("no device {}", rec.device)))?;
+            if next.memory > rec.memory {
+                let free = slot.spec.memory.saturating_sub(Self::reserved(&tenants, &rec.device));
+                if next.memory - rec.memory > free {
+                    return Err(ControlError::InsufficientMemory(format!("device {} has {} unreserved; growing {name} to {} needs {}", rec.device, Size(free), Size(next.memory), Size(next.memory - rec.memory))));
+                }
+            }
+            let before = rec.clone();
+            // Recorded first, so the quota it reserves counts at once.
+            tenants.insert(name.to_string(), next.clone());
+            (slot, before, next)
+        };
+        let share = crate::sched::Share { weight: after.weight, cap: after.cap, priority: after.priority };
+        let quota = (after.memory != before.memory).then_some(after.memory);
+        match slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT) {
+            Ok(WorkerMsg::Ok) => {}
+            // A worker that is down gets the new values when it re-adds
+            // the tenant.
+            Err(ControlError::WorkerDown(_)) => {}
+            Ok(WorkerMsg::Err(e)) => {
+                self.restore(name, &before);
+                return Err(ControlError::Worker(e));
+            }
+            Ok(other) => {
+                self.restore(name, &before);
+                return Err(ControlError::Worker(format!("unexpected reply {other:?}")));
+            }
+            Err(e) => {
+                self.restore(name, &before);
+                return Err(e);
+            }
+        }
+        info!(tenant = %name, weight = after.weight, cap = ?after.cap, priority = after.priority.as_str(), memory = after.memory, "tenant changed");
+        Ok(after)
+    }
+
+    fn restore(&self, name: &str, before: &TenantRecord) {
+        if let Some(r) = self.registry().get_mut(name) {
+            *r = before.clone();
+        }
     }
 
     /// Revokes a tenant at once, then waits (up to [`DELETE_WAIT`], holding

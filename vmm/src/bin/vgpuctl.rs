@@ -70,9 +70,16 @@ enum TenantCmd {
         /// Memory quota: bytes, or with a KiB/MiB/GiB suffix.
         #[arg(long)]
         memory: String,
-        /// Compute share weight.
+        /// Compute share weight (1..=10000).
         #[arg(long, default_value_t = 1)]
         weight: u32,
+        /// Hard cap: the percentage of the device's time the tenant never
+        /// exceeds, even alone (1..=100; default uncapped).
+        #[arg(long)]
+        cap: Option<u32>,
+        /// Priority class: latency work goes first within its share.
+        #[arg(long, value_enum, default_value_t = Priority::Normal)]
+        priority: Priority,
         /// Device to place it on (default: the one with most free memory).
         #[arg(long)]
         device: Option<String>,
@@ -97,7 +104,39 @@ enum TenantCmd {
     },
     List,
     Show { name: String },
+    /// Change a tenant's share, cap, class or memory quota while it runs.
+    Set {
+        name: String,
+        #[arg(long)]
+        weight: Option<u32>,
+        /// Percent of the device (1..=100); 100 removes the cap.
+        #[arg(long)]
+        cap: Option<u32>,
+        #[arg(long, value_enum)]
+        priority: Option<Priority>,
+        /// New memory quota. A smaller one keeps what is allocated and
+        /// refuses allocations until the tenant is below it.
+        #[arg(long)]
+        memory: Option<String>,
+    },
     Delete { name: String },
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum Priority {
+    Latency,
+    Normal,
+    Batch,
+}
+
+impl Priority {
+    fn as_str(self) -> &'static str {
+        match self {
+            Priority::Latency => "latency",
+            Priority::Normal => "normal",
+            Priority::Batch => "batch",
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -121,6 +160,13 @@ fn u(v: &Value, k: &str) -> u64 {
 
 fn s<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or("")
+}
+
+fn cap_text(v: &Value) -> String {
+    match v.get("cap").and_then(Value::as_u64) {
+        Some(c) => format!("{c}%"),
+        None => "none".into(),
+    }
 }
 
 fn table(rows: Vec<Vec<String>>) {
@@ -166,8 +212,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let json_out = cli.output == Output::Json;
     let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     match &cli.cmd {
-        Cmd::Tenant(TenantCmd::Create { name, memory, weight, device, vm, owner, mode, host_memory, max_connections }) => {
-            let mut body = json!({ "name": name, "memory": memory, "weight": weight, "kind": if *vm { "vm" } else { "process" } });
+        Cmd::Tenant(TenantCmd::Create { name, memory, weight, cap, priority, device, vm, owner, mode, host_memory, max_connections }) => {
+            let mut body = json!({ "name": name, "memory": memory, "weight": weight, "priority": priority.as_str(), "kind": if *vm { "vm" } else { "process" } });
+            if let Some(c) = cap {
+                body["cap"] = json!(c);
+            }
             for (key, v) in [("device", device), ("owner", owner), ("mode", mode), ("host_memory", host_memory)] {
                 if let Some(v) = v {
                     body[key] = json!(v);
@@ -197,12 +246,14 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 print_json(&v);
             } else {
                 println!(
-                    "name:      {}\nstate:     {}\ndevice:    {}\nquota:     {}\nweight:    {}\nsocket:    {} (owner {}, mode {})\nhost mem:  {}\nmax conns: {}",
+                    "name:      {}\nstate:     {}\ndevice:    {}\nquota:     {}\nweight:    {}\ncap:       {}\npriority:  {}\nsocket:    {} (owner {}, mode {})\nhost mem:  {}\nmax conns: {}",
                     s(&v, "name"),
                     s(&v, "state"),
                     s(&v, "device"),
                     human(u(&v, "memory")),
                     u(&v, "weight"),
+                    cap_text(&v),
+                    s(&v, "priority"),
                     s(&v, "socket"),
                     v.get("owner").and_then(Value::as_str).unwrap_or("0:0"),
                     s(&v, "mode"),
@@ -221,6 +272,30 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                     ),
                     None => println!("usage:     unavailable (device worker restarting)"),
                 }
+            }
+        }
+        Cmd::Tenant(TenantCmd::Set { name, weight, cap, priority, memory }) => {
+            let mut body = json!({});
+            if let Some(w) = weight {
+                body["weight"] = json!(w);
+            }
+            if let Some(c) = cap {
+                body["cap"] = json!(c);
+            }
+            if let Some(p) = priority {
+                body["priority"] = json!(p.as_str());
+            }
+            if let Some(m) = memory {
+                body["memory"] = json!(m);
+            }
+            if body.as_object().is_some_and(|o| o.is_empty()) {
+                anyhow::bail!("nothing to change: give --weight, --cap, --priority or --memory");
+            }
+            let v = call(cli, "PATCH", &format!("/tenants/{name}"), Some(body))?;
+            if json_out {
+                print_json(&v)
+            } else {
+                println!("{}: weight {}, cap {}, priority {}, quota {}", s(&v, "name"), u(&v, "weight"), cap_text(&v), s(&v, "priority"), human(u(&v, "memory")))
             }
         }
         Cmd::Tenant(TenantCmd::Delete { name }) => {
