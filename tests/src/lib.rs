@@ -186,10 +186,10 @@ impl Mediator {
         vmm::http::request(&self.api_path(), "GET", "/metrics", None).expect("metrics").text()
     }
 
-    /// A metric's value for the given label set, e.g. `tenant="a",device="cpu0"`.
+    /// A metric's value for the series whose labels start with `labels`,
+    /// e.g. `tenant="a",device="cpu0"` (the device's uuid and model follow).
     pub fn metric(&self, name: &str, labels: &str) -> Option<f64> {
-        let key = format!("{name}{{{labels}}} ");
-        self.metrics().lines().find_map(|l| l.strip_prefix(&key).and_then(|v| v.trim().parse().ok()))
+        metric_in(&self.metrics(), name, labels)
     }
 
     pub fn device(&self, name: &str) -> Value {
@@ -299,6 +299,17 @@ pub fn gpu_mediator(test: &str, extra: &[&str]) -> Option<(Mediator, String)> {
             Some((Mediator::start_with(&args), name))
         }
     }
+}
+
+/// The value of the series `name` whose labels start with `labels` in a
+/// Prometheus text exposition.
+pub fn metric_in(text: &str, name: &str, labels: &str) -> Option<f64> {
+    let key = format!("{name}{{{labels}");
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(&key)?;
+        let rest = if let Some(r) = rest.strip_prefix('}') { r } else { rest.strip_prefix(',')?.split_once("} ")?.1 };
+        rest.trim().parse().ok()
+    })
 }
 
 impl Mediator {
@@ -513,6 +524,11 @@ pub mod shares {
     }
 
     impl Spinner {
+        /// The context the kernel was loaded in.
+        pub fn ctx(&self) -> u32 {
+            self.req.ctx
+        }
+
         pub fn new(sock: &str, grid: u32) -> Spinner {
             let c = Client::connect_unix(sock).expect("connect");
             let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
@@ -536,6 +552,18 @@ pub mod shares {
             let seq = self.launch(iters);
             self.c.wait(seq).expect("sync");
             t.elapsed()
+        }
+    }
+
+    /// Like [`saturate`], but ends quietly when the device goes away (a
+    /// worker killed under load).
+    pub fn saturate_until_lost(sock: &str, iters: u32, stop: Arc<AtomicBool>) {
+        let Ok(c) = std::panic::catch_unwind(|| Spinner::new(sock, 1)) else { return };
+        while !stop.load(Ordering::Relaxed) {
+            let seq = c.launch(iters);
+            if c.c.wait(seq).is_err() {
+                return;
+            }
         }
     }
 

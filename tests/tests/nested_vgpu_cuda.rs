@@ -38,12 +38,8 @@ fn host_tenant_shares_the_device_and_metrics_show_both() {
     let Some(out) = output("host_tenant_shares_the_device_and_metrics_show_both") else { return };
     let host = lines(out, "HOST-SAMPLE: ");
     assert!(host.iter().any(|l| l.starts_with("vectorAdd: PASSED")) && host.iter().any(|l| l.starts_with("reduction: PASSED")), "{out}");
-    let metric = |tenant: &str| {
-        lines(out, "METRIC: ")
-            .iter()
-            .find_map(|l| l.strip_prefix(&format!("vgpu_tenant_kernels_total{{tenant=\"{tenant}\",device=\"cpu0\"}} ")).and_then(|v| v.trim().parse::<f64>().ok()))
-            .unwrap_or(0.0)
-    };
+    let metrics = lines(out, "METRIC: ").join("\n");
+    let metric = |tenant: &str| vgpu_tests::metric_in(&metrics, "vgpu_tenant_kernels_total", &format!("tenant=\"{tenant}\",device=\"cpu0\"")).unwrap_or(0.0);
     assert!(metric("vm1") >= 3.0, "VM tenant kernels:\n{out}");
     assert!(metric("host1") >= 2.0, "host tenant kernels:\n{out}");
 }

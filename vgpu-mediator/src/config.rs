@@ -19,6 +19,26 @@ pub struct Config {
     pub devices: DevicesConfig,
     #[serde(default)]
     pub tenants: Vec<TenantSpec>,
+    #[serde(default)]
+    pub metering: MeteringConfig,
+}
+
+/// Usage records and the Prometheus listener.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct MeteringConfig {
+    /// Seconds each usage record covers (default 60).
+    #[serde(default)]
+    pub interval_s: Option<u64>,
+    /// The usage file (JSON lines). Default: /var/lib/vgpu/usage.jsonl when
+    /// the run directory is under /run (a tmpfs), RUN_DIR/usage.jsonl
+    /// otherwise.
+    #[serde(default)]
+    pub usage_file: Option<PathBuf>,
+    /// Also serve GET /metrics on this TCP address (e.g. 127.0.0.1:9400);
+    /// off unless set.
+    #[serde(default)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -321,6 +341,11 @@ impl Config {
         }
         for t in &self.tenants {
             t.validate().map_err(ConfigError::Invalid)?;
+        }
+        if let Some(i) = self.metering.interval_s {
+            if i == 0 || i > 86_400 {
+                return Err(ConfigError::Invalid(format!("metering.interval_s must be 1..=86400, not {i}")));
+            }
         }
         Ok(())
     }

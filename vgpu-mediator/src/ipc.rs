@@ -67,6 +67,9 @@ pub enum WorkerMsg {
 pub struct DeviceStats {
     pub kind: String,
     pub name: String,
+    /// The device's UUID (`GPU-…` form for GPUs and the CPU device alike).
+    #[serde(default)]
+    pub uuid: String,
     pub memory: u64,
     pub allocated: u64,
     pub bytes_scrubbed: u64,
@@ -87,6 +90,13 @@ pub struct TenantStats {
     pub kernels: u64,
     pub device_ns: u64,
     pub bytes_scrubbed: u64,
+    /// Bytes the tenant's copies moved.
+    #[serde(default)]
+    pub bytes_copied: u64,
+    /// Bytes of the tenant's allocations held in host RAM instead of device
+    /// memory (memory overcommit).
+    #[serde(default)]
+    pub spilled: u64,
     pub weight: u32,
     #[serde(default)]
     pub cap: Option<u32>,

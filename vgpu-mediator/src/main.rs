@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use vgpu_mediator::backend::discover;
 use vgpu_mediator::config::{self, Config, CudaMode, Owner, DEFAULT_DEVICE_MEMORY};
+use vgpu_mediator::control::meter::Meter;
 use vgpu_mediator::control::{api, rundir, Control, CudaSpec, DeviceSpec, TenantDefaults};
 use vgpu_mediator::size::Size;
 use vgpu_mediator::worker;
@@ -42,6 +43,18 @@ struct Cli {
     /// NVIDIA GPUs and MIG instances: auto, off or required.
     #[arg(long, value_enum)]
     cuda: Option<CudaMode>,
+    /// Seconds each usage record covers (default 60).
+    #[arg(long)]
+    usage_interval: Option<u64>,
+    /// The usage records file, JSON lines (default /var/lib/vgpu/usage.jsonl
+    /// when the run directory is under /run, a tmpfs; RUN_DIR/usage.jsonl
+    /// otherwise).
+    #[arg(long)]
+    usage_file: Option<PathBuf>,
+    /// Also serve GET /metrics for Prometheus on this TCP address (off
+    /// unless given), e.g. 127.0.0.1:9400.
+    #[arg(long)]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// TOML configuration file (same tenant schema as POST /tenants).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -154,6 +167,15 @@ fn run() -> anyhow::Result<()> {
     if let Some(l) = cli.lanes {
         cfg.devices.lanes = l;
     }
+    if cli.usage_interval.is_some() {
+        cfg.metering.interval_s = cli.usage_interval;
+    }
+    if cli.usage_file.is_some() {
+        cfg.metering.usage_file = cli.usage_file.clone();
+    }
+    if cli.metrics_listen.is_some() {
+        cfg.metering.metrics_listen = cli.metrics_listen;
+    }
     if let Some(cc) = cli.compute_capability {
         cfg.devices.compute_capability = cc;
     }
@@ -205,12 +227,26 @@ fn run() -> anyhow::Result<()> {
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
     let control = Control::new(&run_dir, exe, devices, defaults, worker_user);
+    let usage_file = cfg.metering.usage_file.clone().unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu/usage.jsonl") } else { run_dir.join("usage.jsonl") });
+    let meter = Meter::open(&usage_file, std::time::Duration::from_secs(cfg.metering.interval_s.unwrap_or(60)))?;
+    let _ = control.meter.set(meter.clone());
     control.start().map_err(anyhow::Error::msg)?;
+    {
+        let c = control.clone();
+        std::thread::Builder::new().name("meter".into()).spawn(move || meter.run(c))?;
+    }
     for t in &cfg.tenants {
         control.create_tenant(t).with_context(|| format!("creating tenant {} from the config file", t.name))?;
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let result = rt.block_on(serve(control.clone(), api_path.clone()));
+    let result = rt.block_on(serve(control.clone(), api_path.clone(), cfg.metering.metrics_listen));
+    if let Some(m) = control.meter.get() {
+        // What the last interval measured is written before exiting.
+        m.sample(&control);
+        if let Err(e) = m.flush() {
+            tracing::warn!("{e}");
+        }
+    }
     control.shutdown();
     let _ = std::fs::remove_file(&api_path);
     result
@@ -287,7 +323,19 @@ fn discover_cmd(record: Option<PathBuf>) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn serve(control: Arc<Control>, api_path: PathBuf) -> anyhow::Result<()> {
+async fn serve(control: Arc<Control>, api_path: PathBuf, metrics_listen: Option<std::net::SocketAddr>) -> anyhow::Result<()> {
+    if let Some(addr) = metrics_listen {
+        // Only the metrics, read-only: the management API stays on the
+        // unix socket.
+        let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the metrics listener {addr}"))?;
+        tracing::info!(%addr, "serving GET /metrics over TCP");
+        let router = api::metrics_router(control.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(tcp, router).await {
+                tracing::error!("the metrics listener stopped: {e}");
+            }
+        });
+    }
     let listener = tokio::net::UnixListener::bind(&api_path).with_context(|| format!("binding {}", api_path.display()))?;
     {
         use std::os::unix::fs::PermissionsExt;

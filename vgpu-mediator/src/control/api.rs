@@ -39,7 +39,34 @@ pub fn router(c: Arc<Control>) -> Router {
         .route("/tenants", get(list_tenants).post(create_tenant))
         .route("/tenants/{name}", get(show_tenant).delete(delete_tenant).patch(set_tenant))
         .route("/metrics", get(metrics))
+        .route("/usage", get(usage))
         .with_state(c)
+}
+
+/// Only `GET /metrics`, for a TCP listener Prometheus scrapes.
+pub fn metrics_router(c: Arc<Control>) -> Router {
+    Router::new().route("/metrics", get(metrics)).with_state(c)
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UsageQuery {
+    /// UNIX seconds: records whose interval ends after it.
+    #[serde(default)]
+    since: f64,
+    tenant: Option<String>,
+    limit: Option<usize>,
+}
+
+async fn usage(State(c): St, q: Result<axum::extract::Query<UsageQuery>, axum::extract::rejection::QueryRejection>) -> Result<Json<Vec<super::meter::Record>>, ControlError> {
+    let axum::extract::Query(q) = q.map_err(|e| ControlError::BadRequest(format!("bad usage query: {e}")))?;
+    if !q.since.is_finite() {
+        return Err(ControlError::BadRequest("since must be a number of seconds since 1970".into()));
+    }
+    let limit = q.limit.unwrap_or(10_000).clamp(1, super::meter::MAX_RECORDS);
+    let meter = c.meter.get().cloned().ok_or_else(|| ControlError::NotFound("metering is not running".into()))?;
+    let recs = blocking(move || meter.records(q.since, q.tenant.as_deref(), limit)).await?.map_err(|e| ControlError::Worker(e.to_string()))?;
+    Ok(Json(recs))
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ControlError> {
@@ -144,41 +171,67 @@ fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-/// Prometheus text exposition of every device and tenant.
+/// Prometheus text exposition of every device and tenant. Counters come
+/// from the meter (they survive worker and daemon restarts); gauges from
+/// the workers now. Every series carries the device's name, UUID and model.
 pub fn render_metrics(c: &Control) -> String {
     let mut out = String::new();
     let stats: Vec<_> = c.devices.iter().map(|s| (s, s.stats())).collect();
+    if let Some(m) = c.meter.get() {
+        // The counters as of now, not of the meter's last sample.
+        for (s, d) in &stats {
+            if let Some(d) = d {
+                m.add_sample(&s.spec.name, s.pid.load(Ordering::Relaxed), s.restarts.load(Ordering::Relaxed), d);
+            }
+        }
+    }
+    let (totals, busy, labels) = c.meter.get().map(|m| m.totals()).unwrap_or_default();
+    let dev_labels = |name: &str, d: Option<&DeviceStats>| {
+        let (uuid, model) = d.map(|d| (d.uuid.clone(), d.name.clone())).or_else(|| labels.get(name).cloned()).unwrap_or_default();
+        format!("device=\"{}\",uuid=\"{}\",model=\"{}\"", esc(name), esc(&uuid), esc(&model))
+    };
+    let by_dev: std::collections::HashMap<&str, String> = stats.iter().map(|(s, d)| (s.spec.name.as_str(), dev_labels(&s.spec.name, d.as_ref()))).collect();
+    let labels_of = |device: &str| by_dev.get(device).cloned().unwrap_or_else(|| dev_labels(device, None));
     let mut family = |name: &str, kind: &str, help: &str, rows: Vec<(String, f64)>| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
         for (labels, v) in rows {
             let _ = writeln!(out, "{name}{{{labels}}} {v}");
         }
     };
-    let dev = |f: &dyn Fn(&DeviceStats) -> f64| -> Vec<(String, f64)> {
-        stats.iter().filter_map(|(s, d)| d.as_ref().map(|d| (format!("device=\"{}\"", esc(&s.spec.name)), f(d)))).collect()
-    };
-    family("vgpu_device_up", "gauge", "Whether the device worker is serving (1) or restarting (0).",
-        stats.iter().map(|(s, d)| (format!("device=\"{}\"", esc(&s.spec.name)), d.is_some() as u8 as f64)).collect());
-    family("vgpu_device_worker_restarts_total", "counter", "Times the device worker was restarted after exiting.",
-        stats.iter().map(|(s, _)| (format!("device=\"{}\"", esc(&s.spec.name)), s.restarts.load(Ordering::Relaxed) as f64)).collect());
+    let dev = |f: &dyn Fn(&DeviceStats) -> f64| -> Vec<(String, f64)> { stats.iter().filter_map(|(s, d)| d.as_ref().map(|d| (labels_of(&s.spec.name), f(d)))).collect() };
+    family("vgpu_device_up", "gauge", "Whether the device worker is serving (1) or restarting (0).", stats.iter().map(|(s, d)| (labels_of(&s.spec.name), d.is_some() as u8 as f64)).collect());
+    family(
+        "vgpu_device_worker_restarts_total",
+        "counter",
+        "Times the device worker was restarted after exiting.",
+        stats.iter().map(|(s, _)| (labels_of(&s.spec.name), s.restarts.load(Ordering::Relaxed) as f64)).collect(),
+    );
     family("vgpu_device_memory_bytes", "gauge", "Device memory size.", dev(&|d| d.memory as f64));
     family("vgpu_device_memory_allocated_bytes", "gauge", "Device memory allocated by tenants.", dev(&|d| d.allocated as f64));
-    family("vgpu_device_scrubbed_bytes_total", "counter", "Bytes zeroed before hand-out on the device.", dev(&|d| d.bytes_scrubbed as f64));
+    family("vgpu_device_scrubbed_bytes_total", "counter", "Bytes zeroed before hand-out on the device (this worker's life).", dev(&|d| d.bytes_scrubbed as f64));
     family("vgpu_device_quarantined", "gauge", "1 once a scrub failed verification: the device hands out no memory.", dev(&|d| d.quarantined as u8 as f64));
-    family("vgpu_device_busy_seconds_total", "counter", "Lane-seconds the device spent running tenant work.", dev(&|d| d.busy_ns as f64 / 1e9));
+    family("vgpu_device_busy_seconds_total", "counter", "Lane-seconds the device spent running tenant work.", busy.iter().map(|(d, s)| (labels_of(d), *s)).collect());
     family("vgpu_device_utilization", "gauge", "Busy lane-time over available lane-time since the worker started.", dev(&utilization));
+    family("vgpu_device_lanes", "gauge", "Execution lanes: the device's capacity in lane-seconds per second.", dev(&|d| d.lanes as f64));
     let ten = |f: &dyn Fn(&TenantStats) -> f64| -> Vec<(String, f64)> {
         stats
             .iter()
             .filter_map(|(s, d)| d.as_ref().map(|d| (s, d)))
-            .flat_map(|(s, d)| d.tenants.iter().map(move |t| (format!("tenant=\"{}\",device=\"{}\"", esc(&t.name), esc(&s.spec.name)), f(t))))
+            .flat_map(|(s, d)| d.tenants.iter().map(move |t| (format!("tenant=\"{}\",{}", esc(&t.name), labels_of(&s.spec.name)), f(t))))
             .collect()
     };
+    let used = |f: &dyn Fn(&super::meter::Usage) -> f64| -> Vec<(String, f64)> { totals.iter().map(|(t, d, u)| (format!("tenant=\"{}\",{}", esc(t), labels_of(d)), f(u))).collect() };
     family("vgpu_tenant_memory_quota_bytes", "gauge", "Tenant memory quota.", ten(&|t| t.quota as f64));
     family("vgpu_tenant_memory_used_bytes", "gauge", "Device memory the tenant has allocated.", ten(&|t| t.used as f64));
-    family("vgpu_tenant_kernels_total", "counter", "Kernels the tenant launched.", ten(&|t| t.kernels as f64));
-    family("vgpu_tenant_device_seconds_total", "counter", "Device time the tenant's work used.", ten(&|t| t.device_ns as f64 / 1e9));
-    family("vgpu_tenant_scrubbed_bytes_total", "counter", "Bytes zeroed before being handed to the tenant.", ten(&|t| t.bytes_scrubbed as f64));
+    family("vgpu_tenant_memory_spilled_bytes", "gauge", "Bytes of the tenant's allocations held in host RAM (overcommit).", ten(&|t| t.spilled as f64));
+    family("vgpu_tenant_weight", "gauge", "The tenant's compute share weight.", ten(&|t| t.weight as f64));
+    family("vgpu_tenant_cap_ratio", "gauge", "The tenant's hard cap as a fraction of the device (1: uncapped).", ten(&|t| t.cap.map(|c| c as f64 / 100.0).unwrap_or(1.0)));
+    family("vgpu_tenant_kernels_total", "counter", "Kernels the tenant launched.", used(&|u| u.kernels as f64));
+    family("vgpu_tenant_device_seconds_total", "counter", "Device time the tenant's work used.", used(&|u| u.device_seconds));
+    family("vgpu_tenant_memory_byte_seconds_total", "counter", "Device memory the tenant held, integrated over time.", used(&|u| u.memory_byte_seconds));
+    family("vgpu_tenant_spilled_byte_seconds_total", "counter", "Spilled memory the tenant held, integrated over time.", used(&|u| u.spilled_byte_seconds));
+    family("vgpu_tenant_copied_bytes_total", "counter", "Bytes the tenant's copies moved.", used(&|u| u.bytes_copied as f64));
+    family("vgpu_tenant_scrubbed_bytes_total", "counter", "Bytes zeroed before being handed to the tenant.", used(&|u| u.bytes_scrubbed as f64));
     family("vgpu_tenant_connections", "gauge", "Open client connections of the tenant.", ten(&|t| t.connections as f64));
     family("vgpu_tenant_host_memory_bytes", "gauge", "Host memory the tenant's objects keep in its device worker.", ten(&|t| t.host_used as f64));
     family("vgpu_tenant_host_memory_limit_bytes", "gauge", "The tenant's host memory budget in its device worker.", ten(&|t| t.host_limit as f64));

@@ -3,6 +3,7 @@
 //! registry the REST API serves.
 
 pub mod api;
+pub mod meter;
 
 pub mod rundir;
 
@@ -226,6 +227,8 @@ pub struct Control {
     defaults: TenantDefaults,
     /// Credentials the workers drop to (None: they keep ours).
     worker_user: Option<Owner>,
+    /// Usage metering, once the daemon set it up.
+    pub meter: std::sync::OnceLock<Arc<meter::Meter>>,
 }
 
 impl Control {
@@ -242,6 +245,7 @@ impl Control {
             stopping: AtomicBool::new(false),
             defaults,
             worker_user,
+            meter: std::sync::OnceLock::new(),
         })
     }
 

@@ -101,6 +101,8 @@ pub struct Tenant {
     /// in flight is done.
     needs_recovery: AtomicBool,
     kernels: AtomicU64,
+    /// Bytes moved by the tenant's copies (either way, and on the device).
+    copied: AtomicU64,
     device_ns: AtomicU64,
     scrubbed: AtomicU64,
     used: AtomicU64,
@@ -352,6 +354,12 @@ pub enum Prepared {
     Work(Work),
 }
 
+/// A device UUID as NVIDIA tools print it: `GPU-` and 8-4-4-4-12 hex.
+pub fn uuid_text(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
 pub struct DeviceService {
     pub backend: Arc<dyn Backend>,
     /// The stream engine serving command rings, once the worker started it.
@@ -388,6 +396,7 @@ impl DeviceService {
             has_deferred: AtomicBool::new(false),
             needs_recovery: AtomicBool::new(false),
             kernels: AtomicU64::new(0),
+            copied: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             scrubbed: AtomicU64::new(0),
             used: AtomicU64::new(0),
@@ -468,6 +477,9 @@ impl DeviceService {
                 kernels: t.kernels.load(Ordering::Relaxed),
                 device_ns: t.device_ns.load(Ordering::Relaxed),
                 bytes_scrubbed: t.scrubbed.load(Ordering::Relaxed),
+                bytes_copied: t.copied.load(Ordering::Relaxed),
+                // No device spills yet: every allocation is in device memory.
+                spilled: 0,
                 weight: t.share().weight,
                 cap: t.share().cap,
                 priority: t.share().priority,
@@ -479,6 +491,7 @@ impl DeviceService {
         DeviceStats {
             kind: d.kind.to_string(),
             name: d.name.clone(),
+            uuid: uuid_text(&d.uuid),
             memory: d.memory,
             allocated: tenants.iter().map(|t| t.used).sum(),
             bytes_scrubbed: self.backend.bytes_scrubbed(),
@@ -763,7 +776,9 @@ impl DeviceService {
             WorkKind::DtoD { dst, src, size } => {
                 check(*src, *size, "copy source")?;
                 check(*dst, *size, "copy destination")?;
-                self.timed(t, || b.copy(slot, *dst, *src, *size)).map(|_| None)
+                self.timed(t, || b.copy(slot, *dst, *src, *size))?;
+                t.copied.fetch_add(*size, Ordering::Relaxed);
+                Ok(None)
             }
             WorkKind::HtoD { dst, size, src } => {
                 check(*dst, *size, "copy destination")?;
@@ -781,11 +796,13 @@ impl DeviceService {
                         })
                     }
                     HostMem::Reply => Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "a host-to-device copy needs a source")),
-                })
-                .map(|_| None)
+                })?;
+                t.copied.fetch_add(*size, Ordering::Relaxed);
+                Ok(None)
             }
             WorkKind::DtoH { src, size, dst } => {
                 check(*src, *size, "copy source")?;
+                t.copied.fetch_add(*size, Ordering::Relaxed);
                 self.timed(t, || match dst {
                     HostMem::Reply => {
                         let mut out = vec![0u8; *size as usize];

@@ -39,6 +39,15 @@ enum Cmd {
     Device(DeviceCmd),
     /// Prometheus metrics, as the API serves them.
     Metrics,
+    /// Usage records (the billing file), oldest first.
+    Usage {
+        /// Records whose interval ends after this time (UNIX seconds).
+        #[arg(long, default_value_t = 0.0)]
+        since: f64,
+        /// Only this tenant's records.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
     /// One VM, through its vgpu-vmm API socket.
     Vm {
         /// The VM's API socket (vgpu-vmm --api-socket).
@@ -309,6 +318,37 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 println!("deleted {name}")
             } else {
                 println!("revoked {name}; its memory is still being released (state: deleting)")
+            }
+        }
+        Cmd::Usage { since, tenant } => {
+            let mut path = format!("/usage?since={since}");
+            if let Some(t) = tenant {
+                path += &format!("&tenant={t}");
+            }
+            let v = call(cli, "GET", &path, None)?;
+            if json_out {
+                print_json(&v);
+            } else {
+                let mut rows = vec![["END", "TENANT", "DEVICE", "DEVICE-S", "MEM-MiB·S", "KERNELS", "COPIED", "SCRUBBED"].map(String::from).to_vec()];
+                let f = |r: &Value, k: &str| r.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+                for r in v.as_array().into_iter().flatten() {
+                    let end = format!("{:.0}", f(r, "end"));
+                    if s(r, "type") == "device" {
+                        rows.push(vec![end, "(busy)".into(), s(r, "device").into(), format!("{:.3}", f(r, "busy_seconds")), String::new(), String::new(), String::new(), String::new()]);
+                    } else {
+                        rows.push(vec![
+                            end,
+                            s(r, "tenant").into(),
+                            s(r, "device").into(),
+                            format!("{:.3}", f(r, "device_seconds")),
+                            format!("{:.1}", f(r, "memory_byte_seconds") / (1u64 << 20) as f64),
+                            u(r, "kernels").to_string(),
+                            human(u(r, "bytes_copied")),
+                            human(u(r, "bytes_scrubbed")),
+                        ]);
+                    }
+                }
+                table(rows);
             }
         }
         Cmd::Device(DeviceCmd::List) => {

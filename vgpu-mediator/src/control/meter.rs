@@ -1,0 +1,361 @@
+//! Metering for billing: per tenant and device, what its work used, kept
+//! across worker restarts and appended as usage records to a durable file
+//! (JSON lines) that `GET /usage?since=` serves.
+//!
+//! The control plane samples every worker's counters once a second. A
+//! worker's counters start again from zero when it restarts, so the meter
+//! keeps its own totals, adding the difference between samples (or the new
+//! worker's whole count after a restart). Every `interval` it appends one
+//! record per tenant and device, plus one per device with its busy time,
+//! and syncs the file. What a worker did after its last sample before it
+//! died (at most one sample period) is lost, for its tenants and its busy
+//! time alike.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+
+use super::Control;
+use crate::ipc::DeviceStats;
+
+/// How often worker counters are sampled.
+pub const SAMPLE: Duration = Duration::from_secs(1);
+/// Most records one `GET /usage` answers with.
+pub const MAX_RECORDS: usize = 100_000;
+
+/// Usage of one tenant on one device.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    pub device_seconds: f64,
+    pub memory_byte_seconds: f64,
+    pub spilled_byte_seconds: f64,
+    pub kernels: u64,
+    pub bytes_copied: u64,
+    pub bytes_scrubbed: u64,
+}
+
+impl Usage {
+    fn add(&mut self, o: &Usage) {
+        self.device_seconds += o.device_seconds;
+        self.memory_byte_seconds += o.memory_byte_seconds;
+        self.spilled_byte_seconds += o.spilled_byte_seconds;
+        self.kernels += o.kernels;
+        self.bytes_copied += o.bytes_copied;
+        self.bytes_scrubbed += o.bytes_scrubbed;
+    }
+
+    fn is_zero(&self) -> bool {
+        *self == Usage::default()
+    }
+}
+
+/// One line of the usage file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Record {
+    /// A tenant's usage on a device over `[start, end)` (UNIX seconds).
+    Tenant {
+        start: f64,
+        end: f64,
+        tenant: String,
+        device: String,
+        uuid: String,
+        #[serde(flatten)]
+        usage: Usage,
+    },
+    /// A device's busy lane time over `[start, end)`.
+    Device { start: f64, end: f64, device: String, uuid: String, model: String, busy_seconds: f64, lanes: u32 },
+}
+
+impl Record {
+    pub fn end(&self) -> f64 {
+        match self {
+            Record::Tenant { end, .. } | Record::Device { end, .. } => *end,
+        }
+    }
+
+    fn tenant(&self) -> Option<&str> {
+        match self {
+            Record::Tenant { tenant, .. } => Some(tenant),
+            Record::Device { .. } => None,
+        }
+    }
+}
+
+/// A worker's counters at the last sample.
+struct Seen {
+    pid: u32,
+    restarts: u64,
+    busy_ns: u64,
+    tenants: HashMap<String, (u64, u64, u64, u64)>,
+    at: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    seen: HashMap<String, Seen>,
+    /// Since the mediator's first start (recovered from the file).
+    totals: BTreeMap<(String, String), Usage>,
+    busy: BTreeMap<String, f64>,
+    /// Not yet written to the file.
+    pending: BTreeMap<(String, String), Usage>,
+    pending_busy: BTreeMap<String, f64>,
+    /// UUID, model and lanes per device, from the last sample.
+    labels: HashMap<String, (String, String, u32)>,
+    since: f64,
+}
+
+pub struct Meter {
+    path: PathBuf,
+    interval: Duration,
+    state: Mutex<State>,
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MeterError {
+    #[error("usage file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Meter {
+    /// A meter writing to `path` every `interval`, its totals recovered
+    /// from the records already there.
+    pub fn open(path: &Path, interval: Duration) -> Result<Arc<Meter>, MeterError> {
+        let io = |source| MeterError::Io { path: path.display().to_string(), source };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let mut st = State { since: unix_now(), ..State::default() };
+        match std::fs::File::open(path) {
+            Ok(f) => {
+                for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
+                    let line = line.map_err(io)?;
+                    match serde_json::from_str::<Record>(&line) {
+                        Ok(Record::Tenant { tenant, device, usage, .. }) => st.totals.entry((tenant, device)).or_default().add(&usage),
+                        Ok(Record::Device { device, busy_seconds, .. }) => *st.busy.entry(device).or_default() += busy_seconds,
+                        // A torn last line (a crash mid-write) is skipped.
+                        Err(e) => warn!(line = n + 1, "usage file {}: unreadable record skipped: {e}", path.display()),
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
+        }
+        Ok(Arc::new(Meter { path: path.to_path_buf(), interval: interval.max(SAMPLE), state: Mutex::new(st) }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Samples every worker every second and writes records every
+    /// interval, until the process ends.
+    pub fn run(self: Arc<Self>, control: Arc<Control>) {
+        let mut next_write = Instant::now() + self.interval;
+        loop {
+            std::thread::sleep(SAMPLE);
+            self.sample(&control);
+            if Instant::now() >= next_write {
+                next_write += self.interval;
+                if let Err(e) = self.flush() {
+                    warn!("{e}; the records are kept and written with the next ones");
+                }
+            }
+        }
+    }
+
+    /// Takes one sample of every device.
+    pub fn sample(&self, control: &Control) {
+        for slot in &control.devices {
+            let Some(stats) = slot.stats() else { continue };
+            self.add_sample(&slot.spec.name, slot.pid.load(Ordering::Relaxed), slot.restarts.load(Ordering::Relaxed), &stats);
+        }
+    }
+
+    /// Adds what a device's counters show since its last sample.
+    pub fn add_sample(&self, device: &str, pid: u32, restarts: u64, d: &DeviceStats) {
+        let now = Instant::now();
+        let mut st = self.lock();
+        st.labels.insert(device.to_string(), (d.uuid.clone(), d.name.clone(), d.lanes));
+        let prev = st.seen.remove(device);
+        if prev.as_ref().is_some_and(|p| p.pid == pid && p.restarts == restarts && p.busy_ns > d.busy_ns) {
+            // Taken before the last one applied (two samplers raced): it
+            // adds nothing.
+            if let Some(p) = prev {
+                st.seen.insert(device.to_string(), p);
+            }
+            return;
+        }
+        // After a restart the new worker counts from zero.
+        let prev = prev.filter(|p| p.pid == pid && p.restarts == restarts);
+        let dt = prev.as_ref().map(|p| now.duration_since(p.at).as_secs_f64()).unwrap_or(0.0);
+        let busy = d.busy_ns - prev.as_ref().map(|p| p.busy_ns).unwrap_or(0);
+        *st.busy.entry(device.to_string()).or_default() += busy as f64 / 1e9;
+        *st.pending_busy.entry(device.to_string()).or_default() += busy as f64 / 1e9;
+        let mut seen = Seen { pid, restarts, busy_ns: d.busy_ns, tenants: HashMap::new(), at: now };
+        for t in &d.tenants {
+            let cur = (t.device_ns, t.kernels, t.bytes_copied, t.bytes_scrubbed);
+            let was = prev.as_ref().and_then(|p| p.tenants.get(&t.name)).copied().filter(|w| w.0 <= cur.0 && w.1 <= cur.1 && w.2 <= cur.2 && w.3 <= cur.3).unwrap_or_default();
+            let u = Usage {
+                device_seconds: (cur.0 - was.0) as f64 / 1e9,
+                memory_byte_seconds: t.used as f64 * dt,
+                spilled_byte_seconds: t.spilled as f64 * dt,
+                kernels: cur.1 - was.1,
+                bytes_copied: cur.2 - was.2,
+                bytes_scrubbed: cur.3 - was.3,
+            };
+            seen.tenants.insert(t.name.clone(), cur);
+            let key = (t.name.clone(), device.to_string());
+            st.totals.entry(key.clone()).or_default().add(&u);
+            st.pending.entry(key).or_default().add(&u);
+        }
+        st.seen.insert(device.to_string(), seen);
+    }
+
+    /// Appends the records of the interval that ends now and syncs them.
+    pub fn flush(&self) -> Result<(), MeterError> {
+        let end = unix_now();
+        let mut st = self.lock();
+        let start = st.since;
+        let mut lines = String::new();
+        for ((tenant, device), usage) in &st.pending {
+            if usage.is_zero() {
+                continue;
+            }
+            let uuid = st.labels.get(device).map(|l| l.0.clone()).unwrap_or_default();
+            let r = Record::Tenant { start, end, tenant: tenant.clone(), device: device.clone(), uuid, usage: usage.clone() };
+            lines += &(serde_json::to_string(&r).unwrap_or_default() + "\n");
+        }
+        for (device, busy) in &st.pending_busy {
+            if *busy == 0.0 {
+                continue;
+            }
+            let (uuid, model, lanes) = st.labels.get(device).cloned().unwrap_or_default();
+            let r = Record::Device { start, end, device: device.clone(), uuid, model, busy_seconds: *busy, lanes };
+            lines += &(serde_json::to_string(&r).unwrap_or_default() + "\n");
+        }
+        if !lines.is_empty() {
+            // Opened for each batch, so an operator's log rotation (rename)
+            // takes effect at the next one.
+            let io = |source| MeterError::Io { path: self.path.display().to_string(), source };
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).map_err(io)?;
+            f.write_all(lines.as_bytes()).map_err(io)?;
+            f.sync_data().map_err(io)?;
+        }
+        st.pending.clear();
+        st.pending_busy.clear();
+        st.since = end;
+        Ok(())
+    }
+
+    /// Totals per (tenant, device) since the first start, and each device's
+    /// busy seconds, with the device's (uuid, model) labels.
+    pub fn totals(&self) -> (Vec<(String, String, Usage)>, Vec<(String, f64)>, HashMap<String, (String, String)>) {
+        let st = self.lock();
+        let t = st.totals.iter().map(|((t, d), u)| (t.clone(), d.clone(), u.clone())).collect();
+        let b = st.busy.iter().map(|(d, s)| (d.clone(), *s)).collect();
+        let l = st.labels.iter().map(|(d, (u, m, _))| (d.clone(), (u.clone(), m.clone()))).collect();
+        (t, b, l)
+    }
+
+    /// Records whose interval ends after `since` (UNIX seconds), of one
+    /// tenant if given, at most `limit`.
+    pub fn records(&self, since: f64, tenant: Option<&str>, limit: usize) -> Result<Vec<Record>, MeterError> {
+        let io = |source| MeterError::Io { path: self.path.display().to_string(), source };
+        let f = match std::fs::File::open(&self.path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io(e)),
+        };
+        let mut out = Vec::new();
+        for line in std::io::BufReader::new(f).lines() {
+            let line = line.map_err(io)?;
+            let Ok(r) = serde_json::from_str::<Record>(&line) else { continue };
+            if r.end() > since && tenant.is_none_or(|t| r.tenant() == Some(t)) {
+                out.push(r);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ipc::TenantStats;
+
+    fn stats(busy: u64, tenants: &[(&str, u64, u64)]) -> DeviceStats {
+        DeviceStats {
+            kind: "cpu".into(),
+            name: "model".into(),
+            uuid: "GPU-x".into(),
+            busy_ns: busy,
+            lanes: 2,
+            tenants: tenants.iter().map(|(n, ns, used)| TenantStats { name: n.to_string(), device_ns: *ns, used: *used, kernels: 1, ..TenantStats::default() }).collect(),
+            ..DeviceStats::default()
+        }
+    }
+
+    #[test]
+    fn totals_survive_a_worker_restart_and_a_mediator_restart() {
+        let dir = std::env::temp_dir().join(format!("vgpu-meter-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("usage.jsonl");
+        let m = Meter::open(&path, SAMPLE).unwrap();
+        m.add_sample("cpu0", 10, 0, &stats(3_000_000_000, &[("a", 1_000_000_000, 0), ("b", 2_000_000_000, 0)]));
+        m.add_sample("cpu0", 10, 0, &stats(5_000_000_000, &[("a", 2_000_000_000, 0), ("b", 3_000_000_000, 0)]));
+        // The worker restarted: its counters start again from zero.
+        m.add_sample("cpu0", 11, 1, &stats(1_000_000_000, &[("a", 500_000_000, 0), ("b", 500_000_000, 0)]));
+        m.flush().unwrap();
+        let (t, b, _) = m.totals();
+        let secs = |name: &str| t.iter().find(|x| x.0 == name).unwrap().2.device_seconds;
+        assert_eq!((secs("a"), secs("b"), b[0].1), (2.5, 3.5, 6.0));
+        assert_eq!(t.iter().find(|x| x.0 == "a").unwrap().2.kernels, 2, "one kernel per worker's count");
+        // A new mediator reads the totals back, and the records add up.
+        let m2 = Meter::open(&path, SAMPLE).unwrap();
+        assert_eq!(m2.totals().0, t);
+        let recs = m2.records(0.0, None, 100).unwrap();
+        let tenant_s: f64 = recs.iter().map(|r| if let Record::Tenant { usage, .. } = r { usage.device_seconds } else { 0.0 }).sum();
+        let busy_s: f64 = recs.iter().map(|r| if let Record::Device { busy_seconds, .. } = r { *busy_seconds } else { 0.0 }).sum();
+        assert_eq!((tenant_s, busy_s), (6.0, 6.0));
+        assert_eq!(m2.records(0.0, Some("a"), 100).unwrap().len(), 1);
+        assert!(m2.records(unix_now() + 10.0, None, 100).unwrap().is_empty());
+        // A torn line is skipped, not fatal.
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"type\":\"ten").unwrap();
+        assert_eq!(Meter::open(&path, SAMPLE).unwrap().totals().0, t);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn memory_is_billed_by_the_byte_second() {
+        let dir = std::env::temp_dir().join(format!("vgpu-meter-m-{}", std::process::id()));
+        let m = Meter::open(&dir.join("u.jsonl"), SAMPLE).unwrap();
+        m.add_sample("cpu0", 1, 0, &stats(0, &[("a", 0, 1 << 20)]));
+        std::thread::sleep(Duration::from_millis(200));
+        m.add_sample("cpu0", 1, 0, &stats(0, &[("a", 0, 1 << 20)]));
+        let mbs = m.totals().0[0].2.memory_byte_seconds;
+        assert!(mbs >= 0.2 * (1 << 20) as f64 && mbs < 2.0 * (1 << 20) as f64, "{mbs}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
