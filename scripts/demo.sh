@@ -26,7 +26,7 @@ for p in vectorAdd matrixMul reduction; do
 done
 
 echo "== starting vgpu-mediatord (1 CPU device, 512MiB) in $RUN"
-VGPU_LOG=warn "$BIN/vgpu-mediatord" --run-dir "$RUN" --cpu-devices 1 --device-memory 512MiB &
+VGPU_LOG=warn "$BIN/vgpu-mediatord" --run-dir "$RUN" --cpu-devices 1 --device-memory 512MiB --usage-interval 2 &
 MED=$!
 for _ in $(seq 100); do [ -S "$RUN/api.sock" ] && break; sleep 0.1; done
 CTL=("$BIN/vgpuctl" --run-dir "$RUN")
@@ -59,6 +59,16 @@ echo "== the admin's view (vgpuctl)"
 "${CTL[@]}" tenant show alice
 "${CTL[@]}" tenant show bob
 "${CTL[@]}" metrics | grep -E '^vgpu_tenant_(memory_quota|kernels|device_seconds|scrubbed)' || true
+
+echo "== fair share: alice (weight 2) and bob (weight 1) both saturate the device"
+"$BIN/share-bench" --tenants "alice=$SOCK_A:2,bob=$SOCK_B:1" --secs 3
+echo "== bob is capped live at 20% of the device ($(nproc) lanes here: at most $(awk "BEGIN{print 0.2*$(nproc)}") lanes busy) and made latency-class"
+"${CTL[@]}" tenant set bob --cap 20 --priority latency
+"$BIN/share-bench" --tenants "alice=$SOCK_A:2,bob=$SOCK_B:1" --secs 3
+"${CTL[@]}" tenant set bob --cap 100 --priority normal >/dev/null
+sleep 2.5
+echo "== usage records for billing (vgpuctl usage; the file is $RUN/usage.jsonl)"
+"${CTL[@]}" usage
 
 echo "== Python CUDA stacks from PyPI, unmodified: numba-cuda as alice, CuPy as bob"
 PY="$ROOT/target/pyenv/bin/python"

@@ -618,6 +618,13 @@ pub mod shares {
     /// second of warm-up.
     pub fn measure_specs(m: &Mediator, specs: &[Value], secs: f64, iters: u32) -> Window {
         let socks: Vec<String> = specs.iter().map(|sp| m.tenant_with(sp.clone())["socket"].as_str().expect("socket").to_string()).collect();
+        Window { lanes: lanes(m), ..measure_sockets(&socks, secs, iters) }
+    }
+
+    /// Saturates the tenants at `socks` from two threads each and measures
+    /// what each used in a window of `secs` after half a second of warm-up
+    /// (`lanes` left 0: the caller knows the device).
+    pub fn measure_sockets(socks: &[String], secs: f64, iters: u32) -> Window {
         let probes: Vec<Client> = socks.iter().map(|s| Client::connect_unix(s).expect("connect")).collect();
         let stop = Arc::new(AtomicBool::new(false));
         let threads: Vec<_> = socks
@@ -638,7 +645,7 @@ pub mod shares {
         for t in threads {
             t.join().expect("thread");
         }
-        Window { used: before.iter().zip(&after).map(|(b, a)| (a - b) as f64).collect(), wall, lanes: lanes(m) }
+        Window { used: before.iter().zip(&after).map(|(b, a)| (a - b) as f64).collect(), wall, lanes: 0 }
     }
 
     /// Tenants `TAG0..` with `weights`: each one's share of the device time

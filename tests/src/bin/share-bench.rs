@@ -12,6 +12,9 @@
 //!    the normal and of the latency class.
 //!
 //! Usage: share-bench [--quick] [--secs S]
+//!        share-bench --tenants NAME=SOCKET:WEIGHT,... [--secs S]
+//! The second form saturates existing tenants (the README's demo) and
+//! prints their shares against their weights.
 
 use serde_json::json;
 use vgpu_tests::{shares, Mediator};
@@ -58,9 +61,33 @@ fn latency(m: &Mediator, n: usize) {
     println!("  (one aggressor launch alone takes {:.1} ms)", one.timed(LONG).as_secs_f64() * 1e3);
 }
 
+/// `--tenants NAME=SOCKET:WEIGHT,...`: shares of existing tenants.
+fn existing(spec: &str, secs: f64) {
+    let parsed: Vec<(String, String, u32)> = spec
+        .split(',')
+        .map(|t| {
+            let (name, rest) = t.split_once('=').expect("NAME=SOCKET:WEIGHT");
+            let (sock, w) = rest.rsplit_once(':').expect("NAME=SOCKET:WEIGHT");
+            (name.to_string(), sock.to_string(), w.parse().expect("weight"))
+        })
+        .collect();
+    let socks: Vec<String> = parsed.iter().map(|p| p.1.clone()).collect();
+    let w = shares::measure_sockets(&socks, secs, 20_000);
+    let wsum: u32 = parsed.iter().map(|p| p.2).sum();
+    println!("{} tenants saturating the device for {secs:.1} s:", parsed.len());
+    for (((name, _, weight), share), used) in parsed.iter().zip(w.shares()).zip(&w.used) {
+        let target = 100.0 * *weight as f64 / wsum as f64;
+        let lanes = used / w.wall.as_nanos() as f64;
+        println!("  {name:<8} weight {weight}: {:5.1}% of the device time used (its weight's share: {target:4.1}%), {lanes:.2} lanes busy on average", 100.0 * share);
+    }
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let secs = std::env::args().skip_while(|a| a != "--secs").nth(1).and_then(|s| s.parse().ok()).unwrap_or(if quick { 2.0 } else { 8.0 });
+    if let Some(spec) = std::env::args().skip_while(|a| a != "--tenants").nth(1) {
+        return existing(&spec, secs);
+    }
     // The device's lanes (one per host core) are what the tenants share.
     let m = Mediator::start(&["--device-memory", "512MiB"]);
     weights(&m, "a", &[1, 1, 2, 4], secs);
