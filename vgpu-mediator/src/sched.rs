@@ -179,9 +179,11 @@ impl Passes {
         self.tenants.entry(tenant.to_string()).or_insert_with(|| Account::new(now, Share::default(), false))
     }
 
-    /// Virtual time: the lowest pass among active tenants.
+    /// Virtual time: the lowest pass among active tenants not over their
+    /// cap (a throttled tenant's pass advances only at its cap's rate and
+    /// must not hold virtual time back for the others).
     fn now(&mut self) -> f64 {
-        if let Some(low) = self.tenants.values().filter(|a| a.active > 0).map(|a| a.pass).min_by(f64::total_cmp) {
+        if let Some(low) = self.tenants.values().filter(|a| a.active > 0 && (a.share.cap.is_none() || a.tokens >= 0.0)).map(|a| a.pass).min_by(f64::total_cmp) {
             self.now = self.now.max(low);
         }
         self.now
@@ -353,9 +355,11 @@ impl Policy for WeightedFair {
         let a = g.tenants.entry(tenant.to_string()).or_insert_with(|| Account::new(now, share, true));
         if a.share.cap != share.cap {
             // A new cap starts with a full bucket's worth of nothing: no
-            // burst is owed from before it was set.
+            // burst is owed from before it was set. A lifted one does not
+            // leave the tenant far behind the others, owed device time.
             a.tokens = 0.0;
             a.refilled = Instant::now();
+            a.pass = a.pass.max(now - IDLE_SLACK);
         }
         a.share = share;
         a.configured = true;

@@ -172,19 +172,11 @@ fn esc(s: &str) -> String {
 }
 
 /// Prometheus text exposition of every device and tenant. Counters come
-/// from the meter (they survive worker and daemon restarts); gauges from
-/// the workers now. Every series carries the device's name, UUID and model.
+/// from the meter's last sample (at most a second old; they survive worker
+/// and daemon restarts); gauges from the workers now. Every series carries the device's name, UUID and model.
 pub fn render_metrics(c: &Control) -> String {
     let mut out = String::new();
     let stats: Vec<_> = c.devices.iter().map(|s| (s, s.stats())).collect();
-    if let Some(m) = c.meter.get() {
-        // The counters as of now, not of the meter's last sample.
-        for (s, d) in &stats {
-            if let Some(d) = d {
-                m.add_sample(&s.spec.name, s.pid.load(Ordering::Relaxed), s.restarts.load(Ordering::Relaxed), d);
-            }
-        }
-    }
     let (totals, busy, labels) = c.meter.get().map(|m| m.totals()).unwrap_or_default();
     let dev_labels = |name: &str, d: Option<&DeviceStats>| {
         let (uuid, model) = d.map(|d| (d.uuid.clone(), d.name.clone())).or_else(|| labels.get(name).cloned()).unwrap_or_default();

@@ -115,6 +115,9 @@ pub struct Meter {
     path: PathBuf,
     interval: Duration,
     state: Mutex<State>,
+    /// One sampler at a time, from reading the workers to applying what
+    /// they said: samples are applied in the order they were taken.
+    sampling: Mutex<()>,
 }
 
 fn unix_now() -> f64 {
@@ -155,7 +158,7 @@ impl Meter {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io(e)),
         }
-        Ok(Arc::new(Meter { path: path.to_path_buf(), interval: interval.max(SAMPLE), state: Mutex::new(st) }))
+        Ok(Arc::new(Meter { path: path.to_path_buf(), interval: interval.max(SAMPLE), state: Mutex::new(st), sampling: Mutex::new(()) }))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -184,9 +187,17 @@ impl Meter {
 
     /// Takes one sample of every device.
     pub fn sample(&self, control: &Control) {
+        let _one = self.sampling.lock().unwrap_or_else(|e| e.into_inner());
         for slot in &control.devices {
+            let who = || (slot.pid.load(Ordering::Acquire), slot.restarts.load(Ordering::Acquire));
+            let before = who();
             let Some(stats) = slot.stats() else { continue };
-            self.add_sample(&slot.spec.name, slot.pid.load(Ordering::Relaxed), slot.restarts.load(Ordering::Relaxed), &stats);
+            // A worker that restarted meanwhile: whose counters these are
+            // is not known, so they are not used (the next sample is).
+            if who() != before {
+                continue;
+            }
+            self.add_sample(&slot.spec.name, before.0, before.1, &stats);
         }
     }
 

@@ -229,6 +229,8 @@ pub struct Control {
     worker_user: Option<Owner>,
     /// Usage metering, once the daemon set it up.
     pub meter: std::sync::OnceLock<Arc<meter::Meter>>,
+    /// Held by `set_tenant`.
+    setting: Mutex<()>,
 }
 
 impl Control {
@@ -246,6 +248,7 @@ impl Control {
             defaults,
             worker_user,
             meter: std::sync::OnceLock::new(),
+            setting: Mutex::new(()),
         })
     }
 
@@ -459,6 +462,9 @@ impl Control {
     /// what the tenant has allocated (it cannot allocate more until it
     /// frees below the new quota).
     pub fn set_tenant(&self, name: &str, change: &TenantChange) -> Result<TenantRecord, ControlError> {
+        // Changes are applied one at a time, so the worker ends with the
+        // values the registry records.
+        let _one = self.setting.lock().unwrap_or_else(|e| e.into_inner());
         let (slot, before, after) = {
             let mut tenants = self.registry();
             let rec = tenants.get(name).ok_or_else(|| ControlError::NotFound(format!("no tenant {name}")))?;
@@ -502,15 +508,17 @@ impl Control {
             // the tenant.
             Err(ControlError::WorkerDown(_)) => {}
             Ok(WorkerMsg::Err(e)) => {
-                self.restore(name, &before);
+                self.restore(name, &before, &after);
                 return Err(ControlError::Worker(e));
             }
             Ok(other) => {
-                self.restore(name, &before);
+                self.restore(name, &before, &after);
                 return Err(ControlError::Worker(format!("unexpected reply {other:?}")));
             }
+            // The worker may still apply it: the larger quota stays
+            // reserved, the rest goes back.
             Err(e) => {
-                self.restore(name, &before);
+                self.restore(name, &TenantRecord { memory: before.memory.max(after.memory), ..before.clone() }, &after);
                 return Err(e);
             }
         }
@@ -518,9 +526,17 @@ impl Control {
         Ok(after)
     }
 
-    fn restore(&self, name: &str, before: &TenantRecord) {
+    /// Undoes a change the worker refused, only if the record is still
+    /// the one the change made (not deleted or re-created since).
+    fn restore(&self, name: &str, before: &TenantRecord, after: &TenantRecord) {
         if let Some(r) = self.registry().get_mut(name) {
-            *r = before.clone();
+            let same = r.state == TenantPhase::Ready && r.device == after.device && r.socket == after.socket && r.memory == after.memory && r.weight == after.weight && r.cap == after.cap && r.priority == after.priority;
+            if same {
+                r.memory = before.memory;
+                r.weight = before.weight;
+                r.cap = before.cap;
+                r.priority = before.priority;
+            }
         }
     }
 
