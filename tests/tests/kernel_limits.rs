@@ -3,6 +3,7 @@
 //! images without PTX have no binary for this device.
 
 use virtio_gpu_compute::*;
+use virtio_gpu_compute::fatbin::build;
 use vgpu_tests::*;
 
 #[test]
@@ -77,22 +78,6 @@ fn lz4_literals(data: &[u8]) -> Vec<u8> {
 
 /// One fatbin entry: kind (1 PTX, 2 ELF), architecture, flags, payload and
 /// its uncompressed size (0 when stored as is).
-fn fatbin_entry(kind: u16, arch: u32, flags: u64, payload: &[u8], uncompressed: u64) -> Vec<u8> {
-    let padded = payload.len().next_multiple_of(8);
-    let mut e = vec![0u8; 64];
-    e[0..2].copy_from_slice(&kind.to_le_bytes());
-    e[2..4].copy_from_slice(&0x101u16.to_le_bytes());
-    e[4..8].copy_from_slice(&64u32.to_le_bytes());
-    e[8..16].copy_from_slice(&(padded as u64).to_le_bytes());
-    e[16..20].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-    e[28..32].copy_from_slice(&arch.to_le_bytes());
-    e[40..48].copy_from_slice(&flags.to_le_bytes());
-    e[56..64].copy_from_slice(&uncompressed.to_le_bytes());
-    e.extend_from_slice(payload);
-    e.resize(64 + padded, 0);
-    e
-}
-
 #[test]
 fn a_fatbin_runs_through_its_compressed_ptx_on_the_cpu_device() {
     let m = Mediator::start(&[]);
@@ -100,29 +85,18 @@ fn a_fatbin_runs_through_its_compressed_ptx_on_the_cpu_device() {
     let mut r = Raw::connect(&a);
     let ctx = r.ctx();
     let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry from_fatbin(.param .u64 p)\n{\n .reg .b64 %rd<2>;\n .reg .b32 %r<2>;\n ld.param.u64 %rd1, [p];\n mov.u32 %r1, 77;\n st.global.u32 [%rd1], %r1;\n ret;\n}\n\0";
-    let body = [
-        fatbin_entry(2, 80, 0x11, b"\x7fELF-a-cubin-for-sm_80", 0),
-        fatbin_entry(1, 70, 0x2011, &lz4_literals(ptx.as_bytes()), ptx.len() as u64),
-        fatbin_entry(1, 90, 0x11, b".version 8.0\n.target sm_90\n", 0),
-    ]
-    .concat();
-    let mut fatbin = 0xBA55_ED50u32.to_le_bytes().to_vec();
-    fatbin.extend_from_slice(&1u16.to_le_bytes());
-    fatbin.extend_from_slice(&16u16.to_le_bytes());
-    fatbin.extend_from_slice(&(body.len() as u64).to_le_bytes());
-    fatbin.extend_from_slice(&body);
+    let fatbin = build::image(&[
+        build::entry(2, 80, 0x11, b"\x7fELF-a-cubin-for-sm_80", 0),
+        build::entry(1, 70, 0x2011, &lz4_literals(ptx.as_bytes()), ptx.len() as u64),
+        build::entry(1, 90, 0x11, b".version 8.0\n.target sm_90\n", 0),
+    ]);
     let module = Raw::handle(r.call(Request::ModuleLoad(ModuleLoadReq { ctx, format: ImageFormat::Fatbin as u32, image_len: fatbin.len() as u64 }, fatbin.clone())));
     assert!(matches!(r.function(ctx, module, "from_fatbin"), Reply::Function(..)), "the compute_70 PTX was chosen and loaded");
     // A fatbin whose PTX is all newer than the device (compute_90 only, on
     // this 8.0 device) runs through that PTX: the interpreter does not
     // depend on the architecture a PTX names.
     let newer = ptx.replace(".target sm_70", ".target sm_90").replace("from_fatbin", "from_newer");
-    let body90 = fatbin_entry(1, 90, 0x2011, &lz4_literals(newer.as_bytes()), newer.len() as u64);
-    let mut only_newer = 0xBA55_ED50u32.to_le_bytes().to_vec();
-    only_newer.extend_from_slice(&1u16.to_le_bytes());
-    only_newer.extend_from_slice(&16u16.to_le_bytes());
-    only_newer.extend_from_slice(&(body90.len() as u64).to_le_bytes());
-    only_newer.extend_from_slice(&body90);
+    let only_newer = build::image(&[build::entry(1, 90, 0x2011, &lz4_literals(newer.as_bytes()), newer.len() as u64)]);
     let m90 = Raw::handle(r.call(Request::ModuleLoad(ModuleLoadReq { ctx, format: ImageFormat::Fatbin as u32, image_len: only_newer.len() as u64 }, only_newer)));
     assert!(matches!(r.function(ctx, m90, "from_newer"), Reply::Function(..)));
     // The same PTX alone is refused, as a real driver refuses PTX newer
@@ -133,7 +107,7 @@ fn a_fatbin_runs_through_its_compressed_ptx_on_the_cpu_device() {
     }
     // A corrupt compressed entry is a clear error, not a crash: its first
     // LZ4 token now asks for a match before any output exists.
-    let first = fatbin_entry(2, 80, 0x11, b"\x7fELF-a-cubin-for-sm_80", 0).len();
+    let first = build::entry(2, 80, 0x11, b"\x7fELF-a-cubin-for-sm_80", 0).len();
     let mut bad = fatbin.clone();
     bad[16 + first + 64] = 0x0F;
     match r.call(Request::ModuleLoad(ModuleLoadReq { ctx, format: ImageFormat::Fatbin as u32, image_len: bad.len() as u64 }, bad)) {

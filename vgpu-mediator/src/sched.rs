@@ -593,10 +593,8 @@ impl Running {
         }
         let ticket = s.enqueue_quiet(&mut g, &self.tenant);
         let stay = match s.policy.pick(&g.queue) {
-            Pick::Run(i) => {
-                let w = &g.queue[i];
-                w.ticket == ticket || (!throttled && (w.tenant == self.tenant || (turn < QUANTUM && !s.policy.urgent(&w.tenant, &self.tenant))))
-            }
+            // A policy's index out of range keeps the running work going.
+            Pick::Run(i) => g.queue.get(i).is_none_or(|w| w.ticket == ticket || (!throttled && (w.tenant == self.tenant || (turn < QUANTUM && !s.policy.urgent(&w.tenant, &self.tenant))))),
             Pick::Wait(_) => false,
         };
         if stay {

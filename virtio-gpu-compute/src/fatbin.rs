@@ -282,16 +282,20 @@ pub fn lz4_block(src: &[u8], size: usize) -> Result<Vec<u8>, &'static str> {
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Writing fatbins in the layout [`entries`] reads: for tests and fuzz
+/// seeds.
+pub mod build {
+    use super::FATBIN_MAGIC;
 
-    fn entry(kind: u16, arch: u32, flags: u64, payload: &[u8], uncompressed: u64) -> Vec<u8> {
+    /// One entry: its 64-byte header (kind, version 0x101, header size,
+    /// padded payload size, payload size, architecture, flags and the
+    /// uncompressed size), then the payload padded to 8 bytes.
+    pub fn entry(kind: u16, arch: u32, flags: u64, payload: &[u8], uncompressed: u64) -> Vec<u8> {
+        let padded = payload.len().next_multiple_of(8);
         let mut e = vec![0u8; 64];
         e[0..2].copy_from_slice(&kind.to_le_bytes());
         e[2..4].copy_from_slice(&0x101u16.to_le_bytes());
         e[4..8].copy_from_slice(&64u32.to_le_bytes());
-        let padded = payload.len().next_multiple_of(8);
         e[8..16].copy_from_slice(&(padded as u64).to_le_bytes());
         e[16..20].copy_from_slice(&(payload.len() as u32).to_le_bytes());
         e[28..32].copy_from_slice(&arch.to_le_bytes());
@@ -302,9 +306,10 @@ mod tests {
         e
     }
 
-    fn fatbin(entries: &[Vec<u8>]) -> Vec<u8> {
+    /// A fatbin of `entries`: the 16-byte header, then the entries.
+    pub fn image(entries: &[Vec<u8>]) -> Vec<u8> {
         let body: Vec<u8> = entries.concat();
-        let mut f = Vec::new();
+        let mut f = Vec::with_capacity(16 + body.len());
         f.extend_from_slice(&FATBIN_MAGIC.to_le_bytes());
         f.extend_from_slice(&1u16.to_le_bytes());
         f.extend_from_slice(&16u16.to_le_bytes());
@@ -312,6 +317,13 @@ mod tests {
         f.extend_from_slice(&body);
         f
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use build::{entry, image as fatbin};
 
     /// "abcabcabcabc!" as an LZ4 block: 3 literals, a 9-byte match at
     /// offset 3, then the last literal.

@@ -177,7 +177,7 @@ fn esc(s: &str) -> String {
 pub fn render_metrics(c: &Control) -> String {
     let mut out = String::new();
     let stats: Vec<_> = c.devices.iter().map(|s| (s, s.stats())).collect();
-    let (totals, busy, labels) = c.meter.get().map(|m| m.totals()).unwrap_or_default();
+    let super::meter::Totals { tenants: totals, busy, labels } = c.meter.get().map(|m| m.totals()).unwrap_or_default();
     let dev_labels = |name: &str, d: Option<&DeviceStats>| {
         let (uuid, model) = d.map(|d| (d.uuid.clone(), d.name.clone())).or_else(|| labels.get(name).cloned()).unwrap_or_default();
         format!("device=\"{}\",uuid=\"{}\",model=\"{}\"", esc(name), esc(&uuid), esc(&model))

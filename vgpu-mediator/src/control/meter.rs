@@ -88,6 +88,17 @@ impl Record {
     }
 }
 
+/// The meter's totals since the first start.
+#[derive(Debug, Default)]
+pub struct Totals {
+    /// (tenant, device, usage).
+    pub tenants: Vec<(String, String, Usage)>,
+    /// (device, busy seconds).
+    pub busy: Vec<(String, f64)>,
+    /// Device name to its (uuid, model).
+    pub labels: HashMap<String, (String, String)>,
+}
+
 /// A worker's counters at the last sample.
 struct Seen {
     pid: u32,
@@ -277,14 +288,14 @@ impl Meter {
         Ok(())
     }
 
-    /// Totals per (tenant, device) since the first start, and each device's
-    /// busy seconds, with the device's (uuid, model) labels.
-    pub fn totals(&self) -> (Vec<(String, String, Usage)>, Vec<(String, f64)>, HashMap<String, (String, String)>) {
+    /// What the meter has counted since the first start.
+    pub fn totals(&self) -> Totals {
         let st = self.lock();
-        let t = st.totals.iter().map(|((t, d), u)| (t.clone(), d.clone(), u.clone())).collect();
-        let b = st.busy.iter().map(|(d, s)| (d.clone(), *s)).collect();
-        let l = st.labels.iter().map(|(d, (u, m, _))| (d.clone(), (u.clone(), m.clone()))).collect();
-        (t, b, l)
+        Totals {
+            tenants: st.totals.iter().map(|((t, d), u)| (t.clone(), d.clone(), u.clone())).collect(),
+            busy: st.busy.iter().map(|(d, s)| (d.clone(), *s)).collect(),
+            labels: st.labels.iter().map(|(d, (u, m, _))| (d.clone(), (u.clone(), m.clone()))).collect(),
+        }
     }
 
     /// Records whose interval ends after `since` (UNIX seconds), of one
@@ -339,13 +350,14 @@ mod tests {
         // The worker restarted: its counters start again from zero.
         m.add_sample("cpu0", 11, 1, &stats(1_000_000_000, &[("a", 500_000_000, 0), ("b", 500_000_000, 0)]));
         m.flush().unwrap();
-        let (t, b, _) = m.totals();
+        let tot = m.totals();
+        let t = tot.tenants;
         let secs = |name: &str| t.iter().find(|x| x.0 == name).unwrap().2.device_seconds;
-        assert_eq!((secs("a"), secs("b"), b[0].1), (2.5, 3.5, 6.0));
+        assert_eq!((secs("a"), secs("b"), tot.busy[0].1), (2.5, 3.5, 6.0));
         assert_eq!(t.iter().find(|x| x.0 == "a").unwrap().2.kernels, 2, "one kernel per worker's count");
         // A new mediator reads the totals back, and the records add up.
         let m2 = Meter::open(&path, SAMPLE).unwrap();
-        assert_eq!(m2.totals().0, t);
+        assert_eq!(m2.totals().tenants, t);
         let recs = m2.records(0.0, None, 100).unwrap();
         let tenant_s: f64 = recs.iter().map(|r| if let Record::Tenant { usage, .. } = r { usage.device_seconds } else { 0.0 }).sum();
         let busy_s: f64 = recs.iter().map(|r| if let Record::Device { busy_seconds, .. } = r { *busy_seconds } else { 0.0 }).sum();
@@ -354,7 +366,7 @@ mod tests {
         assert!(m2.records(unix_now() + 10.0, None, 100).unwrap().is_empty());
         // A torn line is skipped, not fatal.
         std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"type\":\"ten").unwrap();
-        assert_eq!(Meter::open(&path, SAMPLE).unwrap().totals().0, t);
+        assert_eq!(Meter::open(&path, SAMPLE).unwrap().totals().tenants, t);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -365,7 +377,7 @@ mod tests {
         m.add_sample("cpu0", 1, 0, &stats(0, &[("a", 0, 1 << 20)]));
         std::thread::sleep(Duration::from_millis(200));
         m.add_sample("cpu0", 1, 0, &stats(0, &[("a", 0, 1 << 20)]));
-        let mbs = m.totals().0[0].2.memory_byte_seconds;
+        let mbs = m.totals().tenants[0].2.memory_byte_seconds;
         assert!(mbs >= 0.2 * (1 << 20) as f64 && mbs < 2.0 * (1 << 20) as f64, "{mbs}");
         let _ = std::fs::remove_dir_all(&dir);
     }
