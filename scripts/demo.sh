@@ -58,7 +58,6 @@ echo "== the admin's view (vgpuctl)"
 "${CTL[@]}" tenant list
 "${CTL[@]}" tenant show alice
 "${CTL[@]}" tenant show bob
-sleep 2  # the counters come from the meter's once-a-second sample
 "${CTL[@]}" metrics | grep -E '^vgpu_tenant_(memory_quota|kernels|device_seconds|scrubbed)' || true
 
 echo "== fair share: alice (weight 2) and bob (weight 1) both saturate the device"

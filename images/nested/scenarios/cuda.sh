@@ -22,8 +22,6 @@ echo "VMM-EXIT=$?"
 end=$(cut -d' ' -f1 /proc/uptime)
 echo "VM-SECONDS=$(echo "$start $end" | awk '{printf "%.1f", $2 - $1}')"
 cat $log
-# Counters come from the meter's once-a-second sample.
-sleep 2
 vgpuctl --run-dir $run metrics | grep -E '^vgpu_tenant_(kernels_total|memory_quota_bytes|scrubbed_bytes_total)' | sed 's/^/METRIC: /'
 tail -5 /tmp/vmm.err
 grep -E 'ERROR|panicked' /tmp/mediator.err | head -5

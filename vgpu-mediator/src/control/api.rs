@@ -172,11 +172,16 @@ fn esc(s: &str) -> String {
 }
 
 /// Prometheus text exposition of every device and tenant. Counters come
-/// from the meter's last sample (at most a second old; they survive worker
-/// and daemon restarts); gauges from the workers now. Every series carries the device's name, UUID and model.
+/// from the meter (they survive worker and daemon restarts), gauges from
+/// the same fresh sample of the workers. Every series carries the device's name, UUID and model.
 pub fn render_metrics(c: &Control) -> String {
     let mut out = String::new();
-    let stats: Vec<_> = c.devices.iter().map(|s| (s, s.stats())).collect();
+    // With a meter, one sample serves both: the counters are as of now.
+    let now: Vec<Option<DeviceStats>> = match c.meter.get() {
+        Some(m) => m.sample(c),
+        None => c.devices.iter().map(|s| s.stats()).collect(),
+    };
+    let stats: Vec<_> = c.devices.iter().zip(now).collect();
     let super::meter::Totals { tenants: totals, busy, labels } = c.meter.get().map(|m| m.totals()).unwrap_or_default();
     let dev_labels = |name: &str, d: Option<&DeviceStats>| {
         let (uuid, model) = d.map(|d| (d.uuid.clone(), d.name.clone())).or_else(|| labels.get(name).cloned()).unwrap_or_default();

@@ -196,24 +196,29 @@ impl Meter {
         }
     }
 
-    /// Takes one sample of every device.
-    pub fn sample(&self, control: &Control) {
+    /// Takes one sample of every device; returns what each worker said
+    /// (None: down or slow to answer), in the control plane's order.
+    pub fn sample(&self, control: &Control) -> Vec<Option<DeviceStats>> {
         let _one = self.sampling.lock().unwrap_or_else(|e| e.into_inner());
-        for slot in &control.devices {
-            let who = || (slot.pid.load(Ordering::Acquire), slot.restarts.load(Ordering::Acquire));
-            let before = who();
-            let Some(stats) = slot.stats() else { continue };
-            // A worker that restarted meanwhile: whose counters these are
-            // is not known, so they are not used (the next sample is).
-            if who() != before {
-                continue;
-            }
-            self.add_sample(&slot.spec.name, before.0, before.1, &stats);
-        }
+        control
+            .devices
+            .iter()
+            .map(|slot| {
+                let who = || (slot.pid.load(Ordering::Acquire), slot.restarts.load(Ordering::Acquire));
+                let before = who();
+                let stats = slot.stats()?;
+                // A worker that restarted meanwhile: whose counters these
+                // are is not known, so they are not used (the next sample is).
+                if who() == before {
+                    self.add_sample(&slot.spec.name, before.0, before.1, &stats);
+                }
+                Some(stats)
+            })
+            .collect()
     }
 
     /// Adds what a device's counters show since its last sample.
-    pub fn add_sample(&self, device: &str, pid: u32, restarts: u64, d: &DeviceStats) {
+    fn add_sample(&self, device: &str, pid: u32, restarts: u64, d: &DeviceStats) {
         let now = Instant::now();
         let mut st = self.lock();
         st.labels.insert(device.to_string(), (d.uuid.clone(), d.name.clone(), d.lanes));
