@@ -90,9 +90,15 @@ pub fn run_ok(mut c: impl std::borrow::BorrowMut<Command>) -> String {
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
-thread_local! {
-    /// Where the next mediator started on this thread logs (stderr).
-    static LOG_TO: std::cell::RefCell<Option<PathBuf>> = const { std::cell::RefCell::new(None) };
+/// How a test mediator is started, beyond its flags.
+#[derive(Default)]
+struct Spawn<'a> {
+    /// Its open-descriptor limit.
+    nofile: Option<u64>,
+    /// Where its log goes (default: the test's stderr).
+    log: Option<&'a Path>,
+    /// The fake sysfs tree it reads the NUMA topology from.
+    sysfs_root: Option<&'a Path>,
 }
 
 pub struct Mediator {
@@ -114,33 +120,41 @@ impl Mediator {
     pub fn start_limited(args: &[&str], nofile: u64) -> Mediator {
         let mut all = vec!["--cuda", "off"];
         all.extend_from_slice(args);
-        Self::spawn(&all, Some(nofile))
+        Self::spawn(&all, Spawn { nofile: Some(nofile), ..Spawn::default() })
     }
 
     /// A mediator with exactly the given flags (GPU tests pass `--cuda`).
     pub fn start_with(args: &[&str]) -> Mediator {
-        Self::spawn(args, None)
+        Self::spawn(args, Spawn::default())
     }
 
     /// A CPU-device mediator whose log (stderr, at `warn`) goes to `log`.
     pub fn start_logging(args: &[&str], log: &Path) -> Mediator {
         let mut all = vec!["--cuda", "off"];
         all.extend_from_slice(args);
-        LOG_TO.with(|l| *l.borrow_mut() = Some(log.to_path_buf()));
-        let m = Self::spawn(&all, None);
-        LOG_TO.with(|l| *l.borrow_mut() = None);
-        m
+        Self::spawn(&all, Spawn { log: Some(log), ..Spawn::default() })
     }
 
-    fn spawn(args: &[&str], nofile: Option<u64>) -> Mediator {
+    /// A CPU-device mediator that reads its NUMA topology from the fake
+    /// sysfs tree at `root` (see [`fake_numa_host`]).
+    pub fn start_on_topology(args: &[&str], root: &Path) -> Mediator {
+        let mut all = vec!["--cuda", "off"];
+        all.extend_from_slice(args);
+        Self::spawn(&all, Spawn { sysfs_root: Some(root), ..Spawn::default() })
+    }
+
+    fn spawn(args: &[&str], how: Spawn<'_>) -> Mediator {
         let run_dir = PathBuf::from(format!("/tmp/vgpu-t{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
         let _ = std::fs::remove_dir_all(&run_dir);
         let mut cmd = Command::new(bin("vgpu-mediatord"));
         cmd.arg("--run-dir").arg(&run_dir).args(args).env("VGPU_LOG", "warn").stdin(Stdio::null());
-        if let Some(path) = LOG_TO.with(|l| l.borrow().clone()) {
+        if let Some(path) = how.log {
             cmd.stderr(std::fs::File::create(&path).expect("log file"));
         }
-        if let Some(n) = nofile {
+        if let Some(root) = how.sysfs_root {
+            cmd.env("VGPU_SYSFS_ROOT", root);
+        }
+        if let Some(n) = how.nofile {
             use std::os::unix::process::CommandExt;
             // SAFETY: the closure only calls setrlimit, which is
             // async-signal-safe, between fork and exec.
@@ -267,6 +281,18 @@ impl Raw {
         self.send_bytes(&Request::Ping.encode(self.seq)).is_ok() && matches!(self.read_reply(), Some((h, Reply::Empty)) if h.opcode() == Opcode::Ping)
     }
 }
+/// A fake sysfs tree of a host with `nodes` NUMA nodes, under `root`.
+/// Every node lists CPU 0, which exists everywhere, so workers pinned to
+/// any node still run.
+pub fn fake_numa_host(root: &Path, nodes: u32) {
+    let _ = std::fs::remove_dir_all(root);
+    for n in 0..nodes {
+        let dir = root.join(format!("devices/system/node/node{n}"));
+        std::fs::create_dir_all(&dir).expect("fake node dir");
+        std::fs::write(dir.join("cpulist"), "0\n").expect("fake cpulist");
+    }
+}
+
 pub mod vmm_harness;
 pub mod nested;
 

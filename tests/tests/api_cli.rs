@@ -79,7 +79,7 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     for (args, want) in [
         (vec!["tenant", "create", "web", "--memory", "1MiB"], "already exists"),
         (vec!["tenant", "create", "../evil", "--memory", "1MiB"], "invalid tenant name"),
-        (vec!["tenant", "create", "huge", "--memory", "1TiB"], "unreserved"),
+        (vec!["tenant", "create", "huge", "--memory", "1TiB"], "more than any device in pool default can hold"),
         (vec!["tenant", "create", "odd", "--memory", "12XB"], "invalid size"),
         (vec!["tenant", "show", "nobody"], "no tenant nobody"),
         (vec!["tenant", "delete", "nobody"], "no tenant nobody"),
@@ -87,7 +87,7 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
         (vec!["tenant", "set", "web"], "nothing to change"),
         (vec!["tenant", "set", "web", "--weight", "0"], "weight must be 1..=10000"),
         (vec!["tenant", "set", "web", "--cap", "101"], "cap must be a percentage"),
-        (vec!["tenant", "set", "web", "--memory", "1TiB"], "unreserved"),
+        (vec!["tenant", "set", "web", "--memory", "1TiB"], "holds at most"),
         (vec!["tenant", "create", "capped", "--memory", "1MiB", "--cap", "0"], "cap must be a percentage"),
     ] {
         let mut c = m.vgpuctl();
@@ -145,6 +145,8 @@ fn config_file_creates_tenants_and_bad_config_is_refused() {
         ("unknown.toml", "[devices]\ncpus = 2\n", "unknown field"),
         ("size.toml", "[devices]\nmemory = \"lots\"\n", "invalid size"),
         ("name.toml", "[[tenants]]\nname = \"a b\"\nmemory = \"1MiB\"\n", "invalid tenant name"),
+        ("pool.toml", "[[pools]]\nname = \"gold\"\ndevices = [\"cpu9\"]\n", "pool gold: no device named cpu9"),
+        ("private.toml", "[[pools]]\nname = \"gold\"\ndevices = [\"cpu0\"]\n[[tenants]]\nname = \"t\"\nmemory = \"1MiB\"\npool = \"gold\"\naccess = \"x\"\n", "unknown field `access`"),
     ] {
         let p = dir.join(name);
         std::fs::write(&p, text).expect("write");

@@ -19,6 +19,9 @@ pub struct Config {
     pub devices: DevicesConfig,
     #[serde(default)]
     pub tenants: Vec<TenantSpec>,
+    /// Device pools; devices no pool lists are in the public pool `default`.
+    #[serde(default)]
+    pub pools: Vec<crate::control::pool::PoolSpec>,
     #[serde(default)]
     pub metering: MeteringConfig,
 }
@@ -97,6 +100,18 @@ pub struct DevicesConfig {
     /// however many tenants and connections it has.
     #[serde(default = "default_connection_threads")]
     pub connection_threads: u32,
+    /// The default pool's overcommit ratio: quotas on each of its devices
+    /// may add up to this times the device's memory (1: none).
+    #[serde(default = "overcommit_one")]
+    pub overcommit: f64,
+    /// Host RAM each CPU device's allocations may spill to once its memory
+    /// is full (0: none; an allocation that does not fit fails).
+    #[serde(default)]
+    pub spill: Size,
+}
+
+fn overcommit_one() -> f64 {
+    1.0
 }
 
 fn default_connection_threads() -> u32 {
@@ -229,6 +244,8 @@ impl Default for DevicesConfig {
             worker_user: default_worker_user(),
             seccomp: true,
             connection_threads: default_connection_threads(),
+            overcommit: 1.0,
+            spill: Size(0),
         }
     }
 }
@@ -249,9 +266,17 @@ pub struct TenantSpec {
     /// `latency` (goes first within its share), `normal` or `batch`.
     #[serde(default)]
     pub priority: crate::sched::Priority,
-    /// Device name (e.g. `cpu0`); placed automatically when absent.
+    /// Device name (e.g. `cpu0`); placed by its pool's policy when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// The pool to place the tenant in (default: the device's pool, or the
+    /// pool `default`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// The NUMA node the tenant's VM or process runs on: placement prefers
+    /// a device attached to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
     /// `process` (a host process or container, through a tenant socket) or
     /// `vm` (a VM's virtio-gpu device, through a vhost-user socket).
     #[serde(default)]
@@ -342,6 +367,13 @@ impl Config {
         for t in &self.tenants {
             t.validate().map_err(ConfigError::Invalid)?;
         }
+        crate::control::pool::check_overcommit(crate::control::pool::DEFAULT_POOL, self.devices.overcommit).map_err(|e| ConfigError::Invalid(format!("devices.overcommit: {e}")))?;
+        if self.devices.spill.0 > 1 << 40 {
+            return Err(ConfigError::Invalid(format!("devices.spill must be at most 1TiB, not {}", self.devices.spill)));
+        }
+        for p in &self.pools {
+            p.validate().map_err(ConfigError::Invalid)?;
+        }
         if let Some(i) = self.metering.interval_s {
             if i == 0 || i > 86_400 {
                 return Err(ConfigError::Invalid(format!("metering.interval_s must be 1..=86400, not {i}")));
@@ -358,6 +390,14 @@ impl TenantSpec {
             return Err(format!("tenant {}: memory quota must be positive", self.name));
         }
         check_share(&self.name, self.weight, self.cap)?;
+        if let Some(n) = self.numa_node {
+            if n >= 1024 {
+                return Err(format!("tenant {}: numa_node must be below 1024, not {n}", self.name));
+            }
+        }
+        if let Some(p) = &self.pool {
+            validate_name(p).map_err(|e| format!("tenant {}: pool: {e}", self.name))?;
+        }
         if let Some(m) = &self.mode {
             match u32::from_str_radix(m, 8) {
                 Ok(v) if v & !0o777 == 0 && v & 0o600 == 0o600 => {}
@@ -417,7 +457,7 @@ memory = 1048576
         .unwrap();
         c.validate().unwrap();
         assert_eq!(c.devices.memory.0, 1 << 30);
-        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, cap: None, priority: Default::default(), device: Some("cpu1".into()), kind: TenantKind::Process, owner: None, mode: None, host_memory: None, max_connections: None });
+        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, cap: None, priority: Default::default(), device: Some("cpu1".into()), pool: None, numa_node: None, kind: TenantKind::Process, owner: None, mode: None, host_memory: None, max_connections: None });
         assert_eq!(c.tenants[1].weight, 1);
         let api: TenantSpec = serde_json::from_str(r#"{"name":"bob","memory":"1MiB"}"#).unwrap();
         assert_eq!(api, c.tenants[1]);
@@ -435,6 +475,11 @@ memory = 1048576
         let c: Config = toml::from_str("[devices]\ncpu = 0\ncuda = \"off\"\n").unwrap();
         assert!(c.validate().unwrap_err().to_string().contains("0 only with GPUs"));
         assert!(toml::from_str::<Config>("[devices]\ncuda = \"sometimes\"\n").is_err());
+        let c: Config = toml::from_str("[[pools]]\nname = \"x\"\ndevices = []\n").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("list at least one device"));
+        let c: Config = toml::from_str("[devices]\novercommit = 0.5\n").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("devices.overcommit"));
+        assert!(toml::from_str::<Config>("[[pools]]\nname = \"x\"\ndevices = [\"cpu0\"]\nplacement = \"random\"\n").is_err());
         let c: Config = toml::from_str("[devices]\ncpu = 0\ncuda = \"required\"\ncuda_reserve = \"1GiB\"\n").unwrap();
         c.validate().unwrap();
         assert_eq!(c.devices.cuda_reserve.0, 1 << 30);

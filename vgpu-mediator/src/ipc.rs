@@ -79,6 +79,11 @@ pub struct DeviceStats {
     pub busy_ns: u64,
     pub uptime_ns: u64,
     pub lanes: u32,
+    /// Bytes of allocations spilled to host RAM, and the spill budget.
+    #[serde(default)]
+    pub spilled: u64,
+    #[serde(default)]
+    pub spill_budget: u64,
     pub tenants: Vec<TenantStats>,
 }
 

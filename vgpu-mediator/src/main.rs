@@ -36,6 +36,14 @@ struct Cli {
     /// once (default: one per host core).
     #[arg(long)]
     lanes: Option<u32>,
+    /// The default pool's overcommit ratio: quotas on a device may add up
+    /// to this times its memory (overrides devices.overcommit).
+    #[arg(long)]
+    overcommit: Option<f64>,
+    /// Host RAM each CPU device may spill allocations to once its memory
+    /// is full (overrides devices.spill).
+    #[arg(long)]
+    spill: Option<Size>,
     /// Compute capability the CPU devices report and accept PTX for
     /// (7.0 to 12.1; default 8.0).
     #[arg(long)]
@@ -79,6 +87,8 @@ enum Cmd {
         backend: worker::BackendKind,
         #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
         numa_node: i32,
+        #[arg(long, default_value_t = 0)]
+        spill: u64,
         #[arg(long, default_value_t = 30_000)]
         launch_timeout_ms: u64,
         #[arg(long, default_value = "8.0")]
@@ -129,10 +139,10 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, compute_capability, user, seccomp, connection_threads }) => {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, compute_capability, user, seccomp, connection_threads }) => {
             let cc = config::parse_compute_capability(&compute_capability).map_err(anyhow::Error::msg)?;
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, launch_timeout_ms, cc, user, seccomp, connection_threads });
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, cc, user, seccomp, connection_threads });
         }
         Some(Cmd::SeccompCheck { syscall, connection }) => {
             worker::confine::no_new_privs()?;
@@ -166,6 +176,12 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(l) = cli.lanes {
         cfg.devices.lanes = l;
+    }
+    if let Some(o) = cli.overcommit {
+        cfg.devices.overcommit = o;
+    }
+    if let Some(sp) = cli.spill {
+        cfg.devices.spill = sp;
     }
     if cli.usage_interval.is_some() {
         cfg.metering.interval_s = cli.usage_interval;
@@ -204,8 +220,19 @@ fn run() -> anyhow::Result<()> {
         }
         std::fs::remove_file(&api_path)?;
     }
+    // CPU devices are spread over the host's NUMA nodes in turn, as a
+    // host's GPUs are over its sockets.
+    let nodes: Vec<i32> = match vgpu_topology::Topology::read(&vgpu_topology::sysfs_root()) {
+        Ok(t) => t.nodes.keys().map(|n| *n as i32).collect(),
+        Err(e) => {
+            tracing::warn!("CPU devices get no NUMA node: {e}");
+            vec![-1]
+        }
+    };
     let mut devices: Vec<DeviceSpec> = (0..cfg.devices.cpu)
         .map(|i| DeviceSpec {
+            numa_node: nodes[i as usize % nodes.len()],
+            spill: cfg.devices.spill.0,
             name: format!("cpu{i}"),
             ordinal: i,
             memory: cfg.devices.memory.0,
@@ -226,7 +253,10 @@ fn run() -> anyhow::Result<()> {
         d.connection_threads = cfg.devices.connection_threads;
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
-    let control = Control::new(&run_dir, exe, devices, defaults, worker_user);
+    let control = Control::new(&run_dir, exe, devices, defaults, worker_user, cfg.devices.overcommit);
+    for p in &cfg.pools {
+        control.create_pool(p).with_context(|| format!("creating pool {} from the config file", p.name))?;
+    }
     let usage_file = cfg.metering.usage_file.clone().unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu/usage.jsonl") } else { run_dir.join("usage.jsonl") });
     let meter = Meter::open(&usage_file, std::time::Duration::from_secs(cfg.metering.interval_s.unwrap_or(60)))?;
     let _ = control.meter.set(meter.clone());
@@ -297,6 +327,9 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             seccomp: false,
             connection_threads: 0,
             cuda: Some(CudaSpec { visible_devices: g.visible_devices, numa_node: g.numa_node }),
+            numa_node: g.numa_node,
+            // Spilling is built for CPU devices only (docs/overcommit.md).
+            spill: 0,
         });
     }
     if out.is_empty() {

@@ -204,7 +204,7 @@ impl Drop for Arena {
 }
 
 /// First-fit range allocator over the arena; frees coalesce.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct RangeAlloc {
     free: BTreeMap<u64, u64>,
 }
@@ -245,11 +245,59 @@ impl RangeAlloc {
     }
 }
 
+/// Where the device's allocations are: in device memory (`memory` bytes)
+/// or spilled to the host spill budget once device memory is full.
+#[derive(Debug, Default)]
+struct Placement {
+    ranges: RangeAlloc,
+    /// Bytes of allocations held in device memory.
+    resident: u64,
+    /// Spilled allocations by age: sequence number to (offset, length, tenant).
+    spilled: BTreeMap<u64, (u64, u64, TenantSlot)>,
+    /// Offset of a spilled allocation to its sequence number.
+    spilled_at: BTreeMap<u64, u64>,
+    spilled_bytes: u64,
+    by_tenant: BTreeMap<TenantSlot, u64>,
+    next_seq: u64,
+}
+
+impl Placement {
+    fn unspill(&mut self, seq: u64) -> Option<(u64, u64, TenantSlot)> {
+        let (off, len, slot) = self.spilled.remove(&seq)?;
+        self.spilled_at.remove(&off);
+        self.spilled_bytes -= len;
+        if let Some(b) = self.by_tenant.get_mut(&slot) {
+            *b -= len;
+            if *b == 0 {
+                self.by_tenant.remove(&slot);
+            }
+        }
+        Some((off, len, slot))
+    }
+
+    /// Brings spilled allocations back into device memory while it has
+    /// room, in the order they spilled: a later one waits for an earlier
+    /// one that does not fit yet.
+    fn return_spilled(&mut self, memory: u64) {
+        while let Some((&seq, &(_, len, _))) = self.spilled.first_key_value() {
+            if self.resident + len > memory {
+                break;
+            }
+            self.unspill(seq);
+            self.resident += len;
+        }
+    }
+}
+
 pub struct CpuBackend {
     desc: DeviceDesc,
     va_base: u64,
     arena: Arena,
-    alloc: Mutex<RangeAlloc>,
+    place: Mutex<Placement>,
+    /// Host RAM allocations may spill to once device memory is full.
+    spill: u64,
+    /// Slots handed to tenants, so spilled bytes are told per tenant.
+    next_slot: AtomicU64,
     scrubbed: AtomicU64,
     quarantined: AtomicBool,
     /// Wall-clock limit of one launch.
@@ -353,12 +401,31 @@ impl CpuBackend {
             },
             va_base: DEVICE_VA_BASE + ordinal as u64 * DEVICE_VA_STRIDE,
             arena: Arena::new(memory.max(GRANULE) as usize)?,
-            alloc: Mutex::new(RangeAlloc::new(memory)),
+            place: Mutex::new(Placement { ranges: RangeAlloc::new(memory), ..Default::default() }),
+            spill: 0,
+            next_slot: AtomicU64::new(1),
             scrubbed: AtomicU64::new(0),
             quarantined: AtomicBool::new(false),
             launch_timeout: None,
             launch_threads: 1,
         })
+    }
+
+    /// Lets allocations spill to `spill` bytes of host RAM once device
+    /// memory is full. On this device both are host RAM, so a spilled
+    /// allocation is placed and accounted as spilled; its bytes do not
+    /// move when it returns (docs/overcommit.md).
+    pub fn with_spill(mut self, spill: u64) -> std::io::Result<CpuBackend> {
+        let spill = spill / GRANULE * GRANULE;
+        let total = self.desc.memory.checked_add(spill).ok_or_else(|| std::io::Error::other("device memory and spill overflow"))?;
+        self.arena = Arena::new(total.max(GRANULE) as usize)?;
+        self.place = Mutex::new(Placement { ranges: RangeAlloc::new(total), ..Default::default() });
+        self.spill = spill;
+        Ok(self)
+    }
+
+    fn placement(&self) -> std::sync::MutexGuard<'_, Placement> {
+        self.place.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs each launch's blocks on up to `n` host threads (rayon's pool).
@@ -400,17 +467,36 @@ impl Backend for CpuBackend {
         &self.desc
     }
 
-    fn alloc(&self, _slot: TenantSlot, size: u64) -> Result<(u64, u64), BackendError> {
+    fn alloc(&self, slot: TenantSlot, size: u64) -> Result<(u64, u64), BackendError> {
         if self.quarantined.load(Ordering::Relaxed) {
             return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "device quarantined after a failed scrub"));
         }
         let n = size.checked_next_multiple_of(GRANULE).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "size overflows"))?;
-        let off = self
-            .alloc
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .alloc(n)
-            .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("device has no free range of {n} bytes")))?;
+        let off = {
+            let mut p = self.placement();
+            let memory = self.desc.memory;
+            let spills = p.resident + n > memory;
+            if spills && p.spilled_bytes + n > self.spill {
+                let why = if self.spill == 0 {
+                    format!("device memory is full ({} of {memory} bytes allocated) and the device has no host spill budget", p.resident)
+                } else {
+                    format!("device memory is full ({} of {memory} bytes allocated) and its host spill budget has {} of {} bytes left", p.resident, self.spill - p.spilled_bytes, self.spill)
+                };
+                return Err(BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("cannot place {n} bytes: {why}")));
+            }
+            let off = p.ranges.alloc(n).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("device has no free range of {n} bytes")))?;
+            if spills {
+                let seq = p.next_seq;
+                p.next_seq += 1;
+                p.spilled.insert(seq, (off, n, slot));
+                p.spilled_at.insert(off, seq);
+                p.spilled_bytes += n;
+                *p.by_tenant.entry(slot).or_default() += n;
+            } else {
+                p.resident += n;
+            }
+            off
+        };
         // Scrub before hand-out: nobody sees the previous owner's bytes.
         self.arena.scrub(off, n)?;
         if !self.verify_scrub(off, n) {
@@ -423,8 +509,28 @@ impl Backend for CpuBackend {
 
     fn free(&self, _slot: TenantSlot, addr: u64, len: u64) {
         if let Ok(off) = self.off(addr) {
-            self.alloc.lock().unwrap_or_else(|e| e.into_inner()).free(off, len);
+            let mut p = self.placement();
+            match p.spilled_at.get(&off).copied() {
+                Some(seq) => {
+                    p.unspill(seq);
+                }
+                None => p.resident = p.resident.saturating_sub(len),
+            }
+            p.ranges.free(off, len);
+            p.return_spilled(self.desc.memory);
         }
+    }
+
+    fn open_tenant(&self, _name: &str) -> Result<TenantSlot, BackendError> {
+        Ok(self.next_slot.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn spilled(&self, slot: TenantSlot) -> u64 {
+        self.placement().by_tenant.get(&slot).copied().unwrap_or(0)
+    }
+
+    fn spill_usage(&self) -> (u64, u64) {
+        (self.placement().spilled_bytes, self.spill)
     }
 
     fn bytes_scrubbed(&self) -> u64 {
@@ -569,6 +675,57 @@ mod tests {
         b.free(0, y.0, y.1);
         assert_eq!(b.alloc(0, 2 * GRANULE).unwrap().0, x.0, "neighbouring frees merge");
         b.free(0, z.0, z.1);
+    }
+
+    #[test]
+    fn full_device_memory_spills_to_the_budget_and_frees_bring_spills_back_in_order() {
+        let k = 64 * GRANULE;
+        let b = CpuBackend::new(0, 4 * k, 0).unwrap().with_spill(3 * k).unwrap();
+        let (alice, bob) = (b.open_tenant("alice").unwrap(), b.open_tenant("bob").unwrap());
+        let a = b.alloc(alice, 3 * k).unwrap();
+        let b1 = b.alloc(bob, 2 * k).unwrap();
+        assert_eq!((b.spilled(alice), b.spilled(bob)), (0, 2 * k), "the allocation that does not fit spills, whole");
+        b.fill(bob, b1.0, b1.1, &[0x5A]).unwrap();
+        let b2 = b.alloc(bob, k).unwrap();
+        assert_eq!(b.spilled(bob), 2 * k, "what still fits in device memory does not spill");
+        let b3 = b.alloc(bob, k).unwrap();
+        assert_eq!(b.spill_usage(), (3 * k, 3 * k));
+        let e = b.alloc(alice, 1).unwrap_err();
+        assert_eq!(e.code, CuResult::CUDA_ERROR_OUT_OF_MEMORY);
+        assert!(e.msg.contains("spill budget has 0 of"), "{}", e.msg);
+        // Freeing 3k of device memory: the oldest spill (2k) returns, then
+        // the next (1k) fits as well.
+        b.free(alice, a.0, a.1);
+        assert_eq!(b.spill_usage().0, 0);
+        assert_eq!(b.spilled(bob), 0);
+        let mut out = vec![0u8; b1.1 as usize];
+        b.read(bob, b1.0, &mut out).unwrap();
+        assert!(out.iter().all(|x| *x == 0x5A), "data is intact after spill and return");
+        b.free(bob, b1.0, b1.1);
+        b.free(bob, b2.0, b2.1);
+        b.free(bob, b3.0, b3.1);
+        assert_eq!(b.placement().resident, 0);
+        // Without a budget, a full device refuses.
+        let plain = CpuBackend::new(0, 2 * k, 0).unwrap();
+        plain.alloc(1, 2 * k).unwrap();
+        assert!(plain.alloc(1, GRANULE).unwrap_err().msg.contains("no host spill budget"));
+    }
+
+    #[test]
+    fn a_spill_that_does_not_fit_holds_back_later_ones() {
+        let k = 64 * GRANULE;
+        let b = CpuBackend::new(0, 4 * k, 0).unwrap().with_spill(8 * k).unwrap();
+        let resident = [b.alloc(1, 2 * k).unwrap(), b.alloc(1, 2 * k).unwrap()];
+        let big = b.alloc(2, 3 * k).unwrap();
+        let small = b.alloc(3, k).unwrap();
+        assert_eq!(b.spill_usage().0, 4 * k);
+        b.free(1, resident[0].0, resident[0].1);
+        // 2k free: the 3k spill, first in line, does not fit; the 1k one waits behind it.
+        assert_eq!((b.spilled(2), b.spilled(3)), (3 * k, k));
+        b.free(1, resident[1].0, resident[1].1);
+        assert_eq!((b.spilled(2), b.spilled(3)), (0, 0));
+        b.free(2, big.0, big.1);
+        b.free(3, small.0, small.1);
     }
 
     #[test]

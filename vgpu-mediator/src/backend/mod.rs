@@ -127,6 +127,14 @@ pub trait Backend: Send + Sync {
     /// the device address and the reserved length.
     fn alloc(&self, slot: TenantSlot, size: u64) -> Result<(u64, u64), BackendError>;
     fn free(&self, slot: TenantSlot, addr: u64, len: u64);
+    /// Bytes of the tenant's allocations spilled to host RAM now.
+    fn spilled(&self, _slot: TenantSlot) -> u64 {
+        0
+    }
+    /// Bytes spilled to host RAM now, and the device's spill budget.
+    fn spill_usage(&self) -> (u64, u64) {
+        (0, 0)
+    }
     /// Bytes zeroed on hand-out so far.
     fn bytes_scrubbed(&self) -> u64;
     /// The memory operations below trust that the caller checked the range

@@ -23,6 +23,7 @@ impl IntoResponse for ControlError {
         let code = match &self {
             ControlError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ControlError::NotFound(_) => StatusCode::NOT_FOUND,
+            ControlError::Forbidden(_) => StatusCode::FORBIDDEN,
             ControlError::Conflict(_) => StatusCode::CONFLICT,
             ControlError::InsufficientMemory(_) => StatusCode::INSUFFICIENT_STORAGE,
             ControlError::WorkerDown(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -38,6 +39,8 @@ pub fn router(c: Arc<Control>) -> Router {
         .route("/devices", get(devices))
         .route("/tenants", get(list_tenants).post(create_tenant))
         .route("/tenants/{name}", get(show_tenant).delete(delete_tenant).patch(set_tenant))
+        .route("/pools", get(list_pools).post(create_pool))
+        .route("/pools/{name}", get(show_pool).delete(delete_pool).patch(set_pool))
         .route("/metrics", get(metrics))
         .route("/usage", get(usage))
         .with_state(c)
@@ -88,14 +91,24 @@ struct DeviceView {
     /// Execution lanes: the device's capacity is this many lane-seconds
     /// per second.
     lanes: u32,
+    pool: String,
+    /// The host NUMA node the device is attached to (-1: unknown).
+    numa_node: i32,
+    /// Quotas the device may hold: its memory times its pool's overcommit.
+    memory_capacity: u64,
+    /// Bytes of allocations spilled to host RAM, and the spill budget.
+    memory_spilled: u64,
+    spill_budget: u64,
 }
 
 fn device_views(c: &Control) -> Vec<DeviceView> {
+    let pools = c.pools();
     let tenants = c.tenants();
     c.devices
         .iter()
         .map(|s| {
             let st = s.stats();
+            let pool = pools.iter().find(|p| p.devices.contains(&s.spec.name));
             let mine: Vec<&TenantRecord> = tenants.iter().filter(|t| t.device == s.spec.name).collect();
             DeviceView {
                 name: s.spec.name.clone(),
@@ -113,6 +126,11 @@ fn device_views(c: &Control) -> Vec<DeviceView> {
                 worker_restarts: s.restarts.load(Ordering::Relaxed),
                 utilization: st.as_ref().map(utilization).unwrap_or(0.0),
                 lanes: st.as_ref().map(|d| d.lanes).unwrap_or(s.spec.lanes),
+                pool: pool.map(|p| p.name.clone()).unwrap_or_default(),
+                numa_node: s.spec.numa_node,
+                memory_capacity: pool.map(|p| p.capacity(s.spec.memory)).unwrap_or(s.spec.memory),
+                memory_spilled: st.as_ref().map(|d| d.spilled).unwrap_or(0),
+                spill_budget: s.spec.spill,
             }
         })
         .collect()
@@ -148,6 +166,56 @@ async fn create_tenant(State(c): St, body: axum::body::Bytes) -> Result<(StatusC
     let spec: TenantSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad tenant description: {e}")))?;
     let rec = blocking(move || c.create_tenant(&spec)).await??;
     Ok((StatusCode::CREATED, Json(rec)))
+}
+
+/// A pool with what its devices hold now.
+#[derive(Serialize)]
+struct PoolView {
+    #[serde(flatten)]
+    spec: super::pool::PoolSpec,
+    memory_total: u64,
+    /// Quotas its devices may hold (memory × overcommit).
+    memory_capacity: u64,
+    memory_reserved: u64,
+    tenants: Vec<String>,
+}
+
+fn pool_view(c: &Control, spec: super::pool::PoolSpec) -> PoolView {
+    let tenants: Vec<TenantRecord> = c.tenants().into_iter().filter(|t| spec.devices.contains(&t.device)).collect();
+    let slots: Vec<_> = spec.devices.iter().filter_map(|d| c.slot(d)).collect();
+    PoolView {
+        memory_total: slots.iter().map(|s| s.spec.memory).sum(),
+        memory_capacity: slots.iter().map(|s| spec.capacity(s.spec.memory)).sum(),
+        memory_reserved: tenants.iter().map(|t| t.memory).sum(),
+        tenants: tenants.into_iter().map(|t| t.name).collect(),
+        spec,
+    }
+}
+
+async fn list_pools(State(c): St) -> Json<Vec<PoolView>> {
+    Json(c.pools().into_iter().map(|p| pool_view(&c, p)).collect())
+}
+
+async fn show_pool(State(c): St, Path(name): Path<String>) -> Result<Json<PoolView>, ControlError> {
+    let p = c.pool(&name).ok_or_else(|| ControlError::NotFound(format!("no pool {name}")))?;
+    Ok(Json(pool_view(&c, p)))
+}
+
+async fn create_pool(State(c): St, body: axum::body::Bytes) -> Result<(StatusCode, Json<PoolView>), ControlError> {
+    let spec: super::pool::PoolSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad pool description: {e}")))?;
+    let p = c.create_pool(&spec)?;
+    Ok((StatusCode::CREATED, Json(pool_view(&c, p))))
+}
+
+async fn set_pool(State(c): St, Path(name): Path<String>, body: axum::body::Bytes) -> Result<Json<PoolView>, ControlError> {
+    let change: super::pool::PoolChange = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad pool change: {e}")))?;
+    let p = c.set_pool(&name, &change)?;
+    Ok(Json(pool_view(&c, p)))
+}
+
+async fn delete_pool(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
+    c.delete_pool(&name)?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn set_tenant(State(c): St, Path(name): Path<String>, body: axum::body::Bytes) -> Result<Json<TenantRecord>, ControlError> {
@@ -209,6 +277,8 @@ pub fn render_metrics(c: &Control) -> String {
     family("vgpu_device_quarantined", "gauge", "1 once a scrub failed verification: the device hands out no memory.", dev(&|d| d.quarantined as u8 as f64));
     family("vgpu_device_busy_seconds_total", "counter", "Lane-seconds the device spent running tenant work.", busy.iter().map(|(d, s)| (labels_of(d), *s)).collect());
     family("vgpu_device_utilization", "gauge", "Busy lane-time over available lane-time since the worker started.", dev(&utilization));
+    family("vgpu_device_spilled_bytes", "gauge", "Bytes of the device's allocations spilled to host RAM.", dev(&|d| d.spilled as f64));
+    family("vgpu_device_spill_budget_bytes", "gauge", "Host RAM the device's allocations may spill to.", dev(&|d| d.spill_budget as f64));
     family("vgpu_device_lanes", "gauge", "Execution lanes: the device's capacity in lane-seconds per second.", dev(&|d| d.lanes as f64));
     let ten = |f: &dyn Fn(&TenantStats) -> f64| -> Vec<(String, f64)> {
         stats

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod meter;
+pub mod pool;
 
 pub mod rundir;
 
@@ -37,6 +38,8 @@ pub enum ControlError {
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
     Conflict(String),
     #[error("{0}")]
     InsufficientMemory(String),
@@ -65,6 +68,11 @@ pub struct DeviceSpec {
     pub connection_threads: u32,
     /// Set for an NVIDIA GPU or MIG instance; None for a CPU device.
     pub cuda: Option<CudaSpec>,
+    /// The host NUMA node the device is attached to (-1: unknown).
+    pub numa_node: i32,
+    /// Host RAM the device's allocations may spill to once its memory is
+    /// full (overcommit).
+    pub spill: u64,
 }
 
 /// How a `cuda` worker finds its device.
@@ -165,6 +173,10 @@ pub struct TenantRecord {
     pub cap: Option<u32>,
     pub priority: crate::sched::Priority,
     pub device: String,
+    /// The pool the tenant was placed in.
+    pub pool: String,
+    /// The NUMA node of the tenant's device (-1: unknown).
+    pub numa_node: i32,
     pub socket: PathBuf,
     pub state: TenantPhase,
     /// Owner of the tenant's socket; root when unset.
@@ -231,10 +243,15 @@ pub struct Control {
     pub meter: std::sync::OnceLock<Arc<meter::Meter>>,
     /// Held by `set_tenant`.
     setting: Mutex<()>,
+    /// Named pools; every device in none of them is in the default pool.
+    /// Locked before the tenant registry when both are held.
+    pools: Mutex<BTreeMap<String, pool::PoolSpec>>,
+    /// The default pool's overcommit ratio.
+    default_overcommit: f64,
 }
 
 impl Control {
-    pub fn new(run_dir: &Path, exe: PathBuf, devices: Vec<DeviceSpec>, defaults: TenantDefaults, worker_user: Option<Owner>) -> Arc<Control> {
+    pub fn new(run_dir: &Path, exe: PathBuf, devices: Vec<DeviceSpec>, defaults: TenantDefaults, worker_user: Option<Owner>, default_overcommit: f64) -> Arc<Control> {
         Arc::new(Control {
             run_dir: run_dir.to_path_buf(),
             exe,
@@ -249,7 +266,140 @@ impl Control {
             worker_user,
             meter: std::sync::OnceLock::new(),
             setting: Mutex::new(()),
+            pools: Mutex::new(BTreeMap::new()),
+            default_overcommit,
         })
+    }
+
+    fn pool_map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, pool::PoolSpec>> {
+        self.pools.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The default pool: every device no named pool lists.
+    fn default_pool(&self, named: &BTreeMap<String, pool::PoolSpec>) -> pool::PoolSpec {
+        pool::PoolSpec {
+            name: pool::DEFAULT_POOL.into(),
+            devices: self.devices.iter().map(|d| d.spec.name.clone()).filter(|d| !named.values().any(|p| p.devices.contains(d))).collect(),
+            access: pool::Access::Public,
+            allow: Vec::new(),
+            placement: pool::Placement::Spread,
+            overcommit: self.default_overcommit,
+        }
+    }
+
+    fn find_pool(&self, named: &BTreeMap<String, pool::PoolSpec>, name: &str) -> Option<pool::PoolSpec> {
+        if name == pool::DEFAULT_POOL { Some(self.default_pool(named)) } else { named.get(name).cloned() }
+    }
+
+    /// The pool `device` is in.
+    fn pool_of(&self, named: &BTreeMap<String, pool::PoolSpec>, device: &str) -> pool::PoolSpec {
+        named.values().find(|p| p.devices.iter().any(|d| d == device)).cloned().unwrap_or_else(|| self.default_pool(named))
+    }
+
+    /// Every pool, the default one first.
+    pub fn pools(&self) -> Vec<pool::PoolSpec> {
+        let named = self.pool_map();
+        std::iter::once(self.default_pool(&named)).chain(named.values().cloned()).collect()
+    }
+
+    pub fn pool(&self, name: &str) -> Option<pool::PoolSpec> {
+        self.find_pool(&self.pool_map(), name)
+    }
+
+    /// Creates a pool of devices that are in the default pool and hold no
+    /// tenants.
+    pub fn create_pool(&self, spec: &pool::PoolSpec) -> Result<pool::PoolSpec, ControlError> {
+        spec.validate().map_err(ControlError::BadRequest)?;
+        let mut named = self.pool_map();
+        if spec.name == pool::DEFAULT_POOL || named.contains_key(&spec.name) {
+            return Err(ControlError::Conflict(format!("pool {} already exists", spec.name)));
+        }
+        let tenants = self.registry();
+        for d in &spec.devices {
+            if self.slot(d).is_none() {
+                return Err(ControlError::BadRequest(format!("pool {}: no device named {d}", spec.name)));
+            }
+            if let Some(p) = named.values().find(|p| p.devices.contains(d)) {
+                return Err(ControlError::Conflict(format!("device {d} is already in pool {}", p.name)));
+            }
+            let on: Vec<&str> = tenants.values().filter(|t| &t.device == d).map(|t| t.name.as_str()).collect();
+            if !on.is_empty() {
+                return Err(ControlError::Conflict(format!("device {d} holds tenants ({}); a device joins a pool while it holds none", on.join(", "))));
+            }
+        }
+        drop(tenants);
+        named.insert(spec.name.clone(), spec.clone());
+        info!(pool = %spec.name, devices = ?spec.devices, access = ?spec.access, placement = ?spec.placement, overcommit = spec.overcommit, "pool created");
+        Ok(spec.clone())
+    }
+
+    /// Changes a pool's access, allow-list, placement or overcommit. A
+    /// lower overcommit must still cover the quotas placed on each device.
+    /// Tenants already placed keep their device whatever the allow-list says.
+    pub fn set_pool(&self, name: &str, change: &pool::PoolChange) -> Result<pool::PoolSpec, ControlError> {
+        let mut named = self.pool_map();
+        if name == pool::DEFAULT_POOL {
+            return Err(ControlError::BadRequest("the default pool is public and spreads; its overcommit is devices.overcommit".into()));
+        }
+        let mut next = named.get(name).cloned().ok_or_else(|| ControlError::NotFound(format!("no pool {name}")))?;
+        if let Some(a) = change.access {
+            next.access = a;
+            if a == pool::Access::Public && change.allow.is_none() {
+                next.allow.clear();
+            }
+        }
+        if let Some(a) = &change.allow {
+            next.allow = a.clone();
+        }
+        if let Some(p) = change.placement {
+            next.placement = p;
+        }
+        if let Some(o) = change.overcommit {
+            next.overcommit = o;
+        }
+        next.validate().map_err(ControlError::BadRequest)?;
+        let tenants = self.registry();
+        for d in &next.devices {
+            let (memory, reserved) = (self.slot(d).map(|s| s.spec.memory).unwrap_or(0), Self::reserved(&tenants, d));
+            if reserved > next.capacity(memory) {
+                return Err(ControlError::Conflict(format!("device {d} has {} of quotas placed; overcommit {} would allow only {}", Size(reserved), next.overcommit, Size(next.capacity(memory)))));
+            }
+        }
+        drop(tenants);
+        named.insert(name.to_string(), next.clone());
+        info!(pool = %name, access = ?next.access, placement = ?next.placement, overcommit = next.overcommit, "pool changed");
+        Ok(next)
+    }
+
+    /// Deletes a pool whose devices hold no tenants; they return to the
+    /// default pool.
+    pub fn delete_pool(&self, name: &str) -> Result<(), ControlError> {
+        let mut named = self.pool_map();
+        if name == pool::DEFAULT_POOL {
+            return Err(ControlError::BadRequest("the default pool cannot be deleted".into()));
+        }
+        let p = named.get(name).ok_or_else(|| ControlError::NotFound(format!("no pool {name}")))?;
+        let in_use: Vec<String> = self.registry().values().filter(|t| p.devices.contains(&t.device)).map(|t| t.name.clone()).collect();
+        if !in_use.is_empty() {
+            return Err(ControlError::Conflict(format!("pool {name} still has tenants: {}", in_use.join(", "))));
+        }
+        named.remove(name);
+        info!(pool = %name, "pool deleted");
+        Ok(())
+    }
+
+    /// How placement sees `device` in `pool`.
+    fn candidate(&self, tenants: &BTreeMap<String, TenantRecord>, pool: &pool::PoolSpec, slot: &DeviceSlot) -> pool::Candidate {
+        let name = &slot.spec.name;
+        pool::Candidate {
+            name: name.clone(),
+            ordinal: slot.spec.ordinal,
+            numa_node: slot.spec.numa_node,
+            capacity: pool.capacity(slot.spec.memory),
+            reserved: Self::reserved(tenants, name),
+            holds: slot.spec.memory.saturating_add(slot.spec.spill),
+            tenants: tenants.values().filter(|t| &t.device == name).count(),
+        }
     }
 
     fn registry(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, TenantRecord>> {
@@ -395,29 +545,33 @@ impl Control {
             return Err(ControlError::BadRequest(format!("socket path {} is too long for a unix socket; use a shorter run dir or name", socket.display())));
         }
         let (slot, rec) = {
+            let named = self.pool_map();
             let mut tenants = self.registry();
             if let Some(t) = tenants.get(&spec.name) {
                 let why = if t.state == TenantPhase::Deleting { "is still being deleted" } else { "already exists" };
                 return Err(ControlError::Conflict(format!("tenant {} {why}", spec.name)));
             }
-            let slot = match &spec.device {
+            let pool = match (&spec.pool, &spec.device) {
+                (Some(p), _) => self.find_pool(&named, p).ok_or_else(|| ControlError::NotFound(format!("no pool named {p}")))?,
+                (None, Some(d)) => self.pool_of(&named, d),
+                (None, None) => self.default_pool(&named),
+            };
+            if !pool.admits(&spec.name) {
+                return Err(ControlError::Forbidden(format!("pool {} is private and tenant {} is not on its allow-list", pool.name, spec.name)));
+            }
+            let slots: Vec<&Arc<DeviceSlot>> = match &spec.device {
                 Some(d) => {
                     let s = self.slot(d).ok_or_else(|| ControlError::BadRequest(format!("no device named {d}")))?;
-                    let free = s.spec.memory - Self::reserved(&tenants, d).min(s.spec.memory);
-                    if spec.memory.0 > free {
-                        return Err(ControlError::InsufficientMemory(format!("device {d} has {} unreserved; {} requested", Size(free), spec.memory)));
+                    if !pool.devices.contains(d) {
+                        return Err(ControlError::BadRequest(format!("device {d} is not in pool {}", pool.name)));
                     }
-                    s.clone()
+                    vec![s]
                 }
-                None => self
-                    .devices
-                    .iter()
-                    .map(|s| (s, s.spec.memory.saturating_sub(Self::reserved(&tenants, &s.spec.name))))
-                    .filter(|(_, free)| *free >= spec.memory.0)
-                    .max_by_key(|(s, free)| (*free, std::cmp::Reverse(s.spec.ordinal)))
-                    .map(|(s, _)| s.clone())
-                    .ok_or_else(|| ControlError::InsufficientMemory(format!("no device has {} of unreserved memory", spec.memory)))?,
+                None => pool.devices.iter().filter_map(|d| self.slot(d)).collect(),
             };
+            let cands: Vec<pool::Candidate> = slots.iter().map(|s| self.candidate(&tenants, &pool, s)).collect();
+            let i = pool::choose(&pool.name, &cands, spec.memory.0, spec.numa_node, pool.placement).map_err(|e| ControlError::InsufficientMemory(e.to_string()))?;
+            let slot = slots[i].clone();
             let rec = TenantRecord {
                 name: spec.name.clone(),
                 kind: if vm { "vm" } else { "process" },
@@ -426,6 +580,8 @@ impl Control {
                 cap: spec.cap.filter(|c| *c < 100),
                 priority: spec.priority,
                 device: slot.spec.name.clone(),
+                pool: pool.name.clone(),
+                numa_node: slot.spec.numa_node,
                 socket,
                 state: TenantPhase::Creating,
                 owner: spec.owner,
@@ -466,6 +622,7 @@ impl Control {
         // values the registry records.
         let _one = self.setting.lock().unwrap_or_else(|e| e.into_inner());
         let (slot, before, after) = {
+            let named = self.pool_map();
             let mut tenants = self.registry();
             let rec = tenants.get(name).ok_or_else(|| ControlError::NotFound(format!("no tenant {name}")))?;
             if rec.state != TenantPhase::Ready {
@@ -490,7 +647,12 @@ impl Control {
             }
             let slot = self.slot(&rec.device).cloned().ok_or_else(|| ControlError::NotFound(format!("no device {}", rec.device)))?;
             if next.memory > rec.memory {
-                let free = slot.spec.memory.saturating_sub(Self::reserved(&tenants, &rec.device));
+                let pool = self.pool_of(&named, &rec.device);
+                let holds = slot.spec.memory.saturating_add(slot.spec.spill);
+                if next.memory > holds {
+                    return Err(ControlError::InsufficientMemory(format!("device {} holds at most {} (memory and host spill); {name} cannot grow to {}", rec.device, Size(holds), Size(next.memory))));
+                }
+                let free = pool.capacity(slot.spec.memory).saturating_sub(Self::reserved(&tenants, &rec.device));
                 if next.memory - rec.memory > free {
                     return Err(ControlError::InsufficientMemory(format!("device {} has {} unreserved; growing {name} to {} needs {}", rec.device, Size(free), Size(next.memory), Size(next.memory - rec.memory))));
                 }
@@ -638,10 +800,11 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::
         .arg(spec.lanes.to_string())
         .arg("--launch-timeout-ms")
         .arg(spec.launch_timeout_ms.to_string());
-    if let Some(c) = &spec.cuda {
-        cmd.args(["--backend", "cuda", "--numa-node", &c.numa_node.to_string()]);
+    cmd.args(["--numa-node", &spec.numa_node.to_string()]);
+    if spec.cuda.is_some() {
+        cmd.args(["--backend", "cuda"]);
     } else {
-        cmd.arg("--compute-capability").arg(format!("{}.{}", spec.cc.0, spec.cc.1));
+        cmd.arg("--compute-capability").arg(format!("{}.{}", spec.cc.0, spec.cc.1)).arg("--spill").arg(spec.spill.to_string());
     }
     if let Some(u) = user {
         cmd.arg("--user").arg(u.to_string());

@@ -33,6 +33,8 @@ pub struct WorkerOptions {
     pub backend: BackendKind,
     /// The device's NUMA node: the worker's threads run on its CPUs.
     pub numa_node: i32,
+    /// Host RAM a CPU device's allocations may spill to.
+    pub spill: u64,
     pub launch_timeout_ms: u64,
     /// Compute capability of a CPU device.
     pub cc: (u32, u32),
@@ -52,7 +54,7 @@ pub enum BackendKind {
 
 fn open_backend(opts: &WorkerOptions, launch_threads: usize) -> anyhow::Result<Arc<dyn Backend>> {
     match opts.backend {
-        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?.with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms)).with_compute_capability(opts.cc).with_launch_threads(launch_threads))),
+        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?.with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms)).with_compute_capability(opts.cc).with_launch_threads(launch_threads).with_spill(opts.spill)?)),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let b = crate::backend::cuda::CudaBackend::new(opts.numa_node, std::time::Duration::from_millis(opts.launch_timeout_ms)).map_err(anyhow::Error::msg)?;

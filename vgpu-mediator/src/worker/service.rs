@@ -478,8 +478,7 @@ impl DeviceService {
                 device_ns: t.device_ns.load(Ordering::Relaxed),
                 bytes_scrubbed: t.scrubbed.load(Ordering::Relaxed),
                 bytes_copied: t.copied.load(Ordering::Relaxed),
-                // No device spills yet: every allocation is in device memory.
-                spilled: 0,
+                spilled: self.backend.spilled(t.slot),
                 weight: t.share().weight,
                 cap: t.share().cap,
                 priority: t.share().priority,
@@ -499,6 +498,8 @@ impl DeviceService {
             busy_ns: self.sched.busy().as_nanos() as u64,
             uptime_ns: self.started.elapsed().as_nanos() as u64,
             lanes: self.sched.lanes() as u32,
+            spilled: self.backend.spill_usage().0,
+            spill_budget: self.backend.spill_usage().1,
             tenants,
         }
     }

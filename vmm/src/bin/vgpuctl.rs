@@ -37,6 +37,9 @@ enum Cmd {
     /// Physical and reference devices.
     #[command(subcommand)]
     Device(DeviceCmd),
+    /// Device pools: access, placement policy and overcommit.
+    #[command(subcommand)]
+    Pool(PoolCmd),
     /// Prometheus metrics, as the API serves them.
     Metrics,
     /// Usage records (the billing file), oldest first.
@@ -89,9 +92,15 @@ enum TenantCmd {
         /// Priority class: latency work goes first within its share.
         #[arg(long, value_enum, default_value_t = Priority::Normal)]
         priority: Priority,
-        /// Device to place it on (default: the one with most free memory).
+        /// Device to place it on (default: chosen by its pool's policy).
         #[arg(long)]
         device: Option<String>,
+        /// Pool to place it in (default: the device's pool, or `default`).
+        #[arg(long)]
+        pool: Option<String>,
+        /// NUMA node the tenant runs on: a device there is preferred.
+        #[arg(long)]
+        numa_node: Option<u32>,
         /// A VM tenant: prints the vhost-user socket for `vgpu-vmm --vgpu socket=PATH`.
         #[arg(long)]
         vm: bool,
@@ -151,6 +160,83 @@ impl Priority {
 #[derive(Subcommand)]
 enum DeviceCmd {
     List,
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum PlacementArg {
+    Pack,
+    Spread,
+}
+
+impl PlacementArg {
+    fn as_str(self) -> &'static str {
+        match self {
+            PlacementArg::Pack => "pack",
+            PlacementArg::Spread => "spread",
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum PoolCmd {
+    /// Group devices (in the default pool, holding no tenants) into a pool.
+    Create {
+        name: String,
+        /// A device of the pool (repeat for more).
+        #[arg(long = "device", required = true)]
+        devices: Vec<String>,
+        /// Only the tenants given with --allow may be placed in it.
+        #[arg(long)]
+        private: bool,
+        /// A tenant a private pool admits (repeat for more).
+        #[arg(long = "allow")]
+        allow: Vec<String>,
+        /// pack fills the fullest device that fits; spread the freest.
+        #[arg(long, value_enum, default_value_t = PlacementArg::Spread)]
+        placement: PlacementArg,
+        /// Quotas on a device may add up to this times its memory.
+        #[arg(long, default_value_t = 1.0)]
+        overcommit: f64,
+    },
+    List,
+    Show { name: String },
+    /// Change a pool's access, allow-list, placement or overcommit.
+    Set {
+        name: String,
+        #[arg(long, conflicts_with = "public")]
+        private: bool,
+        #[arg(long)]
+        public: bool,
+        /// Replaces the allow-list (repeat for more tenants).
+        #[arg(long = "allow")]
+        allow: Vec<String>,
+        /// Empties the allow-list.
+        #[arg(long, conflicts_with = "allow")]
+        allow_none: bool,
+        #[arg(long, value_enum)]
+        placement: Option<PlacementArg>,
+        #[arg(long)]
+        overcommit: Option<f64>,
+    },
+    /// Delete a pool without tenants; its devices return to `default`.
+    Delete { name: String },
+}
+
+fn print_pool(v: &Value) {
+    let list = |k: &str| v.get(k).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default();
+    println!(
+        "name:       {}\naccess:     {}\nallow:      {}\nplacement:  {}\novercommit: {}\ndevices:    {}\nmemory:     {} (capacity {}, reserved {})\ntenants:    {}",
+        s(v, "name"),
+        s(v, "access"),
+        if s(v, "access") == "private" { list("allow") } else { "anyone".into() },
+        s(v, "placement"),
+        v.get("overcommit").and_then(Value::as_f64).unwrap_or(1.0),
+        list("devices"),
+        human(u(v, "memory_total")),
+        human(u(v, "memory_capacity")),
+        human(u(v, "memory_reserved")),
+        list("tenants"),
+    );
 }
 
 fn human(b: u64) -> String {
@@ -221,12 +307,15 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let json_out = cli.output == Output::Json;
     let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     match &cli.cmd {
-        Cmd::Tenant(TenantCmd::Create { name, memory, weight, cap, priority, device, vm, owner, mode, host_memory, max_connections }) => {
+        Cmd::Tenant(TenantCmd::Create { name, memory, weight, cap, priority, device, pool, numa_node, vm, owner, mode, host_memory, max_connections }) => {
             let mut body = json!({ "name": name, "memory": memory, "weight": weight, "priority": priority.as_str(), "kind": if *vm { "vm" } else { "process" } });
             if let Some(c) = cap {
                 body["cap"] = json!(c);
             }
-            for (key, v) in [("device", device), ("owner", owner), ("mode", mode), ("host_memory", host_memory)] {
+            if let Some(n) = numa_node {
+                body["numa_node"] = json!(n);
+            }
+            for (key, v) in [("device", device), ("pool", pool), ("owner", owner), ("mode", mode), ("host_memory", host_memory)] {
                 if let Some(v) = v {
                     body[key] = json!(v);
                 }
@@ -242,9 +331,9 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if json_out {
                 print_json(&v);
             } else {
-                let mut rows = vec![vec!["NAME".into(), "KIND".into(), "DEVICE".into(), "QUOTA".into(), "WEIGHT".into(), "SOCKET".into()]];
+                let mut rows = vec![["NAME", "KIND", "POOL", "DEVICE", "QUOTA", "WEIGHT", "SOCKET"].map(String::from).to_vec()];
                 for t in v.as_array().into_iter().flatten() {
-                    rows.push(vec![s(t, "name").into(), s(t, "kind").into(), s(t, "device").into(), human(u(t, "memory")), u(t, "weight").to_string(), s(t, "socket").into()]);
+                    rows.push(vec![s(t, "name").into(), s(t, "kind").into(), s(t, "pool").into(), s(t, "device").into(), human(u(t, "memory")), u(t, "weight").to_string(), s(t, "socket").into()]);
                 }
                 table(rows);
             }
@@ -255,10 +344,12 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 print_json(&v);
             } else {
                 println!(
-                    "name:      {}\nstate:     {}\ndevice:    {}\nquota:     {}\nweight:    {}\ncap:       {}\npriority:  {}\nsocket:    {} (owner {}, mode {})\nhost mem:  {}\nmax conns: {}",
+                    "name:      {}\nstate:     {}\ndevice:    {} (pool {}, NUMA node {})\nquota:     {}\nweight:    {}\ncap:       {}\npriority:  {}\nsocket:    {} (owner {}, mode {})\nhost mem:  {}\nmax conns: {}",
                     s(&v, "name"),
                     s(&v, "state"),
                     s(&v, "device"),
+                    s(&v, "pool"),
+                    v.get("numa_node").and_then(Value::as_i64).unwrap_or(-1),
                     human(u(&v, "memory")),
                     u(&v, "weight"),
                     cap_text(&v),
@@ -271,8 +362,9 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 );
                 match v.get("usage").filter(|x| !x.is_null()) {
                     Some(us) => println!(
-                        "used:      {}\nhost used: {}\nkernels:   {}\ndevice-s:  {:.3}\nscrubbed:  {}\nclients:   {}",
+                        "used:      {} ({} spilled to host RAM)\nhost used: {}\nkernels:   {}\ndevice-s:  {:.3}\nscrubbed:  {}\nclients:   {}",
                         human(u(us, "used")),
+                        human(u(us, "spilled")),
                         human(u(us, "host_used")),
                         u(us, "kernels"),
                         u(us, "device_ns") as f64 / 1e9,
@@ -356,15 +448,19 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if json_out {
                 print_json(&v);
             } else {
-                let mut rows = vec![["NAME", "KIND", "STATE", "MEMORY", "RESERVED", "ALLOCATED", "TENANTS", "UTIL", "RESTARTS"].map(String::from).to_vec()];
+                let mut rows = vec![["NAME", "KIND", "POOL", "NODE", "STATE", "MEMORY", "RESERVED", "ALLOCATED", "SPILLED", "TENANTS", "UTIL", "RESTARTS"].map(String::from).to_vec()];
                 for d in v.as_array().into_iter().flatten() {
+                    let node = d.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
                     rows.push(vec![
                         s(d, "name").into(),
                         s(d, "kind").into(),
+                        s(d, "pool").into(),
+                        if node < 0 { "-".into() } else { node.to_string() },
                         s(d, "state").into(),
                         human(u(d, "memory_total")),
                         human(u(d, "memory_reserved")),
                         human(u(d, "memory_allocated")),
+                        human(u(d, "memory_spilled")),
                         u(d, "tenants").to_string(),
                         format!("{:.1}%", d.get("utilization").and_then(Value::as_f64).unwrap_or(0.0) * 100.0),
                         u(d, "worker_restarts").to_string(),
@@ -372,6 +468,64 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 }
                 table(rows);
             }
+        }
+        Cmd::Pool(PoolCmd::Create { name, devices, private, allow, placement, overcommit }) => {
+            let body = json!({ "name": name, "devices": devices, "access": if *private { "private" } else { "public" }, "allow": allow, "placement": placement.as_str(), "overcommit": overcommit });
+            let v = call(cli, "POST", "/pools", Some(body))?;
+            if json_out { print_json(&v) } else { println!("created pool {name}") }
+        }
+        Cmd::Pool(PoolCmd::List) => {
+            let v = call(cli, "GET", "/pools", None)?;
+            if json_out {
+                print_json(&v);
+            } else {
+                let mut rows = vec![["NAME", "ACCESS", "PLACEMENT", "OVERCOMMIT", "DEVICES", "MEMORY", "RESERVED", "TENANTS"].map(String::from).to_vec()];
+                for p in v.as_array().into_iter().flatten() {
+                    let n = |k: &str| p.get(k).and_then(Value::as_array).map(Vec::len).unwrap_or(0);
+                    rows.push(vec![
+                        s(p, "name").into(),
+                        s(p, "access").into(),
+                        s(p, "placement").into(),
+                        format!("{}", p.get("overcommit").and_then(Value::as_f64).unwrap_or(1.0)),
+                        n("devices").to_string(),
+                        human(u(p, "memory_total")),
+                        human(u(p, "memory_reserved")),
+                        n("tenants").to_string(),
+                    ]);
+                }
+                table(rows);
+            }
+        }
+        Cmd::Pool(PoolCmd::Show { name }) => {
+            let v = call(cli, "GET", &format!("/pools/{name}"), None)?;
+            if json_out { print_json(&v) } else { print_pool(&v) }
+        }
+        Cmd::Pool(PoolCmd::Set { name, private, public, allow, allow_none, placement, overcommit }) => {
+            let mut body = json!({});
+            if *private {
+                body["access"] = json!("private");
+            }
+            if *public {
+                body["access"] = json!("public");
+            }
+            if !allow.is_empty() || *allow_none {
+                body["allow"] = json!(allow);
+            }
+            if let Some(p) = placement {
+                body["placement"] = json!(p.as_str());
+            }
+            if let Some(o) = overcommit {
+                body["overcommit"] = json!(o);
+            }
+            if body.as_object().is_some_and(|o| o.is_empty()) {
+                anyhow::bail!("nothing to change: give --private, --public, --allow, --allow-none, --placement or --overcommit");
+            }
+            let v = call(cli, "PATCH", &format!("/pools/{name}"), Some(body))?;
+            if json_out { print_json(&v) } else { print_pool(&v) }
+        }
+        Cmd::Pool(PoolCmd::Delete { name }) => {
+            call(cli, "DELETE", &format!("/pools/{name}"), None)?;
+            if json_out { print_json(&json!({ "deleted": name })) } else { println!("deleted pool {name}") }
         }
         Cmd::Vm { socket, cmd } => vm(socket, cmd, json_out)?,
         Cmd::Metrics => {
