@@ -190,6 +190,14 @@ fn overcommitted_tenants_spill_to_host_ram_get_their_data_back_and_see_oom_past_
         Reply::Error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, msg) => assert!(msg.contains("spill budget has 0 of"), "{msg}"),
         other => panic!("expected OUT_OF_MEMORY, got {other:?}"),
     }
+    // A quota shrinks only down to what is allocated, so what it gives
+    // back is really free.
+    let (st, v) = m.api("PATCH", "/tenants/b", Some(json!({"memory": "8MiB"})));
+    assert_eq!(st, 409, "{v}");
+    assert!(v["error"].as_str().unwrap_or("").contains("must free below"), "{v}");
+    let (st, v) = m.api("PATCH", "/tenants/b", Some(json!({"memory": "48MiB"})));
+    assert_eq!(st, 200, "{v}");
+    assert!(matches!(b.alloc(16 * MIB), Reply::Error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, _)));
     // Spilled memory works like any other: copies and kernels.
     b.write(b2, &pattern(1));
     a.write(a2, &pattern(2));

@@ -614,9 +614,9 @@ impl Control {
     }
 
     /// Changes a tenant's weight, cap, class or memory quota live. A larger
-    /// quota must fit the device's unreserved memory; a smaller one keeps
-    /// what the tenant has allocated (it cannot allocate more until it
-    /// frees below the new quota).
+    /// quota must fit the device's unreserved capacity; a smaller one must
+    /// still cover what the tenant has allocated (the worker checks that),
+    /// so a quota given back is really free.
     pub fn set_tenant(&self, name: &str, change: &TenantChange) -> Result<TenantRecord, ControlError> {
         // Changes are applied one at a time, so the worker ends with the
         // values the registry records.
@@ -669,9 +669,10 @@ impl Control {
             // A worker that is down gets the new values when it re-adds
             // the tenant.
             Err(ControlError::WorkerDown(_)) => {}
+            // The worker refuses only a quota below what is allocated.
             Ok(WorkerMsg::Err(e)) => {
                 self.restore(name, &before, &after);
-                return Err(ControlError::Worker(e));
+                return Err(ControlError::Conflict(e));
             }
             Ok(other) => {
                 self.restore(name, &before, &after);

@@ -418,6 +418,12 @@ impl DeviceService {
             self.sched.configure(name, sh);
         }
         if let Some(q) = quota {
+            // Under the state lock, which allocations hold while they
+            // check the quota: none lands between the check and the store.
+            let st = t.state.lock();
+            if st.used > q {
+                return Err(format!("tenant {name} has {} bytes allocated; it must free below {q} bytes before its quota can shrink to that", st.used));
+            }
             t.quota.store(q, Ordering::Release);
         }
         Ok(())

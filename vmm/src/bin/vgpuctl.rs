@@ -132,8 +132,8 @@ enum TenantCmd {
         cap: Option<u32>,
         #[arg(long, value_enum)]
         priority: Option<Priority>,
-        /// New memory quota. A smaller one keeps what is allocated and
-        /// refuses allocations until the tenant is below it.
+        /// New memory quota. A smaller one must still cover what the
+        /// tenant has allocated.
         #[arg(long)]
         memory: Option<String>,
     },
