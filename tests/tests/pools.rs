@@ -77,6 +77,12 @@ fn pools_admit_by_allow_list_place_by_policy_and_prefer_the_tenants_numa_node() 
     let (st, v) = m.api("PATCH", "/pools/gold", Some(json!({"allow": ["alice", "alice2", "carol", "bob"]})));
     assert_eq!(st, 200, "{v}");
     assert_eq!(placed(&m, json!({"name": "bob", "memory": "1MiB", "pool": "gold"})), "cpu1", "pack: the fuller device");
+    // Dropped from the list, bob keeps its place but cannot grow there.
+    let (st, v) = m.api("PATCH", "/pools/gold", Some(json!({"allow": ["alice", "alice2", "carol"]})));
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = m.api("PATCH", "/tenants/bob", Some(json!({"memory": "2MiB"})));
+    assert_eq!(st, 403, "{v}");
+    assert_eq!(m.api("PATCH", "/tenants/bob", Some(json!({"weight": 2}))).0, 200, "other changes still work");
     let (st, v) = m.api("PATCH", "/pools/silver", Some(json!({"overcommit": 1.0})));
     assert_eq!(st, 409, "quotas placed exceed the lower capacity: {v}");
     let (st, v) = m.api("POST", "/pools", Some(json!({"name": "x", "devices": ["cpu4"]})));
@@ -190,11 +196,19 @@ fn overcommitted_tenants_spill_to_host_ram_get_their_data_back_and_see_oom_past_
         Reply::Error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, msg) => assert!(msg.contains("spill budget has 0 of"), "{msg}"),
         other => panic!("expected OUT_OF_MEMORY, got {other:?}"),
     }
+    // cuMemGetInfo tells it so: nothing free, though its quota has 8 MiB left.
+    match a.r.call(Request::MemGetInfo) {
+        Reply::MemInfo(i) => assert_eq!((i.free, i.total), (0, 64 * MIB)),
+        other => panic!("{other:?}"),
+    }
     // A quota shrinks only down to what is allocated, so what it gives
     // back is really free.
-    let (st, v) = m.api("PATCH", "/tenants/b", Some(json!({"memory": "8MiB"})));
+    let (st, v) = m.api("PATCH", "/tenants/b", Some(json!({"memory": "8MiB", "weight": 8})));
     assert_eq!(st, 409, "{v}");
     assert!(v["error"].as_str().unwrap_or("").contains("must free below"), "{v}");
+    // A refused change changes nothing, in the registry or the worker.
+    let (_, v) = m.api("GET", "/tenants/b", None);
+    assert_eq!((v["weight"].as_u64(), v["usage"]["weight"].as_u64(), v["memory"].as_u64()), (Some(1), Some(1), Some(64 * MIB)), "{v}");
     let (st, v) = m.api("PATCH", "/tenants/b", Some(json!({"memory": "48MiB"})));
     assert_eq!(st, 200, "{v}");
     assert!(matches!(b.alloc(16 * MIB), Reply::Error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, _)));

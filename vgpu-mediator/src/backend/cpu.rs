@@ -498,9 +498,14 @@ impl Backend for CpuBackend {
             off
         };
         // Scrub before hand-out: nobody sees the previous owner's bytes.
-        self.arena.scrub(off, n)?;
+        // A range that fails it is given back, not handed out.
+        if let Err(e) = self.arena.scrub(off, n) {
+            self.free(slot, self.va_base + off, n);
+            return Err(e);
+        }
         if !self.verify_scrub(off, n) {
             self.quarantined.store(true, Ordering::Relaxed);
+            self.free(slot, self.va_base + off, n);
             return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "scrub verification failed; device quarantined"));
         }
         self.scrubbed.fetch_add(n, Ordering::Relaxed);
@@ -527,6 +532,15 @@ impl Backend for CpuBackend {
 
     fn spilled(&self, slot: TenantSlot) -> u64 {
         self.placement().by_tenant.get(&slot).copied().unwrap_or(0)
+    }
+
+    fn granule(&self) -> u64 {
+        GRANULE
+    }
+
+    fn available(&self) -> u64 {
+        let p = self.placement();
+        self.desc.memory.saturating_sub(p.resident) + self.spill.saturating_sub(p.spilled_bytes)
     }
 
     fn spill_usage(&self) -> (u64, u64) {

@@ -127,6 +127,15 @@ pub trait Backend: Send + Sync {
     /// the device address and the reserved length.
     fn alloc(&self, slot: TenantSlot, size: u64) -> Result<(u64, u64), BackendError>;
     fn free(&self, slot: TenantSlot, addr: u64, len: u64);
+    /// Allocations are rounded up to a multiple of this.
+    fn granule(&self) -> u64 {
+        1
+    }
+    /// Bytes the device could still place now (device memory and spill
+    /// budget), whatever the quotas say.
+    fn available(&self) -> u64 {
+        u64::MAX
+    }
     /// Bytes of the tenant's allocations spilled to host RAM now.
     fn spilled(&self, _slot: TenantSlot) -> u64 {
         0

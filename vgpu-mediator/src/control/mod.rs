@@ -648,6 +648,9 @@ impl Control {
             let slot = self.slot(&rec.device).cloned().ok_or_else(|| ControlError::NotFound(format!("no device {}", rec.device)))?;
             if next.memory > rec.memory {
                 let pool = self.pool_of(&named, &rec.device);
+                if !pool.admits(name) {
+                    return Err(ControlError::Forbidden(format!("pool {} is private and tenant {name} is no longer on its allow-list: it keeps its quota but cannot grow it", pool.name)));
+                }
                 let holds = slot.spec.memory.saturating_add(slot.spec.spill);
                 if next.memory > holds {
                     return Err(ControlError::InsufficientMemory(format!("device {} holds at most {} (memory and host spill); {name} cannot grow to {}", rec.device, Size(holds), Size(next.memory))));
@@ -658,30 +661,35 @@ impl Control {
                 }
             }
             let before = rec.clone();
-            // Recorded first, so the quota it reserves counts at once.
-            tenants.insert(name.to_string(), next.clone());
-            (slot, before, next)
+            // While the worker is asked, the larger of the two quotas stays
+            // reserved: a grown one counts at once, and a shrunk one frees
+            // nothing until the worker has agreed.
+            let interim = TenantRecord { memory: rec.memory.max(next.memory), ..next.clone() };
+            tenants.insert(name.to_string(), interim.clone());
+            (slot, before, (interim, next))
         };
+        let (interim, after) = after;
         let share = crate::sched::Share { weight: after.weight, cap: after.cap, priority: after.priority };
         let quota = (after.memory != before.memory).then_some(after.memory);
         match slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT) {
-            Ok(WorkerMsg::Ok) => {}
+            Ok(WorkerMsg::Ok) => self.replace_if(name, &interim, &after),
             // A worker that is down gets the new values when it re-adds
             // the tenant.
-            Err(ControlError::WorkerDown(_)) => {}
-            // The worker refuses only a quota below what is allocated.
+            Err(ControlError::WorkerDown(_)) => self.replace_if(name, &interim, &after),
+            // The worker refused (a quota below what is allocated) and
+            // changed nothing.
             Ok(WorkerMsg::Err(e)) => {
-                self.restore(name, &before, &after);
+                self.replace_if(name, &interim, &before);
                 return Err(ControlError::Conflict(e));
             }
             Ok(other) => {
-                self.restore(name, &before, &after);
+                self.replace_if(name, &interim, &before);
                 return Err(ControlError::Worker(format!("unexpected reply {other:?}")));
             }
             // The worker may still apply it: the larger quota stays
             // reserved, the rest goes back.
             Err(e) => {
-                self.restore(name, &TenantRecord { memory: before.memory.max(after.memory), ..before.clone() }, &after);
+                self.replace_if(name, &interim, &TenantRecord { memory: interim.memory, ..before.clone() });
                 return Err(e);
             }
         }
@@ -689,16 +697,16 @@ impl Control {
         Ok(after)
     }
 
-    /// Undoes a change the worker refused, only if the record is still
-    /// the one the change made (not deleted or re-created since).
-    fn restore(&self, name: &str, before: &TenantRecord, after: &TenantRecord) {
+    /// Sets a tenant's share and quota to `to`'s, only if the record is
+    /// still `expect` (not deleted or re-created since).
+    fn replace_if(&self, name: &str, expect: &TenantRecord, to: &TenantRecord) {
         if let Some(r) = self.registry().get_mut(name) {
-            let same = r.state == TenantPhase::Ready && r.device == after.device && r.socket == after.socket && r.memory == after.memory && r.weight == after.weight && r.cap == after.cap && r.priority == after.priority;
+            let same = r.state == TenantPhase::Ready && r.device == expect.device && r.socket == expect.socket && r.memory == expect.memory && r.weight == expect.weight && r.cap == expect.cap && r.priority == expect.priority;
             if same {
-                r.memory = before.memory;
-                r.weight = before.weight;
-                r.cap = before.cap;
-                r.priority = before.priority;
+                r.memory = to.memory;
+                r.weight = to.weight;
+                r.cap = to.cap;
+                r.priority = to.priority;
             }
         }
     }

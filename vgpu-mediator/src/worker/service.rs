@@ -409,22 +409,26 @@ impl DeviceService {
     }
 
     /// Changes a tenant's scheduling parameters and quota live. A quota
-    /// below what the tenant has allocated keeps its memory and refuses
-    /// allocations until it frees below the new quota.
+    /// below what the tenant has allocated is refused, and then nothing
+    /// changes.
     pub fn set_tenant(&self, name: &str, share: Option<crate::sched::Share>, quota: Option<u64>) -> Result<(), String> {
         let t = self.tenant(name).ok_or_else(|| format!("no tenant {name} on this device"))?;
+        match quota {
+            // Shrinking: under the state lock, which allocations hold while
+            // they check the quota, so none lands between check and store.
+            Some(q) if q < t.quota() => {
+                let st = t.state.lock();
+                if st.used > q {
+                    return Err(format!("tenant {name} has {} bytes allocated; it must free below {q} bytes before its quota can shrink to that", st.used));
+                }
+                t.quota.store(q, Ordering::Release);
+            }
+            Some(q) => t.quota.store(q, Ordering::Release),
+            None => {}
+        }
         if let Some(sh) = share {
             *t.share.lock().unwrap_or_else(|e| e.into_inner()) = sh;
             self.sched.configure(name, sh);
-        }
-        if let Some(q) = quota {
-            // Under the state lock, which allocations hold while they
-            // check the quota: none lands between the check and the store.
-            let st = t.state.lock();
-            if st.used > q {
-                return Err(format!("tenant {name} has {} bytes allocated; it must free below {q} bytes before its quota can shrink to that", st.used));
-            }
-            t.quota.store(q, Ordering::Release);
         }
         Ok(())
     }
@@ -594,7 +598,10 @@ impl DeviceService {
     /// context `ctx`; `read_only` ranges are readable but not writable by
     /// kernels (modules' constant memory).
     fn alloc_for(&self, t: &Tenant, st: &mut TenantState, ctx: u32, size: u64, read_only: bool) -> R<u64> {
-        if size > t.quota().saturating_sub(st.used) {
+        // Checked as the device will round it, so an allocation over the
+        // quota never takes device memory, even for a moment.
+        let rounded = size.checked_next_multiple_of(self.backend.granule().max(1)).unwrap_or(u64::MAX);
+        if rounded > t.quota().saturating_sub(st.used) {
             return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {size} bytes exceeds the quota ({} of {} bytes used)", st.used, t.quota())));
         }
         t.host.reserve(host_cost::ALLOCATION, "an allocation record")?;
@@ -623,13 +630,19 @@ impl DeviceService {
         Ok(addr)
     }
 
+    /// What `cuMemGetInfo` calls free: what the quota leaves, or less when
+    /// an overcommitted device cannot place that much now.
+    fn free_for(&self, t: &Tenant, used: u64) -> u64 {
+        t.quota().saturating_sub(used).min(self.backend.available())
+    }
+
     fn device_info(&self, t: &Tenant, used: u64) -> DeviceInfo {
         let d = self.backend.desc();
         DeviceInfo {
             name: fixed_name(&d.name),
             uuid: d.uuid,
             total_mem: t.quota(),
-            free_mem: t.quota().saturating_sub(used),
+            free_mem: self.free_for(t, used),
             cc_major: d.cc.0,
             cc_minor: d.cc.1,
             sm_count: d.sm_count,
@@ -928,7 +941,7 @@ impl DeviceService {
                 weight: t.share().weight,
                 reserved: 0,
             }),
-            Request::MemGetInfo => Reply::MemInfo(MemInfoReply { free: t.quota().saturating_sub(st.used), total: t.quota() }),
+            Request::MemGetInfo => Reply::MemInfo(MemInfoReply { free: self.free_for(t, st.used), total: t.quota() }),
             Request::RegisterShm(_) => return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm must carry a memfd")),
             Request::CtxCreate(b) => {
                 if b.flags & !0x1f != 0 {
