@@ -149,7 +149,7 @@ impl Mediator {
         let mut cmd = Command::new(bin("vgpu-mediatord"));
         cmd.arg("--run-dir").arg(&run_dir).args(args).env("VGPU_LOG", "warn").stdin(Stdio::null());
         if let Some(path) = how.log {
-            cmd.stderr(std::fs::File::create(&path).expect("log file"));
+            cmd.stderr(std::fs::File::create(path).expect("log file"));
         }
         if let Some(root) = how.sysfs_root {
             cmd.env("VGPU_SYSFS_ROOT", root);
@@ -557,13 +557,7 @@ pub mod shares {
 
         pub fn new(sock: &str, grid: u32) -> Spinner {
             let c = Client::connect_unix(sock).expect("connect");
-            let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
-            let img = SPIN.as_bytes().to_vec();
-            let m = c.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("load");
-            let f = match c.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: 4, reserved: 0 }, "spin".into())).expect("function") {
-                Reply::Function(f, _) => f.func,
-                r => panic!("{r:?}"),
-            };
+            let (ctx, f) = context_with_kernel(&c, SPIN, "spin");
             let req = LaunchReq { ctx, func: f, stream: 0, shared_bytes: 0, grid: [grid, 1, 1], block: [32, 1, 1], params_len: 4, reserved: 0 };
             Spinner { c, req }
         }
@@ -634,6 +628,18 @@ pub mod shares {
     }
 
     /// Lanes of the mediator's first device.
+    /// A new context on `c` with `ptx` loaded, and the handle of its
+    /// kernel `name`.
+    pub fn context_with_kernel(c: &Client, ptx: &str, name: &str) -> (u32, u32) {
+        let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+        let img = ptx.as_bytes().to_vec();
+        let m = c.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("load");
+        match c.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: name.len() as u32, reserved: 0 }, name.into())).expect("function") {
+            Reply::Function(f, _) => (ctx, f.func),
+            r => panic!("{r:?}"),
+        }
+    }
+
     pub fn lanes(m: &Mediator) -> usize {
         let (_, v) = m.api("GET", "/devices", None);
         v[0]["lanes"].as_u64().expect("lanes") as usize

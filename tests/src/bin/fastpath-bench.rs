@@ -38,13 +38,7 @@ fn sibling_latency(sock: &str, n: usize) -> (f64, f64, f64) {
     std::env::set_var("VGPU_RING", "0");
     let a = Client::connect_unix(sock).expect("connect");
     std::env::remove_var("VGPU_RING");
-    let ctx = a.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
-    let img = BUSY.as_bytes().to_vec();
-    let m = a.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("module");
-    let f = match a.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: 4, reserved: 0 }, "busy".into())).expect("function") {
-        Reply::Function(f, _) => f.func,
-        r => panic!("{r:?}"),
-    };
+    let (ctx, f) = vgpu_tests::shares::context_with_kernel(&a, BUSY, "busy");
     let req = Request::LaunchKernel(LaunchReq { ctx, func: f, stream: 0, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 4, reserved: 0 }, 300_000u32.to_le_bytes().to_vec());
     let s = Instant::now();
     a.empty(req.clone()).expect("launch");

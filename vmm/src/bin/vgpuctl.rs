@@ -288,6 +288,15 @@ fn call(cli: &Cli, method: &str, path: &str, body: Option<Value>) -> anyhow::Res
     call_at(&api, method, path, body)
 }
 
+/// PATCHes `path` with the fields the user gave; none is a usage error
+/// naming `flags`.
+fn patch(cli: &Cli, path: &str, body: Value, flags: &str) -> anyhow::Result<Value> {
+    if body.as_object().is_some_and(|o| o.is_empty()) {
+        anyhow::bail!("nothing to change: give {flags}");
+    }
+    call(cli, "PATCH", path, Some(body))
+}
+
 fn call_at(api: &std::path::Path, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
     call_status(api, method, path, body).map(|(_, v)| v)
 }
@@ -389,10 +398,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if let Some(m) = memory {
                 body["memory"] = json!(m);
             }
-            if body.as_object().is_some_and(|o| o.is_empty()) {
-                anyhow::bail!("nothing to change: give --weight, --cap, --priority or --memory");
-            }
-            let v = call(cli, "PATCH", &format!("/tenants/{name}"), Some(body))?;
+            let v = patch(cli, &format!("/tenants/{name}"), body, "--weight, --cap, --priority or --memory")?;
             if json_out {
                 print_json(&v)
             } else {
@@ -517,10 +523,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if let Some(o) = overcommit {
                 body["overcommit"] = json!(o);
             }
-            if body.as_object().is_some_and(|o| o.is_empty()) {
-                anyhow::bail!("nothing to change: give --private, --public, --allow, --allow-none, --placement or --overcommit");
-            }
-            let v = call(cli, "PATCH", &format!("/pools/{name}"), Some(body))?;
+            let v = patch(cli, &format!("/pools/{name}"), body, "--private, --public, --allow, --allow-none, --placement or --overcommit")?;
             if json_out { print_json(&v) } else { print_pool(&v) }
         }
         Cmd::Pool(PoolCmd::Delete { name }) => {
