@@ -108,6 +108,15 @@ pub struct DevicesConfig {
     /// is full (0: none; an allocation that does not fit fails).
     #[serde(default)]
     pub spill: Size,
+    /// The nice value CPU device threads run kernels at (0 to 19; 0: off),
+    /// so the worker's control threads, which take and answer other
+    /// tenants' launches, go first on a busy host (docs/scheduling.md).
+    #[serde(default = "default_compute_nice")]
+    pub compute_nice: i32,
+}
+
+fn default_compute_nice() -> i32 {
+    10
 }
 
 fn overcommit_one() -> f64 {
@@ -246,6 +255,7 @@ impl Default for DevicesConfig {
             connection_threads: default_connection_threads(),
             overcommit: 1.0,
             spill: Size(0),
+            compute_nice: default_compute_nice(),
         }
     }
 }
@@ -368,6 +378,9 @@ impl Config {
             t.validate().map_err(ConfigError::Invalid)?;
         }
         crate::control::pool::check_overcommit(crate::control::pool::DEFAULT_POOL, self.devices.overcommit).map_err(|e| ConfigError::Invalid(format!("devices.overcommit: {e}")))?;
+        if !(0..=crate::nice::MAX).contains(&self.devices.compute_nice) {
+            return Err(ConfigError::Invalid(format!("devices.compute_nice must be 0 (off) to {}, not {}", crate::nice::MAX, self.devices.compute_nice)));
+        }
         if self.devices.spill.0 > 1 << 40 {
             return Err(ConfigError::Invalid(format!("devices.spill must be at most 1TiB, not {}", self.devices.spill)));
         }

@@ -6,6 +6,7 @@ pub mod config;
 pub mod control;
 pub mod gpu;
 pub mod ipc;
+pub mod nice;
 pub mod ptx;
 pub mod sched;
 pub use virtio_gpu_compute::size;

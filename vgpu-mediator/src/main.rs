@@ -44,6 +44,10 @@ struct Cli {
     /// is full (overrides devices.spill).
     #[arg(long)]
     spill: Option<Size>,
+    /// Nice value CPU devices run kernels at, below the workers' control
+    /// threads (0 to 19, 0: off; overrides devices.compute_nice).
+    #[arg(long)]
+    compute_nice: Option<i32>,
     /// Compute capability the CPU devices report and accept PTX for
     /// (7.0 to 12.1; default 8.0).
     #[arg(long)]
@@ -102,6 +106,9 @@ enum Cmd {
         /// Executor threads serving tenant sockets.
         #[arg(long, default_value_t = 4)]
         connection_threads: usize,
+        /// Run kernels at this nice value, back to 0 between them (0: off).
+        #[arg(long, default_value_t = 0)]
+        compute_nice: i32,
     },
     /// Internal: installs a device worker's seccomp allow-list, then makes
     /// the named syscall (`getpid`, allowed, or `socket-inet`, `execve`,
@@ -139,10 +146,10 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, compute_capability, user, seccomp, connection_threads }) => {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, compute_capability, user, seccomp, connection_threads, compute_nice }) => {
             let cc = config::parse_compute_capability(&compute_capability).map_err(anyhow::Error::msg)?;
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, cc, user, seccomp, connection_threads });
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, cc, user, seccomp, connection_threads, compute_nice });
         }
         Some(Cmd::SeccompCheck { syscall, connection }) => {
             worker::confine::no_new_privs()?;
@@ -182,6 +189,9 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(sp) = cli.spill {
         cfg.devices.spill = sp;
+    }
+    if let Some(n) = cli.compute_nice {
+        cfg.devices.compute_nice = n;
     }
     if cli.usage_interval.is_some() {
         cfg.metering.interval_s = cli.usage_interval;
@@ -233,6 +243,7 @@ fn run() -> anyhow::Result<()> {
         .map(|i| DeviceSpec {
             numa_node: nodes[i as usize % nodes.len()],
             spill: cfg.devices.spill.0,
+            compute_nice: 0,
             name: format!("cpu{i}"),
             ordinal: i,
             memory: cfg.devices.memory.0,
@@ -251,6 +262,7 @@ fn run() -> anyhow::Result<()> {
     for d in devices.iter_mut() {
         d.seccomp = cfg.devices.seccomp && d.cuda.is_none();
         d.connection_threads = cfg.devices.connection_threads;
+        d.compute_nice = if d.cuda.is_none() { cfg.devices.compute_nice } else { 0 };
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
     let control = Control::new(&run_dir, exe, devices, defaults, worker_user, cfg.devices.overcommit);
@@ -330,6 +342,7 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             numa_node: g.numa_node,
             // Spilling is built for CPU devices only (docs/overcommit.md).
             spill: 0,
+            compute_nice: 0,
         });
     }
     if out.is_empty() {

@@ -670,6 +670,8 @@ impl Scheduler {
         let r = Running::new(self.0.clone(), tenant);
         let out = {
             let _cur = Current::set(&r);
+            // Below the worker's control threads while it holds the lane.
+            let _nice = crate::nice::Lowered::new();
             f()
         };
         let dt = r.finish();

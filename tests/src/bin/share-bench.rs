@@ -9,9 +9,11 @@
 //! 3. Preemption: a victim tenant's launch latency (short one-block
 //!    kernels, one at a time) alone and while an aggressor floods long
 //!    multi-block kernels from two threads; p50 and p99, for a victim of
-//!    the normal and of the latency class.
+//!    the normal and of the latency class. Run twice: with kernels at
+//!    the default compute nice value (below the worker's control threads)
+//!    and with compute nice off, on one device each, for comparison.
 //!
-//! Usage: share-bench [--quick] [--secs S]
+//! Usage: share-bench [--quick] [--secs S] [--latency-only]
 //!        share-bench --tenants NAME=SOCKET:WEIGHT,... [--secs S]
 //! The second form saturates existing tenants (the README's demo) and
 //! prints their shares against their weights.
@@ -42,7 +44,8 @@ fn caps(m: &Mediator, secs: f64) {
     println!("cap 25% beside an uncapped tenant of the same weight: {:.1}% (the other: {:.1}%)", 100.0 * c[0], 100.0 * c[1]);
 }
 
-fn latency(m: &Mediator, n: usize) {
+fn latency(m: &Mediator, n: usize, label: &str) {
+    println!("preemption, {label}:");
     const SHORT: u32 = 3_000;
     const LONG: u32 = 400_000;
     let agg = m.tenant_with(json!({"name": "aggressor", "memory": "16MiB"}))["socket"].as_str().unwrap().to_string();
@@ -88,10 +91,16 @@ fn main() {
     if let Some(spec) = std::env::args().skip_while(|a| a != "--tenants").nth(1) {
         return existing(&spec, secs);
     }
+    let n = if quick { 100 } else { 400 };
     // The device's lanes (one per host core) are what the tenants share.
     let m = Mediator::start(&["--device-memory", "512MiB"]);
-    weights(&m, "a", &[1, 1, 2, 4], secs);
-    weights(&m, "b", &[1, 3], secs);
-    caps(&m, secs);
-    latency(&m, if quick { 100 } else { 400 });
+    if !std::env::args().any(|a| a == "--latency-only") {
+        weights(&m, "a", &[1, 1, 2, 4], secs);
+        weights(&m, "b", &[1, 3], secs);
+        caps(&m, secs);
+    }
+    latency(&m, n, "kernels at the default compute nice (10)");
+    drop(m);
+    let off = Mediator::start(&["--device-memory", "512MiB", "--compute-nice", "0"]);
+    latency(&off, n, "compute nice off (kernels at the control threads' priority)");
 }

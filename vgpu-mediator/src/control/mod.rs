@@ -73,6 +73,8 @@ pub struct DeviceSpec {
     /// Host RAM the device's allocations may spill to once its memory is
     /// full (overcommit).
     pub spill: u64,
+    /// The nice value the worker runs kernels at (0: off).
+    pub compute_nice: i32,
 }
 
 /// How a `cuda` worker finds its device.
@@ -823,6 +825,9 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::
     }
     if spec.connection_threads > 0 {
         cmd.arg("--connection-threads").arg(spec.connection_threads.to_string());
+    }
+    if spec.compute_nice > 0 {
+        cmd.arg("--compute-nice").arg(spec.compute_nice.to_string());
     }
     let mut child = cmd
         // A GPU worker sees exactly its GPU or MIG instance, as device 0,

@@ -44,6 +44,8 @@ pub struct WorkerOptions {
     pub seccomp: bool,
     /// Executor threads serving tenant sockets.
     pub connection_threads: usize,
+    /// The nice value kernels run at (0: off).
+    pub compute_nice: i32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -130,20 +132,31 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     // use (its NUMA node's, once pinned).
     let launch_threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let backend = open_backend(&opts, launch_threads)?;
-    if let Some(u) = opts.user {
-        confine::drop_privileges(u)?;
-        info!(uid = u.uid, gid = u.gid, "device worker confined: unprivileged, no capabilities, no_new_privs, own mount namespace");
-    }
     let seccomp = opts.seccomp && opts.backend == BackendKind::Cpu;
+    // Before privileges go: a thread's way back from a lowered nice value
+    // is RLIMIT_NICE raised, which takes privilege, or else CAP_SYS_NICE
+    // kept, which only the seccomp lists make narrow enough.
+    let nice_limit = if opts.compute_nice > 0 { crate::nice::raise_limit() } else { Ok(()) };
+    if let Some(u) = opts.user {
+        let keep_nice = nice_limit.is_err() && seccomp;
+        confine::drop_privileges(u, keep_nice)?;
+        let caps = if keep_nice { "CAP_SYS_NICE alone (fenced by seccomp)" } else { "no capabilities" };
+        info!(uid = u.uid, gid = u.gid, "device worker confined: unprivileged, {caps}, no_new_privs, own mount namespace");
+    }
     if seccomp {
         confine::no_new_privs()?;
         seccomp::confine_worker()?;
         info!("device worker under its seccomp allow-list");
     }
+    match crate::nice::enable(opts.compute_nice) {
+        Ok(()) if opts.compute_nice > 0 => info!(nice = crate::nice::compute(), "kernels run below the worker's control threads"),
+        Ok(()) => {}
+        Err(e) => warn!("kernels run at the control threads' priority: no thread could return to nice 0 ({e}; RLIMIT_NICE: {nice_limit:?})"),
+    }
     if opts.backend == BackendKind::Cpu && launch_threads > 1 {
         // The threads launches run blocks on, made now: tenant connection
         // threads narrow their seccomp filters and may not create threads.
-        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(launch_threads).thread_name(|i| format!("vgpu-blocks-{i}")).build_global() {
+        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(launch_threads).thread_name(|i| format!("vgpu-blocks-{i}")).start_handler(|_| crate::nice::lower_for_good()).build_global() {
             warn!("the block thread pool could not be built ({e}); launches run on one thread");
         }
     }

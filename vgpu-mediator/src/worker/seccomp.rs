@@ -76,10 +76,21 @@ fn plain(list: &[i64], rules: &mut BTreeMap<i64, Vec<SeccompRule>>) {
     }
 }
 
+/// A thread may set its own nice value to 0..=19 (lane work runs
+/// lowered), and nobody else's, and never above normal priority:
+/// `setpriority(PRIO_PROCESS, 0, 0..=19)` only. (The value compares as an
+/// unsigned 32-bit word, so negative values fail the bound.)
+fn own_priority(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) -> Result<(), SeccompError> {
+    let max = crate::nice::MAX as u64;
+    rules.insert(libc::SYS_setpriority, vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::PRIO_PROCESS as u64)?, cond(1, SeccompCmpOp::Eq, 0)?, cond(2, SeccompCmpOp::Le, max)?])?]);
+    Ok(())
+}
+
 /// The process-wide list.
 pub fn worker_filter() -> Result<BpfProgram, SeccompError> {
     let mut rules = BTreeMap::new();
     plain(BASE, &mut rules);
+    own_priority(&mut rules)?;
     plain(MANAGEMENT, &mut rules);
     // Unix sockets only: no network, whatever a bug would like.
     rules.insert(libc::SYS_socket, vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?])?]);
@@ -108,6 +119,7 @@ pub fn files_filter() -> Result<BpfProgram, SeccompError> {
 pub fn connection_filter() -> Result<BpfProgram, SeccompError> {
     let mut rules = BTreeMap::new();
     plain(BASE, &mut rules);
+    own_priority(&mut rules)?;
     compile(rules)
 }
 
@@ -170,9 +182,9 @@ pub fn confine_connection_thread() -> Result<(), SeccompError> {
 
 /// Makes one named syscall, for the seccomp self-test
 /// (`vgpu-mediatord seccomp-check`): `getpid` and `socket-unix` are on
-/// the worker's list; `socket-inet`, `execve` and `ptrace` are not, and
-/// `socket-unix` is not on a connection thread's; `openat` fails with
-/// EACCES.
+/// the worker's list; `socket-inet`, `execve`, `ptrace`, `nice-other` and
+/// `nice-raise` are not, and `socket-unix` is not on a connection thread's; `nice-self`
+/// is on both; `openat` fails with EACCES.
 pub fn make_syscall(name: &str) -> Result<i64, String> {
     let path = c"/etc/hostname";
     // SAFETY: each call passes valid arguments (a static C string, null
@@ -188,7 +200,12 @@ pub fn make_syscall(name: &str) -> Result<i64, String> {
             },
             "execve" => libc::syscall(libc::SYS_execve, c"/bin/true".as_ptr(), std::ptr::null::<*const libc::c_char>(), std::ptr::null::<*const libc::c_char>()),
             "ptrace" => libc::syscall(libc::SYS_ptrace, libc::PTRACE_TRACEME, 0, 0, 0),
-            other => return Err(format!("unknown syscall {other:?}: use getpid, socket-unix, socket-inet, openat, execve or ptrace")),
+            // Lowering the calling thread's priority is allowed; touching
+            // another thread's (here the process's first) is not.
+            "nice-self" => libc::syscall(libc::SYS_setpriority, libc::PRIO_PROCESS, 0, 1),
+            "nice-other" => libc::syscall(libc::SYS_setpriority, libc::PRIO_PROCESS, libc::getpid(), 1),
+            "nice-raise" => libc::syscall(libc::SYS_setpriority, libc::PRIO_PROCESS, 0, -1),
+            other => return Err(format!("unknown syscall {other:?}: use getpid, socket-unix, socket-inet, openat, execve, ptrace, nice-self, nice-other or nice-raise")),
         }
     };
     Ok(rc)
