@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use virtio_gpu_compute::*;
 use virtio_gpu_compute::fatbin;
+use virtio_gpu_compute::*;
 
 use crate::client::{CallError, CallResult, Client};
 
@@ -44,7 +44,11 @@ fn enc(tag: usize, id: u32) -> H {
 
 fn dec(tag: usize, h: H) -> Option<u32> {
     let v = h as usize;
-    if v >> 40 == tag && v & 0xFF_0000_0000 == 0 && v as u32 != 0 { Some(v as u32) } else { None }
+    if v >> 40 == tag && v & 0xFF_0000_0000 == 0 && v as u32 != 0 {
+        Some(v as u32)
+    } else {
+        None
+    }
 }
 
 struct Func {
@@ -751,7 +755,11 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
                 return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "primary context is not retained"));
             }
             st.primary_refs -= 1;
-            if st.primary_refs == 0 { st.primary.take() } else { None }
+            if st.primary_refs == 0 {
+                st.primary.take()
+            } else {
+                None
+            }
         };
         match last {
             Some(c) => s.destroy_ctx(c),
@@ -985,7 +993,11 @@ fn host_copy(api: &str, to_device: bool, dev: CUdeviceptr, host: *mut c_void, n:
             s.client.dtoh(t.ctx, t.stream, data, dev)?
         };
         s.note(t, last);
-        if sync { s.client.wait(last) } else { Ok(()) }
+        if sync {
+            s.client.wait(last)
+        } else {
+            Ok(())
+        }
     })
 }
 
@@ -996,7 +1008,11 @@ fn dtod(api: &str, dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: H, sync
             return Ok(());
         }
         let seq = s.enqueue(t, Request::MemcpyDtoD(MemcpyDtoDReq { ctx: t.ctx, stream: t.stream, dst, src, size: n as u64 }))?;
-        if sync { s.client.wait(seq) } else { Ok(()) }
+        if sync {
+            s.client.wait(seq)
+        } else {
+            Ok(())
+        }
     })
 }
 
@@ -1062,7 +1078,11 @@ fn memset(api: &str, dst: CUdeviceptr, value: u32, elem: u32, count: usize, stre
             return Ok(());
         }
         let seq = s.enqueue(t, Request::Memset(MemsetReq { ctx: t.ctx, stream: t.stream, dptr: dst, value, elem_size: elem, count: count as u64 }))?;
-        if sync { s.client.wait(seq) } else { Ok(()) }
+        if sync {
+            s.client.wait(seq)
+        } else {
+            Ok(())
+        }
     })
 }
 
@@ -1436,14 +1456,38 @@ unsafe fn launch(f: H, grid: [c_uint; 3], block: [c_uint; 3], shared: c_uint, st
 
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchKernel(f: H, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: H, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: H,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: H,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
     // SAFETY: the caller's arguments follow cuLaunchKernel's contract.
     unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, params, extra, Default::Legacy) }
 }
 
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchKernel_ptsz(f: H, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: H, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuLaunchKernel_ptsz(
+    f: H,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: H,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
     // SAFETY: the caller's arguments follow cuLaunchKernel's contract.
     unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, params, extra, Default::PerThread) }
 }
@@ -1773,19 +1817,69 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
         "cuDeviceGetName" => f!(cuDeviceGetName),
         "cuDeviceGetAttribute" => f!(cuDeviceGetAttribute),
         "cuDeviceComputeCapability" => f!(cuDeviceComputeCapability),
-        "cuDeviceTotalMem" => if v2 { f!(cuDeviceTotalMem_v2) } else { f!(cuDeviceTotalMem) },
-        "cuDeviceGetUuid" => if version >= 11040 { f!(cuDeviceGetUuid_v2) } else { f!(cuDeviceGetUuid) },
-        "cuCtxCreate" => if version >= 13000 { f!(cuCtxCreate_v4) } else if version >= 11040 { f!(cuCtxCreate_v3) } else { f!(cuCtxCreate_v2) },
-        "cuCtxDestroy" => if v4000 { f!(cuCtxDestroy_v2) } else { f!(cuCtxDestroy) },
+        "cuDeviceTotalMem" => {
+            if v2 {
+                f!(cuDeviceTotalMem_v2)
+            } else {
+                f!(cuDeviceTotalMem)
+            }
+        }
+        "cuDeviceGetUuid" => {
+            if version >= 11040 {
+                f!(cuDeviceGetUuid_v2)
+            } else {
+                f!(cuDeviceGetUuid)
+            }
+        }
+        "cuCtxCreate" => {
+            if version >= 13000 {
+                f!(cuCtxCreate_v4)
+            } else if version >= 11040 {
+                f!(cuCtxCreate_v3)
+            } else {
+                f!(cuCtxCreate_v2)
+            }
+        }
+        "cuCtxDestroy" => {
+            if v4000 {
+                f!(cuCtxDestroy_v2)
+            } else {
+                f!(cuCtxDestroy)
+            }
+        }
         "cuCtxGetCurrent" => f!(cuCtxGetCurrent),
         "cuCtxSetCurrent" => f!(cuCtxSetCurrent),
         "cuCtxGetDevice" => f!(cuCtxGetDevice),
         "cuCtxSynchronize" => f!(cuCtxSynchronize),
         "cuDevicePrimaryCtxRetain" => f!(cuDevicePrimaryCtxRetain),
-        "cuDevicePrimaryCtxRelease" => if version >= 11000 { f!(cuDevicePrimaryCtxRelease_v2) } else { f!(cuDevicePrimaryCtxRelease) },
-        "cuMemAlloc" => if v2 { f!(cuMemAlloc_v2) } else { f!(cuMemAlloc) },
-        "cuMemFree" => if v2 { f!(cuMemFree_v2) } else { f!(cuMemFree) },
-        "cuMemGetInfo" => if v2 { f!(cuMemGetInfo_v2) } else { f!(cuMemGetInfo) },
+        "cuDevicePrimaryCtxRelease" => {
+            if version >= 11000 {
+                f!(cuDevicePrimaryCtxRelease_v2)
+            } else {
+                f!(cuDevicePrimaryCtxRelease)
+            }
+        }
+        "cuMemAlloc" => {
+            if v2 {
+                f!(cuMemAlloc_v2)
+            } else {
+                f!(cuMemAlloc)
+            }
+        }
+        "cuMemFree" => {
+            if v2 {
+                f!(cuMemFree_v2)
+            } else {
+                f!(cuMemFree)
+            }
+        }
+        "cuMemGetInfo" => {
+            if v2 {
+                f!(cuMemGetInfo_v2)
+            } else {
+                f!(cuMemGetInfo)
+            }
+        }
         "cuMemcpyHtoD" if v2 => f!(cuMemcpyHtoD_v2),
         "cuMemcpyDtoH" if v2 => f!(cuMemcpyDtoH_v2),
         "cuMemcpyDtoD" if v2 => f!(cuMemcpyDtoD_v2),
@@ -1799,26 +1893,56 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
         "cuModuleLoadData" => f!(cuModuleLoadData),
         "cuModuleLoadDataEx" => f!(cuModuleLoadDataEx),
         "cuModuleGetFunction" => f!(cuModuleGetFunction),
-        "cuModuleGetGlobal" => if v2 { f!(cuModuleGetGlobal_v2) } else { f!(cuModuleGetGlobal) },
+        "cuModuleGetGlobal" => {
+            if v2 {
+                f!(cuModuleGetGlobal_v2)
+            } else {
+                f!(cuModuleGetGlobal)
+            }
+        }
         "cuModuleUnload" => f!(cuModuleUnload),
         "cuLaunchKernel" => f!(cuLaunchKernel),
         "cuStreamCreate" => f!(cuStreamCreate),
-        "cuStreamDestroy" => if v4000 { f!(cuStreamDestroy_v2) } else { f!(cuStreamDestroy) },
+        "cuStreamDestroy" => {
+            if v4000 {
+                f!(cuStreamDestroy_v2)
+            } else {
+                f!(cuStreamDestroy)
+            }
+        }
         "cuStreamSynchronize" => f!(cuStreamSynchronize),
         "cuStreamQuery" => f!(cuStreamQuery),
         "cuStreamWaitEvent" => f!(cuStreamWaitEvent),
         "cuStreamCreateWithPriority" => f!(cuStreamCreateWithPriority),
         "cuEventQuery" => f!(cuEventQuery),
-        "cuMemAllocHost" => if v2 { f!(cuMemAllocHost_v2) } else { f!(cuMemAllocHost) },
+        "cuMemAllocHost" => {
+            if v2 {
+                f!(cuMemAllocHost_v2)
+            } else {
+                f!(cuMemAllocHost)
+            }
+        }
         "cuMemHostAlloc" => f!(cuMemHostAlloc),
         "cuMemFreeHost" => f!(cuMemFreeHost),
-        "cuMemHostRegister" => if version >= 6050 { f!(cuMemHostRegister_v2) } else { f!(cuMemHostRegister) },
+        "cuMemHostRegister" => {
+            if version >= 6050 {
+                f!(cuMemHostRegister_v2)
+            } else {
+                f!(cuMemHostRegister)
+            }
+        }
         "cuMemHostUnregister" => f!(cuMemHostUnregister),
         "cuEventCreate" => f!(cuEventCreate),
         "cuEventRecord" => f!(cuEventRecord),
         "cuEventSynchronize" => f!(cuEventSynchronize),
         "cuEventElapsedTime" => f!(cuEventElapsedTime),
-        "cuEventDestroy" => if v4000 { f!(cuEventDestroy_v2) } else { f!(cuEventDestroy) },
+        "cuEventDestroy" => {
+            if v4000 {
+                f!(cuEventDestroy_v2)
+            } else {
+                f!(cuEventDestroy)
+            }
+        }
         "cuGetExportTable" => f!(export::cuGetExportTable),
         // contexts and devices
         "cuCtxPushCurrent" => f!(ctx::cuCtxPushCurrent_v2),
@@ -1941,7 +2065,13 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
         "cuProfilerStart" => f!(library::cuProfilerStart),
         "cuProfilerStop" => f!(library::cuProfilerStop),
         "cuProfilerInitialize" => f!(library::cuProfilerInitialize),
-        "cuGetProcAddress" => if version >= 12000 { f!(cuGetProcAddress_v2) } else { f!(cuGetProcAddress) },
+        "cuGetProcAddress" => {
+            if version >= 12000 {
+                f!(cuGetProcAddress_v2)
+            } else {
+                f!(cuGetProcAddress)
+            }
+        }
         _ => unsupported::lookup(base),
     }
 }
@@ -1966,7 +2096,11 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *m
             *status = if found.is_some() { 0 } else { 1 };
         }
     }
-    if found.is_some() { 0 } else { CuResult::CUDA_ERROR_NOT_FOUND as CUresult }
+    if found.is_some() {
+        0
+    } else {
+        CuResult::CUDA_ERROR_NOT_FOUND as CUresult
+    }
 }
 
 #[no_mangle]

@@ -146,7 +146,8 @@ impl Client {
             Ok(path) => Client::connect_unix(&path),
             Err(_) => {
                 let size = env_size("VGPU_SHM_SIZE", DEFAULT_SHM);
-                let mut t = crate::drm::DrmTransport::open(size).map_err(|e| CallError::new(CuResult::CUDA_ERROR_NO_DEVICE, format!("VGPU_SOCKET is not set and no virtio-gpu compute device was usable: {e}")))?;
+                let mut t = crate::drm::DrmTransport::open(size)
+                    .map_err(|e| CallError::new(CuResult::CUDA_ERROR_NO_DEVICE, format!("VGPU_SOCKET is not set and no virtio-gpu compute device was usable: {e}")))?;
                 let mut ring = None;
                 if ring_wanted() {
                     let sq = env_size("VGPU_RING_SIZE", ring::DEFAULT_SQ as usize) as u32;
@@ -202,12 +203,32 @@ impl Client {
             }
         }
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
-        Ok(Client { t: Mutex::new(Box::new(t)), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default(), any_sticky: AtomicBool::new(false), registered: Mutex::default() })
+        Ok(Client {
+            t: Mutex::new(Box::new(t)),
+            seq: AtomicU32::new(1),
+            broken: AtomicBool::new(false),
+            ring,
+            staging: staging.map(Mutex::new),
+            pinned: Mutex::new(BTreeMap::new()),
+            sticky: Mutex::default(),
+            any_sticky: AtomicBool::new(false),
+            registered: Mutex::default(),
+        })
     }
 
     pub fn with_transport(mut t: Box<dyn Transport>) -> Client {
         let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
-        Client { t: Mutex::new(t), seq: AtomicU32::new(1), broken: AtomicBool::new(false), ring: None, staging: staging.map(Mutex::new), pinned: Mutex::new(BTreeMap::new()), sticky: Mutex::default(), any_sticky: AtomicBool::new(false), registered: Mutex::default() }
+        Client {
+            t: Mutex::new(t),
+            seq: AtomicU32::new(1),
+            broken: AtomicBool::new(false),
+            ring: None,
+            staging: staging.map(Mutex::new),
+            pinned: Mutex::new(BTreeMap::new()),
+            sticky: Mutex::default(),
+            any_sticky: AtomicBool::new(false),
+            registered: Mutex::default(),
+        }
     }
 
     pub fn ring(&self) -> Option<&RingClient> {

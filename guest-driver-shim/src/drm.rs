@@ -328,7 +328,8 @@ impl Transport for DrmTransport {
     }
 
     fn alloc_pinned(&mut self, size: usize, _seq: u32) -> crate::client::CallResult<(*mut u8, DataLoc, u32)> {
-        let bo = create_blob(&self.fd, size.max(1).next_multiple_of(4096)).map_err(|e| crate::client::CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("pinned host memory of {size} bytes: {e}")))?;
+        let bo = create_blob(&self.fd, size.max(1).next_multiple_of(4096))
+            .map_err(|e| crate::client::CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("pinned host memory of {size} bytes: {e}")))?;
         let (p, res) = (bo.ptr, bo.res);
         self.pinned.insert(res, bo);
         Ok((p, DataLoc::Blob, res))

@@ -293,8 +293,8 @@ pub fn fake_numa_host(root: &Path, nodes: u32) {
     }
 }
 
-pub mod vmm_harness;
 pub mod nested;
+pub mod vmm_harness;
 
 /// What `vgpu-mediatord discover` reports, or why there is no GPU here.
 pub fn discover_gpus() -> Result<Value, String> {
@@ -480,7 +480,11 @@ pub fn send_with_fds(s: &UnixStream, buf: &[u8], fds: &[i32]) -> std::io::Result
         std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), fds.len());
         libc::sendmsg(s.as_raw_fd(), &msg, 0)
     };
-    if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 /// Calls that drive the compute protocol directly, for hostile tests.

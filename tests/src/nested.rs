@@ -30,12 +30,7 @@ pub fn build() {
 /// Runs `scenario` in L1; returns everything the consoles printed.
 pub fn run(scenario: &str, timeout_s: u32) -> String {
     build();
-    let o = Command::new("bash")
-        .arg(workspace().join("images/nested/run.sh"))
-        .arg(scenario)
-        .arg(timeout_s.to_string())
-        .output()
-        .expect("run images/nested/run.sh");
+    let o = Command::new("bash").arg(workspace().join("images/nested/run.sh")).arg(scenario).arg(timeout_s.to_string()).output().expect("run images/nested/run.sh");
     let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success(), "QEMU failed or timed out ({}):\n{text}", o.status);
     text

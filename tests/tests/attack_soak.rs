@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use virtio_gpu_compute::*;
 use vgpu_tests::*;
+use virtio_gpu_compute::*;
 
 const EVIL_CONNECTIONS: u64 = 16;
 const EVIL_HOST: u64 = 64 << 20;

@@ -54,7 +54,9 @@ fn check(syscall: &str, connection: bool) -> std::process::Output {
 
 #[test]
 fn a_forbidden_syscall_kills_the_process_and_allowed_ones_run() {
-    for (syscall, connection) in [("socket-inet", false), ("execve", false), ("ptrace", false), ("socket-unix", true), ("nice-other", false), ("nice-other", true), ("nice-raise", false), ("nice-raise", true)] {
+    for (syscall, connection) in
+        [("socket-inet", false), ("execve", false), ("ptrace", false), ("socket-unix", true), ("nice-other", false), ("nice-other", true), ("nice-raise", false), ("nice-raise", true)]
+    {
         let o = check(syscall, connection);
         assert_eq!(o.status.signal(), Some(libc::SIGSYS), "{syscall} (connection thread: {connection}) was not killed: {:?} {}", o.status, String::from_utf8_lossy(&o.stdout));
         assert!(String::from_utf8_lossy(&o.stderr).contains("forbidden syscall"), "{}", String::from_utf8_lossy(&o.stderr));

@@ -23,13 +23,7 @@ fn without_a_driver_the_mediator_serves_cpu_devices_and_logs_why() {
     }
     let dir = std::env::temp_dir().join(format!("vgpu-nodrv-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let child = Command::new(bin("vgpu-mediatord"))
-        .arg("--run-dir")
-        .arg(&dir)
-        .env("VGPU_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start");
+    let child = Command::new(bin("vgpu-mediatord")).arg("--run-dir").arg(&dir).env("VGPU_LOG", "info").stderr(Stdio::piped()).spawn().expect("start");
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::os::unix::net::UnixStream::connect(dir.join("api.sock")).is_err() {
         assert!(Instant::now() < deadline, "mediator did not come up");

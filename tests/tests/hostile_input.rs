@@ -4,8 +4,8 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use virtio_gpu_compute::*;
 use vgpu_tests::*;
+use virtio_gpu_compute::*;
 use vmm_sys_util_shim::send_with_fd;
 
 mod vmm_sys_util_shim {

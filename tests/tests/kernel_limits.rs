@@ -2,9 +2,9 @@
 //! a runaway kernel, unsupported PTX names itself in the JIT error log, and
 //! images without PTX have no binary for this device.
 
-use virtio_gpu_compute::*;
-use virtio_gpu_compute::fatbin::build;
 use vgpu_tests::*;
+use virtio_gpu_compute::fatbin::build;
+use virtio_gpu_compute::*;
 
 #[test]
 fn runaway_kernel_is_stopped_by_the_budget_and_others_continue() {
@@ -25,11 +25,8 @@ fn unsupported_ptx_instruction_is_named_in_the_jit_log() {
     let a = m.tenant("jit", "16MiB");
     let dir = std::env::temp_dir().join(format!("vgpu-ptx-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
-    std::fs::write(
-        dir.join("bad.ptx"),
-        ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry t()\n{\n .reg .b32 %r<3>;\n suld.b.1d.b32.trap {%r1}, [%r2, {%r1}];\n ret;\n}\n",
-    )
-    .expect("write");
+    std::fs::write(dir.join("bad.ptx"), ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry t()\n{\n .reg .b32 %r<3>;\n suld.b.1d.b32.trap {%r1}, [%r2, {%r1}];\n ret;\n}\n")
+        .expect("write");
     let mut c = sample("tenant_probe", &a);
     c.env("VGPU_KERNEL_DIR", &dir).args(["ptx", "bad.ptx", "t"]);
     let out = run_ok(c);

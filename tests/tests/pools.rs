@@ -2,8 +2,8 @@
 //! on a fake two-node host) and memory overcommit with its host spill.
 
 use serde_json::{json, Value};
-use virtio_gpu_compute::{CuResult, DataLoc, MemAllocReq, MemFreeReq, MemcpyDtoHReq, MemcpyHtoDReq, Reply, Request};
 use vgpu_tests::*;
+use virtio_gpu_compute::{CuResult, DataLoc, MemAllocReq, MemFreeReq, MemcpyDtoHReq, MemcpyHtoDReq, Reply, Request};
 
 const MIB: u64 = 1 << 20;
 
@@ -25,11 +25,7 @@ fn pools_admit_by_allow_list_place_by_policy_and_prefer_the_tenants_numa_node() 
     let root = std::env::temp_dir().join(format!("vgpu-fake-numa-{}", std::process::id()));
     fake_numa_host(&root, 2);
     let config = root.join("pools.toml");
-    std::fs::write(
-        &config,
-        "[[pools]]\nname = \"gold\"\ndevices = [\"cpu0\", \"cpu1\"]\naccess = \"private\"\nallow = [\"alice\", \"alice2\", \"carol\"]\nplacement = \"pack\"\n",
-    )
-    .unwrap();
+    std::fs::write(&config, "[[pools]]\nname = \"gold\"\ndevices = [\"cpu0\", \"cpu1\"]\naccess = \"private\"\nallow = [\"alice\", \"alice2\", \"carol\"]\nplacement = \"pack\"\n").unwrap();
     let m = Mediator::start_on_topology(&["--cpu-devices", "5", "--device-memory", "64MiB", "--lanes", "1", "--spill", "64MiB", "--config", config.to_str().unwrap()], &root);
 
     // CPU devices alternate between the two fake nodes.

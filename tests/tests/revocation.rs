@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use virtio_gpu_compute::*;
 use vgpu_tests::*;
+use virtio_gpu_compute::*;
 
 #[test]
 fn deleting_a_tenant_revokes_its_connections_then_frees_its_quota() {
@@ -60,13 +60,9 @@ fn a_busy_tenant_never_blocks_the_admin_api() {
     });
     std::thread::sleep(Duration::from_millis(300));
     // While the deletion waits on the busy tenant, every other call answers.
-    for (method, path, body) in [
-        ("GET", "/devices", None),
-        ("GET", "/tenants", None),
-        ("GET", "/metrics", None),
-        ("GET", "/tenants/other", None),
-        ("POST", "/tenants", Some(json!({ "name": "third", "memory": "16MiB" }))),
-    ] {
+    for (method, path, body) in
+        [("GET", "/devices", None), ("GET", "/tenants", None), ("GET", "/metrics", None), ("GET", "/tenants/other", None), ("POST", "/tenants", Some(json!({ "name": "third", "memory": "16MiB" })))]
+    {
         let t = Instant::now();
         let (st, v) = m.api(method, path, body);
         assert!(st < 300, "{method} {path}: {st} {v}");
@@ -78,10 +74,7 @@ fn a_busy_tenant_never_blocks_the_admin_api() {
     let (status, took) = deleter.join().expect("deleter");
     assert!(status == 204 || status == 202, "{status}");
     let launched = spinner.join().expect("spinner");
-    assert!(
-        matches!(launched, None | Some((_, Reply::Error(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT | CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, _)))),
-        "{launched:?}"
-    );
+    assert!(matches!(launched, None | Some((_, Reply::Error(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT | CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, _)))), "{launched:?}");
     // Once the launch stopped, the teardown finished and the record went.
     let deadline = Instant::now() + Duration::from_secs(15);
     while m.api("GET", "/tenants/busy", None).0 != 404 {

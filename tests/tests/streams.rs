@@ -7,9 +7,9 @@
 use std::ffi::c_void;
 
 use ::cuda::api as cu;
+use vgpu_tests::*;
 use virtio_gpu_compute::ring;
 use virtio_gpu_compute::*;
-use vgpu_tests::*;
 
 const PTX: &str = r#"
 .version 7.0
@@ -446,34 +446,49 @@ fn a_tenant_that_corrupts_its_ring_breaks_only_that_ring() {
     let other = m.tenant("bystander", "16MiB");
     let cases: Vec<(&str, Box<dyn Fn(&RawRing)>)> = vec![
         ("a tail far past the head", Box::new(|r: &RawRing| r.publish(1 << 40))),
-        ("an entry length that is not aligned", Box::new(|r: &RawRing| {
-            let mut e = entry(ring::FIRST_SEQ, ring::NO_REPLY, &Request::Ping);
-            e[0] = 17;
-            r.write(ring::SQ, &e);
-            r.publish(e.len() as u64);
-        })),
-        ("an entry longer than the queue", Box::new(|r: &RawRing| {
-            let mut e = entry(ring::FIRST_SEQ, ring::NO_REPLY, &Request::Ping);
-            e[..4].copy_from_slice(&(ring::MIN_SQ * 2).to_le_bytes());
-            r.write(ring::SQ, &e);
-            r.publish(e.len() as u64);
-        })),
-        ("a sequence number out of order", Box::new(|r: &RawRing| {
-            let e = entry(ring::FIRST_SEQ + 7, ring::NO_REPLY, &Request::Ping);
-            r.write(ring::SQ, &e);
-            r.publish(e.len() as u64);
-        })),
-        ("a reply slot that does not exist", Box::new(|r: &RawRing| {
-            let e = entry(ring::FIRST_SEQ, 999, &Request::Ping);
-            r.write(ring::SQ, &e);
-            r.publish(e.len() as u64);
-        })),
-        ("a padding entry in the middle of the queue", Box::new(|r: &RawRing| {
-            let mut e = entry(ring::FIRST_SEQ, ring::NO_REPLY, &Request::Ping);
-            e[4..6].copy_from_slice(&ring::ENTRY_PAD.to_le_bytes());
-            r.write(ring::SQ, &e);
-            r.publish(e.len() as u64);
-        })),
+        (
+            "an entry length that is not aligned",
+            Box::new(|r: &RawRing| {
+                let mut e = entry(ring::FIRST_SEQ, ring::NO_REPLY, &Request::Ping);
+                e[0] = 17;
+                r.write(ring::SQ, &e);
+                r.publish(e.len() as u64);
+            }),
+        ),
+        (
+            "an entry longer than the queue",
+            Box::new(|r: &RawRing| {
+                let mut e = entry(ring::FIRST_SEQ, ring::NO_REPLY, &Request::Ping);
+                e[..4].copy_from_slice(&(ring::MIN_SQ * 2).to_le_bytes());
+                r.write(ring::SQ, &e);
+                r.publish(e.len() as u64);
+            }),
+        ),
+        (
+            "a sequence number out of order",
+            Box::new(|r: &RawRing| {
+                let e = entry(ring::FIRST_SEQ + 7, ring::NO_REPLY, &Request::Ping);
+                r.write(ring::SQ, &e);
+                r.publish(e.len() as u64);
+            }),
+        ),
+        (
+            "a reply slot that does not exist",
+            Box::new(|r: &RawRing| {
+                let e = entry(ring::FIRST_SEQ, 999, &Request::Ping);
+                r.write(ring::SQ, &e);
+                r.publish(e.len() as u64);
+            }),
+        ),
+        (
+            "a padding entry in the middle of the queue",
+            Box::new(|r: &RawRing| {
+                let mut e = entry(ring::FIRST_SEQ, ring::NO_REPLY, &Request::Ping);
+                e[4..6].copy_from_slice(&ring::ENTRY_PAD.to_le_bytes());
+                r.write(ring::SQ, &e);
+                r.publish(e.len() as u64);
+            }),
+        ),
     ];
     for (what, corrupt) in cases {
         let mut r = RawRing::attach(&sock);

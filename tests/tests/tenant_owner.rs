@@ -70,12 +70,7 @@ fn vgpuctl_sets_owner_and_mode_and_rejects_bad_ones() {
 }
 
 fn start_expecting_failure(run_dir: &Path) -> String {
-    let o = Command::new(bin("vgpu-mediatord"))
-        .args(["--cuda", "off", "--run-dir"])
-        .arg(run_dir)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run vgpu-mediatord");
+    let o = Command::new(bin("vgpu-mediatord")).args(["--cuda", "off", "--run-dir"]).arg(run_dir).stdin(Stdio::null()).output().expect("run vgpu-mediatord");
     assert!(!o.status.success(), "the mediator started on an unsafe run dir");
     String::from_utf8_lossy(&o.stderr).into_owned()
 }

@@ -8,8 +8,8 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use virtio_gpu_compute::*;
 use vgpu_tests::*;
+use virtio_gpu_compute::*;
 
 #[test]
 fn fds_attached_to_messages_are_closed_not_leaked() {

@@ -89,10 +89,7 @@ impl Topology {
     /// The CPUs of `node`: where a VM placed there runs its vCPUs and a
     /// device worker its threads.
     pub fn cpus_for(&self, node: u32) -> Result<&[usize], NumaError> {
-        let cpus = self.nodes.get(&node).ok_or_else(|| NumaError::NoSuchNode {
-            node,
-            have: self.nodes.keys().map(|n| n.to_string()).collect::<Vec<_>>().join(", "),
-        })?;
+        let cpus = self.nodes.get(&node).ok_or_else(|| NumaError::NoSuchNode { node, have: self.nodes.keys().map(|n| n.to_string()).collect::<Vec<_>>().join(", ") })?;
         if cpus.is_empty() {
             return Err(NumaError::NoCpus(node));
         }

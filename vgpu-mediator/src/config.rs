@@ -438,11 +438,12 @@ impl TenantSpec {
 
 /// Tenant names become socket file names: keep them short and plain.
 pub fn validate_name(name: &str) -> Result<(), String> {
-    let ok = !name.is_empty()
-        && name.len() <= 48
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());
-    if ok { Ok(()) } else { Err(format!("invalid tenant name {name:?}: use 1-48 letters, digits, '-', '_' or '.', starting with a letter or digit")) }
+    let ok = !name.is_empty() && name.len() <= 48 && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("invalid tenant name {name:?}: use 1-48 letters, digits, '-', '_' or '.', starting with a letter or digit"))
+    }
 }
 
 #[cfg(test)]
@@ -470,7 +471,24 @@ memory = 1048576
         .unwrap();
         c.validate().unwrap();
         assert_eq!(c.devices.memory.0, 1 << 30);
-        assert_eq!(c.tenants[0], TenantSpec { name: "alice".into(), memory: Size(256 << 20), weight: 2, cap: None, priority: Default::default(), device: Some("cpu1".into()), pool: None, numa_node: None, kind: TenantKind::Process, owner: None, mode: None, host_memory: None, max_connections: None });
+        assert_eq!(
+            c.tenants[0],
+            TenantSpec {
+                name: "alice".into(),
+                memory: Size(256 << 20),
+                weight: 2,
+                cap: None,
+                priority: Default::default(),
+                device: Some("cpu1".into()),
+                pool: None,
+                numa_node: None,
+                kind: TenantKind::Process,
+                owner: None,
+                mode: None,
+                host_memory: None,
+                max_connections: None
+            }
+        );
         assert_eq!(c.tenants[1].weight, 1);
         let api: TenantSpec = serde_json::from_str(r#"{"name":"bob","memory":"1MiB"}"#).unwrap();
         assert_eq!(api, c.tenants[1]);

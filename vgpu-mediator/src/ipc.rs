@@ -47,20 +47,30 @@ pub enum WorkerCmd {
     AddTenant(TenantCmd),
     /// Revokes the tenant at once and replies; its teardown finishes in the
     /// background and is reported with a `Removed` event.
-    RemoveTenant { name: String },
+    RemoveTenant {
+        name: String,
+    },
     /// Changes a tenant's scheduling parameters and quota live.
-    SetTenant { name: String, share: Option<Share>, quota: Option<u64> },
+    SetTenant {
+        name: String,
+        share: Option<Share>,
+        quota: Option<u64>,
+    },
     Stats,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum WorkerMsg {
-    Ready { pid: u32 },
+    Ready {
+        pid: u32,
+    },
     Ok,
     Err(String),
     Stats(DeviceStats),
     /// Event: the tenant's memory is released and its quota may be reused.
-    Removed { name: String },
+    Removed {
+        name: String,
+    },
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -442,10 +442,7 @@ impl Request {
                 b.put(&mut p);
                 p.extend_from_slice(params);
             }
-            Request::StreamDestroy(b)
-            | Request::StreamSynchronize(b)
-            | Request::EventSynchronize(b)
-            | Request::EventDestroy(b) => b.put(&mut p),
+            Request::StreamDestroy(b) | Request::StreamSynchronize(b) | Request::EventSynchronize(b) | Request::EventDestroy(b) => b.put(&mut p),
             Request::EventRecord(b) => b.put(&mut p),
             Request::EventElapsedTime(b) => b.put(&mut p),
             Request::RegisterShm(b) => b.put(&mut p),
@@ -509,7 +506,11 @@ impl Request {
             Opcode::CtxDestroy | Opcode::CtxSynchronize => {
                 let b = CtxReq::get(r)?;
                 zero(b.reserved, "ctx.reserved")?;
-                if op == Opcode::CtxDestroy { Request::CtxDestroy(b) } else { Request::CtxSynchronize(b) }
+                if op == Opcode::CtxDestroy {
+                    Request::CtxDestroy(b)
+                } else {
+                    Request::CtxSynchronize(b)
+                }
             }
             Opcode::MemAlloc => {
                 let b = MemAllocReq::get(r)?;
@@ -583,7 +584,11 @@ impl Request {
                 if name.is_empty() || name.contains('\0') {
                     return Err(WireError::BadField { what: "function name length", value: name.len() as u64 });
                 }
-                if op == Opcode::ModuleGetGlobal { Request::ModuleGetGlobal(b, name) } else { Request::ModuleGetFunction(b, name) }
+                if op == Opcode::ModuleGetGlobal {
+                    Request::ModuleGetGlobal(b, name)
+                } else {
+                    Request::ModuleGetFunction(b, name)
+                }
             }
             Opcode::LaunchKernel => {
                 let b = LaunchReq::get(r)?;

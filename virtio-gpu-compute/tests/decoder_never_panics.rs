@@ -62,7 +62,10 @@ fn every_opcode_rejects_truncated_body() {
     for op in Opcode::ALL {
         let m = header(*op as u16, 0);
         match Request::decode(&m) {
-            Ok((_, r)) => assert!(matches!(r, Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick | Request::GetDeviceAttributes), "{op:?} accepted an empty body"),
+            Ok((_, r)) => assert!(
+                matches!(r, Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick | Request::GetDeviceAttributes),
+                "{op:?} accepted an empty body"
+            ),
             Err(e) => assert!(matches!(e, WireError::Truncated), "{op:?}: {e}"),
         }
     }

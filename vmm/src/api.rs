@@ -60,13 +60,7 @@ async fn kill(State(s): State<ApiState>) -> Response {
 }
 
 pub fn router(s: ApiState) -> Router {
-    Router::new()
-        .route("/vm", get(vm_info))
-        .route("/vm/pause", put(pause))
-        .route("/vm/resume", put(resume))
-        .route("/vm/shutdown", put(shutdown))
-        .route("/vm/kill", put(kill))
-        .with_state(s)
+    Router::new().route("/vm", get(vm_info)).route("/vm/pause", put(pause)).route("/vm/resume", put(resume)).route("/vm/shutdown", put(shutdown)).route("/vm/kill", put(kill)).with_state(s)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -131,4 +125,3 @@ pub fn serve(listener: std::os::unix::net::UnixListener, s: ApiState) -> Result<
         .map_err(ApiError::Thread)?;
     ready_rx.recv().map_err(|_| ApiError::Start("the API thread died while starting".into()))?
 }
-

@@ -113,8 +113,7 @@ pub fn load(mem: &GuestMemoryMmap, cfg: &crate::config::VmConfig) -> Result<Entr
         let top = (max + 1) & !0xfff;
         let start = top.checked_sub(size).map(|s| s & !0xfff).filter(|s| *s >= res.kernel_end.max(HIMEM_START));
         let start = start.ok_or(BootError::InitramfsTooBig { size, max })?;
-        mem.read_exact_volatile_from(GuestAddress(start), &mut file, size as usize)
-            .map_err(|e| BootError::Initramfs { path: ipath, err: std::io::Error::other(e.to_string()) })?;
+        mem.read_exact_volatile_from(GuestAddress(start), &mut file, size as usize).map_err(|e| BootError::Initramfs { path: ipath, err: std::io::Error::other(e.to_string()) })?;
         params.hdr.ramdisk_image = start as u32;
         params.hdr.ramdisk_size = size as u32;
     }
@@ -161,11 +160,7 @@ fn write_page_tables(mem: &GuestMemoryMmap) -> Result<(), BootError> {
 
 /// GDT entry from flags, base and limit (Intel SDM vol. 3, 3.4.5).
 fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
-    ((base as u64 & 0xff00_0000) << 32)
-        | ((base as u64 & 0x00ff_ffff) << 16)
-        | (limit as u64 & 0xffff)
-        | ((limit as u64 & 0xf_0000) << 32)
-        | ((flags as u64 & 0xf0ff) << 40)
+    ((base as u64 & 0xff00_0000) << 32) | ((base as u64 & 0x00ff_ffff) << 16) | (limit as u64 & 0xffff) | ((limit as u64 & 0xf_0000) << 32) | ((flags as u64 & 0xf0ff) << 40)
 }
 
 /// Selectors follow Linux's boot protocol: code at 0x10, data at 0x18.

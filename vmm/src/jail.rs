@@ -134,15 +134,7 @@ fn need_access(p: &Path, what: &str, j: &JailConfig, want: u32) -> Result<(), Ja
     let m = std::fs::metadata(p).map_err(sys(format!("{what} {}", p.display())))?;
     if !allowed(&m, j.uid, j.gid, want) {
         let how = if want == 4 { "readable" } else { "writable" };
-        return Err(JailError::Invalid(format!(
-            "{what} {} is not {how} by the jail's uid {} / gid {} (owner {}:{}, mode {:o})",
-            p.display(),
-            j.uid,
-            j.gid,
-            m.uid(),
-            m.gid(),
-            m.mode() & 0o7777
-        )));
+        return Err(JailError::Invalid(format!("{what} {} is not {how} by the jail's uid {} / gid {} (owner {}:{}, mode {:o})", p.display(), j.uid, j.gid, m.uid(), m.gid(), m.mode() & 0o7777)));
     }
     Ok(())
 }

@@ -147,17 +147,8 @@ const VCPU: &[i64] = &[
 ];
 
 /// The API thread and its blocking helpers, besides COMMON.
-const API: &[i64] = &[
-    libc::SYS_epoll_ctl,
-    libc::SYS_epoll_wait,
-    libc::SYS_epoll_pwait,
-    libc::SYS_accept4,
-    libc::SYS_recvfrom,
-    libc::SYS_sendto,
-    libc::SYS_shutdown,
-    libc::SYS_getsockopt,
-    libc::SYS_clone3,
-];
+const API: &[i64] =
+    &[libc::SYS_epoll_ctl, libc::SYS_epoll_wait, libc::SYS_epoll_pwait, libc::SYS_accept4, libc::SYS_recvfrom, libc::SYS_sendto, libc::SYS_shutdown, libc::SYS_getsockopt, libc::SYS_clone3];
 
 /// The main thread after the VM started, besides COMMON: removing the API
 /// socket at the end.
@@ -408,7 +399,9 @@ mod tests {
             assert_eq!(filters(k).unwrap().len(), 3);
             let r = rules(k).unwrap();
             assert!(!r.contains_key(&NEVER_ALLOWED), "{k}");
-            for forbidden in [libc::SYS_execve, libc::SYS_execveat, libc::SYS_ptrace, libc::SYS_fork, libc::SYS_vfork, libc::SYS_socket, libc::SYS_connect, libc::SYS_bind, libc::SYS_mount, libc::SYS_setuid] {
+            for forbidden in
+                [libc::SYS_execve, libc::SYS_execveat, libc::SYS_ptrace, libc::SYS_fork, libc::SYS_vfork, libc::SYS_socket, libc::SYS_connect, libc::SYS_bind, libc::SYS_mount, libc::SYS_setuid]
+            {
                 assert!(!r.contains_key(&forbidden), "{k} allows syscall {forbidden}");
             }
         }

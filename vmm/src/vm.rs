@@ -351,13 +351,7 @@ impl Vm {
         let vm = Arc::new(kvm.create_vm().map_err(kvm_err("CREATE_VM"))?);
         let ram = GuestRam::new(cfg.memory_bytes(), cfg.hugepages, cfg.numa_node)?;
         for (slot, r) in ram.mem.iter().enumerate() {
-            let region = kvm_bindings::kvm_userspace_memory_region {
-                slot: slot as u32,
-                guest_phys_addr: r.start_addr().0,
-                memory_size: r.len(),
-                userspace_addr: r.as_ptr() as u64,
-                flags: 0,
-            };
+            let region = kvm_bindings::kvm_userspace_memory_region { slot: slot as u32, guest_phys_addr: r.start_addr().0, memory_size: r.len(), userspace_addr: r.as_ptr() as u64, flags: 0 };
             // SAFETY: the region maps memory owned by `ram`, which the Vm
             // keeps alive for as long as the VM fd exists.
             unsafe { vm.set_user_memory_region(region) }.map_err(kvm_err("SET_USER_MEMORY_REGION"))?;

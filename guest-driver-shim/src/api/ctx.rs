@@ -16,16 +16,16 @@ thread_local! {
 
 /// `CUlimit` values and their defaults on this device.
 const LIMIT_DEFAULTS: [u64; 10] = [
-    1024,        // CU_LIMIT_STACK_SIZE
-    1 << 20,     // CU_LIMIT_PRINTF_FIFO_SIZE
-    8 << 20,     // CU_LIMIT_MALLOC_HEAP_SIZE
-    2,           // CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH
-    2048,        // CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT
-    64,          // CU_LIMIT_MAX_L2_FETCH_GRANULARITY
-    0,           // CU_LIMIT_PERSISTING_L2_CACHE_SIZE
-    0,           // CU_LIMIT_SHMEM_SIZE
-    0,           // CU_LIMIT_CIG_ENABLED
-    0,           // CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED
+    1024,    // CU_LIMIT_STACK_SIZE
+    1 << 20, // CU_LIMIT_PRINTF_FIFO_SIZE
+    8 << 20, // CU_LIMIT_MALLOC_HEAP_SIZE
+    2,       // CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH
+    2048,    // CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT
+    64,      // CU_LIMIT_MAX_L2_FETCH_GRANULARITY
+    0,       // CU_LIMIT_PERSISTING_L2_CACHE_SIZE
+    0,       // CU_LIMIT_SHMEM_SIZE
+    0,       // CU_LIMIT_CIG_ENABLED
+    0,       // CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED
 ];
 
 /// A context's settings, as the application set them. The CPU device has

@@ -27,14 +27,39 @@ const MAX_GRAPHS: usize = 1 << 16;
 /// One recorded piece of stream work.
 #[derive(Clone)]
 pub(super) enum Node {
-    Launch { req: LaunchReq, params: Vec<u8> },
-    Memset { dptr: CUdeviceptr, value: u32, elem: u32, count: usize },
-    DtoD { dst: CUdeviceptr, src: CUdeviceptr, n: usize },
+    Launch {
+        req: LaunchReq,
+        params: Vec<u8>,
+    },
+    Memset {
+        dptr: CUdeviceptr,
+        value: u32,
+        elem: u32,
+        count: usize,
+    },
+    DtoD {
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        n: usize,
+    },
     /// A copy from host memory, read when the graph runs (as on CUDA).
-    HtoD { dst: CUdeviceptr, host: usize, n: usize },
-    DtoH { host: usize, src: CUdeviceptr, n: usize },
-    Host { f: unsafe extern "C" fn(*mut c_void), data: usize },
-    Record { event: H },
+    HtoD {
+        dst: CUdeviceptr,
+        host: usize,
+        n: usize,
+    },
+    DtoH {
+        host: usize,
+        src: CUdeviceptr,
+        n: usize,
+    },
+    Host {
+        f: unsafe extern "C" fn(*mut c_void),
+        data: usize,
+    },
+    Record {
+        event: H,
+    },
 }
 
 // SAFETY: nodes hold addresses and function pointers as the application
@@ -279,7 +304,11 @@ pub unsafe extern "C" fn cuGraphExecGetFlags(exec: H, flags: *mut u64) -> CUresu
 pub extern "C" fn cuGraphUpload(exec: H, _stream: H) -> CUresult {
     with("cuGraphUpload", |_| {
         let id = dec(TAG_EXEC, exec).ok_or_else(|| invalid_handle("graph exec"))?;
-        if with_graphs(|g| g.execs.contains_key(&id)) { Ok(()) } else { Err(invalid_handle("graph exec")) }
+        if with_graphs(|g| g.execs.contains_key(&id)) {
+            Ok(())
+        } else {
+            Err(invalid_handle("graph exec"))
+        }
     })
 }
 #[no_mangle]

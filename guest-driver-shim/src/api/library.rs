@@ -210,7 +210,11 @@ fn lib_entries(id: u32) -> Vec<String> {
 
 fn lib_id(lib: H) -> CallResult<u32> {
     let id = dec(TAG_LIB, lib).ok_or_else(|| invalid_handle("library"))?;
-    if with_libs(|l| l.libs.contains_key(&id)) { Ok(id) } else { Err(invalid_handle("library")) }
+    if with_libs(|l| l.libs.contains_key(&id)) {
+        Ok(id)
+    } else {
+        Err(invalid_handle("library"))
+    }
 }
 
 fn c_name(name: *const c_char) -> CallResult<String> {
@@ -430,7 +434,13 @@ fn func_attribute(s: &Shim, f: &super::Func, attr: c_int) -> CallResult<c_int> {
         1..=3 => 0,
         4 => 32,
         // The code's architecture, which may differ from the device's.
-        5 | 6 => if f.arch > 0 { f.arch as c_int } else { arch },
+        5 | 6 => {
+            if f.arch > 0 {
+                f.arch as c_int
+            } else {
+                arch
+            }
+        }
         7 => 0,
         8 => conf.max_dynamic_shared,
         9 => conf.carveout,
@@ -502,7 +512,11 @@ pub extern "C" fn cuFuncSetCacheConfig(f: H, cfg: c_uint) -> CUresult {
 pub extern "C" fn cuFuncSetSharedMemConfig(f: H, cfg: c_uint) -> CUresult {
     with("cuFuncSetSharedMemConfig", |s| {
         s.func(f)?;
-        if cfg > 2 { Err(bad("unknown shared memory configuration")) } else { Ok(()) }
+        if cfg > 2 {
+            Err(bad("unknown shared memory configuration"))
+        } else {
+            Ok(())
+        }
     })
 }
 
@@ -578,7 +592,10 @@ pub unsafe extern "C" fn cuOccupancyMaxPotentialBlockSizeWithFlags(grid: *mut c_
         let mut b = max / warp * warp;
         while b > 0 {
             // SAFETY: the caller's callback maps a block size to bytes.
-            let sm = match smem_fn { Some(cb) => unsafe { cb(b) }, None => smem };
+            let sm = match smem_fn {
+                Some(cb) => unsafe { cb(b) },
+                None => smem,
+            };
             let threads = blocks_per_sm(&s.info, b, sm) * b;
             if threads > best_threads {
                 (best, best_threads) = (b, threads);
@@ -712,7 +729,11 @@ pub extern "C" fn cuLinkDestroy(state: H) -> CUresult {
         let mut l = links();
         let before = l.len();
         l.retain(|(i, _)| *i != id);
-        if l.len() == before { Err(invalid_handle("link state")) } else { Ok(()) }
+        if l.len() == before {
+            Err(invalid_handle("link state"))
+        } else {
+            Ok(())
+        }
     })
 }
 

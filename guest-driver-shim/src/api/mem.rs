@@ -23,9 +23,7 @@ fn map_none(start: u64, len: u64) -> bool {
     }
     // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; a
     // PROT_NONE anonymous reservation touches no memory of ours.
-    let p = unsafe {
-        libc::mmap(start as *mut c_void, len as usize, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE, -1, 0)
-    };
+    let p = unsafe { libc::mmap(start as *mut c_void, len as usize, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE, -1, 0) };
     if p == libc::MAP_FAILED {
         return false;
     }
@@ -143,7 +141,6 @@ impl Shim {
         let (&b, &a) = st.allocs.range(..=p).next_back()?;
         (p < b + a.size).then_some((b, a))
     }
-
 }
 
 #[no_mangle]
@@ -356,7 +353,11 @@ impl Loc {
 }
 
 fn classify(s: &Shim, p: u64) -> Loc {
-    if s.is_tracked(p) { Loc::Device(p) } else { Loc::Host(p as *mut u8) }
+    if s.is_tracked(p) {
+        Loc::Device(p)
+    } else {
+        Loc::Host(p as *mut u8)
+    }
 }
 
 /// One contiguous copy between any two locations, on `stream`.
@@ -561,13 +562,7 @@ fn plan3d(s: &Shim, p: *const Memcpy3D) -> CallResult<Plan> {
     }
     let src = side(s, c.src_type, c.src_host, c.src_device, c.src_array)?;
     let dst = side(s, c.dst_type, c.dst_host, c.dst_device, c.dst_array)?;
-    Ok(Plan {
-        c,
-        src,
-        dst,
-        pitch: (c.src_pitch.max(c.width), c.dst_pitch.max(c.width)),
-        height: (c.src_height.max(c.height), c.dst_height.max(c.height)),
-    })
+    Ok(Plan { c, src, dst, pitch: (c.src_pitch.max(c.width), c.dst_pitch.max(c.width)), height: (c.src_height.max(c.height), c.dst_height.max(c.height)) })
 }
 
 fn copy3d(api: &str, p: *const Memcpy3D, stream: H, sync: bool, default: Default) -> CUresult {

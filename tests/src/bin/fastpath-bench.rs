@@ -24,8 +24,8 @@ use std::time::Instant;
 
 use ::cuda::api as cu;
 use ::cuda::client::Client;
-use virtio_gpu_compute::*;
 use vgpu_tests::Mediator;
+use virtio_gpu_compute::*;
 
 const NOP: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry nop()\n{\n    ret;\n}\n";
 /// A one-thread kernel that loops `n` times.
@@ -323,7 +323,9 @@ fn main() {
         println!("launch_sync_ring_{launches}      {ring_sync:.3} s   (launch + cuCtxSynchronize each, from {sync_n})   speedup_async={:.1}x", ring_sync / async_s);
 
         // 3. Copies.
-        for (size, iters) in [(4usize << 10, if quick { 200 } else { 2000 }), (64 << 10, if quick { 200 } else { 2000 }), (1 << 20, if quick { 50 } else { 500 }), (64 << 20, if quick { 3 } else { 20 })] {
+        for (size, iters) in
+            [(4usize << 10, if quick { 200 } else { 2000 }), (64 << 10, if quick { 200 } else { 2000 }), (1 << 20, if quick { 50 } else { 500 }), (64 << 20, if quick { 3 } else { 20 })]
+        {
             let mut d = 0u64;
             check(cu::cuMemAlloc_v2(&mut d, size), "alloc");
             let mut pinned: *mut c_void = std::ptr::null_mut();

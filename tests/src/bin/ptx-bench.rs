@@ -22,8 +22,8 @@ use std::time::Instant;
 
 use vgpu_mediator::backend::cpu::CpuBackend;
 use vgpu_mediator::backend::{AllocTable, Backend, BackendError, Launch};
-use virtio_gpu_compute::{CuResult, ImageFormat};
 use vgpu_mediator::ptx::{self, ExecError, GlobalMem, Module};
+use virtio_gpu_compute::{CuResult, ImageFormat};
 
 const MATRIX_MUL_PTX: &str = include_str!("../../bench-kernels/matrixMul.ptx");
 const REDUCTION_PTX: &str = include_str!("../../bench-kernels/reduction.ptx");
@@ -154,15 +154,7 @@ fn fail(msg: String) -> ! {
 /// on the interpreter alone (one thread), then as the CPU device runs it
 /// (its blocks on every host core, device memory shared between them);
 /// both must leave the same bytes.
-fn time_launch(
-    src: &str,
-    kernel: &str,
-    cfg: ptx::LaunchConfig,
-    params: &Params,
-    mem: &mut Flat,
-    reps: usize,
-    reset: &mut dyn FnMut(&mut Flat),
-) -> (Vec<f64>, u64, u64, Vec<f64>) {
+fn time_launch(src: &str, kernel: &str, cfg: ptx::LaunchConfig, params: &Params, mem: &mut Flat, reps: usize, reset: &mut dyn FnMut(&mut Flat)) -> (Vec<f64>, u64, u64, Vec<f64>) {
     let module = Module::parse(src).unwrap_or_else(|e| fail(format!("{kernel}: {e}")));
     let k = module.kernel(kernel).unwrap_or_else(|| fail(format!("{kernel}: no such kernel")));
     let mut times = Vec::new();
@@ -186,7 +178,9 @@ fn time_launch(
     }
     let mut owned = AllocTable::default();
     owned.0.insert(base, len);
-    let m = dev.load_module(0, src.as_bytes(), ImageFormat::Ptx, u64::MAX, &mut |_, _| Err(BackendError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "no module variables here"))).unwrap_or_else(|e| fail(format!("{kernel}: {}", e.msg)));
+    let m = dev
+        .load_module(0, src.as_bytes(), ImageFormat::Ptx, u64::MAX, &mut |_, _| Err(BackendError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "no module variables here")))
+        .unwrap_or_else(|e| fail(format!("{kernel}: {}", e.msg)));
     let index = m.function(kernel).unwrap_or_else(|| fail(format!("{kernel}: no such kernel"))).index;
     let l = Launch { grid: cfg.grid, block: cfg.block, shared_bytes: cfg.dynamic_shared };
     let mut par_times = Vec::new();
@@ -213,12 +207,7 @@ fn check<T: PartialEq + std::fmt::Debug>(name: &str, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len());
     if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
         let bad = (0..got.len()).filter(|&i| got[i] != want[i]).count();
-        fail(format!(
-            "{name}: interpreter result differs from the host reference at {bad} of {} elements; first at [{i}]: got {:?}, want {:?}",
-            got.len(),
-            got[i],
-            want[i]
-        ));
+        fail(format!("{name}: interpreter result differs from the host reference at {bad} of {} elements; first at [{i}]: got {:?}, want {:?}", got.len(), got[i], want[i]));
     }
 }
 
@@ -298,16 +287,7 @@ fn hash(z: &Sizes) -> Row {
         })
         .collect();
     check("hash", &mem.read_u32(dout, n), &want);
-    Row {
-        name: "hash",
-        size: format!("{n} thr x {} it", z.hash_iters),
-        times,
-        par_times,
-        instructions,
-        blocks,
-        threads: 256,
-        checksum: want.iter().map(|&x| x as f64).sum(),
-    }
+    Row { name: "hash", size: format!("{n} thr x {} it", z.hash_iters), times, par_times, instructions, blocks, threads: 256, checksum: want.iter().map(|&x| x as f64).sum() }
 }
 
 /// C timings: name -> (best s, median s, checksum).

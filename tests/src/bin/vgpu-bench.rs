@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use cuda::api as cu;
 use cuda::client::Client;
 use vgpu_mediator::ptx::{self, ExecError, GlobalMem, Module};
-use virtio_gpu_compute::{Reply, Request};
 use vgpu_tests::{workspace, Mediator};
+use virtio_gpu_compute::{Reply, Request};
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -75,7 +75,13 @@ fn main() {
         let mut ctx = std::ptr::null_mut();
         check(cu::cuCtxCreate_v2(&mut ctx, 0, 0), "cuCtxCreate");
         for size in [1usize << 20, 256 << 20] {
-            let iters = if quick { 3 } else if size < (8 << 20) { 200 } else { 5 };
+            let iters = if quick {
+                3
+            } else if size < (8 << 20) {
+                200
+            } else {
+                5
+            };
             let mut d = 0u64;
             check(cu::cuMemAlloc_v2(&mut d, size), "cuMemAlloc");
             let host: Vec<u8> = (0..size).map(|i| i as u8).collect();

@@ -72,7 +72,17 @@ fn measure(native: bool, quick: bool) -> Value {
 
         let mut bw = serde_json::Map::new();
         for (label, size) in [("1MiB", 1usize << 20), ("256MiB", 256usize << 20)] {
-            let n = if size > 1 << 20 { if quick { 3 } else { 10 } } else if quick { 50 } else { 500 };
+            let n = if size > 1 << 20 {
+                if quick {
+                    3
+                } else {
+                    10
+                }
+            } else if quick {
+                50
+            } else {
+                500
+            };
             let mut d = 0;
             ck(cu::cuMemAlloc_v2(&mut d, size), "cuMemAlloc");
             let mut pinned: *mut c_void = std::ptr::null_mut();
@@ -215,7 +225,13 @@ fn main() {
             row(&label, native["bandwidth"][size][dir].as_f64().expect("bw"), mediated["bandwidth"][size][dir].as_f64().expect("bw"), "GB/s");
         }
     }
-    println!("{:<44} memset {:>10.1} GB/s   device copy {:>10.1} GB/s   memset/copy {:>6.3}", "scrub rate on the device (native)", f(&native, "memset_gbs"), f(&native, "dtod_gbs"), f(&native, "memset_gbs") / f(&native, "dtod_gbs"));
+    println!(
+        "{:<44} memset {:>10.1} GB/s   device copy {:>10.1} GB/s   memset/copy {:>6.3}",
+        "scrub rate on the device (native)",
+        f(&native, "memset_gbs"),
+        f(&native, "dtod_gbs"),
+        f(&native, "memset_gbs") / f(&native, "dtod_gbs")
+    );
     row("1 GiB allocation (mediated: scrubbed, checked)", f(&native, "alloc_1gib_gbs"), f(&mediated, "alloc_1gib_gbs"), "GB/s");
     let runs = if quick { 1 } else { 3 };
     let (n, md) = (matrix_mul(None, runs, "1024"), matrix_mul(Some(&sock), runs, "1024"));

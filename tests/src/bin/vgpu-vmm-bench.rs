@@ -39,7 +39,8 @@ fn main() {
         total_ms.push(t.elapsed().as_secs_f64() * 1e3);
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "vgpu-vmm failed:\n{err}");
-        let us: f64 = err.split("startup_us=").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|v| v.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok()).expect("startup_us in the VMM log");
+        let us: f64 =
+            err.split("startup_us=").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|v| v.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok()).expect("startup_us in the VMM log");
         entry_ms.push(us / 1e3);
     }
     println!("vmm_start_to_first_guest_entry_ms  median={:.2} min={:.2} (n={runs})", median(&mut entry_ms.clone()), entry_ms.iter().cloned().fold(f64::MAX, f64::min));

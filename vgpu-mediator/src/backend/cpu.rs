@@ -39,9 +39,7 @@ impl Arena {
     fn new(len: usize) -> std::io::Result<Arena> {
         // SAFETY: anonymous private mapping with no address hint; the
         // result is checked for MAP_FAILED before use.
-        let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
-        };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0) };
         if ptr == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
@@ -312,11 +310,7 @@ impl DeviceModule for CpuModule {
     fn function(&self, name: &str) -> Option<FunctionDesc> {
         let index = self.0.kernels.iter().position(|k| k.name == name)?;
         let k = &self.0.kernels[index];
-        Some(FunctionDesc {
-            index,
-            params: k.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(),
-            params_size: k.params_size,
-        })
+        Some(FunctionDesc { index, params: k.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), params_size: k.params_size })
     }
     fn host_bytes(&self) -> u64 {
         self.0.host_bytes()
@@ -583,7 +577,10 @@ impl Backend for CpuBackend {
         let image = match format {
             ImageFormat::Ptx => image,
             ImageFormat::Cubin => {
-                return Err(BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "cubin images are machine code for a real GPU; the CPU reference device runs PTX only (compile to PTX, e.g. nvrtc -arch=compute_XX)"));
+                return Err(BackendError::new(
+                    CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU,
+                    "cubin images are machine code for a real GPU; the CPU reference device runs PTX only (compile to PTX, e.g. nvrtc -arch=compute_XX)",
+                ));
             }
             ImageFormat::Fatbin => {
                 let bad = |e: virtio_gpu_compute::fatbin::FatbinError| {
@@ -592,24 +589,20 @@ impl Backend for CpuBackend {
                 };
                 // The decompressed text counts against the tenant's host
                 // memory budget, like the module parsed from it.
-                let (text, is_newer) = virtio_gpu_compute::fatbin::ptx_for_interpreter(image, arch, host_limit).map_err(bad)?.ok_or_else(|| {
-                    BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "the fatbin carries no PTX (its cubins cannot run on the CPU reference device)")
-                })?;
+                let (text, is_newer) = virtio_gpu_compute::fatbin::ptx_for_interpreter(image, arch, host_limit)
+                    .map_err(bad)?
+                    .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "the fatbin carries no PTX (its cubins cannot run on the CPU reference device)"))?;
                 (ptx, newer) = (text, is_newer);
                 &ptx[..]
             }
         };
-        let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image))
-            .map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
+        let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image)).map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
         let mut m = Module::parse_within(text, host_limit).map_err(|e| {
             let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
             BackendError::new(code, e.to_string())
         })?;
         if m.target > arch && !newer {
-            return Err(BackendError::new(
-                CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU,
-                format!("the module targets sm_{}, newer than this device's compute capability {major}.{minor}", m.target),
-            ));
+            return Err(BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the module targets sm_{}, newer than this device's compute capability {major}.{minor}", m.target)));
         }
         let g = if m.global_size > 0 { data(m.global_size, false)? } else { 0 };
         let c = if m.const_size > 0 { data(m.const_size, true)? } else { 0 };
@@ -620,10 +613,7 @@ impl Backend for CpuBackend {
     }
 
     fn launch(&self, _slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError> {
-        let m = module
-            .as_any()
-            .downcast_ref::<CpuModule>()
-            .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
+        let m = module.as_any().downcast_ref::<CpuModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
         let k = m.0.kernels.get(func).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "no such function"))?;
         let mut view = TenantView { backend: self, owned, hit: (0, 0) };
         let limits = ptx::Limits {

@@ -42,12 +42,44 @@ const SAMPLES: usize = 6;
 /// on first use and panics if it is missing, so [`probe`] checks them all
 /// up front.
 const REQUIRED: &[&str] = &[
-    "cuInit", "cuDriverGetVersion", "cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetName", "cuDeviceGetUuid_v2", "cuDeviceTotalMem_v2",
-    "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuCtxCreate_v2", "cuCtxDestroy_v2", "cuCtxSetCurrent",
-    "cuStreamCreate", "cuStreamDestroy_v2", "cuStreamSynchronize", "cuEventCreate", "cuEventDestroy_v2", "cuEventRecord", "cuEventSynchronize",
-    "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAllocHost_v2", "cuMemFreeHost", "cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemsetD8Async",
-    "cuMemsetD16Async", "cuMemsetD32Async", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoDAsync_v2", "cuModuleLoadData",
-    "cuModuleUnload", "cuModuleGetFunction", "cuLaunchKernel", "cuGetErrorName", "cuStreamQuery",
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGet",
+    "cuDeviceGetCount",
+    "cuDeviceGetName",
+    "cuDeviceGetUuid_v2",
+    "cuDeviceTotalMem_v2",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxCreate_v2",
+    "cuCtxDestroy_v2",
+    "cuCtxSetCurrent",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemAllocHost_v2",
+    "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemsetD8Async",
+    "cuMemsetD16Async",
+    "cuMemsetD32Async",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuModuleLoadData",
+    "cuModuleUnload",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+    "cuGetErrorName",
+    "cuStreamQuery",
 ];
 
 /// `cuFuncGetParamInfo` (CUDA 12.4+): looked up by name, so older drivers
@@ -439,16 +471,8 @@ impl CudaBackend {
             sm_count: attr(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
             max_threads_per_block: attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
             max_shared_per_block: attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
-            max_block: [
-                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X)?,
-                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y)?,
-                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z)?,
-            ],
-            max_grid: [
-                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X)?,
-                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y)?,
-                attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?,
-            ],
+            max_block: [attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X)?, attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y)?, attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z)?],
+            max_grid: [attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X)?, attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y)?, attr(dev, A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?],
             instruction_budget: 0,
             numa_node,
             attributes: Some(raw_attributes(dev)),
@@ -502,12 +526,7 @@ impl CudaBackend {
     }
 
     fn tenant(&self, slot: TenantSlot) -> Result<TenantRef, BackendError> {
-        self.tenants
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&slot)
-            .cloned()
-            .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "no device context for this tenant"))
+        self.tenants.lock().unwrap_or_else(|e| e.into_inner()).get(&slot).cloned().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "no device context for this tenant"))
     }
 
     /// Runs `f` with the tenant's context current.
@@ -800,17 +819,12 @@ impl Backend for CudaBackend {
         }
         let ptx_params = match format {
             ImageFormat::Ptx => {
-                let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image))
-                    .map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
+                let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image)).map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
                 let sigs = crate::ptx::Module::signatures(text, host_limit - host_bytes).map_err(|e| {
                     let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
                     BackendError::new(code, e.to_string())
                 })?;
-                Some(
-                    sigs.into_iter()
-                        .map(|s| (s.name, (s.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), s.params_size)))
-                        .collect(),
-                )
+                Some(sigs.into_iter().map(|s| (s.name, (s.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), s.params_size))).collect())
             }
             _ if self.param_info.is_none() => {
                 return Err(BackendError::new(

@@ -116,10 +116,7 @@ pub fn plan(answers: &NvmlAnswers, sysfs_root: &Path) -> (Vec<PlannedGpu>, Vec<S
         }
         if g.mig_enabled == Some(true) {
             if g.mig_devices.is_empty() {
-                skipped.push(Skipped {
-                    gpu: format!("gpu{}", g.index),
-                    reason: "MIG mode is on but no GPU or compute instances exist; create them with nvidia-smi mig".into(),
-                });
+                skipped.push(Skipped { gpu: format!("gpu{}", g.index), reason: "MIG mode is on but no GPU or compute instances exist; create them with nvidia-smi mig".into() });
             }
             for (i, m) in g.mig_devices.iter().enumerate() {
                 if !m.uuid.starts_with("MIG-") {

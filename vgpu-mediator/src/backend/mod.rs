@@ -59,7 +59,11 @@ impl AllocTable {
     pub fn find(&self, addr: u64, n: u64) -> Option<(u64, u64)> {
         let (start, len) = self.0.range(..=addr).next_back()?;
         let end = addr.checked_add(n)?;
-        if end <= start + len { Some((*start, *len)) } else { None }
+        if end <= start + len {
+            Some((*start, *len))
+        } else {
+            None
+        }
     }
 
     /// Whether `[addr, addr+n)` overlaps a read-only allocation.

@@ -137,7 +137,11 @@ fn device_views(c: &Control) -> Vec<DeviceView> {
 }
 
 fn utilization(d: &DeviceStats) -> f64 {
-    if d.uptime_ns == 0 { 0.0 } else { d.busy_ns as f64 / (d.uptime_ns as f64 * d.lanes.max(1) as f64) }
+    if d.uptime_ns == 0 {
+        0.0
+    } else {
+        d.busy_ns as f64 / (d.uptime_ns as f64 * d.lanes.max(1) as f64)
+    }
 }
 
 async fn devices(State(c): St) -> Result<Json<Vec<DeviceView>>, ControlError> {

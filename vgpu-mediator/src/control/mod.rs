@@ -87,7 +87,11 @@ pub struct CudaSpec {
 
 impl DeviceSpec {
     pub fn kind(&self) -> &'static str {
-        if self.cuda.is_some() { "cuda" } else { "cpu" }
+        if self.cuda.is_some() {
+            "cuda"
+        } else {
+            "cpu"
+        }
     }
 }
 
@@ -290,7 +294,11 @@ impl Control {
     }
 
     fn find_pool(&self, named: &BTreeMap<String, pool::PoolSpec>, name: &str) -> Option<pool::PoolSpec> {
-        if name == pool::DEFAULT_POOL { Some(self.default_pool(named)) } else { named.get(name).cloned() }
+        if name == pool::DEFAULT_POOL {
+            Some(self.default_pool(named))
+        } else {
+            named.get(name).cloned()
+        }
     }
 
     /// The pool `device` is in.
@@ -533,7 +541,11 @@ impl Control {
     /// sockets in `.vhost`, so no two tenants' paths can be the same.
     pub fn socket_for(&self, name: &str, vm: bool) -> PathBuf {
         let dir = self.run_dir.join("tenants");
-        if vm { crate::gpu::vhost::socket_path(&dir, name) } else { dir.join(format!("{name}.sock")) }
+        if vm {
+            crate::gpu::vhost::socket_path(&dir, name)
+        } else {
+            dir.join(format!("{name}.sock"))
+        }
     }
 
     /// Creates a tenant: validates, places it (quotas never exceed device
@@ -659,7 +671,13 @@ impl Control {
                 }
                 let free = pool.capacity(slot.spec.memory).saturating_sub(Self::reserved(&tenants, &rec.device));
                 if next.memory - rec.memory > free {
-                    return Err(ControlError::InsufficientMemory(format!("device {} has {} unreserved; growing {name} to {} needs {}", rec.device, Size(free), Size(next.memory), Size(next.memory - rec.memory))));
+                    return Err(ControlError::InsufficientMemory(format!(
+                        "device {} has {} unreserved; growing {name} to {} needs {}",
+                        rec.device,
+                        Size(free),
+                        Size(next.memory),
+                        Size(next.memory - rec.memory)
+                    )));
                 }
             }
             let before = rec.clone();
@@ -703,7 +721,13 @@ impl Control {
     /// still `expect` (not deleted or re-created since).
     fn replace_if(&self, name: &str, expect: &TenantRecord, to: &TenantRecord) {
         if let Some(r) = self.registry().get_mut(name) {
-            let same = r.state == TenantPhase::Ready && r.device == expect.device && r.socket == expect.socket && r.memory == expect.memory && r.weight == expect.weight && r.cap == expect.cap && r.priority == expect.priority;
+            let same = r.state == TenantPhase::Ready
+                && r.device == expect.device
+                && r.socket == expect.socket
+                && r.memory == expect.memory
+                && r.weight == expect.weight
+                && r.cap == expect.cap
+                && r.priority == expect.priority;
             if same {
                 r.memory = to.memory;
                 r.weight = to.weight;

@@ -236,7 +236,14 @@ mod tests {
 
     #[test]
     fn pool_descriptions_are_checked() {
-        let p = |access, allow: &[&str], over| PoolSpec { name: "gold".into(), devices: vec!["cpu0".into()], access, allow: allow.iter().map(|s| s.to_string()).collect(), placement: Placement::Pack, overcommit: over };
+        let p = |access, allow: &[&str], over| PoolSpec {
+            name: "gold".into(),
+            devices: vec!["cpu0".into()],
+            access,
+            allow: allow.iter().map(|s| s.to_string()).collect(),
+            placement: Placement::Pack,
+            overcommit: over,
+        };
         p(Access::Private, &["alice"], 2.0).validate().unwrap();
         assert!(p(Access::Public, &["alice"], 1.0).validate().unwrap_err().contains("only applies to a private pool"));
         assert!(p(Access::Private, &["../x"], 1.0).validate().is_err());

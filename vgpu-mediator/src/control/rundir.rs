@@ -18,7 +18,11 @@ use crate::config::Owner;
 #[derive(Debug, thiserror::Error)]
 pub enum RunDirError {
     #[error("{path}: {err}")]
-    Io { path: String, #[source] err: std::io::Error },
+    Io {
+        path: String,
+        #[source]
+        err: std::io::Error,
+    },
     #[error("{path} is a symbolic link; refusing to follow it")]
     Symlink { path: String },
     #[error("{path} is not a directory")]

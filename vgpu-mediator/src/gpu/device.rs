@@ -392,9 +392,7 @@ impl GpuDevice {
                 }
                 (h.opcode(), h.seq, Reply::Empty)
             }
-            Ok((h, Request::GetConnStats)) => {
-                (h.opcode(), h.seq, Reply::ConnStats(Ring::stats(c.ring.as_deref(), c.submits)))
-            }
+            Ok((h, Request::GetConnStats)) => (h.opcode(), h.seq, Reply::ConnStats(Ring::stats(c.ring.as_deref(), c.submits))),
             Ok((h, req)) => {
                 let (svc, tenant) = (self.svc.clone(), self.tenant.clone());
                 let conn = c.conn.clone();

@@ -111,7 +111,11 @@ fn ptr(r: Reply) -> u64 {
 
 /// Blob byte offset to guest address (the data blob is in two pieces).
 fn data_gpa(off: u64) -> u64 {
-    if off < 0x8000 { 0x10_0000 + off } else { 0x30_0000 + off - 0x8000 }
+    if off < 0x8000 {
+        0x10_0000 + off
+    } else {
+        0x30_0000 + off - 0x8000
+    }
 }
 
 fn write_f32s(mem: &GuestMemoryMmap, off: u64, v: &[f32]) {

@@ -224,7 +224,17 @@ impl Meter<'_> {
 
 impl Default for Limits<'_> {
     fn default() -> Self {
-        Limits { max_threads_per_block: 1024, max_block: [1024, 1024, 64], max_grid: [i32::MAX as u32, 65535, 65535], max_shared: 48 * 1024, budget: 0, timeout: None, sm_count: 1, threads: 1, preempt: None }
+        Limits {
+            max_threads_per_block: 1024,
+            max_block: [1024, 1024, 64],
+            max_grid: [i32::MAX as u32, 65535, 65535],
+            max_shared: 48 * 1024,
+            budget: 0,
+            timeout: None,
+            sm_count: 1,
+            threads: 1,
+            preempt: None,
+        }
     }
 }
 
@@ -589,7 +599,11 @@ impl BlockState {
     fn peek_reg(&self, t: usize, r: u32) -> u64 {
         let s = &self.stacks[t];
         if s.body == KERNEL {
-            if (r as usize) < self.nregs { self.regs[t * self.nregs + r as usize] } else { 0 }
+            if (r as usize) < self.nregs {
+                self.regs[t * self.nregs + r as usize]
+            } else {
+                0
+            }
         } else {
             s.regs.get(s.fb as usize + r as usize).copied().unwrap_or(0)
         }
@@ -725,9 +739,9 @@ fn resolve_warp(k: &Kernel, b: &mut BlockState, w: usize) -> Result<bool, ExecEr
             (0..(hi - lo)).filter(|&j| parked & (1 << j) != 0 && b.pc[lo + j] == pc).fold(0u32, |m, j| m | (1 << j))
         } else {
             let members = (b.coll[t].mask | (1 << i)) & present & !exited;
-            let ready = (0..(hi - lo)).filter(|&j| members & (1 << j) != 0).all(|j| {
-                parked & (1 << j) != 0 && (b.pc[lo + j] == pc || (matches!(op, Op::WarpSync { .. }) && matches!(insts[b.pc[lo + j] as usize].op, Op::WarpSync { .. })))
-            });
+            let ready = (0..(hi - lo))
+                .filter(|&j| members & (1 << j) != 0)
+                .all(|j| parked & (1 << j) != 0 && (b.pc[lo + j] == pc || (matches!(op, Op::WarpSync { .. }) && matches!(insts[b.pc[lo + j] as usize].op, Op::WarpSync { .. }))));
             if !ready {
                 continue;
             }
@@ -1081,7 +1095,10 @@ fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8
                             let mut m = Mem { shared, params, local: &mut stack.local, global: &mut *global };
                             let (msg, file, func) = (m.cstr(msg, 256), m.cstr(file, 256), m.cstr(func, 256));
                             pcs[t] = pc as u32;
-                            return Err(ExecError::Assert(format!("{file}:{ln}: {func}: block [{},{},{}], thread [{},{},{}]: Assertion `{msg}` failed.", c.ctaid[0], c.ctaid[1], c.ctaid[2], c.tid[0], c.tid[1], c.tid[2])));
+                            return Err(ExecError::Assert(format!(
+                                "{file}:{ln}: {func}: block [{},{},{}], thread [{},{},{}]: Assertion `{msg}` failed.",
+                                c.ctaid[0], c.ctaid[1], c.ctaid[2], c.tid[0], c.tid[1], c.tid[2]
+                            )));
                         }
                         Builtin::Vprintf => {
                             // Output is discarded; printf returns 0.
@@ -1190,7 +1207,11 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                     let v = m.load_val(*space, base.wrapping_add((i * n) as u64), n).map_err(fail).inspect_err(|_| *pc_io = pc)?;
                     let v = if ty.is_signed() && (n as u32) * 8 < *dst_bits {
                         let s = ty.sext(v) as u64;
-                        if *dst_bits >= 64 { s } else { s & ((1u64 << dst_bits) - 1) }
+                        if *dst_bits >= 64 {
+                            s
+                        } else {
+                            s & ((1u64 << dst_bits) - 1)
+                        }
                     } else {
                         v
                     };
@@ -1255,7 +1276,11 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 let (x, y) = (rd(regs, a, c, clock) as u32, rd(regs, b, c, clock) as u32);
                 let half = |v: u32, i: u32| -> i32 {
                     let h = (v >> (16 * i)) as u16;
-                    if *signed { h as i16 as i32 } else { h as i32 }
+                    if *signed {
+                        h as i16 as i32
+                    } else {
+                        h as i32
+                    }
                 };
                 let mut r = 0u32;
                 for i in 0..2 {
@@ -1278,7 +1303,19 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                     MadMode::Hi24 => ibin(Bin::Mul24Hi, *ty, x, y),
                     MadMode::Wide => ibin(Bin::MulWide, *ty, x, y),
                 };
-                let rty = if *mode == MadMode::Wide { if ty.bits() == 32 { if ty.is_signed() { Ty::S64 } else { Ty::U64 } } else { Ty::U32 } } else { *ty };
+                let rty = if *mode == MadMode::Wide {
+                    if ty.bits() == 32 {
+                        if ty.is_signed() {
+                            Ty::S64
+                        } else {
+                            Ty::U64
+                        }
+                    } else {
+                        Ty::U32
+                    }
+                } else {
+                    *ty
+                };
                 let cf = if carry.0 { regs[0] & 1 } else { 0 };
                 let s = rty.mask(prod) as u128 + rty.mask(z) as u128 + cf as u128;
                 regs[*d as usize] = rty.mask(s as u64);
@@ -1313,8 +1350,20 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                     TestpKind::Infinite => x.is_infinite(),
                     TestpKind::Number => !x.is_nan(),
                     TestpKind::NotANumber => x.is_nan(),
-                    TestpKind::Normal => if *ty == Ty::F32 { (x as f32).is_normal() } else { x.is_normal() },
-                    TestpKind::Subnormal => if *ty == Ty::F32 { (x as f32).is_subnormal() } else { x.is_subnormal() },
+                    TestpKind::Normal => {
+                        if *ty == Ty::F32 {
+                            (x as f32).is_normal()
+                        } else {
+                            x.is_normal()
+                        }
+                    }
+                    TestpKind::Subnormal => {
+                        if *ty == Ty::F32 {
+                            (x as f32).is_subnormal()
+                        } else {
+                            x.is_subnormal()
+                        }
+                    }
                 };
                 regs[*p as usize] = r as u64;
             }
@@ -1507,12 +1556,30 @@ fn atom_op(op: AtomOp, ty: Ty, old: u64, bv: u64, cv: u64) -> u64 {
         AtomOp::Min => ibin(Bin::Min, ty, old, bv),
         AtomOp::Max => ibin(Bin::Max, ty, old, bv),
         AtomOp::Exch => bv,
-        AtomOp::Cas => if ty.mask(old) == ty.mask(bv) { cv } else { old },
+        AtomOp::Cas => {
+            if ty.mask(old) == ty.mask(bv) {
+                cv
+            } else {
+                old
+            }
+        }
         AtomOp::And => old & bv,
         AtomOp::Or => old | bv,
         AtomOp::Xor => old ^ bv,
-        AtomOp::Inc => if ty.mask(old) >= ty.mask(bv) { 0 } else { old + 1 },
-        AtomOp::Dec => if ty.mask(old) == 0 || ty.mask(old) > ty.mask(bv) { bv } else { old - 1 },
+        AtomOp::Inc => {
+            if ty.mask(old) >= ty.mask(bv) {
+                0
+            } else {
+                old + 1
+            }
+        }
+        AtomOp::Dec => {
+            if ty.mask(old) == 0 || ty.mask(old) > ty.mask(bv) {
+                bv
+            } else {
+                old - 1
+            }
+        }
     };
     ty.mask(new)
 }
@@ -1526,7 +1593,11 @@ fn half_of(t: Ty) -> Ty {
 }
 
 fn sat01(v: f64) -> f64 {
-    if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) }
+    if v.is_nan() {
+        0.0
+    } else {
+        v.clamp(0.0, 1.0)
+    }
 }
 
 /// A float of type `ty` (scalar) as f64.
@@ -1562,8 +1633,20 @@ fn fop(op: Bin, a: f64, b: f64) -> f64 {
         Bin::Div => a / b,
         Bin::Min => a.min(b),
         Bin::Max => a.max(b),
-        Bin::MinNan => if a.is_nan() || b.is_nan() { f64::NAN } else { a.min(b) },
-        Bin::MaxNan => if a.is_nan() || b.is_nan() { f64::NAN } else { a.max(b) },
+        Bin::MinNan => {
+            if a.is_nan() || b.is_nan() {
+                f64::NAN
+            } else {
+                a.min(b)
+            }
+        }
+        Bin::MaxNan => {
+            if a.is_nan() || b.is_nan() {
+                f64::NAN
+            } else {
+                a.max(b)
+            }
+        }
         Bin::MinRelu => a.min(b).max(0.0),
         Bin::MaxRelu => a.max(b).max(0.0),
         Bin::Copysign => b.copysign(a),
@@ -1708,18 +1791,42 @@ fn directed_bits(bits: u64, width: u32, err: f64, round: Round) -> u64 {
     let away = || bits + 1;
     match round {
         Round::Rz if (err < 0.0) != neg => toward_zero(),
-        Round::Rm if err < 0.0 => if neg { away() } else if mag == 0 { sign_bit | 1 } else { toward_zero() },
-        Round::Rp if err > 0.0 => if !neg { away() } else if mag == 0 { 1 } else { toward_zero() },
+        Round::Rm if err < 0.0 => {
+            if neg {
+                away()
+            } else if mag == 0 {
+                sign_bit | 1
+            } else {
+                toward_zero()
+            }
+        }
+        Round::Rp if err > 0.0 => {
+            if !neg {
+                away()
+            } else if mag == 0 {
+                1
+            } else {
+                toward_zero()
+            }
+        }
         _ => bits,
     }
 }
 
 fn directed32(s: f32, err: f64, round: Round) -> f32 {
-    if s.is_nan() { s } else { f32::from_bits(directed_bits(s.to_bits() as u64, 32, err, round) as u32) }
+    if s.is_nan() {
+        s
+    } else {
+        f32::from_bits(directed_bits(s.to_bits() as u64, 32, err, round) as u32)
+    }
 }
 
 fn directed64(s: f64, err: f64, round: Round) -> f64 {
-    if s.is_nan() { s } else { f64::from_bits(directed_bits(s.to_bits(), 64, err, round)) }
+    if s.is_nan() {
+        s
+    } else {
+        f64::from_bits(directed_bits(s.to_bits(), 64, err, round))
+    }
 }
 
 /// Rounds an f64 to the scalar float type `ty` with `round`.
@@ -1745,7 +1852,11 @@ fn sat_int(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
 fn fma(ty: Ty, round: Round, x: u64, y: u64, z: u64, sat: bool, relu: bool) -> u64 {
     let post = |v: f64| {
         let v = if sat { sat01(v) } else { v };
-        if relu && (v.is_nan() || v < 0.0) { 0.0 } else { v }
+        if relu && (v.is_nan() || v < 0.0) {
+            0.0
+        } else {
+            v
+        }
     };
     match ty {
         Ty::F32 => {
@@ -1764,11 +1875,7 @@ fn fma(ty: Ty, round: Round, x: u64, y: u64, z: u64, sat: bool, relu: bool) -> u
         Ty::F64 => {
             let (a, b, c) = (f64v(x), f64v(y), f64v(z));
             let r = a.mul_add(b, c);
-            let r = if matches!(round, Round::Rz | Round::Rm | Round::Rp) && a.is_finite() && b.is_finite() && c.is_finite() {
-                directed64(r, fma_err(a, b, c, r), round)
-            } else {
-                r
-            };
+            let r = if matches!(round, Round::Rz | Round::Rm | Round::Rp) && a.is_finite() && b.is_finite() && c.is_finite() { directed64(r, fma_err(a, b, c, r), round) } else { r };
             post(r).to_bits()
         }
         Ty::F16x2 | Ty::Bf16x2 => {
@@ -1781,7 +1888,11 @@ fn fma(ty: Ty, round: Round, x: u64, y: u64, z: u64, sat: bool, relu: bool) -> u
 }
 
 fn ty_half(t: Ty) -> Ty {
-    if t == Ty::Bf16x2 { Ty::Bf16 } else { Ty::F16 }
+    if t == Ty::Bf16x2 {
+        Ty::Bf16
+    } else {
+        Ty::F16
+    }
 }
 
 #[inline]
@@ -1802,12 +1913,20 @@ fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
             }
         }
         Bin::MulWide => {
-            if signed { (sx as i128 * sy as i128) as u64 } else { (ux as u128 * uy as u128) as u64 }
+            if signed {
+                (sx as i128 * sy as i128) as u64
+            } else {
+                (ux as u128 * uy as u128) as u64
+            }
         }
         Bin::Mul24Lo | Bin::Mul24Hi => {
             let (a, b) = if signed { ((((x as u32) << 8) as i32 >> 8) as i64, (((y as u32) << 8) as i32 >> 8) as i64) } else { ((x & 0xff_ffff) as i64, (y & 0xff_ffff) as i64) };
             let p = a * b;
-            if op == Bin::Mul24Lo { p as u64 & 0xffff_ffff } else { (p >> 16) as u64 & 0xffff_ffff }
+            if op == Bin::Mul24Lo {
+                p as u64 & 0xffff_ffff
+            } else {
+                (p >> 16) as u64 & 0xffff_ffff
+            }
         }
         Bin::Div => {
             if uy == 0 {
@@ -1827,8 +1946,20 @@ fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
                 ux % uy
             }
         }
-        Bin::Min | Bin::MinNan => if signed { ty.mask(sx.min(sy) as u64) } else { ux.min(uy) },
-        Bin::Max | Bin::MaxNan => if signed { ty.mask(sx.max(sy) as u64) } else { ux.max(uy) },
+        Bin::Min | Bin::MinNan => {
+            if signed {
+                ty.mask(sx.min(sy) as u64)
+            } else {
+                ux.min(uy)
+            }
+        }
+        Bin::Max | Bin::MaxNan => {
+            if signed {
+                ty.mask(sx.max(sy) as u64)
+            } else {
+                ux.max(uy)
+            }
+        }
         Bin::MinRelu => ty.mask(sx.min(sy).max(0) as u64),
         Bin::MaxRelu => ty.mask(sx.max(sy).max(0) as u64),
         Bin::And => ux & uy,
@@ -1836,7 +1967,13 @@ fn ibin(op: Bin, ty: Ty, x: u64, y: u64) -> u64 {
         Bin::Xor => ux ^ uy,
         // Shift amounts are unsigned and clamp at the operand width,
         // however wide the register holding them.
-        Bin::Shl => if y >= bits as u64 { 0 } else { ty.mask(ux << y) },
+        Bin::Shl => {
+            if y >= bits as u64 {
+                0
+            } else {
+                ty.mask(ux << y)
+            }
+        }
         Bin::Shr => {
             let s = y.min(bits as u64) as u32;
             if signed {
@@ -1903,7 +2040,11 @@ fn un(op: Un, ty: Ty, v: u64) -> u64 {
                 0xffff_ffff
             } else {
                 let pos = 63 - x.leading_zeros() as u64;
-                if op == Un::BfindShift { bits as u64 - 1 - pos } else { pos }
+                if op == Un::BfindShift {
+                    bits as u64 - 1 - pos
+                } else {
+                    pos
+                }
             }
         }
         _ => v,
@@ -1917,7 +2058,13 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
             let (pos, len) = ((b & 0xff) as u32, (c & 0xff) as u32);
             let x = ty.mask(a);
             if ty.is_signed() {
-                let sbit = if len == 0 { false } else if pos + len > bits { ty.sext(a) < 0 } else { (x >> (pos + len - 1)) & 1 != 0 };
+                let sbit = if len == 0 {
+                    false
+                } else if pos + len > bits {
+                    ty.sext(a) < 0
+                } else {
+                    (x >> (pos + len - 1)) & 1 != 0
+                };
                 let mut r = 0u64;
                 for i in 0..bits {
                     let bit = if i < len && pos + i < bits { (x >> (pos + i)) & 1 != 0 } else { sbit };
@@ -1925,13 +2072,21 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
                         r |= 1 << i;
                     }
                 }
-                if len == 0 { 0 } else { ty.mask(r) }
+                if len == 0 {
+                    0
+                } else {
+                    ty.mask(r)
+                }
             } else if pos >= bits || len == 0 {
                 0
             } else {
                 let l = len.min(bits - pos);
                 let v = x >> pos;
-                if l >= 64 { v } else { v & ((1u64 << l) - 1) }
+                if l >= 64 {
+                    v
+                } else {
+                    v & ((1u64 << l) - 1)
+                }
             }
         }
         Tri::Prmt(mode) => {
@@ -1943,7 +2098,15 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
                 0 => (0..4).fold(0u64, |r, i| {
                     let nib = (c >> (4 * i)) & 0xf;
                     let v = byte(nib & 7);
-                    let v = if nib & 8 != 0 { if v & 0x80 != 0 { 0xff } else { 0 } } else { v };
+                    let v = if nib & 8 != 0 {
+                        if v & 0x80 != 0 {
+                            0xff
+                        } else {
+                            0
+                        }
+                    } else {
+                        v
+                    };
                     r | (v << (8 * i))
                 }),
                 1 => sel([s, s + 1, s + 2, s + 3]),
@@ -1951,7 +2114,13 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
                 3 => sel([s, s, s, s]),
                 4 => ecl(&sel, s),
                 5 => ecr(&sel, s),
-                _ => if s & 1 == 0 { sel([0, 1, 0, 1]) } else { sel([2, 3, 2, 3]) },
+                _ => {
+                    if s & 1 == 0 {
+                        sel([0, 1, 0, 1])
+                    } else {
+                        sel([2, 3, 2, 3])
+                    }
+                }
             }
         }
         Tri::Lop3(lut) => {
@@ -1969,7 +2138,11 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
         Tri::Shf { left, wrap } => {
             let n = if wrap { (c & 31) as u32 } else { c.min(32) as u32 };
             let v = ((b & 0xffff_ffff) << 32) | (a & 0xffff_ffff);
-            if left { ((v << n) >> 32) & 0xffff_ffff } else { (v >> n) & 0xffff_ffff }
+            if left {
+                ((v << n) >> 32) & 0xffff_ffff
+            } else {
+                (v >> n) & 0xffff_ffff
+            }
         }
         Tri::Sad => {
             let d = if ty.is_signed() { ty.sext(a).abs_diff(ty.sext(b)) } else { ty.mask(a).abs_diff(ty.mask(b)) };
@@ -1978,7 +2151,11 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
         Tri::Dp4a(sa, sb) => {
             let byte = |v: u64, i: u32, s: bool| -> i64 {
                 let x = (v >> (8 * i)) & 0xff;
-                if s { x as u8 as i8 as i64 } else { x as i64 }
+                if s {
+                    x as u8 as i8 as i64
+                } else {
+                    x as i64
+                }
             };
             let sum: i64 = (0..4).map(|i| byte(a, i, sa) * byte(b, i, sb)).sum();
             (c as u32 as i64).wrapping_add(sum) as u64 & 0xffff_ffff
@@ -1986,11 +2163,19 @@ fn tri(op: Tri, ty: Ty, a: u64, b: u64, c: u64) -> u64 {
         Tri::Dp2a { hi, sa, sb } => {
             let half = |i: u32| -> i64 {
                 let x = (a >> (16 * i)) & 0xffff;
-                if sa { x as u16 as i16 as i64 } else { x as i64 }
+                if sa {
+                    x as u16 as i16 as i64
+                } else {
+                    x as i64
+                }
             };
             let byte = |i: u32| -> i64 {
                 let x = (b >> (8 * i)) & 0xff;
-                if sb { x as u8 as i8 as i64 } else { x as i64 }
+                if sb {
+                    x as u8 as i8 as i64
+                } else {
+                    x as i64
+                }
             };
             let k = if hi { 2 } else { 0 };
             let sum = half(0) * byte(k) + half(1) * byte(k + 1);
@@ -2046,10 +2231,34 @@ fn compare(cmp: Cmp, ty: Ty, x: u64, y: u64) -> bool {
     match cmp {
         Cmp::Eq | Cmp::Equ => ux == uy,
         Cmp::Ne | Cmp::Neu => ux != uy,
-        Cmp::Lt | Cmp::Ltu => if s { sx < sy } else { ux < uy },
-        Cmp::Le | Cmp::Leu => if s { sx <= sy } else { ux <= uy },
-        Cmp::Gt | Cmp::Gtu => if s { sx > sy } else { ux > uy },
-        Cmp::Ge | Cmp::Geu => if s { sx >= sy } else { ux >= uy },
+        Cmp::Lt | Cmp::Ltu => {
+            if s {
+                sx < sy
+            } else {
+                ux < uy
+            }
+        }
+        Cmp::Le | Cmp::Leu => {
+            if s {
+                sx <= sy
+            } else {
+                ux <= uy
+            }
+        }
+        Cmp::Gt | Cmp::Gtu => {
+            if s {
+                sx > sy
+            } else {
+                ux > uy
+            }
+        }
+        Cmp::Ge | Cmp::Geu => {
+            if s {
+                sx >= sy
+            } else {
+                ux >= uy
+            }
+        }
         Cmp::Lo => ux < uy,
         Cmp::Ls => ux <= uy,
         Cmp::Hi => ux > uy,

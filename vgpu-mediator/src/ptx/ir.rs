@@ -6,22 +6,49 @@ use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ty {
-    U8, U16, U32, U64,
-    S8, S16, S32, S64,
-    B8, B16, B32, B64,
-    F16, Bf16, F16x2, Bf16x2,
-    F32, F64,
+    U8,
+    U16,
+    U32,
+    U64,
+    S8,
+    S16,
+    S32,
+    S64,
+    B8,
+    B16,
+    B32,
+    B64,
+    F16,
+    Bf16,
+    F16x2,
+    Bf16x2,
+    F32,
+    F64,
     Pred,
 }
 
 impl Ty {
     pub fn parse(s: &str) -> Option<Ty> {
         Some(match s {
-            "u8" => Ty::U8, "u16" => Ty::U16, "u32" => Ty::U32, "u64" => Ty::U64,
-            "s8" => Ty::S8, "s16" => Ty::S16, "s32" => Ty::S32, "s64" => Ty::S64,
-            "b8" => Ty::B8, "b16" => Ty::B16, "b32" => Ty::B32, "b64" => Ty::B64,
-            "f16" => Ty::F16, "bf16" => Ty::Bf16, "f16x2" => Ty::F16x2, "bf16x2" => Ty::Bf16x2,
-            "f32" => Ty::F32, "f64" => Ty::F64, "pred" => Ty::Pred,
+            "u8" => Ty::U8,
+            "u16" => Ty::U16,
+            "u32" => Ty::U32,
+            "u64" => Ty::U64,
+            "s8" => Ty::S8,
+            "s16" => Ty::S16,
+            "s32" => Ty::S32,
+            "s64" => Ty::S64,
+            "b8" => Ty::B8,
+            "b16" => Ty::B16,
+            "b32" => Ty::B32,
+            "b64" => Ty::B64,
+            "f16" => Ty::F16,
+            "bf16" => Ty::Bf16,
+            "f16x2" => Ty::F16x2,
+            "bf16x2" => Ty::Bf16x2,
+            "f32" => Ty::F32,
+            "f64" => Ty::F64,
+            "pred" => Ty::Pred,
             _ => return None,
         })
     }
@@ -36,7 +63,11 @@ impl Ty {
     }
 
     pub fn bits(self) -> u32 {
-        if self == Ty::Pred { 1 } else { 8 * self.bytes() as u32 }
+        if self == Ty::Pred {
+            1
+        } else {
+            8 * self.bytes() as u32
+        }
     }
 
     pub fn is_signed(self) -> bool {
@@ -71,11 +102,29 @@ impl Ty {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Special {
-    Tid(u8), Ntid(u8), Ctaid(u8), Nctaid(u8),
-    LaneId, WarpId, NWarpId, Clock, Clock64, ClockHi,
-    LaneMaskEq, LaneMaskLt, LaneMaskLe, LaneMaskGt, LaneMaskGe,
-    SmId, NSmId, GridId, GlobalTimer, GlobalTimerLo, GlobalTimerHi,
-    DynSmemSize, TotalSmemSize,
+    Tid(u8),
+    Ntid(u8),
+    Ctaid(u8),
+    Nctaid(u8),
+    LaneId,
+    WarpId,
+    NWarpId,
+    Clock,
+    Clock64,
+    ClockHi,
+    LaneMaskEq,
+    LaneMaskLt,
+    LaneMaskLe,
+    LaneMaskGt,
+    LaneMaskGe,
+    SmId,
+    NSmId,
+    GridId,
+    GlobalTimer,
+    GlobalTimerLo,
+    GlobalTimerHi,
+    DynSmemSize,
+    TotalSmemSize,
     /// Registers with a fixed value on this device (`%envregN`, `%pmN`,
     /// `%reserved_smem_offset_*`, the cluster registers of a one-CTA cluster).
     Const(u64),
@@ -119,55 +168,160 @@ pub struct Addr {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bin {
-    Add, Sub, MulLo, MulHi, MulWide, Div, Rem, Min, Max,
-    And, Or, Xor, Shl, Shr, Copysign,
+    Add,
+    Sub,
+    MulLo,
+    MulHi,
+    MulWide,
+    Div,
+    Rem,
+    Min,
+    Max,
+    And,
+    Or,
+    Xor,
+    Shl,
+    Shr,
+    Copysign,
     /// `min.relu`/`max.relu`: the result clamped below at zero.
-    MinRelu, MaxRelu,
+    MinRelu,
+    MaxRelu,
     /// `min.NaN`/`max.NaN`: NaN if either input is NaN.
-    MinNan, MaxNan,
-    Mul24Lo, Mul24Hi,
+    MinNan,
+    MaxNan,
+    Mul24Lo,
+    Mul24Hi,
     /// Float add/sub/mul with `.sat` (clamped to [0, 1]).
-    AddSat, SubSat, MulSat,
+    AddSat,
+    SubSat,
+    MulSat,
     /// `sqrt` with a directed rounding (only in [`Op::BinR`]; `b` unused).
     Sqrt,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Un {
-    Neg, Abs, Not, Sqrt, Rsqrt, Rcp, Ex2, Lg2, Sin, Cos, Tanh, Popc, Clz, Brev, Cnot,
+    Neg,
+    Abs,
+    Not,
+    Sqrt,
+    Rsqrt,
+    Rcp,
+    Ex2,
+    Lg2,
+    Sin,
+    Cos,
+    Tanh,
+    Popc,
+    Clz,
+    Brev,
+    Cnot,
     /// `bfind`: position of the most significant non-sign bit.
-    Bfind, BfindShift,
+    Bfind,
+    BfindShift,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MadMode { Lo, Hi, Wide, Lo24, Hi24 }
+pub enum MadMode {
+    Lo,
+    Hi,
+    Wide,
+    Lo24,
+    Hi24,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cmp {
-    Eq, Ne, Lt, Le, Gt, Ge, Lo, Ls, Hi, Hs,
-    Equ, Neu, Ltu, Leu, Gtu, Geu, Num, Nan,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Lo,
+    Ls,
+    Hi,
+    Hs,
+    Equ,
+    Neu,
+    Ltu,
+    Leu,
+    Gtu,
+    Geu,
+    Num,
+    Nan,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BoolOp { And, Or, Xor }
+pub enum BoolOp {
+    And,
+    Or,
+    Xor,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Round { Default, Rn, Rz, Rm, Rp, Rna, Rni, Rzi, Rmi, Rpi }
+pub enum Round {
+    Default,
+    Rn,
+    Rz,
+    Rm,
+    Rp,
+    Rna,
+    Rni,
+    Rzi,
+    Rmi,
+    Rpi,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShflMode { Up, Down, Bfly, Idx }
+pub enum ShflMode {
+    Up,
+    Down,
+    Bfly,
+    Idx,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AtomOp { Add, Min, Max, Exch, Cas, And, Or, Xor, Inc, Dec }
+pub enum AtomOp {
+    Add,
+    Min,
+    Max,
+    Exch,
+    Cas,
+    And,
+    Or,
+    Xor,
+    Inc,
+    Dec,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum VoteMode { All, Any, Uni, Ballot }
+pub enum VoteMode {
+    All,
+    Any,
+    Uni,
+    Ballot,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReduxOp { Add, Min, Max, And, Or, Xor }
+pub enum ReduxOp {
+    Add,
+    Min,
+    Max,
+    And,
+    Or,
+    Xor,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TestpKind { Finite, Infinite, Number, NotANumber, Normal, Subnormal }
+pub enum TestpKind {
+    Finite,
+    Infinite,
+    Number,
+    NotANumber,
+    Normal,
+    Subnormal,
+}
 
 /// Three-source integer families.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,9 +349,12 @@ pub enum BarKind {
     /// `bar.arrive`: count the arrival, do not wait.
     Arrive,
     /// `bar.red.popc.u32`, `.and.pred`, `.or.pred`.
-    RedPopc, RedAnd, RedOr,
+    RedPopc,
+    RedAnd,
+    RedOr,
     /// `barrier.cluster.arrive`/`.wait`: a cluster is one CTA here.
-    ClusterArrive, ClusterWait,
+    ClusterArrive,
+    ClusterWait,
 }
 
 /// What a `call` calls.
@@ -210,57 +367,264 @@ pub enum Callee {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
-    Mov { ty: Ty, d: u32, a: Src },
-    Ld { space: Space, ty: Ty, d: Vec<u32>, addr: Addr, dst_bits: u32 },
-    St { space: Space, ty: Ty, addr: Addr, s: Vec<Src> },
+    Mov {
+        ty: Ty,
+        d: u32,
+        a: Src,
+    },
+    Ld {
+        space: Space,
+        ty: Ty,
+        d: Vec<u32>,
+        addr: Addr,
+        dst_bits: u32,
+    },
+    St {
+        space: Space,
+        ty: Ty,
+        addr: Addr,
+        s: Vec<Src>,
+    },
     /// `cvta{.to}.space`: `window` is the generic base of that space.
-    Cvta { to_generic: bool, window: u64, d: u32, a: Src },
-    Cvt { dty: Ty, sty: Ty, round: Round, sat: bool, relu: bool, d: u32, a: Src },
+    Cvta {
+        to_generic: bool,
+        window: u64,
+        d: u32,
+        a: Src,
+    },
+    Cvt {
+        dty: Ty,
+        sty: Ty,
+        round: Round,
+        sat: bool,
+        relu: bool,
+        d: u32,
+        a: Src,
+    },
     /// `cvt.pack`/two-source `cvt.rn.f16x2.f32 d, hi, lo`.
-    Cvt2 { dty: Ty, round: Round, relu: bool, d: u32, hi: Src, lo: Src },
-    Bin { op: Bin, ty: Ty, d: u32, a: Src, b: Src },
+    Cvt2 {
+        dty: Ty,
+        round: Round,
+        relu: bool,
+        d: u32,
+        hi: Src,
+        lo: Src,
+    },
+    Bin {
+        op: Bin,
+        ty: Ty,
+        d: u32,
+        a: Src,
+        b: Src,
+    },
     /// Float add/sub/mul/div with a directed rounding mode.
-    BinR { op: Bin, ty: Ty, round: Round, d: u32, a: Src, b: Src },
+    BinR {
+        op: Bin,
+        ty: Ty,
+        round: Round,
+        d: u32,
+        a: Src,
+        b: Src,
+    },
     /// `add.cc`, `addc{.cc}`, `sub.cc`, `subc{.cc}`: the carry lives in slot 0.
-    Carry { sub: bool, cin: bool, cout: bool, ty: Ty, d: u32, a: Src, b: Src },
+    Carry {
+        sub: bool,
+        cin: bool,
+        cout: bool,
+        ty: Ty,
+        d: u32,
+        a: Src,
+        b: Src,
+    },
     /// `min`/`max` `.s16x2`/`.u16x2` (`.relu` for signed): each 16-bit half
     /// of two 32-bit registers on its own.
-    MinMax16x2 { max: bool, signed: bool, relu: bool, d: u32, a: Src, b: Src },
-    Un { op: Un, ty: Ty, d: u32, a: Src },
-    Mad { mode: MadMode, ty: Ty, d: u32, a: Src, b: Src, c: Src, carry: (bool, bool) },
-    Fma { ty: Ty, round: Round, d: u32, a: Src, b: Src, c: Src, sat: bool, relu: bool },
-    Tri { op: Tri, ty: Ty, d: u32, a: Src, b: Src, c: Src },
-    Bfi { ty: Ty, d: u32, f: Src, b: Src, pos: Src, len: Src },
-    Setp { cmp: Cmp, ty: Ty, p: u32, q: Option<u32>, a: Src, b: Src, comb: Option<(BoolOp, Src, bool)> },
+    MinMax16x2 {
+        max: bool,
+        signed: bool,
+        relu: bool,
+        d: u32,
+        a: Src,
+        b: Src,
+    },
+    Un {
+        op: Un,
+        ty: Ty,
+        d: u32,
+        a: Src,
+    },
+    Mad {
+        mode: MadMode,
+        ty: Ty,
+        d: u32,
+        a: Src,
+        b: Src,
+        c: Src,
+        carry: (bool, bool),
+    },
+    Fma {
+        ty: Ty,
+        round: Round,
+        d: u32,
+        a: Src,
+        b: Src,
+        c: Src,
+        sat: bool,
+        relu: bool,
+    },
+    Tri {
+        op: Tri,
+        ty: Ty,
+        d: u32,
+        a: Src,
+        b: Src,
+        c: Src,
+    },
+    Bfi {
+        ty: Ty,
+        d: u32,
+        f: Src,
+        b: Src,
+        pos: Src,
+        len: Src,
+    },
+    Setp {
+        cmp: Cmp,
+        ty: Ty,
+        p: u32,
+        q: Option<u32>,
+        a: Src,
+        b: Src,
+        comb: Option<(BoolOp, Src, bool)>,
+    },
     /// `set.cmp.dtype.stype`: all ones (or 1.0) when the comparison holds.
-    Set { cmp: Cmp, dty: Ty, ty: Ty, d: u32, a: Src, b: Src },
-    Selp { ty: Ty, d: u32, a: Src, b: Src, p: Src },
+    Set {
+        cmp: Cmp,
+        dty: Ty,
+        ty: Ty,
+        d: u32,
+        a: Src,
+        b: Src,
+    },
+    Selp {
+        ty: Ty,
+        d: u32,
+        a: Src,
+        b: Src,
+        p: Src,
+    },
     /// `slct.dtype.s32/f32 d, a, b, c`: a if c >= 0, else b.
-    Slct { ty: Ty, cty: Ty, d: u32, a: Src, b: Src, c: Src },
-    Testp { kind: TestpKind, ty: Ty, p: u32, a: Src },
-    Bra { target: u32 },
+    Slct {
+        ty: Ty,
+        cty: Ty,
+        d: u32,
+        a: Src,
+        b: Src,
+        c: Src,
+    },
+    Testp {
+        kind: TestpKind,
+        ty: Ty,
+        p: u32,
+        a: Src,
+    },
+    Bra {
+        target: u32,
+    },
     /// `brx.idx index, table`.
-    Brx { index: Src, targets: Vec<u32> },
-    Call { callee: Callee, args: Vec<(u32, u32)>, ret: Option<(u32, u32)> },
+    Brx {
+        index: Src,
+        targets: Vec<u32>,
+    },
+    Call {
+        callee: Callee,
+        args: Vec<(u32, u32)>,
+        ret: Option<(u32, u32)>,
+    },
     /// `ret`: back to the caller, or the thread exits in a kernel.
     Ret,
-    Bar { kind: BarKind, id: Src, count: Option<Src>, d: Option<u32>, a: Option<(Src, bool)> },
-    WarpSync { mask: Src },
-    Shfl { mode: ShflMode, d: u32, p: Option<u32>, a: Src, b: Src, c: Src, mask: Src },
-    Vote { mode: VoteMode, d: u32, a: Src, negate: bool, mask: Src },
-    Match { all: bool, ty: Ty, d: u32, p: Option<u32>, a: Src, mask: Src },
-    Redux { op: ReduxOp, ty: Ty, d: u32, a: Src, mask: Src },
-    Elect { d: Option<u32>, p: Option<u32>, mask: Src },
-    ActiveMask { d: u32 },
-    Atom { space: Space, op: AtomOp, ty: Ty, d: Option<u32>, addr: Addr, b: Src, c: Option<Src> },
+    Bar {
+        kind: BarKind,
+        id: Src,
+        count: Option<Src>,
+        d: Option<u32>,
+        a: Option<(Src, bool)>,
+    },
+    WarpSync {
+        mask: Src,
+    },
+    Shfl {
+        mode: ShflMode,
+        d: u32,
+        p: Option<u32>,
+        a: Src,
+        b: Src,
+        c: Src,
+        mask: Src,
+    },
+    Vote {
+        mode: VoteMode,
+        d: u32,
+        a: Src,
+        negate: bool,
+        mask: Src,
+    },
+    Match {
+        all: bool,
+        ty: Ty,
+        d: u32,
+        p: Option<u32>,
+        a: Src,
+        mask: Src,
+    },
+    Redux {
+        op: ReduxOp,
+        ty: Ty,
+        d: u32,
+        a: Src,
+        mask: Src,
+    },
+    Elect {
+        d: Option<u32>,
+        p: Option<u32>,
+        mask: Src,
+    },
+    ActiveMask {
+        d: u32,
+    },
+    Atom {
+        space: Space,
+        op: AtomOp,
+        ty: Ty,
+        d: Option<u32>,
+        addr: Addr,
+        b: Src,
+        c: Option<Src>,
+    },
     /// `cp.async`: copies at once (completion is immediate on this device).
-    CpAsync { dst: Addr, src: Addr, size: u32, src_size: Option<Src> },
+    CpAsync {
+        dst: Addr,
+        src: Addr,
+        size: u32,
+        src_size: Option<Src>,
+    },
     /// `isspacep.space p, a`.
-    Isspacep { space: Space, p: u32, a: Src },
+    Isspacep {
+        space: Space,
+        p: u32,
+        a: Src,
+    },
     /// `mov.b64 {lo, hi}, src` and friends.
-    Unpack { d: Vec<Option<u32>>, a: Src, part_bits: u32 },
+    Unpack {
+        d: Vec<Option<u32>>,
+        a: Src,
+        part_bits: u32,
+    },
     /// `mov.b64 d, {lo, hi}`.
-    Pack { d: u32, s: Vec<Src>, part_bits: u32 },
+    Pack {
+        d: u32,
+        s: Vec<Src>,
+        part_bits: u32,
+    },
     Nop,
     /// `membar`/`fence`: orders this thread's global accesses against
     /// blocks running on other host threads.

@@ -267,7 +267,11 @@ struct Body {
 type Shadowed = (String, Option<(u32, Ty)>);
 
 fn align_up(v: u32, a: u32) -> Option<u32> {
-    if a <= 1 { Some(v) } else { v.div_ceil(a).checked_mul(a) }
+    if a <= 1 {
+        Some(v)
+    } else {
+        v.div_ceil(a).checked_mul(a)
+    }
 }
 
 impl Body {
@@ -663,11 +667,19 @@ impl<'a> Parser<'a> {
             }
             Tok::F32(b) => {
                 let b = if neg { b ^ 0x8000_0000 } else { *b };
-                if ty == Ty::F64 { (f32::from_bits(b) as f64).to_bits() } else { b as u64 }
+                if ty == Ty::F64 {
+                    (f32::from_bits(b) as f64).to_bits()
+                } else {
+                    b as u64
+                }
             }
             Tok::F64(b) => {
                 let b = if neg { b ^ (1 << 63) } else { *b };
-                if ty == Ty::F32 { (f64::from_bits(b) as f32).to_bits() as u64 } else { b }
+                if ty == Ty::F32 {
+                    (f64::from_bits(b) as f32).to_bits() as u64
+                } else {
+                    b
+                }
             }
             Tok::Word(w) => {
                 // `sym`, `generic(sym)`, `sym + k`: an address, 64-bit only.
@@ -1168,7 +1180,11 @@ impl<'a> Parser<'a> {
         let target = self.word()?.to_string();
         let args = if self.is_punct(',') {
             self.i += 1;
-            if self.is_punct('(') { list(self)? } else { Vec::new() }
+            if self.is_punct('(') {
+                list(self)?
+            } else {
+                Vec::new()
+            }
         } else {
             Vec::new()
         };
@@ -1282,12 +1298,90 @@ impl<'a> Parser<'a> {
 /// Base opcodes the decoder understands; anything else is reported by name
 /// before its operands are parsed.
 const KNOWN_OPCODES: &[&str] = &[
-    "mov", "ld", "ldu", "st", "cvta", "cvt", "add", "sub", "mul", "div", "rem", "min", "max", "and", "or", "xor",
-    "shl", "shr", "copysign", "neg", "abs", "not", "sqrt", "rsqrt", "rcp", "ex2", "lg2", "sin", "cos", "tanh", "popc",
-    "clz", "brev", "cnot", "mad", "fma", "setp", "set", "selp", "slct", "bra", "brx", "bar", "barrier", "membar", "fence", "shfl",
-    "vote", "atom", "red", "ret", "exit", "bfe", "bfi", "bfind", "prmt", "lop3", "shf", "mul24", "mad24", "sad",
-    "dp4a", "dp2a", "addc", "subc", "madc", "testp", "activemask", "match", "redux", "elect", "cp", "prefetch", "prefetchu",
-    "isspacep", "mapa", "trap", "brkpt", "nanosleep", "pmevent", "griddepcontrol", "discard", "applypriority", "createpolicy",
+    "mov",
+    "ld",
+    "ldu",
+    "st",
+    "cvta",
+    "cvt",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "rem",
+    "min",
+    "max",
+    "and",
+    "or",
+    "xor",
+    "shl",
+    "shr",
+    "copysign",
+    "neg",
+    "abs",
+    "not",
+    "sqrt",
+    "rsqrt",
+    "rcp",
+    "ex2",
+    "lg2",
+    "sin",
+    "cos",
+    "tanh",
+    "popc",
+    "clz",
+    "brev",
+    "cnot",
+    "mad",
+    "fma",
+    "setp",
+    "set",
+    "selp",
+    "slct",
+    "bra",
+    "brx",
+    "bar",
+    "barrier",
+    "membar",
+    "fence",
+    "shfl",
+    "vote",
+    "atom",
+    "red",
+    "ret",
+    "exit",
+    "bfe",
+    "bfi",
+    "bfind",
+    "prmt",
+    "lop3",
+    "shf",
+    "mul24",
+    "mad24",
+    "sad",
+    "dp4a",
+    "dp2a",
+    "addc",
+    "subc",
+    "madc",
+    "testp",
+    "activemask",
+    "match",
+    "redux",
+    "elect",
+    "cp",
+    "prefetch",
+    "prefetchu",
+    "isspacep",
+    "mapa",
+    "trap",
+    "brkpt",
+    "nanosleep",
+    "pmevent",
+    "griddepcontrol",
+    "discard",
+    "applypriority",
+    "createpolicy",
 ];
 
 enum Label {
@@ -1441,7 +1535,11 @@ impl Cx<'_, '_, '_, '_> {
     }
 
     fn opt_reg(&self, r: &Raw) -> Result<Option<u32>, PtxError> {
-        if matches!(r, Raw::Sink) { Ok(None) } else { self.reg(r).map(Some) }
+        if matches!(r, Raw::Sink) {
+            Ok(None)
+        } else {
+            self.reg(r).map(Some)
+        }
     }
 
     fn src(&self, r: &Raw, ty: Ty) -> Result<Src, PtxError> {
@@ -1541,12 +1639,35 @@ impl Cx<'_, '_, '_, '_> {
         let types: Vec<Ty> = mods.iter().filter_map(|m| Ty::parse(m)).collect();
         let ty = types.last().copied();
         let need = |n: usize| -> Result<(), PtxError> {
-            if ops.len() != n { self.err(format!("expected {n} operands, found {}", ops.len())) } else { Ok(()) }
+            if ops.len() != n {
+                self.err(format!("expected {n} operands, found {}", ops.len()))
+            } else {
+                Ok(())
+            }
         };
         let the_ty = || ty.ok_or_else(|| PtxError::at(self.line, format!("'{}': missing type", self.opw)));
         let round = || {
-            if has("rn") { Round::Rn } else if has("rz") { Round::Rz } else if has("rm") { Round::Rm } else if has("rp") { Round::Rp }
-            else if has("rna") { Round::Rna } else if has("rni") { Round::Rni } else if has("rzi") { Round::Rzi } else if has("rmi") { Round::Rmi } else if has("rpi") { Round::Rpi } else { Round::Default }
+            if has("rn") {
+                Round::Rn
+            } else if has("rz") {
+                Round::Rz
+            } else if has("rm") {
+                Round::Rm
+            } else if has("rp") {
+                Round::Rp
+            } else if has("rna") {
+                Round::Rna
+            } else if has("rni") {
+                Round::Rni
+            } else if has("rzi") {
+                Round::Rzi
+            } else if has("rmi") {
+                Round::Rmi
+            } else if has("rpi") {
+                Round::Rpi
+            } else {
+                Round::Default
+            }
         };
         let op = match base {
             "mov" => {
@@ -1692,10 +1813,23 @@ impl Cx<'_, '_, '_, '_> {
                     return Ok((if base == "sqrt" { Op::BinR { op: Bin::Sqrt, ty, round: r, d, a: x, b: x } } else { Op::BinR { op: Bin::Div, ty, round: r, d, a: Src::Imm(one), b: x } }, None));
                 }
                 let op = match base {
-                    "neg" => Un::Neg, "abs" => Un::Abs, "not" => Un::Not, "sqrt" => Un::Sqrt, "rsqrt" => Un::Rsqrt,
-                    "rcp" => Un::Rcp, "ex2" => Un::Ex2, "lg2" => Un::Lg2, "sin" => Un::Sin, "cos" => Un::Cos, "tanh" => Un::Tanh,
-                    "popc" => Un::Popc, "clz" => Un::Clz, "brev" => Un::Brev, "bfind" if has("shiftamt") => Un::BfindShift,
-                    "bfind" => Un::Bfind, _ => Un::Cnot,
+                    "neg" => Un::Neg,
+                    "abs" => Un::Abs,
+                    "not" => Un::Not,
+                    "sqrt" => Un::Sqrt,
+                    "rsqrt" => Un::Rsqrt,
+                    "rcp" => Un::Rcp,
+                    "ex2" => Un::Ex2,
+                    "lg2" => Un::Lg2,
+                    "sin" => Un::Sin,
+                    "cos" => Un::Cos,
+                    "tanh" => Un::Tanh,
+                    "popc" => Un::Popc,
+                    "clz" => Un::Clz,
+                    "brev" => Un::Brev,
+                    "bfind" if has("shiftamt") => Un::BfindShift,
+                    "bfind" => Un::Bfind,
+                    _ => Un::Cnot,
                 };
                 Op::Un { op, ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)? }
             }
@@ -1707,8 +1841,18 @@ impl Cx<'_, '_, '_, '_> {
                     Op::Fma { ty, round: round(), d, a: self.src(a, ty)?, b: self.src(b, ty)?, c: self.src(c, ty)?, sat: has("sat"), relu: has("relu") }
                 } else {
                     let mode = if base == "mad24" {
-                        if has("hi") { MadMode::Hi24 } else { MadMode::Lo24 }
-                    } else if has("wide") { MadMode::Wide } else if has("hi") { MadMode::Hi } else { MadMode::Lo };
+                        if has("hi") {
+                            MadMode::Hi24
+                        } else {
+                            MadMode::Lo24
+                        }
+                    } else if has("wide") {
+                        MadMode::Wide
+                    } else if has("hi") {
+                        MadMode::Hi
+                    } else {
+                        MadMode::Lo
+                    };
                     if has("sat") {
                         return self.unsupported();
                     }
@@ -1720,7 +1864,21 @@ impl Cx<'_, '_, '_, '_> {
                 let ty = if base == "dp4a" || base == "dp2a" { Ty::U32 } else { the_ty()? };
                 let op = match base {
                     "bfe" => Tri::Bfe,
-                    "prmt" => Tri::Prmt(if has("f4e") { 1 } else if has("b4e") { 2 } else if has("rc8") { 3 } else if has("ecl") { 4 } else if has("ecr") { 5 } else if has("rc16") { 6 } else { 0 }),
+                    "prmt" => Tri::Prmt(if has("f4e") {
+                        1
+                    } else if has("b4e") {
+                        2
+                    } else if has("rc8") {
+                        3
+                    } else if has("ecl") {
+                        4
+                    } else if has("ecr") {
+                        5
+                    } else if has("rc16") {
+                        6
+                    } else {
+                        0
+                    }),
                     "lop3" => {
                         need(5)?;
                         let Raw::Int(lut) = &ops[4] else { return self.err("the lookup table must be an immediate") };
@@ -1750,10 +1908,21 @@ impl Cx<'_, '_, '_, '_> {
             "testp" => {
                 need(2)?;
                 let ty = the_ty()?;
-                let kind = if has("finite") { TestpKind::Finite } else if has("infinite") { TestpKind::Infinite } else if has("number") { TestpKind::Number }
-                    else if has("notanumber") { TestpKind::NotANumber } else if has("normal") { TestpKind::Normal } else if has("subnormal") { TestpKind::Subnormal } else {
-                        return self.err("missing test");
-                    };
+                let kind = if has("finite") {
+                    TestpKind::Finite
+                } else if has("infinite") {
+                    TestpKind::Infinite
+                } else if has("number") {
+                    TestpKind::Number
+                } else if has("notanumber") {
+                    TestpKind::NotANumber
+                } else if has("normal") {
+                    TestpKind::Normal
+                } else if has("subnormal") {
+                    TestpKind::Subnormal
+                } else {
+                    return self.err("missing test");
+                };
                 Op::Testp { kind, ty, p: self.reg(&ops[0])?, a: self.src(&ops[1], ty)? }
             }
             "setp" => {
@@ -1767,10 +1936,19 @@ impl Cx<'_, '_, '_, '_> {
                     p => (self.reg(p)?, None),
                 };
                 let comb = if ops.len() == 4 {
-                    let bop = if has("and") { BoolOp::And } else if has("or") { BoolOp::Or } else if has("xor") { BoolOp::Xor } else {
+                    let bop = if has("and") {
+                        BoolOp::And
+                    } else if has("or") {
+                        BoolOp::Or
+                    } else if has("xor") {
+                        BoolOp::Xor
+                    } else {
                         return self.err("a fourth operand needs .and, .or or .xor");
                     };
-                    let (c, neg) = match &ops[3] { Raw::Not(c) => (&**c, true), c => (c, false) };
+                    let (c, neg) = match &ops[3] {
+                        Raw::Not(c) => (&**c, true),
+                        c => (c, false),
+                    };
                     Some((bop, self.src(c, Ty::Pred)?, neg))
                 } else {
                     None
@@ -1819,11 +1997,21 @@ impl Cx<'_, '_, '_, '_> {
                     if ops.len() != 3 && ops.len() != 4 {
                         return self.err("expected 3 or 4 operands");
                     }
-                    let kind = if has("popc") { BarKind::RedPopc } else if has("and") { BarKind::RedAnd } else if has("or") { BarKind::RedOr } else {
+                    let kind = if has("popc") {
+                        BarKind::RedPopc
+                    } else if has("and") {
+                        BarKind::RedAnd
+                    } else if has("or") {
+                        BarKind::RedOr
+                    } else {
                         return self.err("missing reduction");
                     };
                     let count = if ops.len() == 4 { Some(self.src(&ops[2], Ty::U32)?) } else { None };
-                    let (c, neg) = match ops.last() { Some(Raw::Not(c)) => (&**c, true), Some(c) => (c, false), None => return self.err("missing predicate") };
+                    let (c, neg) = match ops.last() {
+                        Some(Raw::Not(c)) => (&**c, true),
+                        Some(c) => (c, false),
+                        None => return self.err("missing predicate"),
+                    };
                     Op::Bar { kind, id: self.src(&ops[1], Ty::U32)?, count, d: Some(self.reg(&ops[0])?), a: Some((self.src(c, Ty::Pred)?, neg)) }
                 } else {
                     let kind = if has("arrive") { BarKind::Arrive } else { BarKind::Sync };
@@ -1845,7 +2033,15 @@ impl Cx<'_, '_, '_, '_> {
                     return self.err("only shfl.sync is supported (sm_70 and later)");
                 }
                 need(5)?;
-                let mode = if has("up") { ShflMode::Up } else if has("down") { ShflMode::Down } else if has("bfly") { ShflMode::Bfly } else if has("idx") { ShflMode::Idx } else {
+                let mode = if has("up") {
+                    ShflMode::Up
+                } else if has("down") {
+                    ShflMode::Down
+                } else if has("bfly") {
+                    ShflMode::Bfly
+                } else if has("idx") {
+                    ShflMode::Idx
+                } else {
                     return self.err("missing shuffle mode");
                 };
                 let (d, p) = match &ops[0] {
@@ -1858,10 +2054,21 @@ impl Cx<'_, '_, '_, '_> {
                 if ops.len() != 2 && ops.len() != 3 {
                     return self.err("expected 2 or 3 operands");
                 }
-                let mode = if has("all") { VoteMode::All } else if has("any") { VoteMode::Any } else if has("uni") { VoteMode::Uni } else if has("ballot") { VoteMode::Ballot } else {
+                let mode = if has("all") {
+                    VoteMode::All
+                } else if has("any") {
+                    VoteMode::Any
+                } else if has("uni") {
+                    VoteMode::Uni
+                } else if has("ballot") {
+                    VoteMode::Ballot
+                } else {
                     return self.err("missing vote mode");
                 };
-                let (a, negate) = match &ops[1] { Raw::Not(a) => (&**a, true), a => (a, false) };
+                let (a, negate) = match &ops[1] {
+                    Raw::Not(a) => (&**a, true),
+                    a => (a, false),
+                };
                 // Without .sync, every lane that gets there votes.
                 let mask = if has("sync") { self.mask_src(ops.get(2))? } else { Src::Imm(0) };
                 Op::Vote { mode, d: self.reg(&ops[0])?, a: self.src(a, Ty::Pred)?, negate, mask }
@@ -1881,8 +2088,21 @@ impl Cx<'_, '_, '_, '_> {
                 if ty.is_float() {
                     return self.unsupported();
                 }
-                let op = if has("add") { ReduxOp::Add } else if has("min") { ReduxOp::Min } else if has("max") { ReduxOp::Max } else if has("and") { ReduxOp::And }
-                    else if has("or") { ReduxOp::Or } else if has("xor") { ReduxOp::Xor } else { return self.err("missing operation") };
+                let op = if has("add") {
+                    ReduxOp::Add
+                } else if has("min") {
+                    ReduxOp::Min
+                } else if has("max") {
+                    ReduxOp::Max
+                } else if has("and") {
+                    ReduxOp::And
+                } else if has("or") {
+                    ReduxOp::Or
+                } else if has("xor") {
+                    ReduxOp::Xor
+                } else {
+                    return self.err("missing operation");
+                };
                 Op::Redux { op, ty, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)?, mask: self.src(&ops[2], Ty::B32)? }
             }
             "elect" => {
@@ -1899,11 +2119,24 @@ impl Cx<'_, '_, '_, '_> {
             }
             "atom" | "red" => {
                 let ty = the_ty()?;
-                let aop = mods.iter().find_map(|m| Some(match *m {
-                    "add" => AtomOp::Add, "min" => AtomOp::Min, "max" => AtomOp::Max, "exch" => AtomOp::Exch,
-                    "cas" => AtomOp::Cas, "and" => AtomOp::And, "or" => AtomOp::Or, "xor" => AtomOp::Xor,
-                    "inc" => AtomOp::Inc, "dec" => AtomOp::Dec, _ => return None,
-                })).ok_or_else(|| PtxError::at(self.line, format!("'{}': missing atomic operation", self.opw)))?;
+                let aop = mods
+                    .iter()
+                    .find_map(|m| {
+                        Some(match *m {
+                            "add" => AtomOp::Add,
+                            "min" => AtomOp::Min,
+                            "max" => AtomOp::Max,
+                            "exch" => AtomOp::Exch,
+                            "cas" => AtomOp::Cas,
+                            "and" => AtomOp::And,
+                            "or" => AtomOp::Or,
+                            "xor" => AtomOp::Xor,
+                            "inc" => AtomOp::Inc,
+                            "dec" => AtomOp::Dec,
+                            _ => return None,
+                        })
+                    })
+                    .ok_or_else(|| PtxError::at(self.line, format!("'{}': missing atomic operation", self.opw)))?;
                 if has("v2") || has("v4") || has("v8") {
                     return self.unsupported();
                 }
@@ -1919,11 +2152,7 @@ impl Cx<'_, '_, '_, '_> {
                 if sp == Space::Param || sp == Space::Local {
                     return self.err("atomics work on global and shared memory only");
                 }
-                let (d, rest) = if base == "atom" {
-                    (Some(self.reg(ops.first().ok_or_else(|| PtxError::at(self.line, "missing operands"))?)?), ops.get(1..).unwrap_or(&[]))
-                } else {
-                    (None, ops)
-                };
+                let (d, rest) = if base == "atom" { (Some(self.reg(ops.first().ok_or_else(|| PtxError::at(self.line, "missing operands"))?)?), ops.get(1..).unwrap_or(&[])) } else { (None, ops) };
                 let want = if aop == AtomOp::Cas { 3 } else { 2 };
                 if rest.len() != want && rest.len() != want + 1 {
                     return self.err(format!("expected {} operands", want + d.is_some() as usize));
@@ -1983,23 +2212,44 @@ impl Cx<'_, '_, '_, '_> {
 
 fn wide(t: Ty) -> Ty {
     match t {
-        Ty::U16 => Ty::U32, Ty::S16 => Ty::S32, Ty::U32 => Ty::U64, Ty::S32 => Ty::S64, other => other,
+        Ty::U16 => Ty::U32,
+        Ty::S16 => Ty::S32,
+        Ty::U32 => Ty::U64,
+        Ty::S32 => Ty::S64,
+        other => other,
     }
 }
 
 /// `sad`'s accumulator is unsigned of the same width.
 fn wide_none(t: Ty) -> Ty {
     match t {
-        Ty::S16 => Ty::U16, Ty::S32 => Ty::U32, Ty::S64 => Ty::U64, other => other,
+        Ty::S16 => Ty::U16,
+        Ty::S32 => Ty::U32,
+        Ty::S64 => Ty::U64,
+        other => other,
     }
 }
 
 fn cmp(m: &str) -> Option<Cmp> {
     Some(match m {
-        "eq" => Cmp::Eq, "ne" => Cmp::Ne, "lt" => Cmp::Lt, "le" => Cmp::Le, "gt" => Cmp::Gt, "ge" => Cmp::Ge,
-        "lo" => Cmp::Lo, "ls" => Cmp::Ls, "hi" => Cmp::Hi, "hs" => Cmp::Hs,
-        "equ" => Cmp::Equ, "neu" => Cmp::Neu, "ltu" => Cmp::Ltu, "leu" => Cmp::Leu, "gtu" => Cmp::Gtu, "geu" => Cmp::Geu,
-        "num" => Cmp::Num, "nan" => Cmp::Nan,
+        "eq" => Cmp::Eq,
+        "ne" => Cmp::Ne,
+        "lt" => Cmp::Lt,
+        "le" => Cmp::Le,
+        "gt" => Cmp::Gt,
+        "ge" => Cmp::Ge,
+        "lo" => Cmp::Lo,
+        "ls" => Cmp::Ls,
+        "hi" => Cmp::Hi,
+        "hs" => Cmp::Hs,
+        "equ" => Cmp::Equ,
+        "neu" => Cmp::Neu,
+        "ltu" => Cmp::Ltu,
+        "leu" => Cmp::Leu,
+        "gtu" => Cmp::Gtu,
+        "geu" => Cmp::Geu,
+        "num" => Cmp::Num,
+        "nan" => Cmp::Nan,
         _ => return None,
     })
 }

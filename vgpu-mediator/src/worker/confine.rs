@@ -7,7 +7,11 @@ use crate::config::Owner;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfineError {
     #[error("{what} failed: {err}")]
-    Sys { what: &'static str, #[source] err: std::io::Error },
+    Sys {
+        what: &'static str,
+        #[source]
+        err: std::io::Error,
+    },
     #[error("capabilities remain after dropping privileges (CapEff {0})")]
     CapsLeft(String),
     #[error("keeping CAP_SYS_NICE failed: {0}")]
@@ -15,7 +19,11 @@ pub enum ConfineError {
 }
 
 fn check(rc: libc::c_int, what: &'static str) -> Result<(), ConfineError> {
-    if rc == 0 { Ok(()) } else { Err(ConfineError::Sys { what, err: std::io::Error::last_os_error() }) }
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(ConfineError::Sys { what, err: std::io::Error::last_os_error() })
+    }
 }
 
 /// Sets `no_new_privs`: no exec can grant privileges again, and seccomp

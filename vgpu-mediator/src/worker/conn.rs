@@ -82,7 +82,6 @@ macro_rules! tenant_warn {
     };
 }
 
-
 /// Most fds the kernel passes with one message (SCM_MAX_FD). The control
 /// buffer holds that many, so the kernel never closes surplus ones itself
 /// (which would run their close, possibly slow, on the poller).
@@ -131,7 +130,6 @@ fn recv_owning_fds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> st
     }
     Ok(n as usize)
 }
-
 
 /// Holds `n` bytes of the tenant's host budget until dropped.
 struct Held(Arc<Tenant>, u64);
@@ -485,10 +483,12 @@ impl Pool {
         let late: Vec<(u64, Arc<Client>)> = {
             let mut st = self.state();
             let ids: Vec<u64> = st.tx_deadlines.iter().filter(|(_, d)| **d <= now).map(|(id, _)| *id).collect();
-            ids.into_iter().filter_map(|id| {
-                st.tx_deadlines.remove(&id);
-                st.clients.get(&id).cloned().map(|c| (id, c))
-            }).collect()
+            ids.into_iter()
+                .filter_map(|id| {
+                    st.tx_deadlines.remove(&id);
+                    st.clients.get(&id).cloned().map(|c| (id, c))
+                })
+                .collect()
         };
         for (id, c) in late {
             tenant_warn!(c.log, c.tenant.name, "dropping a client that does not take its replies");
@@ -610,7 +610,11 @@ impl Pool {
                     let keep = io.tx.take().is_some_and(|t| t.keep);
                     drop(io);
                     self.state().tx_deadlines.remove(&id);
-                    if keep { self.arm(&c, id, ONESHOT_IN) } else { self.enqueue(&c.tenant.name, Job::Close(id)) }
+                    if keep {
+                        self.arm(&c, id, ONESHOT_IN)
+                    } else {
+                        self.enqueue(&c.tenant.name, Job::Close(id))
+                    }
                 }
                 Err(_) => {
                     drop(io);
@@ -734,7 +738,11 @@ impl Pool {
             Ok(false) => {
                 io.tx = None;
                 drop(io);
-                if keep { self.arm(&c, id, ONESHOT_IN) } else { self.close(id) }
+                if keep {
+                    self.arm(&c, id, ONESHOT_IN)
+                } else {
+                    self.close(id)
+                }
             }
             Err(_) => {
                 drop(io);
@@ -844,9 +852,7 @@ fn handle_message(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, h: &
                 Reply::Empty
             }
         }
-        Ok((_, Request::GetConnStats)) => {
-            Reply::ConnStats(Ring::stats(io.ring.as_deref(), io.messages))
-        }
+        Ok((_, Request::GetConnStats)) => Reply::ConnStats(Ring::stats(io.ring.as_deref(), io.messages)),
         Ok((_, req)) => {
             // Fds on any other message go to the closer, unused.
             // Defence in depth: a bug must cost this request, not the worker.

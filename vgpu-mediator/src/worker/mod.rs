@@ -56,7 +56,13 @@ pub enum BackendKind {
 
 fn open_backend(opts: &WorkerOptions, launch_threads: usize) -> anyhow::Result<Arc<dyn Backend>> {
     match opts.backend {
-        BackendKind::Cpu => Ok(Arc::new(CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?.with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms)).with_compute_capability(opts.cc).with_launch_threads(launch_threads).with_spill(opts.spill)?)),
+        BackendKind::Cpu => Ok(Arc::new(
+            CpuBackend::new(opts.ordinal, opts.memory, opts.budget)?
+                .with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms))
+                .with_compute_capability(opts.cc)
+                .with_launch_threads(launch_threads)
+                .with_spill(opts.spill)?,
+        )),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let b = crate::backend::cuda::CudaBackend::new(opts.numa_node, std::time::Duration::from_millis(opts.launch_timeout_ms)).map_err(anyhow::Error::msg)?;

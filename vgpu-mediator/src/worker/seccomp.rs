@@ -29,28 +29,87 @@ pub enum SeccompError {
 
 /// Syscalls every worker thread may make.
 const BASE: &[i64] = &[
-    libc::SYS_read, libc::SYS_write, libc::SYS_readv, libc::SYS_writev, libc::SYS_pread64, libc::SYS_pwrite64,
-    libc::SYS_close, libc::SYS_fstat, libc::SYS_newfstatat, libc::SYS_statx, libc::SYS_lseek,
-    libc::SYS_mmap, libc::SYS_munmap, libc::SYS_mprotect, libc::SYS_madvise, libc::SYS_mremap, libc::SYS_brk,
-    libc::SYS_rt_sigaction, libc::SYS_rt_sigprocmask, libc::SYS_rt_sigreturn, libc::SYS_sigaltstack,
-    libc::SYS_futex, libc::SYS_set_robust_list, libc::SYS_rseq, libc::SYS_exit, libc::SYS_exit_group,
-    libc::SYS_gettid, libc::SYS_getpid, libc::SYS_tgkill, libc::SYS_sched_yield, libc::SYS_sched_getaffinity,
-    libc::SYS_nanosleep, libc::SYS_clock_nanosleep, libc::SYS_clock_gettime, libc::SYS_gettimeofday, libc::SYS_getrandom,
-    libc::SYS_recvmsg, libc::SYS_sendmsg, libc::SYS_recvfrom, libc::SYS_sendto, libc::SYS_shutdown,
-    libc::SYS_epoll_create1, libc::SYS_epoll_ctl, libc::SYS_epoll_wait, libc::SYS_epoll_pwait, libc::SYS_eventfd2,
-    libc::SYS_poll, libc::SYS_ppoll, libc::SYS_dup, libc::SYS_dup3, libc::SYS_fcntl,
-    libc::SYS_getuid, libc::SYS_geteuid, libc::SYS_getgid, libc::SYS_getegid,
+    libc::SYS_read,
+    libc::SYS_write,
+    libc::SYS_readv,
+    libc::SYS_writev,
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
+    libc::SYS_close,
+    libc::SYS_fstat,
+    libc::SYS_newfstatat,
+    libc::SYS_statx,
+    libc::SYS_lseek,
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mprotect,
+    libc::SYS_madvise,
+    libc::SYS_mremap,
+    libc::SYS_brk,
+    libc::SYS_rt_sigaction,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_sigaltstack,
+    libc::SYS_futex,
+    libc::SYS_set_robust_list,
+    libc::SYS_rseq,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+    libc::SYS_gettid,
+    libc::SYS_getpid,
+    libc::SYS_tgkill,
+    libc::SYS_sched_yield,
+    libc::SYS_sched_getaffinity,
+    libc::SYS_nanosleep,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_clock_gettime,
+    libc::SYS_gettimeofday,
+    libc::SYS_getrandom,
+    libc::SYS_recvmsg,
+    libc::SYS_sendmsg,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_shutdown,
+    libc::SYS_epoll_create1,
+    libc::SYS_epoll_ctl,
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_eventfd2,
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    libc::SYS_dup,
+    libc::SYS_dup3,
+    libc::SYS_fcntl,
+    libc::SYS_getuid,
+    libc::SYS_geteuid,
+    libc::SYS_getgid,
+    libc::SYS_getegid,
     // Reach the kernel, and are then refused by [`files_filter`] with
     // EACCES: glibc's malloc opens a /proc file when a heap shrinks.
-    libc::SYS_open, libc::SYS_openat, libc::SYS_creat, libc::SYS_openat2,
+    libc::SYS_open,
+    libc::SYS_openat,
+    libc::SYS_creat,
+    libc::SYS_openat2,
 ];
 
 /// What the worker's other threads need besides [`BASE`]: tenant sockets
 /// (AF_UNIX only), threads, socket files, thread names.
 const MANAGEMENT: &[i64] = &[
-    libc::SYS_bind, libc::SYS_listen, libc::SYS_accept, libc::SYS_accept4, libc::SYS_connect,
-    libc::SYS_getsockopt, libc::SYS_setsockopt, libc::SYS_getsockname, libc::SYS_getpeername,
-    libc::SYS_clone, libc::SYS_clone3, libc::SYS_unlink, libc::SYS_unlinkat, libc::SYS_fchmodat, libc::SYS_chmod,
+    libc::SYS_bind,
+    libc::SYS_listen,
+    libc::SYS_accept,
+    libc::SYS_accept4,
+    libc::SYS_connect,
+    libc::SYS_getsockopt,
+    libc::SYS_setsockopt,
+    libc::SYS_getsockname,
+    libc::SYS_getpeername,
+    libc::SYS_clone,
+    libc::SYS_clone3,
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
+    libc::SYS_fchmodat,
+    libc::SYS_chmod,
     libc::SYS_pipe2,
     // Connection threads stack a narrower filter of their own; a filter
     // can only take permissions away.
@@ -96,10 +155,7 @@ pub fn worker_filter() -> Result<BpfProgram, SeccompError> {
     rules.insert(libc::SYS_socket, vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?])?]);
     // Thread names and no_new_privs (before a thread's own filter), and
     // nothing else of prctl.
-    rules.insert(
-        libc::SYS_prctl,
-        vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64)?])?, rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NO_NEW_PRIVS as u64)?])?],
-    );
+    rules.insert(libc::SYS_prctl, vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64)?])?, rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NO_NEW_PRIVS as u64)?])?]);
     // Non-blocking mode and close-on-exec on descriptors.
     rules.insert(libc::SYS_ioctl, vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::FIONBIO)?])?, rule(vec![cond(1, SeccompCmpOp::Eq, libc::FIOCLEX)?])?]);
     compile(rules)

@@ -292,16 +292,42 @@ pub enum HostMem {
 /// was submitted and run later, in its stream's order, without the
 /// tenant's lock.
 pub enum WorkKind {
-    Launch { module: Arc<dyn DeviceModule>, index: usize, launch: Launch, params: Vec<u8> },
-    Fill { dptr: u64, count: u64, elem: Vec<u8> },
-    HtoD { dst: u64, size: u64, src: HostMem },
-    DtoH { src: u64, size: u64, dst: HostMem },
-    DtoD { dst: u64, src: u64, size: u64 },
+    Launch {
+        module: Arc<dyn DeviceModule>,
+        index: usize,
+        launch: Launch,
+        params: Vec<u8>,
+    },
+    Fill {
+        dptr: u64,
+        count: u64,
+        elem: Vec<u8>,
+    },
+    HtoD {
+        dst: u64,
+        size: u64,
+        src: HostMem,
+    },
+    DtoH {
+        src: u64,
+        size: u64,
+        dst: HostMem,
+    },
+    DtoD {
+        dst: u64,
+        src: u64,
+        size: u64,
+    },
     /// Records an event; `order` (the ring entry) keeps the newest record
     /// when records of one event on several streams finish out of order.
-    Record { event: u32, order: u64 },
+    Record {
+        event: u32,
+        order: u64,
+    },
     /// Waits for ring entry `seq` (handled by the stream engine).
-    Wait { seq: u64 },
+    Wait {
+        seq: u64,
+    },
 }
 
 pub struct Work {
@@ -863,7 +889,11 @@ impl DeviceService {
     }
 
     fn stream_ok(c: &Ctx, s: u32) -> R<()> {
-        if s == DEFAULT_STREAM || c.streams.contains(&s) { Ok(()) } else { Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no stream {s}"))) }
+        if s == DEFAULT_STREAM || c.streams.contains(&s) {
+            Ok(())
+        } else {
+            Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no stream {s}")))
+        }
     }
 
     fn owned(st: &TenantState, addr: u64, len: u64, what: &str) -> R<()> {

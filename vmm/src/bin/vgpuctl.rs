@@ -121,7 +121,9 @@ enum TenantCmd {
         max_connections: Option<u32>,
     },
     List,
-    Show { name: String },
+    Show {
+        name: String,
+    },
     /// Change a tenant's share, cap, class or memory quota while it runs.
     Set {
         name: String,
@@ -137,7 +139,9 @@ enum TenantCmd {
         #[arg(long)]
         memory: Option<String>,
     },
-    Delete { name: String },
+    Delete {
+        name: String,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -199,7 +203,9 @@ enum PoolCmd {
         overcommit: f64,
     },
     List,
-    Show { name: String },
+    Show {
+        name: String,
+    },
     /// Change a pool's access, allow-list, placement or overcommit.
     Set {
         name: String,
@@ -219,7 +225,9 @@ enum PoolCmd {
         overcommit: Option<f64>,
     },
     /// Delete a pool without tenants; its devices return to `default`.
-    Delete { name: String },
+    Delete {
+        name: String,
+    },
 }
 
 fn print_pool(v: &Value) {
@@ -333,7 +341,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 body["max_connections"] = json!(c);
             }
             let v = call(cli, "POST", "/tenants", Some(body))?;
-            if json_out { print_json(&v) } else { println!("{}", s(&v, "socket")) }
+            if json_out {
+                print_json(&v)
+            } else {
+                println!("{}", s(&v, "socket"))
+            }
         }
         Cmd::Tenant(TenantCmd::List) => {
             let v = call(cli, "GET", "/tenants", None)?;
@@ -478,7 +490,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         Cmd::Pool(PoolCmd::Create { name, devices, private, allow, placement, overcommit }) => {
             let body = json!({ "name": name, "devices": devices, "access": if *private { "private" } else { "public" }, "allow": allow, "placement": placement.as_str(), "overcommit": overcommit });
             let v = call(cli, "POST", "/pools", Some(body))?;
-            if json_out { print_json(&v) } else { println!("created pool {name}") }
+            if json_out {
+                print_json(&v)
+            } else {
+                println!("created pool {name}")
+            }
         }
         Cmd::Pool(PoolCmd::List) => {
             let v = call(cli, "GET", "/pools", None)?;
@@ -504,7 +520,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Cmd::Pool(PoolCmd::Show { name }) => {
             let v = call(cli, "GET", &format!("/pools/{name}"), None)?;
-            if json_out { print_json(&v) } else { print_pool(&v) }
+            if json_out {
+                print_json(&v)
+            } else {
+                print_pool(&v)
+            }
         }
         Cmd::Pool(PoolCmd::Set { name, private, public, allow, allow_none, placement, overcommit }) => {
             let mut body = json!({});
@@ -524,11 +544,19 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 body["overcommit"] = json!(o);
             }
             let v = patch(cli, &format!("/pools/{name}"), body, "--private, --public, --allow, --allow-none, --placement or --overcommit")?;
-            if json_out { print_json(&v) } else { print_pool(&v) }
+            if json_out {
+                print_json(&v)
+            } else {
+                print_pool(&v)
+            }
         }
         Cmd::Pool(PoolCmd::Delete { name }) => {
             call(cli, "DELETE", &format!("/pools/{name}"), None)?;
-            if json_out { print_json(&json!({ "deleted": name })) } else { println!("deleted pool {name}") }
+            if json_out {
+                print_json(&json!({ "deleted": name }))
+            } else {
+                println!("deleted pool {name}")
+            }
         }
         Cmd::Vm { socket, cmd } => vm(socket, cmd, json_out)?,
         Cmd::Metrics => {

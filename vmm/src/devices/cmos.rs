@@ -46,10 +46,10 @@ impl Cmos {
             0x08 => bcd(tm.tm_mon + 1),
             0x09 => bcd(tm.tm_year),
             0x32 => bcd(tm.tm_year / 100 + 19),
-            0x0a => 0x26,        // divider on, 1024 Hz, no update in progress
-            0x0b => 0x02,        // 24-hour mode, BCD, no interrupts
-            0x0c => 0x00,        // no interrupt flags
-            0x0d => 0x80,        // the clock's battery is good
+            0x0a => 0x26, // divider on, 1024 Hz, no update in progress
+            0x0b => 0x02, // 24-hour mode, BCD, no interrupts
+            0x0c => 0x00, // no interrupt flags
+            0x0d => 0x80, // the clock's battery is good
             r => self.nvram[(r & 0x7f) as usize],
         }
     }

@@ -61,12 +61,12 @@ impl I8042 {
         match c {
             0x20 => self.push(self.ctr),
             0x60 | 0xd1 | 0xd2 | 0xd4 => self.pending = Some(c),
-            0xaa => self.push(0x55),          // controller self-test passed
-            0xab => self.push(0x00),          // keyboard interface test passed
-            0xa9 => self.push(0xff),          // no aux port
-            0xad => self.ctr |= 1 << 4,       // disable keyboard
-            0xae => self.ctr &= !(1 << 4),    // enable keyboard
-            0xfe => self.reset(),             // pulse the reset line
+            0xaa => self.push(0x55),       // controller self-test passed
+            0xab => self.push(0x00),       // keyboard interface test passed
+            0xa9 => self.push(0xff),       // no aux port
+            0xad => self.ctr |= 1 << 4,    // disable keyboard
+            0xae => self.ctr &= !(1 << 4), // enable keyboard
+            0xfe => self.reset(),          // pulse the reset line
             _ => {}
         }
     }

@@ -79,17 +79,7 @@ impl VhostGpu {
             protocol = offered & (VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ);
             frontend.set_protocol_features(protocol).map_err(|e| cerr(e.to_string()))?;
         }
-        Ok(VhostGpu {
-            frontend,
-            watch,
-            path: path.to_path_buf(),
-            offered: backend & want,
-            acked: 0,
-            protocol,
-            num_scanouts: if headless { 0 } else { 1 },
-            stop: None,
-            forwarder: None,
-        })
+        Ok(VhostGpu { frontend, watch, path: path.to_path_buf(), offered: backend & want, acked: 0, protocol, num_scanouts: if headless { 0 } else { 1 }, stop: None, forwarder: None })
     }
 
     fn setup(&mut self, mem: &GuestMemoryMmap, queues: &[Queue], kicks: &[EventFd], calls: &[EventFd]) -> Result<(), String> {
@@ -186,10 +176,7 @@ impl VirtioDevice for VhostGpu {
         let stop2 = stop.try_clone().map_err(|e| e.to_string())?;
         let watch = self.watch.try_clone().map_err(|e| e.to_string())?;
         let path = self.path.clone();
-        let h = std::thread::Builder::new()
-            .name("vgpu-irq".into())
-            .spawn(move || forward(forwarded, stop2, watch, irq, path))
-            .map_err(|e| e.to_string())?;
+        let h = std::thread::Builder::new().name("vgpu-irq".into()).spawn(move || forward(forwarded, stop2, watch, irq, path)).map_err(|e| e.to_string())?;
         self.stop = Some(stop);
         self.forwarder = Some(h);
         Ok(())
