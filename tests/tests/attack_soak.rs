@@ -49,7 +49,7 @@ fn attacks(sock: &Path, round: u64) {
     // stopped by the launch's cost budget or time limit.
     let fm = Raw::handle(r.load(ctx, &faults));
     let Reply::Function(spin, _) = r.function(ctx, fm, "spin") else { panic!("no spin") };
-    if round % 3 == 0 {
+    if round.is_multiple_of(3) {
         assert!(matches!(r.launch(ctx, spin.func, [1_000_000, 1, 1], [1, 1, 1], &[]), Reply::Error(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, _)));
     }
     drop(r);

@@ -444,7 +444,8 @@ fn a_tenant_that_corrupts_its_ring_breaks_only_that_ring() {
     let m = Mediator::start(&[]);
     let sock = m.tenant("scribbler", "16MiB");
     let other = m.tenant("bystander", "16MiB");
-    let cases: Vec<(&str, Box<dyn Fn(&RawRing)>)> = vec![
+    type Corruption = (&'static str, Box<dyn Fn(&RawRing)>);
+    let cases: Vec<Corruption> = vec![
         ("a tail far past the head", Box::new(|r: &RawRing| r.publish(1 << 40))),
         (
             "an entry length that is not aligned",

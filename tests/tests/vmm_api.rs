@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use vgpu_tests::vmm_harness::*;
 
 fn last_tick(serial: &str) -> u64 {
-    serial.lines().filter_map(|l| l.strip_prefix("tick ")).filter_map(|n| n.trim().parse().ok()).last().unwrap_or(0)
+    serial.lines().filter_map(|l| l.strip_prefix("tick ")).filter_map(|n| n.trim().parse().ok()).next_back().unwrap_or(0)
 }
 
 #[test]

@@ -143,7 +143,7 @@ pub fn load(mem: &GuestMemoryMmap, cfg: &crate::config::VmConfig) -> Result<Entr
 
 /// Total RAM bytes (the sum of the regions).
 fn mem_end_total(mem: &GuestMemoryMmap) -> u64 {
-    mem.iter().map(|r| vm_memory::GuestMemoryRegion::len(r)).sum()
+    mem.iter().map(vm_memory::GuestMemoryRegion::len).sum()
 }
 
 fn write_page_tables(mem: &GuestMemoryMmap) -> Result<(), BootError> {

@@ -63,7 +63,7 @@ impl Bus {
     fn miss(&self, what: &str, addr: u64, len: usize) {
         let n = self.unmapped.fetch_add(1, Ordering::Relaxed);
         // The first few, then every 1024th: a guest cannot flood the log.
-        if n < 16 || n % 1024 == 0 {
+        if n < 16 || n.is_multiple_of(1024) {
             tracing::warn!(bus = self.kind, addr = format_args!("{addr:#x}"), len, "guest {what} of an unmapped address ignored ({} so far)", n + 1);
         }
     }

@@ -92,7 +92,7 @@ impl std::str::FromStr for MemMiB {
             return t.parse().map(MemMiB).map_err(|_| format!("invalid memory size '{s}'"));
         }
         let b: Size = t.parse().map_err(|e: virtio_gpu_compute::size::SizeError| e.to_string())?;
-        if b.0 % (1 << 20) != 0 {
+        if !b.0.is_multiple_of(1 << 20) {
             return Err(format!("memory size '{s}' is not a whole number of MiB"));
         }
         Ok(MemMiB(b.0 >> 20))
@@ -228,7 +228,7 @@ impl VmConfig {
             }
         }
         let page = self.hugepages.page_size();
-        if self.memory_bytes() % page != 0 {
+        if !self.memory_bytes().is_multiple_of(page) {
             return bad(format!("memory of {} MiB is not a multiple of the {} hugepage size", self.memory_mib.0, Size(page)));
         }
         check_file("kernel", &self.kernel)?;

@@ -591,8 +591,8 @@ pub unsafe extern "C" fn cuOccupancyMaxPotentialBlockSizeWithFlags(grid: *mut c_
         let (mut best, mut best_threads) = (warp.min(max).max(1), 0);
         let mut b = max / warp * warp;
         while b > 0 {
-            // SAFETY: the caller's callback maps a block size to bytes.
             let sm = match smem_fn {
+                // SAFETY: the caller's callback maps a block size to bytes.
                 Some(cb) => unsafe { cb(b) },
                 None => smem,
             };

@@ -197,7 +197,7 @@ impl GpuDevice {
 
     /// The first refusals, then every 1024th: a guest cannot flood the log.
     fn log_refusal(&self) -> bool {
-        self.refused <= 16 || self.refused % 1024 == 0
+        self.refused <= 16 || self.refused.is_multiple_of(1024)
     }
 
     fn ok(hdr: &CtrlHdr) -> Vec<u8> {

@@ -196,7 +196,7 @@ impl PciRoot {
         let mut mapped = [None; NUM_BARS];
         {
             let mut d = dev.lock().unwrap_or_else(|e| e.into_inner());
-            for bar in 0..NUM_BARS {
+            for (bar, placed) in mapped.iter_mut().enumerate() {
                 let size = d.config().bar_size[bar];
                 if size == 0 {
                     continue;
@@ -209,7 +209,7 @@ impl PciRoot {
                 d.config().set32(BAR0 + bar * 4, addr as u32);
                 self.mmio.insert(addr, size, Arc::new(Mutex::new(BarWindow { dev: dev.clone(), bar }))).map_err(|e| e.to_string())?;
                 d.bar_placed(bar, addr);
-                mapped[bar] = Some(addr);
+                *placed = Some(addr);
             }
         }
         self.slots[slot] = Some(Slot { dev, mapped });

@@ -361,7 +361,7 @@ impl VirtioPci {
                     };
                     if data.len() == 8 {
                         *field = v;
-                    } else if off % 8 == 0 {
+                    } else if off.is_multiple_of(8) {
                         *field = (*field & !0xffff_ffff) | v;
                     } else {
                         *field = (*field & 0xffff_ffff) | (v << 32);
@@ -373,7 +373,7 @@ impl VirtioPci {
     }
 
     fn msix_write(&mut self, off: u64, data: &[u8]) {
-        if data.len() != 4 || off % 4 != 0 {
+        if data.len() != 4 || !off.is_multiple_of(4) {
             return;
         }
         let (v, word) = ((off / 16) as usize, ((off % 16) / 4) as usize);
@@ -387,7 +387,7 @@ impl VirtioPci {
 
     fn msix_read(&self, off: u64, data: &mut [u8]) {
         data.fill(0);
-        if data.len() != 4 || off % 4 != 0 {
+        if data.len() != 4 || !off.is_multiple_of(4) {
             return;
         }
         let t = self.vectors.table.lock().unwrap_or_else(|e| e.into_inner());

@@ -99,7 +99,6 @@ impl VhostGpu {
                 userspace_addr: r.as_ptr() as u64,
                 mmap_offset: fo.start(),
                 mmap_handle: fo.file().as_raw_fd(),
-                ..Default::default()
             });
         }
         f.set_mem_table(&regions).map_err(proto("SET_MEM_TABLE"))?;
