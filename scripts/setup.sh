@@ -40,6 +40,14 @@ if ! command -v cargo >/dev/null 2>&1; then
     fi
 fi
 
+# rustfmt and clippy for the test command's gates (rustup's default
+# profile has them; a minimal one does not).
+for c in rustfmt clippy; do
+    if ! cargo "${c/rustfmt/fmt}" --version >/dev/null 2>&1 && command -v rustup >/dev/null 2>&1; then
+        rustup component add "$c"
+    fi
+done
+
 # One build, shared by the demo, the tests and the benchmark.
 echo "setup: building the workspace (release)" >&2
 cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"

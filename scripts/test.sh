@@ -11,7 +11,17 @@ export RUST_TEST_THREADS="${RUST_TEST_THREADS:-2}"
 SKIPS="$ROOT/target/release/skipped-tests.txt"
 rm -f "$SKIPS"
 status=0
+# The gates: formatting, clippy with warnings as errors (which also holds
+# the code to the workspace's rust-version), and that rust-version against
+# the locked dependencies.
+echo "test: cargo fmt --check" >&2
+cargo fmt --all -- --check || status=$?
+echo "test: cargo clippy -D warnings" >&2
+cargo clippy --release --workspace --all-targets -- -D warnings || status=$?
+python3 scripts/check-msrv.py || status=$?
 cargo test --release --workspace --no-fail-fast || status=$?
+# The README's by-hand steps, exactly as written.
+./scripts/check-readme.sh || status=$?
 # The fuzz smoke: every cargo-fuzz target for 60 s from its committed corpus.
 ./scripts/fuzz-smoke.sh || status=$?
 if [ -s "$SKIPS" ]; then
