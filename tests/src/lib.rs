@@ -146,6 +146,24 @@ impl Mediator {
     fn spawn(args: &[&str], how: Spawn<'_>) -> Mediator {
         let run_dir = PathBuf::from(format!("/tmp/vgpu-t{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
         let _ = std::fs::remove_dir_all(&run_dir);
+        Self::spawn_in(run_dir, args, how)
+    }
+
+    /// Kills the daemon with SIGKILL (no cleanup of any kind) and starts a
+    /// new one on the same run directory, with `args` (CPU devices only).
+    pub fn kill_and_restart(&mut self, args: &[&str]) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(self.api_path());
+        let mut all = vec!["--cuda", "off"];
+        all.extend_from_slice(args);
+        let fresh = Self::spawn_in(self.run_dir.clone(), &all, Spawn::default());
+        // The old handle must not clean the run directory up.
+        let old = std::mem::replace(self, fresh);
+        std::mem::forget(old);
+    }
+
+    fn spawn_in(run_dir: PathBuf, args: &[&str], how: Spawn<'_>) -> Mediator {
         let mut cmd = Command::new(bin("vgpu-mediatord"));
         cmd.arg("--run-dir").arg(&run_dir).args(args).env("VGPU_LOG", "warn").stdin(Stdio::null());
         if let Some(path) = how.log {
@@ -185,7 +203,7 @@ impl Mediator {
     /// Calls the REST API; returns status and parsed JSON (or the raw text).
     pub fn api(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
         let b = body.map(|b| b.to_string());
-        let r = vmm::http::request(&self.api_path(), method, path, b.as_deref().map(str::as_bytes)).expect("api request");
+        let r = vgpu_api::http::request(&self.api_path(), method, path, b.as_deref().map(str::as_bytes)).expect("api request");
         let v = serde_json::from_slice(&r.body).unwrap_or(Value::String(r.text()));
         (r.status, v)
     }
@@ -197,7 +215,7 @@ impl Mediator {
     }
 
     pub fn metrics(&self) -> String {
-        vmm::http::request(&self.api_path(), "GET", "/metrics", None).expect("metrics").text()
+        vgpu_api::http::request(&self.api_path(), "GET", "/metrics", None).expect("metrics").text()
     }
 
     /// A metric's value for the series whose labels start with `labels`,

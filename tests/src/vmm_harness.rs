@@ -109,7 +109,7 @@ impl Guest {
     }
 
     pub fn api_call(&self, method: &str, path: &str) -> (u16, String) {
-        let r = vmm::http::request(&self.api, method, path, None).expect("VMM API request");
+        let r = vgpu_api::http::request(&self.api, method, path, None).expect("VMM API request");
         (r.status, r.text())
     }
 

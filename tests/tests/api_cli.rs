@@ -111,7 +111,7 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
 #[test]
 fn api_rejects_malformed_requests() {
     let m = Mediator::start(&[]);
-    let r = vmm::http::request(&m.api_path(), "POST", "/tenants", Some(b"{not json")).expect("request");
+    let r = vgpu_api::http::request(&m.api_path(), "POST", "/tenants", Some(b"{not json")).expect("request");
     assert_eq!(r.status, 400);
     let (st, v) = m.api("POST", "/tenants", Some(json!({"name": "x", "memory": "1MiB", "colour": "red"})));
     assert_eq!(st, 400, "{v}");
@@ -157,4 +157,26 @@ fn config_file_creates_tenants_and_bad_config_is_refused() {
     let o = std::process::Command::new(bin("vgpu-mediatord")).arg("--run-dir").arg(dir.join("rd")).args(["--device-memory", "12XB"]).output().expect("run");
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("invalid size"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn vgpuctl_prints_shell_completions_and_a_manual_page_from_its_definition() {
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(vgpu_tests::bin("vgpuctl")).args(args).output().expect("vgpuctl");
+        assert!(o.status.success(), "vgpuctl {args:?}: {o:?}");
+        String::from_utf8(o.stdout).expect("utf-8")
+    };
+    let bash = run(&["completions", "bash"]);
+    for verb in ["tenant", "pool", "vm", "vmm", "usage"] {
+        assert!(bash.contains(verb), "the bash completion lacks {verb}");
+    }
+    assert!(bash.contains("--vgpu-memory"), "the completion knows vm create's flags");
+    let man = run(&["man"]);
+    assert!(man.starts_with(".ie") || man.contains(".TH vgpuctl"), "not a roff page: {}", &man[..man.len().min(200)]);
+    // Every verb has --help.
+    for verb in [&["vm", "create"][..], &["vm", "list"], &["tenant", "set"], &["pool", "create"], &["vmm", "info"]] {
+        let mut a = verb.to_vec();
+        a.push("--help");
+        assert!(run(&a).contains("Usage: vgpuctl"), "{verb:?} --help");
+    }
 }

@@ -29,7 +29,7 @@ fn without_a_driver_the_mediator_serves_cpu_devices_and_logs_why() {
         assert!(Instant::now() < deadline, "mediator did not come up");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let devices = vmm::http::request(&dir.join("api.sock"), "GET", "/devices", None).expect("devices").text();
+    let devices = vgpu_api::http::request(&dir.join("api.sock"), "GET", "/devices", None).expect("devices").text();
     // SAFETY: signals our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let out = child.wait_with_output().expect("wait");

@@ -12,7 +12,7 @@ fn vgpuctl_pauses_resumes_and_shuts_down_a_linux_guest() {
     }
     let out = nested::run("shutdown", 900);
     assert!(out.contains("L2-IDLE"), "L2 did not reach its idle loop:\n{out}");
-    assert!(out.contains("state:     running"), "vgpuctl vm info:\n{out}");
+    assert!(out.contains("state:     running"), "vgpuctl vmm info:\n{out}");
     assert!(out.contains("vcpus:     2"), "{out}");
     assert_eq!(nested::value(&out, "PAUSED-STATE"), Some("paused"), "{out}");
     // The API calls start only once the guest sits idle; nothing in it

@@ -55,7 +55,7 @@ fn a_busy_tenant_never_blocks_the_admin_api() {
     let api = m.api_path();
     let deleter = std::thread::spawn(move || {
         let t = Instant::now();
-        let r = vmm::http::request(&api, "DELETE", "/tenants/busy", None).expect("delete");
+        let r = vgpu_api::http::request(&api, "DELETE", "/tenants/busy", None).expect("delete");
         (r.status, t.elapsed())
     });
     std::thread::sleep(Duration::from_millis(300));

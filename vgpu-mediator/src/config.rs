@@ -24,6 +24,26 @@ pub struct Config {
     pub pools: Vec<crate::control::pool::PoolSpec>,
     #[serde(default)]
     pub metering: MeteringConfig,
+    #[serde(default)]
+    pub vms: VmsConfig,
+}
+
+/// Managed VMs (`/vms`, docs/vms.md).
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct VmsConfig {
+    /// The `vgpu-vmm` binary (default: the one beside `vgpu-mediatord`).
+    #[serde(default)]
+    pub vmm: Option<PathBuf>,
+    /// Where VM descriptions and their console and VMM logs are kept
+    /// (default: /var/lib/vgpu when the run directory is under /run, a
+    /// tmpfs; RUN_DIR/state otherwise).
+    #[serde(default)]
+    pub state_dir: Option<PathBuf>,
+    /// Seconds a stop waits for the guest to end before its VMM is killed
+    /// (default 10).
+    #[serde(default)]
+    pub stop_timeout_s: Option<u64>,
 }
 
 /// Usage records and the Prometheus listener.
@@ -449,6 +469,15 @@ pub fn validate_name(name: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_packaged_sample_configuration_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/mediator.toml");
+        let c = Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.run_dir.as_deref(), Some(Path::new("/run/vgpu")));
+        assert_eq!(c.devices.compute_nice, 10);
+        assert_eq!(c.vms.stop_timeout_s, Some(10));
+    }
 
     #[test]
     fn config_file_uses_the_api_tenant_schema() {

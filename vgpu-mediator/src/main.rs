@@ -67,6 +67,15 @@ struct Cli {
     /// unless given), e.g. 127.0.0.1:9400.
     #[arg(long)]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// Where managed VMs' descriptions and logs are kept (overrides
+    /// vms.state_dir; default /var/lib/vgpu when the run directory is under
+    /// /run, RUN_DIR/state otherwise).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// The vgpu-vmm binary managed VMs run on (overrides vms.vmm; default:
+    /// the one beside this program).
+    #[arg(long)]
+    vmm: Option<PathBuf>,
     /// TOML configuration file (same tenant schema as POST /tenants).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -265,7 +274,7 @@ fn run() -> anyhow::Result<()> {
         d.compute_nice = if d.cuda.is_none() { cfg.devices.compute_nice } else { 0 };
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
-    let control = Control::new(&run_dir, exe, devices, defaults, worker_user, cfg.devices.overcommit);
+    let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit);
     for p in &cfg.pools {
         control.create_pool(p).with_context(|| format!("creating pool {} from the config file", p.name))?;
     }
@@ -279,6 +288,15 @@ fn run() -> anyhow::Result<()> {
     }
     for t in &cfg.tenants {
         control.create_tenant(t).with_context(|| format!("creating tenant {} from the config file", t.name))?;
+    }
+    // Managed VMs: those saved by an earlier run come back.
+    let state_dir = cli.state_dir.or(cfg.vms.state_dir.clone()).unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu") } else { run_dir.join("state") });
+    let vmm = cli.vmm.or(cfg.vms.vmm.clone()).unwrap_or_else(|| exe.with_file_name("vgpu-vmm"));
+    std::fs::create_dir_all(state_dir.join("vms")).with_context(|| format!("making {}", state_dir.join("vms").display()))?;
+    let stop_timeout = std::time::Duration::from_secs(cfg.vms.stop_timeout_s.unwrap_or(10));
+    let _ = control.vms.set(vgpu_mediator::control::vms::Vms::new(vgpu_mediator::control::vms::VmsConfig { vmm, state_dir, stop_timeout }));
+    if let Some(v) = control.vms.get() {
+        v.load(&control);
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = rt.block_on(serve(control.clone(), api_path.clone(), cfg.metering.metrics_listen));

@@ -11,39 +11,8 @@ pub const MAX_VCPUS: u32 = 64;
 /// Smallest guest: enough for the boot structures and a tiny kernel.
 pub const MIN_MEMORY_MIB: u64 = 8;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub enum Hugepages {
-    #[default]
-    #[serde(rename = "none")]
-    None,
-    #[serde(rename = "2M")]
-    TwoMiB,
-    #[serde(rename = "1G")]
-    OneGiB,
-}
-
-impl Hugepages {
-    /// Page size in bytes (4 KiB pages for `None`).
-    pub fn page_size(self) -> u64 {
-        match self {
-            Hugepages::None => 4096,
-            Hugepages::TwoMiB => 2 << 20,
-            Hugepages::OneGiB => 1 << 30,
-        }
-    }
-}
-
-impl std::str::FromStr for Hugepages {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "none" => Ok(Hugepages::None),
-            "2M" | "2MiB" => Ok(Hugepages::TwoMiB),
-            "1G" | "1GiB" => Ok(Hugepages::OneGiB),
-            _ => Err(format!("invalid hugepages '{s}': use none, 2M or 1G")),
-        }
-    }
-}
+/// Guest memory backing page size (the API's type).
+pub use vgpu_api::vm::Hugepages;
 
 /// Where the serial console goes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -7,7 +7,6 @@ pub mod boot;
 pub mod bus;
 pub mod config;
 pub mod devices;
-pub mod http;
 pub mod jail;
 pub mod memory;
 pub mod numa;

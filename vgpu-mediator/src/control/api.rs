@@ -15,6 +15,7 @@ use serde_json::json;
 use super::{Control, ControlError, TenantRecord};
 use crate::config::TenantSpec;
 use crate::ipc::{DeviceStats, TenantStats};
+use vgpu_api::vm::VmView;
 
 type St = State<Arc<Control>>;
 
@@ -43,6 +44,13 @@ pub fn router(c: Arc<Control>) -> Router {
         .route("/pools/{name}", get(show_pool).delete(delete_pool).patch(set_pool))
         .route("/metrics", get(metrics))
         .route("/usage", get(usage))
+        .route("/vms", get(list_vms).post(create_vm))
+        .route("/vms/{name}", get(show_vm).delete(delete_vm))
+        .route("/vms/{name}/start", axum::routing::post(start_vm))
+        .route("/vms/{name}/stop", axum::routing::post(stop_vm))
+        .route("/vms/{name}/reboot", axum::routing::post(reboot_vm))
+        .route("/vms/{name}/console", get(vm_console))
+        .route("/vms/{name}/logs", get(vm_logs))
         .with_state(c)
 }
 
@@ -230,6 +238,9 @@ async fn set_tenant(State(c): St, Path(name): Path<String>, body: axum::body::By
 /// 204 once the tenant is gone and its memory released; 202 while its
 /// worker is still releasing it (it is revoked either way).
 async fn delete_tenant(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
+    if c.vms.get().is_some_and(|v| v.owns_tenant(&name)) {
+        return Err(ControlError::Conflict(format!("tenant {name} is VM {name}'s vGPU: delete the VM")));
+    }
     let done = blocking(move || c.delete_tenant(&name)).await??;
     Ok(if done { StatusCode::NO_CONTENT } else { StatusCode::ACCEPTED })
 }
@@ -307,4 +318,70 @@ pub fn render_metrics(c: &Control) -> String {
     family("vgpu_tenant_host_memory_bytes", "gauge", "Host memory the tenant's objects keep in its device worker.", ten(&|t| t.host_used as f64));
     family("vgpu_tenant_host_memory_limit_bytes", "gauge", "The tenant's host memory budget in its device worker.", ten(&|t| t.host_limit as f64));
     out
+}
+
+fn vms(c: &Control) -> Result<&super::vms::Vms, ControlError> {
+    c.vms.get().ok_or_else(|| ControlError::NotFound("this daemon manages no VMs".into()))
+}
+
+async fn list_vms(State(c): St) -> Result<Json<Vec<VmView>>, ControlError> {
+    Ok(Json(blocking(move || vms(&c).map(|v| v.list(&c))).await??))
+}
+
+async fn create_vm(State(c): St, body: axum::body::Bytes) -> Result<(StatusCode, Json<VmView>), ControlError> {
+    let spec: vgpu_api::vm::VmSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad VM description: {e}")))?;
+    let v = blocking(move || vms(&c).and_then(|v| v.create(&c, spec))).await??;
+    Ok((StatusCode::CREATED, Json(v)))
+}
+
+async fn show_vm(State(c): St, Path(name): Path<String>) -> Result<Json<VmView>, ControlError> {
+    Ok(Json(blocking(move || vms(&c).and_then(|v| v.show(&c, &name))).await??))
+}
+
+async fn delete_vm(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
+    let done = blocking(move || vms(&c).and_then(|v| v.delete(&c, &name))).await??;
+    Ok(if done { StatusCode::NO_CONTENT } else { StatusCode::ACCEPTED })
+}
+
+async fn start_vm(State(c): St, Path(name): Path<String>) -> Result<Json<VmView>, ControlError> {
+    Ok(Json(blocking(move || vms(&c).and_then(|v| v.start(&c, &name))).await??))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StopQuery {
+    /// Seconds to wait for the guest before the VMM is killed (0: at once).
+    timeout: Option<u64>,
+}
+
+async fn stop_vm(State(c): St, Path(name): Path<String>, q: Result<axum::extract::Query<StopQuery>, axum::extract::rejection::QueryRejection>) -> Result<Json<VmView>, ControlError> {
+    let axum::extract::Query(q) = q.map_err(|e| ControlError::BadRequest(format!("bad stop query: {e}")))?;
+    let timeout = q.timeout.map(|s| std::time::Duration::from_secs(s.min(3600)));
+    Ok(Json(blocking(move || vms(&c).and_then(|v| v.stop(&c, &name, timeout))).await??))
+}
+
+async fn reboot_vm(State(c): St, Path(name): Path<String>) -> Result<Json<VmView>, ControlError> {
+    Ok(Json(blocking(move || vms(&c).and_then(|v| v.reboot(&c, &name))).await??))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TailQuery {
+    /// The last this many bytes (default 64 KiB).
+    bytes: Option<u64>,
+}
+
+async fn log_tail(c: Arc<Control>, name: String, q: Result<axum::extract::Query<TailQuery>, axum::extract::rejection::QueryRejection>, console: bool) -> Result<Response, ControlError> {
+    let axum::extract::Query(q) = q.map_err(|e| ControlError::BadRequest(format!("bad log query: {e}")))?;
+    let bytes = q.bytes.unwrap_or(64 << 10);
+    let text = blocking(move || vms(&c).and_then(|v| if console { v.console(&name, bytes) } else { v.logs(&name, bytes) })).await??;
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}
+
+async fn vm_console(State(c): St, Path(name): Path<String>, q: Result<axum::extract::Query<TailQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response, ControlError> {
+    log_tail(c, name, q, true).await
+}
+
+async fn vm_logs(State(c): St, Path(name): Path<String>, q: Result<axum::extract::Query<TailQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response, ControlError> {
+    log_tail(c, name, q, false).await
 }

@@ -7,6 +7,7 @@ pub mod meter;
 pub mod pool;
 
 pub mod rundir;
+pub mod vms;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Write};
@@ -254,6 +255,8 @@ pub struct Control {
     pools: Mutex<BTreeMap<String, pool::PoolSpec>>,
     /// The default pool's overcommit ratio.
     default_overcommit: f64,
+    /// Managed VMs, once the daemon set them up.
+    pub vms: std::sync::OnceLock<vms::Vms>,
 }
 
 impl Control {
@@ -274,6 +277,7 @@ impl Control {
             setting: Mutex::new(()),
             pools: Mutex::new(BTreeMap::new()),
             default_overcommit,
+            vms: std::sync::OnceLock::new(),
         })
     }
 
@@ -507,6 +511,9 @@ impl Control {
 
     pub fn shutdown(&self) {
         self.stopping.store(true, Ordering::Release);
+        if let Some(v) = self.vms.get() {
+            v.shutdown();
+        }
         for slot in &self.devices {
             let pid = slot.pid.load(Ordering::Relaxed);
             if pid != 0 {

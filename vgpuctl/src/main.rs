@@ -5,16 +5,16 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
-use vmm::http;
+use vgpu_api::http;
 
 #[derive(Parser)]
 #[command(name = "vgpuctl", version, about = "Manage vGPU devices and tenants")]
 struct Cli {
     /// The mediator's run directory (its API is RUN_DIR/api.sock).
-    #[arg(long, env = "VGPU_RUN_DIR", default_value = "/run/vgpu")]
+    #[arg(long, env = "VGPU_RUN_DIR", default_value = "/run/vgpu", global = true)]
     run_dir: PathBuf,
     /// Path of the API socket, overriding --run-dir.
-    #[arg(long)]
+    #[arg(long, global = true)]
     api: Option<PathBuf>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, global = true)]
@@ -51,18 +51,73 @@ enum Cmd {
         #[arg(long)]
         tenant: Option<String>,
     },
-    /// One VM, through its vgpu-vmm API socket.
-    Vm {
-        /// The VM's API socket (vgpu-vmm --api-socket).
+    /// Managed VMs: a VM and its vGPU made, run and deleted together.
+    #[command(subcommand)]
+    Vm(VmCmd),
+    /// One VMM directly, through its API socket (any vgpu-vmm, managed or not).
+    Vmm {
+        /// The VM's API socket (vgpu-vmm --api-socket; `vm show` prints a
+        /// managed VM's).
         #[arg(long)]
         socket: PathBuf,
         #[command(subcommand)]
-        cmd: VmCmd,
+        cmd: VmmCmd,
     },
+    /// Print a shell completion script for vgpuctl.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print vgpuctl's manual page (roff).
+    Man,
 }
 
 #[derive(Subcommand)]
 enum VmCmd {
+    /// Create a VM with its vGPU and start it.
+    Create(vgpu_api::vm::VmSpec),
+    List,
+    Show {
+        name: String,
+    },
+    Start {
+        name: String,
+    },
+    /// Ask the guest to shut down; kill the VMM if it has not after the timeout.
+    Stop {
+        name: String,
+        /// Seconds to wait for the guest (0: kill at once; default: the daemon's).
+        #[arg(long)]
+        timeout: Option<u64>,
+    },
+    /// Reset the VM (its VMM is killed and started again).
+    Reboot {
+        name: String,
+    },
+    /// Delete the VM and its vGPU (whose memory is scrubbed).
+    Delete {
+        name: String,
+    },
+    /// The guest's serial console output.
+    Console {
+        name: String,
+        /// Keep printing what the guest writes.
+        #[arg(short, long)]
+        follow: bool,
+        /// Start from the last this many bytes.
+        #[arg(long, default_value_t = 65536)]
+        bytes: u64,
+    },
+    /// The VM's VMM log.
+    Logs {
+        name: String,
+        #[arg(long, default_value_t = 65536)]
+        bytes: u64,
+    },
+}
+
+#[derive(Subcommand)]
+enum VmmCmd {
     /// State, vCPUs, memory backing and NUMA placement.
     Info,
     /// Stop every vCPU.
@@ -280,13 +335,30 @@ fn table(rows: Vec<Vec<String>>) {
     }
 }
 
+/// A command line that parsed but asks for nothing (exit status 2, as
+/// clap's own usage errors; a failure is 1).
+#[derive(Debug)]
+struct Usage(String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("vgpuctl: {e}");
-            ExitCode::FAILURE
+            if e.is::<Usage>() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
@@ -300,7 +372,7 @@ fn call(cli: &Cli, method: &str, path: &str, body: Option<Value>) -> anyhow::Res
 /// naming `flags`.
 fn patch(cli: &Cli, path: &str, body: Value, flags: &str) -> anyhow::Result<Value> {
     if body.as_object().is_some_and(|o| o.is_empty()) {
-        anyhow::bail!("nothing to change: give {flags}");
+        return Err(Usage(format!("nothing to change: give {flags}")).into());
     }
     call(cli, "PATCH", path, Some(body))
 }
@@ -558,7 +630,15 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 println!("deleted pool {name}")
             }
         }
-        Cmd::Vm { socket, cmd } => vm(socket, cmd, json_out)?,
+        Cmd::Vmm { socket, cmd } => vmm(socket, cmd, json_out)?,
+        Cmd::Vm(cmd) => managed_vm(cli, cmd, json_out)?,
+        Cmd::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(*shell, &mut cmd, "vgpuctl", &mut std::io::stdout());
+        }
+        Cmd::Man => {
+            clap_mangen::Man::new(<Cli as clap::CommandFactory>::command()).render(&mut std::io::stdout())?;
+        }
         Cmd::Metrics => {
             let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
             let r = http::request(&api, "GET", "/metrics", None)?;
@@ -568,9 +648,9 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn vm(socket: &std::path::Path, cmd: &VmCmd, json_out: bool) -> anyhow::Result<()> {
+fn vmm(socket: &std::path::Path, cmd: &VmmCmd, json_out: bool) -> anyhow::Result<()> {
     let (path, done) = match cmd {
-        VmCmd::Info => {
+        VmmCmd::Info => {
             let v = call_at(socket, "GET", "/vm", None)?;
             if json_out {
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
@@ -591,10 +671,10 @@ fn vm(socket: &std::path::Path, cmd: &VmCmd, json_out: bool) -> anyhow::Result<(
             );
             return Ok(());
         }
-        VmCmd::Pause => ("/vm/pause", "paused"),
-        VmCmd::Resume => ("/vm/resume", "resumed"),
-        VmCmd::Shutdown => ("/vm/shutdown", "shutdown requested"),
-        VmCmd::Kill => ("/vm/kill", "killed"),
+        VmmCmd::Pause => ("/vm/pause", "paused"),
+        VmmCmd::Resume => ("/vm/resume", "resumed"),
+        VmmCmd::Shutdown => ("/vm/shutdown", "shutdown requested"),
+        VmmCmd::Kill => ("/vm/kill", "killed"),
     };
     call_at(socket, "PUT", path, None)?;
     if json_out {
@@ -603,4 +683,142 @@ fn vm(socket: &std::path::Path, cmd: &VmCmd, json_out: bool) -> anyhow::Result<(
         println!("{done}");
     }
     Ok(())
+}
+
+fn print_vm(v: &Value) {
+    let spec = &v["spec"];
+    let node = v.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
+    println!(
+        "name:      {}\nstate:     {} (desired {})\nvcpus:     {}\nmemory:    {}{}\nboot:      {}\nvgpu:      {} on {} (pool {}, NUMA node {}), weight {}\nrestart:   {} ({} restarts{})\npid:       {}\napi:       {}\nconsole:   {}",
+        s(v, "name"),
+        s(v, "state"),
+        s(v, "desired"),
+        u(spec, "vcpus"),
+        spec.get("memory").map(size_text).unwrap_or_default(),
+        spec.get("hugepages").and_then(Value::as_str).map(|h| format!(" ({h} hugepages)")).unwrap_or_default(),
+        spec.get("kernel").and_then(Value::as_str).or(spec.get("boot_disk").and_then(Value::as_str)).unwrap_or(""),
+        spec["vgpu"].get("memory").map(size_text).unwrap_or_default(),
+        s(v, "device"),
+        s(v, "pool"),
+        if node < 0 { "unknown".to_string() } else { node.to_string() },
+        u(&spec["vgpu"], "weight"),
+        s(spec, "restart"),
+        u(v, "restarts"),
+        v.get("last_exit").and_then(Value::as_str).map(|e| format!(", last {e}")).unwrap_or_default(),
+        u(v, "pid"),
+        s(v, "api_socket"),
+        s(v, "console_log"),
+    );
+    if let Some(e) = v.get("error").and_then(Value::as_str) {
+        println!("error:     {e}");
+    }
+}
+
+/// A size the API returns as bytes (a number) or as text.
+fn size_text(v: &Value) -> String {
+    match v {
+        Value::Number(n) => human(n.as_u64().unwrap_or(0)),
+        Value::String(t) => t.clone(),
+        _ => String::new(),
+    }
+}
+
+fn managed_vm(cli: &Cli, cmd: &VmCmd, json_out: bool) -> anyhow::Result<()> {
+    let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    let one = |v: &Value| if json_out { print_json(v) } else { print_vm(v) };
+    match cmd {
+        VmCmd::Create(spec) => one(&call(cli, "POST", "/vms", Some(serde_json::to_value(spec)?))?),
+        VmCmd::List => {
+            let v = call(cli, "GET", "/vms", None)?;
+            if json_out {
+                print_json(&v);
+            } else {
+                let mut rows = vec![["NAME", "STATE", "VCPUS", "MEMORY", "VGPU", "DEVICE", "NODE", "RESTARTS", "PID"].map(String::from).to_vec()];
+                for m in v.as_array().into_iter().flatten() {
+                    let node = m.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
+                    rows.push(vec![
+                        s(m, "name").into(),
+                        s(m, "state").into(),
+                        u(&m["spec"], "vcpus").to_string(),
+                        m["spec"].get("memory").map(size_text).unwrap_or_default(),
+                        m["spec"]["vgpu"].get("memory").map(size_text).unwrap_or_default(),
+                        s(m, "device").into(),
+                        if node < 0 { "-".into() } else { node.to_string() },
+                        u(m, "restarts").to_string(),
+                        u(m, "pid").to_string(),
+                    ]);
+                }
+                table(rows);
+            }
+        }
+        VmCmd::Show { name } => one(&call(cli, "GET", &format!("/vms/{name}"), None)?),
+        VmCmd::Start { name } => one(&call(cli, "POST", &format!("/vms/{name}/start"), None)?),
+        VmCmd::Stop { name, timeout } => {
+            let q = timeout.map(|t| format!("?timeout={t}")).unwrap_or_default();
+            one(&call(cli, "POST", &format!("/vms/{name}/stop{q}"), None)?)
+        }
+        VmCmd::Reboot { name } => one(&call(cli, "POST", &format!("/vms/{name}/reboot"), None)?),
+        VmCmd::Delete { name } => {
+            let (status, _) = call_status(&api_of(cli), "DELETE", &format!("/vms/{name}"), None)?;
+            let released = status != 202;
+            if json_out {
+                print_json(&json!({ "deleted": name, "released": released }))
+            } else if released {
+                println!("deleted VM {name} and its vGPU")
+            } else {
+                println!("deleted VM {name}; its vGPU's memory is still being released")
+            }
+        }
+        VmCmd::Console { name, follow, bytes } => {
+            let api = api_of(cli);
+            let mut seen = print_tail(&api, &format!("/vms/{name}/console?bytes={bytes}"))?;
+            if !*follow {
+                return Ok(());
+            }
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                // What came since: the tail's end past what was printed.
+                let now = http::request(&api, "GET", &format!("/vms/{name}/console?bytes={}", 2u64 << 20), None)?;
+                if now.status != 200 {
+                    anyhow::bail!("{} (HTTP {})", now.text(), now.status);
+                }
+                let all = now.body;
+                let new = new_part(&seen, &all);
+                std::io::Write::write_all(&mut std::io::stdout(), new)?;
+                std::io::Write::flush(&mut std::io::stdout())?;
+                seen = all;
+            }
+        }
+        VmCmd::Logs { name, bytes } => {
+            print_tail(&api_of(cli), &format!("/vms/{name}/logs?bytes={bytes}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn api_of(cli: &Cli) -> PathBuf {
+    cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"))
+}
+
+fn print_tail(api: &std::path::Path, path: &str) -> anyhow::Result<Vec<u8>> {
+    let r = http::request(api, "GET", path, None)?;
+    if r.status != 200 {
+        let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+        anyhow::bail!("{} (HTTP {})", v.get("error").and_then(Value::as_str).map(str::to_string).unwrap_or_else(|| r.text()), r.status);
+    }
+    std::io::Write::write_all(&mut std::io::stdout(), &r.body)?;
+    Ok(r.body)
+}
+
+/// The part of `now` after the longest suffix of `seen` it starts with.
+fn new_part<'a>(seen: &[u8], now: &'a [u8]) -> &'a [u8] {
+    let keep = seen.len().min(4096);
+    let probe = &seen[seen.len() - keep..];
+    if probe.is_empty() {
+        return now;
+    }
+    match now.windows(probe.len()).rposition(|w| w == probe) {
+        Some(at) => &now[at + probe.len()..],
+        None => now,
+    }
 }

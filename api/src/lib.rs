@@ -1,0 +1,6 @@
+//! vgpu-api: what `vgpu-mediatord`, `vgpu-vmm` and `vgpuctl` share about
+//! their REST APIs over unix sockets (DESIGN §9: every API is REST over a
+//! unix socket, with the CLI as its client).
+
+pub mod http;
+pub mod vm;

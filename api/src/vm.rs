@@ -1,0 +1,271 @@
+//! The managed VM resource of the mediator's API (`/vms`): one description
+//! that the API body, the state file the daemon keeps and `vgpuctl vm
+//! create`'s flags are all made from (the flags are derived from these
+//! types by clap, the JSON by serde).
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use virtio_gpu_compute::size::Size;
+
+/// Guest memory backing page size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Hugepages {
+    #[default]
+    #[serde(rename = "none")]
+    None,
+    #[serde(rename = "2M")]
+    TwoMiB,
+    #[serde(rename = "1G")]
+    OneGiB,
+}
+
+impl Hugepages {
+    /// Page size in bytes (4 KiB pages for `None`).
+    pub fn page_size(self) -> u64 {
+        match self {
+            Hugepages::None => 4096,
+            Hugepages::TwoMiB => 2 << 20,
+            Hugepages::OneGiB => 1 << 30,
+        }
+    }
+
+    /// The name sysfs gives the pool of this size (`hugepages-2048kB`).
+    pub fn sysfs_name(self) -> Option<&'static str> {
+        match self {
+            Hugepages::None => None,
+            Hugepages::TwoMiB => Some("hugepages-2048kB"),
+            Hugepages::OneGiB => Some("hugepages-1048576kB"),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Hugepages::None => "none",
+            Hugepages::TwoMiB => "2M",
+            Hugepages::OneGiB => "1G",
+        }
+    }
+}
+
+impl std::str::FromStr for Hugepages {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(Hugepages::None),
+            "2M" | "2MiB" => Ok(Hugepages::TwoMiB),
+            "1G" | "1GiB" => Ok(Hugepages::OneGiB),
+            _ => Err(format!("invalid hugepages '{s}': use none, 2M or 1G")),
+        }
+    }
+}
+
+/// What the daemon does when a VM's VMM exits without being asked to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestartPolicy {
+    /// Start it again, whatever ended it (a guest power-off or reboot too).
+    Always,
+    /// Start it again unless the guest powered off or rebooted (VMM exit 0).
+    #[default]
+    OnFailure,
+    /// Leave it stopped.
+    Never,
+}
+
+/// A disk: `PATH[,ro]` on the command line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSpec {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+impl std::str::FromStr for DiskSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (path, ro) = match s.strip_suffix(",ro") {
+            Some(p) => (p, true),
+            None => (s, false),
+        };
+        if path.is_empty() {
+            return Err(format!("invalid disk '{s}': use PATH or PATH,ro"));
+        }
+        Ok(DiskSpec { path: PathBuf::from(path), read_only: ro })
+    }
+}
+
+/// A network interface: `tap=NAME` (an existing tap device) or
+/// `bridge=NAME` (a tap the daemon makes and attaches to that bridge).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+pub enum NetSpec {
+    Tap(String),
+    Bridge(String),
+}
+
+impl std::str::FromStr for NetSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once('=') {
+            Some(("tap", n)) if !n.is_empty() => Ok(NetSpec::Tap(n.into())),
+            Some(("bridge", n)) if !n.is_empty() => Ok(NetSpec::Bridge(n.into())),
+            _ => Err(format!("invalid network interface '{s}': use tap=NAME or bridge=NAME")),
+        }
+    }
+}
+
+/// The VM's vGPU: a VM tenant created with it and deleted with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields)]
+pub struct VgpuSpec {
+    /// vGPU memory quota (a size such as 256MiB).
+    #[arg(id = "vgpu_memory", long = "vgpu-memory", value_name = "SIZE")]
+    pub memory: Size,
+    /// Compute share weight (1..=10000).
+    #[arg(long, default_value_t = 1)]
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// Hard cap: percent of the device's time (1..=100; default none).
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cap: Option<u32>,
+    /// The pool whose placement policy picks the device (default: `default`).
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// A managed VM: its shape, what it boots, and its vGPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields)]
+#[command(group(clap::ArgGroup::new("boot").required(true).args(["kernel", "boot_disk"])))]
+pub struct VmSpec {
+    /// The VM's name (its vGPU tenant has the same name).
+    pub name: String,
+    /// Virtual CPUs.
+    #[arg(long, default_value_t = 1)]
+    #[serde(default = "one")]
+    pub vcpus: u32,
+    /// Guest memory (a size such as 512MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Size,
+    /// Back guest memory with hugepages of this size (none, 2M or 1G),
+    /// reserved on the vGPU's NUMA node.
+    #[arg(long, value_name = "SIZE")]
+    #[serde(default, skip_serializing_if = "is_none")]
+    pub hugepages: Option<Hugepages>,
+    /// Kernel to boot: an ELF vmlinux or a bzImage.
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
+    #[arg(long, requires = "kernel")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initramfs: Option<PathBuf>,
+    #[arg(long, requires = "kernel")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    /// A bootable disk image instead of a kernel.
+    #[arg(long, value_name = "IMAGE")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_disk: Option<PathBuf>,
+    /// A disk (PATH or PATH,ro); repeat for more.
+    #[arg(long = "disk", value_name = "PATH[,ro]")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskSpec>,
+    /// A network interface (tap=NAME or bridge=NAME); repeat for more.
+    #[arg(long = "net", value_name = "tap=NAME|bridge=NAME")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nets: Vec<NetSpec>,
+    #[command(flatten)]
+    pub vgpu: VgpuSpec,
+    /// What to do when the VM's VMM exits without being asked to.
+    #[arg(long, value_enum, default_value_t)]
+    #[serde(default)]
+    pub restart: RestartPolicy,
+}
+
+fn is_none(h: &Option<Hugepages>) -> bool {
+    matches!(h, None | Some(Hugepages::None))
+}
+
+/// Where a VM is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VmState {
+    /// Its VMM is being started.
+    Starting,
+    Running,
+    /// Asked to stop; its VMM is ending.
+    Stopping,
+    Stopped,
+    /// Its VMM ended on its own and the restart policy brings it back after
+    /// a back-off.
+    Restarting,
+    /// Could not be started (its error says why); retried with back-off.
+    Failed,
+}
+
+/// A VM as the API reports it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmView {
+    pub name: String,
+    pub state: VmState,
+    /// Whether the VM should be running (kept across daemon restarts).
+    pub desired: String,
+    pub spec: VmSpec,
+    /// The device its vGPU is on, its pool and NUMA node (-1: unknown).
+    #[serde(default)]
+    pub device: String,
+    #[serde(default)]
+    pub pool: String,
+    pub numa_node: i32,
+    /// The VMM's process id (0 while none runs).
+    pub pid: u32,
+    /// Times the daemon started the VMM again after it ended on its own.
+    pub restarts: u64,
+    /// How the last VMM ended (`exit 0`, `signal 9`), if one has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_exit: Option<String>,
+    /// Why the last start failed, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The VMM's API socket (`vgpuctl vmm --socket`).
+    pub api_socket: PathBuf,
+    pub console_log: PathBuf,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_description_round_trips_and_unknown_fields_are_refused() {
+        let v: VmSpec = serde_json::from_str(r#"{"name":"a","memory":"512MiB","kernel":"/k","vgpu":{"memory":"64MiB"},"disks":[{"path":"/d","read_only":true}],"nets":[{"tap":"tap0"}]}"#).unwrap();
+        assert_eq!(v.vcpus, 1);
+        assert_eq!(v.vgpu.weight, 1);
+        assert_eq!(v.restart, RestartPolicy::OnFailure);
+        assert_eq!(v.nets, vec![NetSpec::Tap("tap0".into())]);
+        let back: VmSpec = serde_json::from_str(&serde_json::to_string(&v).unwrap()).unwrap();
+        assert_eq!(back, v);
+        let e = serde_json::from_str::<VmSpec>(r#"{"name":"a","memory":"1MiB","kernel":"/k","vgpu":{"memory":"1MiB"},"gpu":1}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `gpu`"), "{e}");
+    }
+
+    #[test]
+    fn command_line_forms_parse_and_bad_ones_say_what_to_use() {
+        assert_eq!("/img,ro".parse::<DiskSpec>().unwrap(), DiskSpec { path: "/img".into(), read_only: true });
+        assert_eq!("/img".parse::<DiskSpec>().unwrap(), DiskSpec { path: "/img".into(), read_only: false });
+        assert!(",ro".parse::<DiskSpec>().unwrap_err().contains("PATH,ro"));
+        assert_eq!("bridge=br0".parse::<NetSpec>().unwrap(), NetSpec::Bridge("br0".into()));
+        assert!("tap=".parse::<NetSpec>().unwrap_err().contains("tap=NAME"));
+        assert!("eth0".parse::<NetSpec>().is_err());
+        assert_eq!("2M".parse::<Hugepages>().unwrap(), Hugepages::TwoMiB);
+        assert!("3M".parse::<Hugepages>().is_err());
+    }
+}

@@ -1,0 +1,233 @@
+//! Managed VMs (`/vms`, `vgpuctl vm`) on the KVM tier: the bare-metal test
+//! guest counting on its console stands in for a Linux guest (which this
+//! host's KVM cannot run; the nested tier boots those).
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use vgpu_tests::vmm_harness::{kvm_available, test_guest};
+use vgpu_tests::Mediator;
+
+fn ok(o: Output) -> String {
+    assert!(o.status.success(), "vgpuctl failed ({:?}):\n{}{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn ctl(m: &Mediator, args: &[&str]) -> Output {
+    m.vgpuctl().args(args).output().expect("run vgpuctl")
+}
+
+fn json_of(m: &Mediator, args: &[&str]) -> Value {
+    let mut all = vec!["-o", "json"];
+    all.extend_from_slice(args);
+    serde_json::from_str(&ok(ctl(m, &all))).expect("vgpuctl -o json prints JSON")
+}
+
+fn guest() -> String {
+    test_guest().to_str().expect("guest path").to_string()
+}
+
+fn alive(pid: u64) -> bool {
+    // A zombie is not alive: it has ended, only its parent did not reap it.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f()
+}
+
+fn show(m: &Mediator, name: &str) -> Value {
+    json_of(m, &["vm", "show", name])
+}
+
+fn create_counting(m: &Mediator, name: &str, extra: &[&str]) -> Value {
+    let g = guest();
+    let mut args = vec!["-o", "json", "vm", "create", name, "--memory", "16MiB", "--kernel", &g, "--cmdline", "test=count", "--vgpu-memory", "32MiB"];
+    args.extend_from_slice(extra);
+    serde_json::from_str(&ok(ctl(m, &args))).expect("JSON")
+}
+
+/// Nothing of VM `name` is left: no tenant, no VMM process, no API socket,
+/// no state directory.
+fn assert_nothing_left(m: &Mediator, name: &str, pids: &[u64]) {
+    let (_, tenants) = m.api("GET", "/tenants", None);
+    assert!(tenants.as_array().expect("list").iter().all(|t| t["name"] != name), "tenant {name} left behind: {tenants}");
+    let (_, vms) = m.api("GET", "/vms", None);
+    assert!(vms.as_array().expect("list").iter().all(|v| v["name"] != name), "VM {name} left behind: {vms}");
+    assert!(!m.run_dir.join("vms").join(format!("{name}.sock")).exists(), "API socket left behind");
+    assert!(!m.run_dir.join("state/vms").join(name).exists(), "state directory left behind");
+    for p in pids {
+        assert!(wait_until(Duration::from_secs(5), || !alive(*p)), "VMM {p} still runs");
+    }
+    let vmms = std::process::Command::new("pgrep").args(["-f", &format!("{}/vms/{name}.sock", m.run_dir.display())]).output().expect("pgrep");
+    assert!(String::from_utf8_lossy(&vmms.stdout).trim().is_empty(), "a VMM for {name} runs: {}", String::from_utf8_lossy(&vmms.stdout));
+}
+
+#[test]
+fn a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted() {
+    if !kvm_available("a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted") {
+        return;
+    }
+    let m = Mediator::start(&["--device-memory", "128MiB"]);
+    let v = create_counting(&m, "web", &["--vcpus", "1"]);
+    assert_eq!(v["state"], "running", "{v}");
+    let pid = v["pid"].as_u64().expect("pid");
+    assert!(alive(pid));
+    // Listed with its device and that device's NUMA node.
+    let list = json_of(&m, &["vm", "list"]);
+    let row = &list.as_array().expect("list")[0];
+    assert_eq!((row["name"].as_str(), row["state"].as_str(), row["device"].as_str()), (Some("web"), Some("running"), Some("cpu0")), "{list}");
+    assert_eq!(row["numa_node"], m.device("cpu0")["numa_node"], "the VM's node is its vGPU's device's");
+    // Its vGPU is a VM tenant of its name, which cannot be deleted alone.
+    let (_, t) = m.api("GET", "/tenants/web", None);
+    assert_eq!((t["kind"].as_str(), t["memory"].as_u64()), (Some("vm"), Some(32 << 20)), "{t}");
+    let (code, e) = m.api("DELETE", "/tenants/web", None);
+    assert_eq!(code, 409, "{e}");
+    // The guest's console.
+    assert!(wait_until(Duration::from_secs(20), || String::from_utf8_lossy(&ctl(&m, &["vm", "console", "web"]).stdout).contains("tick 3")), "no console output");
+    // Stop: the guest is asked (Ctrl-Alt-Del; it resets), the VMM ends.
+    let s = json_of(&m, &["vm", "stop", "web"]);
+    assert_eq!((s["state"].as_str(), s["desired"].as_str(), s["pid"].as_u64()), (Some("stopped"), Some("stopped"), Some(0)), "{s}");
+    assert!(wait_until(Duration::from_secs(5), || !alive(pid)), "the VMM did not end");
+    assert_eq!(m.api("GET", "/tenants/web", None).0, 200, "a stopped VM keeps its vGPU");
+    // Start again, then a reboot gives a new VMM.
+    let s = json_of(&m, &["vm", "start", "web"]);
+    assert_eq!(s["state"], "running", "{s}");
+    let again = s["pid"].as_u64().expect("pid");
+    let r = json_of(&m, &["vm", "reboot", "web"]);
+    assert_eq!(r["state"], "running", "{r}");
+    assert_ne!(r["pid"].as_u64(), Some(again), "reboot starts a new VMM");
+    let last = r["pid"].as_u64().expect("pid");
+    assert!(!ok(ctl(&m, &["vm", "logs", "web"])).contains("panicked"));
+    // Delete: everything goes, the vGPU's memory released.
+    let d = json_of(&m, &["vm", "delete", "web"]);
+    assert_eq!(d["released"], true, "{d}");
+    assert_nothing_left(&m, "web", &[pid, again, last]);
+    assert_eq!(m.device("cpu0")["memory_reserved"], 0);
+}
+
+#[test]
+fn a_vmm_that_dies_is_restarted_by_its_policy() {
+    if !kvm_available("a_vmm_that_dies_is_restarted_by_its_policy") {
+        return;
+    }
+    let m = Mediator::start(&["--device-memory", "128MiB"]);
+    let v = create_counting(&m, "keep", &[]);
+    let pid = v["pid"].as_u64().expect("pid");
+    // SAFETY: kill sends a signal to a VMM process this test's daemon runs.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    assert!(
+        wait_until(Duration::from_secs(15), || {
+            let s = show(&m, "keep");
+            s["state"] == "running" && s["restarts"] == 1 && s["pid"].as_u64().is_some_and(|p| p != pid && p != 0)
+        }),
+        "on-failure did not restart a killed VMM: {}",
+        show(&m, "keep")
+    );
+    assert_eq!(show(&m, "keep")["last_exit"], "signal 9");
+    // With restart=never, it stays stopped.
+    let once = create_counting(&m, "once", &["--restart", "never"]);
+    let p = once["pid"].as_u64().expect("pid");
+    // SAFETY: as above.
+    unsafe { libc::kill(p as i32, libc::SIGKILL) };
+    assert!(wait_until(Duration::from_secs(10), || show(&m, "once")["state"] == "stopped"), "{}", show(&m, "once"));
+    std::thread::sleep(Duration::from_secs(2));
+    let s = show(&m, "once");
+    assert_eq!((s["state"].as_str(), s["desired"].as_str(), s["restarts"].as_u64()), (Some("stopped"), Some("stopped"), Some(0)), "{s}");
+}
+
+#[test]
+fn the_daemon_brings_its_vms_back_after_it_is_killed() {
+    if !kvm_available("the_daemon_brings_its_vms_back_after_it_is_killed") {
+        return;
+    }
+    let args = ["--device-memory", "128MiB"];
+    let mut m = Mediator::start(&args);
+    let v = create_counting(&m, "back", &[]);
+    let pid = v["pid"].as_u64().expect("pid");
+    create_counting(&m, "resting", &[]);
+    ok(ctl(&m, &["vm", "stop", "resting", "--timeout", "0"]));
+    m.kill_and_restart(&args);
+    // The VMM died with the daemon; the new daemon starts it again, and
+    // leaves the stopped one stopped.
+    assert!(wait_until(Duration::from_secs(5), || !alive(pid)), "the VMM outlived its daemon");
+    assert!(wait_until(Duration::from_secs(20), || show(&m, "back")["state"] == "running"), "{}", show(&m, "back"));
+    let s = show(&m, "back");
+    assert_eq!(s["spec"]["vgpu"]["memory"], 32 << 20, "{s}");
+    assert_ne!(s["pid"].as_u64(), Some(pid));
+    assert_eq!(m.api("GET", "/tenants/back", None).0, 200, "its vGPU was made again");
+    assert_eq!(show(&m, "resting")["state"], "stopped");
+    assert_eq!(m.api("GET", "/tenants/resting", None).0, 404, "a stopped VM's vGPU is made when it starts");
+    let s = json_of(&m, &["vm", "start", "resting"]);
+    assert_eq!(s["state"], "running", "{s}");
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).expect("write");
+    p
+}
+
+#[test]
+fn bad_vm_requests_get_clear_errors_and_leave_nothing_behind() {
+    if !kvm_available("bad_vm_requests_get_clear_errors_and_leave_nothing_behind") {
+        return;
+    }
+    let m = Mediator::start(&["--device-memory", "128MiB"]);
+    let dir = m.run_dir.join("inputs");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let junk = write(&dir, "junk-kernel", b"this is not a kernel");
+    let g = guest();
+    let body = |name: &str, extra: Value| {
+        let mut b = json!({ "name": name, "memory": "16MiB", "kernel": g, "cmdline": "test=count", "vgpu": { "memory": "32MiB" } });
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    m.tenant("taken", "16MiB");
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        ("nopool", json!({ "vgpu": { "memory": "32MiB", "pool": "nosuch" } }), 404, "nosuch"),
+        ("nokernel", json!({ "kernel": "/nonexistent/vmlinux" }), 400, "/nonexistent/vmlinux"),
+        ("relkernel", json!({ "kernel": "vmlinux" }), 400, "absolute"),
+        ("junk", json!({ "kernel": junk }), 400, "vgpu-vmm ended as it started"),
+        ("taken", json!({}), 409, "tenant named taken"),
+        ("toobig", json!({ "vgpu": { "memory": "1GiB" } }), 507, ""),
+        ("tiny", json!({ "memory": "1MiB" }), 400, "memory"),
+        ("huge", json!({ "hugepages": "1G", "memory": "1GiB" }), 507, "hugepages"),
+        ("disk", json!({ "disks": [{ "path": "/dev/null" }] }), 400, "virtio-blk"),
+        ("bad name!", json!({}), 400, "VM name"),
+        ("fields", json!({ "gpus": 1 }), 400, "unknown field"),
+    ];
+    for (name, extra, code, says) in cases {
+        let (st, v) = m.api("POST", "/vms", Some(body(name, extra)));
+        assert_eq!(st, code, "{name}: {v}");
+        assert!(v["error"].as_str().is_some_and(|e| e.contains(says)), "{name}: the error does not say {says:?}: {v}");
+        if name != "taken" {
+            assert_nothing_left(&m, name, &[]);
+        }
+    }
+    // A name taken by another VM.
+    create_counting(&m, "dup", &[]);
+    let (st, v) = m.api("POST", "/vms", Some(body("dup", json!({}))));
+    assert_eq!(st, 409, "{v}");
+    assert_eq!(json_of(&m, &["vm", "list"]).as_array().map(Vec::len), Some(1));
+    // Verbs on a VM that does not exist; a usage error exits 2, a failure 1.
+    let o = ctl(&m, &["vm", "show", "ghost"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no VM ghost"), "{o:?}");
+    let o = ctl(&m, &["vm", "create", "x", "--memory", "16MiB", "--vgpu-memory", "8MiB"]);
+    assert_eq!(o.status.code(), Some(2), "no kernel nor boot disk is a usage error: {o:?}");
+    // --run-dir works after the subcommand too.
+    let o = std::process::Command::new(vgpu_tests::bin("vgpuctl")).args(["vm", "list", "--run-dir"]).arg(&m.run_dir).output().expect("vgpuctl");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("dup"), "{o:?}");
+}

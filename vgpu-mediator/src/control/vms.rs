@@ -1,0 +1,764 @@
+//! Managed VMs (`/vms`, docs/vms.md): a VM and its vGPU made in one call.
+//!
+//! Creating a VM creates its vGPU tenant (kind `vm`, same name), which its
+//! pool's policy places on a device; the VM's NUMA node is that device's.
+//! Each VM has a supervisor thread that starts `vgpu-vmm` on that node
+//! with the tenant's vhost-user socket, waits for it, and applies the
+//! restart policy when it ends on its own. The description and whether the
+//! VM should run are kept in `STATE_DIR/vms/NAME/vm.json`, so the daemon
+//! brings its VMs back when it starts again. A VMM dies with its daemon
+//! (`PR_SET_PDEATHSIG`): its vGPU's worker does too.
+//!
+//! The guest's console and the VMM's own log go through pipes to files the
+//! daemon caps (`console.log`, `vmm.log`, 1 MiB each plus one older
+//! file), so a guest cannot fill the host's disk.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+use vgpu_api::vm::{Hugepages, RestartPolicy, VmSpec, VmState, VmView};
+
+use super::{Control, ControlError, TenantRecord};
+
+/// Where the VM manager finds `vgpu-vmm` and keeps its state.
+#[derive(Debug, Clone)]
+pub struct VmsConfig {
+    pub vmm: PathBuf,
+    pub state_dir: PathBuf,
+    /// How long a stop waits for the guest to end before the VMM is killed.
+    pub stop_timeout: Duration,
+}
+
+/// Each log file's cap; one older file is kept beside it.
+pub const LOG_CAP: u64 = 1 << 20;
+/// How long a start waits for the VMM's API socket before it reports the
+/// VM running anyway (the VMM is alive).
+const READY_WAIT: Duration = Duration::from_secs(10);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Most VMs one daemon manages.
+pub const MAX_VMS: usize = 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Desired {
+    Running,
+    Stopped,
+    /// Being deleted: the supervisor ends.
+    Deleted,
+}
+
+impl Desired {
+    fn as_str(self) -> &'static str {
+        match self {
+            Desired::Running => "running",
+            Desired::Stopped => "stopped",
+            Desired::Deleted => "deleted",
+        }
+    }
+}
+
+/// What `vm.json` holds.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Saved {
+    spec: VmSpec,
+    desired: Desired,
+}
+
+struct Run {
+    desired: Desired,
+    state: VmState,
+    pid: u32,
+    /// The running VMM's pidfd: signals reach that process and no other,
+    /// even once its pid is reused.
+    pidfd: Option<Arc<OwnedFd>>,
+    restarts: u64,
+    last_exit: Option<String>,
+    error: Option<String>,
+    /// Starts so far (a start waits for the next one to settle).
+    starts: u64,
+    /// Set by an API start: no back-off before it.
+    kick: bool,
+    /// The supervisor has ended.
+    ended: bool,
+}
+
+pub struct Vm {
+    spec: VmSpec,
+    dir: PathBuf,
+    api_socket: PathBuf,
+    run: Mutex<Run>,
+    cv: Condvar,
+}
+
+impl Vm {
+    fn lock(&self) -> MutexGuard<'_, Run> {
+        self.run.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn console_log(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+
+    fn save(&self, desired: Desired) -> Result<(), ControlError> {
+        let s = Saved { spec: self.spec.clone(), desired };
+        let text = serde_json::to_vec_pretty(&s).map_err(|e| ControlError::Worker(e.to_string()))?;
+        let tmp = self.dir.join("vm.json.tmp");
+        let io = |e: std::io::Error| ControlError::Worker(format!("saving {}: {e}", self.dir.join("vm.json").display()));
+        let mut f = File::create(&tmp).map_err(io)?;
+        f.write_all(&text).and_then(|()| f.sync_all()).map_err(io)?;
+        std::fs::rename(&tmp, self.dir.join("vm.json")).map_err(io)
+    }
+
+    /// Waits until `done` holds or `limit` passes; returns whether it held.
+    fn wait_for(&self, limit: Duration, done: impl Fn(&Run) -> bool) -> bool {
+        let deadline = Instant::now() + limit;
+        let mut r = self.lock();
+        while !done(&r) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            r = self.cv.wait_timeout(r, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+
+    fn signal(&self, sig: i32) {
+        let fd = self.lock().pidfd.clone();
+        if let Some(fd) = fd {
+            // SAFETY: pidfd_send_signal on a pidfd we own, no siginfo.
+            unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), sig, std::ptr::null::<libc::siginfo_t>(), 0) };
+        }
+    }
+}
+
+pub struct Vms {
+    cfg: VmsConfig,
+    map: Mutex<BTreeMap<String, Arc<Vm>>>,
+    /// Held while a VM is created or deleted, so two calls for one name
+    /// cannot interleave.
+    changing: Mutex<()>,
+}
+
+fn bad(msg: impl Into<String>) -> ControlError {
+    ControlError::BadRequest(msg.into())
+}
+
+fn describe(status: std::io::Result<ExitStatus>) -> String {
+    match status {
+        Ok(s) => match (s.code(), s.signal()) {
+            (Some(c), _) => format!("exit {c}"),
+            (None, Some(sig)) => format!("signal {sig}"),
+            _ => "ended".into(),
+        },
+        Err(e) => format!("unknown ({e})"),
+    }
+}
+
+/// A file that holds at most [`LOG_CAP`] bytes; the one before it is
+/// kept as `PATH.1`.
+struct CappedLog {
+    path: PathBuf,
+    file: Option<File>,
+    len: u64,
+}
+
+impl CappedLog {
+    fn open(path: PathBuf) -> CappedLog {
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path).ok();
+        let len = file.as_ref().and_then(|f| f.metadata().ok()).map_or(0, |m| m.len());
+        CappedLog { path, file, len }
+    }
+
+    fn write(&mut self, mut buf: &[u8]) {
+        while !buf.is_empty() {
+            if self.len >= LOG_CAP {
+                let mut old = self.path.clone().into_os_string();
+                old.push(".1");
+                let _ = std::fs::rename(&self.path, &old);
+                self.file = File::create(&self.path).ok();
+                self.len = 0;
+            }
+            let n = buf.len().min((LOG_CAP - self.len) as usize);
+            if let Some(f) = &mut self.file {
+                let _ = f.write_all(&buf[..n]);
+            }
+            self.len += n as u64;
+            buf = &buf[n..];
+        }
+    }
+}
+
+/// Copies a pipe into a capped log until the writer closes it.
+fn pump(mut from: impl Read + Send + 'static, to: PathBuf, name: String) {
+    let _ = std::thread::Builder::new().name(name).spawn(move || {
+        let mut log = CappedLog::open(to);
+        let mut buf = [0u8; 16 << 10];
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => log.write(&buf[..n]),
+            }
+        }
+    });
+}
+
+/// The last `max` bytes of a capped log (reaching into its older file).
+pub fn tail(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let read_tail = |p: &Path, n: u64| -> std::io::Result<Vec<u8>> {
+        let mut f = match File::open(p) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let len = f.metadata()?.len();
+        f.seek(SeekFrom::Start(len.saturating_sub(n)))?;
+        let mut v = Vec::new();
+        f.take(n).read_to_end(&mut v)?;
+        Ok(v)
+    };
+    let mut out = read_tail(path, max)?;
+    if (out.len() as u64) < max {
+        let mut old = path.as_os_str().to_owned();
+        old.push(".1");
+        let mut before = read_tail(Path::new(&old), max - out.len() as u64)?;
+        before.append(&mut out);
+        out = before;
+    }
+    Ok(out)
+}
+
+/// Free hugepages of `size` on `node` (or the whole host when unknown).
+fn free_hugepages(size: Hugepages, node: i32) -> Option<u64> {
+    let name = size.sysfs_name()?;
+    let root = vgpu_topology::sysfs_root();
+    let p = if node >= 0 { root.join(format!("devices/system/node/node{node}/hugepages/{name}/free_hugepages")) } else { root.join(format!("kernel/mm/hugepages/{name}/free_hugepages")) };
+    std::fs::read_to_string(p).ok()?.trim().parse().ok()
+}
+
+fn check_file(what: &str, p: &Path) -> Result<(), ControlError> {
+    if !p.is_absolute() {
+        return Err(bad(format!("{what} {} must be an absolute path", p.display())));
+    }
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(_) => Err(bad(format!("{what} {} is not a regular file", p.display()))),
+        Err(e) => Err(bad(format!("{what} {}: {e}", p.display()))),
+    }
+}
+
+/// Checks a description before anything is made for it.
+pub fn validate(spec: &VmSpec) -> Result<(), ControlError> {
+    crate::config::validate_name(&spec.name).map_err(|e| bad(e.replace("tenant name", "VM name")))?;
+    if !(1..=64).contains(&spec.vcpus) {
+        return Err(bad(format!("vcpus must be 1 to 64, not {}", spec.vcpus)));
+    }
+    let mem = spec.memory.0;
+    if mem < 8 << 20 || !mem.is_multiple_of(1 << 20) || mem > 1 << 40 {
+        return Err(bad(format!("memory must be a whole number of MiB from 8MiB to 1TiB, not {}", spec.memory)));
+    }
+    let page = spec.hugepages.unwrap_or_default().page_size();
+    if !mem.is_multiple_of(page) {
+        return Err(bad(format!("memory of {} is not a whole number of {} hugepages", spec.memory, spec.hugepages.unwrap_or_default().as_str())));
+    }
+    match (&spec.kernel, &spec.boot_disk) {
+        (Some(k), None) => check_file("kernel", k)?,
+        (None, Some(_)) => return Err(bad("booting from a disk needs virtio-blk in vgpu-vmm, which is not built yet; give a kernel")),
+        (Some(_), Some(_)) => return Err(bad("give a kernel or a boot disk, not both")),
+        (None, None) => return Err(bad("give a kernel (and optionally an initramfs and command line) or a boot disk")),
+    }
+    if let Some(i) = &spec.initramfs {
+        check_file("initramfs", i)?;
+    }
+    if spec.cmdline.as_ref().is_some_and(|c| c.len() > 2048 || c.contains('\0')) {
+        return Err(bad("cmdline must be at most 2048 bytes, without NUL"));
+    }
+    if !spec.disks.is_empty() {
+        return Err(bad("disks need virtio-blk in vgpu-vmm, which is not built yet"));
+    }
+    if !spec.nets.is_empty() {
+        return Err(bad("network interfaces need virtio-net in vgpu-vmm, which is not built yet"));
+    }
+    if spec.vgpu.memory.0 == 0 {
+        return Err(bad("the vGPU's memory must be positive"));
+    }
+    Ok(())
+}
+
+impl Vms {
+    pub fn new(cfg: VmsConfig) -> Vms {
+        Vms { cfg, map: Mutex::new(BTreeMap::new()), changing: Mutex::new(()) }
+    }
+
+    fn map(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Vm>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn get(&self, name: &str) -> Result<Arc<Vm>, ControlError> {
+        self.map().get(name).cloned().ok_or_else(|| ControlError::NotFound(format!("no VM {name}")))
+    }
+
+    /// Whether `tenant` is a managed VM's vGPU.
+    pub fn owns_tenant(&self, tenant: &str) -> bool {
+        self.map().contains_key(tenant)
+    }
+
+    fn vms_dir(&self) -> PathBuf {
+        self.cfg.state_dir.join("vms")
+    }
+
+    fn make(&self, c: &Control, spec: VmSpec, desired: Desired) -> Arc<Vm> {
+        let dir = self.vms_dir().join(&spec.name);
+        let api_socket = c.run_dir.join("vms").join(format!("{}.sock", spec.name));
+        Arc::new(Vm {
+            spec,
+            dir,
+            api_socket,
+            run: Mutex::new(Run { desired, state: VmState::Stopped, pid: 0, pidfd: None, restarts: 0, last_exit: None, error: None, starts: 0, kick: true, ended: false }),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn spawn_supervisor(&self, c: &Arc<Control>, vm: &Arc<Vm>) -> Result<(), ControlError> {
+        let (c, vm2, cfg) = (c.clone(), vm.clone(), self.cfg.clone());
+        std::thread::Builder::new()
+            .name(format!("vm-{}", vm.spec.name))
+            .spawn(move || supervise(&c, &vm2, &cfg))
+            .map(|_| ())
+            .map_err(|e| ControlError::Worker(format!("starting the VM's supervisor: {e}")))
+    }
+
+    /// Brings back the VMs saved in the state directory (at daemon start).
+    pub fn load(&self, c: &Arc<Control>) {
+        let Ok(entries) = std::fs::read_dir(self.vms_dir()) else { return };
+        for e in entries.flatten() {
+            let path = e.path().join("vm.json");
+            let saved = match std::fs::read(&path).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice::<Saved>(&b).map_err(|e| e.to_string())) {
+                Ok(s) => s,
+                Err(err) => {
+                    warn!(path = %path.display(), "not loading a saved VM: {err}");
+                    continue;
+                }
+            };
+            if e.file_name().to_str() != Some(saved.spec.name.as_str()) || saved.desired == Desired::Deleted {
+                warn!(path = %path.display(), "not loading a saved VM whose directory does not match its name");
+                continue;
+            }
+            let vm = self.make(c, saved.spec, saved.desired);
+            self.map().insert(vm.spec.name.clone(), vm.clone());
+            match self.spawn_supervisor(c, &vm) {
+                Ok(()) => info!(vm = %vm.spec.name, desired = saved.desired.as_str(), "VM loaded from the state directory"),
+                Err(e) => warn!(vm = %vm.spec.name, "{e}"),
+            }
+        }
+    }
+
+    pub fn list(&self, c: &Control) -> Vec<VmView> {
+        let vms: Vec<Arc<Vm>> = self.map().values().cloned().collect();
+        vms.iter().map(|vm| view(c, vm)).collect()
+    }
+
+    pub fn show(&self, c: &Control, name: &str) -> Result<VmView, ControlError> {
+        let vm = self.get(name)?;
+        Ok(view(c, &vm))
+    }
+
+    /// Creates a VM and its vGPU and starts it; on any failure nothing of it
+    /// is left (no tenant, VMM, socket or state file).
+    pub fn create(&self, c: &Arc<Control>, spec: VmSpec) -> Result<VmView, ControlError> {
+        validate(&spec)?;
+        let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        if self.map().contains_key(&spec.name) {
+            return Err(ControlError::Conflict(format!("a VM named {} exists", spec.name)));
+        }
+        if self.map().len() >= MAX_VMS {
+            return Err(ControlError::Conflict(format!("this daemon manages {MAX_VMS} VMs already")));
+        }
+        if c.tenant(&spec.name).is_some() {
+            return Err(ControlError::Conflict(format!("a tenant named {} exists; a VM's vGPU takes the VM's name", spec.name)));
+        }
+        let rec = ensure_tenant(c, &spec)?;
+        let vm = self.make(c, spec, Desired::Running);
+        let undo = |vm: &Arc<Vm>| {
+            let _ = c.delete_tenant(&vm.spec.name);
+            let _ = std::fs::remove_dir_all(&vm.dir);
+            let _ = std::fs::remove_file(&vm.api_socket);
+        };
+        if let Err(e) = check_hugepages(&vm.spec, rec.numa_node) {
+            undo(&vm);
+            return Err(e);
+        }
+        let made = std::fs::create_dir_all(&vm.dir).and_then(|()| std::fs::create_dir_all(vm.api_socket.parent().unwrap_or(Path::new("/"))));
+        if let Err(e) = made.map_err(|e| ControlError::Worker(format!("making {}: {e}", vm.dir.display()))).and_then(|()| vm.save(Desired::Running)) {
+            undo(&vm);
+            return Err(e);
+        }
+        self.map().insert(vm.spec.name.clone(), vm.clone());
+        if let Err(e) = self.spawn_supervisor(c, &vm) {
+            self.map().remove(&vm.spec.name);
+            undo(&vm);
+            return Err(e);
+        }
+        // The first start decides: a VMM that cannot start leaves nothing.
+        vm.wait_for(READY_WAIT + Duration::from_secs(5), |r| r.starts > 0 && r.state != VmState::Starting);
+        let failed = {
+            let r = vm.lock();
+            (r.state != VmState::Running).then(|| r.error.clone().unwrap_or_else(|| format!("the VM did not start ({})", r.last_exit.clone().unwrap_or_default())))
+        };
+        if let Some(err) = failed {
+            self.end(&vm);
+            self.map().remove(&vm.spec.name);
+            undo(&vm);
+            return Err(bad(err));
+        }
+        info!(vm = %vm.spec.name, device = %rec.device, numa_node = rec.numa_node, "VM created");
+        Ok(view(c, &vm))
+    }
+
+    /// Stops the supervisor and its VMM and waits for both.
+    fn end(&self, vm: &Vm) {
+        vm.lock().desired = Desired::Deleted;
+        vm.cv.notify_all();
+        vm.signal(libc::SIGKILL);
+        vm.wait_for(Duration::from_secs(30), |r| r.ended);
+    }
+
+    /// Stops the VM: the guest is asked to shut down, and the VMM killed if
+    /// it has not ended within `timeout`. It stays stopped (across daemon
+    /// restarts too) until started.
+    pub fn stop(&self, c: &Control, name: &str, timeout: Option<Duration>) -> Result<VmView, ControlError> {
+        let vm = self.get(name)?;
+        vm.save(Desired::Stopped)?;
+        vm.lock().desired = Desired::Stopped;
+        vm.cv.notify_all();
+        stop_vmm(&vm, timeout.unwrap_or(self.cfg.stop_timeout));
+        Ok(view(c, &vm))
+    }
+
+    pub fn start(&self, c: &Control, name: &str) -> Result<VmView, ControlError> {
+        let vm = self.get(name)?;
+        vm.save(Desired::Running)?;
+        let before = {
+            let mut r = vm.lock();
+            if r.desired == Desired::Running && r.pid != 0 {
+                return Ok(view(c, &vm));
+            }
+            r.desired = Desired::Running;
+            r.kick = true;
+            r.starts
+        };
+        vm.cv.notify_all();
+        vm.wait_for(READY_WAIT + Duration::from_secs(5), |r| r.starts > before && r.state != VmState::Starting);
+        let v = view(c, &vm);
+        if v.state != VmState::Running {
+            return Err(ControlError::Worker(format!("VM {name} did not start: {}", v.error.clone().or(v.last_exit.clone()).unwrap_or_default())));
+        }
+        Ok(v)
+    }
+
+    /// A hard reset: the VMM is killed and started again.
+    pub fn reboot(&self, c: &Control, name: &str) -> Result<VmView, ControlError> {
+        let vm = self.get(name)?;
+        if vm.lock().desired != Desired::Running {
+            return Err(ControlError::Conflict(format!("VM {name} is stopped; start it")));
+        }
+        self.stop(c, name, Some(Duration::ZERO))?;
+        self.start(c, name)
+    }
+
+    /// Deletes the VM: its VMM ends, its vGPU tenant is deleted (its memory
+    /// scrubbed by the worker), and its state, logs and socket go.
+    /// Returns whether the vGPU's memory was released already.
+    pub fn delete(&self, c: &Control, name: &str) -> Result<bool, ControlError> {
+        let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let vm = self.get(name)?;
+        let _ = vm.save(Desired::Deleted);
+        self.end(&vm);
+        self.map().remove(name);
+        let released = match c.delete_tenant(name) {
+            Ok(done) => done,
+            Err(ControlError::NotFound(_)) => true,
+            Err(e) => return Err(e),
+        };
+        let _ = std::fs::remove_dir_all(&vm.dir);
+        let _ = std::fs::remove_file(&vm.api_socket);
+        info!(vm = name, "VM deleted");
+        Ok(released)
+    }
+
+    pub fn console(&self, name: &str, bytes: u64) -> Result<Vec<u8>, ControlError> {
+        let vm = self.get(name)?;
+        tail(&vm.console_log(), bytes.min(2 * LOG_CAP)).map_err(|e| ControlError::Worker(format!("reading the console log: {e}")))
+    }
+
+    pub fn logs(&self, name: &str, bytes: u64) -> Result<Vec<u8>, ControlError> {
+        let vm = self.get(name)?;
+        tail(&vm.dir.join("vmm.log"), bytes.min(2 * LOG_CAP)).map_err(|e| ControlError::Worker(format!("reading the VMM log: {e}")))
+    }
+
+    /// Daemon shutdown: VMMs end with it (their vGPUs do).
+    pub fn shutdown(&self) {
+        for vm in self.map().values() {
+            vm.signal(libc::SIGKILL);
+        }
+    }
+}
+
+fn view(c: &Control, vm: &Vm) -> VmView {
+    let t: Option<TenantRecord> = c.tenant(&vm.spec.name);
+    let r = vm.lock();
+    VmView {
+        name: vm.spec.name.clone(),
+        state: r.state,
+        desired: r.desired.as_str().into(),
+        spec: vm.spec.clone(),
+        device: t.as_ref().map(|t| t.device.clone()).unwrap_or_default(),
+        pool: t.as_ref().map(|t| t.pool.clone()).unwrap_or_default(),
+        numa_node: t.as_ref().map_or(-1, |t| t.numa_node),
+        pid: r.pid,
+        restarts: r.restarts,
+        last_exit: r.last_exit.clone(),
+        error: r.error.clone(),
+        api_socket: vm.api_socket.clone(),
+        console_log: vm.console_log(),
+    }
+}
+
+fn check_hugepages(spec: &VmSpec, node: i32) -> Result<(), ControlError> {
+    let size = spec.hugepages.unwrap_or_default();
+    if size == Hugepages::None {
+        return Ok(());
+    }
+    let need = spec.memory.0 / size.page_size();
+    let free = free_hugepages(size, node).unwrap_or(0);
+    if free < need {
+        let at = if node >= 0 { format!("NUMA node {node}") } else { "this host".into() };
+        return Err(ControlError::InsufficientMemory(format!("VM {} needs {need} free {} hugepages on {at} (its vGPU's node); {free} are free", spec.name, size.as_str())));
+    }
+    Ok(())
+}
+
+/// The VM's vGPU tenant: the existing one, or made now (at creation, or
+/// after a daemon restart, which forgets tenants).
+fn ensure_tenant(c: &Control, spec: &VmSpec) -> Result<TenantRecord, ControlError> {
+    if let Some(t) = c.tenant(&spec.name) {
+        if t.kind == "vm" {
+            return Ok(t);
+        }
+        return Err(ControlError::Conflict(format!("tenant {} exists and is not a VM's", spec.name)));
+    }
+    let mut t = serde_json::json!({ "name": spec.name, "memory": spec.vgpu.memory, "weight": spec.vgpu.weight, "kind": "vm" });
+    if let Some(cap) = spec.vgpu.cap {
+        t["cap"] = cap.into();
+    }
+    if let Some(p) = &spec.vgpu.pool {
+        t["pool"] = p.clone().into();
+    }
+    let ts: crate::config::TenantSpec = serde_json::from_value(t).map_err(|e| bad(format!("the VM's vGPU: {e}")))?;
+    c.create_tenant(&ts)
+}
+
+/// Asks the guest to shut down, then kills the VMM after `timeout`.
+fn stop_vmm(vm: &Vm, timeout: Duration) {
+    if vm.lock().pid == 0 {
+        return;
+    }
+    if !timeout.is_zero() {
+        let _ = vgpu_api::http::request(&vm.api_socket, "PUT", "/vm/shutdown", None);
+        if vm.wait_for(timeout, |r| r.pid == 0) {
+            return;
+        }
+    }
+    vm.signal(libc::SIGKILL);
+    vm.wait_for(Duration::from_secs(10), |r| r.pid == 0);
+}
+
+fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: &TenantRecord) -> std::io::Result<Child> {
+    let s = &vm.spec;
+    let _ = std::fs::remove_file(&vm.api_socket);
+    let mut cmd = Command::new(&cfg.vmm);
+    if let Some(k) = &s.kernel {
+        cmd.arg("--kernel").arg(k);
+    }
+    if let Some(i) = &s.initramfs {
+        cmd.arg("--initramfs").arg(i);
+    }
+    if let Some(l) = &s.cmdline {
+        cmd.arg("--cmdline").arg(l);
+    }
+    cmd.arg("--vcpus").arg(s.vcpus.to_string()).arg("--memory").arg((s.memory.0 >> 20).to_string());
+    if let Some(h) = s.hugepages.filter(|h| *h != Hugepages::None) {
+        cmd.arg("--hugepages").arg(h.as_str());
+    }
+    if t.numa_node >= 0 {
+        cmd.arg("--numa-node").arg(t.numa_node.to_string());
+    }
+    let mut vgpu = std::ffi::OsString::from("socket=");
+    vgpu.push(&t.socket);
+    cmd.arg("--serial").arg("stdout").arg("--api-socket").arg(&vm.api_socket).arg("--vgpu").arg(vgpu);
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    // SAFETY: the closure only calls prctl, which is async-signal-safe,
+    // between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            // The VMM ends with the thread that started it (its
+            // supervisor, which lives as long as the VM) and the daemon.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+    cmd.spawn()
+}
+
+fn pidfd_of(pid: u32) -> Option<Arc<OwnedFd>> {
+    // SAFETY: pidfd_open with a pid and no flags returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a non-negative result is a new fd that nothing else owns.
+    (fd >= 0).then(|| Arc::new(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
+}
+
+/// The VM's supervisor: starts its VMM whenever it should run, and applies
+/// the restart policy when it ends on its own.
+fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
+    let mut backoff = Duration::from_secs(1);
+    let name = vm.spec.name.clone();
+    loop {
+        {
+            let mut r = vm.lock();
+            loop {
+                match r.desired {
+                    Desired::Deleted => {
+                        r.state = VmState::Stopped;
+                        r.ended = true;
+                        vm.cv.notify_all();
+                        return;
+                    }
+                    Desired::Stopped => {
+                        r.state = VmState::Stopped;
+                        vm.cv.notify_all();
+                        r = vm.cv.wait(r).unwrap_or_else(|e| e.into_inner());
+                    }
+                    Desired::Running => break,
+                }
+            }
+            if r.kick {
+                r.kick = false;
+                backoff = Duration::from_secs(1);
+            }
+            r.state = VmState::Starting;
+            r.error = None;
+            vm.cv.notify_all();
+        }
+        let started = ensure_tenant(c, &vm.spec).and_then(|t| {
+            check_hugepages(&vm.spec, t.numa_node)?;
+            spawn_vmm(cfg, vm, &t).map_err(|e| ControlError::Worker(format!("starting {}: {e}", cfg.vmm.display())))
+        });
+        let mut child = match started {
+            Ok(child) => child,
+            Err(e) => {
+                warn!(vm = %name, "VM could not start: {e}");
+                let mut r = vm.lock();
+                r.state = VmState::Failed;
+                r.error = Some(e.to_string());
+                r.starts += 1;
+                vm.cv.notify_all();
+                let _ = vm.cv.wait_timeout_while(r, backoff, |r| r.desired == Desired::Running && !r.kick);
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        if let Some(out) = child.stdout.take() {
+            pump(out, vm.console_log(), format!("console-{name}"));
+        }
+        if let Some(err) = child.stderr.take() {
+            pump(err, vm.dir.join("vmm.log"), format!("vmmlog-{name}"));
+        }
+        {
+            let mut r = vm.lock();
+            r.pid = child.id();
+            r.pidfd = pidfd_of(child.id());
+        }
+        let ran_from = Instant::now();
+        // Running once its API answers (or it has lived READY_WAIT).
+        let deadline = Instant::now() + READY_WAIT;
+        let early = loop {
+            if let Ok(Some(s)) = child.try_wait() {
+                break Some(s);
+            }
+            if std::os::unix::net::UnixStream::connect(&vm.api_socket).is_ok() || Instant::now() >= deadline || vm.lock().desired != Desired::Running {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let status = match early {
+            Some(s) => Ok(s),
+            None => {
+                {
+                    let mut r = vm.lock();
+                    r.state = VmState::Running;
+                    r.starts += 1;
+                    vm.cv.notify_all();
+                }
+                info!(vm = %name, pid = child.id(), "VM running");
+                child.wait()
+            }
+        };
+        let clean = matches!(&status, Ok(s) if s.success());
+        let exit = describe(status);
+        if ran_from.elapsed() >= MAX_BACKOFF {
+            // It ran a good while: the next restart comes soon again.
+            backoff = Duration::from_secs(1);
+        }
+        let mut r = vm.lock();
+        r.pid = 0;
+        r.pidfd = None;
+        r.last_exit = Some(exit.clone());
+        if early.is_some() {
+            // It ended before it was up: a failed start.
+            let log = tail(&vm.dir.join("vmm.log"), 2048).unwrap_or_default();
+            r.error = Some(format!("vgpu-vmm ended as it started ({exit}): {}", String::from_utf8_lossy(&log).trim()));
+            r.state = VmState::Failed;
+            r.starts += 1;
+        }
+        let asked = r.desired != Desired::Running;
+        let again = !asked
+            && match vm.spec.restart {
+                RestartPolicy::Always => true,
+                RestartPolicy::OnFailure => !clean,
+                RestartPolicy::Never => false,
+            };
+        if asked {
+            info!(vm = %name, "VM stopped ({exit})");
+            continue;
+        }
+        if !again {
+            info!(vm = %name, "VM ended ({exit}); its restart policy leaves it stopped");
+            r.desired = Desired::Stopped;
+            drop(r);
+            if let Err(e) = vm.save(Desired::Stopped) {
+                warn!(vm = %name, "{e}");
+            }
+            continue;
+        }
+        warn!(vm = %name, "VM ended on its own ({exit}); restarting in {backoff:?}");
+        r.restarts += 1;
+        if r.state != VmState::Failed {
+            r.state = VmState::Restarting;
+        }
+        vm.cv.notify_all();
+        let _ = vm.cv.wait_timeout_while(r, backoff, |r| r.desired == Desired::Running && !r.kick);
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
