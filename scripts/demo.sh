@@ -88,7 +88,7 @@ kill "$MED" 2>/dev/null; wait "$MED" 2>/dev/null || true
 MED=""
 
 echo
-echo "== now VMs: two stock Debian kernel guests under vgpu-vmm share one device with a host process"
+echo "== now VMs: two stock Debian kernel guests, made with vgpuctl vm create, share one device with a host process"
 echo "   (they run in the nested test host: QEMU TCG boots an L1 Linux whose KVM runs our VMM; about a minute)"
 bash "$ROOT/images/nested/run.sh" demo 900 | tr -d '\r' | sed 's/\x1b\[[0-9;?]*[A-Za-z]//g' \
     | grep -vE '^\s*$|SeaBIOS|Booting from|WARN|reboot: Power down|^L1: ' | tee "$RUN/vm-demo.log"

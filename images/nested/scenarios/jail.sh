@@ -37,9 +37,9 @@ for t in /proc/$vmm/task/*; do
 done
 echo "JAIL-THREADS=$n"
 echo "JAIL-SECCOMP-THREADS=$s"
-vgpuctl vm --socket $api info
-vgpuctl vm --socket $api shutdown
-(sleep 60; vgpuctl vm --socket $api kill) >/dev/null 2>&1 &
+vgpuctl vmm --socket $api info
+vgpuctl vmm --socket $api shutdown
+(sleep 60; vgpuctl vmm --socket $api kill) >/dev/null 2>&1 &
 wait $sup
 echo "VMM-EXIT=$?"
 echo "CGROUPS-LEFT=$(ls /sys/fs/cgroup/vgpu-vmm | grep -c '^vm-')"

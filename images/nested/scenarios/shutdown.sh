@@ -10,13 +10,13 @@ vmm=$!
 i=0
 while ! grep -q L2-IDLE $log && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
 grep -q L2-IDLE $log && echo "SAW-L2-IDLE-BEFORE-API-CALLS"
-vgpuctl vm --socket $api info
-vgpuctl vm --socket $api pause
-echo "PAUSED-STATE=$(vgpuctl -o json vm --socket $api info | grep '"state"' | tr -d ' ",' | cut -d: -f2)"
-vgpuctl vm --socket $api resume
-vgpuctl vm --socket $api shutdown
+vgpuctl vmm --socket $api info
+vgpuctl vmm --socket $api pause
+echo "PAUSED-STATE=$(vgpuctl -o json vmm --socket $api info | grep '"state"' | tr -d ' ",' | cut -d: -f2)"
+vgpuctl vmm --socket $api resume
+vgpuctl vmm --socket $api shutdown
 # Watchdog: a guest that ignores the request is killed (VMM exit 4).
-(sleep 60; vgpuctl vm --socket $api kill) >/dev/null 2>&1 &
+(sleep 60; vgpuctl vmm --socket $api kill) >/dev/null 2>&1 &
 wait $vmm
 echo "VMM-EXIT=$?"
 cat $log
