@@ -111,6 +111,229 @@ pub struct VmConfig {
     /// A virtio-gpu compute device served by the mediator over vhost-user.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vgpu: Option<VgpuConfig>,
+    /// virtio-blk disks, in PCI slot order (the guest's vda, vdb, ...).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskConfig>,
+    /// virtio-net interfaces over taps, in PCI slot order (after the disks).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nets: Vec<NetConfig>,
+}
+
+/// Most disks one VM may have.
+pub const MAX_DISKS: usize = 16;
+
+/// A token bucket: `size` units, refilled completely every `refill_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketConfig {
+    pub size: u64,
+    pub refill_ms: u64,
+}
+
+impl BucketConfig {
+    /// `SIZE/MS`, SIZE a number or a size such as 10MiB.
+    fn parse(s: &str, what: &str) -> Result<BucketConfig, String> {
+        let bad = || format!("invalid {what} '{s}': use AMOUNT/MILLISECONDS, e.g. 10MiB/1000");
+        let (a, ms) = s.split_once('/').ok_or_else(bad)?;
+        let size = a.parse::<Size>().map_err(|_| bad())?.0;
+        let refill_ms = ms.parse::<u64>().map_err(|_| bad())?;
+        if size == 0 || refill_ms == 0 || refill_ms > 3_600_000 {
+            return Err(bad());
+        }
+        Ok(BucketConfig { size, refill_ms })
+    }
+
+    pub fn bucket(self) -> crate::devices::virtio::rate_limit::Bucket {
+        crate::devices::virtio::rate_limit::Bucket { size: self.size, refill: std::time::Duration::from_millis(self.refill_ms) }
+    }
+
+    /// What `parse` enforces, for buckets from a config file.
+    fn check(&self, what: &str) -> Result<(), String> {
+        if self.size == 0 || self.refill_ms == 0 || self.refill_ms > 3_600_000 {
+            return Err(format!("{what}: a bucket needs a size above 0 and a refill_ms of 1 to 3600000"));
+        }
+        Ok(())
+    }
+}
+
+/// Both buckets of a rate limit, as the devices take them.
+fn rate_limit(bandwidth: Option<BucketConfig>, ops: Option<BucketConfig>) -> crate::devices::virtio::rate_limit::RateLimit {
+    crate::devices::virtio::rate_limit::RateLimit { bandwidth: bandwidth.map(|b| b.bucket()), ops: ops.map(|b| b.bucket()) }
+}
+
+/// `--disk path=PATH[,ro][,direct][,id=ID][,bw=SIZE/MS][,ops=N/MS]`: a
+/// raw image (a regular file or a block device), read-only or not, opened
+/// with O_DIRECT or not, with optional rate limits on bytes and requests.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub read_only: bool,
+    #[serde(default)]
+    pub direct: bool,
+    /// What the guest reads as the disk's serial (at most 20 bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth: Option<BucketConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ops: Option<BucketConfig>,
+}
+
+impl std::str::FromStr for DiskConfig {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut d = DiskConfig { path: PathBuf::new(), read_only: false, direct: false, id: None, bandwidth: None, ops: None };
+        for part in s.split(',') {
+            match part.split_once('=') {
+                Some(("path", p)) if !p.is_empty() => d.path = PathBuf::from(p),
+                Some(("id", i)) if !i.is_empty() && i.len() <= 20 && i.is_ascii() => d.id = Some(i.into()),
+                Some(("bw", b)) => d.bandwidth = Some(BucketConfig::parse(b, "bw")?),
+                Some(("ops", o)) => d.ops = Some(BucketConfig::parse(o, "ops")?),
+                None if part == "ro" => d.read_only = true,
+                None if part == "direct" => d.direct = true,
+                _ => return Err(format!("invalid --disk part '{part}': use path=PATH[,ro][,direct][,id=ID (20 ASCII bytes at most)][,bw=SIZE/MS][,ops=N/MS]")),
+            }
+        }
+        if d.path.as_os_str().is_empty() {
+            return Err("--disk needs path=PATH".into());
+        }
+        Ok(d)
+    }
+}
+
+impl DiskConfig {
+    pub fn rate_limit(&self) -> crate::devices::virtio::rate_limit::RateLimit {
+        rate_limit(self.bandwidth, self.ops)
+    }
+}
+
+/// Most network interfaces one VM may have.
+pub const MAX_NETS: usize = 8;
+
+/// An Ethernet address, written `52:54:00:12:34:56`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MacAddr(pub [u8; 6]);
+
+impl MacAddr {
+    /// Bit 0 of the first byte clear: an address one NIC may own.
+    pub fn is_unicast(&self) -> bool {
+        self.0[0] & 1 == 0
+    }
+
+    /// The address of interface `index` over tap `tap` when none is given:
+    /// 52:54:00 (locally administered, unicast) and three bytes of an
+    /// FNV-1a hash of the name and the index, the same on every start.
+    pub fn derived(tap: &str, index: usize) -> MacAddr {
+        let h = tap.bytes().chain((index as u32).to_le_bytes()).fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193));
+        let [a, b, c, _] = h.to_le_bytes();
+        MacAddr([0x52, 0x54, 0x00, a, b, c])
+    }
+}
+
+impl std::fmt::Display for MacAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [a, b, c, d, e, g] = self.0;
+        write!(f, "{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{g:02x}")
+    }
+}
+
+impl std::str::FromStr for MacAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("invalid MAC address '{s}': use six hex bytes such as 52:54:00:12:34:56");
+        let mut m = [0u8; 6];
+        let mut parts = s.split(':');
+        for b in m.iter_mut() {
+            let p = parts.next().ok_or_else(bad)?;
+            if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(bad());
+            }
+            *b = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+        }
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        Ok(MacAddr(m))
+    }
+}
+
+impl Serialize for MacAddr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for MacAddr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// `--net tap=NAME[,mac=MAC][,rx_bw=SIZE/MS][,rx_ops=N/MS][,tx_bw=SIZE/MS][,tx_ops=N/MS]`:
+/// a virtio-net interface over the tap NAME (opened when the VM starts,
+/// created if missing and the VMM may), with its MAC address (default
+/// [`MacAddr::derived`]) and optional rate limits per direction on bytes
+/// and frames.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetConfig {
+    pub tap: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<MacAddr>,
+    /// Frames to the guest: bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rx_bandwidth: Option<BucketConfig>,
+    /// Frames to the guest: count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rx_ops: Option<BucketConfig>,
+    /// Frames from the guest: bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tx_bandwidth: Option<BucketConfig>,
+    /// Frames from the guest: count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tx_ops: Option<BucketConfig>,
+}
+
+impl NetConfig {
+    /// The MAC address given, or the one derived for interface `index`.
+    pub fn mac_or_derived(&self, index: usize) -> MacAddr {
+        self.mac.unwrap_or_else(|| MacAddr::derived(&self.tap, index))
+    }
+
+    pub fn rx_limit(&self) -> crate::devices::virtio::rate_limit::RateLimit {
+        rate_limit(self.rx_bandwidth, self.rx_ops)
+    }
+
+    pub fn tx_limit(&self) -> crate::devices::virtio::rate_limit::RateLimit {
+        rate_limit(self.tx_bandwidth, self.tx_ops)
+    }
+}
+
+impl std::str::FromStr for NetConfig {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut n = NetConfig { tap: String::new(), mac: None, rx_bandwidth: None, rx_ops: None, tx_bandwidth: None, tx_ops: None };
+        for part in s.split(',') {
+            match part.split_once('=') {
+                Some(("tap", t)) => {
+                    crate::devices::virtio::net::check_tap_name(t).map_err(|e| e.to_string())?;
+                    n.tap = t.to_string();
+                }
+                Some(("mac", m)) => n.mac = Some(m.parse()?),
+                Some(("rx_bw", b)) => n.rx_bandwidth = Some(BucketConfig::parse(b, "rx_bw")?),
+                Some(("rx_ops", o)) => n.rx_ops = Some(BucketConfig::parse(o, "rx_ops")?),
+                Some(("tx_bw", b)) => n.tx_bandwidth = Some(BucketConfig::parse(b, "tx_bw")?),
+                Some(("tx_ops", o)) => n.tx_ops = Some(BucketConfig::parse(o, "tx_ops")?),
+                _ => return Err(format!("invalid --net part '{part}': use tap=NAME[,mac=52:54:00:xx:xx:xx][,rx_bw=SIZE/MS][,rx_ops=N/MS][,tx_bw=SIZE/MS][,tx_ops=N/MS]")),
+            }
+        }
+        if n.tap.is_empty() {
+            return Err("--net needs tap=NAME".into());
+        }
+        Ok(n)
+    }
 }
 
 /// `--vgpu socket=PATH[,headless]`.
@@ -168,6 +391,8 @@ impl VmConfig {
             api_socket: None,
             rng: true,
             vgpu: None,
+            disks: Vec::new(),
+            nets: Vec::new(),
         }
     }
 
@@ -209,6 +434,39 @@ impl VmConfig {
         }
         if self.cmdline.bytes().any(|b| b == 0) {
             return bad("kernel command line contains a NUL byte".into());
+        }
+        if self.disks.len() > MAX_DISKS {
+            return bad(format!("{} disks; the limit is {MAX_DISKS}", self.disks.len()));
+        }
+        for d in &self.disks {
+            match std::fs::metadata(&d.path) {
+                Ok(m) if m.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()) => {}
+                Ok(_) => return bad(format!("disk {} is not a regular file or a block device", d.path.display())),
+                Err(e) => return bad(format!("disk {}: {e}", d.path.display())),
+            }
+            if d.id.as_ref().is_some_and(|i| i.len() > 20 || !i.is_ascii()) {
+                return bad(format!("disk {}: id must be at most 20 ASCII bytes", d.path.display()));
+            }
+            for (b, what) in [(d.bandwidth, "bandwidth"), (d.ops, "ops")] {
+                b.map_or(Ok(()), |b| b.check(&format!("disk {} {what}", d.path.display()))).map_err(ConfigError::Invalid)?;
+            }
+        }
+        if self.nets.len() > MAX_NETS {
+            return bad(format!("{} network interfaces; the limit is {MAX_NETS}", self.nets.len()));
+        }
+        for (i, n) in self.nets.iter().enumerate() {
+            crate::devices::virtio::net::check_tap_name(&n.tap).map_err(|e| ConfigError::Invalid(format!("net {i}: {e}")))?;
+            if self.nets[..i].iter().any(|o| o.tap == n.tap) {
+                return bad(format!("net {i}: tap {} is named twice; a tap serves one interface", n.tap));
+            }
+            if let Some(m) = n.mac {
+                if !m.is_unicast() || m.0 == [0; 6] {
+                    return bad(format!("net {i}: mac {m} is not a unicast address (bit 0 of the first byte must be clear, and not all zeros)"));
+                }
+            }
+            for (b, what) in [(n.rx_bandwidth, "rx_bandwidth"), (n.rx_ops, "rx_ops"), (n.tx_bandwidth, "tx_bandwidth"), (n.tx_ops, "tx_ops")] {
+                b.map_or(Ok(()), |b| b.check(&format!("net {i} {what}"))).map_err(ConfigError::Invalid)?;
+            }
         }
         Ok(())
     }
@@ -275,5 +533,64 @@ mod tests {
         c.kernel = "/".into();
         assert!(c.validate().unwrap_err().to_string().contains("not a regular file"));
         assert_eq!(meminfo_field("MemTotal:  1024 kB\nHugePages_Free:  7\n", "HugePages_Free"), Some(7));
+    }
+
+    #[test]
+    fn net_arguments_parse_and_bad_ones_say_why() {
+        let n: NetConfig = "tap=vt0,mac=52:54:00:0a:0B:0c,rx_bw=10MiB/1000,tx_ops=100/10".parse().unwrap();
+        assert_eq!(n.tap, "vt0");
+        assert_eq!(n.mac, Some(MacAddr([0x52, 0x54, 0, 0x0a, 0x0b, 0x0c])));
+        assert_eq!(n.rx_bandwidth, Some(BucketConfig { size: 10 << 20, refill_ms: 1000 }));
+        assert_eq!(n.tx_ops, Some(BucketConfig { size: 100, refill_ms: 10 }));
+        assert_eq!((n.rx_ops, n.tx_bandwidth), (None, None));
+        for (arg, says) in [
+            ("mac=52:54:00:00:00:01", "needs tap=NAME"),
+            ("tap=a-name-of-16-chr", "at most 15 bytes"),
+            ("tap=tap/0", "printable ASCII"),
+            ("tap=t0,mac=52:54:00:00:01", "invalid MAC address"),
+            ("tap=t0,mac=52:54:00:00:01:xy", "invalid MAC address"),
+            ("tap=t0,rx_bw=fast", "AMOUNT/MILLISECONDS"),
+            ("tap=t0,speed=1", "invalid --net part"),
+        ] {
+            let e = arg.parse::<NetConfig>().unwrap_err();
+            assert!(e.contains(says), "{arg}: {e}");
+        }
+        // The config file's form, and back.
+        let c: VmConfig = serde_json::from_str(r#"{"kernel":"/k","nets":[{"tap":"vt0","mac":"52:54:00:aa:bb:cc","tx_bandwidth":{"size":1000,"refill_ms":10}}]}"#).unwrap();
+        assert_eq!(c.nets[0].mac, Some(MacAddr([0x52, 0x54, 0, 0xaa, 0xbb, 0xcc])));
+        let back: VmConfig = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        assert!(serde_json::from_str::<VmConfig>(r#"{"kernel":"/k","nets":[{"tap":"vt0","mac":"nope"}]}"#).is_err());
+    }
+
+    #[test]
+    fn nets_are_validated_and_derived_macs_are_local_unicast_and_stable() {
+        let exe = std::env::current_exe().unwrap();
+        let mut c = VmConfig::new(exe);
+        c.memory_mib = MemMiB(16);
+        let net = |tap: &str, mac: Option<&str>| NetConfig { tap: tap.into(), mac: mac.map(|m| m.parse().unwrap()), rx_bandwidth: None, rx_ops: None, tx_bandwidth: None, tx_ops: None };
+        c.nets = vec![net("vt0", None), net("vt1", Some("02:00:00:00:00:01"))];
+        c.validate().unwrap();
+        c.nets[1].mac = Some("01:00:5e:00:00:01".parse().unwrap());
+        assert!(c.validate().unwrap_err().to_string().contains("not a unicast address"));
+        c.nets[1].mac = Some(MacAddr([0; 6]));
+        assert!(c.validate().unwrap_err().to_string().contains("not a unicast address"));
+        c.nets[1] = net("vt0", None);
+        assert!(c.validate().unwrap_err().to_string().contains("named twice"));
+        c.nets[1] = net("bad name", None);
+        assert!(c.validate().unwrap_err().to_string().contains("printable ASCII"));
+        c.nets = (0..9).map(|i| net(&format!("vt{i}"), None)).collect();
+        assert!(c.validate().unwrap_err().to_string().contains("the limit is 8"));
+        c.nets = vec![net("vt0", None)];
+        c.nets[0].rx_ops = Some(BucketConfig { size: 0, refill_ms: 10 });
+        assert!(c.validate().unwrap_err().to_string().contains("size above 0"));
+        let m = MacAddr::derived("vt0", 0);
+        assert_eq!(m, MacAddr::derived("vt0", 0), "the same on every start");
+        assert_ne!(m, MacAddr::derived("vt0", 1));
+        assert_ne!(m, MacAddr::derived("vt1", 0));
+        assert_eq!(&m.0[..3], &[0x52, 0x54, 0x00]);
+        assert!(m.is_unicast() && m.0[0] & 2 != 0, "locally administered unicast");
+        assert_eq!(net("vt0", None).mac_or_derived(0), m);
+        assert_eq!(m.to_string().parse::<MacAddr>().unwrap(), m);
     }
 }

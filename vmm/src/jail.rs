@@ -22,6 +22,13 @@
 //!
 //! The API socket is bound before the jail and handed over as a listening
 //! descriptor, so no host directory needs to be writable from inside.
+//!
+//! The taps of `--net` are opened before the jail too, in the host's
+//! network namespace (the jail's own holds no interface), and handed over
+//! as open descriptors: `/dev/net/tun` is not exposed, and the jailed VMM
+//! reads and writes frames without CAP_NET_ADMIN. They are opened while
+//! still root, so a missing tap is created then (not persistent: it goes
+//! away with the VMM); an existing tap is simply attached to.
 
 use std::ffi::CString;
 use std::io;
@@ -98,6 +105,9 @@ pub fn absolute_paths(cfg: &mut VmConfig) -> Result<(), JailError> {
     if let Some(v) = &mut cfg.vgpu {
         v.socket = canon(&v.socket, "vGPU socket")?;
     }
+    for d in &mut cfg.disks {
+        d.path = canon(&d.path, "disk")?;
+    }
     if let SerialOut::File(p) = &cfg.serial {
         let name = p.file_name().ok_or_else(|| JailError::Invalid(format!("serial output {} names no file", p.display())))?;
         let parent = match p.parent() {
@@ -162,6 +172,15 @@ impl Exposed {
             }
             need_access(p, "serial output", j, 2)?;
             e.writable.push(p.clone());
+        }
+        for d in &cfg.disks {
+            if d.read_only {
+                need_access(&d.path, "disk", j, 4)?;
+                e.read_only.push(d.path.clone());
+            } else {
+                need_access(&d.path, "disk", j, 6)?;
+                e.writable.push(d.path.clone());
+            }
         }
         if let Some(v) = &cfg.vgpu {
             // connect(2) on a unix socket needs write permission on it.

@@ -19,6 +19,7 @@ use crate::config::{SerialOut, VmConfig};
 use crate::devices::i8042::{self, I8042};
 use crate::devices::pci::{IrqRouting, PciRoot, CONFIG_ADDRESS_PORT};
 use crate::devices::serial::{SerialConsole, COM1_IRQ, COM1_PORT};
+use crate::devices::virtio::net::Tap;
 use crate::devices::virtio::{rng::Rng, VirtioPci};
 use crate::memory::GuestRam;
 use crate::numa::{pin_current_thread, sysfs_root, Topology};
@@ -81,6 +82,8 @@ pub enum VmError {
     Device(String),
     #[error(transparent)]
     Seccomp(#[from] crate::seccomp::SeccompError),
+    #[error(transparent)]
+    Net(#[from] crate::devices::virtio::net::NetError),
     #[error("opening serial output {path}: {err}")]
     Serial { path: String, err: std::io::Error },
 }
@@ -338,9 +341,22 @@ fn run_vcpu(mut fd: VcpuFd, buses: Arc<Buses>, ctl: Arc<Control>, first: Arc<Mut
     }
 }
 
+/// Opens the tap of every network interface of `cfg`, in order.
+pub fn open_taps(cfg: &VmConfig) -> Result<Vec<Tap>, VmError> {
+    Ok(cfg.nets.iter().map(|n| Tap::open(&n.tap)).collect::<Result<Vec<_>, _>>()?)
+}
+
 impl Vm {
-    /// Builds and starts the VM. vCPUs are running when this returns.
+    /// Builds and starts the VM, opening its taps. vCPUs are running when
+    /// this returns.
     pub fn start(cfg: VmConfig) -> Result<Vm, VmError> {
+        Vm::start_with_taps(cfg, None)
+    }
+
+    /// As [`Vm::start`], with the taps of `cfg.nets` opened beforehand by
+    /// [`open_taps`]: a jailed VMM opens them before it enters the jail,
+    /// whose network namespace holds no interface.
+    pub fn start_with_taps(mut cfg: VmConfig, taps: Option<Vec<Tap>>) -> Result<Vm, VmError> {
         let start = Instant::now();
         cfg.validate()?;
         let placement = match cfg.numa_node {
@@ -387,6 +403,36 @@ impl Vm {
             let d = Arc::new(Mutex::new(VirtioPci::new(Box::new(Rng::default()), ram.mem.clone(), routing.clone()).map_err(dev_err)?));
             pci.add(d.clone()).map_err(dev_err)?;
             devices.push(d);
+        }
+        for (i, d) in cfg.disks.iter().enumerate() {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true).write(!d.read_only);
+            if d.direct {
+                std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_DIRECT);
+            }
+            let f = o.open(&d.path).map_err(|e| dev_err(format!("disk {}: {e}", d.path.display())))?;
+            let id = d.id.clone().unwrap_or_else(|| format!("vgpu-disk{i}"));
+            let blk = crate::devices::virtio::block::Block::new(f, d.read_only, &id, d.rate_limit()).map_err(|e| dev_err(format!("disk {}: {e}", d.path.display())))?;
+            let dev = Arc::new(Mutex::new(VirtioPci::new(Box::new(blk), ram.mem.clone(), routing.clone()).map_err(dev_err)?));
+            pci.add(dev.clone()).map_err(dev_err)?;
+            devices.push(dev);
+        }
+        // The taps: opened before a jail by the caller, or here.
+        let taps = match taps {
+            Some(t) => t,
+            None => open_taps(&cfg)?,
+        };
+        if taps.len() != cfg.nets.len() {
+            return Err(dev_err(format!("{} taps for {} network interfaces", taps.len(), cfg.nets.len())));
+        }
+        for (i, (n, tap)) in cfg.nets.iter_mut().zip(taps).enumerate() {
+            // GET /vm shows the address the guest got.
+            let mac = n.mac_or_derived(i);
+            n.mac = Some(mac);
+            let net = crate::devices::virtio::net::Net::new(tap, mac.0, n.rx_limit(), n.tx_limit());
+            let dev = Arc::new(Mutex::new(VirtioPci::new(Box::new(net), ram.mem.clone(), routing.clone()).map_err(dev_err)?));
+            pci.add(dev.clone()).map_err(dev_err)?;
+            devices.push(dev);
         }
         if let Some(v) = &cfg.vgpu {
             let gpu = crate::devices::virtio::vhost_gpu::VhostGpu::connect(&v.socket, v.headless).map_err(|e| dev_err(e.to_string()))?;

@@ -13,7 +13,13 @@
 //! - `test=vgpu`: find the virtio-gpu device, probe the capset, create a
 //!   compute context and GUEST blobs, and run vectorAdd through SUBMIT_3D;
 //! - `test=vgpu-hostile`: malformed virtio-gpu commands first, each of
-//!   which must get its error response, then the vectorAdd.
+//!   which must get its error response, then the vectorAdd;
+//! - `test=blk`: find virtio-blk, read the host's marker at sector 0, write
+//!   one at sector 1, flush, read it back, and try past the end, half a
+//!   sector and the device id;
+//! - `test=net`: find virtio-net, print the MAC from its config space, post
+//!   RX buffers, send one broadcast frame (ethertype 0x88B5), and wait for
+//!   the host's frame of that ethertype to its MAC.
 //!
 //! Every run ends with a result line and an i8042 reset. There is no SSE
 //! anywhere (see .cargo/config.toml); work is kept to thousands of
@@ -61,6 +67,13 @@ fn inw(port: u16) -> u16 {
     // SAFETY: as above.
     unsafe { asm!("in ax, dx", out("ax") v, in("dx") port, options(nomem, nostack, preserves_flags)) };
     v
+}
+
+fn rdtsc() -> u64 {
+    let (lo, hi): (u32, u32);
+    // SAFETY: reads the time-stamp counter; no memory is touched.
+    unsafe { asm!("rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags)) };
+    (hi as u64) << 32 | lo as u64
 }
 
 fn puts(s: &str) {
@@ -173,6 +186,8 @@ struct VirtioPci {
     common: u64,
     notify: u64,
     notify_mult: u32,
+    /// The device-specific configuration (0: none).
+    device: u64,
 }
 
 const VIRTIO_VENDOR: u32 = 0x1af4;
@@ -185,7 +200,7 @@ fn find_virtio(device_id: u32) -> Option<(u32, VirtioPci)> {
         }
         // Memory decoding and bus mastering on.
         pci_write(slot, 4, pci_read(slot, 4) | 0x6);
-        let mut v = VirtioPci { common: 0, notify: 0, notify_mult: 0 };
+        let mut v = VirtioPci { common: 0, notify: 0, notify_mult: 0, device: 0 };
         let mut cap = pci_read(slot, 0x34) & 0xff;
         let mut guard = 0;
         while cap != 0 && guard < 48 {
@@ -202,6 +217,7 @@ fn find_virtio(device_id: u32) -> Option<(u32, VirtioPci)> {
                         v.notify = base + off;
                         v.notify_mult = pci_read(slot, cap + 16);
                     }
+                    4 => v.device = base + off,
                     _ => {}
                 }
             }
@@ -320,6 +336,264 @@ fn rng_test() {
     puts("\n");
     if same || zero {
         fail("rng bytes are not random");
+    }
+}
+
+// virtio-blk request parts: header and status in BUF, data pages above.
+const BLK_STATUS: u64 = BUF + 0x100;
+const BLK_DATA: u64 = 0x21_0000;
+const BLK_DATA2: u64 = 0x21_1000;
+
+/// One request through descriptors 0 (header), 1 (data, unless `len` is
+/// 0) and 2 (status); returns the status byte.
+fn blk_request(notify: u64, n: u16, ty: u32, sector: u64, data: u64, len: u32, device_writes: bool) -> u8 {
+    wr32(BUF, ty);
+    wr32(BUF + 4, 0);
+    wr64(BUF + 8, sector);
+    wr8(BLK_STATUS, 0xff);
+    let d0 = DESC;
+    let (d1, d2) = (DESC + 16, DESC + 32);
+    wr64(d0, BUF);
+    wr32(d0 + 8, 16);
+    wr16(d0 + 12, 1); // NEXT
+    wr16(d0 + 14, if len > 0 { 1 } else { 2 });
+    wr64(d1, data);
+    wr32(d1 + 8, len);
+    wr16(d1 + 12, if device_writes { 1 | 2 } else { 1 });
+    wr16(d1 + 14, 2);
+    wr64(d2, BLK_STATUS);
+    wr32(d2 + 8, 1);
+    wr16(d2 + 12, 2); // WRITE
+    wr16(d2 + 14, 0);
+    wr16(AVAIL + 4 + (n % QSIZE) as u64 * 2, 0);
+    // SAFETY: a fence orders the descriptors before the index.
+    unsafe { asm!("mfence", options(nostack)) };
+    wr16(AVAIL + 2, n + 1);
+    wr16(notify, 0);
+    let mut spins = 0u32;
+    while rd16(USED + 2) != n + 1 {
+        spins += 1;
+        if spins > 20_000_000 {
+            fail("virtio-blk request timed out");
+        }
+        core::hint::spin_loop();
+    }
+    rd8(BLK_STATUS)
+}
+
+fn put_text(a: u64, n: u64) {
+    for i in 0..n {
+        let c = rd8(a + i);
+        outb(0x3f8, if (0x20..0x7f).contains(&c) { c } else { b'.' });
+    }
+}
+
+fn blk_status(what: &str, st: u8) {
+    puts(what);
+    puts(" status ");
+    put_dec(st as u64);
+    puts("\n");
+}
+
+/// Reads the marker the host wrote at sector 0, writes one at sector 1,
+/// flushes, reads it back, and tries past the end and the device id.
+fn blk_test() {
+    let Some((slot, v)) = find_virtio(2) else { fail("no virtio-blk on PCI") };
+    if v.device == 0 {
+        fail("virtio-blk has no device configuration");
+    }
+    puts("virtio-blk at slot ");
+    put_dec(slot as u64);
+    wr32(v.common, 0);
+    let ro = rd32(v.common + 4) & (1 << 5) != 0;
+    puts(if ro { " read-only\n" } else { " read-write\n" });
+    let mut notify = [0u64; 1];
+    virtio_init(&v, 1 << 9, &[(DESC, AVAIL, USED)], &mut notify);
+    let notify = notify[0];
+    let cap = rd64(v.device);
+    puts("BLK capacity ");
+    put_dec(cap);
+    puts("\n");
+    let mut n = 0u16;
+    let mut req = |ty: u32, sector: u64, data: u64, len: u32, w: bool| {
+        let st = blk_request(notify, n, ty, sector, data, len, w);
+        n += 1;
+        st
+    };
+    let st = req(0, 0, BLK_DATA, 512, true);
+    puts("BLK-READ ");
+    put_text(BLK_DATA, 16);
+    puts("\n");
+    blk_status("BLK-READ", st);
+    let marker = b"MARKER-FROM-GUEST";
+    for a in (BLK_DATA2..BLK_DATA2 + 512).step_by(8) {
+        wr64(a, 0);
+    }
+    for (i, b) in marker.iter().enumerate() {
+        wr8(BLK_DATA2 + i as u64, *b);
+    }
+    blk_status("BLK-WRITE", req(1, 1, BLK_DATA2, 512, false));
+    blk_status("BLK-FLUSH", req(4, 0, 0, 0, false));
+    for a in (BLK_DATA..BLK_DATA + 512).step_by(8) {
+        wr64(a, 0);
+    }
+    let st = req(0, 1, BLK_DATA, 512, true);
+    puts("BLK-READBACK ");
+    put_text(BLK_DATA, marker.len() as u64);
+    puts("\n");
+    blk_status("BLK-READBACK", st);
+    blk_status("BLK-BEYOND-END", req(0, cap, BLK_DATA, 512, true));
+    blk_status("BLK-HALF-SECTOR", req(0, 0, BLK_DATA, 100, true));
+    for a in (BLK_DATA..BLK_DATA + 32).step_by(8) {
+        wr64(a, 0);
+    }
+    let st = req(8, 0, BLK_DATA, 20, true);
+    puts("BLK-ID ");
+    put_text(BLK_DATA, 20);
+    puts("\n");
+    blk_status("BLK-ID", st);
+    puts("BLK-DONE\n");
+}
+
+// virtio-net: the RX and TX rings, four RX buffers of a header and a
+// 1518-byte frame each (as Linux's small buffers), one TX frame.
+const NQ_RX: (u64, u64, u64) = (0x21_0000, 0x21_1000, 0x21_2000);
+const NQ_TX: (u64, u64, u64) = (0x22_0000, 0x22_1000, 0x22_2000);
+const NET_RXBUF: u64 = 0x23_0000;
+const NET_RXLEN: u32 = 12 + 1518;
+const NET_NBUF: u16 = 4;
+const NET_TXBUF: u64 = 0x24_0000;
+const NET_ETHERTYPE: u16 = 0x88b5;
+
+/// Puts RX buffer `id` at position `idx` of the available ring.
+fn net_post_rx(avail: u64, idx: u16, id: u16) {
+    wr16(avail + 4 + (idx % QSIZE) as u64 * 2, id);
+    // SAFETY: a fence orders the ring entry before the index.
+    unsafe { asm!("mfence", options(nostack)) };
+    wr16(avail + 2, idx.wrapping_add(1));
+}
+
+/// Reads the MAC from the config space, posts RX buffers, sends one
+/// broadcast frame of ethertype 0x88B5, then waits for the host's frame of
+/// that ethertype sent to its MAC (skipping others the host may send).
+fn net_test() {
+    let Some((slot, v)) = find_virtio(1) else { fail("no virtio-net on PCI") };
+    if v.device == 0 {
+        fail("virtio-net has no device configuration");
+    }
+    puts("virtio-net at slot ");
+    put_dec(slot as u64);
+    puts("\n");
+    let mut notify = [0u64; 2];
+    // MTU | MAC | STATUS
+    virtio_init(&v, (1 << 3) | (1 << 5) | (1 << 16), &[NQ_RX, NQ_TX], &mut notify);
+    let mut mac = [0u8; 6];
+    for (i, m) in mac.iter_mut().enumerate() {
+        *m = rd8(v.device + i as u64);
+    }
+    puts("NET mac ");
+    for (i, m) in mac.iter().enumerate() {
+        if i > 0 {
+            puts(":");
+        }
+        put_hex(*m as u64, 2);
+    }
+    puts(" status ");
+    put_dec(rd16(v.device + 6) as u64);
+    puts(" mtu ");
+    put_dec(rd16(v.device + 10) as u64);
+    puts("\n");
+    let (rxd, rxa, rxu) = NQ_RX;
+    let mut rx_avail = 0u16;
+    for id in 0..NET_NBUF {
+        let d = rxd + id as u64 * 16;
+        wr64(d, NET_RXBUF + id as u64 * 0x800);
+        wr32(d + 8, NET_RXLEN);
+        wr16(d + 12, 2); // WRITE
+        wr16(d + 14, 0);
+        net_post_rx(rxa, rx_avail, id);
+        rx_avail += 1;
+    }
+    wr16(notify[0], 0);
+    // One frame: a zero virtio header, then broadcast, our MAC, 0x88B5.
+    let (txd, txa, txu) = NQ_TX;
+    for a in (NET_TXBUF..NET_TXBUF + 128).step_by(8) {
+        wr64(a, 0);
+    }
+    let eth = NET_TXBUF + 12;
+    for (i, m) in mac.iter().enumerate() {
+        wr8(eth + i as u64, 0xff);
+        wr8(eth + 6 + i as u64, *m);
+    }
+    wr8(eth + 12, (NET_ETHERTYPE >> 8) as u8);
+    wr8(eth + 13, NET_ETHERTYPE as u8);
+    for (i, b) in b"FRAME-FROM-GUEST".iter().enumerate() {
+        wr8(eth + 14 + i as u64, *b);
+    }
+    wr64(txd, NET_TXBUF);
+    wr32(txd + 8, 12 + 60);
+    wr16(txd + 12, 0);
+    wr16(txd + 14, 0);
+    wr16(txa + 4, 0);
+    // SAFETY: a fence orders the descriptor before the index.
+    unsafe { asm!("mfence", options(nostack)) };
+    wr16(txa + 2, 1);
+    wr16(notify[1], 0);
+    let mut spins = 0u32;
+    while rd16(txu + 2) != 1 {
+        spins += 1;
+        if spins > 20_000_000 {
+            fail("virtio-net TX timed out");
+        }
+        core::hint::spin_loop();
+    }
+    puts("NET-TX sent\n");
+    // The host answers in its own time (and a rate limit may hold frames
+    // back): wait by the time-stamp counter, about half a minute.
+    let t0 = rdtsc();
+    let mut seen = 0u16;
+    loop {
+        if rd16(rxu + 2) == seen {
+            if rdtsc().wrapping_sub(t0) > 60_000_000_000 {
+                fail("no frame from the host");
+            }
+            core::hint::spin_loop();
+            continue;
+        }
+        let e = rxu + 4 + (seen % QSIZE) as u64 * 8;
+        let (id, len) = (rd32(e), rd32(e + 4));
+        seen = seen.wrapping_add(1);
+        if id >= NET_NBUF as u32 || len < 12 + 14 || len > NET_RXLEN {
+            puts("NET-RX bad used entry: id ");
+            put_dec(id as u64);
+            puts(" len ");
+            put_dec(len as u64);
+            puts("\n");
+            fail("virtio-net returned a bad RX buffer");
+        }
+        let b = NET_RXBUF + id as u64 * 0x800;
+        let f = b + 12;
+        let ethertype = (rd8(f + 12) as u16) << 8 | rd8(f + 13) as u16;
+        let to_us = (0..6).all(|i| rd8(f + i) == mac[i as usize]);
+        if ethertype == NET_ETHERTYPE && to_us {
+            puts("NET-RX len ");
+            put_dec(len as u64);
+            puts(" num_buffers ");
+            put_dec(rd16(b + 10) as u64);
+            puts(" payload ");
+            put_text(f + 14, 15);
+            puts("\n");
+            return;
+        }
+        puts("NET-RX skipped a frame of ethertype ");
+        put_hex(ethertype as u64, 4);
+        puts("\n");
+        if seen > 64 {
+            fail("only unrelated frames from the host");
+        }
+        net_post_rx(rxa, rx_avail, id as u16);
+        rx_avail = rx_avail.wrapping_add(1);
+        wr16(notify[0], 0);
     }
 }
 
@@ -712,6 +986,12 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
     } else if has(cmd, b"test=vgpu") {
         vgpu_test(false);
         puts("TEST PASSED vgpu\n");
+    } else if has(cmd, b"test=net") {
+        net_test();
+        puts("TEST PASSED net\n");
+    } else if has(cmd, b"test=blk") {
+        blk_test();
+        puts("TEST PASSED blk\n");
     } else if has(cmd, b"test=hostile") {
         hostile_test();
         puts("TEST PASSED hostile\n");

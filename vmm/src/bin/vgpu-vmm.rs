@@ -48,6 +48,20 @@ struct Cli {
     /// VM tenant's vhost-user socket from `vgpuctl tenant create NAME --vm`.
     #[arg(long)]
     vgpu: Option<vmm::config::VgpuConfig>,
+    /// A virtio-blk disk: path=PATH[,ro][,direct][,id=ID][,bw=SIZE/MS][,ops=N/MS]
+    /// (repeatable; the guest sees vda, vdb, ... in this order). bw and ops
+    /// are token buckets: that many bytes (or requests) per that many ms.
+    #[arg(long = "disk")]
+    disks: Vec<vmm::config::DiskConfig>,
+    /// A virtio-net interface over a tap:
+    /// tap=NAME[,mac=52:54:00:xx:xx:xx][,rx_bw=SIZE/MS][,rx_ops=N/MS][,tx_bw=SIZE/MS][,tx_ops=N/MS]
+    /// (repeatable, at most 8). An existing tap owned by this uid needs no
+    /// privilege; a missing one is created (CAP_NET_ADMIN) and goes away
+    /// with the VMM. The MAC defaults to 52:54:00 and three bytes derived
+    /// from the tap's name and position; rx_* and tx_* are token buckets
+    /// on bytes and frames towards and from the guest.
+    #[arg(long = "net")]
+    nets: Vec<vmm::config::NetConfig>,
     /// Run without the seccomp filters. By default every thread (main,
     /// vCPUs, devices, API) runs under its own allow-list, and a syscall off
     /// it kills the VMM with SIGSYS.
@@ -160,6 +174,12 @@ fn build_config(cli: Cli) -> anyhow::Result<VmConfig> {
     if cli.vgpu.is_some() {
         cfg.vgpu = cli.vgpu;
     }
+    if !cli.disks.is_empty() {
+        cfg.disks = cli.disks;
+    }
+    if !cli.nets.is_empty() {
+        cfg.nets = cli.nets;
+    }
     Ok(cfg)
 }
 
@@ -195,6 +215,7 @@ fn run() -> anyhow::Result<i32> {
     let mut cfg = build_config(cli)?;
     let api = cfg.api_socket.clone();
     let mut listener = None;
+    let mut taps = None;
     if let Some(j) = &jail {
         cfg.validate()?;
         vmm::jail::absolute_paths(&mut cfg)?;
@@ -202,8 +223,12 @@ fn run() -> anyhow::Result<i32> {
         if let Some(p) = &api {
             listener = Some(vmm::api::bind(p)?);
         }
+        // Opened here, in the host's network namespace (the jail gets an
+        // empty one of its own); the jailed VMM keeps the descriptors.
+        taps = Some(vmm::vm::open_taps(&cfg)?);
         if let Some(supervisor) = vmm::jail::enter(j, Some(&cfg))? {
             drop(listener);
+            drop(taps);
             let end = supervisor.wait();
             if let Some(p) = &api {
                 let _ = std::fs::remove_file(p);
@@ -212,7 +237,7 @@ fn run() -> anyhow::Result<i32> {
         }
     }
     vmm::seccomp::init(seccomp)?;
-    let vm = Vm::start(cfg)?;
+    let vm = Vm::start_with_taps(cfg, taps)?;
     let first = vm.first_entry.clone();
     let t0 = vm.start;
     if let Some(p) = &api {

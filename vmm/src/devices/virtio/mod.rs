@@ -1,6 +1,9 @@
 //! Virtio devices and their PCI transport.
 
+pub mod block;
+pub mod net;
 pub mod pci_transport;
+pub mod rate_limit;
 pub mod rng;
 pub mod vhost_gpu;
 
@@ -25,6 +28,28 @@ pub trait Interrupt: Send + Sync {
     /// signal it without passing through the VMM.
     fn queue_irqfd(&self, _queue: usize) -> Option<EventFd> {
         None
+    }
+}
+
+/// A device's worker thread and the eventfd that tells it to stop:
+/// dropping it stops the thread and waits for it to end.
+pub struct DeviceThread {
+    stop: EventFd,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl DeviceThread {
+    pub fn new(stop: EventFd, handle: std::thread::JoinHandle<()>) -> DeviceThread {
+        DeviceThread { stop, handle: Some(handle) }
+    }
+}
+
+impl Drop for DeviceThread {
+    fn drop(&mut self) {
+        let _ = self.stop.write(1);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
     }
 }
 

@@ -3,14 +3,13 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use super::{DeviceThread, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
 
 const QUEUE_SIZE: u16 = 256;
 /// Most bytes handed out per buffer; larger buffers get this much.
@@ -18,8 +17,7 @@ const MAX_CHUNK: u32 = 64 << 10;
 
 #[derive(Default)]
 pub struct Rng {
-    stop: Option<EventFd>,
-    worker: Option<JoinHandle<()>>,
+    thread: Option<DeviceThread>,
     pub bytes_served: Arc<AtomicU64>,
     running: Arc<AtomicBool>,
 }
@@ -137,23 +135,12 @@ impl VirtioDevice for Rng {
                 }
             })
             .map_err(|e| e.to_string())?;
-        self.stop = Some(stop);
-        self.worker = Some(worker);
+        self.thread = Some(DeviceThread::new(stop, worker));
         Ok(())
     }
 
     fn reset(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.write(1);
-        }
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
-    }
-}
-
-impl Drop for Rng {
-    fn drop(&mut self) {
-        self.reset();
+        // Dropping the thread stops it and waits for it.
+        self.thread = None;
     }
 }
