@@ -78,10 +78,20 @@ fn a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted() {
         return;
     }
     let m = Mediator::start(&["--device-memory", "128MiB"]);
-    let v = create_counting(&m, "web", &["--vcpus", "1"]);
+    let disk = m.run_dir.join("web-root.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk image");
+    let disk_arg = format!("{},ro", disk.display());
+    let v = create_counting(&m, "web", &["--vcpus", "1", "--disk", &disk_arg]);
     assert_eq!(v["state"], "running", "{v}");
     let pid = v["pid"].as_u64().expect("pid");
     assert!(alive(pid));
+    // Its disk goes to the VMM, read-only as asked.
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+    assert!(cmd.contains(&format!("--disk path={},ro", disk.display())), "{cmd}");
+    if let Some(node) = m.device("cpu0")["numa_node"].as_i64().filter(|n| *n >= 0) {
+        assert!(cmd.contains(&format!("--numa-node {node}")), "the VMM runs on its vGPU's node: {cmd}");
+    }
     // Listed with its device and that device's NUMA node.
     let list = json_of(&m, &["vm", "list"]);
     let row = &list.as_array().expect("list")[0];
@@ -203,8 +213,12 @@ fn bad_vm_requests_get_clear_errors_and_leave_nothing_behind() {
         ("taken", json!({}), 409, "tenant named taken"),
         ("toobig", json!({ "vgpu": { "memory": "1GiB" } }), 507, ""),
         ("tiny", json!({ "memory": "1MiB" }), 400, "memory"),
-        ("huge", json!({ "hugepages": "1G", "memory": "1GiB" }), 507, "hugepages"),
-        ("disk", json!({ "disks": [{ "path": "/dev/null" }] }), 400, "virtio-blk"),
+        ("huge", json!({ "hugepages": "1G", "memory": "512GiB" }), 507, "hugepages"),
+        ("disk", json!({ "disks": [{ "path": "/dev/null" }] }), 400, "not a regular file or a block device"),
+        ("nodisk", json!({ "disks": [{ "path": "/nonexistent/disk.img" }] }), 400, "/nonexistent/disk.img"),
+        ("bootdisk", json!({ "kernel": null, "boot_disk": "/dev/null" }), 400, "no firmware"),
+        ("net", json!({ "nets": [{ "tap": "a tap name far too long" }] }), 400, "invalid interface name"),
+        ("nobridge", json!({ "nets": [{ "bridge": "vgpunosuchbr" }] }), 400, "no bridge named vgpunosuchbr"),
         ("bad name!", json!({}), 400, "VM name"),
         ("fields", json!({ "gpus": 1 }), 400, "unknown field"),
     ];
@@ -230,4 +244,120 @@ fn bad_vm_requests_get_clear_errors_and_leave_nothing_behind() {
     // --run-dir works after the subcommand too.
     let o = std::process::Command::new(vgpu_tests::bin("vgpuctl")).args(["vm", "list", "--run-dir"]).arg(&m.run_dir).output().expect("vgpuctl");
     assert!(String::from_utf8_lossy(&o.stdout).contains("dup"), "{o:?}");
+}
+
+/// Creates VMs `names` at once (one vgpuctl each, started together) in
+/// `pool`; returns the device each landed on, in order.
+fn create_at_once(m: &Mediator, pool: &str, names: &[&str]) -> Vec<String> {
+    let g = guest();
+    let barrier = std::sync::Barrier::new(names.len());
+    std::thread::scope(|s| {
+        let runs: Vec<_> = names
+            .iter()
+            .map(|n| {
+                let (g, barrier) = (&g, &barrier);
+                s.spawn(move || {
+                    let mut c = m.vgpuctl();
+                    c.args(["-o", "json", "vm", "create", n, "--memory", "16MiB", "--kernel", g, "--cmdline", "test=count", "--vgpu-memory", "32MiB", "--pool", pool]);
+                    barrier.wait();
+                    let v: Value = serde_json::from_str(&ok(c.output().expect("vgpuctl"))).expect("JSON");
+                    assert_eq!(v["state"], "running", "{v}");
+                    v["device"].as_str().expect("device").to_string()
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().expect("create thread")).collect()
+    })
+}
+
+#[test]
+fn vms_created_at_once_on_a_pool_of_two_devices_land_where_its_policy_says() {
+    if !kvm_available("vms_created_at_once_on_a_pool_of_two_devices_land_where_its_policy_says") {
+        return;
+    }
+    let m = Mediator::start(&["--cpu-devices", "4", "--device-memory", "64MiB", "--lanes", "1"]);
+    for (pool, devs, placement) in [("wide", ["cpu0", "cpu1"], "spread"), ("tight", ["cpu2", "cpu3"], "pack")] {
+        ok(m.vgpuctl().args(["pool", "create", pool, "--device", devs[0], "--device", devs[1], "--placement", placement]).output().expect("vgpuctl"));
+    }
+    // spread: two 32 MiB vGPUs created at the same moment take one device each.
+    let mut wide = create_at_once(&m, "wide", &["w1", "w2"]);
+    wide.sort();
+    assert_eq!(wide, ["cpu0", "cpu1"], "spread put both VMs on one device");
+    // pack: both fit on one 64 MiB device, so they share it (the lower ordinal on a tie).
+    let tight = create_at_once(&m, "tight", &["t1", "t2"]);
+    assert_eq!(tight, ["cpu2", "cpu2"], "pack spread the VMs");
+    // A third is too much for cpu2 and goes to cpu3.
+    assert_eq!(create_at_once(&m, "tight", &["t3"]), ["cpu3"]);
+    // The listing shows each VM's device and its NUMA node, which is the device's.
+    let list = json_of(&m, &["vm", "list"]);
+    for row in list.as_array().expect("list") {
+        let dev = row["device"].as_str().expect("device");
+        assert_eq!(row["numa_node"], m.device(dev)["numa_node"], "{row}");
+        assert_eq!(row["state"], "running", "{row}");
+    }
+    for n in ["w1", "w2", "t1", "t2", "t3"] {
+        ok(ctl(&m, &["vm", "delete", n]));
+    }
+}
+
+const NR_2M: &str = "/sys/devices/system/node/node0/hugepages/hugepages-2048kB/nr_hugepages";
+
+fn nr_2m() -> u64 {
+    std::fs::read_to_string(NR_2M).expect("nr_hugepages").trim().parse().expect("a number")
+}
+
+#[test]
+fn a_vms_hugepages_are_reserved_on_its_node_until_it_is_deleted() {
+    if !kvm_available("a_vms_hugepages_are_reserved_on_its_node_until_it_is_deleted") {
+        return;
+    }
+    // The pool must be growable here (root, and the kernel finds the pages).
+    let before = match std::fs::metadata(NR_2M) {
+        Ok(_) if is_root() => nr_2m(),
+        _ => {
+            vgpu_tests::report_skip("a_vms_hugepages_are_reserved_on_its_node_until_it_is_deleted", "needs root and node 0's 2 MiB hugepage pool");
+            return;
+        }
+    };
+    // Put back whatever a failure leaves reserved.
+    struct Restore(u64);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let _ = std::fs::write(NR_2M, self.0.to_string());
+        }
+    }
+    let _restore = Restore(before);
+    let m = Mediator::start(&["--device-memory", "128MiB"]);
+    if m.device("cpu0")["numa_node"] != 0 {
+        vgpu_tests::report_skip("a_vms_hugepages_are_reserved_on_its_node_until_it_is_deleted", "the CPU device is not on NUMA node 0");
+        return;
+    }
+    // 16 MiB of guest memory in 2 MiB pages: the node's pool grows by 8
+    // for the VM, which its VMM then uses.
+    let v = create_counting(&m, "huge", &["--hugepages", "2M"]);
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(nr_2m(), before + 8, "the create did not reserve 8 pages");
+    let saved = std::fs::read_to_string(m.run_dir.join("state/vms/huge/vm.json")).expect("vm.json");
+    assert!(saved.contains("hugepages_reserved"), "{saved}");
+    // Stopped, the VM keeps its pages.
+    ok(ctl(&m, &["vm", "stop", "huge", "--timeout", "0"]));
+    assert_eq!(nr_2m(), before + 8, "a stopped VM lost its reservation");
+    // A request that fails after the reservation (a kernel the VMM cannot
+    // load) leaves the pool as it was.
+    let dir = m.run_dir.join("inputs");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let junk = write(&dir, "junk", b"not a kernel");
+    let body = json!({ "name": "junk", "memory": "16MiB", "hugepages": "2M", "kernel": junk, "vgpu": { "memory": "16MiB" } });
+    let (code, e) = m.api("POST", "/vms", Some(body));
+    assert_eq!(code, 400, "{e}");
+    assert_eq!(nr_2m(), before + 8, "a failed create left hugepages reserved");
+    assert_nothing_left(&m, "junk", &[]);
+    // Deleted: the pages go back.
+    ok(ctl(&m, &["vm", "delete", "huge"]));
+    assert_eq!(nr_2m(), before, "the delete did not give the pages back");
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
 }

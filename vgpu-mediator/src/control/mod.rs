@@ -7,6 +7,7 @@ pub mod meter;
 pub mod pool;
 
 pub mod rundir;
+pub mod tap;
 pub mod vms;
 
 use std::collections::{BTreeMap, HashMap};
@@ -218,13 +219,18 @@ impl TenantRecord {
 }
 
 /// What `PATCH /tenants/NAME` may change; absent fields stay as they are.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+/// (Serialize is for checking docs/api/mediator.yaml against it.)
+#[derive(Debug, Clone, Default, serde::Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantChange {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
     /// Percent of the device; 100 removes the cap.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cap: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub priority: Option<crate::sched::Priority>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<Size>,
 }
 

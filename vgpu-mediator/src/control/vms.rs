@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
-use vgpu_api::vm::{Hugepages, RestartPolicy, VmSpec, VmState, VmView};
+use vgpu_api::vm::{Hugepages, NetSpec, RestartPolicy, VmSpec, VmState, VmView};
 
 use super::{Control, ControlError, TenantRecord};
 
@@ -46,6 +46,8 @@ const READY_WAIT: Duration = Duration::from_secs(10);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Most VMs one daemon manages.
 pub const MAX_VMS: usize = 1024;
+/// Most network interfaces of one VM (vgpu-vmm's limit).
+pub const MAX_NETS: usize = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -72,6 +74,19 @@ impl Desired {
 struct Saved {
     spec: VmSpec,
     desired: Desired,
+    /// The hugepages set aside for the VM (kept across daemon restarts so
+    /// that a delete gives back what a create took).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    hugepages_reserved: Option<HugeReservation>,
+}
+
+/// Hugepages a VM has from its create to its delete: the daemon grew the
+/// node's pool of the VM's page size by `pages` for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HugeReservation {
+    node: i32,
+    pages: u64,
 }
 
 struct Run {
@@ -90,6 +105,7 @@ struct Run {
     kick: bool,
     /// The supervisor has ended.
     ended: bool,
+    huge: Option<HugeReservation>,
 }
 
 pub struct Vm {
@@ -110,7 +126,7 @@ impl Vm {
     }
 
     fn save(&self, desired: Desired) -> Result<(), ControlError> {
-        let s = Saved { spec: self.spec.clone(), desired };
+        let s = Saved { spec: self.spec.clone(), desired, hugepages_reserved: self.lock().huge };
         let text = serde_json::to_vec_pretty(&s).map_err(|e| ControlError::Worker(e.to_string()))?;
         let tmp = self.dir.join("vm.json.tmp");
         let io = |e: std::io::Error| ControlError::Worker(format!("saving {}: {e}", self.dir.join("vm.json").display()));
@@ -238,12 +254,92 @@ pub fn tail(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Free hugepages of `size` on `node` (or the whole host when unknown).
-fn free_hugepages(size: Hugepages, node: i32) -> Option<u64> {
+/// The pool size file of hugepages of `size` on `node` (or the whole
+/// host when the node is unknown).
+fn nr_hugepages_path(size: Hugepages, node: i32) -> Option<PathBuf> {
     let name = size.sysfs_name()?;
     let root = vgpu_topology::sysfs_root();
-    let p = if node >= 0 { root.join(format!("devices/system/node/node{node}/hugepages/{name}/free_hugepages")) } else { root.join(format!("kernel/mm/hugepages/{name}/free_hugepages")) };
-    std::fs::read_to_string(p).ok()?.trim().parse().ok()
+    Some(if node >= 0 { root.join(format!("devices/system/node/node{node}/hugepages/{name}/nr_hugepages")) } else { root.join(format!("kernel/mm/hugepages/{name}/nr_hugepages")) })
+}
+
+/// Serialises this daemon's changes to hugepage pools (each is a read,
+/// a write and a read back).
+static HUGEPAGE_POOLS: Mutex<()> = Mutex::new(());
+
+/// Grows (or shrinks) a hugepage pool by `delta` pages. Growing fails,
+/// and leaves the pool as it was, when the kernel cannot find that many
+/// pages on the node.
+fn adjust_hugepages(size: Hugepages, node: i32, delta: i64) -> Result<(), String> {
+    let Some(path) = nr_hugepages_path(size, node) else { return Ok(()) };
+    let _g = HUGEPAGE_POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    let read = || -> Result<u64, String> { std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?.trim().parse().map_err(|e| format!("{}: {e}", path.display())) };
+    let write = |n: u64| std::fs::write(&path, n.to_string()).map_err(|e| format!("writing {}: {e}", path.display()));
+    let before = read()?;
+    let want = before.saturating_add_signed(delta);
+    write(want)?;
+    let got = read()?;
+    if delta > 0 && got < want {
+        let _ = write(before);
+        return Err(format!("the kernel found only {} of {delta} more", got.saturating_sub(before)));
+    }
+    Ok(())
+}
+
+/// Free memory of `node` in bytes (of the host when the node is unknown).
+fn free_memory(node: i32) -> Option<u64> {
+    let root = vgpu_topology::sysfs_root();
+    let (path, key) = if node >= 0 { (root.join(format!("devices/system/node/node{node}/meminfo")), "MemFree:") } else { (PathBuf::from("/proc/meminfo"), "MemAvailable:") };
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.contains(key))?;
+    let kib: u64 = line.split(key).nth(1)?.split_whitespace().next()?.parse().ok()?;
+    Some(kib << 10)
+}
+
+/// Sets aside the hugepages VM `vm` needs on `node` (its vGPU's): the
+/// node's pool grows by that many pages, which stay the VM's until it is
+/// deleted, so two VMs never count the same free pages. A VM whose vGPU
+/// moved to another node gives back the old node's pages first.
+fn reserve_hugepages(vm: &Vm, node: i32) -> Result<(), ControlError> {
+    let size = vm.spec.hugepages.unwrap_or_default();
+    if size == Hugepages::None {
+        return Ok(());
+    }
+    let have = vm.lock().huge;
+    match have {
+        Some(h) if h.node == node => return Ok(()),
+        Some(_) => release_hugepages(vm),
+        None => {}
+    }
+    let pages = vm.spec.memory.0 / size.page_size();
+    let at = if node >= 0 { format!("NUMA node {node}") } else { "this host".into() };
+    // Never ask the kernel for more than the node has free: it would
+    // reclaim and compact memory for pages it cannot all find.
+    if let Some(free) = free_memory(node).filter(|f| *f < vm.spec.memory.0) {
+        return Err(ControlError::InsufficientMemory(format!("VM {} needs {pages} {} hugepages on {at} (its vGPU's node), which has {} MiB free", vm.spec.name, size.as_str(), free >> 20)));
+    }
+    adjust_hugepages(size, node, pages as i64)
+        .map_err(|e| ControlError::InsufficientMemory(format!("VM {} needs {pages} {} hugepages on {at} (its vGPU's node): {e}", vm.spec.name, size.as_str())))?;
+    let desired = {
+        let mut r = vm.lock();
+        r.huge = Some(HugeReservation { node, pages });
+        r.desired
+    };
+    if vm.dir.exists() {
+        if let Err(e) = vm.save(desired) {
+            warn!(vm = %vm.spec.name, "{e}");
+        }
+    }
+    info!(vm = %vm.spec.name, pages, node, size = size.as_str(), "hugepages reserved");
+    Ok(())
+}
+
+/// Gives back the hugepages reserved for VM `vm`, if any.
+fn release_hugepages(vm: &Vm) {
+    let Some(h) = vm.lock().huge.take() else { return };
+    let size = vm.spec.hugepages.unwrap_or_default();
+    if let Err(e) = adjust_hugepages(size, h.node, -(h.pages as i64)) {
+        warn!(vm = %vm.spec.name, "giving back {} hugepages: {e}", h.pages);
+    }
 }
 
 fn check_file(what: &str, p: &Path) -> Result<(), ControlError> {
@@ -254,6 +350,20 @@ fn check_file(what: &str, p: &Path) -> Result<(), ControlError> {
         Ok(m) if m.is_file() => Ok(()),
         Ok(_) => Err(bad(format!("{what} {} is not a regular file", p.display()))),
         Err(e) => Err(bad(format!("{what} {}: {e}", p.display()))),
+    }
+}
+
+fn check_disk(p: &Path) -> Result<(), ControlError> {
+    if !p.is_absolute() {
+        return Err(bad(format!("disk {} must be an absolute path", p.display())));
+    }
+    if p.as_os_str().as_encoded_bytes().contains(&b',') {
+        return Err(bad(format!("disk {}: a path with a comma cannot be passed to vgpu-vmm --disk", p.display())));
+    }
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()) => Ok(()),
+        Ok(_) => Err(bad(format!("disk {} is not a regular file or a block device", p.display()))),
+        Err(e) => Err(bad(format!("disk {}: {e}", p.display()))),
     }
 }
 
@@ -273,7 +383,7 @@ pub fn validate(spec: &VmSpec) -> Result<(), ControlError> {
     }
     match (&spec.kernel, &spec.boot_disk) {
         (Some(k), None) => check_file("kernel", k)?,
-        (None, Some(_)) => return Err(bad("booting from a disk needs virtio-blk in vgpu-vmm, which is not built yet; give a kernel")),
+        (None, Some(_)) => return Err(bad("vgpu-vmm boots a kernel directly (it has no firmware): give --kernel, and the root disk with --disk and root=/dev/vda in --cmdline")),
         (Some(_), Some(_)) => return Err(bad("give a kernel or a boot disk, not both")),
         (None, None) => return Err(bad("give a kernel (and optionally an initramfs and command line) or a boot disk")),
     }
@@ -283,11 +393,25 @@ pub fn validate(spec: &VmSpec) -> Result<(), ControlError> {
     if spec.cmdline.as_ref().is_some_and(|c| c.len() > 2048 || c.contains('\0')) {
         return Err(bad("cmdline must be at most 2048 bytes, without NUL"));
     }
-    if !spec.disks.is_empty() {
-        return Err(bad("disks need virtio-blk in vgpu-vmm, which is not built yet"));
+    if spec.disks.len() > 16 {
+        return Err(bad(format!("{} disks; the limit is 16", spec.disks.len())));
     }
-    if !spec.nets.is_empty() {
-        return Err(bad("network interfaces need virtio-net in vgpu-vmm, which is not built yet"));
+    for d in &spec.disks {
+        check_disk(&d.path)?;
+    }
+    if spec.nets.len() > MAX_NETS {
+        return Err(bad(format!("{} network interfaces; the limit is {MAX_NETS}", spec.nets.len())));
+    }
+    for n in &spec.nets {
+        match n {
+            NetSpec::Tap(t) => super::tap::check_name(t).map_err(|e| bad(format!("tap: {e}")))?,
+            NetSpec::Bridge(b) => {
+                super::tap::check_name(b).map_err(|e| bad(format!("bridge: {e}")))?;
+                if !super::tap::is_bridge(Path::new("/sys"), b) {
+                    return Err(bad(format!("there is no bridge named {b} on this host")));
+                }
+            }
+        }
     }
     if spec.vgpu.memory.0 == 0 {
         return Err(bad("the vGPU's memory must be positive"));
@@ -317,14 +441,14 @@ impl Vms {
         self.cfg.state_dir.join("vms")
     }
 
-    fn make(&self, c: &Control, spec: VmSpec, desired: Desired) -> Arc<Vm> {
+    fn make(&self, c: &Control, spec: VmSpec, desired: Desired, huge: Option<HugeReservation>) -> Arc<Vm> {
         let dir = self.vms_dir().join(&spec.name);
         let api_socket = c.run_dir.join("vms").join(format!("{}.sock", spec.name));
         Arc::new(Vm {
             spec,
             dir,
             api_socket,
-            run: Mutex::new(Run { desired, state: VmState::Stopped, pid: 0, pidfd: None, restarts: 0, last_exit: None, error: None, starts: 0, kick: true, ended: false }),
+            run: Mutex::new(Run { desired, state: VmState::Stopped, pid: 0, pidfd: None, restarts: 0, last_exit: None, error: None, starts: 0, kick: true, ended: false, huge }),
             cv: Condvar::new(),
         })
     }
@@ -354,7 +478,7 @@ impl Vms {
                 warn!(path = %path.display(), "not loading a saved VM whose directory does not match its name");
                 continue;
             }
-            let vm = self.make(c, saved.spec, saved.desired);
+            let vm = self.make(c, saved.spec, saved.desired, saved.hugepages_reserved);
             self.map().insert(vm.spec.name.clone(), vm.clone());
             match self.spawn_supervisor(c, &vm) {
                 Ok(()) => info!(vm = %vm.spec.name, desired = saved.desired.as_str(), "VM loaded from the state directory"),
@@ -388,13 +512,15 @@ impl Vms {
             return Err(ControlError::Conflict(format!("a tenant named {} exists; a VM's vGPU takes the VM's name", spec.name)));
         }
         let rec = ensure_tenant(c, &spec)?;
-        let vm = self.make(c, spec, Desired::Running);
+        let vm = self.make(c, spec, Desired::Running, None);
         let undo = |vm: &Arc<Vm>| {
+            release_hugepages(vm);
+            remove_taps(&vm.spec);
             let _ = c.delete_tenant(&vm.spec.name);
             let _ = std::fs::remove_dir_all(&vm.dir);
             let _ = std::fs::remove_file(&vm.api_socket);
         };
-        if let Err(e) = check_hugepages(&vm.spec, rec.numa_node) {
+        if let Err(e) = reserve_hugepages(&vm, rec.numa_node) {
             undo(&vm);
             return Err(e);
         }
@@ -490,6 +616,8 @@ impl Vms {
             Err(ControlError::NotFound(_)) => true,
             Err(e) => return Err(e),
         };
+        remove_taps(&vm.spec);
+        release_hugepages(&vm);
         let _ = std::fs::remove_dir_all(&vm.dir);
         let _ = std::fs::remove_file(&vm.api_socket);
         info!(vm = name, "VM deleted");
@@ -534,20 +662,6 @@ fn view(c: &Control, vm: &Vm) -> VmView {
     }
 }
 
-fn check_hugepages(spec: &VmSpec, node: i32) -> Result<(), ControlError> {
-    let size = spec.hugepages.unwrap_or_default();
-    if size == Hugepages::None {
-        return Ok(());
-    }
-    let need = spec.memory.0 / size.page_size();
-    let free = free_hugepages(size, node).unwrap_or(0);
-    if free < need {
-        let at = if node >= 0 { format!("NUMA node {node}") } else { "this host".into() };
-        return Err(ControlError::InsufficientMemory(format!("VM {} needs {need} free {} hugepages on {at} (its vGPU's node); {free} are free", spec.name, size.as_str())));
-    }
-    Ok(())
-}
-
 /// The VM's vGPU tenant: the existing one, or made now (at creation, or
 /// after a daemon restart, which forgets tenants).
 fn ensure_tenant(c: &Control, spec: &VmSpec) -> Result<TenantRecord, ControlError> {
@@ -583,6 +697,41 @@ fn stop_vmm(vm: &Vm, timeout: Duration) {
     vm.wait_for(Duration::from_secs(10), |r| r.pid == 0);
 }
 
+/// The tap each interface attaches to, in order: the admin's own for
+/// `tap=`, the one the daemon makes for `bridge=`.
+fn tap_names(spec: &VmSpec) -> Vec<String> {
+    spec.nets
+        .iter()
+        .enumerate()
+        .map(|(i, n)| match n {
+            NetSpec::Tap(t) => t.clone(),
+            NetSpec::Bridge(_) => super::tap::bridged_tap_name(&spec.name, i),
+        })
+        .collect()
+}
+
+/// Makes (or finds) the taps of the VM's `bridge=` interfaces, in their
+/// bridges and up.
+fn make_taps(spec: &VmSpec) -> Result<(), ControlError> {
+    for (n, tap) in spec.nets.iter().zip(tap_names(spec)) {
+        if let NetSpec::Bridge(b) = n {
+            super::tap::make_bridged(Path::new("/sys"), &tap, b).map_err(|e| ControlError::Worker(format!("tap {tap} for bridge {b}: {e}")))?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes the taps the daemon made for the VM.
+fn remove_taps(spec: &VmSpec) {
+    for (n, tap) in spec.nets.iter().zip(tap_names(spec)) {
+        if matches!(n, NetSpec::Bridge(_)) {
+            if let Err(e) = super::tap::remove(Path::new("/sys"), &tap) {
+                warn!(vm = %spec.name, "removing tap {tap}: {e}");
+            }
+        }
+    }
+}
+
 fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: &TenantRecord) -> std::io::Result<Child> {
     let s = &vm.spec;
     let _ = std::fs::remove_file(&vm.api_socket);
@@ -602,6 +751,18 @@ fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: &TenantRecord) -> std::io::Result<Chil
     }
     if t.numa_node >= 0 {
         cmd.arg("--numa-node").arg(t.numa_node.to_string());
+    }
+    for d in &s.disks {
+        // The guest sees them as vda, vdb, ... in this order.
+        let mut arg = std::ffi::OsString::from("path=");
+        arg.push(&d.path);
+        if d.read_only {
+            arg.push(",ro");
+        }
+        cmd.arg("--disk").arg(arg);
+    }
+    for tap in tap_names(s) {
+        cmd.arg("--net").arg(format!("tap={tap}"));
     }
     let mut vgpu = std::ffi::OsString::from("socket=");
     vgpu.push(&t.socket);
@@ -662,7 +823,8 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
             vm.cv.notify_all();
         }
         let started = ensure_tenant(c, &vm.spec).and_then(|t| {
-            check_hugepages(&vm.spec, t.numa_node)?;
+            reserve_hugepages(vm, t.numa_node)?;
+            make_taps(&vm.spec)?;
             spawn_vmm(cfg, vm, &t).map_err(|e| ControlError::Worker(format!("starting {}: {e}", cfg.vmm.display())))
         });
         let mut child = match started {
