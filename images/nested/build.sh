@@ -2,6 +2,9 @@
 # Builds the nested test host under target/nested/:
 #   kernel/            Debian's generic linux-image-amd64, unpacked (L1 and L2 kernel)
 #   l2.cpio.gz         L2 initramfs: busybox, the virtio modules, /init (images/nested/l2-init)
+#   l2-root.img        L2 root disk: ext4 with the same tree, its /sbin/init is l2-init
+#   l2-boot.cpio.gz    L2 boot initramfs for that disk: virtio-blk and ext4, then
+#                      switch_root to root= (images/nested/l2-boot-init)
 #   l1.cpio.gz         L1 initramfs: busybox, kvm + kvm-amd, vgpu-vmm and its libraries,
 #                      the L2 kernel and initramfs, and images/nested/scenarios/*
 # Needs the workspace built (release) and images/nested/packages.sh run.
@@ -68,7 +71,7 @@ base_tree() {
     rm -rf "$d"
     mkdir -p "$d"/{bin,sbin,proc,sys,dev,tmp,mnt,modules,run}
     cp "$(command -v busybox)" "$d/bin/busybox"
-    for a in sh mount umount insmod mkdir cat echo grep sed awk ls sleep dd od hexdump head tail wc poweroff reboot sync dmesg seq tr cut; do
+    for a in sh mount umount insmod mkdir cat echo grep sed awk ls sleep dd od hexdump head tail wc poweroff reboot sync dmesg seq tr cut ip ping switch_root date rm pidof brctl; do
         ln -sf busybox "$d/bin/$a"
     done
 }
@@ -131,10 +134,40 @@ done
 install -m 0755 "$ROOT/images/nested/l2-init" "$L2/init"
 pack "$L2" "$OUT/l2.cpio.gz"
 
+# 2b. L2 as a provider's VM boots: a root disk and a small boot initramfs.
+# The boot initramfs loads only what mounting the disk needs (virtio-blk,
+# ext4); the disk holds the L2 tree with l2-init as /sbin/init and the
+# other modules (virtio-gpu, virtio-net, virtio-rng). mkfs.ext4 -d fills
+# the image without root or a loop device.
+BOOT="$OUT/l2-boot-root"
+base_tree "$BOOT"
+mkdir -p "$BOOT/newroot"
+boot_mods="$(mods virtio_pci virtio_blk crc32c_generic ext4)"
+i=0
+for f in $boot_mods; do
+    i=$((i + 1))
+    cp "$f" "$BOOT/modules/$(printf '%02d' $i)-$(basename "$f")"
+done
+install -m 0755 "$ROOT/images/nested/l2-boot-init" "$BOOT/init"
+pack "$BOOT" "$OUT/l2-boot.cpio.gz"
+DISK="$OUT/l2-disk-root"
+rm -rf "$DISK"
+cp -a "$L2" "$DISK"
+rm -f "$DISK"/modules/*.ko "$DISK/init"
+disk_mods="$(mods virtio-rng virtio-gpu virtio_net | grep -vxF -e "$boot_mods" || true)"
+i=0
+for f in $disk_mods; do
+    i=$((i + 1))
+    cp "$f" "$DISK/modules/$(printf '%02d' $i)-$(basename "$f")"
+done
+install -m 0755 "$ROOT/images/nested/l2-init" "$DISK/sbin/init"
+rm -f "$OUT/l2-root.img"
+mkfs.ext4 -q -F -L vgpu-root -d "$DISK" "$OUT/l2-root.img" 96M
+
 # 3. L1: the host our VMM runs in.
 L1="$OUT/l1-root"
 base_tree "$L1"
-l1_mods="$(mods kvm-amd)"
+l1_mods="$(mods kvm-amd tun bridge)"
 i=0
 for f in $l1_mods; do
     i=$((i + 1))
@@ -151,6 +184,8 @@ printf 'root:x:0:\nvgpu:x:999:\n' > "$L1/etc/group"
 mkdir -p "$L1/l2" "$L1/scenarios"
 cp "$VMLINUZ" "$L1/l2/vmlinuz"
 cp "$OUT/l2.cpio.gz" "$L1/l2/initrd"
+cp "$OUT/l2-boot.cpio.gz" "$L1/l2/boot-initrd"
+cp "$OUT/l2-root.img" "$L1/l2/root.img"
 cp "$ROOT"/images/nested/scenarios/*.sh "$L1/scenarios/"
 install -m 0755 "$ROOT/images/nested/l1-init" "$L1/init"
 pack "$L1" "$OUT/l1.cpio.gz"

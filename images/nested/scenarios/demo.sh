@@ -12,13 +12,15 @@ state() { ctl -o json vm show $1 | grep '"state"' | tr -d ' ",' | cut -d: -f2; }
 echo "== vgpuctl: one CPU reference device and a host tenant"
 ctl device list
 h=$(ctl tenant create host --memory 32MiB)
-echo "== vgpuctl vm create: VMs vm-a (vGPU 64MiB, weight 2) and vm-b (vGPU 32MiB), 1 vCPU each, booting Debian's kernel"
+echo "== vgpuctl vm create: VMs vm-a (vGPU 64MiB, weight 2) and vm-b (vGPU 32MiB), 1 vCPU each,"
+echo "   booting Debian's kernel from their own copy of an ext4 root disk image (virtio-blk)"
 for vm in a b; do
     if [ $vm = a ]; then mem=64MiB; w=2; else mem=32MiB; w=1; fi
+    cp /l2/root.img /tmp/vm-$vm.img
     # The guests reboot when their samples are done; restart=never leaves them stopped then.
-    ctl vm create vm-$vm --vcpus 1 --memory 384MiB --kernel /l2/vmlinuz --initramfs /l2/initrd \
-        --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=demo" \
-        --vgpu-memory $mem --weight $w --restart never >/dev/null
+    ctl vm create vm-$vm --vcpus 1 --memory 384MiB --kernel /l2/vmlinuz --initramfs /l2/boot-initrd \
+        --cmdline "console=ttyS0 root=/dev/vda reboot=k panic=-1 quiet loglevel=3 l2test=demo" \
+        --disk /tmp/vm-$vm.img --vgpu-memory $mem --weight $w --restart never >/dev/null
 done
 ctl vm list
 ctl tenant list
