@@ -361,3 +361,44 @@ fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
+
+#[test]
+fn a_managed_vm_can_run_in_the_vmm_jail_as_an_unprivileged_uid() {
+    const TEST: &str = "a_managed_vm_can_run_in_the_vmm_jail_as_an_unprivileged_uid";
+    if !kvm_available(TEST) {
+        return;
+    }
+    if !is_root() {
+        vgpu_tests::report_skip(TEST, "the jail needs root (namespaces, mounts, changing uid)");
+        return;
+    }
+    if !std::process::Command::new("unshare").args(["--mount", "--pid", "--net", "--fork", "true"]).status().is_ok_and(|s| s.success()) {
+        vgpu_tests::report_skip(TEST, "this machine cannot create mount, PID and network namespaces");
+        return;
+    }
+    let m = Mediator::start(&["--device-memory", "128MiB", "--vm-jail", "40124:40124"]);
+    let v = create_counting(&m, "cell", &[]);
+    assert_eq!(v["state"], "running", "{v}");
+    // The daemon's child is the jail's supervisor; the VMM is its only child.
+    let sup = v["pid"].as_u64().expect("pid") as u32;
+    let mut kids = Vec::new();
+    assert!(wait_until(Duration::from_secs(10), || {
+        kids = vgpu_tests::vmm_harness::children(sup);
+        kids.len() == 1
+    }));
+    // It drops to the jail's uid once its root is built.
+    let read = || std::fs::read_to_string(format!("/proc/{}/status", kids[0])).unwrap_or_default();
+    let field = |status: &str, k: &str| status.lines().find_map(|l| l.strip_prefix(k)).unwrap_or("").split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    assert!(wait_until(Duration::from_secs(10), || field(&read(), "Uid:") == ["40124"; 4]), "{}", read());
+    let status = read();
+    let field = |k: &str| field(&status, k);
+    assert_eq!(field("CapEff:"), ["0000000000000000"], "{status}");
+    assert_eq!(field("NSpid:").last().map(String::as_str), Some("1"), "the VMM is PID 1 of its own namespace: {status}");
+    // Its vGPU socket is the jail uid's, and the guest runs.
+    let (_, t) = m.api("GET", "/tenants/cell", None);
+    let sock = t["socket"].as_str().expect("socket");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(sock).expect("socket")), 40124);
+    assert!(wait_until(Duration::from_secs(20), || String::from_utf8_lossy(&ctl(&m, &["vm", "console", "cell"]).stdout).contains("tick 3")), "no console output");
+    ok(ctl(&m, &["vm", "delete", "cell"]));
+    assert_nothing_left(&m, "cell", &[sup as u64, kids[0] as u64]);
+}

@@ -44,6 +44,12 @@ pub struct VmsConfig {
     /// (default 10).
     #[serde(default)]
     pub stop_timeout_s: Option<u64>,
+    /// Run every VMM in `vgpu-vmm`'s jail as this `UID:GID` (not 0): its
+    /// own PID, mount and network namespaces, no capabilities. The VM's
+    /// kernel, initramfs and disks must be readable (disks writable) by it;
+    /// the VM's vGPU socket is made its. Default: no jail.
+    #[serde(default)]
+    pub jail: Option<Owner>,
 }
 
 /// Usage records and the Prometheus listener.

@@ -76,6 +76,9 @@ struct Cli {
     /// the one beside this program).
     #[arg(long)]
     vmm: Option<PathBuf>,
+    /// Jail managed VMs' VMMs as UID:GID (overrides vms.jail; docs/vms.md).
+    #[arg(long, value_name = "UID:GID")]
+    vm_jail: Option<vgpu_mediator::config::Owner>,
     /// TOML configuration file (same tenant schema as POST /tenants).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -294,7 +297,11 @@ fn run() -> anyhow::Result<()> {
     let vmm = cli.vmm.or(cfg.vms.vmm.clone()).unwrap_or_else(|| exe.with_file_name("vgpu-vmm"));
     std::fs::create_dir_all(state_dir.join("vms")).with_context(|| format!("making {}", state_dir.join("vms").display()))?;
     let stop_timeout = std::time::Duration::from_secs(cfg.vms.stop_timeout_s.unwrap_or(10));
-    let _ = control.vms.set(vgpu_mediator::control::vms::Vms::new(vgpu_mediator::control::vms::VmsConfig { vmm, state_dir, stop_timeout }));
+    let jail = cli.vm_jail.or(cfg.vms.jail);
+    if jail.is_some_and(|j| j.uid == 0 || j.gid == 0) {
+        anyhow::bail!("the VM jail's uid and gid must not be 0");
+    }
+    let _ = control.vms.set(vgpu_mediator::control::vms::Vms::new(vgpu_mediator::control::vms::VmsConfig { vmm, state_dir, stop_timeout, jail }));
     if let Some(v) = control.vms.get() {
         v.load(&control);
     }

@@ -510,6 +510,11 @@ fn bind_at_same_path(root: &Path, src: &Path, writable: bool) -> Result<(), Jail
 /// `/dev/kvm` and the exposed files, entered with pivot_root and made
 /// read-only.
 fn build_root(j: &JailConfig, e: &Exposed, kvm_rdev: u64) -> Result<(), JailError> {
+    // The directories made below lead the jail's uid to its files: they
+    // must be searchable whatever mask the VMM was started with (a daemon
+    // that starts VMMs may run with 077).
+    // SAFETY: umask only changes this process's file-creation mask.
+    unsafe { libc::umask(0o022) };
     // SAFETY: unshare affects only this process.
     check(unsafe { libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWNET) }, "unshare(CLONE_NEWNS | CLONE_NEWNET)")?;
     // Nothing mounted from here on propagates back to the host.

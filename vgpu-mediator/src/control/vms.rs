@@ -36,6 +36,8 @@ pub struct VmsConfig {
     pub state_dir: PathBuf,
     /// How long a stop waits for the guest to end before the VMM is killed.
     pub stop_timeout: Duration,
+    /// Jail each VMM as this uid and gid (`vgpu-vmm --jail`).
+    pub jail: Option<crate::config::Owner>,
 }
 
 /// Each log file's cap; one older file is kept beside it.
@@ -511,7 +513,7 @@ impl Vms {
         if c.tenant(&spec.name).is_some() {
             return Err(ControlError::Conflict(format!("a tenant named {} exists; a VM's vGPU takes the VM's name", spec.name)));
         }
-        let rec = ensure_tenant(c, &spec)?;
+        let rec = ensure_tenant(c, &spec, self.cfg.jail)?;
         let vm = self.make(c, spec, Desired::Running, None);
         let undo = |vm: &Arc<Vm>| {
             release_hugepages(vm);
@@ -664,7 +666,7 @@ fn view(c: &Control, vm: &Vm) -> VmView {
 
 /// The VM's vGPU tenant: the existing one, or made now (at creation, or
 /// after a daemon restart, which forgets tenants).
-fn ensure_tenant(c: &Control, spec: &VmSpec) -> Result<TenantRecord, ControlError> {
+fn ensure_tenant(c: &Control, spec: &VmSpec, jail: Option<crate::config::Owner>) -> Result<TenantRecord, ControlError> {
     if let Some(t) = c.tenant(&spec.name) {
         if t.kind == "vm" {
             return Ok(t);
@@ -677,6 +679,10 @@ fn ensure_tenant(c: &Control, spec: &VmSpec) -> Result<TenantRecord, ControlErro
     }
     if let Some(p) = &spec.vgpu.pool {
         t["pool"] = p.clone().into();
+    }
+    if let Some(j) = jail {
+        // A jailed VMM connects to the vGPU's socket as the jail's uid.
+        t["owner"] = j.to_string().into();
     }
     let ts: crate::config::TenantSpec = serde_json::from_value(t).map_err(|e| bad(format!("the VM's vGPU: {e}")))?;
     c.create_tenant(&ts)
@@ -767,6 +773,13 @@ fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: &TenantRecord) -> std::io::Result<Chil
     let mut vgpu = std::ffi::OsString::from("socket=");
     vgpu.push(&t.socket);
     cmd.arg("--serial").arg("stdout").arg("--api-socket").arg(&vm.api_socket).arg("--vgpu").arg(vgpu);
+    if let Some(j) = cfg.jail {
+        // The jail's root is a tmpfs mounted over this empty directory in
+        // the VMM's own mount namespace.
+        let dir = vm.dir.join("jail");
+        std::fs::create_dir_all(&dir)?;
+        cmd.arg("--jail").arg(dir).arg("--jail-uid").arg(j.uid.to_string()).arg("--jail-gid").arg(j.gid.to_string());
+    }
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     // SAFETY: the closure only calls prctl, which is async-signal-safe,
     // between fork and exec.
@@ -822,7 +835,7 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
             r.error = None;
             vm.cv.notify_all();
         }
-        let started = ensure_tenant(c, &vm.spec).and_then(|t| {
+        let started = ensure_tenant(c, &vm.spec, cfg.jail).and_then(|t| {
             reserve_hugepages(vm, t.numa_node)?;
             make_taps(&vm.spec)?;
             spawn_vmm(cfg, vm, &t).map_err(|e| ControlError::Worker(format!("starting {}: {e}", cfg.vmm.display())))
