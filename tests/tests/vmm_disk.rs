@@ -93,5 +93,26 @@ fn bad_disk_arguments_are_refused_before_the_vm_starts() {
         assert!(err.contains(says), "--disk {arg}: the error does not say {says:?}:\n{err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+    // One image given twice read-write is refused: two writers would
+    // corrupt it (the same lock keeps two VMs apart). Twice read-only is fine.
+    if kvm_available("bad_disk_arguments_are_refused_before_the_vm_starts (an image given twice)") {
+        let img = dir.join("twice.img");
+        std::fs::write(&img, vec![0u8; 4096]).expect("image");
+        let run = |a: &str, b: &str| {
+            std::process::Command::new(vgpu_tests::bin("vgpu-vmm"))
+                .arg("--kernel")
+                .arg(test_guest())
+                .args(["--memory", "16", "--cmdline", "test=rng", "--disk", a, "--disk", b])
+                .output()
+                .expect("vgpu-vmm")
+        };
+        let rw = format!("path={}", img.display());
+        let o = run(&rw, &rw);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains("in use by another VM"), "{err}");
+        let ro = format!("path={},ro", img.display());
+        let o = run(&ro, &ro);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -10,6 +10,7 @@
 //! volatile copies.
 
 use std::fs::File;
+use std::io::Seek;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,17 +23,20 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::rate_limit::{Limiter, RateLimit};
-use super::{DeviceThread, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use super::{bump, worth_logging, DeviceThread, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
 
 const QUEUE_SIZE: u16 = 256;
 pub const SECTOR: u64 = 512;
 /// The bounce buffer: data moves in pieces of at most this many bytes.
 const CHUNK: usize = 128 << 10;
-/// Most data one request may move (the driver learns it from `size_max`
-/// and `seg_max`).
-const MAX_REQUEST: u64 = 16 << 20;
 const SIZE_MAX: u32 = 1 << 20;
 const SEG_MAX: u32 = 128;
+/// Most data one request may move: what `size_max` and `seg_max` tell the
+/// driver (the bounce buffer bounds the memory it takes, not this).
+const MAX_REQUEST: u64 = SIZE_MAX as u64 * SEG_MAX as u64;
+/// Most requests served in one turn before the thread looks at its stop
+/// event again, so a guest that keeps the ring full cannot hold it.
+const BUDGET: usize = QUEUE_SIZE as usize;
 
 const F_SIZE_MAX: u64 = 1 << 1;
 const F_SEG_MAX: u64 = 1 << 2;
@@ -77,7 +81,18 @@ impl Block {
     /// A device over `file`, opened by the caller (read-only or not, with
     /// O_DIRECT or not). The image must be a whole number of sectors.
     pub fn new(file: File, read_only: bool, id: &str, limit: RateLimit) -> Result<Block, String> {
-        let len = file.metadata().map_err(|e| format!("disk image: {e}"))?.len();
+        // The end of the file, which for a block device is its size too
+        // (st_size is 0 there).
+        let len = (&file).seek(std::io::SeekFrom::End(0)).map_err(|e| format!("disk image: {e}"))?;
+        // One writer or any number of readers per image, across VMs: a
+        // second VM (or a second --disk) writing the same image would
+        // corrupt it. The lock goes with the file.
+        let how = if read_only { libc::LOCK_SH } else { libc::LOCK_EX };
+        // SAFETY: flock on a descriptor this function owns; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(if e.kind() == std::io::ErrorKind::WouldBlock { "disk image is in use by another VM (or given twice) read-write".to_string() } else { format!("locking the disk image: {e}") });
+        }
         if len == 0 || len % SECTOR != 0 {
             return Err(format!("disk image of {len} bytes is not a positive whole number of 512-byte sectors"));
         }
@@ -277,7 +292,7 @@ impl VirtioDevice for Block {
                 let mut events = vec![EpollEvent::default(); 2];
                 loop {
                     let wait = serve(&mut q, &mem, &disk, &mut limiter, &mut bounce, &mut held, irq.as_ref());
-                    let timeout = wait.map_or(-1, |d| d.as_millis().clamp(1, i32::MAX as u128) as i32);
+                    let timeout = wait.map_or(-1, |d| if d.is_zero() { 0 } else { d.as_millis().clamp(1, i32::MAX as u128) as i32 });
                     let n = match ep.wait(timeout, &mut events) {
                         Ok(n) => n,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -307,14 +322,23 @@ impl VirtioDevice for Block {
 fn serve(q: &mut Queue, mem: &GuestMemoryMmap, disk: &Disk, limiter: &mut Limiter, bounce: &mut Bounce, held: &mut Option<(u16, Option<Request>)>, irq: &dyn Interrupt) -> Option<Duration> {
     let mut used = false;
     let mut wait = None;
+    let mut budget = BUDGET;
     loop {
+        if budget == 0 {
+            // Come back at once, after a look at the stop event.
+            wait = Some(Duration::ZERO);
+            break;
+        }
+        budget -= 1;
         let (head, req) = match held.take() {
             Some(h) => h,
             None => {
                 let chain = match q.iter(mem) {
                     Ok(mut it) => it.next(),
                     Err(e) => {
-                        tracing::warn!("virtio-blk: bad available ring: {e}");
+                        if worth_logging(bump(&disk.stats.errors)) {
+                            tracing::warn!("virtio-blk: bad available ring: {e}");
+                        }
                         None
                     }
                 };

@@ -31,6 +31,17 @@ pub trait Interrupt: Send + Sync {
     }
 }
 
+/// Counts one event; returns the count before it.
+pub(crate) fn bump(c: &std::sync::atomic::AtomicU64) -> u64 {
+    c.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether the `n`th event of a kind (from 0) is logged: the first 16,
+/// then every 1024th, so a guest cannot flood the log.
+pub(crate) fn worth_logging(n: u64) -> bool {
+    n < 16 || n.is_multiple_of(1024)
+}
+
 /// A device's worker thread and the eventfd that tells it to stop:
 /// dropping it stops the thread and waits for it to end.
 pub struct DeviceThread {

@@ -32,7 +32,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::rate_limit::{Limiter, RateLimit};
-use super::{DeviceThread, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use super::{bump, worth_logging, DeviceThread, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
 
 const QUEUE_SIZE: u16 = 256;
 /// `struct virtio_net_hdr_v1` (VERSION_1): flags, gso_type, hdr_len,
@@ -238,15 +238,6 @@ pub struct NetStats {
     /// Malformed TX chains, buffers outside guest memory, tap write errors.
     pub tx_errors: AtomicU64,
     pub tx_throttled: AtomicU64,
-}
-
-fn bump(c: &AtomicU64) -> u64 {
-    c.fetch_add(1, Ordering::Relaxed)
-}
-
-/// Log the first 16 of a kind of event, then every 1024th.
-fn worth_logging(n: u64) -> bool {
-    n < 16 || n.is_multiple_of(1024)
 }
 
 pub struct Net {

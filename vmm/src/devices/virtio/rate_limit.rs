@@ -1,10 +1,13 @@
 //! Firecracker-style rate limits shared by the virtio devices (virtio-blk,
 //! virtio-net): a token bucket on bytes and one on operations (requests,
 //! frames), each optional. A bucket of `size` tokens refills continuously,
-//! completely in `refill`; an operation bigger than the bucket takes all of
-//! it. An operation is admitted by both buckets or by neither, and a refusal
-//! says how long until there would be enough, so a device thread waits in
-//! epoll for that long instead of spinning.
+//! completely in `refill`. An operation bigger than the bucket goes once
+//! the bucket is full and leaves it in debt by the rest (Firecracker's
+//! over-consumption), so later operations wait until that is paid back:
+//! whatever sizes a guest picks, it moves at most `size` per `refill` in
+//! the long run. An operation is admitted by both buckets or by neither,
+//! and a refusal says how long until there would be enough, so a device
+//! thread waits in epoll for that long instead of spinning.
 
 use std::time::{Duration, Instant};
 
@@ -61,9 +64,9 @@ impl Tokens {
         Some(Duration::from_nanos(((n - self.left) / rate).ceil() as u64 + 1))
     }
 
-    /// Takes `n` tokens (more than the bucket holds counts as all of it).
+    /// Takes `n` tokens; more than the bucket holds leaves it in debt.
     fn take(&mut self, n: u64) {
-        self.left = (self.left - n.min(self.b.size) as f64).max(0.0);
+        self.left -= n as f64;
     }
 }
 
@@ -117,10 +120,31 @@ mod tests {
         assert!(l.admit(0, t1).is_ok());
         let w = l.admit(0, t1).unwrap_err();
         assert!(w > Duration::from_millis(230) && w < Duration::from_millis(250), "{w:?}");
-        // A request bigger than the bucket counts as the whole bucket.
+        // A request bigger than the bucket goes when the bucket is full and
+        // leaves a debt: 40 KiB through a 4 KiB/100 ms bucket makes the next
+        // request wait for the other 36 KiB, about 0.9 s.
         let mut big = Limiter::new(RateLimit { bandwidth: Some(Bucket { size: 4096, refill: Duration::from_millis(100) }), ops: None }, t0);
-        assert!(big.admit(1 << 30, t0).is_ok());
-        assert!(big.admit(1, t0).is_err());
+        assert!(big.admit(40 << 10, t0).is_ok());
+        let w = big.admit(1, t0).unwrap_err();
+        assert!(w > Duration::from_millis(895) && w < Duration::from_millis(905), "{w:?}");
+        assert!(big.admit(1, t0 + Duration::from_millis(800)).is_err());
+        assert!(big.admit(1, t0 + Duration::from_millis(901)).is_ok());
+    }
+
+    #[test]
+    fn big_operations_cannot_beat_the_long_run_rate() {
+        // 16 MiB requests through a 100 KiB per 100 ms bucket: over 10 s of
+        // simulated time, at most about 10 MB go (plus one bucket).
+        let t0 = Instant::now();
+        let mut l = Limiter::new(RateLimit { bandwidth: Some(Bucket { size: 100 << 10, refill: Duration::from_millis(100) }), ops: None }, t0);
+        let (mut now, mut moved) = (t0, 0u64);
+        while now < t0 + Duration::from_secs(10) {
+            match l.admit(16 << 20, now) {
+                Ok(()) => moved += 16 << 20,
+                Err(w) => now += w,
+            }
+        }
+        assert!(moved <= (100 << 10) * 100 + (16 << 20), "{moved} bytes in 10 s");
     }
 
     #[test]
