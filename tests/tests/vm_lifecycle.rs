@@ -113,6 +113,9 @@ fn a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted() {
     let s = json_of(&m, &["vm", "start", "web"]);
     assert_eq!(s["state"], "running", "{s}");
     let again = s["pid"].as_u64().expect("pid");
+    // Starting a running VM changes nothing (and answers at once).
+    let s = json_of(&m, &["vm", "start", "web"]);
+    assert_eq!((s["state"].as_str(), s["pid"].as_u64()), (Some("running"), Some(again)), "{s}");
     let r = json_of(&m, &["vm", "reboot", "web"]);
     assert_eq!(r["state"], "running", "{r}");
     assert_ne!(r["pid"].as_u64(), Some(again), "reboot starts a new VMM");
@@ -230,8 +233,17 @@ fn bad_vm_requests_get_clear_errors_and_leave_nothing_behind() {
             assert_nothing_left(&m, name, &[]);
         }
     }
-    // A name taken by another VM.
-    create_counting(&m, "dup", &[]);
+    // A name taken by another VM, and a tap another VM uses.
+    // (The VMM makes the tap, which needs root.)
+    let tap = format!("vgt{}", std::process::id() % 100_000);
+    let net = format!("tap={tap}");
+    let with_tap = ["--net", net.as_str()];
+    create_counting(&m, "dup", if is_root() { &with_tap } else { &[] });
+    if is_root() {
+        let (st, v) = m.api("POST", "/vms", Some(body("dup2", json!({ "nets": [{ "tap": tap }] }))));
+        assert_eq!(st, 409, "{v}");
+        assert!(v["error"].as_str().is_some_and(|e| e.contains("VM dup uses tap")), "{v}");
+    }
     let (st, v) = m.api("POST", "/vms", Some(body("dup", json!({}))));
     assert_eq!(st, 409, "{v}");
     assert_eq!(json_of(&m, &["vm", "list"]).as_array().map(Vec::len), Some(1));

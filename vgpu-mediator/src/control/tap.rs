@@ -22,6 +22,8 @@ const IFF_VNET_HDR: libc::c_short = 0x4000;
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 /// `_IOW('T', 203, int)`
 const TUNSETPERSIST: libc::c_ulong = 0x4004_54cb;
+/// `_IOW('T', 204, int)`
+const TUNSETOWNER: libc::c_ulong = 0x4004_54cc;
 const SIOCBRADDIF: libc::c_ulong = 0x89a2;
 
 /// `struct ifreq` with the union as the flags or the index (both fit in
@@ -91,14 +93,19 @@ fn ioctl(fd: &impl AsRawFd, req: libc::c_ulong, r: &mut IfReq) -> io::Result<()>
     Ok(())
 }
 
-/// TUNSETPERSIST takes its value as the argument itself, not a pointer.
-fn set_persist(f: &File, on: bool) -> io::Result<()> {
-    // SAFETY: TUNSETPERSIST reads no memory: its argument is the flag.
-    let rc = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETPERSIST as _, libc::c_ulong::from(on)) };
+/// A tun ioctl whose argument is a value, not a pointer (TUNSETPERSIST,
+/// TUNSETOWNER).
+fn set_value(f: &File, req: libc::c_ulong, value: libc::c_ulong) -> io::Result<()> {
+    // SAFETY: these requests read no memory: their argument is the value.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), req as _, value) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+fn set_persist(f: &File, on: bool) -> io::Result<()> {
+    set_value(f, TUNSETPERSIST, libc::c_ulong::from(on))
 }
 
 fn inet_socket() -> io::Result<OwnedFd> {
@@ -119,10 +126,13 @@ fn open_tap(name: &str) -> io::Result<File> {
     Ok(f)
 }
 
-/// Makes tap `tap` (persistent; kept if it exists), puts it in bridge
-/// `bridge` unless it is there already, and brings it up.
-pub fn make_bridged(sys: &Path, tap: &str, bridge: &str) -> io::Result<()> {
+/// Makes tap `tap` (persistent; kept if it exists), owned by `owner` (no
+/// other user without CAP_NET_ADMIN can attach to it while its VMM does
+/// not hold it), puts it in bridge `bridge` unless it is there already,
+/// and brings it up.
+pub fn make_bridged(sys: &Path, tap: &str, bridge: &str, owner: u32) -> io::Result<()> {
     let f = open_tap(tap)?;
+    set_value(&f, TUNSETOWNER, libc::c_ulong::from(owner))?;
     set_persist(&f, true)?;
     drop(f);
     let s = inet_socket()?;
@@ -213,14 +223,15 @@ mod host_tests {
         assert!(is_bridge(sys, &br));
         assert!(!is_bridge(sys, "lo"));
         let tap = bridged_tap_name(&br, 0);
-        make_bridged(sys, &tap, &br).expect("make the tap");
+        make_bridged(sys, &tap, &br, 0).expect("make the tap");
+        assert_eq!(std::fs::read_to_string(sys.join("class/net").join(&tap).join("owner")).expect("owner").trim(), "0", "the tap is root's");
         let dir = sys.join("class/net").join(&tap);
         let master = std::fs::read_link(dir.join("master")).expect("the tap has a master");
         assert_eq!(master.file_name().and_then(|m| m.to_str()), Some(br.as_str()));
         let flags = std::fs::read_to_string(dir.join("flags")).expect("flags");
         assert_ne!(u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16).expect("hex") & libc::IFF_UP as u32, 0, "the tap is not up");
         // Again (a VMM restart): it is kept, still in the bridge.
-        make_bridged(sys, &tap, &br).expect("make it again");
+        make_bridged(sys, &tap, &br, 0).expect("make it again");
         assert!(sys.join("class/net").join(&br).join("brif").join(&tap).exists());
         // A VMM attached to it holds it; once that one is gone, it is removed.
         let held = open_tap(&tap).expect("attach as a VMM would");

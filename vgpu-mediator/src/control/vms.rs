@@ -84,11 +84,14 @@ struct Saved {
 
 /// Hugepages a VM has from its create to its delete: the daemon grew the
 /// node's pool of the VM's page size by `pages` for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct HugeReservation {
     node: i32,
     pages: u64,
+    /// The host boot they were reserved in: a reboot gives them back.
+    #[serde(default)]
+    boot: String,
 }
 
 struct Run {
@@ -116,6 +119,8 @@ pub struct Vm {
     api_socket: PathBuf,
     run: Mutex<Run>,
     cv: Condvar,
+    /// Held while `vm.json` is written.
+    saving: Mutex<()>,
 }
 
 impl Vm {
@@ -127,8 +132,16 @@ impl Vm {
         self.dir.join("console.log")
     }
 
-    fn save(&self, desired: Desired) -> Result<(), ControlError> {
-        let s = Saved { spec: self.spec.clone(), desired, hugepages_reserved: self.lock().huge };
+    /// Writes `vm.json` from the VM's state now (what it should be doing
+    /// and its hugepages). Saves are serialised, so the file always holds
+    /// the latest state whoever saved last.
+    fn save(&self) -> Result<(), ControlError> {
+        let _g = self.saving.lock().unwrap_or_else(|e| e.into_inner());
+        let (desired, huge) = {
+            let r = self.lock();
+            (r.desired, r.huge.clone())
+        };
+        let s = Saved { spec: self.spec.clone(), desired, hugepages_reserved: huge };
         let text = serde_json::to_vec_pretty(&s).map_err(|e| ControlError::Worker(e.to_string()))?;
         let tmp = self.dir.join("vm.json.tmp");
         let io = |e: std::io::Error| ControlError::Worker(format!("saving {}: {e}", self.dir.join("vm.json").display()));
@@ -306,8 +319,10 @@ fn reserve_hugepages(vm: &Vm, node: i32) -> Result<(), ControlError> {
     if size == Hugepages::None {
         return Ok(());
     }
-    let have = vm.lock().huge;
+    let have = vm.lock().huge.clone();
     match have {
+        // Pages reserved before the host rebooted went with the reboot.
+        Some(h) if h.boot != boot_id() => vm.lock().huge = None,
         Some(h) if h.node == node => return Ok(()),
         Some(_) => release_hugepages(vm),
         None => {}
@@ -321,27 +336,38 @@ fn reserve_hugepages(vm: &Vm, node: i32) -> Result<(), ControlError> {
     }
     adjust_hugepages(size, node, pages as i64)
         .map_err(|e| ControlError::InsufficientMemory(format!("VM {} needs {pages} {} hugepages on {at} (its vGPU's node): {e}", vm.spec.name, size.as_str())))?;
-    let desired = {
-        let mut r = vm.lock();
-        r.huge = Some(HugeReservation { node, pages });
-        r.desired
-    };
-    if vm.dir.exists() {
-        if let Err(e) = vm.save(desired) {
-            warn!(vm = %vm.spec.name, "{e}");
-        }
-    }
+    vm.lock().huge = Some(HugeReservation { node, pages, boot: boot_id() });
+    save_if_made(vm);
     info!(vm = %vm.spec.name, pages, node, size = size.as_str(), "hugepages reserved");
     Ok(())
 }
 
-/// Gives back the hugepages reserved for VM `vm`, if any.
+/// Gives back the hugepages reserved for VM `vm`, if any (not those of a
+/// boot before this one: the reboot took them).
 fn release_hugepages(vm: &Vm) {
     let Some(h) = vm.lock().huge.take() else { return };
     let size = vm.spec.hugepages.unwrap_or_default();
-    if let Err(e) = adjust_hugepages(size, h.node, -(h.pages as i64)) {
-        warn!(vm = %vm.spec.name, "giving back {} hugepages: {e}", h.pages);
+    if h.boot == boot_id() {
+        if let Err(e) = adjust_hugepages(size, h.node, -(h.pages as i64)) {
+            warn!(vm = %vm.spec.name, "giving back {} hugepages: {e}", h.pages);
+        }
     }
+    save_if_made(vm);
+}
+
+/// Saves the VM's state if its directory exists (a VM being created
+/// saves once its directory is made).
+fn save_if_made(vm: &Vm) {
+    if vm.dir.exists() {
+        if let Err(e) = vm.save() {
+            warn!(vm = %vm.spec.name, "{e}");
+        }
+    }
+}
+
+/// This boot of the host (`/proc/sys/kernel/random/boot_id`).
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 fn check_file(what: &str, p: &Path) -> Result<(), ControlError> {
@@ -452,6 +478,7 @@ impl Vms {
             api_socket,
             run: Mutex::new(Run { desired, state: VmState::Stopped, pid: 0, pidfd: None, restarts: 0, last_exit: None, error: None, starts: 0, kick: true, ended: false, huge }),
             cv: Condvar::new(),
+            saving: Mutex::new(()),
         })
     }
 
@@ -476,11 +503,19 @@ impl Vms {
                     continue;
                 }
             };
-            if e.file_name().to_str() != Some(saved.spec.name.as_str()) || saved.desired == Desired::Deleted {
+            if e.file_name().to_str() != Some(saved.spec.name.as_str()) {
                 warn!(path = %path.display(), "not loading a saved VM whose directory does not match its name");
                 continue;
             }
             let vm = self.make(c, saved.spec, saved.desired, saved.hugepages_reserved);
+            if saved.desired == Desired::Deleted {
+                // A delete the daemon did not finish before it ended.
+                match finish_delete(c, &vm) {
+                    Ok(_) => info!(vm = %vm.spec.name, "finished deleting the VM"),
+                    Err(e) => warn!(vm = %vm.spec.name, "finishing the VM's delete: {e}"),
+                }
+                continue;
+            }
             self.map().insert(vm.spec.name.clone(), vm.clone());
             match self.spawn_supervisor(c, &vm) {
                 Ok(()) => info!(vm = %vm.spec.name, desired = saved.desired.as_str(), "VM loaded from the state directory"),
@@ -513,6 +548,12 @@ impl Vms {
         if c.tenant(&spec.name).is_some() {
             return Err(ControlError::Conflict(format!("a tenant named {} exists; a VM's vGPU takes the VM's name", spec.name)));
         }
+        // Two VMs must not share a tap: the admin's own, or (however
+        // unlikely) one the daemon names from a VM's name.
+        let taps = tap_names(&spec);
+        if let Some((other, tap)) = self.map().values().find_map(|v| tap_names(&v.spec).into_iter().find(|t| taps.contains(t)).map(|t| (v.spec.name.clone(), t))) {
+            return Err(ControlError::Conflict(format!("VM {other} uses tap {tap} already")));
+        }
         let rec = ensure_tenant(c, &spec, self.cfg.jail)?;
         let vm = self.make(c, spec, Desired::Running, None);
         let undo = |vm: &Arc<Vm>| {
@@ -527,7 +568,7 @@ impl Vms {
             return Err(e);
         }
         let made = std::fs::create_dir_all(&vm.dir).and_then(|()| std::fs::create_dir_all(vm.api_socket.parent().unwrap_or(Path::new("/"))));
-        if let Err(e) = made.map_err(|e| ControlError::Worker(format!("making {}: {e}", vm.dir.display()))).and_then(|()| vm.save(Desired::Running)) {
+        if let Err(e) = made.map_err(|e| ControlError::Worker(format!("making {}: {e}", vm.dir.display()))).and_then(|()| vm.save()) {
             undo(&vm);
             return Err(e);
         }
@@ -566,25 +607,27 @@ impl Vms {
     /// restarts too) until started.
     pub fn stop(&self, c: &Control, name: &str, timeout: Option<Duration>) -> Result<VmView, ControlError> {
         let vm = self.get(name)?;
-        vm.save(Desired::Stopped)?;
         vm.lock().desired = Desired::Stopped;
         vm.cv.notify_all();
+        vm.save()?;
         stop_vmm(&vm, timeout.unwrap_or(self.cfg.stop_timeout));
         Ok(view(c, &vm))
     }
 
     pub fn start(&self, c: &Control, name: &str) -> Result<VmView, ControlError> {
         let vm = self.get(name)?;
-        vm.save(Desired::Running)?;
         let before = {
             let mut r = vm.lock();
             if r.desired == Desired::Running && r.pid != 0 {
+                // Running already (view takes the lock again).
+                drop(r);
                 return Ok(view(c, &vm));
             }
             r.desired = Desired::Running;
             r.kick = true;
             r.starts
         };
+        vm.save()?;
         vm.cv.notify_all();
         vm.wait_for(READY_WAIT + Duration::from_secs(5), |r| r.starts > before && r.state != VmState::Starting);
         let v = view(c, &vm);
@@ -610,18 +653,13 @@ impl Vms {
     pub fn delete(&self, c: &Control, name: &str) -> Result<bool, ControlError> {
         let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
         let vm = self.get(name)?;
-        let _ = vm.save(Desired::Deleted);
+        vm.lock().desired = Desired::Deleted;
+        // A daemon that dies from here on finishes the delete when it
+        // starts again (load).
+        let _ = vm.save();
         self.end(&vm);
         self.map().remove(name);
-        let released = match c.delete_tenant(name) {
-            Ok(done) => done,
-            Err(ControlError::NotFound(_)) => true,
-            Err(e) => return Err(e),
-        };
-        remove_taps(&vm.spec);
-        release_hugepages(&vm);
-        let _ = std::fs::remove_dir_all(&vm.dir);
-        let _ = std::fs::remove_file(&vm.api_socket);
+        let released = finish_delete(c, &vm)?;
         info!(vm = name, "VM deleted");
         Ok(released)
     }
@@ -642,6 +680,25 @@ impl Vms {
             vm.signal(libc::SIGKILL);
         }
     }
+}
+
+/// What a delete does once the VM's VMM has ended: its taps and hugepages
+/// go back, its vGPU tenant is deleted (the worker scrubs its memory), and
+/// its state directory and API socket are removed. Returns whether the
+/// vGPU's memory was released already. The state directory stays (with
+/// `deleted` in it) if the tenant cannot be deleted, so a restarted daemon
+/// tries again.
+fn finish_delete(c: &Control, vm: &Vm) -> Result<bool, ControlError> {
+    remove_taps(&vm.spec);
+    release_hugepages(vm);
+    let released = match c.delete_tenant(&vm.spec.name) {
+        Ok(done) => done,
+        Err(ControlError::NotFound(_)) => true,
+        Err(e) => return Err(e),
+    };
+    let _ = std::fs::remove_dir_all(&vm.dir);
+    let _ = std::fs::remove_file(&vm.api_socket);
+    Ok(released)
 }
 
 fn view(c: &Control, vm: &Vm) -> VmView {
@@ -718,10 +775,13 @@ fn tap_names(spec: &VmSpec) -> Vec<String> {
 
 /// Makes (or finds) the taps of the VM's `bridge=` interfaces, in their
 /// bridges and up.
-fn make_taps(spec: &VmSpec) -> Result<(), ControlError> {
+fn make_taps(spec: &VmSpec, jail: Option<crate::config::Owner>) -> Result<(), ControlError> {
+    // The VMM opens them as root before any jail; the owner keeps other
+    // users off them.
+    let owner = jail.map_or(0, |j| j.uid);
     for (n, tap) in spec.nets.iter().zip(tap_names(spec)) {
         if let NetSpec::Bridge(b) = n {
-            super::tap::make_bridged(Path::new("/sys"), &tap, b).map_err(|e| ControlError::Worker(format!("tap {tap} for bridge {b}: {e}")))?;
+            super::tap::make_bridged(Path::new("/sys"), &tap, b, owner).map_err(|e| ControlError::Worker(format!("tap {tap} for bridge {b}: {e}")))?;
         }
     }
     Ok(())
@@ -837,7 +897,7 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
         }
         let started = ensure_tenant(c, &vm.spec, cfg.jail).and_then(|t| {
             reserve_hugepages(vm, t.numa_node)?;
-            make_taps(&vm.spec)?;
+            make_taps(&vm.spec, cfg.jail)?;
             spawn_vmm(cfg, vm, &t).map_err(|e| ControlError::Worker(format!("starting {}: {e}", cfg.vmm.display())))
         });
         let mut child = match started {
@@ -864,6 +924,11 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
             let mut r = vm.lock();
             r.pid = child.id();
             r.pidfd = pidfd_of(child.id());
+            if r.desired != Desired::Running {
+                // A stop or delete came while this VMM was being started,
+                // before it could be signalled: it ends now.
+                let _ = child.kill();
+            }
         }
         let ran_from = Instant::now();
         // Running once its API answers (or it has lived READY_WAIT).
@@ -872,7 +937,11 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
             if let Ok(Some(s)) = child.try_wait() {
                 break Some(s);
             }
-            if std::os::unix::net::UnixStream::connect(&vm.api_socket).is_ok() || Instant::now() >= deadline || vm.lock().desired != Desired::Running {
+            if vm.lock().desired != Desired::Running {
+                let _ = child.kill();
+                break None;
+            }
+            if std::os::unix::net::UnixStream::connect(&vm.api_socket).is_ok() || Instant::now() >= deadline {
                 break None;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -922,7 +991,7 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
             info!(vm = %name, "VM ended ({exit}); its restart policy leaves it stopped");
             r.desired = Desired::Stopped;
             drop(r);
-            if let Err(e) = vm.save(Desired::Stopped) {
+            if let Err(e) = vm.save() {
                 warn!(vm = %name, "{e}");
             }
             continue;
