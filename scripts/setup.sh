@@ -69,6 +69,24 @@ fi
 echo "setup: compiling the NVRTC suite's kernels (target/nvrtc)" >&2
 "$PYENV/bin/python" "$ROOT/scripts/nvrtc-compile.py"
 
+# The API conformance check (tests/api/conformance.py, run by test.sh):
+# schemathesis from PyPI, pinned in tests/api/requirements.txt, in a
+# virtual environment of its own (pip runs only when the pins changed).
+# Where it cannot be installed, setup goes on and test.sh skips the check,
+# loudly; the check runs only once target/apienv/.requirements matches.
+APIENV="$ROOT/target/apienv"
+APIREQS="$ROOT/tests/api/requirements.txt"
+if [ ! -x "$APIENV/bin/python" ] || ! cmp -s "$APIREQS" "$APIENV/.requirements"; then
+    echo "setup: installing the API conformance check's packages (schemathesis) in target/apienv" >&2
+    rm -f "$APIENV/.requirements"
+    if { [ -x "$APIENV/bin/python" ] || python3 -m venv "$APIENV"; } \
+        && "$APIENV/bin/pip" install --quiet --disable-pip-version-check -r "$APIREQS"; then
+        cp "$APIREQS" "$APIENV/.requirements"
+    else
+        echo "setup: could not install tests/api/requirements.txt in target/apienv; scripts/test.sh will skip the API conformance check" >&2
+    fi
+fi
+
 # The bare-metal KVM-tier guest: its own crate, target flags and linker script.
 echo "setup: building images/test-guest" >&2
 (cd "$ROOT/images/test-guest" && cargo build --release --quiet 2>/dev/null) || (cd "$ROOT/images/test-guest" && cargo build --release)

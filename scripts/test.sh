@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test in the workspace: unit tests, the decoder property tests,
 # the end-to-end tests that start vgpu-mediatord and run the C samples
-# through libcuda.so.1, and the fuzz smoke (scripts/fuzz-smoke.sh).
+# through libcuda.so.1, the API conformance check (tests/api/conformance.py)
+# and the fuzz smoke (scripts/fuzz-smoke.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
@@ -20,6 +21,15 @@ echo "test: cargo clippy -D warnings" >&2
 cargo clippy --release --workspace --all-targets -- -D warnings || status=$?
 python3 scripts/check-msrv.py || status=$?
 cargo test --release --workspace --no-fail-fast || status=$?
+# The API conformance check: the served APIs against docs/api/*.yaml, with
+# schemathesis (docs/api/README.md). Skipped, loudly, only where setup.sh
+# could not install schemathesis.
+if cmp -s tests/api/requirements.txt target/apienv/.requirements; then
+    echo "test: API conformance (tests/api/conformance.py)" >&2
+    target/apienv/bin/python tests/api/conformance.py || status=$?
+else
+    echo "SKIPPED API conformance check (tests/api/conformance.py): schemathesis could not be installed in target/apienv (see setup's output)" | tee -a "$SKIPS" >&2
+fi
 # The README's by-hand steps, exactly as written.
 ./scripts/check-readme.sh || status=$?
 # The fuzz smoke: every cargo-fuzz target for 60 s from its committed corpus.

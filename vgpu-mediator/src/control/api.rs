@@ -74,7 +74,10 @@ async fn usage(State(c): St, q: Result<axum::extract::Query<UsageQuery>, axum::e
     if !q.since.is_finite() {
         return Err(ControlError::BadRequest("since must be a number of seconds since 1970".into()));
     }
-    let limit = q.limit.unwrap_or(10_000).clamp(1, super::meter::MAX_RECORDS);
+    let limit = q.limit.unwrap_or(10_000);
+    if !(1..=super::meter::MAX_RECORDS).contains(&limit) {
+        return Err(ControlError::BadRequest(format!("limit must be 1 to {}, not {limit}", super::meter::MAX_RECORDS)));
+    }
     let meter = c.meter.get().cloned().ok_or_else(|| ControlError::NotFound("metering is not running".into()))?;
     let recs = blocking(move || meter.records(q.since, q.tenant.as_deref(), limit)).await?.map_err(|e| ControlError::Worker(e.to_string()))?;
     Ok(Json(recs))

@@ -58,14 +58,19 @@ fn one() -> f64 {
     1.0
 }
 
-/// What `PATCH /pools/NAME` may change; absent fields stay.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// What `PATCH /pools/NAME` may change; absent fields stay. (Serialize is
+/// for checking docs/api/mediator.yaml against it.)
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolChange {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub access: Option<Access>,
     /// Replaces the allow-list.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub allow: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub overcommit: Option<f64>,
 }
 

@@ -1,0 +1,866 @@
+//! The OpenAPI documents (docs/api/*.yaml) against the API types they
+//! describe, which are the source of truth: every field a type serializes
+//! is a property of its schema and every property a field; a schema
+//! refuses unknown properties exactly when its type does; its `required`
+//! list is what the type cannot do without; its defaults are the type's
+//! and its enums the type's variants. Response bodies the daemon builds
+//! from private types are checked as it serves them. (The served API
+//! against the documents is tests/api/conformance.py, with schemathesis.)
+//!
+//! The workspace has no YAML crate: the documents are read with the small
+//! parser below, which refuses any YAML it does not handle and is checked
+//! against PyYAML where target/apienv has it.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::{json, Value};
+use vgpu_tests::*;
+
+/// A reader for the subset of YAML the API documents use: block mappings
+/// and sequences, flow mappings and sequences, plain, single- and
+/// double-quoted scalars, `|` block scalars and comments. Anything else
+/// (anchors, tags, folded scalars, multi-line flow collections, YAML 1.1
+/// scalars such as `yes` or `0600` whose meaning is ambiguous) is an error.
+mod yaml {
+    use serde_json::{Map, Number, Value};
+
+    struct Parser {
+        /// (line number, text) with tabs refused and comments kept.
+        lines: Vec<(usize, String)>,
+        i: usize,
+    }
+
+    type R<T> = Result<T, String>;
+
+    pub fn parse(src: &str) -> R<Value> {
+        let mut lines = Vec::new();
+        for (n, l) in src.lines().enumerate() {
+            if l.contains('\t') {
+                return Err(format!("line {}: a tab", n + 1));
+            }
+            lines.push((n + 1, l.to_string()));
+        }
+        let mut p = Parser { lines, i: 0 };
+        let Some((indent, _, _)) = p.peek() else { return Ok(Value::Null) };
+        let v = p.block(indent)?;
+        if let Some((_, _, no)) = p.peek() {
+            return Err(format!("line {no}: unexpected indentation"));
+        }
+        Ok(v)
+    }
+
+    fn indent_of(l: &str) -> usize {
+        l.len() - l.trim_start_matches(' ').len()
+    }
+
+    fn is_blank(l: &str) -> bool {
+        let t = l.trim();
+        t.is_empty() || t.starts_with('#')
+    }
+
+    fn is_item(t: &str) -> bool {
+        t == "-" || t.starts_with("- ")
+    }
+
+    /// The text without a trailing comment (a `#` after a space, outside quotes).
+    fn strip_comment(t: &str) -> &str {
+        let (mut dq, mut sq, mut esc) = (false, false, false);
+        let b = t.as_bytes();
+        for (i, &c) in b.iter().enumerate() {
+            if dq {
+                match (esc, c) {
+                    (true, _) => esc = false,
+                    (false, b'\\') => esc = true,
+                    (false, b'"') => dq = false,
+                    _ => {}
+                }
+            } else if sq {
+                if c == b'\'' {
+                    sq = false;
+                }
+            } else if c == b'"' {
+                dq = true;
+            } else if c == b'\'' {
+                sq = true;
+            } else if c == b'#' && (i == 0 || b[i - 1] == b' ') {
+                return t[..i].trim_end();
+            }
+        }
+        t.trim_end()
+    }
+
+    impl Parser {
+        /// The next non-blank line: (indent, text without comment, number).
+        fn peek(&mut self) -> Option<(usize, String, usize)> {
+            while self.i < self.lines.len() && is_blank(&self.lines[self.i].1) {
+                self.i += 1;
+            }
+            let (no, l) = self.lines.get(self.i)?;
+            Some((indent_of(l), strip_comment(l.trim_start()).to_string(), *no))
+        }
+
+        fn block(&mut self, indent: usize) -> R<Value> {
+            match self.peek() {
+                Some((_, t, _)) if is_item(&t) => self.seq(indent),
+                _ => self.map(indent),
+            }
+        }
+
+        fn map(&mut self, n: usize) -> R<Value> {
+            let mut m = Map::new();
+            while let Some((ind, t, no)) = self.peek() {
+                if ind < n {
+                    break;
+                }
+                if ind > n || is_item(&t) {
+                    return Err(format!("line {no}: unexpected indentation or sequence item"));
+                }
+                let (key, rest) = split_key(&t).map_err(|e| format!("line {no}: {e}"))?;
+                self.i += 1;
+                let v = self.value(&rest, n, no)?;
+                if m.insert(key.clone(), v).is_some() {
+                    return Err(format!("line {no}: duplicate key {key:?}"));
+                }
+            }
+            Ok(Value::Object(m))
+        }
+
+        fn seq(&mut self, n: usize) -> R<Value> {
+            let mut v = Vec::new();
+            while let Some((ind, t, no)) = self.peek() {
+                if ind < n || (ind == n && !is_item(&t)) {
+                    break;
+                }
+                if ind > n {
+                    return Err(format!("line {no}: unexpected indentation"));
+                }
+                let rest = t[1..].trim_start();
+                if rest.is_empty() {
+                    self.i += 1;
+                    v.push(match self.peek() {
+                        Some((i2, _, _)) if i2 > n => self.block(i2)?,
+                        _ => Value::Null,
+                    });
+                } else if is_item(rest) || looks_like_key(rest) {
+                    // `- key: value` (or `- - x`): a block starting at the
+                    // column after the dash; the line is re-read as such.
+                    let col = n + (t.len() - rest.len());
+                    self.lines[self.i].1 = format!("{}{rest}", " ".repeat(col));
+                    v.push(self.block(col)?);
+                } else {
+                    self.i += 1;
+                    v.push(inline(rest).map_err(|e| format!("line {no}: {e}"))?);
+                }
+            }
+            Ok(Value::Array(v))
+        }
+
+        /// The value after `key:` on line `no` of a mapping at indent `n`.
+        fn value(&mut self, rest: &str, n: usize, no: usize) -> R<Value> {
+            if rest.is_empty() {
+                return match self.peek() {
+                    Some((i2, _, _)) if i2 > n => self.block(i2),
+                    Some((i2, t, _)) if i2 == n && is_item(&t) => self.seq(n),
+                    _ => Ok(Value::Null),
+                };
+            }
+            match rest {
+                "|" | "|-" | ">" | ">-" => return self.block_scalar(n, rest).map_err(|e| format!("line {no}: {e}")),
+                _ if rest.starts_with(['|', '>', '&', '*', '!']) => return Err(format!("line {no}: unsupported YAML {rest:?}")),
+                _ => {}
+            }
+            inline(rest).map_err(|e| format!("line {no}: {e}"))
+        }
+
+        /// A block scalar's lines (those indented past `n`, and blank
+        /// ones): kept as they are (`|`) or folded into one line per
+        /// paragraph (`>`), clipped to one final newline or (`-`) none.
+        fn block_scalar(&mut self, n: usize, style: &str) -> R<Value> {
+            let mut body: Vec<String> = Vec::new();
+            let mut indent = None;
+            while let Some((_, l)) = self.lines.get(self.i) {
+                if l.trim().is_empty() {
+                    body.push(String::new());
+                } else if indent_of(l) > n {
+                    let ind = *indent.get_or_insert(indent_of(l));
+                    if indent_of(l) < ind || (style.starts_with('>') && indent_of(l) > ind) {
+                        return Err(format!("line {}: uneven indentation in a block scalar", self.lines[self.i].0));
+                    }
+                    body.push(l[ind..].to_string());
+                } else {
+                    break;
+                }
+                self.i += 1;
+            }
+            while body.last().is_some_and(String::is_empty) {
+                body.pop();
+            }
+            let mut s = if style.starts_with('>') {
+                // Lines of a paragraph join with a space; each blank line
+                // between paragraphs is one newline.
+                let mut out = String::new();
+                let mut blank_run = 0;
+                for (i, line) in body.iter().enumerate() {
+                    if line.is_empty() {
+                        blank_run += 1;
+                        continue;
+                    }
+                    if i > 0 {
+                        out.push_str(&if blank_run > 0 { "\n".repeat(blank_run) } else { " ".to_string() });
+                    }
+                    blank_run = 0;
+                    out.push_str(line);
+                }
+                out
+            } else {
+                body.join("\n")
+            };
+            if !style.ends_with('-') && !s.is_empty() {
+                s.push('\n');
+            }
+            Ok(Value::String(s))
+        }
+    }
+
+    fn looks_like_key(t: &str) -> bool {
+        if t.starts_with(['"', '\'']) {
+            let mut pos = 0;
+            return quoted(t, &mut pos).is_ok() && (t[pos..] == *":" || t[pos..].starts_with(": "));
+        }
+        !t.starts_with(['{', '[']) && (t.ends_with(':') || t.contains(": "))
+    }
+
+    fn split_key(t: &str) -> R<(String, String)> {
+        if t.starts_with(['"', '\'']) {
+            let mut pos = 0;
+            let k = quoted(t, &mut pos)?;
+            let rest = t[pos..].strip_prefix(':').ok_or("expected `:` after a quoted key")?;
+            if !(rest.is_empty() || rest.starts_with(' ')) {
+                return Err("expected `: ` after a quoted key".into());
+            }
+            return Ok((k, rest.trim().to_string()));
+        }
+        let end = if let Some(i) = t.find(": ") {
+            i
+        } else if let Some(k) = t.strip_suffix(':') {
+            k.len()
+        } else {
+            return Err(format!("expected `key: value`, got {t:?}"));
+        };
+        Ok((t[..end].trim().to_string(), t[end + 1..].trim().to_string()))
+    }
+
+    /// A value written on one line: a flow collection, a quoted or a plain scalar.
+    fn inline(t: &str) -> R<Value> {
+        let mut pos = 0;
+        let v = flow(t, &mut pos, false)?;
+        if !t[pos..].trim().is_empty() {
+            return Err(format!("unexpected {:?} after a value", &t[pos..]));
+        }
+        Ok(v)
+    }
+
+    fn skip_ws(t: &str, pos: &mut usize) {
+        while t[*pos..].starts_with(' ') {
+            *pos += 1;
+        }
+    }
+
+    fn flow(t: &str, pos: &mut usize, in_flow: bool) -> R<Value> {
+        skip_ws(t, pos);
+        let rest = &t[*pos..];
+        if rest.starts_with('{') {
+            *pos += 1;
+            let mut m = Map::new();
+            loop {
+                skip_ws(t, pos);
+                if t[*pos..].starts_with('}') {
+                    *pos += 1;
+                    return Ok(Value::Object(m));
+                }
+                let key = if t[*pos..].starts_with(['"', '\'']) {
+                    quoted(t, pos)?
+                } else {
+                    let end = t[*pos..].find(':').ok_or("a flow mapping key without `:`")?;
+                    let k = t[*pos..*pos + end].trim().to_string();
+                    *pos += end;
+                    k
+                };
+                skip_ws(t, pos);
+                if !t[*pos..].starts_with(':') {
+                    return Err(format!("expected `:` after {key:?}"));
+                }
+                *pos += 1;
+                skip_ws(t, pos);
+                let v = if t[*pos..].starts_with([',', '}']) { Value::Null } else { flow(t, pos, true)? };
+                if m.insert(key.clone(), v).is_some() {
+                    return Err(format!("duplicate key {key:?}"));
+                }
+                skip_ws(t, pos);
+                match t[*pos..].chars().next() {
+                    Some(',') => *pos += 1,
+                    Some('}') => {}
+                    _ => return Err("a flow mapping that does not end on its line".into()),
+                }
+            }
+        }
+        if rest.starts_with('[') {
+            *pos += 1;
+            let mut v = Vec::new();
+            loop {
+                skip_ws(t, pos);
+                if t[*pos..].starts_with(']') {
+                    *pos += 1;
+                    return Ok(Value::Array(v));
+                }
+                v.push(flow(t, pos, true)?);
+                skip_ws(t, pos);
+                match t[*pos..].chars().next() {
+                    Some(',') => *pos += 1,
+                    Some(']') => {}
+                    _ => return Err("a flow sequence that does not end on its line".into()),
+                }
+            }
+        }
+        if rest.starts_with(['"', '\'']) {
+            return quoted(t, pos).map(Value::String);
+        }
+        if rest.starts_with(['&', '*', '!', '|', '>', '%', '@', '`']) {
+            return Err(format!("unsupported YAML {rest:?}"));
+        }
+        let end = if in_flow { rest.find([',', '}', ']']).unwrap_or(rest.len()) } else { rest.len() };
+        *pos += end;
+        plain(rest[..end].trim())
+    }
+
+    fn quoted(t: &str, pos: &mut usize) -> R<String> {
+        let q = t[*pos..].chars().next().ok_or("expected a quote")?;
+        let mut out = String::new();
+        let mut chars = t[*pos + 1..].char_indices();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\'' if q == '\'' => {
+                    if t[*pos + 1 + i + 1..].starts_with('\'') {
+                        out.push('\'');
+                        chars.next();
+                    } else {
+                        *pos += 1 + i + 1;
+                        return Ok(out);
+                    }
+                }
+                '"' if q == '"' => {
+                    *pos += 1 + i + 1;
+                    return Ok(out);
+                }
+                '\\' if q == '"' => match chars.next().map(|(_, c)| c) {
+                    Some('"') => out.push('"'),
+                    Some('\\') => out.push('\\'),
+                    Some('/') => out.push('/'),
+                    Some('n') => out.push('\n'),
+                    Some('t') => out.push('\t'),
+                    other => return Err(format!("unsupported escape \\{other:?}")),
+                },
+                c => out.push(c),
+            }
+        }
+        Err("a quoted scalar that does not end on its line".into())
+    }
+
+    /// A plain scalar: null, a boolean, an integer, a float or a string.
+    fn plain(s: &str) -> R<Value> {
+        let lower = s.to_ascii_lowercase();
+        let ambiguous = ["yes", "no", "on", "off", ".inf", "-.inf", "+.inf", ".nan"].contains(&lower.as_str()) || (["true", "false", "null"].contains(&lower.as_str()) && s != lower);
+        if ambiguous || s.contains(": ") || s.contains(" #") {
+            return Err(format!("ambiguous plain scalar {s:?}: quote it"));
+        }
+        match s {
+            "" | "~" | "null" => return Ok(Value::Null),
+            "true" => return Ok(Value::Bool(true)),
+            "false" => return Ok(Value::Bool(false)),
+            _ => {}
+        }
+        let digits = s.strip_prefix(['-', '+']).unwrap_or(s);
+        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+            if digits.len() > 1 && digits.starts_with('0') {
+                return Err(format!("ambiguous plain scalar {s:?} (octal in YAML 1.1): quote it"));
+            }
+            let n: Number = s.trim_start_matches('+').parse().map_err(|_| format!("integer {s:?} out of range"))?;
+            return Ok(Value::Number(n));
+        }
+        let (mant, exp) = digits.split_once(['e', 'E']).unwrap_or((digits, ""));
+        let exp_ok = exp.is_empty() || exp.strip_prefix(['-', '+']).unwrap_or(exp).bytes().all(|b| b.is_ascii_digit()) && exp.len() > usize::from(exp.starts_with(['-', '+']));
+        if let Some((a, b)) = mant.split_once('.') {
+            if exp_ok && (!a.is_empty() || !b.is_empty()) && a.bytes().chain(b.bytes()).all(|c| c.is_ascii_digit()) {
+                let f: f64 = s.parse().map_err(|_| format!("bad float {s:?}"))?;
+                return Number::from_f64(f).map(Value::Number).ok_or_else(|| format!("bad float {s:?}"));
+            }
+        }
+        Ok(Value::String(s.to_string()))
+    }
+}
+
+fn load(name: &str) -> Value {
+    let path = workspace().join("docs/api").join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    yaml::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// `#/components/schemas/NAME`, or a property path below it
+/// (`VmSpec/properties/vgpu`), with `$ref`s followed.
+fn schema<'a>(doc: &'a Value, path: &str) -> &'a Value {
+    let mut s = &doc["components"]["schemas"];
+    for part in path.split('/') {
+        s = deref(doc, &s[part]);
+        assert!(!s.is_null(), "the document has no schema at {path} (missing {part})");
+    }
+    s
+}
+
+/// Follows `$ref`s, and the `allOf` of one schema that OpenAPI 3.0 needs
+/// to make a reference nullable.
+fn deref<'a>(doc: &'a Value, s: &'a Value) -> &'a Value {
+    if let Some([one]) = s.get("allOf").and_then(Value::as_array).map(Vec::as_slice) {
+        return deref(doc, one);
+    }
+    match s.get("$ref").and_then(Value::as_str) {
+        Some(r) => {
+            let p = r.strip_prefix("#/").unwrap_or_else(|| panic!("external $ref {r}"));
+            let mut t = doc;
+            for part in p.split('/') {
+                t = &t[part];
+            }
+            assert!(!t.is_null(), "dangling $ref {r}");
+            deref(doc, t)
+        }
+        None => s,
+    }
+}
+
+fn props(s: &Value) -> BTreeSet<String> {
+    s["properties"].as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default()
+}
+
+fn keys(v: &Value) -> BTreeSet<String> {
+    v.as_object().unwrap_or_else(|| panic!("not an object: {v}")).keys().cloned().collect()
+}
+
+fn same_fields(what: &str, served: &BTreeSet<String>, documented: &BTreeSet<String>) {
+    let undocumented: Vec<_> = served.difference(documented).collect();
+    let unknown: Vec<_> = documented.difference(served).collect();
+    assert!(undocumented.is_empty(), "{what}: fields the type has and the document does not: {undocumented:?}");
+    assert!(unknown.is_empty(), "{what}: properties the document has and the type does not: {unknown:?}");
+}
+
+/// Equal as JSON, numbers compared as numbers (1 and 1.0 are the same).
+fn same_value(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        _ => a == b,
+    }
+}
+
+/// A request body type against its schema, from a value with every field
+/// set: the fields, `additionalProperties: false`, `required`, `nullable`,
+/// defaults and enum values, each as serde treats them.
+fn check_request<T: Serialize + DeserializeOwned>(doc: &Value, path: &str, full: &T) {
+    let s = schema(doc, path);
+    let v = serde_json::to_value(full).expect("serialize");
+    same_fields(path, &keys(&v), &props(s));
+    let back = |v: &Value| serde_json::from_value::<T>(v.clone());
+    back(&v).unwrap_or_else(|e| panic!("{path}: the fully populated value does not read back: {e}"));
+
+    let mut extra = v.clone();
+    extra["no_such_field"] = json!(1);
+    let refuses = back(&extra).is_err();
+    let closed = s.get("additionalProperties") == Some(&json!(false));
+    assert_eq!(
+        closed,
+        refuses,
+        "{path}: the type {} unknown fields; the document must {}say additionalProperties: false",
+        if refuses { "refuses" } else { "takes" },
+        if refuses { "" } else { "not " }
+    );
+
+    let required: BTreeSet<String> = s["required"].as_array().map(|a| a.iter().filter_map(|r| r.as_str().map(String::from)).collect()).unwrap_or_default();
+    for k in keys(&v) {
+        let mut without = v.clone();
+        without.as_object_mut().expect("object").remove(&k);
+        let needed = back(&without).is_err();
+        assert_eq!(
+            needed,
+            required.contains(&k),
+            "{path}.{k}: the type {} it; the document {} it as required",
+            if needed { "needs" } else { "does without" },
+            if required.contains(&k) { "lists" } else { "does not list" }
+        );
+        // serde takes null for an Option: the document must say nullable.
+        let mut null = v.clone();
+        null[&k] = Value::Null;
+        let takes_null = back(&null).is_ok();
+        let nullable = s["properties"][&k].get("nullable") == Some(&json!(true));
+        assert_eq!(takes_null, nullable, "{path}.{k}: the type {} null; the document must {}say nullable: true", if takes_null { "takes" } else { "refuses" }, if takes_null { "" } else { "not " });
+        if let Some(d) = s["properties"][&k].get("default") {
+            // The value serde fills in, where it serializes one (an
+            // Option's default is applied later, by the daemon).
+            let filled = serde_json::to_value(back(&without).expect("reads without it")).expect("serialize");
+            if let Some(got) = filled.get(&k) {
+                assert!(same_value(got, d), "{path}.{k}: the document's default is {d}, the type's {got}");
+            }
+        }
+        if let Some(values) = deref(doc, &s["properties"][&k]).get("enum").and_then(Value::as_array) {
+            // OpenAPI 3.0.3: a nullable enum lists null among its values.
+            assert_eq!(nullable, values.contains(&Value::Null), "{path}.{k}: a nullable enum must list null, and only a nullable one");
+            for e in values {
+                let mut with = v.clone();
+                with[&k] = e.clone();
+                assert!(back(&with).is_ok(), "{path}.{k}: the document lists {e}, which the type refuses");
+            }
+        }
+    }
+}
+
+/// An enum's schema against all its variants, as serde writes them.
+fn check_enum<T: Serialize>(doc: &Value, path: &str, variants: &[T]) {
+    let s = schema(doc, path);
+    let listed = s["enum"].as_array().unwrap_or_else(|| panic!("{path} has no enum"));
+    let documented: BTreeSet<String> = listed.iter().filter(|e| !e.is_null()).map(|e| e.as_str().expect("string enum").to_string()).collect();
+    let typed: BTreeSet<String> = variants.iter().map(|v| serde_json::to_value(v).expect("serialize").as_str().expect("a string variant").to_string()).collect();
+    same_fields(&format!("{path} (enum values)"), &typed, &documented);
+}
+
+fn values<T: clap::ValueEnum>() -> &'static [T] {
+    T::value_variants()
+}
+
+/// A response body (fully populated, or as served) against its schema.
+fn check_response(doc: &Value, path: &str, v: &Value) {
+    same_fields(path, &keys(v), &props(schema(doc, path)));
+}
+
+fn docs_path() -> PathBuf {
+    workspace().join("docs/api")
+}
+
+#[test]
+fn the_yaml_reader_reads_what_the_documents_use_and_refuses_the_rest() {
+    let v = yaml::parse(
+        "a: 1\nb: \"x: #y\" # c\nc: { d: [1, 2.5, -3], e: 'it''s' }\nf:\n  - g: true\n    h: null\n  - [x, y]\n  -\n    i: 0\nj: |\n  line one\n\n  two\nk:\n- 1\nl: >-\n  one\n  two\n\n  three\n",
+    )
+    .unwrap();
+    assert_eq!(v, json!({"a": 1, "b": "x: #y", "c": {"d": [1, 2.5, -3], "e": "it's"}, "f": [{"g": true, "h": null}, ["x", "y"], {"i": 0}], "j": "line one\n\ntwo\n", "k": [1], "l": "one two\nthree"}));
+    for bad in ["a: yes", "a: True", "a: 0600", "a: &x 1", "a: { b: 1", "a: { b: c, d e }", "a: >+\n  x", "a:\n\tb: 1", "a: 1\na: 2", "a: b: c"] {
+        assert!(yaml::parse(bad).is_err(), "{bad:?} should be refused");
+    }
+}
+
+/// The reader against PyYAML on the real documents, where target/apienv
+/// (the conformance check's environment) has it.
+#[test]
+fn the_yaml_reader_agrees_with_pyyaml_on_the_api_documents() {
+    let py = workspace().join("target/apienv/bin/python");
+    if !py.exists() {
+        eprintln!("note: {} is missing (scripts/setup.sh makes it); the documents are not compared with PyYAML", py.display());
+        return;
+    }
+    for name in ["mediator.yaml", "vmm.yaml"] {
+        let path = docs_path().join(name);
+        let o = std::process::Command::new(&py).args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"]).arg(&path).output().expect("run python");
+        assert!(o.status.success(), "PyYAML on {name}: {}", String::from_utf8_lossy(&o.stderr));
+        let theirs: Value = serde_json::from_slice(&o.stdout).expect("json");
+        assert_eq!(load(name), theirs, "{name}: this reader and PyYAML disagree");
+    }
+}
+
+#[test]
+fn mediator_request_schemas_match_the_api_types() {
+    use vgpu_api::vm::{DiskSpec, Hugepages, NetSpec, RestartPolicy, VgpuSpec, VmSpec};
+    use vgpu_mediator::config::{Owner, TenantKind, TenantSpec};
+    use vgpu_mediator::control::pool::{Access, Placement, PoolChange, PoolSpec};
+    use vgpu_mediator::control::TenantChange;
+    use vgpu_mediator::sched::Priority;
+    use vgpu_mediator::size::Size;
+
+    let doc = load("mediator.yaml");
+    let vgpu = VgpuSpec { memory: Size(64 << 20), weight: 3, cap: Some(50), pool: Some("gpu-a".into()) };
+    let vm = VmSpec {
+        name: "vm1".into(),
+        vcpus: 2,
+        memory: Size(512 << 20),
+        hugepages: Some(Hugepages::TwoMiB),
+        kernel: Some("/boot/vmlinux".into()),
+        initramfs: Some("/boot/initrd".into()),
+        cmdline: Some("console=ttyS0".into()),
+        boot_disk: Some("/var/lib/vgpu/boot.img".into()),
+        disks: vec![DiskSpec { path: "/var/lib/vgpu/data.img".into(), read_only: true }],
+        nets: vec![NetSpec::Tap("tap0".into()), NetSpec::Bridge("br0".into())],
+        vgpu: vgpu.clone(),
+        restart: RestartPolicy::Always,
+    };
+    check_request(&doc, "VmSpec", &vm);
+    check_request(&doc, "VmSpec/properties/vgpu", &vgpu);
+    check_request(&doc, "VmSpec/properties/disks/items", &vm.disks[0]);
+    check_enum(&doc, "VmSpec/properties/restart", values::<RestartPolicy>());
+    // Every variant, so that a new one does not compile until it is added here.
+    let hugepages = [Hugepages::None, Hugepages::TwoMiB, Hugepages::OneGiB];
+    for h in hugepages {
+        match h {
+            Hugepages::None | Hugepages::TwoMiB | Hugepages::OneGiB => {}
+        }
+    }
+    check_enum(&doc, "VmSpec/properties/hugepages", &hugepages);
+    // NetSpec: one closed single-key object per variant.
+    let alternatives = schema(&doc, "VmSpec/properties/nets/items")["oneOf"].as_array().expect("nets: oneOf");
+    let documented: BTreeSet<String> = alternatives
+        .iter()
+        .map(|a| {
+            assert_eq!(a["additionalProperties"], json!(false), "nets: {a}");
+            let p = props(a);
+            assert_eq!(p.len(), 1, "nets: {a}");
+            assert_eq!(a["required"], json!(p.iter().collect::<Vec<_>>()), "nets: {a}");
+            p.into_iter().next().expect("one key")
+        })
+        .collect();
+    let typed: BTreeSet<String> = vm
+        .nets
+        .iter()
+        .map(|n| {
+            match n {
+                NetSpec::Tap(_) | NetSpec::Bridge(_) => {}
+            }
+            keys(&serde_json::to_value(n).expect("serialize")).into_iter().next().expect("one key")
+        })
+        .collect();
+    assert!(serde_json::from_value::<NetSpec>(json!({"tap": "a", "bridge": "b"})).is_err(), "a NetSpec is one key");
+    same_fields("VmSpec/properties/nets/items (variants)", &typed, &documented);
+
+    let tenant = TenantSpec {
+        name: "web".into(),
+        memory: Size(256 << 20),
+        weight: 2,
+        cap: Some(40),
+        priority: Priority::Latency,
+        device: Some("cpu0".into()),
+        pool: Some("default".into()),
+        numa_node: Some(0),
+        kind: TenantKind::Vm,
+        owner: Some(Owner { uid: 1000, gid: 1000 }),
+        mode: Some("0660".into()),
+        host_memory: Some(Size(64 << 20)),
+        max_connections: Some(8),
+    };
+    check_request(&doc, "TenantSpec", &tenant);
+    check_enum(&doc, "TenantSpec/properties/priority", values::<Priority>());
+    let kinds = [TenantKind::Process, TenantKind::Vm];
+    for k in kinds {
+        match k {
+            TenantKind::Process | TenantKind::Vm => {}
+        }
+    }
+    check_enum(&doc, "TenantSpec/properties/kind", &kinds);
+    let change = TenantChange { weight: Some(5), cap: Some(100), priority: Some(Priority::Batch), memory: Some(Size(128 << 20)) };
+    check_request(&doc, "TenantChange", &change);
+    check_enum(&doc, "TenantChange/properties/priority", values::<Priority>());
+
+    let pool = PoolSpec { name: "gpu-a".into(), devices: vec!["cpu1".into()], access: Access::Private, allow: vec!["web".into()], placement: Placement::Pack, overcommit: 2.0 };
+    check_request(&doc, "PoolSpec", &pool);
+    check_enum(&doc, "PoolSpec/properties/access", values::<Access>());
+    check_enum(&doc, "PoolSpec/properties/placement", values::<Placement>());
+    let change = PoolChange { access: Some(Access::Public), allow: Some(vec!["web".into()]), placement: Some(Placement::Spread), overcommit: Some(1.5) };
+    check_request(&doc, "PoolChange", &change);
+    check_enum(&doc, "PoolChange/properties/access", values::<Access>());
+    check_enum(&doc, "PoolChange/properties/placement", values::<Placement>());
+}
+
+#[test]
+fn mediator_response_schemas_match_the_api_types() {
+    use vgpu_api::vm::{RestartPolicy, VgpuSpec, VmSpec, VmState, VmView};
+    use vgpu_mediator::config::Owner;
+    use vgpu_mediator::control::meter::{Record, Usage};
+    use vgpu_mediator::control::{TenantPhase, TenantRecord};
+    use vgpu_mediator::ipc::TenantStats;
+    use vgpu_mediator::sched::Priority;
+    use vgpu_mediator::size::Size;
+
+    let doc = load("mediator.yaml");
+    let spec = VmSpec {
+        name: "vm1".into(),
+        vcpus: 1,
+        memory: Size(512 << 20),
+        hugepages: None,
+        kernel: Some("/boot/vmlinux".into()),
+        initramfs: None,
+        cmdline: None,
+        boot_disk: None,
+        disks: Vec::new(),
+        nets: Vec::new(),
+        vgpu: VgpuSpec { memory: Size(64 << 20), weight: 1, cap: None, pool: None },
+        restart: RestartPolicy::OnFailure,
+    };
+    let vm = VmView {
+        name: "vm1".into(),
+        state: VmState::Running,
+        desired: "running".into(),
+        spec,
+        device: "cpu0".into(),
+        pool: "default".into(),
+        numa_node: 0,
+        pid: 42,
+        restarts: 1,
+        last_exit: Some("exit 0".into()),
+        error: Some("none".into()),
+        api_socket: "/run/vgpu/vms/vm1.sock".into(),
+        console_log: "/var/lib/vgpu/vms/vm1/console.log".into(),
+    };
+    check_response(&doc, "Vm", &serde_json::to_value(&vm).expect("serialize"));
+    let states = [VmState::Starting, VmState::Running, VmState::Stopping, VmState::Stopped, VmState::Restarting, VmState::Failed];
+    for s in states {
+        match s {
+            VmState::Starting | VmState::Running | VmState::Stopping | VmState::Stopped | VmState::Restarting | VmState::Failed => {}
+        }
+    }
+    check_enum(&doc, "Vm/properties/state", &states);
+
+    let tenant = TenantRecord {
+        name: "web".into(),
+        kind: "process",
+        memory: 1 << 30,
+        weight: 2,
+        cap: Some(50),
+        priority: Priority::Normal,
+        device: "cpu0".into(),
+        pool: "default".into(),
+        numa_node: 0,
+        socket: "/run/vgpu/tenants/web.sock".into(),
+        state: TenantPhase::Ready,
+        owner: Some(Owner { uid: 1, gid: 1 }),
+        mode: "0600".into(),
+        host_memory: 1 << 28,
+        max_connections: 64,
+    };
+    check_response(&doc, "Tenant", &serde_json::to_value(&tenant).expect("serialize"));
+    let phases = [TenantPhase::Creating, TenantPhase::Ready, TenantPhase::Deleting];
+    for p in phases {
+        match p {
+            TenantPhase::Creating | TenantPhase::Ready | TenantPhase::Deleting => {}
+        }
+    }
+    check_enum(&doc, "Tenant/properties/state", &phases);
+    check_enum(&doc, "Tenant/properties/priority", values::<Priority>());
+    let stats = TenantStats { name: "web".into(), cap: Some(50), ..TenantStats::default() };
+    check_response(&doc, "TenantUsage", &serde_json::to_value(&stats).expect("serialize"));
+
+    // Both kinds of usage record: the document's properties are their
+    // union, and what both always have is required.
+    let t = serde_json::to_value(Record::Tenant { start: 0.0, end: 60.0, tenant: "web".into(), device: "cpu0".into(), uuid: "u".into(), usage: Usage::default() }).expect("serialize");
+    let d = serde_json::to_value(Record::Device { start: 0.0, end: 60.0, device: "cpu0".into(), uuid: "u".into(), model: "m".into(), busy_seconds: 1.0, lanes: 2 }).expect("serialize");
+    let s = schema(&doc, "UsageRecord");
+    same_fields("UsageRecord", &keys(&t).union(&keys(&d)).cloned().collect(), &props(s));
+    let required: BTreeSet<String> = s["required"].as_array().expect("required").iter().map(|r| r.as_str().expect("name").to_string()).collect();
+    same_fields("UsageRecord (required)", &keys(&t).intersection(&keys(&d)).cloned().collect(), &required);
+    let kinds: BTreeSet<String> = [&t, &d].iter().map(|r| r["type"].as_str().expect("type").to_string()).collect();
+    same_fields("UsageRecord/properties/type (enum values)", &kinds, &s["properties"]["type"]["enum"].as_array().expect("enum").iter().map(|e| e.as_str().expect("name").to_string()).collect());
+}
+
+/// The response bodies built from private types, as a daemon serves them.
+#[test]
+fn mediator_served_bodies_have_the_documented_fields() {
+    let doc = load("mediator.yaml");
+    let m = Mediator::start(&["--cpu-devices", "2", "--device-memory", "64MiB"]);
+    let (st, v) = m.api("POST", "/pools", Some(json!({"name": "gpu-a", "devices": ["cpu1"], "access": "private", "allow": ["web"]})));
+    assert_eq!(st, 201, "{v}");
+    check_response(&doc, "Pool", &v);
+    m.tenant("web", "16MiB");
+    let (st, devices) = m.api("GET", "/devices", None);
+    assert_eq!(st, 200, "{devices}");
+    for d in devices.as_array().expect("devices") {
+        check_response(&doc, "Device", d);
+    }
+    let (_, pools) = m.api("GET", "/pools", None);
+    for p in pools.as_array().expect("pools") {
+        let documented = props(schema(&doc, "Pool"));
+        let served = keys(p);
+        assert!(served.is_subset(&documented), "Pool: served fields the document lacks: {:?}", served.difference(&documented).collect::<Vec<_>>());
+    }
+    let (st, t) = m.api("GET", "/tenants/web", None);
+    assert_eq!(st, 200, "{t}");
+    check_response(&doc, "TenantUsage", &t["usage"]);
+    let mut record = t.clone();
+    record.as_object_mut().expect("object").remove("usage");
+    let documented = props(schema(&doc, "Tenant"));
+    assert!(keys(&record).is_subset(&documented), "GET /tenants/web: fields the document lacks: {:?}", keys(&record).difference(&documented).collect::<Vec<_>>());
+}
+
+#[test]
+fn vmm_schemas_match_the_vmm_types() {
+    use vmm::config::{BucketConfig, DiskConfig, Hugepages, MacAddr, MemMiB, NetConfig, SerialOut, VgpuConfig, VmConfig};
+    use vmm::vm::{RunState, VmInfo};
+
+    let doc = load("vmm.yaml");
+    let bucket = BucketConfig { size: 10 << 20, refill_ms: 1000 };
+    let disk = DiskConfig { path: "/var/lib/vgpu/root.img".into(), read_only: true, direct: true, id: Some("root".into()), bandwidth: Some(bucket), ops: Some(bucket) };
+    let net =
+        NetConfig { tap: "tap0".into(), mac: Some(MacAddr([0x52, 0x54, 0, 0x12, 0x34, 0x56])), rx_bandwidth: Some(bucket), rx_ops: Some(bucket), tx_bandwidth: Some(bucket), tx_ops: Some(bucket) };
+    let vgpu = VgpuConfig { socket: "/run/vgpu/tenants/vm1.vhost".into(), headless: true };
+    let config = VmConfig {
+        kernel: "/boot/vmlinux".into(),
+        initramfs: Some("/boot/initrd".into()),
+        cmdline: "console=ttyS0".into(),
+        vcpus: 2,
+        memory_mib: MemMiB(512),
+        hugepages: Hugepages::TwoMiB,
+        numa_node: Some(0),
+        serial: SerialOut::File("/tmp/serial.log".into()),
+        api_socket: Some("/run/vm1.sock".into()),
+        rng: false,
+        vgpu: Some(vgpu.clone()),
+        disks: vec![disk.clone()],
+        nets: vec![net.clone()],
+    };
+    check_request(&doc, "VmConfig", &config);
+    check_request(&doc, "VmConfig/properties/vgpu", &vgpu);
+    check_request(&doc, "VmConfig/properties/disks/items", &disk);
+    check_request(&doc, "VmConfig/properties/nets/items", &net);
+    check_request(&doc, "Bucket", &bucket);
+
+    let info = VmInfo { state: RunState::Running, config, vcpus: 2, memory_bytes: 512 << 20, memory_backing: "memfd", numa_node: Some(0), vcpu_cpus: Some(vec![0, 1]), pid: 1 };
+    check_response(&doc, "VmInfo", &serde_json::to_value(&info).expect("serialize"));
+    let states = [RunState::Running, RunState::Paused, RunState::Stopped];
+    for s in states {
+        match s {
+            RunState::Running | RunState::Paused | RunState::Stopped => {}
+        }
+    }
+    check_enum(&doc, "VmInfo/properties/state", &states);
+}
+
+#[test]
+fn every_schema_reference_resolves_and_every_path_parameter_is_declared() {
+    for name in ["mediator.yaml", "vmm.yaml"] {
+        let doc = load(name);
+        fn walk(doc: &Value, v: &Value, at: &str) {
+            match v {
+                Value::Object(m) => {
+                    if let Some(r) = m.get("$ref") {
+                        let _ = deref(doc, v);
+                        assert!(r.is_string(), "{at}: $ref {r}");
+                    }
+                    for (k, x) in m {
+                        walk(doc, x, &format!("{at}/{k}"));
+                    }
+                }
+                Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| walk(doc, x, &format!("{at}/{i}"))),
+                _ => {}
+            }
+        }
+        walk(&doc, &doc, name);
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            let params: BTreeSet<String> =
+                item["parameters"].as_array().map(|a| a.iter().filter(|p| p["in"] == "path").map(|p| p["name"].as_str().expect("name").to_string()).collect()).unwrap_or_default();
+            let named: BTreeSet<String> = path.split('/').filter_map(|s| s.strip_prefix('{').and_then(|s| s.strip_suffix('}'))).map(String::from).collect();
+            assert_eq!(params, named, "{name} {path}: path parameters");
+        }
+    }
+}
