@@ -73,46 +73,154 @@ pub enum RestartPolicy {
     Never,
 }
 
-/// A disk: `PATH[,ro]` on the command line.
+/// A rate limit, `SIZE/MS` on the command line: a token bucket of `size`
+/// bytes (or operations) refilled completely every `refill_ms`
+/// milliseconds (Firecracker's model; docs/vmm.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateSpec {
+    pub size: Size,
+    pub refill_ms: u64,
+}
+
+impl RateSpec {
+    pub fn check(&self) -> Result<(), String> {
+        if self.size.0 == 0 || self.refill_ms == 0 || self.refill_ms > 3_600_000 {
+            return Err(format!("invalid rate limit {self}: the size must be positive and the refill 1 to 3600000 ms"));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for RateSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.size.0, self.refill_ms)
+    }
+}
+
+impl std::str::FromStr for RateSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("invalid rate limit '{s}': use AMOUNT/MILLISECONDS, e.g. 50MiB/1000");
+        let (a, ms) = s.split_once('/').ok_or_else(bad)?;
+        let r = RateSpec { size: a.parse().map_err(|_| bad())?, refill_ms: ms.parse().map_err(|_| bad())? };
+        r.check()?;
+        Ok(r)
+    }
+}
+
+/// A disk: `PATH[,ro][,bw=SIZE/MS][,ops=N/MS]` on the command line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiskSpec {
     pub path: PathBuf,
     #[serde(default)]
     pub read_only: bool,
+    /// Bytes per time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth: Option<RateSpec>,
+    /// Requests per time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ops: Option<RateSpec>,
 }
 
 impl std::str::FromStr for DiskSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let (path, ro) = match s.strip_suffix(",ro") {
-            Some(p) => (p, true),
-            None => (s, false),
-        };
+        let mut parts = s.split(',');
+        let path = parts.next().unwrap_or_default();
         if path.is_empty() {
-            return Err(format!("invalid disk '{s}': use PATH or PATH,ro"));
+            return Err(format!("invalid disk '{s}': use PATH[,ro][,bw=SIZE/MS][,ops=N/MS]"));
         }
-        Ok(DiskSpec { path: PathBuf::from(path), read_only: ro })
+        let mut d = DiskSpec { path: PathBuf::from(path), read_only: false, bandwidth: None, ops: None };
+        for part in parts {
+            match part.split_once('=') {
+                None if part == "ro" => d.read_only = true,
+                Some(("bw", r)) => d.bandwidth = Some(r.parse()?),
+                Some(("ops", r)) => d.ops = Some(r.parse()?),
+                _ => return Err(format!("invalid disk option '{part}': use ro, bw=SIZE/MS or ops=N/MS")),
+            }
+        }
+        Ok(d)
     }
 }
 
-/// A network interface: `tap=NAME` (an existing tap device) or
-/// `bridge=NAME` (a tap the daemon makes and attaches to that bridge).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase", deny_unknown_fields)]
-pub enum NetSpec {
-    Tap(String),
-    Bridge(String),
+/// A network interface: `tap=NAME` (the admin's own tap) or `bridge=NAME`
+/// (a tap the daemon makes in that bridge), exactly one of them, with an
+/// optional MAC address and rate limits per direction. On the command
+/// line: `tap=NAME|bridge=NAME[,mac=MAC][,rx_bw=SIZE/MS][,rx_ops=N/MS]
+/// [,tx_bw=SIZE/MS][,tx_ops=N/MS]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<String>,
+    /// A unicast MAC address (default: derived from the tap's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// Towards the guest: bytes and frames per time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rx_bandwidth: Option<RateSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rx_ops: Option<RateSpec>,
+    /// From the guest: bytes and frames per time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tx_bandwidth: Option<RateSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tx_ops: Option<RateSpec>,
+}
+
+/// Where an interface attaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetAttach<'a> {
+    Tap(&'a str),
+    Bridge(&'a str),
+}
+
+impl NetSpec {
+    /// Its tap or its bridge; an interface with both or neither is refused.
+    pub fn attach(&self) -> Result<NetAttach<'_>, String> {
+        match (&self.tap, &self.bridge) {
+            (Some(t), None) => Ok(NetAttach::Tap(t)),
+            (None, Some(b)) => Ok(NetAttach::Bridge(b)),
+            _ => Err("a network interface names a tap or a bridge, exactly one of them".into()),
+        }
+    }
+
+    /// The MAC, checked: six hex bytes, unicast.
+    pub fn check_mac(&self) -> Result<(), String> {
+        let Some(m) = &self.mac else { return Ok(()) };
+        let bytes: Vec<&str> = m.split(':').collect();
+        let hex = bytes.len() == 6 && bytes.iter().all(|b| b.len() == 2 && b.bytes().all(|c| c.is_ascii_hexdigit()));
+        let unicast = hex && u8::from_str_radix(bytes[0], 16).is_ok_and(|b| b & 1 == 0);
+        if !unicast {
+            return Err(format!("invalid MAC address '{m}': six hex bytes (52:54:00:12:34:56), unicast"));
+        }
+        Ok(())
+    }
 }
 
 impl std::str::FromStr for NetSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.split_once('=') {
-            Some(("tap", n)) if !n.is_empty() => Ok(NetSpec::Tap(n.into())),
-            Some(("bridge", n)) if !n.is_empty() => Ok(NetSpec::Bridge(n.into())),
-            _ => Err(format!("invalid network interface '{s}': use tap=NAME or bridge=NAME")),
+        let mut n = NetSpec::default();
+        for part in s.split(',') {
+            match part.split_once('=') {
+                Some(("tap", v)) if !v.is_empty() => n.tap = Some(v.into()),
+                Some(("bridge", v)) if !v.is_empty() => n.bridge = Some(v.into()),
+                Some(("mac", v)) => n.mac = Some(v.into()),
+                Some(("rx_bw", r)) => n.rx_bandwidth = Some(r.parse()?),
+                Some(("rx_ops", r)) => n.rx_ops = Some(r.parse()?),
+                Some(("tx_bw", r)) => n.tx_bandwidth = Some(r.parse()?),
+                Some(("tx_ops", r)) => n.tx_ops = Some(r.parse()?),
+                _ => return Err(format!("invalid network interface part '{part}': use tap=NAME or bridge=NAME, then mac=, rx_bw=, rx_ops=, tx_bw=, tx_ops=")),
+            }
         }
+        n.attach()?;
+        n.check_mac()?;
+        Ok(n)
     }
 }
 
@@ -174,12 +282,14 @@ pub struct VmSpec {
     #[arg(long, value_name = "IMAGE")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_disk: Option<PathBuf>,
-    /// A disk (PATH or PATH,ro); repeat for more.
-    #[arg(long = "disk", value_name = "PATH[,ro]")]
+    /// A disk (PATH[,ro][,bw=SIZE/MS][,ops=N/MS]); repeat for more.
+    #[arg(long = "disk", value_name = "PATH[,ro][,bw=SIZE/MS][,ops=N/MS]")]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<DiskSpec>,
-    /// A network interface (tap=NAME or bridge=NAME); repeat for more.
-    #[arg(long = "net", value_name = "tap=NAME|bridge=NAME")]
+    /// A network interface (tap=NAME or bridge=NAME, then optionally
+    /// mac=MAC, rx_bw=SIZE/MS, rx_ops=N/MS, tx_bw=SIZE/MS, tx_ops=N/MS);
+    /// repeat for more.
+    #[arg(long = "net", value_name = "tap=NAME|bridge=NAME[,mac=..][,rx_bw=..]..")]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nets: Vec<NetSpec>,
     #[command(flatten)]
@@ -250,7 +360,7 @@ mod tests {
         assert_eq!(v.vcpus, 1);
         assert_eq!(v.vgpu.weight, 1);
         assert_eq!(v.restart, RestartPolicy::OnFailure);
-        assert_eq!(v.nets, vec![NetSpec::Tap("tap0".into())]);
+        assert_eq!(v.nets, vec![NetSpec { tap: Some("tap0".into()), ..NetSpec::default() }]);
         let back: VmSpec = serde_json::from_str(&serde_json::to_string(&v).unwrap()).unwrap();
         assert_eq!(back, v);
         let e = serde_json::from_str::<VmSpec>(r#"{"name":"a","memory":"1MiB","kernel":"/k","vgpu":{"memory":"1MiB"},"gpu":1}"#).unwrap_err();
@@ -259,12 +369,23 @@ mod tests {
 
     #[test]
     fn command_line_forms_parse_and_bad_ones_say_what_to_use() {
-        assert_eq!("/img,ro".parse::<DiskSpec>().unwrap(), DiskSpec { path: "/img".into(), read_only: true });
-        assert_eq!("/img".parse::<DiskSpec>().unwrap(), DiskSpec { path: "/img".into(), read_only: false });
-        assert!(",ro".parse::<DiskSpec>().unwrap_err().contains("PATH,ro"));
-        assert_eq!("bridge=br0".parse::<NetSpec>().unwrap(), NetSpec::Bridge("br0".into()));
+        assert_eq!("/img,ro".parse::<DiskSpec>().unwrap(), DiskSpec { path: "/img".into(), read_only: true, bandwidth: None, ops: None });
+        assert_eq!("/img".parse::<DiskSpec>().unwrap(), DiskSpec { path: "/img".into(), read_only: false, bandwidth: None, ops: None });
+        let d = "/img,bw=10MiB/1000,ops=500/100".parse::<DiskSpec>().unwrap();
+        assert_eq!((d.bandwidth.map(|r| r.to_string()), d.ops.map(|r| r.to_string())), (Some("10485760/1000".into()), Some("500/100".into())));
+        assert!(",ro".parse::<DiskSpec>().unwrap_err().contains("PATH[,ro]"));
+        assert!("/img,fast".parse::<DiskSpec>().unwrap_err().contains("ro, bw=SIZE/MS or ops=N/MS"));
+        assert!("/img,bw=0/1000".parse::<DiskSpec>().unwrap_err().contains("positive"));
+        assert!("/img,bw=1MiB".parse::<DiskSpec>().unwrap_err().contains("AMOUNT/MILLISECONDS"));
+        assert_eq!("bridge=br0".parse::<NetSpec>().unwrap(), NetSpec { bridge: Some("br0".into()), ..NetSpec::default() });
+        let n = "tap=t0,mac=52:54:00:aa:bb:cc,rx_bw=1MiB/100,tx_ops=100/1000".parse::<NetSpec>().unwrap();
+        assert_eq!((n.attach(), n.mac.as_deref()), (Ok(NetAttach::Tap("t0")), Some("52:54:00:aa:bb:cc")));
+        assert!(n.rx_bandwidth.is_some() && n.tx_ops.is_some() && n.rx_ops.is_none());
         assert!("tap=".parse::<NetSpec>().unwrap_err().contains("tap=NAME"));
         assert!("eth0".parse::<NetSpec>().is_err());
+        assert!("tap=a,bridge=b".parse::<NetSpec>().unwrap_err().contains("exactly one"));
+        assert!("tap=a,mac=01:00:5e:00:00:01".parse::<NetSpec>().unwrap_err().contains("unicast"));
+        assert!("tap=a,mac=52:54:00:aa:bb".parse::<NetSpec>().unwrap_err().contains("six hex bytes"));
         assert_eq!("2M".parse::<Hugepages>().unwrap(), Hugepages::TwoMiB);
         assert!("3M".parse::<Hugepages>().is_err());
     }

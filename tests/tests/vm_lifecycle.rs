@@ -80,15 +80,25 @@ fn a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted() {
     let m = Mediator::start(&["--device-memory", "128MiB"]);
     let disk = m.run_dir.join("web-root.img");
     std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk image");
-    let disk_arg = format!("{},ro", disk.display());
-    let v = create_counting(&m, "web", &["--vcpus", "1", "--disk", &disk_arg]);
+    let disk_arg = format!("{},ro,bw=10MiB/1000", disk.display());
+    // An interface with its MAC and a rate limit (the VMM makes the tap,
+    // which needs root).
+    let net_arg = format!("tap=vgtw{},mac=52:54:00:aa:bb:cc,tx_bw=1MiB/100", std::process::id() % 100_000);
+    let mut extra = vec!["--vcpus", "1", "--disk", &disk_arg];
+    if is_root() {
+        extra.extend(["--net", &net_arg]);
+    }
+    let v = create_counting(&m, "web", &extra);
     assert_eq!(v["state"], "running", "{v}");
     let pid = v["pid"].as_u64().expect("pid");
     assert!(alive(pid));
     // Its disk goes to the VMM, read-only as asked.
     let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
     let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-    assert!(cmd.contains(&format!("--disk path={},ro", disk.display())), "{cmd}");
+    assert!(cmd.contains(&format!("--disk path={},ro,bw=10485760/1000", disk.display())), "{cmd}");
+    if is_root() {
+        assert!(cmd.contains(&format!("--net {},tx_bw=1048576/100", net_arg.split(",tx_bw").next().unwrap_or(""))), "{cmd}");
+    }
     if let Some(node) = m.device("cpu0")["numa_node"].as_i64().filter(|n| *n >= 0) {
         assert!(cmd.contains(&format!("--numa-node {node}")), "the VMM runs on its vGPU's node: {cmd}");
     }
@@ -222,6 +232,11 @@ fn bad_vm_requests_get_clear_errors_and_leave_nothing_behind() {
         ("bootdisk", json!({ "kernel": null, "boot_disk": "/dev/null" }), 400, "no firmware"),
         ("net", json!({ "nets": [{ "tap": "a tap name far too long" }] }), 400, "invalid interface name"),
         ("nobridge", json!({ "nets": [{ "bridge": "vgpunosuchbr" }] }), 400, "no bridge named vgpunosuchbr"),
+        ("both", json!({ "nets": [{ "tap": "t0", "bridge": "b0" }] }), 400, "exactly one of them"),
+        ("neither", json!({ "nets": [{ "mac": "52:54:00:00:00:01" }] }), 400, "exactly one of them"),
+        ("multicast", json!({ "nets": [{ "tap": "t0", "mac": "01:00:5e:00:00:01" }] }), 400, "unicast"),
+        ("norate", json!({ "disks": [{ "path": "/dev/null", "bandwidth": { "size": 0, "refill_ms": 1000 } }] }), 400, ""),
+        ("slowrate", json!({ "nets": [{ "tap": "t0", "rx_ops": { "size": 10, "refill_ms": 0 } }] }), 400, "refill"),
         ("bad name!", json!({}), 400, "VM name"),
         ("fields", json!({ "gpus": 1 }), 400, "unknown field"),
     ];

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
-use vgpu_api::vm::{Hugepages, NetSpec, RestartPolicy, VmSpec, VmState, VmView};
+use vgpu_api::vm::{Hugepages, NetAttach, RestartPolicy, VmSpec, VmState, VmView};
 
 use super::{Control, ControlError, TenantRecord};
 
@@ -426,14 +426,21 @@ pub fn validate(spec: &VmSpec) -> Result<(), ControlError> {
     }
     for d in &spec.disks {
         check_disk(&d.path)?;
+        for r in [d.bandwidth, d.ops].into_iter().flatten() {
+            r.check().map_err(|e| bad(format!("disk {}: {e}", d.path.display())))?;
+        }
     }
     if spec.nets.len() > MAX_NETS {
         return Err(bad(format!("{} network interfaces; the limit is {MAX_NETS}", spec.nets.len())));
     }
     for n in &spec.nets {
-        match n {
-            NetSpec::Tap(t) => super::tap::check_name(t).map_err(|e| bad(format!("tap: {e}")))?,
-            NetSpec::Bridge(b) => {
+        n.check_mac().map_err(bad)?;
+        for r in [n.rx_bandwidth, n.rx_ops, n.tx_bandwidth, n.tx_ops].into_iter().flatten() {
+            r.check().map_err(bad)?;
+        }
+        match n.attach().map_err(bad)? {
+            NetAttach::Tap(t) => super::tap::check_name(t).map_err(|e| bad(format!("tap: {e}")))?,
+            NetAttach::Bridge(b) => {
                 super::tap::check_name(b).map_err(|e| bad(format!("bridge: {e}")))?;
                 if !super::tap::is_bridge(Path::new("/sys"), b) {
                     return Err(bad(format!("there is no bridge named {b} on this host")));
@@ -766,9 +773,9 @@ fn tap_names(spec: &VmSpec) -> Vec<String> {
     spec.nets
         .iter()
         .enumerate()
-        .map(|(i, n)| match n {
-            NetSpec::Tap(t) => t.clone(),
-            NetSpec::Bridge(_) => super::tap::bridged_tap_name(&spec.name, i),
+        .map(|(i, n)| match (&n.tap, &n.bridge) {
+            (Some(t), _) => t.clone(),
+            _ => super::tap::bridged_tap_name(&spec.name, i),
         })
         .collect()
 }
@@ -780,7 +787,7 @@ fn make_taps(spec: &VmSpec, jail: Option<crate::config::Owner>) -> Result<(), Co
     // users off them.
     let owner = jail.map_or(0, |j| j.uid);
     for (n, tap) in spec.nets.iter().zip(tap_names(spec)) {
-        if let NetSpec::Bridge(b) = n {
+        if let Ok(NetAttach::Bridge(b)) = n.attach() {
             super::tap::make_bridged(Path::new("/sys"), &tap, b, owner).map_err(|e| ControlError::Worker(format!("tap {tap} for bridge {b}: {e}")))?;
         }
     }
@@ -790,7 +797,7 @@ fn make_taps(spec: &VmSpec, jail: Option<crate::config::Owner>) -> Result<(), Co
 /// Removes the taps the daemon made for the VM.
 fn remove_taps(spec: &VmSpec) {
     for (n, tap) in spec.nets.iter().zip(tap_names(spec)) {
-        if matches!(n, NetSpec::Bridge(_)) {
+        if matches!(n.attach(), Ok(NetAttach::Bridge(_))) {
             if let Err(e) = super::tap::remove(Path::new("/sys"), &tap) {
                 warn!(vm = %spec.name, "removing tap {tap}: {e}");
             }
@@ -825,10 +832,24 @@ fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: &TenantRecord) -> std::io::Result<Chil
         if d.read_only {
             arg.push(",ro");
         }
+        for (k, r) in [("bw", d.bandwidth), ("ops", d.ops)] {
+            if let Some(r) = r {
+                arg.push(format!(",{k}={r}"));
+            }
+        }
         cmd.arg("--disk").arg(arg);
     }
-    for tap in tap_names(s) {
-        cmd.arg("--net").arg(format!("tap={tap}"));
+    for (n, tap) in s.nets.iter().zip(tap_names(s)) {
+        let mut arg = format!("tap={tap}");
+        if let Some(m) = &n.mac {
+            arg += &format!(",mac={m}");
+        }
+        for (k, r) in [("rx_bw", n.rx_bandwidth), ("rx_ops", n.rx_ops), ("tx_bw", n.tx_bandwidth), ("tx_ops", n.tx_ops)] {
+            if let Some(r) = r {
+                arg += &format!(",{k}={r}");
+            }
+        }
+        cmd.arg("--net").arg(arg);
     }
     let mut vgpu = std::ffi::OsString::from("socket=");
     vgpu.push(&t.socket);
