@@ -125,7 +125,8 @@ L2="$OUT/l2-root"
 base_tree "$L2"
 install_vgpu_userspace "$L2"
 # Resolved first: a failure inside $(...) in a for list would go unnoticed.
-l2_mods="$(mods virtio_pci virtio-rng virtio-gpu)"
+# nvme: the guest's driver for a passthrough NVMe device (scenarios/vfio.sh).
+l2_mods="$(mods virtio_pci virtio-rng virtio-gpu nvme)"
 i=0
 for f in $l2_mods; do
     i=$((i + 1))
@@ -167,7 +168,9 @@ mkfs.ext4 -q -F -L vgpu-root -d "$DISK" "$OUT/l2-root.img" 96M
 # 3. L1: the host our VMM runs in.
 L1="$OUT/l1-root"
 base_tree "$L1"
-l1_mods="$(mods kvm-amd tun bridge)"
+# vfio, vfio_iommu_type1, vfio-pci: passthrough (scenarios/vfio.sh, run-vfio.sh).
+# No nvme here: L1 leaves the NVMe device unbound for vfio-pci to take.
+l1_mods="$(mods kvm-amd tun bridge vfio vfio_iommu_type1 vfio-pci)"
 i=0
 for f in $l1_mods; do
     i=$((i + 1))

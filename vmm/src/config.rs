@@ -117,7 +117,16 @@ pub struct VmConfig {
     /// virtio-net interfaces over taps, in PCI slot order (after the disks).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nets: Vec<NetConfig>,
+    /// Host PCI functions passed through whole with VFIO (`DDDD:BB:DD.F`,
+    /// bound to vfio-pci), in PCI slot order after every virtio device.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vfio: Vec<PciAddress>,
 }
+
+pub use crate::devices::vfio::PciAddress;
+
+/// Most passthrough devices one VM may have.
+pub const MAX_VFIO: usize = 8;
 
 /// Most disks one VM may have.
 pub const MAX_DISKS: usize = 16;
@@ -393,6 +402,7 @@ impl VmConfig {
             vgpu: None,
             disks: Vec::new(),
             nets: Vec::new(),
+            vfio: Vec::new(),
         }
     }
 
@@ -467,6 +477,16 @@ impl VmConfig {
             for (b, what) in [(n.rx_bandwidth, "rx_bandwidth"), (n.rx_ops, "rx_ops"), (n.tx_bandwidth, "tx_bandwidth"), (n.tx_ops, "tx_ops")] {
                 b.map_or(Ok(()), |b| b.check(&format!("net {i} {what}"))).map_err(ConfigError::Invalid)?;
             }
+        }
+        if self.vfio.len() > MAX_VFIO {
+            return bad(format!("{} passthrough devices; the limit is {MAX_VFIO}", self.vfio.len()));
+        }
+        let sysfs = crate::numa::sysfs_root();
+        for (i, a) in self.vfio.iter().enumerate() {
+            if self.vfio[..i].contains(a) {
+                return bad(crate::devices::vfio::VfioError::Duplicate(*a).to_string());
+            }
+            crate::devices::vfio::check_host_device(a, &sysfs).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         }
         Ok(())
     }

@@ -29,6 +29,9 @@
 //! reads and writes frames without CAP_NET_ADMIN. They are opened while
 //! still root, so a missing tap is created then (not persistent: it goes
 //! away with the VMM); an existing tap is simply attached to.
+//!
+//! `--vfio` is refused with `--jail`: the jail exposes neither /dev/vfio
+//! nor the sysfs tree VFIO devices are opened and released through.
 
 use std::ffi::CString;
 use std::io;
@@ -153,6 +156,9 @@ impl Exposed {
     /// Checks on the host that the jail's uid can use every file the VM
     /// description names, and creates the serial file for it if missing.
     fn for_config(cfg: &VmConfig, j: &JailConfig) -> Result<Exposed, JailError> {
+        if let Some(a) = cfg.vfio.first() {
+            return Err(JailError::Invalid(crate::devices::vfio::VfioError::Jailed(*a).to_string()));
+        }
         let mut e = Exposed::default();
         need_access(&cfg.kernel, "kernel", j, 4)?;
         e.read_only.push(cfg.kernel.clone());

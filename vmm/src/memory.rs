@@ -33,6 +33,42 @@ pub enum MemoryError {
     Numa(#[from] crate::numa::NumaError),
 }
 
+/// KVM memory slots: guest RAM takes one per range of [`ram_ranges`]
+/// (0, and 1 above the hole); passthrough BAR windows (VFIO) take slots
+/// from here up.
+pub const FIRST_DEVICE_SLOT: u32 = 8;
+
+/// Hands out KVM memory slot numbers for device memory (VFIO BARs), and
+/// takes them back when a BAR is unmapped or moved.
+#[derive(Debug)]
+pub struct SlotAllocator {
+    /// (next never-used slot, slots given back).
+    state: std::sync::Mutex<(u32, Vec<u32>)>,
+    limit: u32,
+}
+
+impl SlotAllocator {
+    /// Slots from [`FIRST_DEVICE_SLOT`] to `limit` (KVM_CAP_NR_MEMSLOTS), exclusive.
+    pub fn new(limit: u32) -> SlotAllocator {
+        SlotAllocator { state: std::sync::Mutex::new((FIRST_DEVICE_SLOT, Vec::new())), limit }
+    }
+
+    pub fn allocate(&self) -> Option<u32> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = s.1.pop() {
+            return Some(n);
+        }
+        (s.0 < self.limit).then(|| {
+            s.0 += 1;
+            s.0 - 1
+        })
+    }
+
+    pub fn release(&self, slot: u32) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1.push(slot);
+    }
+}
+
 pub struct GuestRam {
     pub mem: GuestMemoryMmap,
     /// The memfd behind every region (offset = guest address below the hole,
@@ -170,6 +206,15 @@ mod tests {
         std::os::unix::fs::FileExt::read_exact_at(&ram.file, &mut b, 0x1000).unwrap();
         assert_eq!(u32::from_le_bytes(b), 0xdead_beef);
         assert_eq!(ram.mem.last_addr(), GuestAddress((16 << 20) - 1));
+    }
+
+    #[test]
+    fn device_slots_start_above_ram_and_are_reused() {
+        let a = SlotAllocator::new(FIRST_DEVICE_SLOT + 2);
+        assert_eq!((a.allocate(), a.allocate(), a.allocate()), (Some(FIRST_DEVICE_SLOT), Some(FIRST_DEVICE_SLOT + 1), None));
+        a.release(FIRST_DEVICE_SLOT);
+        assert_eq!(a.allocate(), Some(FIRST_DEVICE_SLOT));
+        assert!(ram_ranges(64 << 30).len() as u32 <= FIRST_DEVICE_SLOT);
     }
 
     #[test]

@@ -85,7 +85,7 @@ impl std::fmt::Display for ThreadKind {
 
 /// The KVM ioctls a vCPU thread makes once the VM runs.
 pub mod kvm {
-    use kvm_bindings::{kvm_ioeventfd, kvm_irq_routing};
+    use kvm_bindings::{kvm_device_attr, kvm_ioeventfd, kvm_irq_routing, kvm_irqfd, kvm_userspace_memory_region};
 
     const KVMIO: u32 = 0xAE;
     vmm_sys_util::ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
@@ -93,6 +93,26 @@ pub mod kvm {
     vmm_sys_util::ioctl_iow_nr!(KVM_IOEVENTFD, KVMIO, 0x79, kvm_ioeventfd);
     // A guest that programs an MSI-X vector changes the GSI routes.
     vmm_sys_util::ioctl_iow_nr!(KVM_SET_GSI_ROUTING, KVMIO, 0x6a, kvm_irq_routing);
+    // A guest that masks or unmasks a passthrough device's MSI-X vector
+    // removes or adds its irqfd.
+    vmm_sys_util::ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_irqfd);
+    // A guest that moves a passthrough BAR, or turns its decoding off and
+    // on, moves the memory slots the BAR is mapped with.
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_USER_MEMORY_REGION, KVMIO, 0x46, kvm_userspace_memory_region);
+    // A VFIO group leaving KVM's VFIO device when a passthrough device is released.
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_DEVICE_ATTR, KVMIO, 0xe1, kvm_device_attr);
+}
+
+/// The VFIO ioctls made once the VM runs (`_IO(';', 100 + n)`).
+pub mod vfio {
+    const VFIO_TYPE: u32 = 0x3B;
+    const VFIO_BASE: u32 = 100;
+    // A passthrough device's group leaves the VM's container on release.
+    vmm_sys_util::ioctl_io_nr!(VFIO_GROUP_UNSET_CONTAINER, VFIO_TYPE, VFIO_BASE + 5);
+    // A guest enabling or disabling MSI-X on a passthrough device.
+    vmm_sys_util::ioctl_io_nr!(VFIO_DEVICE_SET_IRQS, VFIO_TYPE, VFIO_BASE + 10);
+    // A passthrough device reset when the VM stops.
+    vmm_sys_util::ioctl_io_nr!(VFIO_DEVICE_RESET, VFIO_TYPE, VFIO_BASE + 11);
 }
 
 /// What every thread may do: memory, locks, time, signals for itself,
@@ -156,8 +176,10 @@ const API: &[i64] =
     &[libc::SYS_epoll_ctl, libc::SYS_epoll_wait, libc::SYS_epoll_pwait, libc::SYS_accept4, libc::SYS_recvfrom, libc::SYS_sendto, libc::SYS_shutdown, libc::SYS_getsockopt, libc::SYS_clone3];
 
 /// The main thread after the VM started, besides COMMON: removing the API
-/// socket at the end.
-const MAIN: &[i64] = &[libc::SYS_unlink];
+/// socket at the end; readlink, for vfio-ioctls's release of a passthrough
+/// device (it reads the device's iommu_group link again), with the ioctls
+/// of that release (see `rules`).
+const MAIN: &[i64] = &[libc::SYS_unlink, libc::SYS_readlink, libc::SYS_readlinkat];
 
 /// Device worker threads, besides COMMON: waiting on their eventfds, and
 /// the disk I/O of virtio-blk on the image files opened before the VM ran.
@@ -219,7 +241,10 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Seccom
     r.insert(libc::SYS_tgkill, any_of(kind, 2, &signals)?);
     match kind {
         ThreadKind::Vcpu => {
-            r.insert(libc::SYS_ioctl, any_of(kind, 1, &[kvm::KVM_RUN(), kvm::KVM_IOEVENTFD(), kvm::KVM_SET_GSI_ROUTING()])?);
+            // The passthrough ones: a guest programming MSI-X (irqfds, VFIO's
+            // trigger eventfds) and placing BARs (memory slots).
+            let ioctls = [kvm::KVM_RUN(), kvm::KVM_IOEVENTFD(), kvm::KVM_SET_GSI_ROUTING(), kvm::KVM_IRQFD(), kvm::KVM_SET_USER_MEMORY_REGION(), vfio::VFIO_DEVICE_SET_IRQS()];
+            r.insert(libc::SYS_ioctl, any_of(kind, 1, &ioctls)?);
             r.insert(libc::SYS_fcntl, any_of(kind, 1, &[libc::F_DUPFD_CLOEXEC as u64])?);
             // Threads, never processes.
             r.insert(libc::SYS_clone, with_bits(kind, 0, libc::CLONE_THREAD as u64)?);
@@ -234,7 +259,15 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Seccom
             r.insert(libc::SYS_prctl, any_of(kind, 0, &[libc::PR_SET_NAME as u64])?);
             r.insert(libc::SYS_fcntl, any_of(kind, 1, &[libc::F_DUPFD_CLOEXEC as u64])?);
         }
-        ThreadKind::Main | ThreadKind::Device => {}
+        ThreadKind::Main => {
+            // Releasing a passthrough device when the VM ends (the Vm is
+            // dropped here): MSI-X off and its irqfds removed, its memory
+            // slots removed, the device reset, its group out of KVM's VFIO
+            // device and out of the container.
+            let ioctls = [vfio::VFIO_DEVICE_SET_IRQS(), vfio::VFIO_DEVICE_RESET(), vfio::VFIO_GROUP_UNSET_CONTAINER(), kvm::KVM_IRQFD(), kvm::KVM_SET_USER_MEMORY_REGION(), kvm::KVM_SET_DEVICE_ATTR()];
+            r.insert(libc::SYS_ioctl, any_of(kind, 1, &ioctls)?);
+        }
+        ThreadKind::Device => {}
     }
     Ok(r)
 }
@@ -420,6 +453,12 @@ mod tests {
         assert_eq!(kvm::KVM_RUN(), 0xAE80);
         assert_eq!(kvm::KVM_IOEVENTFD(), 0x4040_AE79);
         assert_eq!(kvm::KVM_SET_GSI_ROUTING(), 0x4008_AE6A);
+        assert_eq!(kvm::KVM_IRQFD(), 0x4020_AE76);
+        assert_eq!(kvm::KVM_SET_USER_MEMORY_REGION(), 0x4020_AE46);
+        assert_eq!(kvm::KVM_SET_DEVICE_ATTR(), 0x4018_AEE1);
+        assert_eq!(vfio::VFIO_GROUP_UNSET_CONTAINER(), 0x3B69);
+        assert_eq!(vfio::VFIO_DEVICE_SET_IRQS(), 0x3B6E);
+        assert_eq!(vfio::VFIO_DEVICE_RESET(), 0x3B6F);
     }
 
     #[test]

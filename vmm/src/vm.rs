@@ -19,6 +19,7 @@ use crate::config::{SerialOut, VmConfig};
 use crate::devices::i8042::{self, I8042};
 use crate::devices::pci::{IrqRouting, PciRoot, CONFIG_ADDRESS_PORT};
 use crate::devices::serial::{SerialConsole, COM1_IRQ, COM1_PORT};
+use crate::devices::vfio::{VfioContext, VfioPci};
 use crate::devices::virtio::net::Tap;
 use crate::devices::virtio::{rng::Rng, VirtioPci};
 use crate::memory::GuestRam;
@@ -84,6 +85,8 @@ pub enum VmError {
     Seccomp(#[from] crate::seccomp::SeccompError),
     #[error(transparent)]
     Net(#[from] crate::devices::virtio::net::NetError),
+    #[error("VFIO passthrough: {0}")]
+    Vfio(#[from] crate::devices::vfio::VfioError),
     #[error("opening serial output {path}: {err}")]
     Serial { path: String, err: std::io::Error },
 }
@@ -232,6 +235,9 @@ pub struct Vm {
     pub start: Instant,
     /// When the first vCPU entered the guest.
     pub first_entry: Arc<Mutex<Option<Instant>>>,
+    /// Passthrough devices: dropped (reset, released, their container and
+    /// its DMA mappings gone) before guest RAM is.
+    _vfio: Vec<Arc<Mutex<VfioPci>>>,
     _ram: GuestRam,
     _vm: Arc<VmFd>,
     _devices: Vec<Arc<Mutex<VirtioPci>>>,
@@ -440,6 +446,19 @@ impl Vm {
             pci.add(d.clone()).map_err(dev_err)?;
             devices.push(d);
         }
+        // Passthrough devices last: one VFIO container for the VM, guest
+        // RAM DMA-mapped in it with the first device.
+        let mut vfio = Vec::new();
+        if !cfg.vfio.is_empty() {
+            let slots = Arc::new(crate::memory::SlotAllocator::new(kvm.get_nr_memslots() as u32));
+            let mut ctx = VfioContext::new(&vm, ram.mem.clone(), slots).map_err(|e| dev_err(format!("VFIO container: {e}")))?;
+            let sysfs = sysfs_root();
+            for a in &cfg.vfio {
+                let d = Arc::new(Mutex::new(VfioPci::new(*a, &mut ctx, &sysfs, vm.clone(), routing.clone())?));
+                pci.add(d.clone()).map_err(|e| dev_err(format!("{a}: {e}")))?;
+                vfio.push(d);
+            }
+        }
         buses.pio.insert(CONFIG_ADDRESS_PORT, 8, Arc::new(Mutex::new(pci))).map_err(|e| dev_err(e.to_string()))?;
 
         // SAFETY: the handler does nothing; it only makes KVM_RUN return EINTR.
@@ -500,7 +519,7 @@ impl Vm {
             pid: std::process::id(),
             config: cfg,
         };
-        Ok(Vm { control, info, keyboard, exit_rx, vcpu_threads, start, first_entry, _ram: ram, _vm: vm, _devices: devices })
+        Ok(Vm { control, info, keyboard, exit_rx, vcpu_threads, start, first_entry, _vfio: vfio, _ram: ram, _vm: vm, _devices: devices })
     }
 
     /// Asks the guest to shut down: Ctrl-Alt-Del on the keyboard.

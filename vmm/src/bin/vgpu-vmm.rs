@@ -62,6 +62,12 @@ struct Cli {
     /// on bytes and frames towards and from the guest.
     #[arg(long = "net")]
     nets: Vec<vmm::config::NetConfig>,
+    /// Pass a host PCI function through whole with VFIO: DDDD:BB:DD.F
+    /// (repeatable, at most 8). It must be bound to vfio-pci and in an
+    /// IOMMU group whose other devices are bound to vfio-pci or to none.
+    /// MSI-X interrupts only. Not with --jail.
+    #[arg(long = "vfio", value_name = "PCI_ADDRESS")]
+    vfio: Vec<vmm::config::PciAddress>,
     /// Run without the seccomp filters. By default every thread (main,
     /// vCPUs, devices, API) runs under its own allow-list, and a syscall off
     /// it kills the VMM with SIGSYS.
@@ -179,6 +185,9 @@ fn build_config(cli: Cli) -> anyhow::Result<VmConfig> {
     }
     if !cli.nets.is_empty() {
         cfg.nets = cli.nets;
+    }
+    if !cli.vfio.is_empty() {
+        cfg.vfio = cli.vfio;
     }
     Ok(cfg)
 }

@@ -5,4 +5,5 @@ pub mod cmos;
 pub mod i8042;
 pub mod pci;
 pub mod serial;
+pub mod vfio;
 pub mod virtio;

@@ -1,7 +1,8 @@
 //! PCI: configuration mechanism #1 at ports 0xCF8/0xCFC, one bus with a
-//! host bridge at slot 0, 32-bit memory BARs allocated from the MMIO hole
-//! and moved on the MMIO bus when the guest reprograms them, and the KVM
-//! interrupt routing table that MSI-X vectors are added to.
+//! host bridge at slot 0, memory BARs (32-bit, or 64-bit for passthrough
+//! devices) allocated from the MMIO hole and moved on the MMIO bus when the
+//! guest reprograms them, and the KVM interrupt routing table that MSI-X
+//! vectors are added to.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -75,6 +76,49 @@ impl ConfigSpace {
         self.wmask[off..off + 4].copy_from_slice(&mask.to_le_bytes());
     }
 
+    /// Declares a memory BAR of `size` (a power of two, at least 16) with
+    /// the type bits given: 64-bit ones take registers `bar` and `bar + 1`
+    /// (the high half is writable where the size allows). The type bits
+    /// (3:0) stay read-only.
+    pub fn add_mem_bar_typed(&mut self, bar: usize, size: u64, is64: bool, prefetchable: bool) {
+        if !size.is_power_of_two() || size < 16 || bar >= NUM_BARS || (is64 && bar + 1 >= NUM_BARS) || (!is64 && size > 1 << 31) {
+            return;
+        }
+        self.bar_size[bar] = size;
+        let off = BAR0 + bar * 4;
+        let mask = !(size - 1);
+        let flags = if is64 { 0b100u32 } else { 0 } | if prefetchable { 0b1000 } else { 0 };
+        self.set32(off, flags);
+        self.wmask[off..off + 4].copy_from_slice(&((mask as u32) & !0xf).to_le_bytes());
+        if is64 {
+            self.bar_size[bar + 1] = 0;
+            self.set32(off + 4, 0);
+            self.wmask[off + 4..off + 8].copy_from_slice(&((mask >> 32) as u32).to_le_bytes());
+        }
+    }
+
+    /// Whether `bar` is the low half of a 64-bit memory BAR.
+    pub fn bar_is_64(&self, bar: usize) -> bool {
+        bar + 1 < NUM_BARS && self.get32(BAR0 + bar * 4) & 0b111 == 0b100
+    }
+
+    /// Writes a BAR's address, keeping its type bits.
+    pub fn set_bar_addr(&mut self, bar: usize, addr: u64) {
+        let off = BAR0 + bar * 4;
+        let flags = self.get32(off) & 0xf;
+        self.set32(off, (addr as u32 & !0xf) | flags);
+        if self.bar_is_64(bar) {
+            self.set32(off + 4, (addr >> 32) as u32);
+        }
+    }
+
+    /// Sets the mask of guest-writable bits of one byte.
+    pub fn set_wmask(&mut self, off: usize, mask: u8) {
+        if let Some(m) = self.wmask.get_mut(off) {
+            *m = mask;
+        }
+    }
+
     /// Appends a capability whose body is `body` (without the id/next
     /// header), making `writable` bytes of the body guest-writable.
     /// Returns the capability's offset.
@@ -104,7 +148,12 @@ impl ConfigSpace {
     }
 
     pub fn bar_addr(&self, bar: usize) -> u64 {
-        (self.get32(BAR0 + bar * 4) & !0xf) as u64
+        let lo = (self.get32(BAR0 + bar * 4) & !0xf) as u64;
+        if self.bar_is_64(bar) {
+            lo | (self.get32(BAR0 + bar * 4 + 4) as u64) << 32
+        } else {
+            lo
+        }
     }
 
     pub fn memory_enabled(&self) -> bool {
@@ -130,13 +179,29 @@ impl ConfigSpace {
 
 /// A PCI function the root complex can route config and BAR accesses to.
 pub trait PciDevice: Send {
+    /// The config space: the BAR registers, sizes and the command register
+    /// in it are what the root complex places BARs by.
     fn config(&mut self) -> &mut ConfigSpace;
     /// Config space writes that need more than the mask (e.g. MSI-X enable).
     fn config_written(&mut self, _off: usize, _len: usize) {}
+    /// A guest config read of `data.len()` (1, 2 or 4) bytes at `off`,
+    /// within one dword. By default, from [`PciDevice::config`].
+    fn config_read(&mut self, off: usize, data: &mut [u8]) {
+        self.config().read(off, data)
+    }
+    /// A guest config write, within one dword. By default, through the
+    /// write mask of [`PciDevice::config`], then [`PciDevice::config_written`].
+    fn config_write(&mut self, off: usize, data: &[u8]) {
+        self.config().write(off, data);
+        self.config_written(off, data.len());
+    }
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]);
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]);
     /// The BAR now decodes at `addr` (memory decoding enabled).
     fn bar_placed(&mut self, _bar: usize, _addr: u64) {}
+    /// The BAR no longer decodes where it was placed (decoding disabled, or
+    /// about to move).
+    fn bar_unmapped(&mut self, _bar: usize) {}
 }
 
 pub type SharedPci = Arc<Mutex<dyn PciDevice>>;
@@ -201,12 +266,12 @@ impl PciRoot {
                 if size == 0 {
                     continue;
                 }
-                let addr = (self.next_bar + size - 1) & !(size - 1);
-                if addr + size > PCI_MMIO_END {
-                    return Err("PCI MMIO window exhausted".into());
-                }
+                let addr = self.next_bar.checked_add(size - 1).map(|a| a & !(size - 1));
+                let Some(addr) = addr.filter(|a| a.checked_add(size).is_some_and(|end| end <= PCI_MMIO_END)) else {
+                    return Err(format!("PCI MMIO window exhausted: BAR {bar} of {size:#x} bytes does not fit below {PCI_MMIO_END:#x}"));
+                };
                 self.next_bar = addr + size;
-                d.config().set32(BAR0 + bar * 4, addr as u32);
+                d.config().set_bar_addr(bar, addr);
                 self.mmio.insert(addr, size, Arc::new(Mutex::new(BarWindow { dev: dev.clone(), bar }))).map_err(|e| e.to_string())?;
                 d.bar_placed(bar, addr);
                 *placed = Some(addr);
@@ -246,11 +311,12 @@ impl PciRoot {
             }
             if let Some(old) = s.mapped[bar].take() {
                 self.mmio.remove(old);
+                d.bar_unmapped(bar);
             }
             if let Some(addr) = want {
                 // A BAR placed over RAM's MMIO neighbours or another device
                 // is refused; the guest sees the device not respond there.
-                let ok = addr >= PCI_MMIO_START && addr + size <= PCI_MMIO_END;
+                let ok = addr >= PCI_MMIO_START && addr.checked_add(size).is_some_and(|end| end <= PCI_MMIO_END);
                 if ok && self.mmio.insert(addr, size, Arc::new(Mutex::new(BarWindow { dev: s.dev.clone(), bar }))).is_ok() {
                     s.mapped[bar] = Some(addr);
                     d.bar_placed(bar, addr);
@@ -269,7 +335,7 @@ impl BusDevice for PciRoot {
             4..=7 => {
                 let reg = offset as usize - 4;
                 match self.target().and_then(|(slot, off)| self.slots[slot].as_ref().map(|s| (s.dev.clone(), off))) {
-                    Some((dev, off)) if reg + data.len() <= 4 => dev.lock().unwrap_or_else(|e| e.into_inner()).config().read(off + reg, data),
+                    Some((dev, off)) if reg + data.len() <= 4 => dev.lock().unwrap_or_else(|e| e.into_inner()).config_read(off + reg, data),
                     _ => data.fill(0xff),
                 }
             }
@@ -287,11 +353,7 @@ impl BusDevice for PciRoot {
                 if reg + data.len() > 4 {
                     return;
                 }
-                {
-                    let mut d = s.dev.lock().unwrap_or_else(|e| e.into_inner());
-                    d.config().write(off + reg, data);
-                    d.config_written(off + reg, data.len());
-                }
+                s.dev.lock().unwrap_or_else(|e| e.into_inner()).config_write(off + reg, data);
                 if (4..0x28).contains(&(off + reg)) {
                     self.remap(slot);
                 }
@@ -435,6 +497,55 @@ mod tests {
         let mut w = [0u8; 4];
         root.read(4, &mut w);
         assert_eq!(w, [0xff; 4]);
+    }
+
+    /// A device with a 64-bit BAR that counts placements and unmappings.
+    struct Wide(ConfigSpace, Vec<Option<u64>>);
+    impl PciDevice for Wide {
+        fn config(&mut self) -> &mut ConfigSpace {
+            &mut self.0
+        }
+        fn bar_read(&mut self, _: usize, _: u64, d: &mut [u8]) {
+            d.fill(0)
+        }
+        fn bar_write(&mut self, _: usize, _: u64, _: &[u8]) {}
+        fn bar_placed(&mut self, _: usize, addr: u64) {
+            self.1.push(Some(addr));
+        }
+        fn bar_unmapped(&mut self, _: usize) {
+            self.1.push(None);
+        }
+    }
+
+    #[test]
+    fn sixty_four_bit_bars_keep_their_type_size_in_two_registers_and_report_unmapping() {
+        let mmio = Arc::new(Bus::new("mmio"));
+        let mut root = PciRoot::new(mmio.clone());
+        let mut c = ConfigSpace::new(0x1b36, 0x0010, 0x01, 0x08, 0x02, 0);
+        c.add_mem_bar_typed(0, 0x4000, true, false);
+        let dev = Arc::new(Mutex::new(Wide(c, Vec::new())));
+        let slot = root.add(dev.clone()).unwrap() as u32;
+        assert_eq!(cfg_read(&mut root, slot, 0x10), PCI_MMIO_START as u32 | 0b100, "address with the 64-bit type bits");
+        assert_eq!(cfg_read(&mut root, slot, 0x14), 0);
+        // Sizing both halves.
+        cfg_write(&mut root, slot, 0x10, 0xffff_ffff);
+        cfg_write(&mut root, slot, 0x14, 0xffff_ffff);
+        assert_eq!(cfg_read(&mut root, slot, 0x10), 0xffff_c004);
+        assert_eq!(cfg_read(&mut root, slot, 0x14), 0xffff_ffff);
+        // Decoding is off (command 0): the window went, the device was told.
+        assert_eq!(dev.lock().unwrap().1, [Some(PCI_MMIO_START), None]);
+        // Placed at 0xd000_0000, then decoding on: mapped there.
+        cfg_write(&mut root, slot, 0x10, 0xd000_0000);
+        cfg_write(&mut root, slot, 0x14, 0);
+        cfg_write(&mut root, slot, 0x4, 0x2);
+        assert_eq!(dev.lock().unwrap().1.last(), Some(&Some(0xd000_0000)));
+        // Above 4 GiB (or wrapping past the end): refused, not mapped, no panic.
+        cfg_write(&mut root, slot, 0x14, 0xffff_ffff);
+        cfg_write(&mut root, slot, 0x10, 0xffff_f000);
+        assert_eq!(dev.lock().unwrap().1.last(), Some(&None));
+        let mut d = [0u8; 4];
+        mmio.read(0xd000_0000, &mut d);
+        assert_eq!(d, [0xff; 4]);
     }
 
     #[test]

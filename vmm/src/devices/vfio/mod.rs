@@ -1,0 +1,246 @@
+//! Whole-device passthrough with VFIO (`--vfio DDDD:BB:DD.F`): a host PCI
+//! function bound to `vfio-pci` becomes a PCI device of the guest.
+//!
+//! - [`check_host_device`]: what is checked on the host before anything is
+//!   opened (the address, the device, its IOMMU group, the driver of every
+//!   device in the group);
+//! - [`device::VfioPci`]: the guest's view of the device (config space
+//!   emulated where the guest must not write, BARs as KVM memory slots
+//!   around the MSI-X table, MSI-X through KVM irqfds);
+//! - [`msix`]: the emulated MSI-X table and its masking.
+//!
+//! One VFIO container per VM ([`VfioContext`]) holds every group, and all
+//! guest RAM is DMA-mapped in it with IOVA = guest physical address.
+
+pub mod device;
+pub mod msix;
+
+use std::path::Path;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+pub use device::{VfioContext, VfioPci};
+
+/// The driver a passthrough device must be bound to.
+pub const VFIO_DRIVER: &str = "vfio-pci";
+
+/// A PCI function's address, `DDDD:BB:DD.F` (domain, bus, device,
+/// function), as sysfs names it under /sys/bus/pci/devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PciAddress {
+    pub domain: u32,
+    pub bus: u8,
+    pub device: u8,
+    pub function: u8,
+}
+
+impl std::fmt::Display for PciAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:04x}:{:02x}:{:02x}.{:x}", self.domain, self.bus, self.device, self.function)
+    }
+}
+
+impl std::str::FromStr for PciAddress {
+    type Err = VfioError;
+    /// `DDDD:BB:DD.F`, or `BB:DD.F` for domain 0; hex digits, device at
+    /// most 1f, function at most 7.
+    fn from_str(s: &str) -> Result<Self, VfioError> {
+        let bad = || VfioError::BadAddress(s.chars().take(64).collect());
+        let hex = |t: &str, min: usize, max: usize| -> Result<u32, VfioError> {
+            if t.len() < min || t.len() > max || !t.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(bad());
+            }
+            u32::from_str_radix(t, 16).map_err(|_| bad())
+        };
+        let parts: Vec<&str> = s.split(':').collect();
+        let (domain, bus, devfn) = match parts.as_slice() {
+            [d, b, df] => (hex(d, 4, 8)?, *b, *df),
+            [b, df] => (0, *b, *df),
+            _ => return Err(bad()),
+        };
+        let bus = hex(bus, 2, 2)? as u8;
+        let (dev, func) = devfn.split_once('.').ok_or_else(bad)?;
+        let device = hex(dev, 2, 2)?;
+        let function = hex(func, 1, 1)?;
+        if device > 0x1f || function > 7 {
+            return Err(bad());
+        }
+        Ok(PciAddress { domain, bus, device: device as u8, function: function as u8 })
+    }
+}
+
+impl Serialize for PciAddress {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for PciAddress {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VfioError {
+    #[error("invalid PCI address '{0}': use DDDD:BB:DD.F, e.g. 0000:00:04.0")]
+    BadAddress(String),
+    #[error("no PCI device {0} on this host ({1} does not exist)")]
+    NoDevice(PciAddress, String),
+    #[error("no IOMMU group for {0}: is the IOMMU on (intel_iommu=on)?")]
+    NoIommuGroup(PciAddress),
+    #[error(
+        "{addr} is not bound to vfio-pci ({driver}): bind it first (echo vfio-pci > /sys/bus/pci/devices/{addr}/driver_override; echo {addr} > /sys/bus/pci/drivers_probe, after unbinding its driver)"
+    )]
+    NotVfio { addr: PciAddress, driver: String },
+    #[error("IOMMU group {group} of {addr} also holds {other}, bound to {driver}: every device of the group must be bound to vfio-pci (or to no driver) to pass the group through")]
+    GroupShared { addr: PciAddress, group: u32, other: String, driver: String },
+    #[error("{0} is named twice: a device can be passed through once")]
+    Duplicate(PciAddress),
+    #[error("{0}: --vfio cannot be used with --jail yet (the jail exposes neither /dev/vfio nor sysfs)")]
+    Jailed(PciAddress),
+    #[error("{addr}: {what}: {err}")]
+    Vfio { addr: PciAddress, what: &'static str, err: String },
+    #[error("{addr}: {msg}")]
+    Unsupported { addr: PciAddress, msg: String },
+}
+
+fn driver_of(dev: &Path) -> Option<String> {
+    std::fs::read_link(dev.join("driver")).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+}
+
+fn describe(driver: &Option<String>) -> String {
+    match driver {
+        Some(d) => format!("its driver is {d}"),
+        None => "it has no driver".into(),
+    }
+}
+
+/// Checks, before anything is opened, that `addr` can be passed through:
+/// the device exists under `sysfs`/bus/pci/devices, has an IOMMU group, is
+/// bound to vfio-pci, and every other device of its group is bound to
+/// vfio-pci or to no driver. Returns the group number.
+pub fn check_host_device(addr: &PciAddress, sysfs: &Path) -> Result<u32, VfioError> {
+    let dev = sysfs.join("bus/pci/devices").join(addr.to_string());
+    if std::fs::symlink_metadata(&dev).is_err() {
+        return Err(VfioError::NoDevice(*addr, dev.display().to_string()));
+    }
+    let group_link = std::fs::read_link(dev.join("iommu_group")).map_err(|_| VfioError::NoIommuGroup(*addr))?;
+    let group: u32 = group_link.file_name().and_then(|n| n.to_str()).and_then(|n| n.parse().ok()).ok_or(VfioError::NoIommuGroup(*addr))?;
+    let driver = driver_of(&dev);
+    if driver.as_deref() != Some(VFIO_DRIVER) {
+        return Err(VfioError::NotVfio { addr: *addr, driver: describe(&driver) });
+    }
+    let members = std::fs::read_dir(dev.join("iommu_group/devices")).map_err(|e| VfioError::Vfio { addr: *addr, what: "listing its IOMMU group", err: e.to_string() })?;
+    let mut others: Vec<(String, Option<String>)> = members.flatten().map(|m| (m.file_name().to_string_lossy().into_owned(), driver_of(&m.path()))).collect();
+    others.sort();
+    for (name, driver) in others {
+        if driver.as_deref().is_some_and(|d| d != VFIO_DRIVER) {
+            return Err(VfioError::GroupShared { addr: *addr, group, other: name, driver: driver.unwrap_or_default() });
+        }
+    }
+    Ok(group)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+    use std::path::PathBuf;
+
+    #[test]
+    fn addresses_parse_print_and_bad_ones_say_how_to_write_them() {
+        let a: PciAddress = "0000:00:04.0".parse().unwrap();
+        assert_eq!(a, PciAddress { domain: 0, bus: 0, device: 4, function: 0 });
+        assert_eq!("3a:1F.7".parse::<PciAddress>().unwrap().to_string(), "0000:3a:1f.7");
+        assert_eq!("10000:01:00.1".parse::<PciAddress>().unwrap().to_string(), "10000:01:00.1");
+        for bad in [
+            "",
+            "garbage",
+            "0000:00:20.0",
+            "0000:00:04.8",
+            "0000:0:04.0",
+            "00:00:04.0",
+            "0000:00:04",
+            "0000:00:04.0.1",
+            "0000:00:04.00",
+            "0000:00:g4.0",
+            "+000:00:04.0",
+            "0000:00:04:0",
+            "0000:00:04.0 ",
+        ] {
+            let e = bad.parse::<PciAddress>().unwrap_err().to_string();
+            assert!(e.contains("DDDD:BB:DD.F"), "{bad}: {e}");
+        }
+        let j: Vec<PciAddress> = serde_json::from_str(r#"["0000:00:04.0"]"#).unwrap();
+        assert_eq!(serde_json::to_string(&j).unwrap(), r#"["0000:00:04.0"]"#);
+        assert!(serde_json::from_str::<Vec<PciAddress>>(r#"["04.0"]"#).is_err());
+    }
+
+    /// A fake sysfs: devices with an optional driver and IOMMU group.
+    struct FakeSys(PathBuf);
+
+    impl FakeSys {
+        fn new(name: &str) -> FakeSys {
+            let root = std::env::temp_dir().join(format!("vgpu-vfio-sysfs-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&root);
+            std::fs::create_dir_all(root.join("bus/pci/devices")).unwrap();
+            std::fs::create_dir_all(root.join("bus/pci/drivers")).unwrap();
+            FakeSys(root)
+        }
+
+        fn device(&self, addr: &str, driver: Option<&str>, group: Option<u32>) {
+            let d = self.0.join("devices/pci0000:00").join(addr);
+            std::fs::create_dir_all(&d).unwrap();
+            symlink(&d, self.0.join("bus/pci/devices").join(addr)).unwrap();
+            if let Some(drv) = driver {
+                let dd = self.0.join("bus/pci/drivers").join(drv);
+                std::fs::create_dir_all(&dd).unwrap();
+                symlink(&dd, d.join("driver")).unwrap();
+            }
+            if let Some(g) = group {
+                let gd = self.0.join("kernel/iommu_groups").join(g.to_string());
+                std::fs::create_dir_all(gd.join("devices")).unwrap();
+                symlink(&gd, d.join("iommu_group")).unwrap();
+                symlink(&d, gd.join("devices").join(addr)).unwrap();
+            }
+        }
+    }
+
+    impl Drop for FakeSys {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn check(s: &FakeSys, addr: &str) -> Result<u32, String> {
+        check_host_device(&addr.parse().unwrap(), &s.0).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn host_checks_name_the_missing_iommu_the_wrong_driver_and_the_shared_group() {
+        let s = FakeSys::new("checks");
+        s.device("0000:00:00.0", None, None);
+        s.device("0000:00:02.0", Some("nvme"), Some(3));
+        s.device("0000:00:03.0", Some("vfio-pci"), Some(4));
+        s.device("0000:00:04.0", None, Some(5));
+        s.device("0000:00:05.0", Some("vfio-pci"), Some(6));
+        s.device("0000:00:05.1", Some("snd_hda_intel"), Some(6));
+        s.device("0000:00:06.0", Some("vfio-pci"), Some(7));
+        s.device("0000:00:06.1", None, Some(7));
+        s.device("0000:00:06.2", Some("vfio-pci"), Some(7));
+
+        let e = check(&s, "0000:00:09.0").unwrap_err();
+        assert!(e.contains("no PCI device 0000:00:09.0"), "{e}");
+        assert_eq!(check(&s, "0000:00:00.0").unwrap_err(), "no IOMMU group for 0000:00:00.0: is the IOMMU on (intel_iommu=on)?");
+        let e = check(&s, "0000:00:02.0").unwrap_err();
+        assert!(e.starts_with("0000:00:02.0 is not bound to vfio-pci (its driver is nvme)"), "{e}");
+        let e = check(&s, "0000:00:04.0").unwrap_err();
+        assert!(e.starts_with("0000:00:04.0 is not bound to vfio-pci (it has no driver)"), "{e}");
+        let e = check(&s, "0000:00:05.0").unwrap_err();
+        assert!(e.contains("IOMMU group 6 of 0000:00:05.0 also holds 0000:00:05.1, bound to snd_hda_intel"), "{e}");
+        assert_eq!(check(&s, "0000:00:03.0"), Ok(4));
+        // Unbound companions are fine: nothing else can use the group.
+        assert_eq!(check(&s, "0000:00:06.0"), Ok(7));
+    }
+}
