@@ -228,19 +228,21 @@ impl std::str::FromStr for NetSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
 pub struct VgpuSpec {
-    /// vGPU memory quota (a size such as 256MiB).
-    #[arg(id = "vgpu_memory", long = "vgpu-memory", value_name = "SIZE")]
+    /// vGPU memory quota (a size such as 256MiB); without it the VM has no
+    /// vGPU.
+    #[arg(id = "vgpu_memory", long = "vgpu-memory", value_name = "SIZE", required = false)]
     pub memory: Size,
-    /// Compute share weight (1..=10000).
-    #[arg(long, default_value_t = 1)]
+    /// Compute share weight (1..=10000; default 1). (A default only with
+    /// --vgpu-memory, so that no vGPU flag at all means no vGPU.)
+    #[arg(long, required = false, requires = "vgpu_memory", default_value_if("vgpu_memory", clap::builder::ArgPredicate::IsPresent, Some("1")))]
     #[serde(default = "one")]
     pub weight: u32,
     /// Hard cap: percent of the device's time (1..=100; default none).
-    #[arg(long)]
+    #[arg(long, requires = "vgpu_memory")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cap: Option<u32>,
     /// The pool whose placement policy picks the device (default: `default`).
-    #[arg(long)]
+    #[arg(long, requires = "vgpu_memory")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<String>,
 }
@@ -292,8 +294,16 @@ pub struct VmSpec {
     #[arg(long = "net", value_name = "tap=NAME|bridge=NAME[,mac=..][,rx_bw=..]..")]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nets: Vec<NetSpec>,
+    /// The VM's vGPU (none: a VM with only passthrough devices, or none).
     #[command(flatten)]
-    pub vgpu: VgpuSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu: Option<VgpuSpec>,
+    /// Lend the VM a whole device from this passthrough pool (a GPU, given
+    /// to it alone with VFIO and scrubbed when it comes back); repeat for
+    /// more.
+    #[arg(long = "passthrough", value_name = "POOL")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passthrough: Vec<String>,
     /// What to do when the VM's VMM exits without being asked to.
     #[arg(long, value_enum, default_value_t)]
     #[serde(default)]
@@ -302,6 +312,14 @@ pub struct VmSpec {
 
 fn is_none(h: &Option<Hugepages>) -> bool {
     matches!(h, None | Some(Hugepages::None))
+}
+
+/// A passthrough device lent to a VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub device: String,
+    pub address: String,
+    pub numa_node: i32,
 }
 
 /// Where a VM is in its life.
@@ -335,6 +353,9 @@ pub struct VmView {
     #[serde(default)]
     pub pool: String,
     pub numa_node: i32,
+    /// The passthrough devices lent to it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passthrough: Vec<Lease>,
     /// The VMM's process id (0 while none runs).
     pub pid: u32,
     /// Times the daemon started the VMM again after it ended on its own.
@@ -358,7 +379,8 @@ mod tests {
     fn a_description_round_trips_and_unknown_fields_are_refused() {
         let v: VmSpec = serde_json::from_str(r#"{"name":"a","memory":"512MiB","kernel":"/k","vgpu":{"memory":"64MiB"},"disks":[{"path":"/d","read_only":true}],"nets":[{"tap":"tap0"}]}"#).unwrap();
         assert_eq!(v.vcpus, 1);
-        assert_eq!(v.vgpu.weight, 1);
+        assert_eq!(v.vgpu.as_ref().map(|g| g.weight), Some(1));
+        assert!(v.passthrough.is_empty());
         assert_eq!(v.restart, RestartPolicy::OnFailure);
         assert_eq!(v.nets, vec![NetSpec { tap: Some("tap0".into()), ..NetSpec::default() }]);
         let back: VmSpec = serde_json::from_str(&serde_json::to_string(&v).unwrap()).unwrap();
@@ -388,5 +410,31 @@ mod tests {
         assert!("tap=a,mac=52:54:00:aa:bb".parse::<NetSpec>().unwrap_err().contains("six hex bytes"));
         assert_eq!("2M".parse::<Hugepages>().unwrap(), Hugepages::TwoMiB);
         assert!("3M".parse::<Hugepages>().is_err());
+    }
+}
+
+#[cfg(test)]
+mod cli_tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        vm: VmSpec,
+    }
+
+    fn parse(args: &[&str]) -> Result<VmSpec, String> {
+        Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied())).map(|c| c.vm).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_vgpu_is_there_when_its_flags_are_and_passthrough_pools_repeat() {
+        let v = parse(&["a", "--memory", "64MiB", "--kernel", "/k", "--vgpu-memory", "32MiB"]).unwrap();
+        assert_eq!(v.vgpu, Some(VgpuSpec { memory: Size(32 << 20), weight: 1, cap: None, pool: None }));
+        let v = parse(&["a", "--memory", "64MiB", "--kernel", "/k", "--passthrough", "whole", "--passthrough", "more"]).unwrap();
+        assert_eq!((v.vgpu, v.passthrough), (None, vec!["whole".to_string(), "more".to_string()]));
+        let e = parse(&["a", "--memory", "64MiB", "--kernel", "/k", "--weight", "3"]).unwrap_err();
+        assert!(e.contains("--vgpu-memory"), "{e}");
     }
 }

@@ -607,7 +607,8 @@ fn mediator_request_schemas_match_the_api_types() {
             tx_bandwidth: Some(rate),
             tx_ops: Some(rate),
         }],
-        vgpu: vgpu.clone(),
+        vgpu: Some(vgpu.clone()),
+        passthrough: vec!["whole".into()],
         restart: RestartPolicy::Always,
     };
     check_request(&doc, "VmSpec", &vm);
@@ -666,7 +667,7 @@ fn mediator_request_schemas_match_the_api_types() {
 
 #[test]
 fn mediator_response_schemas_match_the_api_types() {
-    use vgpu_api::vm::{RestartPolicy, VgpuSpec, VmSpec, VmState, VmView};
+    use vgpu_api::vm::{Lease, RestartPolicy, VgpuSpec, VmSpec, VmState, VmView};
     use vgpu_mediator::config::Owner;
     use vgpu_mediator::control::meter::{Record, Usage};
     use vgpu_mediator::control::{TenantPhase, TenantRecord};
@@ -686,7 +687,8 @@ fn mediator_response_schemas_match_the_api_types() {
         boot_disk: None,
         disks: Vec::new(),
         nets: Vec::new(),
-        vgpu: VgpuSpec { memory: Size(64 << 20), weight: 1, cap: None, pool: None },
+        vgpu: Some(VgpuSpec { memory: Size(64 << 20), weight: 1, cap: None, pool: None }),
+        passthrough: vec!["whole".into()],
         restart: RestartPolicy::OnFailure,
     };
     let vm = VmView {
@@ -697,6 +699,7 @@ fn mediator_response_schemas_match_the_api_types() {
         device: "cpu0".into(),
         pool: "default".into(),
         numa_node: 0,
+        passthrough: vec![Lease { device: "gpu1".into(), address: "0000:3b:00.0".into(), numa_node: 0 }],
         pid: 42,
         restarts: 1,
         last_exit: Some("exit 0".into()),
@@ -705,6 +708,56 @@ fn mediator_response_schemas_match_the_api_types() {
         console_log: "/var/lib/vgpu/vms/vm1/console.log".into(),
     };
     check_response(&doc, "Vm", &serde_json::to_value(&vm).expect("serialize"));
+    check_response(&doc, "Vm/properties/passthrough/items", &serde_json::to_value(&vm.passthrough[0]).expect("serialize"));
+
+    use vgpu_mediator::control::passthrough::{PassView, ScrubMethod, ScrubRecord};
+    let rec = ScrubRecord {
+        device: "gpu1".into(),
+        address: "0000:3b:00.0".into(),
+        previous_vm: "vm1".into(),
+        method: ScrubMethod::ZeroAndVerify,
+        bytes: 79 << 30,
+        device_memory: 80 << 30,
+        started: 1_700_000_000,
+        duration_ms: 4200,
+        verified: false,
+        ok: false,
+        error: Some("read back a non-zero byte".into()),
+    };
+    check_response(&doc, "ScrubRecord", &serde_json::to_value(&rec).expect("serialize"));
+    let methods = [ScrubMethod::ZeroAndVerify, ScrubMethod::FunctionReset];
+    for m in methods {
+        match m {
+            ScrubMethod::ZeroAndVerify | ScrubMethod::FunctionReset => {}
+        }
+    }
+    check_enum(&doc, "ScrubRecord/properties/method", &methods);
+    let pv = PassView {
+        name: "gpu1".into(),
+        kind: "passthrough".into(),
+        address: "0000:3b:00.0".into(),
+        gpu: true,
+        numa_node: 0,
+        state: "quarantined".into(),
+        lent_to: Some("vm1".into()),
+        quarantine_reason: Some("scrub failed".into()),
+        host_driver: Some("nvidia".into()),
+        driver: Some("nvidia".into()),
+        pool: "whole".into(),
+        scrubs_ok: 1,
+        scrubs_failed: 1,
+        scrubs: vec![rec],
+    };
+    check_response(&doc, "PassthroughDevice", &serde_json::to_value(&pv).expect("serialize"));
+    use vgpu_mediator::control::passthrough::PassState;
+    let states = [PassState::Free, PassState::Lent { vm: String::new() }, PassState::Returning { vm: String::new() }, PassState::Quarantined { reason: String::new() }];
+    for st in &states {
+        match st {
+            PassState::Free | PassState::Lent { .. } | PassState::Returning { .. } | PassState::Quarantined { .. } => {}
+        }
+    }
+    let names: Vec<&str> = states.iter().map(PassState::name).collect();
+    check_enum(&doc, "PassthroughDevice/properties/state", &names);
     let states = [VmState::Starting, VmState::Running, VmState::Stopping, VmState::Stopped, VmState::Restarting, VmState::Failed];
     for s in states {
         match s {

@@ -3,6 +3,8 @@
 //! CPUs a VM's vCPU threads (or a device worker) are pinned to, and the
 //! `mbind` of a VM's memory.
 
+pub mod pci;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

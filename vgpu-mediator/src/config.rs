@@ -139,6 +139,11 @@ pub struct DevicesConfig {
     /// tenants' launches, go first on a busy host (docs/scheduling.md).
     #[serde(default = "default_compute_nice")]
     pub compute_nice: i32,
+    /// PCI devices (GPUs above all) lent whole to managed VMs from their
+    /// pools and scrubbed on return (docs/passthrough.md). A GPU listed
+    /// here gets no worker.
+    #[serde(default)]
+    pub passthrough: Vec<crate::control::passthrough::PassthroughConfig>,
 }
 
 fn default_compute_nice() -> i32 {
@@ -282,6 +287,7 @@ impl Default for DevicesConfig {
             overcommit: 1.0,
             spill: Size(0),
             compute_nice: default_compute_nice(),
+            passthrough: Vec::new(),
         }
     }
 }

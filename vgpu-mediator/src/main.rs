@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use vgpu_mediator::backend::discover;
 use vgpu_mediator::config::{self, Config, CudaMode, Owner, DEFAULT_DEVICE_MEMORY};
 use vgpu_mediator::control::meter::Meter;
+use vgpu_mediator::control::passthrough::{self, Passthrough};
 use vgpu_mediator::control::{api, rundir, Control, CudaSpec, DeviceSpec, TenantDefaults};
 use vgpu_mediator::size::Size;
 use vgpu_mediator::worker;
@@ -133,6 +134,14 @@ enum Cmd {
         #[arg(long)]
         connection: bool,
     },
+    /// Internal: zeroes every byte of the GPU at a PCI address that a CUDA
+    /// context can allocate, reads all of it back, and prints
+    /// {"bytes":..,"device_memory":..}; fails if a byte is not zero.
+    #[command(hide = true)]
+    ScrubGpu {
+        #[arg(long)]
+        address: vgpu_topology::pci::PciAddress,
+    },
     /// Lists the GPUs and MIG instances NVML reports and the devices the
     /// mediator would serve on them, as JSON.
     Discover {
@@ -174,6 +183,7 @@ fn run() -> anyhow::Result<()> {
             return Ok(());
         }
         Some(Cmd::Discover { record }) => return discover_cmd(record),
+        Some(Cmd::ScrubGpu { address }) => return scrub_gpu_cmd(&address),
         None => {}
     }
     let mut cfg = match &cli.config {
@@ -278,6 +288,10 @@ fn run() -> anyhow::Result<()> {
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
     let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit);
+    let state_dir = cli.state_dir.or(cfg.vms.state_dir.clone()).unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu") } else { run_dir.join("state") });
+    let pass =
+        Passthrough::new(&cfg.devices.passthrough, vgpu_topology::sysfs_root(), &state_dir, Box::new(passthrough::sysfs_write), passthrough::gpu_scrubber(exe.clone())).map_err(anyhow::Error::msg)?;
+    let _ = control.passthrough.set(Arc::new(pass));
     for p in &cfg.pools {
         control.create_pool(p).with_context(|| format!("creating pool {} from the config file", p.name))?;
     }
@@ -293,7 +307,6 @@ fn run() -> anyhow::Result<()> {
         control.create_tenant(t).with_context(|| format!("creating tenant {} from the config file", t.name))?;
     }
     // Managed VMs: those saved by an earlier run come back.
-    let state_dir = cli.state_dir.or(cfg.vms.state_dir.clone()).unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu") } else { run_dir.join("state") });
     let vmm = cli.vmm.or(cfg.vms.vmm.clone()).unwrap_or_else(|| exe.with_file_name("vgpu-vmm"));
     std::fs::create_dir_all(state_dir.join("vms")).with_context(|| format!("making {}", state_dir.join("vms").display()))?;
     let stop_timeout = std::time::Duration::from_secs(cfg.vms.stop_timeout_s.unwrap_or(10));
@@ -304,6 +317,11 @@ fn run() -> anyhow::Result<()> {
     let _ = control.vms.set(vgpu_mediator::control::vms::Vms::new(vgpu_mediator::control::vms::VmsConfig { vmm, state_dir, stop_timeout, jail }));
     if let Some(v) = control.vms.get() {
         v.load(&control);
+        // Devices lent to VMs that did not come back are returned and
+        // scrubbed.
+        if let Some(p) = control.passthrough.get() {
+            p.recover(|vm| v.owns_tenant(vm));
+        }
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = rt.block_on(serve(control.clone(), api_path.clone(), cfg.metering.metrics_listen));
@@ -348,6 +366,11 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
     }
     let mut out = Vec::new();
     for (i, g) in planned.into_iter().enumerate() {
+        let passed = discover::sysfs_bus_id(&g.pci_bus_id).and_then(|b| b.parse::<vgpu_topology::pci::PciAddress>().ok()).is_some_and(|a| d.passthrough.iter().any(|p| p.address == a));
+        if passed {
+            tracing::info!(device = %g.name, bus_id = %g.pci_bus_id, "not served by a worker: it is a passthrough device");
+            continue;
+        }
         let Some(memory) = g.memory.checked_sub(d.cuda_reserve.0).filter(|m| *m >= 1 << 20) else {
             tracing::warn!(device = %g.name, memory = g.memory, reserve = d.cuda_reserve.0, "not served: devices.cuda_reserve leaves no memory for tenants");
             continue;
@@ -374,6 +397,17 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
         return none(format!("NVML (driver {}) lists no servable GPU or MIG instance", answers.driver_version));
     }
     Ok(out)
+}
+
+fn scrub_gpu_cmd(address: &vgpu_topology::pci::PciAddress) -> anyhow::Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        let r = vgpu_mediator::backend::cuda::scrub_whole_gpu(address).map_err(anyhow::Error::msg)?;
+        println!("{}", serde_json::to_string(&r)?);
+        Ok(())
+    }
+    #[cfg(not(feature = "cuda"))]
+    anyhow::bail!("{address}: this build has no cuda backend to scrub a GPU with")
 }
 
 fn discover_cmd(record: Option<PathBuf>) -> anyhow::Result<()> {

@@ -74,8 +74,8 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum VmCmd {
-    /// Create a VM with its vGPU and start it.
-    Create(vgpu_api::vm::VmSpec),
+    /// Create a VM (with its vGPU and passthrough devices, if any) and start it.
+    Create(Box<vgpu_api::vm::VmSpec>),
     List,
     Show {
         name: String,
@@ -218,7 +218,14 @@ impl Priority {
 
 #[derive(Subcommand)]
 enum DeviceCmd {
+    /// Every device: those shared by tenants and those lent whole to VMs.
     List,
+    /// One device; for a passthrough device, its state and scrub records.
+    Show { name: String },
+    /// Reset, rebind and scrub a passthrough device that is not lent (one
+    /// quarantined after a failed scrub, once its cause is fixed); it is
+    /// free again if the scrub passes.
+    Scrub { name: String },
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -539,7 +546,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 print_json(&v);
             } else {
                 let mut rows = vec![["NAME", "KIND", "POOL", "NODE", "STATE", "MEMORY", "RESERVED", "ALLOCATED", "SPILLED", "TENANTS", "UTIL", "RESTARTS"].map(String::from).to_vec()];
-                for d in v.as_array().into_iter().flatten() {
+                let (shared, whole): (Vec<&Value>, Vec<&Value>) = v.as_array().into_iter().flatten().partition(|d| s(d, "kind") != "passthrough");
+                for d in shared {
                     let node = d.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
                     rows.push(vec![
                         s(d, "name").into(),
@@ -557,6 +565,77 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                     ]);
                 }
                 table(rows);
+                if !whole.is_empty() {
+                    println!();
+                    let mut rows = vec![["NAME", "KIND", "POOL", "NODE", "ADDRESS", "STATE", "LENT TO", "DRIVER", "LAST SCRUB"].map(String::from).to_vec()];
+                    for d in whole {
+                        let node = d.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
+                        rows.push(vec![
+                            s(d, "name").into(),
+                            if d.get("gpu").and_then(Value::as_bool) == Some(true) { "passthrough-gpu".into() } else { "passthrough".into() },
+                            s(d, "pool").into(),
+                            if node < 0 { "-".into() } else { node.to_string() },
+                            s(d, "address").into(),
+                            s(d, "state").into(),
+                            d.get("lent_to").and_then(Value::as_str).unwrap_or("-").into(),
+                            d.get("driver").and_then(Value::as_str).unwrap_or("-").into(),
+                            d["scrubs"].as_array().and_then(|a| a.last()).map(scrub_text).unwrap_or_else(|| "-".into()),
+                        ]);
+                    }
+                    table(rows);
+                }
+            }
+        }
+        Cmd::Device(DeviceCmd::Show { name }) => {
+            let v = call(cli, "GET", &format!("/devices/{name}"), None)?;
+            if json_out || s(&v, "kind") != "passthrough" {
+                print_json(&v);
+            } else {
+                let node = v.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
+                println!(
+                    "name:      {}
+address:   {}{}
+pool:      {}
+node:      {}",
+                    s(&v, "name"),
+                    s(&v, "address"),
+                    if v.get("gpu").and_then(Value::as_bool) == Some(true) { " (NVIDIA GPU)" } else { "" },
+                    s(&v, "pool"),
+                    if node < 0 { "unknown".into() } else { node.to_string() }
+                );
+                println!("state:     {}{}", s(&v, "state"), v.get("lent_to").and_then(Value::as_str).map(|t| format!(" (VM {t})")).unwrap_or_default());
+                if let Some(r) = v.get("quarantine_reason").and_then(Value::as_str) {
+                    println!("reason:    {r}");
+                }
+                println!("driver:    {} (host driver {})", v.get("driver").and_then(Value::as_str).unwrap_or("none"), v.get("host_driver").and_then(Value::as_str).unwrap_or("none"));
+                println!("scrubs:    {} passed, {} failed", u(&v, "scrubs_ok"), u(&v, "scrubs_failed"));
+                let recs = v["scrubs"].as_array().cloned().unwrap_or_default();
+                if !recs.is_empty() {
+                    let mut rows = vec![["STARTED", "PREVIOUS VM", "METHOD", "BYTES", "VERIFIED", "MS", "RESULT"].map(String::from).to_vec()];
+                    for r in &recs {
+                        rows.push(vec![
+                            u(r, "started").to_string(),
+                            r.get("previous_vm").and_then(Value::as_str).filter(|x| !x.is_empty()).unwrap_or("-").into(),
+                            s(r, "method").into(),
+                            human(u(r, "bytes")),
+                            if r.get("verified").and_then(Value::as_bool) == Some(true) { "yes".into() } else { "no".into() },
+                            u(r, "duration_ms").to_string(),
+                            scrub_text(r),
+                        ]);
+                    }
+                    table(rows);
+                }
+            }
+        }
+        Cmd::Device(DeviceCmd::Scrub { name }) => {
+            let v = call(cli, "POST", &format!("/devices/{name}/scrub"), None)?;
+            if json_out {
+                print_json(&v);
+            } else {
+                println!("{name}: {}", scrub_text(&v));
+            }
+            if v.get("ok").and_then(Value::as_bool) != Some(true) {
+                anyhow::bail!("{name} failed its scrub and stays quarantined");
             }
         }
         Cmd::Pool(PoolCmd::Create { name, devices, private, allow, placement, overcommit }) => {
@@ -689,7 +768,7 @@ fn print_vm(v: &Value) {
     let spec = &v["spec"];
     let node = v.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
     println!(
-        "name:      {}\nstate:     {} (desired {})\nvcpus:     {}\nmemory:    {}{}\nboot:      {}\nvgpu:      {} on {} (pool {}, NUMA node {}), weight {}\nrestart:   {} ({} restarts{})\npid:       {}\napi:       {}\nconsole:   {}",
+        "name:      {}\nstate:     {} (desired {})\nvcpus:     {}\nmemory:    {}{}\nboot:      {}\nvgpu:      {}\nnode:      {}\nrestart:   {} ({} restarts{})\npid:       {}\napi:       {}\nconsole:   {}",
         s(v, "name"),
         s(v, "state"),
         s(v, "desired"),
@@ -697,11 +776,11 @@ fn print_vm(v: &Value) {
         spec.get("memory").map(size_text).unwrap_or_default(),
         spec.get("hugepages").and_then(Value::as_str).map(|h| format!(" ({h} hugepages)")).unwrap_or_default(),
         spec.get("kernel").and_then(Value::as_str).or(spec.get("boot_disk").and_then(Value::as_str)).unwrap_or(""),
-        spec["vgpu"].get("memory").map(size_text).unwrap_or_default(),
-        s(v, "device"),
-        s(v, "pool"),
+        match spec.get("vgpu").filter(|g| g.is_object()) {
+            Some(g) => format!("{} on {} (pool {}), weight {}", g.get("memory").map(size_text).unwrap_or_default(), s(v, "device"), s(v, "pool"), u(g, "weight")),
+            None => "none".into(),
+        },
         if node < 0 { "unknown".to_string() } else { node.to_string() },
-        u(&spec["vgpu"], "weight"),
         s(spec, "restart"),
         u(v, "restarts"),
         v.get("last_exit").and_then(Value::as_str).map(|e| format!(", last {e}")).unwrap_or_default(),
@@ -709,8 +788,20 @@ fn print_vm(v: &Value) {
         s(v, "api_socket"),
         s(v, "console_log"),
     );
+    for l in v.get("passthrough").and_then(Value::as_array).into_iter().flatten() {
+        println!("passthrough: {} at {}", s(l, "device"), s(l, "address"));
+    }
     if let Some(e) = v.get("error").and_then(Value::as_str) {
         println!("error:     {e}");
+    }
+}
+
+/// A scrub record in a few words: `ok (function-reset)` or the error.
+fn scrub_text(r: &Value) -> String {
+    if r.get("ok").and_then(Value::as_bool) == Some(true) {
+        format!("ok ({})", s(r, "method"))
+    } else {
+        format!("FAILED: {}", r.get("error").and_then(Value::as_str).unwrap_or("unknown"))
     }
 }
 

@@ -945,3 +945,93 @@ mod tests {
         assert_eq!(version_text(13010), "13.1");
     }
 }
+
+/// What a whole-GPU scrub did: bytes zeroed and read back as zero, and the
+/// memory the driver reports.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct WholeScrub {
+    pub bytes: u64,
+    pub device_memory: u64,
+}
+
+/// Chunks a whole-GPU scrub allocates, largest first.
+const SCRUB_CHUNK: usize = 1 << 30;
+const SCRUB_MIN_CHUNK: usize = 2 << 20;
+/// The pinned buffer each chunk is read back through.
+const SCRUB_READ: usize = 64 << 20;
+
+/// Zeroes every byte of the GPU at `address` that a context can allocate
+/// and reads all of them back (`vgpu-mediatord scrub-gpu`, run on a
+/// passthrough GPU returned from a VM). Fails on the first non-zero byte.
+/// Runs in a process of its own: anything left allocated on an error goes
+/// with the process.
+pub fn scrub_whole_gpu(address: &vgpu_topology::pci::PciAddress) -> Result<WholeScrub, String> {
+    probe()?;
+    // SAFETY: the library was loaded by probe; only presence is checked.
+    let lib = unsafe { cu::culib() };
+    for name in ["cuDeviceGetByPCIBusId", "cuMemsetD8_v2", "cuMemcpyDtoH_v2"] {
+        // SAFETY: as above.
+        if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
+            return Err(format!("the NVIDIA driver lacks {name}"));
+        }
+    }
+    let bus = CString::new(address.to_string()).map_err(|e| e.to_string())?;
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: valid out-pointer and NUL-terminated bus id.
+    check(unsafe { cu::cuDeviceGetByPCIBusId(&mut dev, bus.as_ptr()) }, "cuDeviceGetByPCIBusId").map_err(|e| e.msg)?;
+    let mut total = 0usize;
+    // SAFETY: valid out-pointer for a device cuDeviceGetByPCIBusId returned.
+    check(unsafe { cu::cuDeviceTotalMem_v2(&mut total, dev) }, "cuDeviceTotalMem").map_err(|e| e.msg)?;
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the context becomes current on this thread.
+    check(unsafe { cu::cuCtxCreate_v2(&mut ctx, 0, dev) }, "cuCtxCreate").map_err(|e| e.msg)?;
+    // Take all the memory there is, in chunks that get smaller as it
+    // fills.
+    let mut chunks: Vec<(cu::CUdeviceptr, usize)> = Vec::new();
+    let mut size = SCRUB_CHUNK;
+    while size >= SCRUB_MIN_CHUNK {
+        let mut d: cu::CUdeviceptr = 0;
+        // SAFETY: our context is current; valid out-pointer.
+        if unsafe { cu::cuMemAlloc_v2(&mut d, size) } == cu::CUresult::CUDA_SUCCESS {
+            chunks.push((d, size));
+        } else {
+            size /= 2;
+        }
+    }
+    for &(d, n) in &chunks {
+        // SAFETY: d..d+n is an allocation of the current context.
+        check(unsafe { cu::cuMemsetD8_v2(d, 0, n) }, "cuMemsetD8").map_err(|e| e.msg)?;
+    }
+    let mut host: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the buffer is freed with the process.
+    check(unsafe { cu::cuMemAllocHost_v2(&mut host, SCRUB_READ) }, "cuMemAllocHost").map_err(|e| e.msg)?;
+    let mut bytes = 0u64;
+    for &(d, n) in &chunks {
+        let mut off = 0usize;
+        while off < n {
+            let len = SCRUB_READ.min(n - off);
+            // SAFETY: the source lies inside an allocation of the current
+            // context and the destination is a pinned buffer of SCRUB_READ
+            // bytes; the copy is synchronous.
+            check(unsafe { cu::cuMemcpyDtoH_v2(host, d + off as u64, len) }, "cuMemcpyDtoH").map_err(|e| e.msg)?;
+            // SAFETY: the synchronous copy has completed, so nothing writes
+            // the buffer while this slice lives; len <= SCRUB_READ.
+            let got = unsafe { std::slice::from_raw_parts(host.cast::<u8>(), len) };
+            if let Some(i) = got.iter().position(|b| *b != 0) {
+                return Err(format!("read back a non-zero byte at device address {:#x} after zeroing", d + (off + i) as u64));
+            }
+            off += len;
+        }
+        bytes += n as u64;
+    }
+    // SAFETY: every pointer came from this context's allocators; the
+    // context is destroyed last.
+    unsafe {
+        for &(d, _) in &chunks {
+            cu::cuMemFree_v2(d);
+        }
+        cu::cuMemFreeHost(host);
+        cu::cuCtxDestroy_v2(ctx);
+    }
+    Ok(WholeScrub { bytes, device_memory: total as u64 })
+}

@@ -38,6 +38,8 @@ impl IntoResponse for ControlError {
 pub fn router(c: Arc<Control>) -> Router {
     Router::new()
         .route("/devices", get(devices))
+        .route("/devices/{name}", get(show_device))
+        .route("/devices/{name}/scrub", axum::routing::post(scrub_device))
         .route("/tenants", get(list_tenants).post(create_tenant))
         .route("/tenants/{name}", get(show_tenant).delete(delete_tenant).patch(set_tenant))
         .route("/pools", get(list_pools).post(create_pool))
@@ -155,8 +157,54 @@ fn utilization(d: &DeviceStats) -> f64 {
     }
 }
 
-async fn devices(State(c): St) -> Result<Json<Vec<DeviceView>>, ControlError> {
-    Ok(Json(blocking(move || device_views(&c)).await?))
+/// A device as `GET /devices` lists it: one a worker shares among
+/// tenants, or one lent whole to VMs.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum AnyDevice {
+    Shared(DeviceView),
+    Passthrough(super::passthrough::PassView),
+}
+
+fn pass_views(c: &Control) -> Vec<super::passthrough::PassView> {
+    let Some(p) = c.passthrough.get() else { return Vec::new() };
+    let pools = c.pools();
+    p.devices
+        .iter()
+        .map(|d| {
+            let pool = pools.iter().find(|p| p.devices.contains(&d.name)).map(|p| p.name.clone()).unwrap_or_default();
+            p.view(d, &pool)
+        })
+        .collect()
+}
+
+async fn devices(State(c): St) -> Result<Json<Vec<AnyDevice>>, ControlError> {
+    Ok(Json(blocking(move || device_views(&c).into_iter().map(AnyDevice::Shared).chain(pass_views(&c).into_iter().map(AnyDevice::Passthrough)).collect()).await?))
+}
+
+async fn show_device(State(c): St, Path(name): Path<String>) -> Result<Json<AnyDevice>, ControlError> {
+    blocking(move || {
+        if let Some(v) = pass_views(&c).into_iter().find(|v| v.name == name) {
+            return Ok(AnyDevice::Passthrough(v));
+        }
+        device_views(&c).into_iter().find(|v| v.name == name).map(AnyDevice::Shared).ok_or_else(|| ControlError::NotFound(format!("no device named {name}")))
+    })
+    .await?
+    .map(Json)
+}
+
+/// Resets, rebinds and scrubs a passthrough device that is not lent (one
+/// quarantined after a failed scrub, once its cause is fixed).
+async fn scrub_device(State(c): St, Path(name): Path<String>) -> Result<Json<super::passthrough::ScrubRecord>, ControlError> {
+    blocking(move || {
+        if c.slot(&name).is_some() {
+            return Err(ControlError::BadRequest(format!("{name} is a shared device: its worker scrubs memory on every allocation and release; only passthrough devices are scrubbed on demand")));
+        }
+        let p = c.passthrough.get().ok_or_else(|| ControlError::NotFound(format!("no device named {name}")))?;
+        p.rescrub(&name).map_err(super::vms::pass_error)
+    })
+    .await?
+    .map(Json)
 }
 
 async fn list_tenants(State(c): St) -> Json<Vec<TenantRecord>> {
@@ -320,6 +368,27 @@ pub fn render_metrics(c: &Control) -> String {
     family("vgpu_tenant_connections", "gauge", "Open client connections of the tenant.", ten(&|t| t.connections as f64));
     family("vgpu_tenant_host_memory_bytes", "gauge", "Host memory the tenant's objects keep in its device worker.", ten(&|t| t.host_used as f64));
     family("vgpu_tenant_host_memory_limit_bytes", "gauge", "The tenant's host memory budget in its device worker.", ten(&|t| t.host_limit as f64));
+    let pass = pass_views(c);
+    let pl = |v: &super::passthrough::PassView| format!("device=\"{}\",address=\"{}\"", esc(&v.name), esc(&v.address));
+    let states = ["free", "lent", "returning", "quarantined"];
+    family(
+        "vgpu_passthrough_state",
+        "gauge",
+        "1 for the state the passthrough device is in (free, lent, returning or quarantined).",
+        pass.iter().flat_map(|v| states.iter().map(move |s| (format!("{},state=\"{s}\"", pl(v)), (v.state == *s) as u8 as f64))).collect(),
+    );
+    family(
+        "vgpu_passthrough_scrubs_total",
+        "counter",
+        "Returns of the passthrough device, by whether its reset, rebind and scrub passed.",
+        pass.iter().flat_map(|v| [(format!("{},result=\"ok\"", pl(v)), v.scrubs_ok as f64), (format!("{},result=\"failed\"", pl(v)), v.scrubs_failed as f64)]).collect(),
+    );
+    let last = |f: &dyn Fn(&super::passthrough::ScrubRecord) -> f64| -> Vec<(String, f64)> { pass.iter().filter_map(|v| v.scrubs.last().map(|r| (pl(v), f(r)))).collect() };
+    family("vgpu_passthrough_last_scrub_timestamp_seconds", "gauge", "When the device's last return began (seconds since the epoch).", last(&|r| r.started as f64));
+    family("vgpu_passthrough_last_scrub_duration_seconds", "gauge", "How long the device's last reset, rebind and scrub took.", last(&|r| r.duration_ms as f64 / 1000.0));
+    family("vgpu_passthrough_last_scrub_bytes", "gauge", "Bytes of device memory the last scrub zeroed and read back as zero (0: not a GPU).", last(&|r| r.bytes as f64));
+    family("vgpu_passthrough_last_scrub_verified", "gauge", "1 if the last scrub read the device's memory back and found it zero.", last(&|r| r.verified as u8 as f64));
+    family("vgpu_passthrough_last_scrub_ok", "gauge", "1 if the last return passed (reset, rebound and, for a GPU, verified).", last(&|r| r.ok as u8 as f64));
     out
 }
 

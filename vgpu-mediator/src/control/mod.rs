@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod meter;
+pub mod passthrough;
 pub mod pool;
 
 pub mod rundir;
@@ -263,6 +264,8 @@ pub struct Control {
     default_overcommit: f64,
     /// Managed VMs, once the daemon set them up.
     pub vms: std::sync::OnceLock<vms::Vms>,
+    /// Devices lent whole to VMs, once the daemon set them up.
+    pub passthrough: std::sync::OnceLock<Arc<passthrough::Passthrough>>,
 }
 
 impl Control {
@@ -284,6 +287,7 @@ impl Control {
             pools: Mutex::new(BTreeMap::new()),
             default_overcommit,
             vms: std::sync::OnceLock::new(),
+            passthrough: std::sync::OnceLock::new(),
         })
     }
 
@@ -291,11 +295,22 @@ impl Control {
         self.pools.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Every device: those workers serve, then those lent whole to VMs.
+    fn device_names(&self) -> impl Iterator<Item = String> + '_ {
+        let pass = self.passthrough.get().into_iter().flat_map(|p| p.devices.iter().map(|d| d.name.clone()));
+        self.devices.iter().map(|d| d.spec.name.clone()).chain(pass)
+    }
+
+    /// The passthrough device named `name`.
+    pub fn pass_device(&self, name: &str) -> Option<&Arc<passthrough::PassDevice>> {
+        self.passthrough.get().and_then(|p| p.get(name))
+    }
+
     /// The default pool: every device no named pool lists.
     fn default_pool(&self, named: &BTreeMap<String, pool::PoolSpec>) -> pool::PoolSpec {
         pool::PoolSpec {
             name: pool::DEFAULT_POOL.into(),
-            devices: self.devices.iter().map(|d| d.spec.name.clone()).filter(|d| !named.values().any(|p| p.devices.contains(d))).collect(),
+            devices: self.device_names().filter(|d| !named.values().any(|p| p.devices.contains(d))).collect(),
             access: pool::Access::Public,
             allow: Vec::new(),
             placement: pool::Placement::Spread,
@@ -336,7 +351,7 @@ impl Control {
         }
         let tenants = self.registry();
         for d in &spec.devices {
-            if self.slot(d).is_none() {
+            if self.slot(d).is_none() && self.pass_device(d).is_none() {
                 return Err(ControlError::BadRequest(format!("pool {}: no device named {d}", spec.name)));
             }
             if let Some(p) = named.values().find(|p| p.devices.contains(d)) {
@@ -570,6 +585,9 @@ impl Control {
         let socket = self.socket_for(&spec.name, vm);
         if socket.as_os_str().len() >= 108 {
             return Err(ControlError::BadRequest(format!("socket path {} is too long for a unix socket; use a shorter run dir or name", socket.display())));
+        }
+        if let Some(d) = spec.device.as_deref().filter(|d| self.pass_device(d).is_some()) {
+            return Err(ControlError::BadRequest(format!("device {d} is a passthrough device: it is lent whole to a VM, not shared by tenants")));
         }
         let (slot, rec) = {
             let named = self.pool_map();

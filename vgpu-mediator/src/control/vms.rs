@@ -50,6 +50,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 pub const MAX_VMS: usize = 1024;
 /// Most network interfaces of one VM (vgpu-vmm's limit).
 pub const MAX_NETS: usize = 8;
+/// Most passthrough devices of one VM.
+pub const MAX_PASSTHROUGH: usize = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -448,8 +450,14 @@ pub fn validate(spec: &VmSpec) -> Result<(), ControlError> {
             }
         }
     }
-    if spec.vgpu.memory.0 == 0 {
+    if spec.vgpu.as_ref().is_some_and(|g| g.memory.0 == 0) {
         return Err(bad("the vGPU's memory must be positive"));
+    }
+    if spec.passthrough.len() > MAX_PASSTHROUGH {
+        return Err(bad(format!("{} passthrough devices; the limit is {MAX_PASSTHROUGH}", spec.passthrough.len())));
+    }
+    for p in &spec.passthrough {
+        crate::config::validate_name(p).map_err(|e| bad(format!("passthrough pool: {}", e.replace("tenant name", "pool name"))))?;
     }
     Ok(())
 }
@@ -561,16 +569,25 @@ impl Vms {
         if let Some((other, tap)) = self.map().values().find_map(|v| tap_names(&v.spec).into_iter().find(|t| taps.contains(t)).map(|t| (v.spec.name.clone(), t))) {
             return Err(ControlError::Conflict(format!("VM {other} uses tap {tap} already")));
         }
+        if !spec.passthrough.is_empty() && self.cfg.jail.is_some() {
+            return Err(bad("a VM with passthrough devices cannot run in the VMM jail yet (vms.jail is set): the jail exposes neither /dev/vfio nor sysfs"));
+        }
         let rec = ensure_tenant(c, &spec, self.cfg.jail)?;
         let vm = self.make(c, spec, Desired::Running, None);
         let undo = |vm: &Arc<Vm>| {
             release_hugepages(vm);
             remove_taps(&vm.spec);
+            return_devices(c, &vm.spec.name);
             let _ = c.delete_tenant(&vm.spec.name);
             let _ = std::fs::remove_dir_all(&vm.dir);
             let _ = std::fs::remove_file(&vm.api_socket);
         };
-        if let Err(e) = reserve_hugepages(&vm, rec.numa_node) {
+        if let Err(e) = lend_devices(c, &vm.spec, rec.as_ref().map(|t| t.numa_node)) {
+            undo(&vm);
+            return Err(e);
+        }
+        let node = vm_node(c, &vm.spec.name, rec.as_ref());
+        if let Err(e) = reserve_hugepages(&vm, node) {
             undo(&vm);
             return Err(e);
         }
@@ -597,7 +614,7 @@ impl Vms {
             undo(&vm);
             return Err(bad(err));
         }
-        info!(vm = %vm.spec.name, device = %rec.device, numa_node = rec.numa_node, "VM created");
+        info!(vm = %vm.spec.name, device = rec.as_ref().map_or("", |t| t.device.as_str()), passthrough = ?c.passthrough.get().map(|p| p.lent_to(&vm.spec.name).iter().map(|d| d.name.clone()).collect::<Vec<_>>()), numa_node = node, "VM created");
         Ok(view(c, &vm))
     }
 
@@ -698,6 +715,7 @@ impl Vms {
 fn finish_delete(c: &Control, vm: &Vm) -> Result<bool, ControlError> {
     remove_taps(&vm.spec);
     release_hugepages(vm);
+    return_devices(c, &vm.spec.name);
     let released = match c.delete_tenant(&vm.spec.name) {
         Ok(done) => done,
         Err(ControlError::NotFound(_)) => true,
@@ -710,6 +728,8 @@ fn finish_delete(c: &Control, vm: &Vm) -> Result<bool, ControlError> {
 
 fn view(c: &Control, vm: &Vm) -> VmView {
     let t: Option<TenantRecord> = c.tenant(&vm.spec.name);
+    let passthrough = leases(c, &vm.spec.name);
+    let numa_node = vm_node(c, &vm.spec.name, t.as_ref());
     let r = vm.lock();
     VmView {
         name: vm.spec.name.clone(),
@@ -718,7 +738,8 @@ fn view(c: &Control, vm: &Vm) -> VmView {
         spec: vm.spec.clone(),
         device: t.as_ref().map(|t| t.device.clone()).unwrap_or_default(),
         pool: t.as_ref().map(|t| t.pool.clone()).unwrap_or_default(),
-        numa_node: t.as_ref().map_or(-1, |t| t.numa_node),
+        numa_node,
+        passthrough,
         pid: r.pid,
         restarts: r.restarts,
         last_exit: r.last_exit.clone(),
@@ -730,18 +751,19 @@ fn view(c: &Control, vm: &Vm) -> VmView {
 
 /// The VM's vGPU tenant: the existing one, or made now (at creation, or
 /// after a daemon restart, which forgets tenants).
-fn ensure_tenant(c: &Control, spec: &VmSpec, jail: Option<crate::config::Owner>) -> Result<TenantRecord, ControlError> {
+fn ensure_tenant(c: &Control, spec: &VmSpec, jail: Option<crate::config::Owner>) -> Result<Option<TenantRecord>, ControlError> {
+    let Some(vgpu) = &spec.vgpu else { return Ok(None) };
     if let Some(t) = c.tenant(&spec.name) {
         if t.kind == "vm" {
-            return Ok(t);
+            return Ok(Some(t));
         }
         return Err(ControlError::Conflict(format!("tenant {} exists and is not a VM's", spec.name)));
     }
-    let mut t = serde_json::json!({ "name": spec.name, "memory": spec.vgpu.memory, "weight": spec.vgpu.weight, "kind": "vm" });
-    if let Some(cap) = spec.vgpu.cap {
+    let mut t = serde_json::json!({ "name": spec.name, "memory": vgpu.memory, "weight": vgpu.weight, "kind": "vm" });
+    if let Some(cap) = vgpu.cap {
         t["cap"] = cap.into();
     }
-    if let Some(p) = &spec.vgpu.pool {
+    if let Some(p) = &vgpu.pool {
         t["pool"] = p.clone().into();
     }
     if let Some(j) = jail {
@@ -749,7 +771,72 @@ fn ensure_tenant(c: &Control, spec: &VmSpec, jail: Option<crate::config::Owner>)
         t["owner"] = j.to_string().into();
     }
     let ts: crate::config::TenantSpec = serde_json::from_value(t).map_err(|e| bad(format!("the VM's vGPU: {e}")))?;
-    c.create_tenant(&ts)
+    c.create_tenant(&ts).map(Some)
+}
+
+/// The VM's NUMA node: its vGPU's device's, else its first passthrough
+/// device's (-1: unknown).
+fn vm_node(c: &Control, vm: &str, t: Option<&TenantRecord>) -> i32 {
+    match t {
+        Some(t) => t.numa_node,
+        None => c.passthrough.get().and_then(|p| p.lent_to(vm).first().map(|d| d.numa_node)).unwrap_or(-1),
+    }
+}
+
+/// Lends the VM one device from each of its passthrough pools, preferring
+/// its vGPU's NUMA node. On failure what was lent goes back.
+fn lend_devices(c: &Control, spec: &VmSpec, numa: Option<i32>) -> Result<(), ControlError> {
+    if spec.passthrough.is_empty() {
+        return Ok(());
+    }
+    let Some(pass) = c.passthrough.get() else {
+        return Err(bad("this daemon has no passthrough devices (devices.passthrough in its config)"));
+    };
+    let mut numa = numa;
+    for name in &spec.passthrough {
+        let res = (|| {
+            let pool = c.pool(name).ok_or_else(|| ControlError::NotFound(format!("no pool named {name}")))?;
+            if !pool.admits(&spec.name) {
+                return Err(ControlError::Forbidden(format!("pool {name} is private and VM {} is not on its allow-list", spec.name)));
+            }
+            let d = pass.lend_from(name, &pool.devices, &spec.name, numa).map_err(pass_error)?;
+            Ok(d.numa_node)
+        })();
+        match res {
+            Ok(n) => numa = numa.or(Some(n)),
+            Err(e) => {
+                return_devices(c, &spec.name);
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A passthrough error as the API answers it.
+pub fn pass_error(e: super::passthrough::PassError) -> ControlError {
+    use super::passthrough::PassError as P;
+    let text = super::passthrough::chain(&e);
+    match e {
+        P::Unknown(_) => ControlError::NotFound(text),
+        P::Busy { .. } | P::NoneFree { .. } => ControlError::Conflict(text),
+        P::Missing { .. } | P::NoIommu { .. } | P::SharedGroup { .. } | P::NoVfioDriver => ControlError::BadRequest(text),
+        P::Sysfs { .. } | P::WrongDriver { .. } | P::Save { .. } => ControlError::Worker(text),
+    }
+}
+
+/// Returns (resets, rebinds, scrubs) every device lent to `vm`.
+fn return_devices(c: &Control, vm: &str) {
+    if let Some(pass) = c.passthrough.get() {
+        for d in pass.lent_to(vm) {
+            pass.give_back(&d, vm);
+        }
+    }
+}
+
+/// The devices lent to `vm`, as its view lists them.
+fn leases(c: &Control, vm: &str) -> Vec<vgpu_api::vm::Lease> {
+    c.passthrough.get().map(|p| p.lent_to(vm).iter().map(|d| vgpu_api::vm::Lease { device: d.name.clone(), address: d.address.to_string(), numa_node: d.numa_node }).collect()).unwrap_or_default()
 }
 
 /// Asks the guest to shut down, then kills the VMM after `timeout`.
@@ -805,7 +892,7 @@ fn remove_taps(spec: &VmSpec) {
     }
 }
 
-fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: &TenantRecord) -> std::io::Result<Child> {
+fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: Option<&TenantRecord>, node: i32, vfio: &[String]) -> std::io::Result<Child> {
     let s = &vm.spec;
     let _ = std::fs::remove_file(&vm.api_socket);
     let mut cmd = Command::new(&cfg.vmm);
@@ -822,8 +909,11 @@ fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: &TenantRecord) -> std::io::Result<Chil
     if let Some(h) = s.hugepages.filter(|h| *h != Hugepages::None) {
         cmd.arg("--hugepages").arg(h.as_str());
     }
-    if t.numa_node >= 0 {
-        cmd.arg("--numa-node").arg(t.numa_node.to_string());
+    if node >= 0 {
+        cmd.arg("--numa-node").arg(node.to_string());
+    }
+    for a in vfio {
+        cmd.arg("--vfio").arg(a);
     }
     for d in &s.disks {
         // The guest sees them as vda, vdb, ... in this order.
@@ -851,9 +941,12 @@ fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: &TenantRecord) -> std::io::Result<Chil
         }
         cmd.arg("--net").arg(arg);
     }
-    let mut vgpu = std::ffi::OsString::from("socket=");
-    vgpu.push(&t.socket);
-    cmd.arg("--serial").arg("stdout").arg("--api-socket").arg(&vm.api_socket).arg("--vgpu").arg(vgpu);
+    if let Some(t) = t {
+        let mut vgpu = std::ffi::OsString::from("socket=");
+        vgpu.push(&t.socket);
+        cmd.arg("--vgpu").arg(vgpu);
+    }
+    cmd.arg("--serial").arg("stdout").arg("--api-socket").arg(&vm.api_socket);
     if let Some(j) = cfg.jail {
         // The jail's root is a tmpfs mounted over this empty directory in
         // the VMM's own mount namespace.
@@ -917,9 +1010,14 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
             vm.cv.notify_all();
         }
         let started = ensure_tenant(c, &vm.spec, cfg.jail).and_then(|t| {
-            reserve_hugepages(vm, t.numa_node)?;
+            let node = vm_node(c, &name, t.as_ref());
+            reserve_hugepages(vm, node)?;
             make_taps(&vm.spec, cfg.jail)?;
-            spawn_vmm(cfg, vm, &t).map_err(|e| ControlError::Worker(format!("starting {}: {e}", cfg.vmm.display())))
+            let vfio: Vec<String> = leases(c, &name).into_iter().map(|l| l.address).collect();
+            if vfio.len() != vm.spec.passthrough.len() {
+                return Err(ControlError::Conflict(format!("the VM has {} of its {} passthrough devices (one was returned); delete it and create it again", vfio.len(), vm.spec.passthrough.len())));
+            }
+            spawn_vmm(cfg, vm, t.as_ref(), node, &vfio).map_err(|e| ControlError::Worker(format!("starting {}: {e}", cfg.vmm.display())))
         });
         let mut child = match started {
             Ok(child) => child,

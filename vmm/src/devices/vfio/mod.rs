@@ -17,74 +17,14 @@ pub mod msix;
 
 use std::path::Path;
 
-use serde::{Deserialize, Deserializer, Serialize};
-
 pub use device::{VfioContext, VfioPci};
 
-/// The driver a passthrough device must be bound to.
-pub const VFIO_DRIVER: &str = "vfio-pci";
-
-/// A PCI function's address, `DDDD:BB:DD.F` (domain, bus, device,
-/// function), as sysfs names it under /sys/bus/pci/devices.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PciAddress {
-    pub domain: u32,
-    pub bus: u8,
-    pub device: u8,
-    pub function: u8,
-}
-
-impl std::fmt::Display for PciAddress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:04x}:{:02x}:{:02x}.{:x}", self.domain, self.bus, self.device, self.function)
-    }
-}
-
-impl std::str::FromStr for PciAddress {
-    type Err = VfioError;
-    /// `DDDD:BB:DD.F`, or `BB:DD.F` for domain 0; hex digits, device at
-    /// most 1f, function at most 7.
-    fn from_str(s: &str) -> Result<Self, VfioError> {
-        let bad = || VfioError::BadAddress(s.chars().take(64).collect());
-        let hex = |t: &str, min: usize, max: usize| -> Result<u32, VfioError> {
-            if t.len() < min || t.len() > max || !t.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Err(bad());
-            }
-            u32::from_str_radix(t, 16).map_err(|_| bad())
-        };
-        let parts: Vec<&str> = s.split(':').collect();
-        let (domain, bus, devfn) = match parts.as_slice() {
-            [d, b, df] => (hex(d, 4, 8)?, *b, *df),
-            [b, df] => (0, *b, *df),
-            _ => return Err(bad()),
-        };
-        let bus = hex(bus, 2, 2)? as u8;
-        let (dev, func) = devfn.split_once('.').ok_or_else(bad)?;
-        let device = hex(dev, 2, 2)?;
-        let function = hex(func, 1, 1)?;
-        if device > 0x1f || function > 7 {
-            return Err(bad());
-        }
-        Ok(PciAddress { domain, bus, device: device as u8, function: function as u8 })
-    }
-}
-
-impl Serialize for PciAddress {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.to_string())
-    }
-}
-
-impl<'de> Deserialize<'de> for PciAddress {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
-    }
-}
+pub use vgpu_topology::pci::{driver_of, PciAddress, VFIO_DRIVER};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VfioError {
-    #[error("invalid PCI address '{0}': use DDDD:BB:DD.F, e.g. 0000:00:04.0")]
-    BadAddress(String),
+    #[error(transparent)]
+    BadAddress(#[from] vgpu_topology::pci::BadAddress),
     #[error("no PCI device {0} on this host ({1} does not exist)")]
     NoDevice(PciAddress, String),
     #[error("no IOMMU group for {0}: is the IOMMU on (intel_iommu=on)?")]
@@ -105,10 +45,6 @@ pub enum VfioError {
     Unsupported { addr: PciAddress, msg: String },
 }
 
-fn driver_of(dev: &Path) -> Option<String> {
-    std::fs::read_link(dev.join("driver")).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
 fn describe(driver: &Option<String>) -> String {
     match driver {
         Some(d) => format!("its driver is {d}"),
@@ -121,20 +57,16 @@ fn describe(driver: &Option<String>) -> String {
 /// bound to vfio-pci, and every other device of its group is bound to
 /// vfio-pci or to no driver. Returns the group number.
 pub fn check_host_device(addr: &PciAddress, sysfs: &Path) -> Result<u32, VfioError> {
-    let dev = sysfs.join("bus/pci/devices").join(addr.to_string());
-    if std::fs::symlink_metadata(&dev).is_err() {
-        return Err(VfioError::NoDevice(*addr, dev.display().to_string()));
+    if !addr.exists(sysfs) {
+        return Err(VfioError::NoDevice(*addr, addr.dir(sysfs).display().to_string()));
     }
-    let group_link = std::fs::read_link(dev.join("iommu_group")).map_err(|_| VfioError::NoIommuGroup(*addr))?;
-    let group: u32 = group_link.file_name().and_then(|n| n.to_str()).and_then(|n| n.parse().ok()).ok_or(VfioError::NoIommuGroup(*addr))?;
-    let driver = driver_of(&dev);
+    let group = addr.iommu_group(sysfs).ok_or(VfioError::NoIommuGroup(*addr))?;
+    let driver = addr.driver(sysfs);
     if driver.as_deref() != Some(VFIO_DRIVER) {
         return Err(VfioError::NotVfio { addr: *addr, driver: describe(&driver) });
     }
-    let members = std::fs::read_dir(dev.join("iommu_group/devices")).map_err(|e| VfioError::Vfio { addr: *addr, what: "listing its IOMMU group", err: e.to_string() })?;
-    let mut others: Vec<(String, Option<String>)> = members.flatten().map(|m| (m.file_name().to_string_lossy().into_owned(), driver_of(&m.path()))).collect();
-    others.sort();
-    for (name, driver) in others {
+    let peers = addr.group_peers(sysfs).map_err(|e| VfioError::Vfio { addr: *addr, what: "listing its IOMMU group", err: e.to_string() })?;
+    for (name, driver) in peers {
         if driver.as_deref().is_some_and(|d| d != VFIO_DRIVER) {
             return Err(VfioError::GroupShared { addr: *addr, group, other: name, driver: driver.unwrap_or_default() });
         }
@@ -147,35 +79,6 @@ mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
     use std::path::PathBuf;
-
-    #[test]
-    fn addresses_parse_print_and_bad_ones_say_how_to_write_them() {
-        let a: PciAddress = "0000:00:04.0".parse().unwrap();
-        assert_eq!(a, PciAddress { domain: 0, bus: 0, device: 4, function: 0 });
-        assert_eq!("3a:1F.7".parse::<PciAddress>().unwrap().to_string(), "0000:3a:1f.7");
-        assert_eq!("10000:01:00.1".parse::<PciAddress>().unwrap().to_string(), "10000:01:00.1");
-        for bad in [
-            "",
-            "garbage",
-            "0000:00:20.0",
-            "0000:00:04.8",
-            "0000:0:04.0",
-            "00:00:04.0",
-            "0000:00:04",
-            "0000:00:04.0.1",
-            "0000:00:04.00",
-            "0000:00:g4.0",
-            "+000:00:04.0",
-            "0000:00:04:0",
-            "0000:00:04.0 ",
-        ] {
-            let e = bad.parse::<PciAddress>().unwrap_err().to_string();
-            assert!(e.contains("DDDD:BB:DD.F"), "{bad}: {e}");
-        }
-        let j: Vec<PciAddress> = serde_json::from_str(r#"["0000:00:04.0"]"#).unwrap();
-        assert_eq!(serde_json::to_string(&j).unwrap(), r#"["0000:00:04.0"]"#);
-        assert!(serde_json::from_str::<Vec<PciAddress>>(r#"["04.0"]"#).is_err());
-    }
 
     /// A fake sysfs: devices with an optional driver and IOMMU group.
     struct FakeSys(PathBuf);
