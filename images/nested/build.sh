@@ -169,12 +169,22 @@ mkfs.ext4 -q -F -L vgpu-root -d "$DISK" "$OUT/l2-root.img" 96M
 L1="$OUT/l1-root"
 base_tree "$L1"
 # vfio, vfio_iommu_type1, vfio-pci: passthrough (scenarios/vfio.sh, run-vfio.sh).
-# No nvme here: L1 leaves the NVMe device unbound for vfio-pci to take.
+# No nvme in modules/: L1 leaves the NVMe device unbound for vfio-pci to
+# take (scenarios/vfio.sh).
 l1_mods="$(mods kvm-amd tun bridge vfio vfio_iommu_type1 vfio-pci)"
 i=0
 for f in $l1_mods; do
     i=$((i + 1))
     cp "$f" "$L1/modules/$(printf '%02d' $i)-$(basename "$f")"
+done
+# The nvme driver, loaded only by scenarios/vfio-pool.sh: there the NVMe
+# device starts on L1's own driver, which the mediator unbinds to lend it
+# and binds it back to on return.
+mkdir -p "$L1/optional"
+i=0
+for f in $(mods nvme); do
+    i=$((i + 1))
+    cp "$f" "$L1/optional/$(printf '%02d' $i)-$(basename "$f")"
 done
 copy_prog "$BIN/vgpu-vmm" "$L1"
 copy_prog "$BIN/vgpuctl" "$L1"

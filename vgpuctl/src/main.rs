@@ -855,7 +855,7 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd, json_out: bool) -> anyhow::Result<()> {
             if json_out {
                 print_json(&json!({ "deleted": name, "released": released }))
             } else if released {
-                println!("deleted VM {name} and its vGPU")
+                println!("deleted VM {name}: its vGPU (if any) is released and its passthrough devices (if any) are back in their pools")
             } else {
                 println!("deleted VM {name}; its vGPU's memory is still being released")
             }

@@ -1,0 +1,79 @@
+# Passthrough from a pool through the lifecycle CLI (run with
+# images/nested/run-vfio.sh): the NVMe device starts on L1's own nvme
+# driver, listed in the mediator's config as passthrough device `nvme0` in
+# pool `whole`. `vgpuctl vm create --passthrough whole` lends it (unbound
+# from nvme, bound to vfio-pci) to a VM whose stock Debian kernel reads the
+# host's marker and writes its own; a second VM asking the same pool is
+# refused; on delete the device is reset, bound back to nvme and scrubbed,
+# with a scrub record in `vgpuctl device show`, and L1 reads the guest's
+# marker through its own driver again.
+. /scenarios/lib.sh
+ctl() { vgpuctl --run-dir $run "$@"; }
+drv() {
+    d=$(busybox readlink /sys/bus/pci/devices/$1/driver)
+    if [ -n "$d" ]; then busybox basename "$d"; else echo none; fi
+}
+nvme=""
+for d in /sys/bus/pci/devices/*; do
+    [ "$(cat $d/class)" = 0x010802 ] && nvme=$(busybox basename $d)
+done
+echo "NVME-ADDR=$nvme"
+echo "NVME-RESET-METHOD=$(cat /sys/bus/pci/devices/$nvme/reset_method 2>/dev/null)"
+for m in /optional/*.ko; do insmod "$m" || echo "L1: insmod $m failed"; done
+wait_disk() {
+    i=0
+    while [ ! -b /dev/nvme0n1 ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done
+}
+wait_disk
+echo "NVME-DRIVER-BEFORE=$(drv $nvme)"
+echo "L1-READ-BEFORE=$(dd if=/dev/nvme0n1 bs=512 count=1 2>/dev/null | tr -d '\000\n')"
+
+cat > /tmp/pt.toml <<TOML
+[[devices.passthrough]]
+name = "nvme0"
+address = "$nvme"
+[[pools]]
+name = "whole"
+devices = ["nvme0"]
+TOML
+start_mediator --config /tmp/pt.toml --device-memory 64MiB
+echo "== vgpuctl device list"
+ctl device list
+con=$run/state/vms/pt1/console.log
+ctl vm create pt1 --memory 256MiB --kernel /l2/vmlinuz --initramfs /l2/initrd --restart never \
+    --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=nvme" --passthrough whole >/tmp/create.out 2>&1
+echo "CREATE-EXIT=$?"
+sed 's/^/CREATE: /' /tmp/create.out
+echo "NVME-DRIVER-LENT=$(drv $nvme)"
+echo "LENT-STATE=$(ctl -o json device show nvme0 | grep '"state"' | head -1 | tr -d ' ",' | cut -d: -f2)"
+echo "VMSHOW-BEGIN"
+ctl -o json vm show pt1
+echo "VMSHOW-END"
+# The same pool has nothing left for a second VM.
+ctl vm create pt2 --memory 64MiB --kernel /l2/vmlinuz --passthrough whole >/tmp/bad.out 2>&1
+echo "SECOND-EXIT=$?"
+sed 's/^/SECOND-ERR: /' /tmp/bad.out
+echo "VMS-AFTER-SECOND=$(ctl -o json vm list | grep -c '"api_socket"')"
+# The guest reads, writes and reboots; its restart policy leaves it stopped.
+i=0
+while ! grep -q L2-NVME-READBACK $con 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
+i=0
+while ! ctl -o json vm show pt1 | grep -q '"state": "stopped"' && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+sed 's/^/CONSOLE: /' $con
+t0=$(cut -d' ' -f1 /proc/uptime)
+ctl vm delete pt1
+echo "DELETE-EXIT=$?"
+t1=$(cut -d' ' -f1 /proc/uptime)
+echo "DELETE-SECONDS=$(awk "BEGIN {print $t1 - $t0}")"
+echo "NVME-DRIVER-AFTER=$(drv $nvme)"
+echo "NVME-OVERRIDE-AFTER=$(cat /sys/bus/pci/devices/$nvme/driver_override)"
+echo "== vgpuctl device show nvme0"
+ctl device show nvme0
+echo "DEVSHOW-BEGIN"
+ctl -o json device show nvme0
+echo "DEVSHOW-END"
+ctl metrics | grep '^vgpu_passthrough' | sed 's/^/METRIC: /'
+wait_disk
+echo "L1-READ-GUEST=$(dd if=/dev/nvme0n1 bs=512 skip=1 count=1 2>/dev/null | tr -d '\000\n')"
+sed 's/^/MEDIATOR-LOG: /' /tmp/mediator.err | grep -i -E "passthrough|error|panic" | head -20
+echo "VFIO-POOL-DONE"
