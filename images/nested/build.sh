@@ -71,7 +71,7 @@ base_tree() {
     rm -rf "$d"
     mkdir -p "$d"/{bin,sbin,proc,sys,dev,tmp,mnt,modules,run}
     cp "$(command -v busybox)" "$d/bin/busybox"
-    for a in sh mount umount insmod mkdir cat echo grep sed awk ls sleep dd od hexdump head tail wc poweroff reboot sync dmesg seq tr cut ip ping switch_root date rm pidof brctl; do
+    for a in sh mount umount insmod mkdir cat echo grep sed awk ls sleep dd od hexdump head tail wc poweroff reboot sync dmesg seq tr cut ip ping switch_root date rm pidof brctl basename devmem printf; do
         ln -sf busybox "$d/bin/$a"
     done
 }

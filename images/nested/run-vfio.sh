@@ -12,11 +12,18 @@ SCENARIO="$1"
 IMAGE="$2"
 TIMEOUT="${3:-600}"
 [ -f "$IMAGE" ] || { echo "run-vfio.sh: no image file $IMAGE" >&2; exit 2; }
+# With VFIO_IVSHMEM=FILE (512 MiB), also an ivshmem device whose 64-bit
+# BAR 2 is that file (scenarios/vfio-bigbar.sh).
+extra=()
+if [ -n "${VFIO_IVSHMEM:-}" ]; then
+    extra=(-object "memory-backend-file,id=hostmem,share=on,mem-path=$VFIO_IVSHMEM,size=512M" -device ivshmem-plain,memdev=hostmem)
+fi
 # The IOMMU comes before any PCI device, as QEMU requires.
 exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
     -accel tcg,thread=multi -cpu max,svm=on -smp 2 -m 2048 \
     -machine q35 -device intel-iommu,intremap=on,caching-mode=on \
     -nographic -no-reboot -nodefaults -serial stdio \
     -drive file="$IMAGE",if=none,id=nv,format=raw -device nvme,drive=nv,serial=vgpu-nvme \
+    "${extra[@]}" \
     -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/l1.cpio.gz" \
     -append "console=ttyS0 panic=-1 quiet loglevel=3 intel_iommu=on iommu=pt scenario=$SCENARIO"

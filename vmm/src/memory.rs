@@ -18,6 +18,33 @@ pub const HIGH_RAM_START: u64 = 1 << 32;
 /// PCI BARs are allocated from here up to the IOAPIC.
 pub const PCI_MMIO_START: u64 = MMIO_HOLE_START;
 pub const PCI_MMIO_END: u64 = 0xFEC0_0000;
+/// 64-bit BARs of this size or more (a GPU's frame buffer aperture) go to
+/// the window above RAM; smaller ones share the 32-bit hole.
+pub const HIGH_BAR_MIN: u64 = 256 << 20;
+/// The most guest-physical address bits the high window uses, so that it
+/// stays inside what every x86-64 guest can address with 4-level paging.
+const MAX_PHYS_BITS: u32 = 46;
+
+/// The window for large 64-bit BARs: from the first 1 GiB boundary above
+/// the end of guest RAM to the end of the guest's physical address space
+/// (`phys_bits`, CPUID 0x80000008, capped at 46). Empty when RAM reaches
+/// that far.
+pub fn high_mmio_window(ram_size: u64, phys_bits: u32) -> (u64, u64) {
+    let ram_end = ram_ranges(ram_size).last().map_or(HIGH_RAM_START, |(base, len, _)| base + len).max(HIGH_RAM_START);
+    let start = ram_end.div_ceil(1 << 30).saturating_mul(1 << 30);
+    let end = 1u64 << phys_bits.clamp(36, MAX_PHYS_BITS);
+    (start.min(end), end)
+}
+
+/// The host's physical address bits (CPUID 0x80000008 EAX[7:0]), which
+/// KVM passes on to the guest; 36 where the leaf is missing.
+pub fn host_phys_bits() -> u32 {
+    // Leaf 0x80000000 says whether 0x80000008 exists.
+    if std::arch::x86_64::__cpuid(0x8000_0000).eax < 0x8000_0008 {
+        return 36;
+    }
+    std::arch::x86_64::__cpuid(0x8000_0008).eax & 0xff
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
@@ -196,6 +223,18 @@ mod tests {
         assert_eq!(ram_ranges(256 << 20), vec![(0, 256 << 20, 0)]);
         let r = ram_ranges(4 << 30);
         assert_eq!(r, vec![(0, MMIO_HOLE_START, 0), (HIGH_RAM_START, (4 << 30) - MMIO_HOLE_START, MMIO_HOLE_START)]);
+    }
+
+    #[test]
+    fn the_high_bar_window_starts_above_ram_on_a_gib_boundary() {
+        assert_eq!(high_mmio_window(256 << 20, 46), (HIGH_RAM_START, 1 << 46));
+        // 4.5 GiB of RAM: 3 GiB low, 1.5 GiB from 4 GiB, window from 6 GiB.
+        assert_eq!(high_mmio_window(9 << 29, 40), (6 << 30, 1 << 40));
+        assert_eq!(high_mmio_window(1 << 30, 52).1, 1 << 46, "capped at 46 bits");
+        assert_eq!(high_mmio_window(1 << 30, 20).1, 1 << 36, "at least 36 bits");
+        let (s, e) = high_mmio_window(1 << 40, 40);
+        assert_eq!(s, e, "RAM to the end of the address space leaves no window");
+        assert!((36..=52).contains(&host_phys_bits()));
     }
 
     #[test]

@@ -403,7 +403,7 @@ impl Vm {
 
         let routing = Arc::new(IrqRouting::new(vm.clone()));
         routing.set_msi(u32::MAX, None).map_err(dev_err)?; // install the default table
-        let mut pci = PciRoot::new(buses.mmio.clone());
+        let mut pci = PciRoot::new(buses.mmio.clone(), crate::memory::high_mmio_window(ram.size, crate::memory::host_phys_bits()));
         let mut devices = Vec::new();
         if cfg.rng {
             let d = Arc::new(Mutex::new(VirtioPci::new(Box::new(Rng::default()), ram.mem.clone(), routing.clone()).map_err(dev_err)?));

@@ -11,7 +11,7 @@ use kvm_bindings::{kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM
 use kvm_ioctls::VmFd;
 
 use crate::bus::{Bus, BusDevice};
-use crate::memory::{PCI_MMIO_END, PCI_MMIO_START};
+use crate::memory::{HIGH_BAR_MIN, PCI_MMIO_END, PCI_MMIO_START};
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
 pub const MAX_SLOTS: usize = 32;
@@ -206,6 +206,13 @@ pub trait PciDevice: Send {
 
 pub type SharedPci = Arc<Mutex<dyn PciDevice>>;
 
+/// Whether a BAR of `size` bytes may decode at `addr`: in the 32-bit hole,
+/// or (a 64-bit BAR) in the window `high` above RAM.
+fn in_window(addr: u64, size: u64, wide: bool, high: (u64, u64)) -> bool {
+    let inside = |lo: u64, hi: u64| addr >= lo && addr.checked_add(size).is_some_and(|end| end <= hi);
+    inside(PCI_MMIO_START, PCI_MMIO_END) || (wide && inside(high.0, high.1))
+}
+
 /// One BAR of one device, as an MMIO bus range.
 struct BarWindow {
     dev: SharedPci,
@@ -245,14 +252,35 @@ pub struct PciRoot {
     slots: Vec<Option<Slot>>,
     mmio: Arc<Bus>,
     next_bar: u64,
+    /// The window above RAM for large 64-bit BARs, and its next free
+    /// address.
+    high: (u64, u64),
+    next_high: u64,
 }
 
 impl PciRoot {
-    pub fn new(mmio: Arc<Bus>) -> PciRoot {
+    /// `high` is the window for large 64-bit BARs
+    /// ([`crate::memory::high_mmio_window`]).
+    pub fn new(mmio: Arc<Bus>, high: (u64, u64)) -> PciRoot {
         let mut slots: Vec<Option<Slot>> = (0..MAX_SLOTS).map(|_| None).collect();
         let bridge = ConfigSpace::new(0x8086, 0x0d57, 0x06, 0x00, 0, 0);
         slots[0] = Some(Slot { dev: Arc::new(Mutex::new(HostBridge(bridge))), mapped: [None; NUM_BARS] });
-        PciRoot { address: 0, slots, mmio, next_bar: PCI_MMIO_START }
+        PciRoot { address: 0, slots, mmio, next_bar: PCI_MMIO_START, high, next_high: high.0 }
+    }
+
+    /// A naturally aligned address for a BAR of `size` bytes: large 64-bit
+    /// BARs above RAM, the rest in the 32-bit hole (a 64-bit BAR that does
+    /// not fit there goes high too).
+    fn place(&mut self, size: u64, wide: bool) -> Option<u64> {
+        let aligned = |from: u64, end: u64| from.checked_add(size - 1).map(|a| a & !(size - 1)).filter(|a| a.checked_add(size).is_some_and(|e| e <= end));
+        let low = if wide && size >= HIGH_BAR_MIN { None } else { aligned(self.next_bar, PCI_MMIO_END) };
+        if let Some(a) = low {
+            self.next_bar = a + size;
+            return Some(a);
+        }
+        let a = aligned(self.next_high, self.high.1).filter(|_| wide)?;
+        self.next_high = a + size;
+        Some(a)
     }
 
     /// Adds a device at the next free slot, assigns its BARs and maps them.
@@ -266,11 +294,11 @@ impl PciRoot {
                 if size == 0 {
                     continue;
                 }
-                let addr = self.next_bar.checked_add(size - 1).map(|a| a & !(size - 1));
-                let Some(addr) = addr.filter(|a| a.checked_add(size).is_some_and(|end| end <= PCI_MMIO_END)) else {
-                    return Err(format!("PCI MMIO window exhausted: BAR {bar} of {size:#x} bytes does not fit below {PCI_MMIO_END:#x}"));
+                let wide = d.config().bar_is_64(bar);
+                let Some(addr) = self.place(size, wide) else {
+                    let high = if wide { format!(" or in {:#x}..{:#x} above RAM", self.high.0, self.high.1) } else { " (a 32-bit BAR)".into() };
+                    return Err(format!("PCI MMIO window exhausted: BAR {bar} of {size:#x} bytes fits neither below {PCI_MMIO_END:#x}{high}"));
                 };
-                self.next_bar = addr + size;
                 d.config().set_bar_addr(bar, addr);
                 self.mmio.insert(addr, size, Arc::new(Mutex::new(BarWindow { dev: dev.clone(), bar }))).map_err(|e| e.to_string())?;
                 d.bar_placed(bar, addr);
@@ -298,6 +326,7 @@ impl PciRoot {
 
     /// Moves BARs the guest reprogrammed (or whose decoding it toggled).
     fn remap(&mut self, slot: usize) {
+        let high = self.high;
         let Some(s) = self.slots[slot].as_mut() else { return };
         let mut d = s.dev.lock().unwrap_or_else(|e| e.into_inner());
         for bar in 0..NUM_BARS {
@@ -306,6 +335,7 @@ impl PciRoot {
                 continue;
             }
             let want = d.config().memory_enabled().then(|| d.config().bar_addr(bar));
+            let wide = d.config().bar_is_64(bar);
             if want == s.mapped[bar] {
                 continue;
             }
@@ -316,7 +346,7 @@ impl PciRoot {
             if let Some(addr) = want {
                 // A BAR placed over RAM's MMIO neighbours or another device
                 // is refused; the guest sees the device not respond there.
-                let ok = addr >= PCI_MMIO_START && addr.checked_add(size).is_some_and(|end| end <= PCI_MMIO_END);
+                let ok = in_window(addr, size, wide, high);
                 if ok && self.mmio.insert(addr, size, Arc::new(Mutex::new(BarWindow { dev: s.dev.clone(), bar }))).is_ok() {
                     s.mapped[bar] = Some(addr);
                     d.bar_placed(bar, addr);
@@ -466,7 +496,7 @@ mod tests {
     #[test]
     fn bar_sizing_and_reprogramming_move_the_mmio_window() {
         let mmio = Arc::new(Bus::new("mmio"));
-        let mut root = PciRoot::new(mmio.clone());
+        let mut root = PciRoot::new(mmio.clone(), (1 << 36, 1 << 40));
         let mut c = ConfigSpace::new(0x1af4, 0x1044, 0xff, 0, 0, 1);
         c.add_mem_bar(0, 0x4000);
         let slot = root.add(Arc::new(Mutex::new(Dummy(c)))).unwrap() as u32;
@@ -520,7 +550,7 @@ mod tests {
     #[test]
     fn sixty_four_bit_bars_keep_their_type_size_in_two_registers_and_report_unmapping() {
         let mmio = Arc::new(Bus::new("mmio"));
-        let mut root = PciRoot::new(mmio.clone());
+        let mut root = PciRoot::new(mmio.clone(), (1 << 36, 1 << 40));
         let mut c = ConfigSpace::new(0x1b36, 0x0010, 0x01, 0x08, 0x02, 0);
         c.add_mem_bar_typed(0, 0x4000, true, false);
         let dev = Arc::new(Mutex::new(Wide(c, Vec::new())));
@@ -546,6 +576,41 @@ mod tests {
         let mut d = [0u8; 4];
         mmio.read(0xd000_0000, &mut d);
         assert_eq!(d, [0xff; 4]);
+    }
+
+    #[test]
+    fn large_sixty_four_bit_bars_go_above_ram_and_may_move_only_there() {
+        let mmio = Arc::new(Bus::new("mmio"));
+        let high = (1u64 << 36, 1u64 << 40);
+        let mut root = PciRoot::new(mmio.clone(), high);
+        // A GPU-like device: a 16 MiB 32-bit register BAR, a 64 GiB and a
+        // 32 MiB 64-bit BAR.
+        let mut c = ConfigSpace::new(0x10de, 0x2330, 0x03, 0x02, 0, 0);
+        c.add_mem_bar_typed(0, 16 << 20, false, false);
+        c.add_mem_bar_typed(1, 64 << 30, true, true);
+        c.add_mem_bar_typed(3, 32 << 20, true, true);
+        let dev = Arc::new(Mutex::new(Wide(c, Vec::new())));
+        let slot = root.add(dev.clone()).unwrap() as u32;
+        let addr = |root: &mut PciRoot, bar: u32| cfg_read(root, slot, 0x10 + bar * 4) as u64 & !0xf | (cfg_read(root, slot, 0x14 + bar * 4) as u64) << 32;
+        assert_eq!(cfg_read(&mut root, slot, 0x10) as u64 & !0xf, PCI_MMIO_START, "the small 32-bit BAR stays low");
+        assert_eq!(addr(&mut root, 1), 1 << 36, "the 64 GiB BAR starts the high window, aligned to its size");
+        assert!(addr(&mut root, 3) < PCI_MMIO_END, "a small 64-bit BAR shares the hole");
+        assert!(dev.lock().unwrap().1.contains(&Some(1 << 36)), "{:x?}", dev.lock().unwrap().1);
+        // The guest moves the big BAR within the window: mapped there.
+        cfg_write(&mut root, slot, 0x4, 0);
+        cfg_write(&mut root, slot, 0x14, 0x0);
+        cfg_write(&mut root, slot, 0x18, 0x20);
+        cfg_write(&mut root, slot, 0x4, 0x2);
+        assert!(dev.lock().unwrap().1.ends_with(&[Some(0x20_0000_0000), Some(PCI_MMIO_START + (32 << 20))]), "{:x?}", dev.lock().unwrap().1);
+        // Past the window's end: refused.
+        cfg_write(&mut root, slot, 0x18, 0x1_0000);
+        assert_eq!(dev.lock().unwrap().1.last(), Some(&None));
+        // A 64-bit BAR too big for the window, and any 32-bit BAR that
+        // does not fit the hole, are refused at start.
+        let mut c = ConfigSpace::new(0x10de, 0x2330, 0x03, 0x02, 0, 0);
+        c.add_mem_bar_typed(0, 2 << 40, true, true);
+        let e = root.add(Arc::new(Mutex::new(Wide(c, Vec::new())))).err().unwrap();
+        assert!(e.contains("fits neither below 0xfec00000 or in 0x1000000000..0x10000000000 above RAM"), "{e}");
     }
 
     #[test]

@@ -101,6 +101,10 @@ struct MsixPlace {
     pba_off: u64,
 }
 
+/// Where a device without MSI-X has its table: past config space and past
+/// the last BAR, so no config or BAR access ever reaches it.
+const NO_MSIX: MsixPlace = MsixPlace { cap: 0x1000, table_bar: NUM_BARS, table_off: 0, pba_bar: NUM_BARS, pba_off: 0 };
+
 /// What the MSI-X table drives: VFIO's trigger eventfds, KVM's routes and irqfds.
 struct Wiring<'a> {
     addr: PciAddress,
@@ -213,12 +217,16 @@ impl VfioPci {
                 p = (real[p + 1] & 0xfc) as usize;
             }
         }
-        let msix_cap = caps
-            .iter()
-            .find(|(id, _)| *id == CAP_MSIX)
-            .map(|(_, o)| *o)
-            .ok_or_else(|| unsupported("the device has no MSI-X capability: only MSI-X interrupts are supported (no INTx, no MSI)".into()))?;
-        if msix_cap + 12 > 256 {
+        let msix_cap = caps.iter().find(|(id, _)| *id == CAP_MSIX).map(|(_, o)| *o);
+        // A device that raises no interrupt at all (no MSI-X, no MSI, no
+        // INTx pin: shared memory, say) is passed through as it is.
+        let silent = msix_cap.is_none() && !caps.iter().any(|(id, _)| *id == CAP_MSI) && real[0x3d] == 0;
+        let msix_cap = match msix_cap {
+            Some(c) => c,
+            None if silent => NO_MSIX.cap,
+            None => return Err(unsupported("the device has no MSI-X capability: only MSI-X interrupts are supported (no INTx, no MSI)".into())),
+        };
+        if !silent && msix_cap + 12 > 256 {
             return Err(unsupported(format!("its MSI-X capability at {msix_cap:#x} runs past the config space")));
         }
         let mut hidden = Vec::new();
@@ -234,15 +242,21 @@ impl VfioPci {
         let next_ptr = kept.iter().enumerate().map(|(i, &o)| (o + 1, kept.get(i + 1).map_or(0, |&n| n as u8))).collect();
 
         let dword = |o: usize| u32::from_le_bytes([real[o], real[o + 1], real[o + 2], real[o + 3]]);
-        let table = dword(msix_cap + 4);
-        let pba = dword(msix_cap + 8);
-        let place = MsixPlace { cap: msix_cap, table_bar: (table & 7) as usize, table_off: (table & !7) as u64, pba_bar: (pba & 7) as usize, pba_off: (pba & !7) as u64 };
-        let declared = (u16::from_le_bytes([real[msix_cap + 2], real[msix_cap + 3]]) & 0x7ff) as usize + 1;
-        let offered = dev.get_irq_info(VFIO_PCI_MSIX_IRQ_INDEX).map_or(0, |i| i.count as usize);
-        let nvec = declared.min(offered).min(MAX_VECTORS);
-        if nvec == 0 {
-            return Err(unsupported("VFIO offers no MSI-X vectors for it".into()));
-        }
+        let (place, nvec) = if silent {
+            (NO_MSIX, 0)
+        } else {
+            let table = dword(msix_cap + 4);
+            let pba = dword(msix_cap + 8);
+            let place = MsixPlace { cap: msix_cap, table_bar: (table & 7) as usize, table_off: (table & !7) as u64, pba_bar: (pba & 7) as usize, pba_off: (pba & !7) as u64 };
+            let declared = (u16::from_le_bytes([real[msix_cap + 2], real[msix_cap + 3]]) & 0x7ff) as usize + 1;
+            let offered = dev.get_irq_info(VFIO_PCI_MSIX_IRQ_INDEX).map_or(0, |i| i.count as usize);
+            let nvec = declared.min(offered).min(MAX_VECTORS);
+            if nvec == 0 {
+                return Err(unsupported("VFIO offers no MSI-X vectors for it".into()));
+            }
+            (place, nvec)
+        };
+        // (A silent device gets a table no access reaches.)
         let msix = MsixTable::new(nvec);
 
         // The guest's config space: the real header with the BARs, ROM and
@@ -281,7 +295,7 @@ impl VfioPci {
             bars[i] = Some(Bar { region_size: size, areas, placed: None });
             i += step;
         }
-        for (bar, what) in [(place.table_bar, "table"), (place.pba_bar, "PBA")] {
+        for (bar, what) in [(place.table_bar, "table"), (place.pba_bar, "PBA")].into_iter().filter(|_| !silent) {
             let (off, len) = if what == "table" { (place.table_off, msix.table_bytes()) } else { (place.pba_off, msix.pba_bytes()) };
             let fits = bars.get(bar).and_then(|b| b.as_ref()).is_some_and(|b| off.checked_add(len).is_some_and(|e| e <= b.region_size));
             if !fits {
