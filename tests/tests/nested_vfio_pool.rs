@@ -88,5 +88,5 @@ fn on_delete_the_device_returns_to_its_driver_and_the_pool_with_a_scrub_record()
     // The host's own driver reads what the guest wrote.
     assert_eq!(nested::value(out, "L1-READ-GUEST"), Some(GUEST_MARKER), "{out}");
     let secs: f64 = nested::value(out, "DELETE-SECONDS").and_then(|v| v.parse().ok()).unwrap_or(-1.0);
-    println!("nested: deleting the passthrough VM (return, reset, rebind, scrub) took {secs:.2} s");
+    println!("nested: deleting the passthrough VM until its device was free again (reset, rebind, scrub) took {secs:.2} s");
 }

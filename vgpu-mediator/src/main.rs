@@ -134,6 +134,10 @@ enum Cmd {
         #[arg(long)]
         connection: bool,
     },
+    /// Internal: checks that the CUDA driver is usable (in a process of its
+    /// own, so the daemon never holds the GPUs open).
+    #[command(hide = true)]
+    ProbeCuda,
     /// Internal: zeroes every byte of the GPU at a PCI address that a CUDA
     /// context can allocate, reads all of it back, and prints
     /// {"bytes":..,"device_memory":..}; fails if a byte is not zero.
@@ -184,6 +188,16 @@ fn run() -> anyhow::Result<()> {
         }
         Some(Cmd::Discover { record }) => return discover_cmd(record),
         Some(Cmd::ScrubGpu { address }) => return scrub_gpu_cmd(&address),
+        Some(Cmd::ProbeCuda) => {
+            #[cfg(feature = "cuda")]
+            {
+                let v = vgpu_mediator::backend::cuda::probe().map_err(anyhow::Error::msg)?;
+                println!("{}", vgpu_mediator::backend::cuda::version_text(v));
+                return Ok(());
+            }
+            #[cfg(not(feature = "cuda"))]
+            anyhow::bail!("this build has no cuda backend");
+        }
         None => {}
     }
     let mut cfg = match &cli.config {
@@ -290,7 +304,10 @@ fn run() -> anyhow::Result<()> {
     let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit);
     let state_dir = cli.state_dir.or(cfg.vms.state_dir.clone()).unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu") } else { run_dir.join("state") });
     let pass =
-        Passthrough::new(&cfg.devices.passthrough, vgpu_topology::sysfs_root(), &state_dir, Box::new(passthrough::sysfs_write), passthrough::gpu_scrubber(exe.clone())).map_err(anyhow::Error::msg)?;
+        Passthrough::new(&cfg.devices.passthrough, vgpu_topology::sysfs_root(), &state_dir, Arc::new(passthrough::sysfs_write), passthrough::gpu_scrubber(exe.clone())).map_err(anyhow::Error::msg)?;
+    if let Some(d) = pass.devices.iter().find(|d| control.slot(&d.name).is_some()) {
+        anyhow::bail!("passthrough device {} has the name of a shared device; give it another", d.name);
+    }
     let _ = control.passthrough.set(Arc::new(pass));
     for p in &cfg.pools {
         control.create_pool(p).with_context(|| format!("creating pool {} from the config file", p.name))?;
@@ -356,8 +373,11 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
         Ok(a) => a,
         Err(e) => return none(e),
     };
+    // The driver is tried in a child process: cuInit here would keep every
+    // GPU open in the daemon for good, and a passthrough GPU's driver
+    // cannot let go of a device that is open.
     #[cfg(feature = "cuda")]
-    if let Err(e) = vgpu_mediator::backend::cuda::probe() {
+    if let Err(e) = probe_cuda_in_child() {
         return none(e);
     }
     let (planned, skipped) = discover::plan(&answers, &vgpu_topology::sysfs_root());
@@ -397,6 +417,19 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
         return none(format!("NVML (driver {}) lists no servable GPU or MIG instance", answers.driver_version));
     }
     Ok(out)
+}
+
+/// Runs `vgpu-mediatord probe-cuda`; its error line if the driver is not
+/// usable.
+#[cfg(feature = "cuda")]
+fn probe_cuda_in_child() -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("locating own executable: {e}"))?;
+    let o = std::process::Command::new(exe).arg("probe-cuda").stdin(std::process::Stdio::null()).output().map_err(|e| format!("probing the CUDA driver: {e}"))?;
+    if o.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&o.stderr);
+    Err(err.trim().lines().last().unwrap_or("the CUDA driver probe failed").trim_start_matches("vgpu-mediatord: error: ").to_string())
 }
 
 fn scrub_gpu_cmd(address: &vgpu_topology::pci::PciAddress) -> anyhow::Result<()> {

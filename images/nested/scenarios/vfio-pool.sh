@@ -63,6 +63,10 @@ sed 's/^/CONSOLE: /' $con
 t0=$(cut -d' ' -f1 /proc/uptime)
 ctl vm delete pt1
 echo "DELETE-EXIT=$?"
+# The return (reset, rebind, scrub) runs on after the delete answers.
+devstate() { ctl -o json device show nvme0 | grep '"state"' | head -1 | tr -d ' ",' | cut -d: -f2; }
+i=0
+while [ "$(devstate)" = returning ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
 t1=$(cut -d' ' -f1 /proc/uptime)
 echo "DELETE-SECONDS=$(awk "BEGIN {print $t1 - $t0}")"
 echo "NVME-DRIVER-AFTER=$(drv $nvme)"

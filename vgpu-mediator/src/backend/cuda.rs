@@ -959,6 +959,9 @@ const SCRUB_CHUNK: usize = 1 << 30;
 const SCRUB_MIN_CHUNK: usize = 2 << 20;
 /// The pinned buffer each chunk is read back through.
 const SCRUB_READ: usize = 64 << 20;
+/// Free memory a whole-GPU scrub may leave unallocated (fragments below
+/// the smallest chunk, the allocator's own bookkeeping) and still pass.
+const SCRUB_SLACK: usize = 64 << 20;
 
 /// Zeroes every byte of the GPU at `address` that a context can allocate
 /// and reads all of them back (`vgpu-mediatord scrub-gpu`, run on a
@@ -969,7 +972,7 @@ pub fn scrub_whole_gpu(address: &vgpu_topology::pci::PciAddress) -> Result<Whole
     probe()?;
     // SAFETY: the library was loaded by probe; only presence is checked.
     let lib = unsafe { cu::culib() };
-    for name in ["cuDeviceGetByPCIBusId", "cuMemsetD8_v2", "cuMemcpyDtoH_v2"] {
+    for name in ["cuDeviceGetByPCIBusId", "cuMemsetD8_v2", "cuMemcpyDtoH_v2", "cuMemGetInfo_v2"] {
         // SAFETY: as above.
         if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
             return Err(format!("the NVIDIA driver lacks {name}"));
@@ -985,18 +988,26 @@ pub fn scrub_whole_gpu(address: &vgpu_topology::pci::PciAddress) -> Result<Whole
     let mut ctx: cu::CUcontext = std::ptr::null_mut();
     // SAFETY: valid out-pointer; the context becomes current on this thread.
     check(unsafe { cu::cuCtxCreate_v2(&mut ctx, 0, dev) }, "cuCtxCreate").map_err(|e| e.msg)?;
+    let (mut free, mut total_now) = (0usize, 0usize);
+    // SAFETY: our context is current; valid out-pointers.
+    check(unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total_now) }, "cuMemGetInfo").map_err(|e| e.msg)?;
     // Take all the memory there is, in chunks that get smaller as it
-    // fills.
+    // fills. Only "out of memory" means full; any other failure fails the
+    // scrub.
     let mut chunks: Vec<(cu::CUdeviceptr, usize)> = Vec::new();
     let mut size = SCRUB_CHUNK;
     while size >= SCRUB_MIN_CHUNK {
         let mut d: cu::CUdeviceptr = 0;
         // SAFETY: our context is current; valid out-pointer.
-        if unsafe { cu::cuMemAlloc_v2(&mut d, size) } == cu::CUresult::CUDA_SUCCESS {
-            chunks.push((d, size));
-        } else {
-            size /= 2;
+        match unsafe { cu::cuMemAlloc_v2(&mut d, size) } {
+            cu::CUresult::CUDA_SUCCESS => chunks.push((d, size)),
+            cu::CUresult::CUDA_ERROR_OUT_OF_MEMORY => size /= 2,
+            r => return Err(check(r, "cuMemAlloc").err().map(|e| e.msg).unwrap_or_default()),
         }
+    }
+    let taken: usize = chunks.iter().map(|c| c.1).sum();
+    if taken.saturating_add(SCRUB_SLACK) < free {
+        return Err(format!("only {taken} of the {free} bytes free could be allocated and zeroed (another process holds memory on the GPU?)"));
     }
     for &(d, n) in &chunks {
         // SAFETY: d..d+n is an allocation of the current context.

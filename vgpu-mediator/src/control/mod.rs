@@ -52,6 +52,9 @@ pub enum ControlError {
     Timeout(String, Duration),
     #[error("device worker error: {0}")]
     Worker(String),
+    /// A failure of the host's (sysfs, the state directory), not the caller's.
+    #[error("{0}")]
+    Internal(String),
 }
 
 pub struct DeviceSpec {

@@ -7,7 +7,8 @@
 //!   noted, it is unbound and bound to `vfio-pci` (`driver_override`, then
 //!   `drivers_probe`), and the VM's VMM gets `--vfio ADDRESS`.
 //! - **Return** (the VM is deleted, or the daemon finds a device that was
-//!   lent to no VM it knows): the function is reset, bound back to its
+//!   lent to no VM it knows, or one on vfio-pci that its record calls
+//!   free): the function is reset, bound back to its
 //!   host driver, and scrubbed before anyone else may have it. A GPU on
 //!   the `nvidia` driver is scrubbed by a child process that zeroes every
 //!   byte of device memory it can allocate and reads all of them back
@@ -36,6 +37,9 @@ pub const MAX_RECORDS: usize = 32;
 /// How long a bind may take to show in sysfs (a write to drivers_probe
 /// returns once the probe has run, so this is a margin).
 const BIND_WAIT: Duration = Duration::from_secs(5);
+/// How long one sysfs write may block (an unbind waits for the driver's
+/// users to close the device) before the device is given up on.
+pub const WRITE_LIMIT: Duration = Duration::from_secs(30);
 /// How long a GPU scrub may run.
 const GPU_SCRUB_LIMIT: Duration = Duration::from_secs(900);
 const NVIDIA_VENDOR: u32 = 0x10de;
@@ -67,7 +71,15 @@ pub enum PassError {
     #[error("passthrough device {name} is {state}")]
     Busy { name: String, state: String },
     #[error("no free passthrough device in pool {pool} ({why})")]
-    NoneFree { pool: String, why: String },
+    NoneFree {
+        pool: String,
+        why: String,
+        /// A device failed for a reason of the host's (sysfs, the state
+        /// directory), not because it was taken or unusable.
+        internal: bool,
+    },
+    #[error("{what} ({path}) did not finish in time: something still has the device open (for a GPU: nvidia-persistenced, DCGM, a display server or a CUDA process)")]
+    Stuck { what: String, path: PathBuf },
     #[error("the vfio-pci driver is not loaded (modprobe vfio-pci)")]
     NoVfioDriver,
     #[error("{what} ({path})")]
@@ -166,6 +178,14 @@ impl PassState {
 struct Saved {
     #[serde(flatten)]
     state: PassState,
+    /// The address the record is for: a record for another address (the
+    /// config changed) is not trusted.
+    #[serde(default)]
+    address: Option<String>,
+    /// An NVIDIA GPU, as sysfs said at start or at a lend; once set it
+    /// stays, so a GPU that was unreadable once is still scrubbed as one.
+    #[serde(default)]
+    gpu: bool,
     /// The driver the device is bound back to.
     host_driver: Option<String>,
     scrubs: VecDeque<ScrubRecord>,
@@ -184,7 +204,7 @@ pub struct GpuScrub {
 }
 
 /// Writes one sysfs attribute (the kernel acts on it).
-pub type SysWriter = Box<dyn Fn(&Path, &str) -> io::Result<()> + Send + Sync>;
+pub type SysWriter = Arc<dyn Fn(&Path, &str) -> io::Result<()> + Send + Sync>;
 /// Zeroes and reads back a GPU's memory.
 pub type GpuScrubber = Box<dyn Fn(&PciAddress) -> Result<GpuScrub, String> + Send + Sync>;
 
@@ -192,8 +212,6 @@ pub type GpuScrubber = Box<dyn Fn(&PciAddress) -> Result<GpuScrub, String> + Sen
 pub struct PassDevice {
     pub name: String,
     pub address: PciAddress,
-    /// An NVIDIA GPU (vendor 0x10de, display class).
-    pub gpu: bool,
     pub numa_node: i32,
     inner: Mutex<Saved>,
 }
@@ -232,8 +250,10 @@ pub struct Passthrough {
     write: SysWriter,
     scrub_gpu: GpuScrubber,
     pub devices: Vec<Arc<PassDevice>>,
-    /// Held while a device is chosen and its state changed.
+    /// Held while a device is chosen and lent.
     choosing: Mutex<()>,
+    /// [`WRITE_LIMIT`] (shorter in tests).
+    write_limit: Duration,
 }
 
 fn now_s() -> u64 {
@@ -242,6 +262,11 @@ fn now_s() -> u64 {
 
 fn driver_text(d: &Option<String>) -> String {
     d.clone().unwrap_or_else(|| "no driver".into())
+}
+
+/// Whether sysfs shows an NVIDIA GPU (vendor 0x10de, display class) there.
+fn looks_like_gpu(addr: &PciAddress, sysfs: &Path) -> bool {
+    addr.hex_attr(sysfs, "vendor") == Some(NVIDIA_VENDOR) && addr.hex_attr(sysfs, "class").is_some_and(|c| c >> 16 == 0x03)
 }
 
 /// The real writer: one `write(2)` of the value, as `echo` does.
@@ -259,6 +284,10 @@ impl PassDevice {
         self.lock().state.clone()
     }
 
+    pub fn is_gpu(&self) -> bool {
+        self.lock().gpu
+    }
+
     pub fn last_scrub(&self) -> Option<ScrubRecord> {
         self.lock().scrubs.back().cloned()
     }
@@ -267,7 +296,9 @@ impl PassDevice {
 impl Passthrough {
     /// The devices of `cfg`, with the state an earlier daemon saved under
     /// `state_dir`. A device missing from the host is kept (its lend will
-    /// fail with the reason), so pools naming it stay valid.
+    /// fail with the reason), so pools naming it stay valid. A device on
+    /// vfio-pci that no record says is lent is marked for a return: whose
+    /// data it holds is unknown.
     pub fn new(cfg: &[PassthroughConfig], sysfs: PathBuf, state_dir: &Path, write: SysWriter, scrub_gpu: GpuScrubber) -> Result<Passthrough, String> {
         let dir = state_dir.join("passthrough");
         std::fs::create_dir_all(&dir).map_err(|e| format!("making {}: {e}", dir.display()))?;
@@ -278,22 +309,44 @@ impl Passthrough {
                 return Err(format!("passthrough device {} ({}) is listed twice", c.name, c.address));
             }
             let path = dir.join(format!("{}.json", c.name));
+            let addr = c.address.to_string();
             let saved = match std::fs::read(&path) {
-                Ok(b) => serde_json::from_slice::<Saved>(&b).map_err(|e| format!("{}: {e}", path.display()))?,
-                Err(_) => {
-                    let now = c.address.driver(&sysfs).filter(|d| d != VFIO_DRIVER);
-                    Saved { state: PassState::Free, host_driver: c.host_driver.clone().or(now), scrubs: VecDeque::new(), scrubs_ok: 0, scrubs_failed: 0 }
-                }
+                Ok(b) => Some(serde_json::from_slice::<Saved>(&b).map_err(|e| format!("{}: {e}", path.display()))?),
+                Err(_) => None,
             };
-            let mut saved = saved;
+            let saved = saved.filter(|s| {
+                let same = s.address.as_deref() == Some(addr.as_str());
+                if !same {
+                    warn!(device = %c.name, address = %addr, "the saved state is for another address; not trusted");
+                }
+                same
+            });
+            let driver = c.address.driver(&sysfs);
+            let mut saved = saved.unwrap_or_else(|| Saved {
+                state: PassState::Free,
+                address: Some(addr.clone()),
+                gpu: false,
+                host_driver: c.host_driver.clone().or(driver.clone().filter(|d| d != VFIO_DRIVER)),
+                scrubs: VecDeque::new(),
+                scrubs_ok: 0,
+                scrubs_failed: 0,
+            });
             if c.host_driver.is_some() {
                 saved.host_driver = c.host_driver.clone();
             }
-            let class = c.address.hex_attr(&sysfs, "class").unwrap_or(0);
-            let gpu = c.address.hex_attr(&sysfs, "vendor") == Some(NVIDIA_VENDOR) && class >> 16 == 0x03;
-            devices.push(Arc::new(PassDevice { name: c.name.clone(), address: c.address, gpu, numa_node: c.address.numa_node(&sysfs), inner: Mutex::new(saved) }));
+            saved.gpu |= looks_like_gpu(&c.address, &sysfs);
+            if saved.state == PassState::Free && driver.as_deref() == Some(VFIO_DRIVER) {
+                warn!(device = %c.name, address = %addr, "on vfio-pci with no record of a lend; it is returned and scrubbed before anyone gets it");
+                saved.state = PassState::Returning { vm: String::new() };
+            }
+            devices.push(Arc::new(PassDevice { name: c.name.clone(), address: c.address, numa_node: c.address.numa_node(&sysfs), inner: Mutex::new(saved) }));
         }
-        Ok(Passthrough { sysfs, dir, write, scrub_gpu, devices, choosing: Mutex::new(()) })
+        let p = Passthrough { sysfs, dir, write, scrub_gpu, devices, choosing: Mutex::new(()), write_limit: WRITE_LIMIT };
+        for d in &p.devices {
+            let s = d.lock().clone();
+            p.save(d, &s).map_err(|e| chain(&e))?;
+        }
+        Ok(p)
     }
 
     pub fn get(&self, name: &str) -> Option<&Arc<PassDevice>> {
@@ -306,26 +359,72 @@ impl Passthrough {
         self.devices.iter().any(|d| d.address == *address)
     }
 
+    /// Writes the device's state durably: a temporary file, synced, renamed
+    /// over the old one, and the directory synced.
     fn save(&self, d: &PassDevice, s: &Saved) -> Result<(), PassError> {
         let path = self.dir.join(format!("{}.json", d.name));
         let tmp = path.with_extension("json.tmp");
-        let body = serde_json::to_vec_pretty(s).map_err(io::Error::other);
-        body.and_then(|b| std::fs::write(&tmp, b)).and_then(|()| std::fs::rename(&tmp, &path)).map_err(|source| PassError::Save { name: d.name.clone(), path, source })
+        let write = || -> io::Result<()> {
+            let body = serde_json::to_vec_pretty(s).map_err(io::Error::other)?;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&body)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(&self.dir)?.sync_all()
+        };
+        write().map_err(|source| PassError::Save { name: d.name.clone(), path, source })
     }
 
-    /// Sets `d`'s state and saves it.
-    fn set(&self, d: &PassDevice, state: PassState) -> Result<(), PassError> {
+    /// Moves `d` from a state `from` accepts to `to`, saved; Ok(false) if
+    /// its state is another.
+    fn change(&self, d: &PassDevice, from: impl Fn(&PassState) -> bool, to: PassState) -> Result<bool, PassError> {
         let mut s = d.lock();
-        let before = std::mem::replace(&mut s.state, state);
+        if !from(&s.state) {
+            return Ok(false);
+        }
+        let before = std::mem::replace(&mut s.state, to);
         if let Err(e) = self.save(d, &s) {
             s.state = before;
             return Err(e);
         }
-        Ok(())
+        Ok(true)
     }
 
+    /// Sets `d`'s state whatever it was (after a lend that failed, or at the
+    /// end of a return), saved; a failed save is logged.
+    fn force(&self, d: &PassDevice, to: PassState) {
+        if let Err(e) = self.change(d, |_| true, to) {
+            error!(device = %d.name, "{}", chain(&e));
+        }
+    }
+
+    /// One sysfs write, on a thread of its own: a write the kernel blocks
+    /// on (an unbind waiting for the driver's users) is given up on after
+    /// [`WRITE_LIMIT`] with [`PassError::Stuck`], so no lock is held for
+    /// ever.
     fn write_attr(&self, path: PathBuf, value: &str, what: impl Into<String>) -> Result<(), PassError> {
-        (self.write)(&path, value).map_err(|source| PassError::Sysfs { what: what.into(), path, source })
+        let what = what.into();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (w, p, v) = (self.write.clone(), path.clone(), value.to_string());
+        let spawned = std::thread::Builder::new().name("sysfs-write".into()).spawn(move || {
+            let _ = tx.send(w(&p, &v));
+        });
+        if let Err(source) = spawned {
+            return Err(PassError::Sysfs { what, path, source });
+        }
+        match rx.recv_timeout(self.write_limit) {
+            Ok(r) => r.map_err(|source| PassError::Sysfs { what, path, source }),
+            Err(_) => Err(PassError::Stuck { what, path }),
+        }
+    }
+
+    /// Asks the kernel to probe drivers for `d`. The write fails when no
+    /// driver takes it; what sysfs shows afterwards is the answer.
+    fn probe(&self, d: &PassDevice) -> Result<(), PassError> {
+        match self.write_attr(self.sysfs.join("bus/pci/drivers_probe"), &d.address.to_string(), "probing drivers") {
+            Err(e @ PassError::Stuck { .. }) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Checks that `d` can be lent: on the host, with an IOMMU group of its
@@ -352,10 +451,11 @@ impl Passthrough {
         let _g = self.choosing.lock().unwrap_or_else(|e| e.into_inner());
         let mut cands: Vec<&Arc<PassDevice>> = self.devices.iter().filter(|d| names.contains(&d.name)).collect();
         if cands.is_empty() {
-            return Err(PassError::NoneFree { pool: pool.into(), why: "it has no passthrough devices".into() });
+            return Err(PassError::NoneFree { pool: pool.into(), why: "it has no passthrough devices".into(), internal: false });
         }
         cands.sort_by_key(|d| (numa.is_some_and(|n| n >= 0 && d.numa_node != n), d.name.clone()));
         let mut why = Vec::new();
+        let mut internal = false;
         for d in cands {
             let st = d.state();
             if st != PassState::Free {
@@ -365,16 +465,17 @@ impl Passthrough {
             match self.lend(d, vm) {
                 Ok(()) => return Ok(d.clone()),
                 Err(e) => {
-                    warn!(device = %d.name, vm, "not lent: {e}");
+                    warn!(device = %d.name, vm, "not lent: {}", chain(&e));
+                    internal |= matches!(e, PassError::Sysfs { .. } | PassError::Save { .. } | PassError::WrongDriver { .. } | PassError::Stuck { .. });
                     why.push(chain(&e));
                 }
             }
         }
-        Err(PassError::NoneFree { pool: pool.into(), why: why.join("; ") })
+        Err(PassError::NoneFree { pool: pool.into(), why: why.join("; "), internal })
     }
 
     /// Binds `d` to vfio-pci for `vm`. On failure the device is back on
-    /// its host driver and free.
+    /// its host driver and free, or quarantined if that cannot be known.
     fn lend(&self, d: &PassDevice, vm: &str) -> Result<(), PassError> {
         self.check_host(d)?;
         if !self.sysfs.join("bus/pci/drivers").join(VFIO_DRIVER).exists() && self.sysfs == Path::new("/sys") {
@@ -384,9 +485,10 @@ impl Passthrough {
             return Err(PassError::NoVfioDriver);
         }
         {
-            // The driver it has now is the one it goes back to, unless the
-            // config names one.
+            // What it is now decides how it is scrubbed; the driver it has
+            // now is the one it goes back to, unless the config names one.
             let mut s = d.lock();
+            s.gpu |= looks_like_gpu(&d.address, &self.sysfs);
             if let Some(now) = d.address.driver(&self.sysfs).filter(|x| x != VFIO_DRIVER) {
                 if s.host_driver.is_none() {
                     s.host_driver = Some(now);
@@ -395,24 +497,46 @@ impl Passthrough {
         }
         // Saved before the device leaves the host: a daemon that dies from
         // here on returns it when it starts again.
-        self.set(d, PassState::Lent { vm: vm.into() })?;
+        if !self.change(d, |s| *s == PassState::Free, PassState::Lent { vm: vm.into() })? {
+            return Err(PassError::Busy { name: d.name.clone(), state: d.state().describe() });
+        }
         match self.bind_vfio(d) {
             Ok(()) => {
                 info!(device = %d.name, address = %d.address, vm, "passthrough device lent");
                 Ok(())
             }
+            Err(e @ PassError::Stuck { .. }) => {
+                // A write still pending in the kernel: where the device
+                // ends up is unknown.
+                self.force(d, PassState::Quarantined { reason: format!("a lend did not finish: {}", chain(&e)) });
+                Err(e)
+            }
             Err(e) => {
                 // Nobody had it: back to the host driver, no scrub needed.
                 let host = d.lock().host_driver.clone();
-                if let Err(e2) = self.unbind_vfio(d, host.as_deref()) {
-                    error!(device = %d.name, "undoing a failed lend: {e2}");
-                    let _ = self.set(d, PassState::Quarantined { reason: format!("a failed lend could not be undone: {e2}") });
-                } else {
-                    let _ = self.set(d, PassState::Free);
+                match self.unbind_vfio(d, host.as_deref()) {
+                    Ok(()) => self.force(d, PassState::Free),
+                    Err(e2) => {
+                        error!(device = %d.name, "undoing a failed lend: {}", chain(&e2));
+                        self.force(d, PassState::Quarantined { reason: format!("a failed lend could not be undone: {}", chain(&e2)) });
+                    }
                 }
                 Err(e)
             }
         }
+    }
+
+    /// Before `vm`'s VMM starts: each device lent to it that is not on
+    /// vfio-pci (the host rebooted, or an admin rebound it) is bound again.
+    pub fn rebind_lent(&self, vm: &str) -> Result<(), PassError> {
+        for d in self.lent_to(vm) {
+            if d.address.driver(&self.sysfs).as_deref() != Some(VFIO_DRIVER) {
+                warn!(device = %d.name, vm, "lent but not on vfio-pci; binding it again");
+                self.check_host(&d)?;
+                self.bind_vfio(&d)?;
+            }
+        }
+        Ok(())
     }
 
     fn dev_attr(&self, d: &PassDevice, attr: &str) -> PathBuf {
@@ -434,47 +558,97 @@ impl Passthrough {
         }
     }
 
-    fn bind_vfio(&self, d: &PassDevice) -> Result<(), PassError> {
-        let addr = d.address.to_string();
+    /// Unbinds `d`'s driver, if it has one.
+    fn unbind(&self, d: &PassDevice) -> Result<(), PassError> {
         if let Some(drv) = d.address.driver(&self.sysfs) {
-            if drv == VFIO_DRIVER {
-                return Ok(());
-            }
-            self.write_attr(self.dev_attr(d, "driver/unbind"), &addr, format!("unbinding {addr} from {drv}"))?;
+            let a = d.address.to_string();
+            self.write_attr(self.dev_attr(d, "driver/unbind"), &a, format!("unbinding {a} from {drv}"))?;
             self.wait_driver(d, None, "unbinding")?;
         }
-        self.write_attr(self.dev_attr(d, "driver_override"), VFIO_DRIVER, format!("setting {addr}'s driver_override"))?;
-        // drivers_probe fails when no driver takes the device; what sysfs
-        // shows afterwards is the answer.
-        let _ = (self.write)(&self.sysfs.join("bus/pci/drivers_probe"), &addr);
+        Ok(())
+    }
+
+    fn bind_vfio(&self, d: &PassDevice) -> Result<(), PassError> {
+        if d.address.driver(&self.sysfs).as_deref() == Some(VFIO_DRIVER) {
+            return Ok(());
+        }
+        // The override first, so no other driver takes the device between
+        // the unbind and the probe.
+        let a = d.address.to_string();
+        self.write_attr(self.dev_attr(d, "driver_override"), VFIO_DRIVER, format!("setting {a}'s driver_override"))?;
+        self.unbind(d)?;
+        self.probe(d)?;
         self.wait_driver(d, Some(VFIO_DRIVER), "binding")
     }
 
-    /// Unbinds `d` from vfio-pci, clears its override and binds it to
-    /// `host` (None: leaves it without a driver).
+    /// Takes `d` off vfio-pci (or any driver) and binds it to `host`
+    /// (None: leaves it without a driver): the override names the host
+    /// driver for the probe, so no other driver that matches the device
+    /// (nouveau, say) takes it, and is cleared afterwards.
     fn unbind_vfio(&self, d: &PassDevice, host: Option<&str>) -> Result<(), PassError> {
-        let addr = d.address.to_string();
-        if d.address.driver(&self.sysfs).is_some_and(|x| x == VFIO_DRIVER) {
-            self.write_attr(self.dev_attr(d, "driver/unbind"), &addr, format!("unbinding {addr} from vfio-pci"))?;
-            self.wait_driver(d, None, "unbinding")?;
-        }
-        self.write_attr(self.dev_attr(d, "driver_override"), "\n", format!("clearing {addr}'s driver_override"))?;
-        if let Some(h) = host {
-            if d.address.driver(&self.sysfs).is_none() {
-                let _ = (self.write)(&self.sysfs.join("bus/pci/drivers_probe"), &addr);
+        let a = d.address.to_string();
+        let over = self.dev_attr(d, "driver_override");
+        self.write_attr(over.clone(), host.unwrap_or("\n"), format!("setting {a}'s driver_override"))?;
+        if d.address.driver(&self.sysfs).as_deref() != host {
+            self.unbind(d)?;
+            if host.is_some() {
+                self.probe(d)?;
             }
+        }
+        self.write_attr(over, "\n", format!("clearing {a}'s driver_override"))?;
+        if let Some(h) = host {
             self.wait_driver(d, Some(h), "rebinding to its host driver")?;
         }
         Ok(())
     }
 
-    /// Takes `d` back from `vm`: reset, rebind, scrub. The device is free
-    /// again if all of that passed, quarantined otherwise; the record says
-    /// which.
-    pub fn give_back(&self, d: &PassDevice, vm: &str) -> ScrubRecord {
-        if let Err(e) = self.set(d, PassState::Returning { vm: vm.into() }) {
-            warn!(device = %d.name, "{e}");
+    /// Starts a return of `d` from `vm`: Lent{vm} becomes Returning{vm}.
+    /// False if it is not lent to `vm` (then nothing is done).
+    fn begin_return(&self, d: &PassDevice, vm: &str) -> bool {
+        match self.change(d, |s| matches!(s, PassState::Lent { vm: v } if v == vm), PassState::Returning { vm: vm.into() }) {
+            Ok(b) => b,
+            Err(e) => {
+                // Returned all the same: the scrub must not wait on a disk.
+                error!(device = %d.name, "{}", chain(&e));
+                d.lock().state = PassState::Returning { vm: vm.into() };
+                true
+            }
         }
+    }
+
+    /// Takes `d` back from `vm` now: reset, rebind, scrub. The device is
+    /// free again if all of that passed, quarantined otherwise; the record
+    /// says which. None if it was not lent to `vm`.
+    pub fn give_back(&self, d: &PassDevice, vm: &str) -> Option<ScrubRecord> {
+        self.begin_return(d, vm).then(|| self.finish_return(d, vm))
+    }
+
+    /// As [`Self::give_back`], with the scrub on a thread of its own (a
+    /// GPU's takes seconds to minutes); the device shows `returning` until
+    /// it ends.
+    pub fn give_back_later(self: &Arc<Self>, d: Arc<PassDevice>, vm: String) {
+        if self.begin_return(&d, &vm) {
+            self.finish_later(d, vm);
+        }
+    }
+
+    fn finish_later(self: &Arc<Self>, d: Arc<PassDevice>, vm: String) {
+        let me = self.clone();
+        let name = format!("return-{}", d.name);
+        let spawned = std::thread::Builder::new().name(name).spawn({
+            let (d, vm) = (d.clone(), vm.clone());
+            move || {
+                me.finish_return(&d, &vm);
+            }
+        });
+        if let Err(e) = spawned {
+            error!(device = %d.name, "starting its return: {e}; returning it here");
+            self.finish_return(&d, &vm);
+        }
+    }
+
+    /// Ends a return begun with `begin_return` (or found at start).
+    fn finish_return(&self, d: &PassDevice, vm: &str) -> ScrubRecord {
         let rec = self.scrub(d, vm);
         let next = if rec.ok { PassState::Free } else { PassState::Quarantined { reason: rec.error.clone().unwrap_or_else(|| "scrub failed".into()) } };
         {
@@ -489,9 +663,7 @@ impl Passthrough {
                 s.scrubs.pop_front();
             }
         }
-        if let Err(e) = self.set(d, next) {
-            error!(device = %d.name, "{e}");
-        }
+        self.force(d, next);
         if rec.ok {
             info!(device = %d.name, vm, method = ?rec.method, bytes = rec.bytes, ms = rec.duration_ms, "passthrough device returned and scrubbed");
         } else {
@@ -500,16 +672,28 @@ impl Passthrough {
         rec
     }
 
+    /// The devices lent to `vm` are quarantined, not returned: its VMM
+    /// did not end, so the guest may still be using them.
+    pub fn quarantine_lent(&self, vm: &str, reason: &str) {
+        for d in self.lent_to(vm) {
+            error!(device = %d.name, vm, "quarantined: {reason}");
+            self.force(&d, PassState::Quarantined { reason: reason.into() });
+        }
+    }
+
     /// Resets, rebinds and scrubs `d`; the record of it.
     fn scrub(&self, d: &PassDevice, vm: &str) -> ScrubRecord {
         let started = now_s();
         let t0 = Instant::now();
-        let host = d.lock().host_driver.clone();
+        let (host, gpu) = {
+            let s = d.lock();
+            (s.host_driver.clone(), s.gpu)
+        };
         let mut rec = ScrubRecord {
             device: d.name.clone(),
             address: d.address.to_string(),
             previous_vm: vm.into(),
-            method: if d.gpu { ScrubMethod::ZeroAndVerify } else { ScrubMethod::FunctionReset },
+            method: if gpu { ScrubMethod::ZeroAndVerify } else { ScrubMethod::FunctionReset },
             bytes: 0,
             device_memory: 0,
             started,
@@ -522,13 +706,12 @@ impl Passthrough {
             if !d.address.exists(&self.sysfs) {
                 return Err(format!("{} is no longer on the host", d.address));
             }
-            // The reset runs with no driver on the function: the guest's
-            // is gone with the VMM, and a host driver (an admin's scrub of
-            // a device on it) lets go first.
-            if let Some(drv) = d.address.driver(&self.sysfs).filter(|x| x != VFIO_DRIVER) {
-                let a = d.address.to_string();
-                self.write_attr(self.dev_attr(d, "driver/unbind"), &a, format!("unbinding {a} from {drv}")).map_err(|e| chain(&e))?;
-                self.wait_driver(d, None, "unbinding").map_err(|e| chain(&e))?;
+            // The reset runs with vfio-pci still bound after a VM (its
+            // VMM has closed the device), or with no driver after an
+            // admin's scrub of a device on its host driver, which lets go
+            // first.
+            if d.address.driver(&self.sysfs).is_some_and(|x| x != VFIO_DRIVER) {
+                self.unbind(d).map_err(|e| chain(&e))?;
             }
             let reset = self.dev_attr(d, "reset");
             if !reset.exists() {
@@ -536,7 +719,7 @@ impl Passthrough {
             }
             self.write_attr(reset, "1", "resetting the function").map_err(|e| chain(&e))?;
             self.unbind_vfio(d, host.as_deref()).map_err(|e| chain(&e))?;
-            if d.gpu {
+            if gpu {
                 if host.as_deref() != Some("nvidia") {
                     return Err(format!("a GPU is scrubbed through the nvidia driver, and its host driver is {}", driver_text(&host)));
                 }
@@ -560,32 +743,28 @@ impl Passthrough {
     /// return.
     pub fn rescrub(&self, name: &str) -> Result<ScrubRecord, PassError> {
         let d = self.get(name).ok_or_else(|| PassError::Unknown(name.into()))?.clone();
-        {
-            let _g = self.choosing.lock().unwrap_or_else(|e| e.into_inner());
-            match d.state() {
-                PassState::Free | PassState::Quarantined { .. } => {}
-                other => return Err(PassError::Busy { name: name.into(), state: other.describe() }),
-            }
-            self.set(&d, PassState::Returning { vm: String::new() })?;
+        if !self.change(&d, |s| matches!(s, PassState::Free | PassState::Quarantined { .. }), PassState::Returning { vm: String::new() })? {
+            return Err(PassError::Busy { name: name.into(), state: d.state().describe() });
         }
-        Ok(self.give_back(&d, ""))
+        Ok(self.finish_return(&d, ""))
     }
 
     /// At daemon start: every device saved as lent to a VM that `known`
-    /// does not name, or caught mid-return, is returned now. Runs on its
-    /// own thread per device; returns at once.
+    /// does not name, or caught mid-return, or found on vfio-pci with no
+    /// lend, is returned now, each on a thread of its own.
     pub fn recover(self: &Arc<Self>, known: impl Fn(&str) -> bool) {
         for d in &self.devices {
-            let vm = match d.state() {
-                PassState::Lent { vm } if !known(&vm) => vm,
-                PassState::Returning { vm } => vm,
-                _ => continue,
-            };
-            warn!(device = %d.name, vm = %vm, "passthrough device was lent to a VM that is gone; returning and scrubbing it");
-            let (me, d) = (self.clone(), d.clone());
-            let _ = std::thread::Builder::new().name(format!("return-{}", d.name)).spawn(move || {
-                me.give_back(&d, &vm);
-            });
+            match d.state() {
+                PassState::Lent { vm } if !known(&vm) => {
+                    warn!(device = %d.name, vm = %vm, "passthrough device was lent to a VM that is gone; returning and scrubbing it");
+                    self.give_back_later(d.clone(), vm);
+                }
+                PassState::Returning { vm } => {
+                    warn!(device = %d.name, vm = %vm, "passthrough device was being returned; returning and scrubbing it");
+                    self.finish_later(d.clone(), vm);
+                }
+                _ => {}
+            }
         }
     }
 
@@ -603,7 +782,7 @@ impl Passthrough {
             scrubs_ok: s.scrubs_ok,
             scrubs_failed: s.scrubs_failed,
             address: d.address.to_string(),
-            gpu: d.gpu,
+            gpu: s.gpu,
             numa_node: d.numa_node,
             state: s.state.name().into(),
             lent_to: match &s.state {
@@ -645,10 +824,23 @@ pub fn gpu_scrubber(exe: PathBuf) -> GpuScrubber {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .map_err(|e| format!("starting the GPU scrub: {e}"))?;
+        // Both pipes are read while it runs, so a chatty child cannot block.
+        let read = |r: Option<Box<dyn io::Read + Send>>| {
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                if let Some(mut r) = r {
+                    let _ = io::Read::read_to_end(&mut io::Read::take(&mut r, 1 << 20), &mut buf);
+                    let _ = io::copy(&mut r, &mut io::sink());
+                }
+                buf
+            })
+        };
+        let out_t = read(child.stdout.take().map(|o| Box::new(o) as Box<dyn io::Read + Send>));
+        let err_t = read(child.stderr.take().map(|o| Box::new(o) as Box<dyn io::Read + Send>));
         let deadline = Instant::now() + GPU_SCRUB_LIMIT;
-        loop {
+        let status = loop {
             match child.try_wait() {
-                Ok(Some(_)) => break,
+                Ok(Some(st)) => break st,
                 Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
                 _ => {
                     let _ = child.kill();
@@ -656,13 +848,14 @@ pub fn gpu_scrubber(exe: PathBuf) -> GpuScrubber {
                     return Err(format!("the GPU scrub did not finish within {GPU_SCRUB_LIMIT:?}"));
                 }
             }
+        };
+        let stdout = out_t.join().unwrap_or_default();
+        let stderr = err_t.join().unwrap_or_default();
+        if !status.success() {
+            let err = String::from_utf8_lossy(&stderr);
+            return Err(format!("the GPU scrub failed ({status}): {}", err.trim().lines().last().unwrap_or("")));
         }
-        let out = child.wait_with_output().map_err(|e| format!("reading the GPU scrub's answer: {e}"))?;
-        if !out.status.success() {
-            let err = String::from_utf8_lossy(&out.stderr);
-            return Err(format!("the GPU scrub failed ({}): {}", out.status, err.trim().lines().last().unwrap_or("")));
-        }
-        serde_json::from_slice::<GpuScrub>(&out.stdout).map_err(|e| format!("the GPU scrub's answer: {e}"))
+        serde_json::from_slice::<GpuScrub>(&stdout).map_err(|e| format!("the GPU scrub's answer: {e}"))
     })
 }
 

@@ -183,6 +183,12 @@ pub struct Vms {
     changing: Mutex<()>,
 }
 
+/// A start, stop or reboot that comes during a delete: a VM being deleted
+/// never runs again.
+fn being_deleted(name: &str) -> ControlError {
+    ControlError::Conflict(format!("VM {name} is being deleted"))
+}
+
 fn bad(msg: impl Into<String>) -> ControlError {
     ControlError::BadRequest(msg.into())
 }
@@ -577,7 +583,7 @@ impl Vms {
         let undo = |vm: &Arc<Vm>| {
             release_hugepages(vm);
             remove_taps(&vm.spec);
-            return_devices(c, &vm.spec.name);
+            release_devices(c, vm);
             let _ = c.delete_tenant(&vm.spec.name);
             let _ = std::fs::remove_dir_all(&vm.dir);
             let _ = std::fs::remove_file(&vm.api_socket);
@@ -631,7 +637,13 @@ impl Vms {
     /// restarts too) until started.
     pub fn stop(&self, c: &Control, name: &str, timeout: Option<Duration>) -> Result<VmView, ControlError> {
         let vm = self.get(name)?;
-        vm.lock().desired = Desired::Stopped;
+        {
+            let mut r = vm.lock();
+            if r.desired == Desired::Deleted {
+                return Err(being_deleted(name));
+            }
+            r.desired = Desired::Stopped;
+        }
         vm.cv.notify_all();
         vm.save()?;
         stop_vmm(&vm, timeout.unwrap_or(self.cfg.stop_timeout));
@@ -642,6 +654,9 @@ impl Vms {
         let vm = self.get(name)?;
         let before = {
             let mut r = vm.lock();
+            if r.desired == Desired::Deleted {
+                return Err(being_deleted(name));
+            }
             if r.desired == Desired::Running && r.pid != 0 {
                 // Running already (view takes the lock again).
                 drop(r);
@@ -664,8 +679,10 @@ impl Vms {
     /// A hard reset: the VMM is killed and started again.
     pub fn reboot(&self, c: &Control, name: &str) -> Result<VmView, ControlError> {
         let vm = self.get(name)?;
-        if vm.lock().desired != Desired::Running {
-            return Err(ControlError::Conflict(format!("VM {name} is stopped; start it")));
+        match vm.lock().desired {
+            Desired::Running => {}
+            Desired::Deleted => return Err(being_deleted(name)),
+            Desired::Stopped => return Err(ControlError::Conflict(format!("VM {name} is stopped; start it"))),
         }
         self.stop(c, name, Some(Duration::ZERO))?;
         self.start(c, name)
@@ -715,7 +732,7 @@ impl Vms {
 fn finish_delete(c: &Control, vm: &Vm) -> Result<bool, ControlError> {
     remove_taps(&vm.spec);
     release_hugepages(vm);
-    return_devices(c, &vm.spec.name);
+    release_devices(c, vm);
     let released = match c.delete_tenant(&vm.spec.name) {
         Ok(done) => done,
         Err(ControlError::NotFound(_)) => true,
@@ -819,18 +836,33 @@ pub fn pass_error(e: super::passthrough::PassError) -> ControlError {
     let text = super::passthrough::chain(&e);
     match e {
         P::Unknown(_) => ControlError::NotFound(text),
+        P::NoneFree { internal: true, .. } => ControlError::Internal(text),
         P::Busy { .. } | P::NoneFree { .. } => ControlError::Conflict(text),
         P::Missing { .. } | P::NoIommu { .. } | P::SharedGroup { .. } | P::NoVfioDriver => ControlError::BadRequest(text),
-        P::Sysfs { .. } | P::WrongDriver { .. } | P::Save { .. } => ControlError::Worker(text),
+        P::Sysfs { .. } | P::WrongDriver { .. } | P::Save { .. } | P::Stuck { .. } => ControlError::Internal(text),
     }
 }
 
-/// Returns (resets, rebinds, scrubs) every device lent to `vm`.
+/// Returns (resets, rebinds, scrubs) every device lent to `vm`, each on a
+/// thread of its own (a GPU's scrub takes a while): the devices show
+/// `returning` until their scrub ends. Only once `vm`'s VMM has ended:
+/// call it with the VM's pid at 0.
 fn return_devices(c: &Control, vm: &str) {
     if let Some(pass) = c.passthrough.get() {
         for d in pass.lent_to(vm) {
-            pass.give_back(&d, vm);
+            pass.give_back_later(d, vm.to_string());
         }
+    }
+}
+
+/// Returns the VM's devices if its VMM has ended; quarantines them if it
+/// has not (the guest may still drive them).
+fn release_devices(c: &Control, vm: &Vm) {
+    let pid = vm.lock().pid;
+    if pid == 0 {
+        return_devices(c, &vm.spec.name);
+    } else if let Some(pass) = c.passthrough.get() {
+        pass.quarantine_lent(&vm.spec.name, &format!("VM {}'s VMM (pid {pid}) did not end when it was deleted", vm.spec.name));
     }
 }
 
@@ -1013,6 +1045,9 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
             let node = vm_node(c, &name, t.as_ref());
             reserve_hugepages(vm, node)?;
             make_taps(&vm.spec, cfg.jail)?;
+            if let Some(p) = c.passthrough.get() {
+                p.rebind_lent(&name).map_err(|e| ControlError::Internal(super::passthrough::chain(&e)))?;
+            }
             let vfio: Vec<String> = leases(c, &name).into_iter().map(|l| l.address).collect();
             if vfio.len() != vm.spec.passthrough.len() {
                 return Err(ControlError::Conflict(format!("the VM has {} of its {} passthrough devices (one was returned); delete it and create it again", vfio.len(), vm.spec.passthrough.len())));

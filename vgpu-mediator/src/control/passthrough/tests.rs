@@ -55,10 +55,13 @@ impl Fake {
     /// The writer: the kernel's side of each attribute.
     fn writer(&self) -> SysWriter {
         let root = self.root.clone();
-        Box::new(move |path: &Path, value: &str| {
+        Arc::new(move |path: &Path, value: &str| {
             let s = path.to_string_lossy().into_owned();
             let dev = |a: &str| root.join("bus/pci/devices").join(a.trim());
             if s.ends_with("/driver/unbind") {
+                if dev(value).join(".unbind_hangs").exists() {
+                    std::thread::sleep(Duration::from_secs(2));
+                }
                 std::fs::remove_file(dev(value).join("driver"))
             } else if s.ends_with("/driver_override") {
                 std::fs::write(path, value.trim())
@@ -83,7 +86,9 @@ impl Fake {
     }
 
     fn pass(&self, cfg: &[PassthroughConfig], gpu: GpuScrubber) -> Arc<Passthrough> {
-        Arc::new(Passthrough::new(cfg, self.root.clone(), &self.state, self.writer(), gpu).unwrap())
+        let mut p = Passthrough::new(cfg, self.root.clone(), &self.state, self.writer(), gpu).unwrap();
+        p.write_limit = Duration::from_millis(500);
+        Arc::new(p)
     }
 }
 
@@ -121,7 +126,7 @@ fn a_device_is_lent_bound_to_vfio_and_returned_to_its_driver_with_a_record() {
     assert_eq!(again.get("nvme0").unwrap().state(), PassState::Lent { vm: "vm1".into() });
     assert_eq!(again.get("nvme0").unwrap().lock().host_driver.as_deref(), Some("nvme"));
 
-    let rec = p.give_back(&d, "vm1");
+    let rec = p.give_back(&d, "vm1").expect("lent to vm1");
     assert!(rec.ok, "{rec:?}");
     assert_eq!((rec.method, rec.verified, rec.previous_vm.as_str(), rec.device.as_str()), (ScrubMethod::FunctionReset, false, "vm1", "nvme0"));
     assert_eq!(f.driver("0000:00:04.0").as_deref(), Some("nvme"));
@@ -172,7 +177,7 @@ fn a_failed_scrub_quarantines_until_an_admin_scrub_passes() {
     let p = f.pass(&[cfg("nvme0", "0000:00:04.0")], no_gpu());
     let d = p.lend_from("p", &["nvme0".into()], "vm1", None).unwrap();
     std::fs::write(f.dev("0000:00:04.0").join(".reset_fails"), "").unwrap();
-    let rec = p.give_back(&d, "vm1");
+    let rec = p.give_back(&d, "vm1").expect("lent to vm1");
     assert!(!rec.ok);
     assert!(rec.error.as_deref().unwrap().contains("resetting the function"), "{rec:?}");
     assert!(matches!(d.state(), PassState::Quarantined { .. }));
@@ -204,10 +209,10 @@ fn a_gpu_is_zeroed_through_its_driver_and_a_failed_check_quarantines_it() {
     let names: Vec<String> = vec!["gpu0".into(), "gpu1".into()];
     let a = p.lend_from("whole", &names, "vm1", None).unwrap();
     let b = p.lend_from("whole", &names, "vm2", None).unwrap();
-    assert_eq!((a.name.as_str(), b.name.as_str(), a.gpu), ("gpu0", "gpu1", true));
-    let ra = p.give_back(&a, "vm1");
+    assert_eq!((a.name.as_str(), b.name.as_str(), a.is_gpu()), ("gpu0", "gpu1", true));
+    let ra = p.give_back(&a, "vm1").expect("lent");
     assert!(ra.ok && ra.verified && ra.method == ScrubMethod::ZeroAndVerify && ra.bytes == 79 << 30 && ra.device_memory == 80 << 30, "{ra:?}");
-    let rb = p.give_back(&b, "vm2");
+    let rb = p.give_back(&b, "vm2").expect("lent");
     assert!(!rb.ok && !rb.verified && rb.error.as_deref().unwrap().contains("non-zero byte"), "{rb:?}");
     assert!(matches!(b.state(), PassState::Quarantined { reason } if reason.contains("non-zero")));
     // Back on nvidia either way: the driver is needed to scrub it again.
@@ -236,4 +241,67 @@ fn the_daemon_returns_devices_lent_to_vms_it_no_longer_has() {
     assert_eq!(f.driver("0000:00:05.0").as_deref(), Some("nvme"));
     assert_eq!(p.get("a").unwrap().state(), PassState::Lent { vm: "kept".into() });
     assert_eq!(f.driver("0000:00:04.0").as_deref(), Some("vfio-pci"));
+}
+
+#[test]
+fn a_return_is_only_for_the_vm_the_device_is_lent_to() {
+    let f = Fake::new();
+    f.device("0000:00:04.0", NVME.0, NVME.1, Some("nvme"), Some(3));
+    let p = f.pass(&[cfg("nvme0", "0000:00:04.0")], no_gpu());
+    let d = p.lend_from("p", &["nvme0".into()], "vm1", None).unwrap();
+    assert!(p.give_back(&d, "vm2").is_none(), "another VM's delete returns nothing");
+    assert_eq!(d.state(), PassState::Lent { vm: "vm1".into() });
+    assert_eq!(f.driver("0000:00:04.0").as_deref(), Some("vfio-pci"));
+    assert!(p.give_back(&d, "vm1").is_some());
+    assert!(p.give_back(&d, "vm1").is_none(), "a second return does nothing");
+    assert_eq!(p.view(&d, "p").scrubs.len(), 1);
+    // A VMM that did not end: its devices are quarantined, not returned.
+    p.lend_from("p", &["nvme0".into()], "vm3", None).unwrap();
+    p.quarantine_lent("vm3", "its VMM did not end");
+    assert!(matches!(d.state(), PassState::Quarantined { reason } if reason.contains("did not end")));
+    assert_eq!(f.driver("0000:00:04.0").as_deref(), Some("vfio-pci"), "a quarantined device stays away from the host");
+}
+
+#[test]
+fn untrusted_records_and_unrecorded_vfio_devices_are_scrubbed_before_use() {
+    let f = Fake::new();
+    f.device("0000:00:04.0", NVME.0, NVME.1, Some("nvme"), Some(3));
+    f.device("0000:00:05.0", NVME.0, NVME.1, Some("vfio-pci"), Some(4));
+    std::fs::write(f.dev("0000:00:05.0").join(".home"), "nvme").unwrap();
+    let p = f.pass(&[cfg("a", "0000:00:04.0"), cfg("b", "0000:00:05.0")], no_gpu());
+    // b sits on vfio-pci with no record of a lend: returned first.
+    assert_eq!(p.get("b").unwrap().state(), PassState::Returning { vm: String::new() });
+    p.lend_from("p", &["a".into()], "vm1", None).unwrap();
+    drop(p);
+    // The config now gives a's name another address: a's record (lent to
+    // vm1) is not trusted, and the device at that address, on vfio-pci,
+    // is returned before anyone gets it.
+    f.device("0000:00:06.0", NVME.0, NVME.1, Some("vfio-pci"), Some(5));
+    std::fs::write(f.dev("0000:00:06.0").join(".home"), "nvme").unwrap();
+    let p = f.pass(&[cfg("a", "0000:00:06.0"), cfg("b", "0000:00:05.0")], no_gpu());
+    let a = p.get("a").unwrap().clone();
+    assert_eq!(a.state(), PassState::Returning { vm: String::new() });
+    p.recover(|_| true);
+    let until = Instant::now() + Duration::from_secs(10);
+    while p.devices.iter().any(|d| d.state() != PassState::Free) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(p.devices.iter().all(|d| d.state() == PassState::Free), "{:?}", p.devices.iter().map(|d| d.state()).collect::<Vec<_>>());
+    // With no host driver on record, they are left without a driver.
+    assert_eq!((f.driver("0000:00:05.0"), f.driver("0000:00:06.0")), (None, None));
+    assert!(a.last_scrub().unwrap().ok);
+}
+
+#[test]
+fn a_driver_that_will_not_let_go_quarantines_the_device_without_hanging() {
+    let f = Fake::new();
+    f.device("0000:3b:00.0", GPU.0, GPU.1, Some("nvidia"), Some(40));
+    std::fs::write(f.dev("0000:3b:00.0").join(".unbind_hangs"), "").unwrap();
+    let p = f.pass(&[cfg("gpu0", "0000:3b:00.0")], no_gpu());
+    let t0 = Instant::now();
+    let e = p.lend_from("whole", &["gpu0".into()], "vm1", None).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(2), "the lend waited for the stuck write");
+    assert!(matches!(e, PassError::NoneFree { internal: true, .. }), "{e:?}");
+    assert!(chain(&e).contains("did not finish in time: something still has the device open"), "{}", chain(&e));
+    assert!(matches!(p.get("gpu0").unwrap().state(), PassState::Quarantined { .. }));
 }
