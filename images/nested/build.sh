@@ -125,8 +125,10 @@ L2="$OUT/l2-root"
 base_tree "$L2"
 install_vgpu_userspace "$L2"
 # Resolved first: a failure inside $(...) in a for list would go unnoticed.
-# nvme: the guest's driver for a passthrough NVMe device (scenarios/vfio.sh).
-l2_mods="$(mods virtio_pci virtio-rng virtio-gpu nvme)"
+# nvme: the guest's driver for a passthrough NVMe device (scenarios/vfio.sh);
+# ahci and sd_mod: for a passthrough AHCI controller, which has MSI and no
+# MSI-X (scenarios/vfio-msi.sh).
+l2_mods="$(mods virtio_pci virtio-rng virtio-gpu nvme ahci sd_mod)"
 i=0
 for f in $l2_mods; do
     i=$((i + 1))

@@ -18,6 +18,11 @@ extra=()
 if [ -n "${VFIO_IVSHMEM:-}" ]; then
     extra=(-object "memory-backend-file,id=hostmem,share=on,mem-path=$VFIO_IVSHMEM,size=512M" -device ivshmem-plain,memdev=hostmem)
 fi
+# With VFIO_AHCI=IMAGE, also an AHCI controller (MSI, no MSI-X) with a disk
+# over IMAGE (scenarios/vfio-msi.sh).
+if [ -n "${VFIO_AHCI:-}" ]; then
+    extra+=(-drive "file=$VFIO_AHCI,if=none,id=sd,format=raw" -device ich9-ahci,id=ahci0 -device ide-hd,drive=sd,bus=ahci0.0)
+fi
 # The IOMMU comes before any PCI device, as QEMU requires.
 exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
     -accel tcg,thread=multi -cpu max,svm=on -smp 2 -m 2048 \

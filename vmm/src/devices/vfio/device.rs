@@ -6,9 +6,10 @@
 //! bus mastering and INTx disable are passed on), the BARs (the guest sees
 //! the addresses our root assigned and sizes from the VFIO region info;
 //! the real BARs are never written), the expansion ROM (absent), the
-//! interrupt pin (none: no INTx), the capability pointers (MSI is hidden,
-//! MSI-X kept) and MSI-X's enable and function-mask bits. Other writes go
-//! to vfio-pci, which filters what a user may change.
+//! interrupt pin (none: no INTx), the capability pointers (MSI is hidden
+//! when there is MSI-X), MSI-X's enable and function-mask bits, and the
+//! whole MSI capability of a device without MSI-X. Other writes go to
+//! vfio-pci, which filters what a user may change.
 //!
 //! BARs: the mmap-able parts of a memory BAR become KVM memory slots at the
 //! BAR's guest address, except the pages holding the MSI-X table and PBA;
@@ -17,21 +18,25 @@
 //! writes, with the table and PBA emulated. A guest that moves a BAR or
 //! turns decoding off has its slots removed, and re-added where it points.
 //!
-//! Interrupts: MSI-X only. Each vector has an eventfd that VFIO signals
-//! (VFIO_DEVICE_SET_IRQS, ACTION_TRIGGER) and that is also the KVM irqfd of
-//! the vector's GSI, whose route is the (address, data) of the emulated
-//! table entry; see [`super::msix`].
+//! Interrupts: MSI-X, or MSI on a device without MSI-X; no INTx. Each
+//! vector has an eventfd that VFIO signals (VFIO_DEVICE_SET_IRQS,
+//! ACTION_TRIGGER) and that is also the KVM irqfd of the vector's GSI,
+//! whose route is the vector's (address, data); see [`super::msix`] and
+//! [`super::msi`]. A device that raises no interrupt at all passes too.
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use kvm_bindings::{kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_userspace_memory_region};
 use kvm_ioctls::VmFd;
-use vfio_bindings::bindings::vfio::{VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_REGION_INFO_FLAG_MMAP, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE};
+use vfio_bindings::bindings::vfio::{
+    VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_REGION_INFO_FLAG_MMAP, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+};
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioDeviceFd, VfioOps, VfioRegionInfoCap};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::msi::{Msi, MsiSink};
 use super::msix::{MsixTable, VectorSink, CTL_ENABLE, CTL_MASK_ALL, MAX_VECTORS};
 use super::{PciAddress, VfioError};
 use crate::devices::pci::{ConfigSpace, IrqRouting, PciDevice};
@@ -114,6 +119,23 @@ struct Wiring<'a> {
     gsis: &'a [u32],
 }
 
+impl MsiSink for Wiring<'_> {
+    fn enable(&mut self, n: usize) {
+        let r = if n > 0 { self.dev.enable_msi(self.fds.iter().take(n).collect()) } else { self.dev.disable_msi() };
+        if let Err(e) = r {
+            tracing::warn!(device = %self.addr, "VFIO MSI {}: {e}", if n > 0 { "enable" } else { "disable" });
+        }
+    }
+
+    fn route(&mut self, v: usize, address: u64, data: u32) {
+        VectorSink::route(self, v, address, data)
+    }
+
+    fn deliver(&mut self, v: usize, on: bool) {
+        VectorSink::deliver(self, v, on)
+    }
+}
+
 impl VectorSink for Wiring<'_> {
     fn set_enabled(&mut self, on: bool) {
         let r = if on { self.dev.enable_msix(self.fds.iter().collect()) } else { self.dev.disable_msix() };
@@ -150,6 +172,9 @@ pub struct VfioPci {
     bars: [Option<Bar>; NUM_BARS],
     msix: MsixTable,
     place: MsixPlace,
+    /// A device without MSI-X but with MSI: its capability's offset and
+    /// the emulated registers.
+    msi: Option<(usize, Msi)>,
     fds: Vec<EventFd>,
     gsis: Vec<u32>,
     routing: Arc<IrqRouting>,
@@ -218,32 +243,49 @@ impl VfioPci {
             }
         }
         let msix_cap = caps.iter().find(|(id, _)| *id == CAP_MSIX).map(|(_, o)| *o);
+        let msi_cap = caps.iter().find(|(id, _)| *id == CAP_MSI).map(|(_, o)| *o).filter(|_| msix_cap.is_none());
+        // MSI, emulated, when there is no MSI-X.
+        let msi = match msi_cap {
+            Some(c) if c + 4 <= 256 => {
+                let offered = dev.get_irq_info(VFIO_PCI_MSI_IRQ_INDEX).map_or(0, |i| i.count as usize);
+                if offered == 0 {
+                    return Err(unsupported("VFIO offers no MSI vectors for it".into()));
+                }
+                let m = Msi::new(u16::from_le_bytes([real[c + 2], real[c + 3]]), offered);
+                if c + m.len() > 256 {
+                    return Err(unsupported(format!("its MSI capability at {c:#x} runs past the config space")));
+                }
+                Some((c, m))
+            }
+            Some(c) => return Err(unsupported(format!("its MSI capability at {c:#x} runs past the config space"))),
+            None => None,
+        };
         // A device that raises no interrupt at all (no MSI-X, no MSI, no
         // INTx pin: shared memory, say) is passed through as it is.
-        let silent = msix_cap.is_none() && !caps.iter().any(|(id, _)| *id == CAP_MSI) && real[0x3d] == 0;
+        let no_msix = msix_cap.is_none() && (msi.is_some() || real[0x3d] == 0);
         let msix_cap = match msix_cap {
             Some(c) => c,
-            None if silent => NO_MSIX.cap,
-            None => return Err(unsupported("the device has no MSI-X capability: only MSI-X interrupts are supported (no INTx, no MSI)".into())),
+            None if no_msix => NO_MSIX.cap,
+            None => return Err(unsupported("the device raises INTx only: MSI-X and MSI are supported, INTx is not".into())),
         };
-        if !silent && msix_cap + 12 > 256 {
+        if !no_msix && msix_cap + 12 > 256 {
             return Err(unsupported(format!("its MSI-X capability at {msix_cap:#x} runs past the config space")));
         }
         let mut hidden = Vec::new();
         for &(id, off) in &caps {
-            if id == CAP_MSI {
+            if id == CAP_MSI && msi.is_none() {
                 let ctl = u16::from_le_bytes([real[off + 2], real[(off + 3) & 0xff]]);
                 let len = 10 + if ctl & 0x80 != 0 { 4 } else { 0 } + if ctl & 0x100 != 0 { 10 } else { 0 };
                 hidden.push((off, (off + len).min(256)));
             }
         }
-        let kept: Vec<usize> = caps.iter().filter(|(id, _)| *id != CAP_MSI).map(|(_, o)| *o).collect();
+        let kept: Vec<usize> = caps.iter().filter(|(id, _)| *id != CAP_MSI || msi.is_some()).map(|(_, o)| *o).collect();
         let first_cap = kept.first().map_or(0, |&o| o as u8);
         let next_ptr = kept.iter().enumerate().map(|(i, &o)| (o + 1, kept.get(i + 1).map_or(0, |&n| n as u8))).collect();
 
         let dword = |o: usize| u32::from_le_bytes([real[o], real[o + 1], real[o + 2], real[o + 3]]);
-        let (place, nvec) = if silent {
-            (NO_MSIX, 0)
+        let (place, nvec) = if no_msix {
+            (NO_MSIX, msi.as_ref().map_or(0, |(_, m)| m.max_vectors()))
         } else {
             let table = dword(msix_cap + 4);
             let pba = dword(msix_cap + 8);
@@ -256,7 +298,7 @@ impl VfioPci {
             }
             (place, nvec)
         };
-        // (A silent device gets a table no access reaches.)
+        // (A no_msix device gets a table no access reaches.)
         let msix = MsixTable::new(nvec);
 
         // The guest's config space: the real header with the BARs, ROM and
@@ -295,7 +337,7 @@ impl VfioPci {
             bars[i] = Some(Bar { region_size: size, areas, placed: None });
             i += step;
         }
-        for (bar, what) in [(place.table_bar, "table"), (place.pba_bar, "PBA")].into_iter().filter(|_| !silent) {
+        for (bar, what) in [(place.table_bar, "table"), (place.pba_bar, "PBA")].into_iter().filter(|_| !no_msix) {
             let (off, len) = if what == "table" { (place.table_off, msix.table_bytes()) } else { (place.pba_off, msix.pba_bytes()) };
             let fits = bars.get(bar).and_then(|b| b.as_ref()).is_some_and(|b| off.checked_add(len).is_some_and(|e| e <= b.region_size));
             if !fits {
@@ -309,8 +351,8 @@ impl VfioPci {
             fds.push(EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VfioError::Vfio { addr, what: "eventfd", err: e.to_string() })?);
             gsis.push(routing.allocate_gsi());
         }
-        tracing::info!(device = %addr, vectors = nvec, "VFIO device ready");
-        Ok(VfioPci { addr, cfg, first_cap, next_ptr, hidden, bars, msix, place, fds, gsis, routing, vm, slots: ctx.slots.clone(), dev })
+        tracing::info!(device = %addr, vectors = nvec, interrupts = if msi.is_some() { "msi" } else if no_msix { "none" } else { "msi-x" }, "VFIO device ready");
+        Ok(VfioPci { addr, cfg, first_cap, next_ptr, hidden, bars, msix, place, msi, fds, gsis, routing, vm, slots: ctx.slots.clone(), dev })
     }
 
     pub fn address(&self) -> PciAddress {
@@ -331,6 +373,8 @@ impl VfioPci {
             _ => {
                 if let Some(&(_, v)) = self.next_ptr.iter().find(|(p, _)| *p == o) {
                     v
+                } else if let Some((c, m)) = self.msi.as_ref().filter(|(c, m)| (c + 2..c + m.len()).contains(&o)) {
+                    m.read(o - c)
                 } else if o == self.place.cap + 3 {
                     (real & 0x3f) | (self.msix.control_bits() >> 8) as u8
                 } else {
@@ -506,6 +550,7 @@ impl PciDevice for VfioPci {
         let was = self.cfg.get16(COMMAND);
         let mut command = false;
         let mut control = None;
+        let mut msi_touched = false;
         // Runs of bytes that go to the device as they are.
         let mut run: Option<(usize, Vec<u8>)> = None;
         let mut runs = Vec::new();
@@ -526,6 +571,12 @@ impl PciDevice for VfioPci {
                 }
                 _ if o == self.place.cap + 3 => {
                     control = Some(((b as u16) << 8) & (CTL_ENABLE | CTL_MASK_ALL));
+                    false
+                }
+                _ if self.msi.as_ref().is_some_and(|(c, m)| (c + 2..c + m.len()).contains(&o)) => {
+                    if let Some((c, m)) = self.msi.as_mut() {
+                        msi_touched |= m.write(o - *c, b);
+                    }
                     false
                 }
                 _ => !self.read_only(o),
@@ -556,6 +607,13 @@ impl PciDevice for VfioPci {
             let (fds, gsis, routing) = (&self.fds, &self.gsis, &self.routing);
             let mut w = Wiring { addr: self.addr, dev: &self.dev, routing, fds, gsis };
             self.msix.write_control(ctl, &mut w);
+        }
+        if msi_touched {
+            let (fds, gsis, routing) = (&self.fds, &self.gsis, &self.routing);
+            let mut w = Wiring { addr: self.addr, dev: &self.dev, routing, fds, gsis };
+            if let Some((_, m)) = self.msi.as_mut() {
+                m.sync(&mut w);
+            }
         }
     }
 
@@ -603,6 +661,9 @@ impl Drop for VfioPci {
     fn drop(&mut self) {
         let mut msix = std::mem::replace(&mut self.msix, MsixTable::new(1));
         msix.reset(&mut self.wiring());
+        if let Some((_, mut m)) = self.msi.take() {
+            m.reset(&mut self.wiring());
+        }
         for bar in 0..NUM_BARS {
             self.unmap_bar(bar);
             if let Some(b) = self.bars[bar].take() {

@@ -13,6 +13,7 @@
 //! guest RAM is DMA-mapped in it with IOVA = guest physical address.
 
 pub mod device;
+pub mod msi;
 pub mod msix;
 
 use std::path::Path;
