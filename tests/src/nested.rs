@@ -40,3 +40,23 @@ pub fn run(scenario: &str, timeout_s: u32) -> String {
 pub fn value<'a>(text: &'a str, key: &str) -> Option<&'a str> {
     text.lines().find_map(|l| l.trim_end_matches('\r').strip_prefix(key)?.strip_prefix('='))
 }
+
+/// Runs `scenario` under images/nested/run-vfio.sh (the emulated Intel
+/// IOMMU) with `env` set (VFIO_IVSHMEM, VFIO_AHCI: the extra devices), and
+/// a blank image for the NVMe device it always attaches; returns the
+/// console text once the scenario printed `done`.
+pub fn run_vfio(scenario: &str, env: &[(&str, &std::path::Path)], done: &str) -> String {
+    build();
+    let img = std::env::temp_dir().join(format!("vgpu-nested-{scenario}-nvme-{}.img", std::process::id()));
+    std::fs::write(&img, vec![0u8; 1 << 20]).expect("write the NVMe image");
+    let mut cmd = Command::new("bash");
+    cmd.arg(workspace().join("images/nested/run-vfio.sh")).arg(scenario).arg(&img).arg("600");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let o = cmd.output().expect("run images/nested/run-vfio.sh");
+    let _ = std::fs::remove_file(&img);
+    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success() && out.contains(done), "QEMU failed or the scenario did not finish ({}):\n{out}", o.status);
+    out
+}

@@ -6,9 +6,7 @@
 //! frame buffer aperture; the guest reads both words through it and writes
 //! two of its own, which the test finds in the file after QEMU exits.
 
-use std::process::Command;
-
-use vgpu_tests::{nested, workspace};
+use vgpu_tests::nested;
 
 const SIZE: usize = 512 << 20;
 
@@ -18,22 +16,15 @@ fn a_512_mib_bar_is_placed_above_guest_ram_and_reaches_the_device() {
     if !nested::qemu_available(test) {
         return;
     }
-    nested::build();
     let file = std::env::temp_dir().join(format!("vgpu-nested-ivshmem-{}.bin", std::process::id()));
     let mut bytes = vec![0u8; SIZE];
     bytes[..4].copy_from_slice(&0x1122_3344u32.to_le_bytes());
     bytes[SIZE - 4..].copy_from_slice(&0x5566_7788u32.to_le_bytes());
     std::fs::write(&file, &bytes).expect("write the ivshmem file");
     drop(bytes);
-    // The NVMe image run-vfio.sh always attaches.
-    let img = std::env::temp_dir().join(format!("vgpu-nested-bigbar-{}.img", std::process::id()));
-    std::fs::write(&img, vec![0u8; 1 << 20]).expect("write the NVMe image");
-    let o = Command::new("bash").arg(workspace().join("images/nested/run-vfio.sh")).arg("vfio-bigbar").arg(&img).arg("600").env("VFIO_IVSHMEM", &file).output().expect("run images/nested/run-vfio.sh");
-    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let out = nested::run_vfio("vfio-bigbar", &[("VFIO_IVSHMEM", &file)], "BIGBAR-DONE");
     let after = std::fs::read(&file).expect("read the ivshmem file back");
     let _ = std::fs::remove_file(&file);
-    let _ = std::fs::remove_file(&img);
-    assert!(o.status.success() && out.contains("BIGBAR-DONE"), "QEMU failed or the scenario did not finish ({}):\n{out}", o.status);
     assert_eq!(nested::value(&out, "VMM-EXIT"), Some("0"), "{out}");
     let start =
         nested::value(&out, "CONSOLE: L2-BIGBAR-START").and_then(|v| u64::from_str_radix(v.trim_start_matches("0x"), 16).ok()).unwrap_or_else(|| panic!("no BAR address from the guest:\n{out}"));

@@ -5,9 +5,7 @@
 //! test's marker and writes its own on MSI interrupts, through the VMM's
 //! emulated MSI capability. The test finds the guest's marker in the image.
 
-use std::process::Command;
-
-use vgpu_tests::{nested, workspace};
+use vgpu_tests::nested;
 
 const HOST_MARKER: &str = "MARKER-FROM-HOST-AHCI-TEST";
 const GUEST_MARKER: &str = "MARKER-FROM-GUEST-L2-AHCI";
@@ -21,20 +19,13 @@ fn a_device_with_msi_and_no_msix_works_in_the_guest_on_msi() {
     if !nested::qemu_available("a_device_with_msi_and_no_msix_works_in_the_guest_on_msi") {
         return;
     }
-    nested::build();
     let disk = std::env::temp_dir().join(format!("vgpu-nested-ahci-{}.img", std::process::id()));
     let mut bytes = vec![0u8; 16 << 20];
     bytes[..HOST_MARKER.len()].copy_from_slice(HOST_MARKER.as_bytes());
     std::fs::write(&disk, &bytes).expect("write the AHCI disk image");
-    // The NVMe image run-vfio.sh always attaches.
-    let img = std::env::temp_dir().join(format!("vgpu-nested-msi-nvme-{}.img", std::process::id()));
-    std::fs::write(&img, vec![0u8; 1 << 20]).expect("write the NVMe image");
-    let o = Command::new("bash").arg(workspace().join("images/nested/run-vfio.sh")).arg("vfio-msi").arg(&img).arg("600").env("VFIO_AHCI", &disk).output().expect("run images/nested/run-vfio.sh");
-    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let out = nested::run_vfio("vfio-msi", &[("VFIO_AHCI", &disk)], "MSI-DONE");
     let after = std::fs::read(&disk).expect("read the AHCI image back");
     let _ = std::fs::remove_file(&disk);
-    let _ = std::fs::remove_file(&img);
-    assert!(o.status.success() && out.contains("MSI-DONE"), "QEMU failed or the scenario did not finish ({}):\n{out}", o.status);
     assert_eq!(nested::value(&out, "AHCI-DRIVER"), Some("vfio-pci"), "{out}");
     assert_eq!(nested::value(&out, "VMM-EXIT"), Some("0"), "{out}");
     assert!(out.contains("interrupts=\"msi\""), "the VMM did not set the device up for MSI:\n{out}");

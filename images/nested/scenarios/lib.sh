@@ -9,3 +9,34 @@ start_mediator() {
     i=0
     while [ ! -S $run/api.sock ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
 }
+
+# Binds PCI function $1 to vfio-pci.
+bind_vfio() {
+    echo vfio-pci > /sys/bus/pci/devices/$1/driver_override
+    echo $1 > /sys/bus/pci/drivers_probe
+}
+
+# Boots the stock L2 kernel with PCI function $1 passed through and
+# l2test=$2, waits (at most 300 s) for the VMM to end, and prints
+# VMM-EXIT, VMM-SECONDS, the guest's console (CONSOLE: lines) and the
+# VMM's log (VMM-ERR: lines).
+run_vfio_vm() {
+    log=/tmp/l2-serial.log
+    : > $log
+    start=$(cut -d' ' -f1 /proc/uptime)
+    VGPU_LOG=info /bin/vgpu-vmm --kernel /l2/vmlinuz --initramfs /l2/initrd --vcpus 1 --memory 256 \
+        --serial $log --vfio $1 --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=$2" 2>/tmp/vmm.err &
+    vmm=$!
+    i=0
+    while kill -0 $vmm 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
+    if kill -0 $vmm 2>/dev/null; then
+        echo "VMM-TIMEOUT"
+        kill -9 $vmm
+    fi
+    wait $vmm
+    echo "VMM-EXIT=$?"
+    end=$(cut -d' ' -f1 /proc/uptime)
+    echo "VMM-SECONDS=$(echo "$start $end" | awk '{printf "%.2f", $2 - $1}')"
+    sed 's/^/CONSOLE: /' $log
+    sed 's/^/VMM-ERR: /' /tmp/vmm.err
+}

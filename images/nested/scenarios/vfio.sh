@@ -3,7 +3,7 @@
 # with its reason and leaves every driver as it was; then the NVMe device
 # is bound to vfio-pci and vgpu-vmm passes it to Debian's stock kernel,
 # whose nvme driver reads the host's marker and writes its own.
-log=/tmp/l2-serial.log
+. /scenarios/lib.sh
 vmm_args="--kernel /l2/vmlinuz --initramfs /l2/initrd --vcpus 1 --memory 256"
 drv() {
     d=$(busybox readlink /sys/bus/pci/devices/$1/driver)
@@ -35,28 +35,11 @@ echo "NVME-DRIVER-AFTER-BAD=$(drv $nvme)"
 echo "HOSTBRIDGE-DRIVER-AFTER-BAD=$(drv 0000:00:00.0)"
 echo "VFIO-NODES-AFTER-BAD=$(ls /dev/vfio | tr '\n' ' ')"
 
-echo vfio-pci > /sys/bus/pci/devices/$nvme/driver_override
-echo $nvme > /sys/bus/pci/drivers_probe
+bind_vfio $nvme
 echo "NVME-DRIVER-BOUND=$(drv $nvme)"
 echo "VFIO-NODES=$(ls /dev/vfio | tr '\n' ' ')"
 bad JAIL --vfio $nvme --jail /tmp/jail --jail-uid 1000 --jail-gid 1000
 
-: > $log
-start=$(cut -d' ' -f1 /proc/uptime)
-VGPU_LOG=info /bin/vgpu-vmm $vmm_args --serial $log --vfio $nvme \
-    --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=nvme" 2>/tmp/vmm.err &
-vmm=$!
-i=0
-while kill -0 $vmm 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
-if kill -0 $vmm 2>/dev/null; then
-    echo "VMM-TIMEOUT"
-    kill -9 $vmm
-fi
-wait $vmm
-echo "VMM-EXIT=$?"
-end=$(cut -d' ' -f1 /proc/uptime)
-sed 's/^/CONSOLE: /' $log
-sed 's/^/VMM-ERR: /' /tmp/vmm.err
-echo "VMM-SECONDS=$(echo "$start $end" | awk '{printf "%.2f", $2 - $1}')"
+run_vfio_vm $nvme nvme
 echo "NVME-DRIVER-AFTER=$(drv $nvme)"
 echo "VFIO-DONE"
