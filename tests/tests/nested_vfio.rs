@@ -94,7 +94,6 @@ fn bad_vfio_input_is_refused_and_leaves_every_driver_as_it_was() {
         ("HOSTBRIDGE", "1", "0000:00:00.0 is not bound to vfio-pci".to_string()),
         ("GARBAGE", "2", "invalid PCI address 'not-a-pci-address': use DDDD:BB:DD.F".to_string()),
         ("MISSING", "1", "no PCI device 0000:00:1e.7".to_string()),
-        ("JAIL", "1", "--vfio cannot be used with --jail".to_string()),
     ];
     for (name, status, says) in cases {
         assert_eq!(nested::value(out, &format!("BAD-{name}-EXIT")), Some(status), "{name}:\n{out}");
@@ -108,6 +107,16 @@ fn bad_vfio_input_is_refused_and_leaves_every_driver_as_it_was() {
     assert_eq!(nested::value(out, "VFIO-NODES-AFTER-BAD").map(str::trim), Some("vfio"), "{out}");
     // The VMM never rebinds: the device stays with vfio-pci after the VM.
     assert_eq!(nested::value(out, "NVME-DRIVER-AFTER"), Some("vfio-pci"), "{out}");
+}
+
+#[test]
+fn a_jailed_vmm_passes_the_device_through_too() {
+    let Some(run) = output("a_jailed_vmm_passes_the_device_through_too") else { return };
+    let out = &run.console;
+    assert_eq!(nested::value(out, "JAILED-VMM-EXIT"), Some("0"), "the jailed VMM failed:\n{out}");
+    assert_eq!(nested::value(out, "JAILED-CONSOLE: L2-NVME-READ"), Some(HOST_MARKER), "the guest of the jailed VMM did not read the marker:\n{out}");
+    assert_eq!(nested::value(out, "JAILED-CONSOLE: L2-NVME-READBACK"), Some(GUEST_MARKER), "{out}");
+    assert_eq!(nested::value(out, "JAILED-CONSOLE: L2-NVME-IRQ-MODE").map(str::trim), Some("msix"), "{out}");
 }
 
 #[test]

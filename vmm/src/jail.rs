@@ -30,8 +30,10 @@
 //! still root, so a missing tap is created then (not persistent: it goes
 //! away with the VMM); an existing tap is simply attached to.
 //!
-//! `--vfio` is refused with `--jail`: the jail exposes neither /dev/vfio
-//! nor the sysfs tree VFIO devices are opened and released through.
+//! - with `--vfio`, each device's own sysfs directory and its IOMMU group's
+//!   (read-only), and /dev/vfio/vfio and /dev/vfio/GROUP as nodes of the
+//!   jail's uid; RLIMIT_MEMLOCK is lifted, since VFIO pins guest RAM and
+//!   the jailed VMM has no CAP_IPC_LOCK.
 
 use std::ffi::CString;
 use std::io;
@@ -127,6 +129,13 @@ pub fn absolute_paths(cfg: &mut VmConfig) -> Result<(), JailError> {
 struct Exposed {
     read_only: Vec<PathBuf>,
     writable: Vec<PathBuf>,
+    /// Character devices made in the jail for its uid: (path, rdev).
+    nodes: Vec<(PathBuf, u64)>,
+    /// Symbolic links made in the jail: (link, target).
+    links: Vec<(PathBuf, PathBuf)>,
+    /// Passthrough devices: guest RAM is pinned for DMA, so the jailed
+    /// VMM's RLIMIT_MEMLOCK is lifted (it has no CAP_IPC_LOCK).
+    memlock: bool,
 }
 
 /// Whether `uid`/`gid` (no supplementary groups) may access a file with
@@ -156,10 +165,10 @@ impl Exposed {
     /// Checks on the host that the jail's uid can use every file the VM
     /// description names, and creates the serial file for it if missing.
     fn for_config(cfg: &VmConfig, j: &JailConfig) -> Result<Exposed, JailError> {
-        if let Some(a) = cfg.vfio.first() {
-            return Err(JailError::Invalid(crate::devices::vfio::VfioError::Jailed(*a).to_string()));
-        }
         let mut e = Exposed::default();
+        for a in &cfg.vfio {
+            e.expose_vfio(a)?;
+        }
         need_access(&cfg.kernel, "kernel", j, 4)?;
         e.read_only.push(cfg.kernel.clone());
         if let Some(i) = &cfg.initramfs {
@@ -203,6 +212,34 @@ impl Exposed {
             e.read_only.push(root.join("devices/system/cpu/online"));
         }
         Ok(e)
+    }
+}
+
+impl Exposed {
+    /// What opening and releasing passthrough device `a` reads: its sysfs
+    /// directory (bound at its real path, with /sys/bus/pci/devices/ADDR
+    /// linking to it, so its relative `iommu_group` link resolves), its
+    /// IOMMU group's directory, and /dev/vfio/vfio and /dev/vfio/GROUP as
+    /// nodes of the jail's uid. Nothing else of sysfs or /dev/vfio.
+    fn expose_vfio(&mut self, a: &crate::devices::vfio::PciAddress) -> Result<(), JailError> {
+        let sysfs = crate::numa::sysfs_root();
+        let link = a.dir(&sysfs);
+        let real = std::fs::canonicalize(&link).map_err(sys(format!("passthrough device {}", link.display())))?;
+        let group = a.iommu_group(&sysfs).ok_or_else(|| JailError::Invalid(crate::devices::vfio::VfioError::NoIommuGroup(*a).to_string()))?;
+        let groups = std::fs::canonicalize(sysfs.join("kernel/iommu_groups").join(group.to_string())).map_err(sys(format!("IOMMU group {group}")))?;
+        self.read_only.push(real.clone());
+        self.read_only.push(groups);
+        if link != real {
+            self.links.push((link, real));
+        }
+        for node in [PathBuf::from("/dev/vfio/vfio"), PathBuf::from(format!("/dev/vfio/{group}"))] {
+            if !self.nodes.iter().any(|(p, _)| *p == node) {
+                let rdev = std::fs::metadata(&node).map_err(sys(node.display().to_string()))?.rdev();
+                self.nodes.push((node, rdev));
+            }
+        }
+        self.memlock = true;
+        Ok(())
     }
 }
 
@@ -539,6 +576,25 @@ fn build_root(j: &JailConfig, e: &Exposed, kvm_rdev: u64) -> Result<(), JailErro
     }
     for p in &e.writable {
         bind_at_same_path(root, p, true)?;
+    }
+    for (link, target) in &e.links {
+        let at = root.join(link.strip_prefix("/").unwrap_or(link));
+        std::fs::create_dir_all(at.parent().unwrap_or(root)).map_err(sys(format!("creating {}", at.display())))?;
+        std::os::unix::fs::symlink(target, &at).map_err(sys(format!("linking {} to {}", at.display(), target.display())))?;
+    }
+    for (node, rdev) in &e.nodes {
+        let at = root.join(node.strip_prefix("/").unwrap_or(node));
+        std::fs::create_dir_all(at.parent().unwrap_or(root)).map_err(sys(format!("creating {}", at.display())))?;
+        let c = cstr(&at)?;
+        // SAFETY: a NUL-terminated path in the jail's own tmpfs.
+        check(unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, *rdev) }, format!("creating the jail's {}", node.display()))?;
+        // SAFETY: as above; plain ownership change of the new node.
+        check(unsafe { libc::chown(c.as_ptr(), j.uid, j.gid) }, format!("giving {} to the jail's uid", node.display()))?;
+    }
+    if e.memlock {
+        let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+        // SAFETY: setrlimit with a valid struct; still root here.
+        check(unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) }, "lifting RLIMIT_MEMLOCK for VFIO's pinned guest RAM")?;
     }
     std::env::set_current_dir(root).map_err(sys(format!("entering {}", root.display())))?;
     // SAFETY: pivot_root with two NUL-terminated paths (".", ".").

@@ -17,15 +17,16 @@ bind_vfio() {
 }
 
 # Boots the stock L2 kernel with PCI function $1 passed through and
-# l2test=$2, waits (at most 300 s) for the VMM to end, and prints
+# l2test=$2 (and vgpu-vmm flags $3, unquoted), waits (at most 300 s) for the VMM to end, and prints
 # VMM-EXIT, VMM-SECONDS, the guest's console (CONSOLE: lines) and the
 # VMM's log (VMM-ERR: lines).
 run_vfio_vm() {
     log=/tmp/l2-serial.log
-    : > $log
+    # Made by the VMM (a jailed one makes it for the jail's uid).
+    rm -f $log
     start=$(cut -d' ' -f1 /proc/uptime)
     VGPU_LOG=info /bin/vgpu-vmm --kernel /l2/vmlinuz --initramfs /l2/initrd --vcpus 1 --memory 256 \
-        --serial $log --vfio $1 --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=$2" 2>/tmp/vmm.err &
+        --serial $log --vfio $1 $3 --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=$2" 2>/tmp/vmm.err &
     vmm=$!
     i=0
     while kill -0 $vmm 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done

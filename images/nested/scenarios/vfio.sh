@@ -38,8 +38,13 @@ echo "VFIO-NODES-AFTER-BAD=$(ls /dev/vfio | tr '\n' ' ')"
 bind_vfio $nvme
 echo "NVME-DRIVER-BOUND=$(drv $nvme)"
 echo "VFIO-NODES=$(ls /dev/vfio | tr '\n' ' ')"
-bad JAIL --vfio $nvme --jail /tmp/jail --jail-uid 1000 --jail-gid 1000
 
 run_vfio_vm $nvme nvme
+# The same device again, with the VMM in its jail (uid 1000, no
+# capabilities): only this device's sysfs entries and VFIO nodes are
+# exposed.
+mkdir -p /tmp/jail
+chmod 0644 /l2/vmlinuz /l2/initrd
+run_vfio_vm $nvme nvme "--jail /tmp/jail --jail-uid 1000 --jail-gid 1000" | sed 's/^/JAILED-/'
 echo "NVME-DRIVER-AFTER=$(drv $nvme)"
 echo "VFIO-DONE"

@@ -575,9 +575,6 @@ impl Vms {
         if let Some((other, tap)) = self.map().values().find_map(|v| tap_names(&v.spec).into_iter().find(|t| taps.contains(t)).map(|t| (v.spec.name.clone(), t))) {
             return Err(ControlError::Conflict(format!("VM {other} uses tap {tap} already")));
         }
-        if !spec.passthrough.is_empty() && self.cfg.jail.is_some() {
-            return Err(bad("a VM with passthrough devices cannot run in the VMM jail yet (vms.jail is set): the jail exposes neither /dev/vfio nor sysfs"));
-        }
         let rec = ensure_tenant(c, &spec, self.cfg.jail)?;
         let vm = self.make(c, spec, Desired::Running, None);
         let undo = |vm: &Arc<Vm>| {

@@ -65,7 +65,8 @@ struct Cli {
     /// Pass a host PCI function through whole with VFIO: DDDD:BB:DD.F
     /// (repeatable, at most 8). It must be bound to vfio-pci and in an
     /// IOMMU group whose other devices are bound to vfio-pci or to none.
-    /// MSI-X interrupts only. Not with --jail.
+    /// MSI-X or MSI interrupts (no INTx). With --jail, the device's own
+    /// sysfs entries and VFIO nodes are exposed in the jail.
     #[arg(long = "vfio", value_name = "PCI_ADDRESS")]
     vfio: Vec<vmm::config::PciAddress>,
     /// Run without the seccomp filters. By default every thread (main,

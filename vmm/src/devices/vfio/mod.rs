@@ -38,8 +38,6 @@ pub enum VfioError {
     GroupShared { addr: PciAddress, group: u32, other: String, driver: String },
     #[error("{0} is named twice: a device can be passed through once")]
     Duplicate(PciAddress),
-    #[error("{0}: --vfio cannot be used with --jail yet (the jail exposes neither /dev/vfio nor sysfs)")]
-    Jailed(PciAddress),
     #[error("{addr}: {what}: {err}")]
     Vfio { addr: PciAddress, what: &'static str, err: String },
     #[error("{addr}: {msg}")]
