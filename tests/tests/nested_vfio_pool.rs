@@ -90,3 +90,14 @@ fn on_delete_the_device_returns_to_its_driver_and_the_pool_with_a_scrub_record()
     let secs: f64 = nested::value(out, "DELETE-SECONDS").and_then(|v| v.parse().ok()).unwrap_or(-1.0);
     println!("nested: deleting the passthrough VM until its device was free again (reset, rebind, scrub) took {secs:.2} s");
 }
+
+#[test]
+fn a_jailed_vmm_of_the_daemon_gets_the_device_too() {
+    let Some(out) = output("a_jailed_vmm_of_the_daemon_gets_the_device_too") else { return };
+    assert_eq!(nested::value(out, "JAILED-CREATE-EXIT"), Some("0"), "{out}");
+    assert_eq!(nested::value(out, "JAILED-VMM-UID"), Some("1000"), "the VMM is not the jail's uid:\n{out}");
+    assert_eq!(nested::value(out, "JAILED-CONSOLE: L2-NVME-READ"), Some(HOST_MARKER), "{out}");
+    assert_eq!(nested::value(out, "JAILED-CONSOLE: L2-NVME-READBACK"), Some(GUEST_MARKER), "{out}");
+    assert_eq!(nested::value(out, "JAILED-AFTER-STATE"), Some("free"), "{out}");
+    assert_eq!(nested::value(out, "JAILED-AFTER-DRIVER"), Some("nvme"), "{out}");
+}

@@ -80,4 +80,29 @@ ctl metrics | grep '^vgpu_passthrough' | sed 's/^/METRIC: /'
 wait_disk
 echo "L1-READ-GUEST=$(dd if=/dev/nvme0n1 bs=512 skip=1 count=1 2>/dev/null | tr -d '\000\n')"
 sed 's/^/MEDIATOR-LOG: /' /tmp/mediator.err | grep -i -E "passthrough|error|panic" | head -20
+# The daemon again, now running its VMMs jailed (uid 1000): a passthrough
+# VM from the same pool gets the device inside the jail, and returns it.
+kill $(pidof vgpu-mediatord)
+sleep 1
+chmod 0644 /l2/vmlinuz /l2/initrd
+start_mediator --config /tmp/pt.toml --device-memory 64MiB --vm-jail 1000:1000
+con=$run/state/vms/pt3/console.log
+ctl vm create pt3 --memory 256MiB --kernel /l2/vmlinuz --initramfs /l2/initrd --restart never \
+    --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=nvme" --passthrough whole >/tmp/create3.out 2>&1
+echo "JAILED-CREATE-EXIT=$?"
+sed 's/^/JAILED-CREATE: /' /tmp/create3.out
+pid=$(ctl -o json vm show pt3 | grep '"pid"' | tr -dc 0-9)
+vmm=$(cat /proc/$pid/task/$pid/children 2>/dev/null | tr -d ' ')
+echo "JAILED-VMM-UID=$(awk '/^Uid:/ {print $2}' /proc/$vmm/status 2>/dev/null)"
+i=0
+while ! grep -q L2-NVME-DONE $con 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
+sed 's/^/JAILED-CONSOLE: /' $con
+i=0
+while ! ctl -o json vm show pt3 | grep -q '"state": "stopped"' && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+ctl vm delete pt3 >/dev/null
+i=0
+while [ "$(devstate)" = returning ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+echo "JAILED-AFTER-STATE=$(devstate)"
+echo "JAILED-AFTER-DRIVER=$(drv $nvme)"
+sed 's/^/MEDIATOR-LOG: /' /tmp/mediator.err | grep -i -E "error|panic" | head -20
 echo "VFIO-POOL-DONE"
