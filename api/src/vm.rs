@@ -157,7 +157,8 @@ pub struct NetSpec {
     pub tap: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bridge: Option<String>,
-    /// A unicast MAC address (default: derived from the tap's name).
+    /// A unicast MAC address (default: a random 52:54:00 one the daemon
+    /// assigns at create, unlike every other VM's, and keeps).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
     /// Towards the guest: bytes and frames per time.

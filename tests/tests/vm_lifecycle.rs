@@ -253,8 +253,14 @@ fn bad_vm_requests_get_clear_errors_and_leave_nothing_behind() {
     let tap = format!("vgt{}", std::process::id() % 100_000);
     let net = format!("tap={tap}");
     let with_tap = ["--net", net.as_str()];
-    create_counting(&m, "dup", if is_root() { &with_tap } else { &[] });
+    let dup = create_counting(&m, "dup", if is_root() { &with_tap } else { &[] });
     if is_root() {
+        // No MAC was given: the daemon chose one, kept in the description
+        // and handed to the VMM.
+        let mac = dup["spec"]["nets"][0]["mac"].as_str().unwrap_or_else(|| panic!("no MAC assigned: {dup}")).to_string();
+        assert!(mac.starts_with("52:54:00:") && mac.len() == 17, "{mac}");
+        let cmd = String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", dup["pid"])).expect("cmdline")).replace('\0', " ");
+        assert!(cmd.contains(&format!("--net tap={tap},mac={mac}")), "{cmd}");
         let (st, v) = m.api("POST", "/vms", Some(body("dup2", json!({ "nets": [{ "tap": tap }] }))));
         assert_eq!(st, 409, "{v}");
         assert!(v["error"].as_str().is_some_and(|e| e.contains("VM dup uses tap")), "{v}");

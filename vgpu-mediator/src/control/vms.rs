@@ -183,6 +183,31 @@ pub struct Vms {
     changing: Mutex<()>,
 }
 
+/// Gives each interface of `spec` without a MAC a random locally managed
+/// one in QEMU's 52:54:00 block, none of them in `taken` or the spec.
+fn assign_macs(spec: &mut VmSpec, taken: &[String]) {
+    let mut used: Vec<String> = taken.iter().map(|m| m.to_ascii_lowercase()).collect();
+    used.extend(spec.nets.iter().filter_map(|n| n.mac.as_ref().map(|m| m.to_ascii_lowercase())));
+    for n in spec.nets.iter_mut().filter(|n| n.mac.is_none()) {
+        let mac = loop {
+            let mut b = [0u8; 3];
+            // SAFETY: getrandom writes at most b.len() bytes into b.
+            let got = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+            if got != b.len() as isize {
+                // No entropy source: the clock's nanoseconds will do.
+                let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0) ^ std::process::id();
+                b = [(t >> 16) as u8, (t >> 8) as u8, t as u8];
+            }
+            let m = format!("52:54:00:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2]);
+            if !used.contains(&m) {
+                break m;
+            }
+        };
+        used.push(mac.clone());
+        n.mac = Some(mac);
+    }
+}
+
 /// A start, stop or reboot that comes during a delete: a VM being deleted
 /// never runs again.
 fn being_deleted(name: &str) -> ControlError {
@@ -559,6 +584,7 @@ impl Vms {
     /// is left (no tenant, VMM, socket or state file).
     pub fn create(&self, c: &Arc<Control>, spec: VmSpec) -> Result<VmView, ControlError> {
         validate(&spec)?;
+        let mut spec = spec;
         let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
         if self.map().contains_key(&spec.name) {
             return Err(ControlError::Conflict(format!("a VM named {} exists", spec.name)));
@@ -575,6 +601,10 @@ impl Vms {
         if let Some((other, tap)) = self.map().values().find_map(|v| tap_names(&v.spec).into_iter().find(|t| taps.contains(t)).map(|t| (v.spec.name.clone(), t))) {
             return Err(ControlError::Conflict(format!("VM {other} uses tap {tap} already")));
         }
+        // Interfaces without a MAC get one now, random and unlike any other
+        // VM's; it is saved with the description, so it stays the VM's.
+        let taken: Vec<String> = self.map().values().flat_map(|v| v.spec.nets.iter().filter_map(|n| n.mac.clone())).collect();
+        assign_macs(&mut spec, &taken);
         let rec = ensure_tenant(c, &spec, self.cfg.jail)?;
         let vm = self.make(c, spec, Desired::Running, None);
         let undo = |vm: &Arc<Vm>| {
