@@ -106,6 +106,7 @@ fn wrong_drivers_shared_groups_and_duplicates_are_refused_by_name() {
     fake_device(&root, "0000:00:05.0", Some("vfio-pci"), Some(6));
     fake_device(&root, "0000:00:05.1", Some("snd_hda_intel"), Some(6));
     fake_device(&root, "0000:00:06.0", Some("vfio-pci"), Some(7));
+    fake_device(&root, "0000:7e:1f.7", Some("vfio-pci"), Some(8));
     fake_device(&root, "0000:00:07.0", Some("vfio-pci"), None);
     let s = Some(root.as_path());
     let k = ["--kernel", guest.as_str(), "--memory", "16"];
@@ -118,11 +119,10 @@ fn wrong_drivers_shared_groups_and_duplicates_are_refused_by_name() {
     refused(&with(&["--vfio", "0000:00:06.0", "--vfio", "00:06.0"]), s, 1, "0000:00:06.0 is named twice");
     let nine = ["--vfio", "0000:00:06.0"].repeat(9);
     refused(&with(&nine), s, 1, "9 passthrough devices; the limit is 8");
-    // Jailed, the device's nodes under /dev/vfio are made for the jail: a
-    // host without VFIO (this one) is refused before the jail is built.
-    if !std::path::Path::new("/dev/vfio/vfio").exists() {
-        refused(&with(&["--vfio", "0000:00:06.0", "--jail", "/tmp/vgpu-vfio-jail", "--jail-uid", "1000", "--jail-gid", "1000"]), s, 1, "/dev/vfio/vfio");
-    }
+    // Jailed, the device's own sysfs entries (the real ones, whatever
+    // VGPU_SYSFS_ROOT says) and nodes under /dev/vfio are exposed: a device
+    // this host does not have is refused before the jail is built.
+    refused(&with(&["--vfio", "0000:7e:1f.7", "--jail", "/tmp/vgpu-vfio-jail", "--jail-uid", "1000", "--jail-gid", "1000"]), s, 1, "passthrough device /sys/bus/pci/devices/0000:7e:1f.7");
     // Every check passes; opening it needs VFIO, which this host lacks.
     if kvm_available("wrong_drivers_shared_groups_and_duplicates_are_refused_by_name") {
         let o = vmm(&with(&["--vfio", "0000:00:06.0"]), s);

@@ -6,6 +6,12 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
+/// Whether the `n`th (from 0) of a guest-caused event is logged: the first
+/// few, then every 1024th, so a guest cannot flood the host's log.
+pub fn worth_logging(n: u64) -> bool {
+    n < 16 || n.is_multiple_of(1024)
+}
+
 pub trait BusDevice: Send {
     /// `offset` is relative to the range's base.
     fn read(&mut self, offset: u64, data: &mut [u8]);
@@ -62,8 +68,7 @@ impl Bus {
 
     fn miss(&self, what: &str, addr: u64, len: usize) {
         let n = self.unmapped.fetch_add(1, Ordering::Relaxed);
-        // The first few, then every 1024th: a guest cannot flood the log.
-        if n < 16 || n.is_multiple_of(1024) {
+        if worth_logging(n) {
             tracing::warn!(bus = self.kind, addr = format_args!("{addr:#x}"), len, "guest {what} of an unmapped address ignored ({} so far)", n + 1);
         }
     }

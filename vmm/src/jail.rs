@@ -32,8 +32,8 @@
 //!
 //! - with `--vfio`, each device's own sysfs directory and its IOMMU group's
 //!   (read-only), and /dev/vfio/vfio and /dev/vfio/GROUP as nodes of the
-//!   jail's uid; RLIMIT_MEMLOCK is lifted, since VFIO pins guest RAM and
-//!   the jailed VMM has no CAP_IPC_LOCK.
+//!   jail's uid; RLIMIT_MEMLOCK is raised to guest RAM and 64 MiB, since
+//!   VFIO pins guest RAM and the jailed VMM has no CAP_IPC_LOCK.
 
 use std::ffi::CString;
 use std::io;
@@ -50,6 +50,9 @@ pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 const CGROUP_SUPER_MAGIC: i64 = 0x0027_e0eb;
+/// RLIMIT_MEMLOCK of a jailed VMM with passthrough devices beyond its
+/// guest RAM.
+const MEMLOCK_MARGIN: u64 = 64 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
@@ -134,8 +137,8 @@ struct Exposed {
     /// Symbolic links made in the jail: (link, target).
     links: Vec<(PathBuf, PathBuf)>,
     /// Passthrough devices: guest RAM is pinned for DMA, so the jailed
-    /// VMM's RLIMIT_MEMLOCK is lifted (it has no CAP_IPC_LOCK).
-    memlock: bool,
+    /// VMM's RLIMIT_MEMLOCK is raised to this (it has no CAP_IPC_LOCK).
+    memlock: Option<u64>,
 }
 
 /// Whether `uid`/`gid` (no supplementary groups) may access a file with
@@ -168,6 +171,10 @@ impl Exposed {
         let mut e = Exposed::default();
         for a in &cfg.vfio {
             e.expose_vfio(a)?;
+        }
+        if !cfg.vfio.is_empty() {
+            // Guest RAM, which VFIO pins once, and a margin; not more.
+            e.memlock = Some(cfg.memory_bytes().saturating_add(MEMLOCK_MARGIN));
         }
         need_access(&cfg.kernel, "kernel", j, 4)?;
         e.read_only.push(cfg.kernel.clone());
@@ -222,10 +229,12 @@ impl Exposed {
     /// IOMMU group's directory, and /dev/vfio/vfio and /dev/vfio/GROUP as
     /// nodes of the jail's uid. Nothing else of sysfs or /dev/vfio.
     fn expose_vfio(&mut self, a: &crate::devices::vfio::PciAddress) -> Result<(), JailError> {
-        let sysfs = crate::numa::sysfs_root();
-        let link = a.dir(&sysfs);
+        // The real sysfs, whatever VGPU_SYSFS_ROOT says: the nodes made
+        // below are the real /dev/vfio's.
+        let sysfs = Path::new("/sys");
+        let link = a.dir(sysfs);
         let real = std::fs::canonicalize(&link).map_err(sys(format!("passthrough device {}", link.display())))?;
-        let group = a.iommu_group(&sysfs).ok_or_else(|| JailError::Invalid(crate::devices::vfio::VfioError::NoIommuGroup(*a).to_string()))?;
+        let group = a.iommu_group(sysfs).ok_or_else(|| JailError::Invalid(crate::devices::vfio::VfioError::NoIommuGroup(*a).to_string()))?;
         let groups = std::fs::canonicalize(sysfs.join("kernel/iommu_groups").join(group.to_string())).map_err(sys(format!("IOMMU group {group}")))?;
         self.read_only.push(real.clone());
         self.read_only.push(groups);
@@ -238,7 +247,6 @@ impl Exposed {
                 self.nodes.push((node, rdev));
             }
         }
-        self.memlock = true;
         Ok(())
     }
 }
@@ -591,10 +599,10 @@ fn build_root(j: &JailConfig, e: &Exposed, kvm_rdev: u64) -> Result<(), JailErro
         // SAFETY: as above; plain ownership change of the new node.
         check(unsafe { libc::chown(c.as_ptr(), j.uid, j.gid) }, format!("giving {} to the jail's uid", node.display()))?;
     }
-    if e.memlock {
-        let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    if let Some(bytes) = e.memlock {
+        let lim = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
         // SAFETY: setrlimit with a valid struct; still root here.
-        check(unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) }, "lifting RLIMIT_MEMLOCK for VFIO's pinned guest RAM")?;
+        check(unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) }, "raising RLIMIT_MEMLOCK for VFIO's pinned guest RAM")?;
     }
     std::env::set_current_dir(root).map_err(sys(format!("entering {}", root.display())))?;
     // SAFETY: pivot_root with two NUL-terminated paths (".", ".").

@@ -21,8 +21,8 @@ pub const PCI_MMIO_END: u64 = 0xFEC0_0000;
 /// 64-bit BARs of this size or more (a GPU's frame buffer aperture) go to
 /// the window above RAM; smaller ones share the 32-bit hole.
 pub const HIGH_BAR_MIN: u64 = 256 << 20;
-/// The most guest-physical address bits the high window uses, so that it
-/// stays inside what every x86-64 guest can address with 4-level paging.
+/// The most guest-physical address bits the high window uses: well inside
+/// the 48 bits that 4-level EPT/NPT can map.
 const MAX_PHYS_BITS: u32 = 46;
 
 /// The window for large 64-bit BARs: from the first 1 GiB boundary above
@@ -36,14 +36,18 @@ pub fn high_mmio_window(ram_size: u64, phys_bits: u32) -> (u64, u64) {
     (start.min(end), end)
 }
 
-/// The host's physical address bits (CPUID 0x80000008 EAX[7:0]), which
-/// KVM passes on to the guest; 36 where the leaf is missing.
-pub fn host_phys_bits() -> u32 {
-    // Leaf 0x80000000 says whether 0x80000008 exists.
-    if std::arch::x86_64::__cpuid(0x8000_0000).eax < 0x8000_0008 {
-        return 36;
+/// The guest's physical address bits from the EAX of CPUID leaf
+/// 0x80000008 that KVM gives it: bits 7:0, or bits 23:16 (GuestPhysBits,
+/// newer KVMs) when set and smaller; 36 when KVM reports no such leaf.
+pub fn guest_phys_bits(leaf_80000008_eax: Option<u32>) -> u32 {
+    let Some(eax) = leaf_80000008_eax else { return 36 };
+    let phys = eax & 0xff;
+    let guest = (eax >> 16) & 0xff;
+    if guest != 0 {
+        phys.min(guest)
+    } else {
+        phys
     }
-    std::arch::x86_64::__cpuid(0x8000_0008).eax & 0xff
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -234,7 +238,10 @@ mod tests {
         assert_eq!(high_mmio_window(1 << 30, 20).1, 1 << 36, "at least 36 bits");
         let (s, e) = high_mmio_window(1 << 40, 40);
         assert_eq!(s, e, "RAM to the end of the address space leaves no window");
-        assert!((36..=52).contains(&host_phys_bits()));
+        assert_eq!(guest_phys_bits(None), 36);
+        assert_eq!(guest_phys_bits(Some(0x3028)), 40, "EAX[7:0]");
+        assert_eq!(guest_phys_bits(Some(0x0027_3034)), 39, "GuestPhysBits when smaller");
+        assert_eq!(guest_phys_bits(Some(0x0030_3028)), 40, "GuestPhysBits larger: the physical width");
     }
 
     #[test]

@@ -403,7 +403,10 @@ impl Vm {
 
         let routing = Arc::new(IrqRouting::new(vm.clone()));
         routing.set_msi(u32::MAX, None).map_err(dev_err)?; // install the default table
-        let mut pci = PciRoot::new(buses.mmio.clone(), crate::memory::high_mmio_window(ram.size, crate::memory::host_phys_bits()));
+                                                           // The high BAR window ends where the guest's CPUID says its
+                                                           // physical addresses do.
+        let leaf = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).ok().and_then(|c| c.as_slice().iter().find(|e| e.function == 0x8000_0008).map(|e| e.eax));
+        let mut pci = PciRoot::new(buses.mmio.clone(), crate::memory::high_mmio_window(ram.size, crate::memory::guest_phys_bits(leaf)));
         let mut devices = Vec::new();
         if cfg.rng {
             let d = Arc::new(Mutex::new(VirtioPci::new(Box::new(Rng::default()), ram.mem.clone(), routing.clone()).map_err(dev_err)?));

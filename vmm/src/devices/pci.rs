@@ -351,7 +351,10 @@ impl PciRoot {
                     s.mapped[bar] = Some(addr);
                     d.bar_placed(bar, addr);
                 } else {
-                    tracing::warn!(slot, bar, addr = format_args!("{addr:#x}"), "guest placed a BAR outside the PCI window or over another device; not mapped");
+                    static REFUSED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                    if crate::bus::worth_logging(REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                        tracing::warn!(slot, bar, addr = format_args!("{addr:#x}"), "guest placed a BAR outside the PCI windows or over another device; not mapped");
+                    }
                 }
             }
         }
@@ -605,6 +608,17 @@ mod tests {
         // Past the window's end: refused.
         cfg_write(&mut root, slot, 0x18, 0x1_0000);
         assert_eq!(dev.lock().unwrap().1.last(), Some(&None));
+        // Over guest RAM below the window (4 GiB here): refused.
+        cfg_write(&mut root, slot, 0x18, 0x1);
+        assert_eq!(dev.lock().unwrap().1.last(), Some(&None));
+        // A 32-bit BAR moves within the hole.
+        let mut c = ConfigSpace::new(0x1af4, 0x1044, 0xff, 0, 0, 1);
+        c.add_mem_bar(0, 0x4000);
+        let narrow = Arc::new(Mutex::new(Wide(c, Vec::new())));
+        let s2 = root.add(narrow.clone()).unwrap() as u32;
+        cfg_write(&mut root, s2, 0x4, 0x2);
+        cfg_write(&mut root, s2, 0x10, 0xe000_0000);
+        assert_eq!(narrow.lock().unwrap().1.last(), Some(&Some(0xe000_0000)));
         // A 64-bit BAR too big for the window, and any 32-bit BAR that
         // does not fit the hole, are refused at start.
         let mut c = ConfigSpace::new(0x10de, 0x2330, 0x03, 0x02, 0, 0);

@@ -119,11 +119,30 @@ struct Wiring<'a> {
     gsis: &'a [u32],
 }
 
+/// Failures a guest can cause again and again are logged rate-limited.
+static WIRING_ERRORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn log_wiring() -> bool {
+    crate::bus::worth_logging(WIRING_ERRORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
 impl MsiSink for Wiring<'_> {
-    fn enable(&mut self, n: usize) {
+    fn enable(&mut self, n: usize) -> bool {
         let r = if n > 0 { self.dev.enable_msi(self.fds.iter().take(n).collect()) } else { self.dev.disable_msi() };
-        if let Err(e) = r {
-            tracing::warn!(device = %self.addr, "VFIO MSI {}: {e}", if n > 0 { "enable" } else { "disable" });
+        if n == 0 {
+            // Counts left in the eventfds would fire at the next enable.
+            for fd in self.fds {
+                let _ = fd.read();
+            }
+        }
+        match r {
+            Ok(()) => true,
+            Err(e) => {
+                if log_wiring() {
+                    tracing::warn!(device = %self.addr, "VFIO MSI {}: {e}", if n > 0 { "enable" } else { "disable" });
+                }
+                false
+            }
         }
     }
 
@@ -140,13 +159,17 @@ impl VectorSink for Wiring<'_> {
     fn set_enabled(&mut self, on: bool) {
         let r = if on { self.dev.enable_msix(self.fds.iter().collect()) } else { self.dev.disable_msix() };
         if let Err(e) = r {
-            tracing::warn!(device = %self.addr, "VFIO MSI-X {}: {e}", if on { "enable" } else { "disable" });
+            if log_wiring() {
+                tracing::warn!(device = %self.addr, "VFIO MSI-X {}: {e}", if on { "enable" } else { "disable" });
+            }
         }
     }
 
     fn route(&mut self, v: usize, address: u64, data: u32) {
         if let Err(e) = self.routing.set_msi(self.gsis[v], Some((address, data))) {
-            tracing::warn!(device = %self.addr, "MSI-X vector {v}: {e}");
+            if log_wiring() {
+                tracing::warn!(device = %self.addr, "MSI vector {v}: {e}");
+            }
         }
     }
 
@@ -154,7 +177,9 @@ impl VectorSink for Wiring<'_> {
         let vm = self.routing.vm();
         let r = if on { vm.register_irqfd(&self.fds[v], self.gsis[v]) } else { vm.unregister_irqfd(&self.fds[v], self.gsis[v]) };
         if let Err(e) = r {
-            tracing::warn!(device = %self.addr, "MSI-X vector {v}: KVM_IRQFD: {e}");
+            if log_wiring() {
+                tracing::warn!(device = %self.addr, "MSI vector {v}: KVM_IRQFD: {e}");
+            }
         }
     }
 }
@@ -417,7 +442,9 @@ impl VfioPci {
         for a in &mut b.areas {
             if let Some(slot) = a.slot.take() {
                 if let Err(e) = self.set_slot(slot, 0, 0, a.host) {
-                    tracing::warn!(device = %self.addr, bar, slot, "removing a BAR's memory slot: {e}");
+                    if log_wiring() {
+                        tracing::warn!(device = %self.addr, bar, slot, "removing a BAR's memory slot: {e}");
+                    }
                 }
                 self.slots.release(slot);
             }
@@ -430,13 +457,17 @@ impl VfioPci {
         let Some(mut b) = self.bars.get_mut(bar).and_then(|b| b.take()) else { return };
         for a in &mut b.areas {
             let Some(slot) = self.slots.allocate() else {
-                tracing::warn!(device = %self.addr, bar, "no free KVM memory slot: this part of the BAR traps instead");
+                if log_wiring() {
+                    tracing::warn!(device = %self.addr, bar, "no free KVM memory slot: this part of the BAR traps instead");
+                }
                 continue;
             };
             match gpa.checked_add(a.off).map(|g| self.set_slot(slot, g, a.len, a.host)) {
                 Some(Ok(())) => a.slot = Some(slot),
                 other => {
-                    tracing::warn!(device = %self.addr, bar, "mapping a BAR part as a memory slot failed ({other:?}): it traps instead");
+                    if log_wiring() {
+                        tracing::warn!(device = %self.addr, bar, "mapping a BAR part as a memory slot failed ({other:?}): it traps instead");
+                    }
                     self.slots.release(slot);
                 }
             }

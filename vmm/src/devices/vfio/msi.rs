@@ -22,7 +22,8 @@ const CTL_PVM: u16 = 0x0100;
 /// irqfds.
 pub trait MsiSink {
     /// VFIO: MSI on with `n` vectors (their eventfds), or off (`n` = 0).
-    fn enable(&mut self, n: usize);
+    /// False if VFIO refused.
+    fn enable(&mut self, n: usize) -> bool;
     fn route(&mut self, v: usize, address: u64, data: u32);
     /// Adds (true) or removes vector `v`'s KVM irqfd.
     fn deliver(&mut self, v: usize, on: bool);
@@ -53,7 +54,9 @@ impl Msi {
         let max = capable.min(offered.max(1)).min(MSI_MAX);
         // A power of two no larger than both.
         let max = 1usize << max.ilog2();
-        Msi { caps: ctl & (CTL_64BIT | CTL_PVM | 0x000e), max, ctl: 0, address: 0, data: 0, mask: 0, on: 0, live: [false; MSI_MAX], routed: [None; MSI_MAX] }
+        // Multiple Message Capable says what we can give, not the device.
+        let mmc = (max.ilog2() as u16) << 1;
+        Msi { caps: (ctl & (CTL_64BIT | CTL_PVM)) | mmc, max, ctl: 0, address: 0, data: 0, mask: 0, on: 0, live: [false; MSI_MAX], routed: [None; MSI_MAX] }
     }
 
     /// Vectors the guest may enable at most.
@@ -141,7 +144,11 @@ impl Msi {
         if n != self.on {
             self.off(sink);
             if n > 0 {
-                sink.enable(n);
+                if !sink.enable(n) {
+                    // VFIO refused: MSI stays off, and the guest reads it so.
+                    self.ctl &= !CTL_ENABLE;
+                    return;
+                }
                 self.on = n;
             }
         }
@@ -196,8 +203,9 @@ mod tests {
     struct Log(Vec<String>);
 
     impl MsiSink for Log {
-        fn enable(&mut self, n: usize) {
+        fn enable(&mut self, n: usize) -> bool {
             self.0.push(format!("enable {n}"));
+            n != 3 && !self.0.iter().any(|l| l == "refuse")
         }
         fn route(&mut self, v: usize, a: u64, d: u32) {
             self.0.push(format!("route {v} {a:#x} {d:#x}"));
@@ -249,7 +257,7 @@ mod tests {
         // 64-bit, per-vector masking, capable of 8 (MMC 3); VFIO offers 4.
         let mut m = Msi::new(CTL_64BIT | CTL_PVM | 3 << 1, 4);
         assert_eq!((m.len(), m.max_vectors()), (24, 4));
-        assert_eq!(read32(&m, 0) >> 16, (CTL_64BIT | CTL_PVM | 3 << 1) as u32, "the capability bits read back");
+        assert_eq!(read32(&m, 0) >> 16, (CTL_64BIT | CTL_PVM | 2 << 1) as u32, "the capability bits read back, MMC saying the 4 we can give");
         write32(&mut m, 4, 0xfee0_1000, &mut log);
         write32(&mut m, 8, 0x1, &mut log);
         write32(&mut m, 0xc, 0x4060, &mut log);
@@ -277,5 +285,51 @@ mod tests {
         assert!(!m.write(0x14, 0xff), "pending is read-only");
         assert!(!m.write(1, 0xff), "the next pointer is not ours");
         assert!(!m.write(0x30, 0xff));
+    }
+
+    fn write16(m: &mut Msi, off: usize, v: u16, log: &mut Log) {
+        let mut touched = false;
+        for (i, b) in v.to_le_bytes().iter().enumerate() {
+            touched |= m.write(off + i, *b);
+        }
+        if touched {
+            m.sync(log);
+        }
+    }
+
+    #[test]
+    fn both_layouts_lengths_and_register_masks() {
+        let mut log = Log::default();
+        // 32-bit with per-vector masking: data at 8, mask at 0xc.
+        let mut m = Msi::new(CTL_PVM, 1);
+        assert_eq!(m.len(), 20);
+        write32(&mut m, 4, 0xfee0_0003, &mut log);
+        assert_eq!(read32(&m, 4), 0xfee0_0000, "address bits 1:0 are reserved");
+        write32(&mut m, 8, 0xabcd_4041, &mut log);
+        assert_eq!(read32(&m, 8), 0x4041, "data is 16 bits");
+        write32(&mut m, 0xc, 1, &mut log);
+        assert_eq!(read32(&m, 0xc), 1, "the mask register of the 32-bit layout");
+        assert_eq!(read32(&m, 0x10), 0, "pending reads 0");
+        // Linux writes the control word with a 16-bit access.
+        write16(&mut m, 2, 1, &mut log);
+        assert_eq!(log.0, ["enable 1"], "vector 0 is masked: on, no irqfd");
+        // 64-bit without masking: 14 bytes, no mask register.
+        let m = Msi::new(CTL_64BIT, 1);
+        assert_eq!(m.len(), 14);
+        assert_eq!(read32(&m, 0x10), 0);
+    }
+
+    #[test]
+    fn a_count_vfio_cannot_give_is_rounded_down_and_a_refused_enable_reads_off() {
+        let mut log = Log::default();
+        // Capable of 32; VFIO offers 3: 2 can be had, and MMC says so.
+        let mut m = Msi::new(5 << 1, 3);
+        assert_eq!(m.max_vectors(), 2);
+        assert_eq!((read32(&m, 0) >> 17) & 7, 1, "MMC is log2 of what we give");
+        write32(&mut m, 4, 0xfee0_0000, &mut log);
+        log.0.push("refuse".into());
+        write32(&mut m, 0, (1 | 1 << 4) << 16, &mut log);
+        assert_eq!(log.0[1..], ["enable 2"]);
+        assert_eq!((read32(&m, 0) >> 16) & 1, 0, "the guest reads MSI off after VFIO refused it");
     }
 }
