@@ -215,14 +215,19 @@ mod tests {
         }
     }
 
-    fn write32(m: &mut Msi, off: usize, v: u32, log: &mut Log) {
+    /// A guest access of `bytes` at `off`, then what the device does after it.
+    fn write_bytes(m: &mut Msi, off: usize, bytes: &[u8], log: &mut Log) {
         let mut touched = false;
-        for (i, b) in v.to_le_bytes().iter().enumerate() {
+        for (i, b) in bytes.iter().enumerate() {
             touched |= m.write(off + i, *b);
         }
         if touched {
             m.sync(log);
         }
+    }
+
+    fn write32(m: &mut Msi, off: usize, v: u32, log: &mut Log) {
+        write_bytes(m, off, &v.to_le_bytes(), log)
     }
 
     fn read32(m: &Msi, off: usize) -> u32 {
@@ -288,13 +293,7 @@ mod tests {
     }
 
     fn write16(m: &mut Msi, off: usize, v: u16, log: &mut Log) {
-        let mut touched = false;
-        for (i, b) in v.to_le_bytes().iter().enumerate() {
-            touched |= m.write(off + i, *b);
-        }
-        if touched {
-            m.sync(log);
-        }
+        write_bytes(m, off, &v.to_le_bytes(), log)
     }
 
     #[test]
