@@ -96,6 +96,9 @@ fn a_jailed_vmm_of_the_daemon_gets_the_device_too() {
     let Some(out) = output("a_jailed_vmm_of_the_daemon_gets_the_device_too") else { return };
     assert_eq!(nested::value(out, "JAILED-CREATE-EXIT"), Some("0"), "{out}");
     assert_eq!(nested::value(out, "JAILED-VMM-UID"), Some("1000"), "the VMM is not the jail's uid:\n{out}");
+    // Its cgroup: 256 MiB of guest RAM and 256 MiB for the VMM; 1 vCPU + 32.
+    assert_eq!(nested::value(out, "JAILED-MEMORY-MAX"), Some("536870912"), "{out}");
+    assert_eq!(nested::value(out, "JAILED-PIDS-MAX"), Some("33"), "{out}");
     assert_eq!(nested::value(out, "JAILED-CONSOLE: L2-NVME-READ"), Some(HOST_MARKER), "{out}");
     assert_eq!(nested::value(out, "JAILED-CONSOLE: L2-NVME-READBACK"), Some(GUEST_MARKER), "{out}");
     assert_eq!(nested::value(out, "JAILED-AFTER-STATE"), Some("free"), "{out}");

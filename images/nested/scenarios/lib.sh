@@ -2,12 +2,13 @@
 export LD_LIBRARY_PATH=/opt/vgpu/lib
 run=/tmp/vgpu
 
-# Starts vgpu-mediatord on $run with the given flags and waits for its API.
+# Starts vgpu-mediatord on $run with the given flags and waits until its
+# API answers (a socket file an earlier daemon left is not enough).
 start_mediator() {
     mkdir -p $run
     vgpu-mediatord --run-dir $run "$@" 2>/tmp/mediator.err &
     i=0
-    while [ ! -S $run/api.sock ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+    while ! vgpuctl --run-dir $run -o json device list >/dev/null 2>&1 && [ $i -lt 400 ]; do sleep 0.05; i=$((i + 1)); done
 }
 
 # Binds PCI function $1 to vfio-pci.

@@ -83,8 +83,16 @@ sed 's/^/MEDIATOR-LOG: /' /tmp/mediator.err | grep -i -E "passthrough|error|pani
 # The daemon again, now running its VMMs jailed (uid 1000): a passthrough
 # VM from the same pool gets the device inside the jail, and returns it.
 kill $(pidof vgpu-mediatord)
-sleep 1
+# The next daemon starts once this one (and its workers) are gone.
+i=0
+while pidof vgpu-mediatord >/dev/null && [ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done
+echo "OLD-DAEMON-GONE=$(pidof vgpu-mediatord >/dev/null && echo no || echo yes)"
+rm -f $run/api.sock
 chmod 0644 /l2/vmlinuz /l2/initrd
+# With cgroup v2 there, the daemon gives each jailed VMM memory and task
+# limits.
+mkdir -p /sys/fs/cgroup
+mount -t cgroup2 none /sys/fs/cgroup
 start_mediator --config /tmp/pt.toml --device-memory 64MiB --vm-jail 1000:1000
 con=$run/state/vms/pt3/console.log
 ctl vm create pt3 --memory 256MiB --kernel /l2/vmlinuz --initramfs /l2/initrd --restart never \
@@ -94,6 +102,9 @@ sed 's/^/JAILED-CREATE: /' /tmp/create3.out
 pid=$(ctl -o json vm show pt3 | grep '"pid"' | tr -dc 0-9)
 vmm=$(cat /proc/$pid/task/$pid/children 2>/dev/null | tr -d ' ')
 echo "JAILED-VMM-UID=$(awk '/^Uid:/ {print $2}' /proc/$vmm/status 2>/dev/null)"
+cg=$(sed -n 's/^0:://p' /proc/$vmm/cgroup 2>/dev/null)
+echo "JAILED-MEMORY-MAX=$(cat /sys/fs/cgroup$cg/memory.max 2>/dev/null)"
+echo "JAILED-PIDS-MAX=$(cat /sys/fs/cgroup$cg/pids.max 2>/dev/null)"
 i=0
 while ! grep -q L2-NVME-DONE $con 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
 sed 's/^/JAILED-CONSOLE: /' $con

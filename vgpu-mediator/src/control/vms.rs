@@ -208,6 +208,27 @@ fn assign_macs(spec: &mut VmSpec, taken: &[String]) {
     }
 }
 
+/// Where the host's cgroup v2 hierarchy is mounted.
+pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+/// The VMM's own memory beyond guest RAM that its cgroup allows.
+const VMM_MEMORY_OVERHEAD: u64 = 256 << 20;
+
+/// The cgroup limits of a jailed VMM (`--jail-memory`, `--jail-pids`),
+/// when `root` is a cgroup v2 hierarchy offering the memory and pids
+/// controllers; None otherwise (the jail then sets none). Memory: guest
+/// RAM (not with hugepages, which the memory controller does not count)
+/// and 256 MiB for the VMM itself. Tasks: a thread per vCPU, disk and
+/// interface, and 32 for the rest.
+fn jail_limits(spec: &VmSpec, root: &Path) -> Option<(u64, u64)> {
+    let have = std::fs::read_to_string(root.join("cgroup.controllers")).ok()?;
+    if !["memory", "pids"].iter().all(|w| have.split_whitespace().any(|c| c == *w)) {
+        return None;
+    }
+    let ram = if spec.hugepages.is_some_and(|h| h != Hugepages::None) { 0 } else { spec.memory.0 };
+    let pids = spec.vcpus as u64 + spec.disks.len() as u64 + spec.nets.len() as u64 + 32;
+    Some((ram.saturating_add(VMM_MEMORY_OVERHEAD), pids))
+}
+
 /// A start, stop or reboot that comes during a delete: a VM being deleted
 /// never runs again.
 fn being_deleted(name: &str) -> ControlError {
@@ -1012,6 +1033,9 @@ fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: Option<&TenantRecord>, node: i32, vfio
         let dir = vm.dir.join("jail");
         std::fs::create_dir_all(&dir)?;
         cmd.arg("--jail").arg(dir).arg("--jail-uid").arg(j.uid.to_string()).arg("--jail-gid").arg(j.gid.to_string());
+        if let Some((memory, pids)) = jail_limits(s, Path::new(CGROUP_ROOT)) {
+            cmd.arg("--jail-memory").arg(memory.to_string()).arg("--jail-pids").arg(pids.to_string());
+        }
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     // SAFETY: the closure only calls prctl, which is async-signal-safe,
@@ -1185,5 +1209,26 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
         vm.cv.notify_all();
         let _ = vm.cv.wait_timeout_while(r, backoff, |r| r.desired == Desired::Running && !r.kick);
         backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jailed_vmms_get_cgroup_limits_only_where_cgroup_v2_offers_them() {
+        let root = std::env::temp_dir().join(format!("vgpu-cg-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let mut spec: VmSpec = serde_json::from_str(r#"{"name":"a","memory":"512MiB","vcpus":2,"kernel":"/k","disks":[{"path":"/d"}]}"#).unwrap();
+        // No cgroup.controllers: a cgroup v1 layout.
+        assert_eq!(jail_limits(&spec, &root), None);
+        std::fs::write(root.join("cgroup.controllers"), "cpuset cpu io memory\n").unwrap();
+        assert_eq!(jail_limits(&spec, &root), None, "no pids controller");
+        std::fs::write(root.join("cgroup.controllers"), "cpuset cpu io memory hugetlb pids\n").unwrap();
+        assert_eq!(jail_limits(&spec, &root), Some(((512 << 20) + VMM_MEMORY_OVERHEAD, 2 + 1 + 32)));
+        spec.hugepages = Some(Hugepages::TwoMiB);
+        assert_eq!(jail_limits(&spec, &root), Some((VMM_MEMORY_OVERHEAD, 35)), "hugepages are not the memory controller's");
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }
