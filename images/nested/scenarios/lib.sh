@@ -11,6 +11,21 @@ start_mediator() {
     while ! vgpuctl --run-dir $run -o json device list >/dev/null 2>&1 && [ $i -lt 400 ]; do sleep 0.05; i=$((i + 1)); done
 }
 
+# The driver PCI function $1 is bound to, or "none".
+drv() {
+    d=$(busybox readlink /sys/bus/pci/devices/$1/driver)
+    if [ -n "$d" ]; then busybox basename "$d"; else echo none; fi
+}
+
+# The (last) PCI function of class $1 (0x010802: NVMe).
+pci_of_class() {
+    found=""
+    for d in /sys/bus/pci/devices/*; do
+        [ "$(cat $d/class)" = "$1" ] && found=$(busybox basename $d)
+    done
+    echo "$found"
+}
+
 # Binds PCI function $1 to vfio-pci.
 bind_vfio() {
     echo vfio-pci > /sys/bus/pci/devices/$1/driver_override

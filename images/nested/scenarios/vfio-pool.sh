@@ -9,14 +9,7 @@
 # marker through its own driver again.
 . /scenarios/lib.sh
 ctl() { vgpuctl --run-dir $run "$@"; }
-drv() {
-    d=$(busybox readlink /sys/bus/pci/devices/$1/driver)
-    if [ -n "$d" ]; then busybox basename "$d"; else echo none; fi
-}
-nvme=""
-for d in /sys/bus/pci/devices/*; do
-    [ "$(cat $d/class)" = 0x010802 ] && nvme=$(busybox basename $d)
-done
+nvme=$(pci_of_class 0x010802)
 echo "NVME-ADDR=$nvme"
 echo "NVME-RESET-METHOD=$(cat /sys/bus/pci/devices/$nvme/reset_method 2>/dev/null)"
 for m in /optional/*.ko; do insmod "$m" || echo "L1: insmod $m failed"; done

@@ -5,14 +5,7 @@
 # whose nvme driver reads the host's marker and writes its own.
 . /scenarios/lib.sh
 vmm_args="--kernel /l2/vmlinuz --initramfs /l2/initrd --vcpus 1 --memory 256"
-drv() {
-    d=$(busybox readlink /sys/bus/pci/devices/$1/driver)
-    if [ -n "$d" ]; then busybox basename "$d"; else echo none; fi
-}
-nvme=""
-for d in /sys/bus/pci/devices/*; do
-    [ "$(cat $d/class)" = 0x010802 ] && nvme=$(busybox basename $d)
-done
+nvme=$(pci_of_class 0x010802)
 echo "NVME-ADDR=$nvme"
 echo "NVME-DRIVER-BEFORE=$(drv $nvme)"
 grp=$(busybox basename "$(busybox readlink /sys/bus/pci/devices/$nvme/iommu_group)")

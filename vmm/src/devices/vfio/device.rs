@@ -37,7 +37,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::msi::{Msi, MsiSink};
-use super::msix::{MsixTable, VectorSink, CTL_ENABLE, CTL_MASK_ALL, MAX_VECTORS};
+use super::msix::{MsixTable, VectorSink, VectorWires, CTL_ENABLE, CTL_MASK_ALL, MAX_VECTORS};
 use super::{PciAddress, VfioError};
 use crate::devices::pci::{ConfigSpace, IrqRouting, PciDevice};
 use crate::memory::SlotAllocator;
@@ -145,14 +145,6 @@ impl MsiSink for Wiring<'_> {
             }
         }
     }
-
-    fn route(&mut self, v: usize, address: u64, data: u32) {
-        VectorSink::route(self, v, address, data)
-    }
-
-    fn deliver(&mut self, v: usize, on: bool) {
-        VectorSink::deliver(self, v, on)
-    }
 }
 
 impl VectorSink for Wiring<'_> {
@@ -164,7 +156,9 @@ impl VectorSink for Wiring<'_> {
             }
         }
     }
+}
 
+impl VectorWires for Wiring<'_> {
     fn route(&mut self, v: usize, address: u64, data: u32) {
         if let Err(e) = self.routing.set_msi(self.gsis[v], Some((address, data))) {
             if log_wiring() {

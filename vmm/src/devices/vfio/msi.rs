@@ -18,15 +18,14 @@ const CTL_MME: u16 = 0x0070;
 const CTL_64BIT: u16 = 0x0080;
 const CTL_PVM: u16 = 0x0100;
 
-/// What the capability drives: VFIO's MSI eventfds, KVM's routes and
-/// irqfds.
-pub trait MsiSink {
+use super::msix::{sync_vector, VectorWires};
+
+/// What the capability drives: VFIO's MSI eventfds, and each vector's KVM
+/// route and irqfd.
+pub trait MsiSink: VectorWires {
     /// VFIO: MSI on with `n` vectors (their eventfds), or off (`n` = 0).
     /// False if VFIO refused.
     fn enable(&mut self, n: usize) -> bool;
-    fn route(&mut self, v: usize, address: u64, data: u32);
-    /// Adds (true) or removes vector `v`'s KVM irqfd.
-    fn deliver(&mut self, v: usize, on: bool);
 }
 
 #[derive(Debug)]
@@ -154,20 +153,8 @@ impl Msi {
         }
         for v in 0..self.on {
             let data = (self.data as u32 & !(self.on as u32 - 1)) | v as u32;
-            let live = self.mask & (1 << v) == 0;
-            if live {
-                if self.routed[v] != Some((self.address, data)) {
-                    sink.route(v, self.address, data);
-                    self.routed[v] = Some((self.address, data));
-                }
-                if !self.live[v] {
-                    sink.deliver(v, true);
-                    self.live[v] = true;
-                }
-            } else if self.live[v] {
-                sink.deliver(v, false);
-                self.live[v] = false;
-            }
+            let want = self.mask & (1 << v) == 0;
+            sync_vector(sink, v, want, (self.address, data), &mut self.live[v], &mut self.routed[v]);
         }
     }
 
@@ -202,16 +189,19 @@ mod tests {
     #[derive(Default)]
     struct Log(Vec<String>);
 
-    impl MsiSink for Log {
-        fn enable(&mut self, n: usize) -> bool {
-            self.0.push(format!("enable {n}"));
-            n != 3 && !self.0.iter().any(|l| l == "refuse")
-        }
+    impl VectorWires for Log {
         fn route(&mut self, v: usize, a: u64, d: u32) {
             self.0.push(format!("route {v} {a:#x} {d:#x}"));
         }
         fn deliver(&mut self, v: usize, on: bool) {
             self.0.push(format!("irqfd {v} {on}"));
+        }
+    }
+
+    impl MsiSink for Log {
+        fn enable(&mut self, n: usize) -> bool {
+            self.0.push(format!("enable {n}"));
+            n != 3 && !self.0.iter().any(|l| l == "refuse")
         }
     }
 

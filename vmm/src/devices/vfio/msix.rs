@@ -18,14 +18,38 @@ pub const MAX_VECTORS: usize = 2048;
 pub const CTL_ENABLE: u16 = 1 << 15;
 pub const CTL_MASK_ALL: u16 = 1 << 14;
 
-/// Where the interrupts go: VFIO and KVM, or a recorder in tests.
-pub trait VectorSink {
-    /// MSI-X on (every vector's eventfd handed to VFIO) or off.
-    fn set_enabled(&mut self, on: bool);
+/// One vector's wiring, for MSI-X and MSI alike: KVM's route and irqfd,
+/// or a recorder in tests.
+pub trait VectorWires {
     /// Points vector `v`'s GSI at the MSI (address, data).
     fn route(&mut self, v: usize, address: u64, data: u32);
     /// Registers (or removes) vector `v`'s irqfd.
     fn deliver(&mut self, v: usize, on: bool);
+}
+
+/// Where MSI-X interrupts go: VFIO and KVM, or a recorder in tests.
+pub trait VectorSink: VectorWires {
+    /// MSI-X on (every vector's eventfd handed to VFIO) or off.
+    fn set_enabled(&mut self, on: bool);
+}
+
+/// Brings vector `v` in line with `want`: live (its GSI routed to `msg`,
+/// then its irqfd registered) or not (its irqfd removed). `live` and
+/// `routed` are what was last done for it.
+pub fn sync_vector(sink: &mut dyn VectorWires, v: usize, want: bool, msg: (u64, u32), live: &mut bool, routed: &mut Option<(u64, u32)>) {
+    if want {
+        if *routed != Some(msg) {
+            sink.route(v, msg.0, msg.1);
+            *routed = Some(msg);
+        }
+        if !*live {
+            sink.deliver(v, true);
+            *live = true;
+        }
+    } else if *live {
+        sink.deliver(v, false);
+        *live = false;
+    }
 }
 
 #[derive(Debug)]
@@ -130,20 +154,8 @@ impl MsixTable {
 
     fn sync(&mut self, v: usize, sink: &mut dyn VectorSink) {
         let (address, data, masked) = self.message(v);
-        let live = self.enabled && !self.masked_all && !masked;
-        if live {
-            if self.routed[v] != Some((address, data)) {
-                sink.route(v, address, data);
-                self.routed[v] = Some((address, data));
-            }
-            if !self.live[v] {
-                sink.deliver(v, true);
-                self.live[v] = true;
-            }
-        } else if self.live[v] {
-            sink.deliver(v, false);
-            self.live[v] = false;
-        }
+        let want = self.enabled && !self.masked_all && !masked;
+        sync_vector(sink, v, want, (address, data), &mut self.live[v], &mut self.routed[v]);
     }
 }
 
@@ -154,15 +166,18 @@ mod tests {
     #[derive(Default)]
     struct Log(Vec<String>);
 
-    impl VectorSink for Log {
-        fn set_enabled(&mut self, on: bool) {
-            self.0.push(format!("enable {on}"));
-        }
+    impl VectorWires for Log {
         fn route(&mut self, v: usize, a: u64, d: u32) {
             self.0.push(format!("route {v} {a:#x} {d:#x}"));
         }
         fn deliver(&mut self, v: usize, on: bool) {
             self.0.push(format!("irqfd {v} {on}"));
+        }
+    }
+
+    impl VectorSink for Log {
+        fn set_enabled(&mut self, on: bool) {
+            self.0.push(format!("enable {on}"));
         }
     }
 
