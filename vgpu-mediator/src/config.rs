@@ -139,6 +139,12 @@ pub struct DevicesConfig {
     /// tenants' launches, go first on a busy host (docs/scheduling.md).
     #[serde(default = "default_compute_nice")]
     pub compute_nice: i32,
+    /// Pin each CPU device lane's kernels to a core of its own (the
+    /// worker's cores in turn), so two kernels never share a core while
+    /// another sits idle (docs/scheduling.md). Turn off on hosts whose
+    /// cores also run other work.
+    #[serde(default = "yes")]
+    pub pin_lanes: bool,
     /// PCI devices (GPUs above all) lent whole to managed VMs from their
     /// pools and scrubbed on return (docs/passthrough.md). A GPU listed
     /// here gets no worker.
@@ -287,6 +293,7 @@ impl Default for DevicesConfig {
             overcommit: 1.0,
             spill: Size(0),
             compute_nice: default_compute_nice(),
+            pin_lanes: true,
             passthrough: Vec::new(),
         }
     }
@@ -488,6 +495,7 @@ mod tests {
         let c = Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.run_dir.as_deref(), Some(Path::new("/run/vgpu")));
         assert_eq!(c.devices.compute_nice, 10);
+        assert!(c.devices.pin_lanes);
         assert_eq!(c.vms.stop_timeout_s, Some(10));
     }
 

@@ -7,6 +7,7 @@ pub mod control;
 pub mod gpu;
 pub mod ipc;
 pub mod nice;
+pub mod placement;
 pub mod ptx;
 pub mod sched;
 pub use virtio_gpu_compute::size;

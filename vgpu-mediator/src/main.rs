@@ -49,6 +49,10 @@ struct Cli {
     /// threads (0 to 19, 0: off; overrides devices.compute_nice).
     #[arg(long)]
     compute_nice: Option<i32>,
+    /// Pin each CPU device lane to a core of its own: true or false
+    /// (overrides devices.pin_lanes).
+    #[arg(long)]
+    pin_lanes: Option<bool>,
     /// Compute capability the CPU devices report and accept PTX for
     /// (7.0 to 12.1; default 8.0).
     #[arg(long)]
@@ -122,6 +126,9 @@ enum Cmd {
         /// Run kernels at this nice value, back to 0 between them (0: off).
         #[arg(long, default_value_t = 0)]
         compute_nice: i32,
+        /// Pin each lane's kernels to a core of its own.
+        #[arg(long)]
+        pin_lanes: bool,
     },
     /// Internal: installs a device worker's seccomp allow-list, then makes
     /// the named syscall (`getpid`, allowed, or `socket-inet`, `execve`,
@@ -133,6 +140,10 @@ enum Cmd {
         /// Use the narrower list of a tenant connection thread.
         #[arg(long)]
         connection: bool,
+        /// Build the lists as for a worker that keeps CAP_SYS_NICE (no
+        /// sched_setattr).
+        #[arg(long)]
+        keep_nice: bool,
     },
     /// Internal: checks that the CUDA driver is usable (in a process of its
     /// own, so the daemon never holds the GPUs open).
@@ -171,14 +182,14 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, compute_capability, user, seccomp, connection_threads, compute_nice }) => {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, compute_capability, user, seccomp, connection_threads, compute_nice, pin_lanes }) => {
             let cc = config::parse_compute_capability(&compute_capability).map_err(anyhow::Error::msg)?;
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, cc, user, seccomp, connection_threads, compute_nice });
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, cc, user, seccomp, connection_threads, compute_nice, pin_lanes });
         }
-        Some(Cmd::SeccompCheck { syscall, connection }) => {
+        Some(Cmd::SeccompCheck { syscall, connection, keep_nice }) => {
             worker::confine::no_new_privs()?;
-            worker::seccomp::confine_worker()?;
+            worker::seccomp::confine_worker(!keep_nice)?;
             if connection {
                 worker::seccomp::confine_connection_thread()?;
             }
@@ -225,6 +236,9 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(sp) = cli.spill {
         cfg.devices.spill = sp;
+    }
+    if let Some(p) = cli.pin_lanes {
+        cfg.devices.pin_lanes = p;
     }
     if let Some(n) = cli.compute_nice {
         cfg.devices.compute_nice = n;
@@ -280,6 +294,7 @@ fn run() -> anyhow::Result<()> {
             numa_node: nodes[i as usize % nodes.len()],
             spill: cfg.devices.spill.0,
             compute_nice: 0,
+            pin_lanes: false,
             name: format!("cpu{i}"),
             ordinal: i,
             memory: cfg.devices.memory.0,
@@ -299,6 +314,7 @@ fn run() -> anyhow::Result<()> {
         d.seccomp = cfg.devices.seccomp && d.cuda.is_none();
         d.connection_threads = cfg.devices.connection_threads;
         d.compute_nice = if d.cuda.is_none() { cfg.devices.compute_nice } else { 0 };
+        d.pin_lanes = d.cuda.is_none() && cfg.devices.pin_lanes;
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
     let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit);
@@ -411,6 +427,7 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             // Spilling is built for CPU devices only (docs/overcommit.md).
             spill: 0,
             compute_nice: 0,
+            pin_lanes: false,
         });
     }
     if out.is_empty() {

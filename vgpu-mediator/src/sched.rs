@@ -15,7 +15,8 @@
 //! stopped once the policy picks it again.
 
 use std::cell::Cell;
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -384,26 +385,30 @@ struct Shared {
     /// Bumped whenever work is queued: running work looks at the queue
     /// again only when it changed or its charge is due.
     arrivals: AtomicU64,
+    /// More than one piece of work running or waiting (read without the
+    /// lock by running work: its helpers then keep to its core).
+    crowded: AtomicBool,
 }
 
 struct Inner {
     running: usize,
     queue: VecDeque<Waiting>,
     next: u64,
+    /// Lane numbers not held (each lane has a core: crate::placement).
+    free: BinaryHeap<Reverse<usize>>,
 }
 
 impl Shared {
     /// Queues an entry for `tenant` and returns once it holds a lane.
-    fn acquire(&self, tenant: &str) {
+    fn acquire(&self, tenant: &str) -> usize {
         self.policy.begin(tenant);
         let mut g = lock(&self.inner);
         if g.queue.is_empty() && g.running < self.lanes && self.policy.throttled(tenant).is_none() {
             // A free lane and nobody waiting: no queue entry needed.
-            g.running += 1;
-            return;
+            return self.take_lane(&mut g);
         }
         let ticket = self.enqueue(&mut g, tenant);
-        drop(self.wait_turn(g, ticket));
+        self.wait_turn(g, ticket).1
     }
 
     /// Queues new work: running work looks at it at its next checkpoint.
@@ -418,26 +423,46 @@ impl Shared {
         let ticket = g.next;
         g.next += 1;
         g.queue.push_back(Waiting { ticket, tenant: tenant.to_string() });
-        self.waiting.store(g.queue.len(), Ordering::Release);
+        self.counted(g);
         ticket
     }
 
     fn dequeue(&self, g: &mut Inner, i: usize) {
         g.queue.remove(i);
+        self.counted(g);
+    }
+
+    /// Takes the lowest free lane.
+    fn take_lane(&self, g: &mut Inner) -> usize {
+        g.running += 1;
+        let lane = g.free.pop().map(|Reverse(l)| l).unwrap_or(0);
+        self.counted(g);
+        lane
+    }
+
+    fn put_lane(&self, g: &mut Inner, lane: usize) {
+        g.running -= 1;
+        g.free.push(Reverse(lane));
+        self.counted(g);
+    }
+
+    /// Publishes what running work reads without the lock.
+    fn counted(&self, g: &Inner) {
         self.waiting.store(g.queue.len(), Ordering::Release);
+        self.crowded.store(g.running + g.queue.len() > 1, Ordering::Release);
     }
 
     /// Waits until the policy picks entry `ticket` while a lane is free,
     /// then takes the lane.
-    fn wait_turn<'a>(&'a self, mut g: MutexGuard<'a, Inner>, ticket: u64) -> MutexGuard<'a, Inner> {
+    fn wait_turn<'a>(&'a self, mut g: MutexGuard<'a, Inner>, ticket: u64) -> (MutexGuard<'a, Inner>, usize) {
         loop {
             let mut sleep = RECHECK;
             if g.running < self.lanes {
                 match self.policy.pick(&g.queue) {
                     Pick::Run(i) if g.queue.get(i).is_some_and(|w| w.ticket == ticket) => {
                         self.dequeue(&mut g, i);
-                        g.running += 1;
-                        return g;
+                        let lane = self.take_lane(&mut g);
+                        return (g, lane);
                     }
                     // Someone else's turn: make sure they look.
                     Pick::Run(_) => self.cv.notify_all(),
@@ -448,13 +473,14 @@ impl Shared {
         }
     }
 
-    fn release(&self) {
+    fn release(self: &Arc<Self>, lane: usize) {
         let mut g = lock(&self.inner);
-        g.running -= 1;
+        self.put_lane(&mut g, lane);
         let waiting = !g.queue.is_empty();
         drop(g);
-        // A wake-up costs a system call: only when someone waits.
-        if waiting {
+        // A wake-up costs a system call: only when someone waits; later
+        // under a WakeLater.
+        if waiting && !wake_later(self) {
             self.cv.notify_all();
         }
     }
@@ -484,6 +510,64 @@ pub struct Running {
     deciding: Mutex<bool>,
     resumed: Condvar,
     released: AtomicBool,
+    /// The lane the work holds.
+    lane: AtomicUsize,
+}
+
+thread_local! {
+    /// Schedulers whose waiters this thread wakes when its
+    /// [`WakeLater`] ends (None: no guard, wake at once).
+    static DEFERRED: std::cell::RefCell<Option<Vec<Arc<Shared>>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// While it lives, lanes the calling thread gives back wake the work
+/// waiting for them only when it drops: the thread first finishes what
+/// the work's tenant waits for (its completion), before a woken thread
+/// may take its core.
+/// A guard made while another lives on the thread leaves the wake-ups to
+/// the outer one.
+pub struct WakeLater(bool);
+
+impl WakeLater {
+    pub fn new() -> WakeLater {
+        WakeLater(DEFERRED.with(|d| {
+            let mut d = d.borrow_mut();
+            let outer = d.is_none();
+            d.get_or_insert_with(Vec::new);
+            outer
+        }))
+    }
+}
+
+impl Default for WakeLater {
+    fn default() -> Self {
+        WakeLater::new()
+    }
+}
+
+/// Leaves `s`'s wake-up to the calling thread's [`WakeLater`], if it has
+/// one; false if it has none.
+fn wake_later(s: &Arc<Shared>) -> bool {
+    DEFERRED.with(|d| match d.borrow_mut().as_mut() {
+        Some(v) => {
+            if !v.iter().any(|x| Arc::ptr_eq(x, s)) {
+                v.push(s.clone());
+            }
+            true
+        }
+        None => false,
+    })
+}
+
+impl Drop for WakeLater {
+    fn drop(&mut self) {
+        if !self.0 {
+            return;
+        }
+        for s in DEFERRED.with(|d| d.borrow_mut().take()).unwrap_or_default() {
+            s.cv.notify_all();
+        }
+    }
 }
 
 thread_local! {
@@ -516,7 +600,7 @@ impl Drop for Current {
 }
 
 impl Running {
-    fn new(s: Arc<Shared>, tenant: &str) -> Running {
+    fn new(s: Arc<Shared>, tenant: &str, lane: usize) -> Running {
         let seen = AtomicU64::new(s.arrivals.load(Ordering::Acquire));
         Running {
             s,
@@ -531,6 +615,7 @@ impl Running {
             deciding: Mutex::new(false),
             resumed: Condvar::new(),
             released: AtomicBool::new(false),
+            lane: AtomicUsize::new(lane),
         }
     }
 
@@ -556,6 +641,11 @@ impl Running {
         Duration::from_nanos(self.ran.load(Ordering::Relaxed))
     }
 
+    /// The lane the work holds now (it may change when it is preempted).
+    pub fn lane(&self) -> usize {
+        self.lane.load(Ordering::Relaxed)
+    }
+
     /// Time this work has spent preempted.
     pub fn paused(&self) -> Duration {
         Duration::from_nanos(self.paused_ns.load(Ordering::Relaxed))
@@ -568,18 +658,26 @@ impl Running {
     pub fn checkpoint(&self) {
         // The common case costs a clock read and a few atomic loads: the
         // queue is looked at when new work arrived or the charge is due.
+        crate::placement::follow(self.lane.load(Ordering::Relaxed), self.s.crowded.load(Ordering::Acquire));
         let t = Instant::now();
         let due = self.since_base(t).saturating_sub(self.charged_to.load(Ordering::Relaxed)) >= CHARGE_EVERY.as_nanos() as u64;
         let arrived = self.s.arrivals.load(Ordering::Acquire) != self.seen.load(Ordering::Relaxed);
         if !self.paused.load(Ordering::Acquire) && !due && !arrived {
             return;
         }
+        // Locks others wait on are never held at compute nice.
+        let _raised = crate::nice::Raised::new();
+        self.decide();
+    }
+
+    fn decide(&self) {
         let mut d = lock(&self.deciding);
         if *d {
             // Another thread of this work gave the lane away: wait with it.
             while *d {
                 d = self.resumed.wait(d).unwrap_or_else(|e| e.into_inner());
             }
+            crate::placement::resumed(self.lane.load(Ordering::Relaxed));
             return;
         }
         let to = self.charge_to(Instant::now());
@@ -607,10 +705,13 @@ impl Running {
         *d = true;
         self.paused.store(true, Ordering::Release);
         drop(d);
-        g.running -= 1;
+        s.put_lane(&mut g, self.lane.load(Ordering::Relaxed));
         s.cv.notify_all();
         let stopped = Instant::now();
-        drop(s.wait_turn(g, ticket));
+        let (g, lane) = s.wait_turn(g, ticket);
+        drop(g);
+        self.lane.store(lane, Ordering::Relaxed);
+        crate::placement::resumed(lane);
         let back = Instant::now();
         self.paused_ns.fetch_add(back.duration_since(stopped).as_nanos() as u64, Ordering::Relaxed);
         let at = self.since_base(back);
@@ -627,7 +728,7 @@ impl Running {
         if !self.released.swap(true, Ordering::AcqRel) {
             self.charge_to(Instant::now());
             self.s.policy.end(&self.tenant);
-            self.s.release();
+            self.s.release(self.lane.load(Ordering::Relaxed));
         }
         self.ran()
     }
@@ -648,6 +749,10 @@ impl crate::ptx::Preempt for Running {
     fn paused(&self) -> Duration {
         Running::paused(self)
     }
+
+    fn helper(&self, on: bool) {
+        crate::placement::helping(on)
+    }
 }
 
 impl Scheduler {
@@ -655,22 +760,25 @@ impl Scheduler {
         Scheduler(Arc::new(Shared {
             lanes: lanes.max(1),
             policy,
-            inner: Mutex::new(Inner { running: 0, queue: VecDeque::new(), next: 0 }),
+            inner: Mutex::new(Inner { running: 0, queue: VecDeque::new(), next: 0, free: (0..lanes.max(1)).map(Reverse).collect() }),
             cv: Condvar::new(),
             busy_ns: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
             arrivals: AtomicU64::new(0),
+            crowded: AtomicBool::new(false),
         }))
     }
 
     /// Runs `f` once a lane is granted; returns its result and the lane
     /// time it used (time spent preempted excluded).
     pub fn run<T>(&self, tenant: &str, f: impl FnOnce() -> T) -> (T, Duration) {
-        self.0.acquire(tenant);
-        let r = Running::new(self.0.clone(), tenant);
+        let lane = self.0.acquire(tenant);
+        let r = Running::new(self.0.clone(), tenant, lane);
         let out = {
             let _cur = Current::set(&r);
-            // Below the worker's control threads while it holds the lane.
+            // On the lane's core, below the worker's control threads, while
+            // it holds the lane.
+            let _pin = crate::placement::LanePin::new(lane);
             let _nice = crate::nice::Lowered::new();
             f()
         };
@@ -883,5 +991,85 @@ mod tests {
         assert!(normal < Duration::from_millis(150) && latency < Duration::from_millis(150), "waited {normal:?} and {latency:?} behind 400 ms of work");
         // The long work was charged for what it ran, not for its pauses.
         assert!(ran >= Duration::from_millis(390) && ran <= took, "ran {ran:?} in {took:?}");
+    }
+
+    /// While it holds a lane (between checkpoints), no other work holds
+    /// the same one: preempted work resumes on whichever lane is free.
+    #[test]
+    fn each_piece_of_running_work_holds_a_lane_of_its_own() {
+        const LANES: usize = 2;
+        let s = fair(LANES, &[w(1), w(2), Share { priority: Priority::Latency, ..w(1) }]);
+        let owner: Arc<Vec<AtomicUsize>> = Arc::new((0..LANES).map(|_| AtomicUsize::new(usize::MAX)).collect());
+        let paused = Arc::new(AtomicU64::new(0));
+        let hs: Vec<_> = (0..6)
+            .map(|i| {
+                let (s, owner, paused) = (s.clone(), owner.clone(), paused.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..4 {
+                        s.run(&format!("t{}", i % 3), || {
+                            let end = Instant::now() + Duration::from_millis(15);
+                            while Instant::now() < end {
+                                let lane = with_current(|r| r.expect("inside run").lane());
+                                assert!(lane < LANES, "lane {lane} of {LANES}");
+                                let held = owner[lane].swap(i, Ordering::SeqCst);
+                                assert_eq!(held, usize::MAX, "work {i} got lane {lane}, which work {held} holds");
+                                let t = Instant::now();
+                                while t.elapsed() < Duration::from_micros(50) {
+                                    std::hint::spin_loop();
+                                }
+                                owner[lane].store(usize::MAX, Ordering::SeqCst);
+                                with_current(|r| r.expect("inside run").checkpoint());
+                            }
+                            paused.fetch_add(with_current(|r| r.expect("inside run").paused()).as_nanos() as u64, Ordering::Relaxed);
+                        });
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        // Three tenants on two lanes, one of them of a higher class: work
+        // was preempted and resumed, on whichever lane was free then.
+        assert!(paused.load(Ordering::Relaxed) > 0, "no work was ever preempted");
+    }
+
+    /// Under a WakeLater, the lane work gives back wakes its waiters only
+    /// when the guard drops.
+    #[test]
+    fn a_wake_later_guard_holds_wake_ups_until_it_ends() {
+        let s = fair(1, &[w(1), w(1)]);
+        let (s2, started) = (s.clone(), Arc::new(AtomicBool::new(false)));
+        let holder = std::thread::spawn({
+            let started = started.clone();
+            move || {
+                let guard = WakeLater::new();
+                s2.run("t0", || {
+                    started.store(true, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(30));
+                });
+                // The lane is free, its waiter's wake-up left to the guard.
+                let pending = DEFERRED.with(|d| d.borrow().as_ref().map(Vec::len));
+                drop(guard);
+                let after = DEFERRED.with(|d| d.borrow().is_none());
+                (pending, after)
+            }
+        });
+        while !started.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        let t = Instant::now();
+        s.run("t1", || ());
+        let (pending, after) = holder.join().unwrap();
+        assert_eq!(pending, Some(1), "the release left one scheduler to wake");
+        assert!(after, "the guard cleared the thread's list when it ended");
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // Nested guards leave the wake-ups to the outer one.
+        let outer = WakeLater::new();
+        let inner = WakeLater::new();
+        drop(inner);
+        assert!(DEFERRED.with(|d| d.borrow().is_some()), "an inner guard does not end the outer one's");
+        drop(outer);
+        assert!(DEFERRED.with(|d| d.borrow().is_none()));
     }
 }

@@ -81,6 +81,8 @@ pub struct DeviceSpec {
     pub spill: u64,
     /// The nice value the worker runs kernels at (0: off).
     pub compute_nice: i32,
+    /// Whether the worker pins each lane to a core (CPU devices).
+    pub pin_lanes: bool,
 }
 
 /// How a `cuda` worker finds its device.
@@ -886,6 +888,9 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::
     }
     if spec.compute_nice > 0 {
         cmd.arg("--compute-nice").arg(spec.compute_nice.to_string());
+    }
+    if spec.pin_lanes {
+        cmd.arg("--pin-lanes");
     }
     let mut child = cmd
         // A GPU worker sees exactly its GPU or MIG instance, as device 0,

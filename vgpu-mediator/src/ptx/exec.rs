@@ -108,6 +108,9 @@ pub trait Preempt: Sync {
     /// Time the launch has spent stopped so far: not counted against its
     /// time limit.
     fn paused(&self) -> Duration;
+    /// The calling thread starts (true) or ends (false) helping a launch
+    /// that runs on another thread's lane.
+    fn helper(&self, _on: bool) {}
 }
 
 #[derive(Clone, Copy)]
@@ -501,37 +504,55 @@ fn launch_parallel(
     let first_err: Mutex<Option<ExecError>> = Mutex::new(None);
     let spent = AtomicU64::new(0);
     let blocks = AtomicU64::new(0);
-    rayon::scope(|s| {
-        for (job, mut view) in views.into_iter().enumerate() {
-            let (pool, next, stop, first_err, spent, blocks) = (&pool, &next, &stop, &first_err, &spent, &blocks);
-            s.spawn(move |_| {
-                let mut meter = Meter { left: 0, budget, deadline, next_clock: 0, pool: Some(pool), taken: 0, preempt };
-                let mut b = BlockState::new(k, nthreads, shared);
-                let r = (|| -> Result<(), ExecError> {
-                    while !stop.load(Ordering::Relaxed) {
-                        // Helpers give their cores back as soon as another
-                        // launch runs: it has a lane of its own, and this
-                        // launch keeps its first job.
-                        if job > 0 && IN_FLIGHT.load(Ordering::Relaxed) > 1 {
-                            return Ok(());
-                        }
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= nblocks {
-                            return Ok(());
-                        }
-                        meter.charge(block_units)?;
-                        b.reset(k);
-                        run_block(k, &mut b, cfg, block_index(cfg, i), params, &mut *view, &mut meter, li)?;
-                        blocks.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Ok(())
-                })();
-                spent.fetch_add(meter.spent(), Ordering::Relaxed);
-                if let Err(e) = r {
-                    stop.store(true, Ordering::Relaxed);
-                    first_err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+    let work = |job: usize, mut view: Box<dyn GlobalMem + Send + '_>| {
+        if job > 0 {
+            if let Some(p) = preempt {
+                p.helper(true);
+            }
+        }
+        let mut meter = Meter { left: 0, budget, deadline, next_clock: 0, pool: Some(&pool), taken: 0, preempt };
+        let mut b = BlockState::new(k, nthreads, shared);
+        let r = (|| -> Result<(), ExecError> {
+            while !stop.load(Ordering::Relaxed) {
+                // Helpers give their cores back as soon as another
+                // launch runs: it has a lane of its own, and this
+                // launch keeps its first job.
+                if job > 0 && IN_FLIGHT.load(Ordering::Relaxed) > 1 {
+                    return Ok(());
                 }
-            });
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= nblocks {
+                    return Ok(());
+                }
+                meter.charge(block_units)?;
+                b.reset(k);
+                run_block(k, &mut b, cfg, block_index(cfg, i), params, &mut *view, &mut meter, li)?;
+                blocks.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        })();
+        spent.fetch_add(meter.spent(), Ordering::Relaxed);
+        if job > 0 {
+            if let Some(p) = preempt {
+                p.helper(false);
+            }
+        }
+        if let Err(e) = r {
+            stop.store(true, Ordering::Relaxed);
+            first_err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+        }
+    };
+    let work = &work;
+    // The first job runs on the calling thread (the lane's), the others on
+    // rayon's pool.
+    rayon::in_place_scope(|s| {
+        let mut views = views.into_iter().enumerate();
+        let first = views.next();
+        for (job, view) in views {
+            s.spawn(move |_| work(job, view));
+        }
+        if let Some((job, view)) = first {
+            work(job, view);
         }
     });
     if let Some(e) = first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {

@@ -80,30 +80,48 @@ pub fn drop_privileges(user: Owner, keep_nice: bool) -> Result<(), ConfineError>
 
 const CAP_SYS_NICE: u32 = 23;
 
+/// capget/capset header and data (linux/capability.h), version 3: two
+/// 32-bit words per set.
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const CAP_VERSION_3: u32 = 0x2008_0522;
+
+/// Whether the calling thread has CAP_SYS_NICE in its effective set (as
+/// root, or kept by [`drop_privileges`]); true if that cannot be read.
+pub fn holds_cap_sys_nice() -> bool {
+    let mut hdr = CapHeader { version: CAP_VERSION_3, pid: 0 };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: capget on the calling thread with a version-3 header writes
+    // the two data words that version has.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut hdr as *mut CapHeader, data.as_mut_ptr()) } != 0 {
+        return true;
+    }
+    data[(CAP_SYS_NICE / 32) as usize].effective & (1 << (CAP_SYS_NICE % 32)) != 0
+}
+
 /// Leaves `cap` alone in the permitted and effective sets (nothing
 /// inheritable).
 fn keep_only(cap: u32) -> Result<(), std::io::Error> {
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: libc::c_int,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy, Default)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    // _LINUX_CAPABILITY_VERSION_3: two 32-bit words per set.
-    let mut hdr = Header { version: 0x2008_0522, pid: 0 };
-    let mut data = [Data::default(); 2];
+    let mut hdr = CapHeader { version: CAP_VERSION_3, pid: 0 };
+    let mut data = [CapData::default(); 2];
     let word = &mut data[(cap / 32) as usize];
     word.effective = 1 << (cap % 32);
     word.permitted = 1 << (cap % 32);
     // SAFETY: capset on the calling thread with a version-3 header and the
     // two data words that version reads.
-    if unsafe { libc::syscall(libc::SYS_capset, &mut hdr as *mut Header, data.as_ptr()) } != 0 {
+    if unsafe { libc::syscall(libc::SYS_capset, &mut hdr as *mut CapHeader, data.as_ptr()) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())

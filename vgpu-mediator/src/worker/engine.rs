@@ -645,6 +645,9 @@ impl Ring {
     /// Runs one item and completes its entry (a bug in the work fails
     /// that entry, and the entry still completes).
     fn run_item(self: &Arc<Self>, engine: &Engine, item: Item) {
+        // Work waiting for the lane this item gives back is woken once the
+        // item's completion is out: the tenant waiting for it goes first.
+        let _wake_later = crate::sched::WakeLater::new();
         let res = match &item.work.kind {
             WorkKind::Wait { .. } => Ok(()),
             _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.svc.execute(&self.tenant, &item.work).map(|_| ())))

@@ -46,6 +46,8 @@ pub struct WorkerOptions {
     pub connection_threads: usize,
     /// The nice value kernels run at (0: off).
     pub compute_nice: i32,
+    /// Pin each lane to a core of its own (crate::placement).
+    pub pin_lanes: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -149,15 +151,27 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         let caps = if keep_nice { "CAP_SYS_NICE alone (fenced by seccomp)" } else { "no capabilities" };
         info!(uid = u.uid, gid = u.gid, "device worker confined: unprivileged, {caps}, no_new_privs, own mount namespace");
     }
+    // Lane threads set their own time slice with sched_setattr, which
+    // with CAP_SYS_NICE could also ask for a real-time policy: only where
+    // the worker does not hold it (crate::nice).
+    let slice = !confine::holds_cap_sys_nice();
     if seccomp {
         confine::no_new_privs()?;
-        seccomp::confine_worker()?;
+        seccomp::confine_worker(slice)?;
         info!("device worker under its seccomp allow-list");
     }
-    match crate::nice::enable(opts.compute_nice) {
-        Ok(()) if opts.compute_nice > 0 => info!(nice = crate::nice::compute(), "kernels run below the worker's control threads"),
+    match crate::nice::enable(opts.compute_nice, slice) {
+        Ok(()) if opts.compute_nice > 0 => {
+            info!(nice = crate::nice::compute(), slice_us = crate::nice::sliced().then_some(crate::nice::LANE_SLICE.as_micros() as u64), "kernels run below the worker's control threads")
+        }
         Ok(()) => {}
         Err(e) => warn!("kernels run at the control threads' priority: no thread could return to nice 0 ({e}; RLIMIT_NICE: {nice_limit:?})"),
+    }
+    if opts.backend == BackendKind::Cpu && opts.pin_lanes {
+        match crate::placement::enable() {
+            Some(cores) => info!(?cores, "each lane's kernels run on a core of their own"),
+            None => info!("one core: lanes are not pinned"),
+        }
     }
     if opts.backend == BackendKind::Cpu && launch_threads > 1 {
         // The threads launches run blocks on, made now: tenant connection

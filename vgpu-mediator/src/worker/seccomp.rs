@@ -12,6 +12,7 @@
 //! filter yet: the NVIDIA driver's syscalls need tracing on a GPU host.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch};
 
@@ -139,8 +140,21 @@ fn plain(list: &[i64], rules: &mut BTreeMap<i64, Vec<SeccompRule>>) {
 /// lowered), and nobody else's, and never above normal priority:
 /// `setpriority(PRIO_PROCESS, 0, 0..=19)` only. (The value compares as an
 /// unsigned 32-bit word, so negative values fail the bound.)
+///
+/// Lane threads also move themselves between cores
+/// (`sched_setaffinity(0, ..)`, crate::placement), and, in a worker
+/// without CAP_SYS_NICE, set their own time slice with nice
+/// (`sched_setattr(0, .., 0)` and `sched_getattr(0, ..)`, crate::nice).
+/// The attributes themselves cannot be filtered (a pointer): without the
+/// capability the kernel refuses a real-time policy or a raised priority,
+/// with it sched_setattr is left off the list.
 fn own_priority(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) -> Result<(), SeccompError> {
     let max = crate::nice::MAX as u64;
+    rules.insert(libc::SYS_sched_setaffinity, vec![rule(vec![cond(0, SeccompCmpOp::Eq, 0)?])?]);
+    if SLICE.load(Ordering::Relaxed) {
+        rules.insert(libc::SYS_sched_setattr, vec![rule(vec![cond(0, SeccompCmpOp::Eq, 0)?, cond(2, SeccompCmpOp::Eq, 0)?])?]);
+        rules.insert(libc::SYS_sched_getattr, vec![rule(vec![cond(0, SeccompCmpOp::Eq, 0)?, cond(3, SeccompCmpOp::Eq, 0)?])?]);
+    }
     rules.insert(libc::SYS_setpriority, vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::PRIO_PROCESS as u64)?, cond(1, SeccompCmpOp::Eq, 0)?, cond(2, SeccompCmpOp::Le, max)?])?]);
     Ok(())
 }
@@ -221,8 +235,15 @@ fn install_handler() -> Result<(), SeccompError> {
     Ok(())
 }
 
-/// Installs the process-wide list on every thread of the worker.
-pub fn confine_worker() -> Result<(), SeccompError> {
+/// Whether the lists allow `sched_setattr` on the calling thread (set
+/// once, by [`confine_worker`]).
+static SLICE: AtomicBool = AtomicBool::new(false);
+
+/// Installs the process-wide list on every thread of the worker. With
+/// `slice`, threads may set their own scheduling attributes (only for a
+/// worker without CAP_SYS_NICE: see [`own_priority`]).
+pub fn confine_worker(slice: bool) -> Result<(), SeccompError> {
+    SLICE.store(slice, Ordering::Relaxed);
     install_handler()?;
     let files = files_filter()?;
     let f = worker_filter()?;
@@ -238,11 +259,20 @@ pub fn confine_connection_thread() -> Result<(), SeccompError> {
 
 /// Makes one named syscall, for the seccomp self-test
 /// (`vgpu-mediatord seccomp-check`): `getpid` and `socket-unix` are on
-/// the worker's list; `socket-inet`, `execve`, `ptrace`, `nice-other` and
-/// `nice-raise` are not, and `socket-unix` is not on a connection thread's; `nice-self`
-/// is on both; `openat` fails with EACCES.
+/// the worker's list; `socket-inet`, `execve`, `ptrace`, `nice-other`,
+/// `nice-raise`, `slice-other` and `affinity-other` are not, and
+/// `socket-unix` is not on a connection thread's; `nice-self`,
+/// `affinity-self` and (unless the lists were built without it)
+/// `slice-self` are on both; `openat` fails with EACCES.
 pub fn make_syscall(name: &str) -> Result<i64, String> {
     let path = c"/etc/hostname";
+    // struct sched_attr, first version (48 bytes): SCHED_OTHER at nice 1.
+    let mut attr = [0u32; 12];
+    attr[0] = 48;
+    attr[4] = 1;
+    // SAFETY: an all-zero cpu_set_t is a valid empty set.
+    let mut cpus: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let set = std::mem::size_of::<libc::cpu_set_t>();
     // SAFETY: each call passes valid arguments (a static C string, null
     // argv/envp, integer flags) and its result is only returned.
     let rc = unsafe {
@@ -261,7 +291,22 @@ pub fn make_syscall(name: &str) -> Result<i64, String> {
             "nice-self" => libc::syscall(libc::SYS_setpriority, libc::PRIO_PROCESS, 0, 1),
             "nice-other" => libc::syscall(libc::SYS_setpriority, libc::PRIO_PROCESS, libc::getpid(), 1),
             "nice-raise" => libc::syscall(libc::SYS_setpriority, libc::PRIO_PROCESS, 0, -1),
-            other => return Err(format!("unknown syscall {other:?}: use getpid, socket-unix, socket-inet, openat, execve, ptrace, nice-self, nice-other or nice-raise")),
+            "slice-self" => libc::syscall(libc::SYS_sched_setattr, 0, attr.as_ptr(), 0),
+            "slice-other" => libc::syscall(libc::SYS_sched_setattr, libc::getpid(), attr.as_ptr(), 0),
+            // The calling thread's own cores, set again.
+            "affinity-self" => match libc::sched_getaffinity(0, set, &mut cpus) {
+                0 => libc::syscall(libc::SYS_sched_setaffinity, 0, set, &cpus as *const libc::cpu_set_t),
+                e => e as i64,
+            },
+            "affinity-other" => match libc::sched_getaffinity(0, set, &mut cpus) {
+                0 => libc::syscall(libc::SYS_sched_setaffinity, libc::getpid(), set, &cpus as *const libc::cpu_set_t),
+                e => e as i64,
+            },
+            other => {
+                return Err(format!(
+                "unknown syscall {other:?}: use getpid, socket-unix, socket-inet, openat, execve, ptrace, nice-self, nice-other, nice-raise, slice-self, slice-other, affinity-self or affinity-other"
+            ))
+            }
         }
     };
     Ok(rc)

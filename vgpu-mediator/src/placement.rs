@@ -1,0 +1,176 @@
+//! Which host cores a CPU device's lane work runs on.
+//!
+//! Each lane has a core of its own: the thread that runs a launch holding
+//! lane `i` is pinned to the `i`-th core the worker may use (modulo their
+//! number) for as long as it holds the lane, and goes back to all of them
+//! afterwards. Without it, two kernels could share one core while the
+//! other sat idle: a kernel thread that just ran is "cache hot" to the
+//! host scheduler, which then does not move it to an idle core for
+//! milliseconds, and a short launch beside a long one ran at half speed.
+//!
+//! A launch's helper threads (its blocks on rayon's pool) run anywhere
+//! while the launch is alone on the device, and on their launch's core
+//! while other work runs or waits: they never take another lane's core.
+//!
+//! Pinning follows the lane when preempted work resumes on another one.
+//! It is off where the worker may use a single core, and can be turned off
+//! (`devices.pin_lanes = false`) on hosts that run other work on the same
+//! cores.
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+
+/// The cores the worker may use, when pinning is on.
+static CORES: OnceLock<Vec<usize>> = OnceLock::new();
+
+thread_local! {
+    /// The lane the calling thread is pinned for, if it is.
+    static PINNED: Cell<Option<usize>> = const { Cell::new(None) };
+    /// Whether the calling thread is a launch's helper right now.
+    static HELPER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Turns pinning on (call once, after the worker's own CPU affinity is
+/// final: its NUMA node's cores). Returns the cores lanes go to, or None
+/// where there is only one.
+pub fn enable() -> Option<&'static [usize]> {
+    let cores = own_cores().filter(|c| c.len() > 1)?;
+    Some(CORES.get_or_init(|| cores).as_slice())
+}
+
+/// The cores lanes are pinned to (empty: pinning is off).
+pub fn cores() -> &'static [usize] {
+    CORES.get().map(|c| c.as_slice()).unwrap_or(&[])
+}
+
+fn own_cores() -> Option<Vec<usize>> {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sched_getaffinity on the calling thread writes at most the
+    // given size into the live set.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return None;
+    }
+    // SAFETY: CPU_ISSET reads the set within CPU_SETSIZE.
+    Some((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+}
+
+fn set_cores(cores: &[usize]) -> bool {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in cores {
+        // SAFETY: every core came from sched_getaffinity, below CPU_SETSIZE.
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    // SAFETY: sched_setaffinity with pid 0 changes only the calling
+    // thread's affinity; it reads the live set.
+    unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0 }
+}
+
+/// Pins the calling thread to `lane`'s core; false if pinning is off or
+/// the host refused (a core taken away by a cpuset since the start).
+fn pin(lane: usize) -> bool {
+    let cores = cores();
+    if cores.is_empty() || !set_cores(&[cores[lane % cores.len()]]) {
+        return false;
+    }
+    PINNED.with(|p| p.set(Some(lane)));
+    true
+}
+
+fn unpin() {
+    if PINNED.with(|p| p.replace(None)).is_some() {
+        set_cores(cores());
+    }
+}
+
+/// The thread running a launch on `lane`: pinned to the lane's core while
+/// the guard lives.
+pub struct LanePin(bool);
+
+impl LanePin {
+    pub fn new(lane: usize) -> LanePin {
+        LanePin(pin(lane))
+    }
+}
+
+impl Drop for LanePin {
+    fn drop(&mut self) {
+        if self.0 {
+            unpin();
+        }
+    }
+}
+
+/// Preempted work resumed on `lane`: a pinned thread moves there.
+pub fn resumed(lane: usize) {
+    if PINNED.with(|p| p.get()).is_some_and(|l| l != lane) {
+        pin(lane);
+    }
+}
+
+/// The calling thread starts (`true`) or stops helping a launch that runs
+/// on another thread's lane.
+pub fn helping(on: bool) {
+    HELPER.with(|h| h.set(on));
+    if !on {
+        unpin();
+    }
+}
+
+/// At a helper's checkpoint: on its launch's `lane` core while the device
+/// is `crowded` (other work runs or waits), anywhere otherwise. Costs two
+/// thread-local reads when nothing changes.
+#[inline]
+pub fn follow(lane: usize, crowded: bool) {
+    if !HELPER.with(|h| h.get()) {
+        return;
+    }
+    let want = crowded.then_some(lane);
+    if PINNED.with(|p| p.get()) != want {
+        match want {
+            Some(l) => {
+                pin(l);
+            }
+            None => unpin(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_threads_are_pinned_while_they_hold_a_lane_and_helpers_only_when_crowded() {
+        std::thread::spawn(|| {
+            let all = own_cores().expect("sched_getaffinity");
+            let Some(cores) = enable() else {
+                eprintln!("SKIP: this host lets the worker use one core; lane pinning is off there");
+                return;
+            };
+            assert_eq!(cores, all.as_slice());
+            {
+                let _p = LanePin::new(1);
+                assert_eq!(own_cores().unwrap(), vec![cores[1 % cores.len()]], "lane 1's thread runs on the second core");
+                resumed(0);
+                assert_eq!(own_cores().unwrap(), vec![cores[0]], "and moves with its lane");
+            }
+            assert_eq!(own_cores().unwrap(), all, "all cores again once the lane is given back");
+            follow(0, true);
+            assert_eq!(own_cores().unwrap(), all, "a thread that is not a helper does not follow");
+            helping(true);
+            follow(1, false);
+            assert_eq!(own_cores().unwrap(), all, "a helper of a launch alone on the device runs anywhere");
+            follow(1, true);
+            assert_eq!(own_cores().unwrap(), vec![cores[1 % cores.len()]], "on its launch's core when others run");
+            follow(1, false);
+            assert_eq!(own_cores().unwrap(), all);
+            follow(1, true);
+            helping(false);
+            assert_eq!(own_cores().unwrap(), all, "a helper leaves its launch's core when it stops helping");
+        })
+        .join()
+        .unwrap();
+    }
+}
