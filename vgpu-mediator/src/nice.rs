@@ -24,7 +24,8 @@
 //!   with the default slice (1.4 ms on two cores) a woken ring poller or
 //!   tenant thread would wait that long behind a kernel. A worker that
 //!   keeps CAP_SYS_NICE does without it: `sched_setattr` with the
-//!   capability could also ask for a real-time policy.
+//!   capability could also ask for a real-time policy. Without it, the
+//!   limits [`fence_limits`] sets keep the call to lowering the thread.
 //! - The scheduler's own bookkeeping never runs lowered ([`Raised`]): a
 //!   lowered thread preempted while it holds the scheduler's lock would
 //!   make every thread that needs the lock wait for the kernels it runs
@@ -74,6 +75,31 @@ pub fn raise_limit() -> Result<(), std::io::Error> {
     rl.rlim_max = rl.rlim_max.max(RESTORE_LIMIT);
     // SAFETY: setrlimit on our own process with a valid struct.
     if unsafe { libc::setrlimit(libc::RLIMIT_NICE, &rl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Caps what a thread of this process may ask the host's scheduler for,
+/// whatever the daemon inherited: no real-time priority (RLIMIT_RTPRIO 0)
+/// and nothing above nice 0 (RLIMIT_NICE at most 20). With these, and no
+/// CAP_SYS_NICE, `sched_setattr` on a thread's own attributes can only
+/// lower it or choose its slice. Lowering limits needs no privilege, and
+/// the worker's seccomp lists allow no way to raise them again.
+pub fn fence_limits() -> Result<(), std::io::Error> {
+    let zero = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: setrlimit on our own process with a valid struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_RTPRIO, &zero) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit on our own process with a valid, writable struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NICE, &mut rl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let capped = libc::rlimit { rlim_cur: rl.rlim_cur.min(RESTORE_LIMIT), rlim_max: rl.rlim_max.min(RESTORE_LIMIT) };
+    // SAFETY: setrlimit on our own process with a valid struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NICE, &capped) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())

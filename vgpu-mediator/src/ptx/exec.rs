@@ -505,11 +505,7 @@ fn launch_parallel(
     let spent = AtomicU64::new(0);
     let blocks = AtomicU64::new(0);
     let work = |job: usize, mut view: Box<dyn GlobalMem + Send + '_>| {
-        if job > 0 {
-            if let Some(p) = preempt {
-                p.helper(true);
-            }
-        }
+        let _job = JobGuard::enter(preempt.filter(|_| job > 0), &stop);
         let mut meter = Meter { left: 0, budget, deadline, next_clock: 0, pool: Some(&pool), taken: 0, preempt };
         let mut b = BlockState::new(k, nthreads, shared);
         let r = (|| -> Result<(), ExecError> {
@@ -532,11 +528,6 @@ fn launch_parallel(
             Ok(())
         })();
         spent.fetch_add(meter.spent(), Ordering::Relaxed);
-        if job > 0 {
-            if let Some(p) = preempt {
-                p.helper(false);
-            }
-        }
         if let Err(e) = r {
             stop.store(true, Ordering::Relaxed);
             first_err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
@@ -559,6 +550,34 @@ fn launch_parallel(
         return Err(e);
     }
     Ok(Stats { instructions: spent.into_inner(), blocks: blocks.into_inner() })
+}
+
+/// One job of a parallel launch while it runs: a helper job (on rayon's
+/// pool) is announced to the scheduler and, however it ends, leaves as
+/// one; a job that panics stops the others after their current block.
+struct JobGuard<'a> {
+    helper: Option<&'a dyn Preempt>,
+    stop: &'a AtomicBool,
+}
+
+impl<'a> JobGuard<'a> {
+    fn enter(helper: Option<&'a dyn Preempt>, stop: &'a AtomicBool) -> JobGuard<'a> {
+        if let Some(p) = helper {
+            p.helper(true);
+        }
+        JobGuard { helper, stop }
+    }
+}
+
+impl Drop for JobGuard<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.stop.store(true, Ordering::Relaxed);
+        }
+        if let Some(p) = self.helper {
+            p.helper(false);
+        }
+    }
 }
 
 struct BlockState {

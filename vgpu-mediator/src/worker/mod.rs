@@ -145,6 +145,9 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     // is RLIMIT_NICE raised, which takes privilege, or else CAP_SYS_NICE
     // kept, which only the seccomp lists make narrow enough.
     let nice_limit = if opts.compute_nice > 0 { crate::nice::raise_limit() } else { Ok(()) };
+    if opts.backend == BackendKind::Cpu {
+        anyhow::Context::context(crate::nice::fence_limits(), "capping RLIMIT_RTPRIO and RLIMIT_NICE")?;
+    }
     if let Some(u) = opts.user {
         let keep_nice = nice_limit.is_err() && seccomp;
         confine::drop_privileges(u, keep_nice)?;
@@ -153,8 +156,8 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     }
     // Lane threads set their own time slice with sched_setattr, which
     // with CAP_SYS_NICE could also ask for a real-time policy: only where
-    // the worker does not hold it (crate::nice).
-    let slice = !confine::holds_cap_sys_nice();
+    // the worker does not hold it, its limits fenced (crate::nice).
+    let slice = opts.compute_nice > 0 && opts.backend == BackendKind::Cpu && !confine::holds_cap_sys_nice();
     if seccomp {
         confine::no_new_privs()?;
         seccomp::confine_worker(slice)?;

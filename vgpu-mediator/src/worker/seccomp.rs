@@ -145,9 +145,11 @@ fn plain(list: &[i64], rules: &mut BTreeMap<i64, Vec<SeccompRule>>) {
 /// (`sched_setaffinity(0, ..)`, crate::placement), and, in a worker
 /// without CAP_SYS_NICE, set their own time slice with nice
 /// (`sched_setattr(0, .., 0)` and `sched_getattr(0, ..)`, crate::nice).
-/// The attributes themselves cannot be filtered (a pointer): without the
-/// capability the kernel refuses a real-time policy or a raised priority,
-/// with it sched_setattr is left off the list.
+/// The attributes themselves cannot be filtered (a pointer): the worker
+/// caps RLIMIT_RTPRIO at 0 and RLIMIT_NICE at 20 first
+/// (crate::nice::fence_limits), so without the capability the kernel
+/// refuses a real-time policy or a raised priority; with it,
+/// sched_setattr is left off the list.
 fn own_priority(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) -> Result<(), SeccompError> {
     let max = crate::nice::MAX as u64;
     rules.insert(libc::SYS_sched_setaffinity, vec![rule(vec![cond(0, SeccompCmpOp::Eq, 0)?])?]);
