@@ -318,11 +318,15 @@ impl Policy for WeightedFair {
 
     fn end(&self, tenant: &str) {
         let mut g = lock(&self.state);
+        // Virtual time moves on to what the work just used before the
+        // work stops counting, and stays there once nothing is active: a
+        // tenant that runs alone, one launch at a time, is active at no
+        // other moment, and a newcomer would otherwise start behind by
+        // all it used (and take the lanes until it caught up).
+        g.now();
         if let Some(a) = g.tenants.get_mut(tenant) {
             a.active = a.active.saturating_sub(1);
         }
-        // Virtual time stays where the last active tenants left it.
-        g.now();
     }
 
     fn charge(&self, tenant: &str, dt: Duration) {
@@ -926,6 +930,28 @@ mod tests {
         for (g, want) in got.iter().zip([0.125, 0.125, 0.25, 0.5]) {
             assert!((g - want).abs() < 0.08, "1:1:2:4 gave {got:?}");
         }
+    }
+
+    #[test]
+    fn a_newcomer_is_not_owed_what_a_tenant_running_alone_used() {
+        let p = WeightedFair::new(1);
+        p.configure("solo", w(1));
+        p.configure("late", w(1));
+        // One launch at a time, 100 ms in all, nobody else active.
+        for _ in 0..100 {
+            p.begin("solo");
+            p.charge("solo", Duration::from_millis(1));
+            p.end("solo");
+        }
+        // "late" arrives between two of them.
+        p.begin("late");
+        p.begin("solo");
+        let q: VecDeque<Waiting> = [Waiting { ticket: 0, tenant: "solo".into() }, Waiting { ticket: 1, tenant: "late".into() }].into();
+        // It goes first, but from no further back than the slack: after
+        // 3 ms of its own it is solo's turn again (not after 100 ms).
+        assert_eq!(p.pick(&q), Pick::Run(1));
+        p.charge("late", Duration::from_millis(3));
+        assert_eq!(p.pick(&q), Pick::Run(0), "late: {} solo: {}", p.key_of("late"), p.key_of("solo"));
     }
 
     #[test]
