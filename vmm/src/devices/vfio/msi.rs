@@ -186,17 +186,7 @@ impl Msi {
 mod tests {
     use super::*;
 
-    #[derive(Default)]
-    struct Log(Vec<String>);
-
-    impl VectorWires for Log {
-        fn route(&mut self, v: usize, a: u64, d: u32) {
-            self.0.push(format!("route {v} {a:#x} {d:#x}"));
-        }
-        fn deliver(&mut self, v: usize, on: bool) {
-            self.0.push(format!("irqfd {v} {on}"));
-        }
-    }
+    use crate::devices::vfio::msix::tests::Log;
 
     impl MsiSink for Log {
         fn enable(&mut self, n: usize) -> bool {

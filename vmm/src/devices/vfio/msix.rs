@@ -160,11 +160,13 @@ impl MsixTable {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
+    /// What the emulation asked of its wires, in order (shared with the
+    /// MSI tests).
     #[derive(Default)]
-    struct Log(Vec<String>);
+    pub(in crate::devices::vfio) struct Log(pub Vec<String>);
 
     impl VectorWires for Log {
         fn route(&mut self, v: usize, a: u64, d: u32) {
