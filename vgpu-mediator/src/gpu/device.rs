@@ -47,6 +47,10 @@ pub const MAX_CONTEXTS: usize = 1024;
 struct Blob {
     entries: Vec<(u64, u64)>,
     size: u64,
+    /// Held by every copy through the blob while it runs: RESOURCE_UNREF
+    /// answers only once the last one is gone (the guest frees the pages
+    /// on that answer).
+    lease: Arc<()>,
 }
 
 type Resources = Arc<RwLock<HashMap<u32, Blob>>>;
@@ -60,6 +64,14 @@ struct CtxBlobs {
 
 impl BlobAccess for CtxBlobs {
     fn pieces(&self, res: u32, off: u64, len: u64) -> Result<Pieces, String> {
+        self.runs(res, off, len, true)
+    }
+}
+
+impl CtxBlobs {
+    /// The runs of guest memory behind `[off, off+len)` of blob `res`,
+    /// holding the blob's lease while they live when `leased`.
+    fn runs(&self, res: u32, off: u64, len: u64, leased: bool) -> Result<Pieces, String> {
         if !self.attached.read().unwrap_or_else(|e| e.into_inner()).contains(&res) {
             return Err(format!("blob {res} is not attached to this context"));
         }
@@ -84,7 +96,8 @@ impl BlobAccess for CtxBlobs {
                 break;
             }
         }
-        Ok(Pieces { runs: out, _keep: Box::new(mem) })
+        let lease = leased.then(|| blob.lease.clone());
+        Ok(Pieces { runs: out, _keep: Box::new((mem, lease)) })
     }
 }
 
@@ -93,8 +106,8 @@ struct GpuCtx {
     /// context for display clients): it may hold resources, not compute.
     compute: bool,
     conn: Arc<Mutex<Conn>>,
-    /// The context's command ring, in a guest blob, once attached.
-    ring: Option<Arc<Ring>>,
+    /// The context's command ring and the blob it lives in, once attached.
+    ring: Option<(u32, Arc<Ring>)>,
     /// SUBMIT_3D commands this context sent (one per guest EXECBUFFER).
     submits: u64,
     blobs: Arc<CtxBlobs>,
@@ -266,7 +279,7 @@ impl GpuDevice {
             }
             GpuCommand::CtxAttachResource(b) | GpuCommand::CtxDetachResource(b) => {
                 let attach = hdr.ty == ty::CTX_ATTACH_RESOURCE;
-                let Some(c) = self.ctxs.get(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
+                let Some(c) = self.ctxs.get_mut(&hdr.ctx_id) else { return refuse(ty::RESP_ERR_INVALID_CONTEXT_ID, format!("no context {}", hdr.ctx_id)) };
                 if self.display.contains(&b.resource_id) {
                     // Display resources carry no compute data: nothing to track.
                     return Ok(Self::ok(hdr));
@@ -274,11 +287,11 @@ impl GpuDevice {
                 if !self.resources.read().unwrap_or_else(|e| e.into_inner()).contains_key(&b.resource_id) {
                     return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id));
                 }
-                let mut a = c.blobs.attached.write().unwrap_or_else(|e| e.into_inner());
                 if attach {
-                    a.insert(b.resource_id);
+                    c.blobs.attached.write().unwrap_or_else(|e| e.into_inner()).insert(b.resource_id);
                 } else {
-                    a.remove(&b.resource_id);
+                    c.blobs.attached.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id);
+                    Self::drop_ring_in(c, b.resource_id);
                 }
                 Ok(Self::ok(hdr))
             }
@@ -290,12 +303,17 @@ impl GpuDevice {
                 if self.display.remove(&b.resource_id) {
                     return Ok(Self::ok(hdr));
                 }
-                if self.resources.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id).is_none() {
-                    return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id));
-                }
-                for c in self.ctxs.values() {
+                let removed = self.resources.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id);
+                let Some(blob) = removed else { return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id)) };
+                for c in self.ctxs.values_mut() {
                     c.blobs.attached.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id);
+                    Self::drop_ring_in(c, b.resource_id);
                 }
+                // The guest frees the pages when it reads this answer: no
+                // copy may still be writing them then. No new one starts
+                // (the blob is gone from the table); those running are
+                // bounded copies.
+                Self::wait_for_copies(b.resource_id, &blob.lease);
                 Ok(Self::ok(hdr))
             }
             GpuCommand::Submit3d(payload) => {
@@ -363,7 +381,7 @@ impl GpuDevice {
         if total != b.size {
             return bad(format!("blob entries cover {total} bytes, the blob is {}", b.size));
         }
-        self.resources.write().unwrap_or_else(|e| e.into_inner()).insert(b.resource_id, Blob { entries: runs, size: b.size });
+        self.resources.write().unwrap_or_else(|e| e.into_inner()).insert(b.resource_id, Blob { entries: runs, size: b.size, lease: Arc::new(()) });
         Ok(())
     }
 
@@ -387,12 +405,12 @@ impl GpuDevice {
             Ok((h, Request::RegisterShm(_))) => (h.opcode(), h.seq, Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "VM contexts move data through blobs, not shared buffers")),
             Ok((h, Request::AttachRing(b))) => (h.opcode(), h.seq, Self::attach_ring(&self.svc, &self.tenant, c, b.sq_size, b.blob)),
             Ok((h, Request::RingKick)) => {
-                if let (Some(r), Some(e)) = (&c.ring, self.svc.engine.get()) {
+                if let (Some((_, r)), Some(e)) = (&c.ring, self.svc.engine.get()) {
                     r.kick(e);
                 }
                 (h.opcode(), h.seq, Reply::Empty)
             }
-            Ok((h, Request::GetConnStats)) => (h.opcode(), h.seq, Reply::ConnStats(Ring::stats(c.ring.as_deref(), c.submits))),
+            Ok((h, Request::GetConnStats)) => (h.opcode(), h.seq, Reply::ConnStats(Ring::stats(c.ring.as_ref().map(|r| &*r.1), c.submits))),
             Ok((h, req)) => {
                 let (svc, tenant) = (self.svc.clone(), self.tenant.clone());
                 let conn = c.conn.clone();
@@ -453,7 +471,9 @@ impl GpuDevice {
             return Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "this device serves no command rings");
         }
         let size = virtio_gpu_compute::ring::region_size(sq_size) as u64;
-        let pieces = match c.blobs.pieces(res, 0, size) {
+        // The ring holds no lease: it is closed, and its memory revoked,
+        // when the guest detaches or unrefs the blob.
+        let pieces = match c.blobs.runs(res, 0, size, false) {
             Ok(p) => p,
             Err(e) => return bad(format!("ring blob: {e}")),
         };
@@ -463,15 +483,39 @@ impl GpuDevice {
         };
         match Ring::new(svc.clone(), tenant.clone(), c.conn.clone(), mem, sq_size, None) {
             Ok(r) => {
-                c.ring = Some(r);
+                c.ring = Some((res, r));
                 Reply::Empty
             }
             Err(e) => bad(e),
         }
     }
 
+    /// Closes the context's ring if it lives in blob `res`: from then on
+    /// nothing reads or writes that memory.
+    fn drop_ring_in(c: &mut GpuCtx, res: u32) {
+        if c.ring.as_ref().is_some_and(|(r, _)| *r == res) {
+            if let Some((_, ring)) = c.ring.take() {
+                ring.close();
+            }
+        }
+    }
+
+    /// Waits until no copy holds blob `res`'s lease. Copies are bounded, so
+    /// this ends; a slow one is logged, never skipped.
+    fn wait_for_copies(res: u32, lease: &Arc<()>) {
+        let start = std::time::Instant::now();
+        let mut warned = false;
+        while Arc::strong_count(lease) > 1 {
+            if !warned && start.elapsed() > std::time::Duration::from_secs(5) {
+                tracing::warn!(resource = res, "RESOURCE_UNREF waits for a copy through the blob that has run for over 5 s");
+                warned = true;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+
     fn close_ctx(svc: &DeviceService, tenant: &Tenant, c: GpuCtx) {
-        if let Some(r) = &c.ring {
+        if let Some((_, r)) = &c.ring {
             r.close();
         }
         svc.disconnect(tenant, &mut c.conn.lock().unwrap_or_else(|e| e.into_inner()));

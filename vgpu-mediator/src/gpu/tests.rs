@@ -336,7 +336,9 @@ fn fresh_allocation_in_a_vm_never_shows_another_tenants_bytes() {
 
     let cb = handle(call(&mut b, &mem_b, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
     let pb = ptr(call(&mut b, &mem_b, Request::MemAlloc(MemAllocReq { ctx: cb, reserved: 0, size })));
-    assert_eq!(pb, pa, "B's allocation reuses A's range");
+    // B's allocation takes A's freed granules (first fit), at an address
+    // of B's own window.
+    assert_ne!(pb, pa, "each tenant allocates in its own address window");
     for off in (0..size).step_by(4) {
         mem_b.write_obj(0x5555_5555u32, GuestAddress(data_gpa(off))).unwrap();
     }
@@ -463,5 +465,60 @@ fn a_vm_context_ring_in_scattered_guest_pages_serves_entries_after_one_kick() {
         assert!(t.elapsed() < std::time::Duration::from_secs(10), "the bad tail was not noticed");
         std::thread::yield_now();
     }
+    assert_eq!(call(&mut dev, &mem, Request::Ping), Reply::Empty);
+}
+
+/// Linux frees a GUEST blob's pages once the device answers
+/// RESOURCE_UNREF (a process exit detaches and unrefs its ring blob
+/// before it destroys the context). From that answer on the device must
+/// never write those pages again: the guest may already hold page tables
+/// or kernel data in them.
+#[test]
+fn a_ring_blob_is_never_written_after_the_guest_unrefs_it() {
+    use virtio_gpu_compute::ring;
+    let svc = service();
+    let _ = svc.engine.set(crate::worker::engine::Engine::start(1, false, None).unwrap());
+    let (mut dev, mem, _t) = device_on(&svc, "ringunref", 8 << 20);
+    ready(&mut dev);
+    const RING: u32 = 21;
+    let sq = ring::MIN_SQ;
+    let size = ring::region_size(sq) as u64;
+    let base = 0x90_0000u64;
+    assert_eq!(create_blob(&mut dev, RING, &[(base, size as u32)]), ty::RESP_OK_NODATA);
+    assert_eq!(attach(&mut dev, RING), ty::RESP_OK_NODATA);
+    assert_eq!(call(&mut dev, &mem, Request::AttachRing(AttachRingReq { sq_size: sq, flags: 0, blob: RING, reserved: 0 })), Reply::Empty);
+    // One entry with a reply, so the ring's poller is awake and idling
+    // when the guest lets go of the blob.
+    let seq = ring::FIRST_SEQ;
+    let msg = Request::MemGetInfo.encode(seq as u32);
+    let len = ring::entry_len(msg.len());
+    let mut e = Vec::new();
+    ring::EntryHeader { len: len as u32, flags: 0, reply: 0, seq }.put(&mut e);
+    e.extend_from_slice(&msg);
+    e.resize(len, 0);
+    mem.write_slice(&e, GuestAddress(base + ring::SQ as u64)).unwrap();
+    mem.write_obj(len as u64, GuestAddress(base + ring::SQ_TAIL as u64)).unwrap();
+    assert_eq!(call(&mut dev, &mem, Request::RingKick), Reply::Empty);
+    let t = std::time::Instant::now();
+    while mem.read_obj::<u64>(GuestAddress(base + ring::done_offset(seq) as u64)).unwrap() < seq {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the ring was not served");
+        std::thread::yield_now();
+    }
+    // Process exit: detach, unref; the guest reuses the pages at once.
+    let mut m = hdr(ty::CTX_DETACH_RESOURCE, CTX, 0, 0);
+    ResourceIdBody { resource_id: RING, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    let mut m = hdr(ty::RESOURCE_UNREF, CTX, 0, 0);
+    ResourceIdBody { resource_id: RING, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    let pattern = vec![0xa5u8; size as usize];
+    mem.write_slice(&pattern, GuestAddress(base)).unwrap();
+    // Longer than the poller idles before it writes that it sleeps.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let mut now = vec![0u8; size as usize];
+    mem.read_slice(&mut now, GuestAddress(base)).unwrap();
+    let changed: Vec<usize> = (0..now.len()).filter(|&i| now[i] != 0xa5).collect();
+    assert!(changed.is_empty(), "the device wrote {} bytes of a released blob, first at offset {:#x}", changed.len(), changed[0]);
+    // The context lives on without its ring and still answers.
     assert_eq!(call(&mut dev, &mem, Request::Ping), Reply::Empty);
 }

@@ -62,10 +62,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// memfd; a guest blob's pages otherwise). Every access is bounds-checked
 /// and goes through atomics or volatile copies: the tenant writes this
 /// memory concurrently.
+///
+/// The memory stays the tenant's: a guest frees a blob's pages as soon as
+/// the device answers RESOURCE_UNREF, and may put page tables or kernel
+/// data in them the next instant. So every access happens inside
+/// [`RingMem::with`], and [`RingMem::revoke`] ends access for good: it
+/// returns only once no access is in progress, and every later one is
+/// skipped.
 pub struct RingMem {
     /// (offset in the ring, host address, length), in order.
     runs: Vec<(usize, *mut u8, usize)>,
     len: usize,
+    /// Accesses in progress.
+    active: AtomicU32,
+    /// Set once by revoke(); no access starts after it.
+    revoked: AtomicBool,
     /// Keeps the mapping alive.
     _keep: Box<dyn Send + Sync>,
 }
@@ -90,11 +101,48 @@ impl RingMem {
             out.push((at, p, n));
             at += n;
         }
-        Ok(RingMem { runs: out, len: at, _keep: keep })
+        Ok(RingMem { runs: out, len: at, active: AtomicU32::new(0), revoked: AtomicBool::new(false), _keep: keep })
     }
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Runs `f` on the memory unless it was revoked (None then). `f` must
+    /// be short: revoke() waits for it.
+    fn with<R>(&self, f: impl FnOnce(&Self) -> R) -> Option<R> {
+        // SeqCst on both sides (here: count, then look; revoke: mark, then
+        // look at the count): either revoke() sees this access counted and
+        // waits for it, or this access sees the mark and skips.
+        self.active.fetch_add(1, Ordering::SeqCst);
+        let r = if self.revoked.load(Ordering::SeqCst) { None } else { Some(f(self)) };
+        self.active.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
+    /// Ends host access to the memory: returns once no access is in
+    /// progress; every access after it is skipped.
+    pub fn revoke(&self) {
+        self.revoked.store(true, Ordering::SeqCst);
+        while self.active.load(Ordering::SeqCst) != 0 {
+            std::thread::yield_now();
+        }
+    }
+
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::SeqCst)
+    }
+
+    fn load64(&self, off: usize) -> u64 {
+        self.with(|m| m.u64_at(off).load(Ordering::Acquire)).unwrap_or(0)
+    }
+
+    fn store64(&self, off: usize, v: u64) {
+        self.with(|m| m.u64_at(off).store(v, Ordering::Release));
+    }
+
+    fn store32(&self, off: usize, v: u32) {
+        self.with(|m| m.u32_at(off).store(v, Ordering::SeqCst));
     }
 
     pub fn is_empty(&self) -> bool {
@@ -149,14 +197,18 @@ impl RingMem {
     }
 
     /// Copies `[off, off+out.len())` out of shared memory, across runs.
+    /// False if the range leaves the ring or the memory was revoked.
     fn read(&self, off: usize, out: &mut [u8]) -> bool {
-        self.each_run(off, out.len(), |v, done| {
-            v.copy_to(&mut out[done..done + v.len()]);
+        self.with(|m| {
+            m.each_run(off, out.len(), |v, done| {
+                v.copy_to(&mut out[done..done + v.len()]);
+            })
         })
+        .unwrap_or(false)
     }
 
     fn write(&self, off: usize, data: &[u8]) -> bool {
-        self.each_run(off, data.len(), |v, done| v.copy_from(&data[done..done + v.len()]))
+        self.with(|m| m.each_run(off, data.len(), |v, done| v.copy_from(&data[done..done + v.len()]))).unwrap_or(false)
     }
 }
 
@@ -291,16 +343,16 @@ impl Ring {
             err_count: AtomicU32::new(0),
         };
         for k in 0..ring::ENTRY_SLOTS {
-            r.mem.u64_at(ring::done_offset(k)).store(k, Ordering::Release);
+            r.mem.store64(ring::done_offset(k), k);
         }
         for w in [ring::SQ_HEAD, ring::SQ_TAIL] {
-            r.mem.u64_at(w).store(0, Ordering::Release);
+            r.mem.store64(w, 0);
         }
         for w in [ring::BROKEN, ring::ERR_COUNT, ring::WAITERS] {
-            r.mem.u32_at(w).store(0, Ordering::Release);
+            r.mem.store32(w, 0);
         }
         // No job polls it yet: the first entry must wake it.
-        r.mem.u32_at(ring::STATE).store(ring::STATE_SLEEPING, Ordering::Release);
+        r.mem.store32(ring::STATE, ring::STATE_SLEEPING);
         Ok(Arc::new(r))
     }
 
@@ -325,10 +377,13 @@ impl Ring {
         }
     }
 
-    /// Stops serving the ring (the connection is gone); queued work still
-    /// completes or fails on its own.
+    /// Stops serving the ring (the connection is gone, or the guest let go
+    /// of the ring's memory) and ends every access to its memory before it
+    /// returns; queued work still completes or fails on its own, without
+    /// touching the ring.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
+        self.mem.revoke();
         lock(&self.streams).clear();
     }
 
@@ -337,19 +392,22 @@ impl Ring {
     }
 
     fn tail(&self) -> u64 {
-        self.mem.u64_at(ring::SQ_TAIL).load(Ordering::Acquire)
+        self.mem.load64(ring::SQ_TAIL)
     }
 
     /// A ring job: consume, spin a little while idle, then sleep.
     fn poll(self: &Arc<Self>, engine: &Engine) {
-        let state = self.mem.u32_at(ring::STATE);
-        state.store(ring::STATE_AWAKE, Ordering::SeqCst);
+        let state = |v: u32| self.mem.store32(ring::STATE, v);
+        state(ring::STATE_AWAKE);
         let mut last = Instant::now();
         loop {
             if self.closed.load(Ordering::Acquire) || self.is_broken() {
                 break;
             }
             match self.drain(engine) {
+                // A ring closed meanwhile reads as empty memory: not the
+                // tenant's fault, and nothing to report.
+                Err(_) if self.closed.load(Ordering::Acquire) => break,
                 Err(e) => {
                     self.break_ring(&e);
                     break;
@@ -398,10 +456,10 @@ impl Ring {
                 }
                 continue;
             }
-            state.store(ring::STATE_SLEEPING, Ordering::SeqCst);
+            state(ring::STATE_SLEEPING);
             std::sync::atomic::fence(Ordering::SeqCst);
-            if self.tail() != lock(&self.cur).head {
-                state.store(ring::STATE_AWAKE, Ordering::SeqCst);
+            if self.tail() != lock(&self.cur).head && !self.closed.load(Ordering::Acquire) {
+                state(ring::STATE_AWAKE);
                 continue;
             }
             break;
@@ -409,7 +467,7 @@ impl Ring {
         self.polling.store(false, Ordering::SeqCst);
         // A kick that came while this job was ending found it still
         // polling and was dropped: look once more.
-        if !self.is_broken() && self.tail() != lock(&self.cur).head {
+        if !self.is_broken() && !self.closed.load(Ordering::Acquire) && self.tail() != lock(&self.cur).head {
             self.wake(engine);
         }
     }
@@ -418,7 +476,7 @@ impl Ring {
         if !self.broken.swap(true, Ordering::AcqRel) {
             tracing::warn!(tenant = %self.tenant.name, "command ring no longer served: {e}");
             self.report(0, 0, CuResult::CUDA_ERROR_ILLEGAL_STATE, &format!("command ring broken: {e}"));
-            self.mem.u32_at(ring::BROKEN).store(CuResult::CUDA_ERROR_ILLEGAL_STATE as u32, Ordering::Release);
+            self.mem.store32(ring::BROKEN, CuResult::CUDA_ERROR_ILLEGAL_STATE as u32);
             self.wake_waiters();
         }
     }
@@ -489,7 +547,7 @@ impl Ring {
             {
                 let mut c = lock(&self.cur);
                 c.head = head + len as u64;
-                self.mem.u64_at(ring::SQ_HEAD).store(c.head, Ordering::Release);
+                self.mem.store64(ring::SQ_HEAD, c.head);
             }
             n += 1;
         }
@@ -668,17 +726,19 @@ impl Ring {
     fn report(&self, seq: u64, ctx: u32, code: CuResult, msg: &str) {
         let text = &msg.as_bytes()[..msg.len().min(ring::ERR_TEXT_MAX)];
         let _g = lock(&self.err_lock);
-        let count = self.mem.u32_at(ring::ERR_COUNT);
         let c = self.err_count.load(Ordering::Relaxed);
-        count.store(c.wrapping_add(1), Ordering::Release);
-        std::sync::atomic::fence(Ordering::Release);
-        self.mem.u32_at(ring::ERR_CODE).store(code as u32, Ordering::Relaxed);
-        self.mem.u64_at(ring::ERR_SEQ).store(seq, Ordering::Relaxed);
-        self.mem.u32_at(ring::ERR_LEN).store(text.len() as u32, Ordering::Relaxed);
-        self.mem.u32_at(ring::ERR_CTX).store(ctx, Ordering::Relaxed);
-        self.mem.write(ring::ERR_TEXT, text);
+        self.mem.with(|m| {
+            let count = m.u32_at(ring::ERR_COUNT);
+            count.store(c.wrapping_add(1), Ordering::Release);
+            std::sync::atomic::fence(Ordering::Release);
+            m.u32_at(ring::ERR_CODE).store(code as u32, Ordering::Relaxed);
+            m.u64_at(ring::ERR_SEQ).store(seq, Ordering::Relaxed);
+            m.u32_at(ring::ERR_LEN).store(text.len() as u32, Ordering::Relaxed);
+            m.u32_at(ring::ERR_CTX).store(ctx, Ordering::Relaxed);
+            m.each_run(ring::ERR_TEXT, text.len(), |v, done| v.copy_from(&text[done..done + v.len()]));
+            count.store(c.wrapping_add(2), Ordering::Release);
+        });
         self.err_count.store(c.wrapping_add(2), Ordering::Relaxed);
-        count.store(c.wrapping_add(2), Ordering::Release);
     }
 
     /// Marks entry `seq` complete, wakes the streams parked on it and any
@@ -689,7 +749,7 @@ impl Ring {
             let k = (seq % ring::ENTRY_SLOTS) as usize;
             d.slots[k] = d.slots[k].max(seq);
             d.pending = d.pending.saturating_sub(1);
-            self.mem.u64_at(ring::done_offset(seq)).store(d.slots[k], Ordering::Release);
+            self.mem.store64(ring::done_offset(seq), d.slots[k]);
             let mut ready = Vec::new();
             let mut i = 0;
             while i < d.parked.len() {
@@ -708,14 +768,16 @@ impl Ring {
     }
 
     fn wake_waiters(&self) {
-        if self.mem.u32_at(ring::WAITERS).load(Ordering::SeqCst) != 0 {
-            let w = self.mem.u32_at(ring::WAKE);
-            w.fetch_add(1, Ordering::SeqCst);
-            // SAFETY: FUTEX_WAKE on an aligned u32 of the live shared
-            // mapping; it reads nothing else and wakes only the tenant's
-            // own threads waiting on that word.
-            unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAKE, i32::MAX, std::ptr::null::<libc::timespec>(), std::ptr::null::<u32>(), 0) };
-        }
+        self.mem.with(|m| {
+            if m.u32_at(ring::WAITERS).load(Ordering::SeqCst) != 0 {
+                let w = m.u32_at(ring::WAKE);
+                w.fetch_add(1, Ordering::SeqCst);
+                // SAFETY: FUTEX_WAKE on an aligned u32 of the live shared
+                // mapping; it reads nothing else and wakes only the tenant's
+                // own threads waiting on that word.
+                unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAKE, i32::MAX, std::ptr::null::<libc::timespec>(), std::ptr::null::<u32>(), 0) };
+            }
+        });
     }
 }
 
