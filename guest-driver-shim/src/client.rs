@@ -421,8 +421,10 @@ impl Client {
     /// not the start of one.
     pub fn free_pinned(&self, p: *mut u8) -> CallResult<bool> {
         let Some(r) = lock(&self.pinned).remove(&(p as usize)) else { return Ok(false) };
+        // As CUDA's cuMemFreeHost, this synchronises: no queued copy
+        // outlives the memory it reads or writes.
         if let Some(ring) = &self.ring {
-            ring.wait_consumed()?;
+            ring.wait_all_done()?;
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
         lock(&self.t).free_pinned(p, r.len, r.id, seq)?;

@@ -327,9 +327,19 @@ impl Transport for DrmTransport {
         (DataLoc::Blob, self.data.res)
     }
 
-    fn alloc_pinned(&mut self, size: usize, _seq: u32) -> crate::client::CallResult<(*mut u8, DataLoc, u32)> {
+    fn alloc_pinned(&mut self, size: usize, seq: u32) -> crate::client::CallResult<(*mut u8, DataLoc, u32)> {
         let bo = create_blob(&self.fd, size.max(1).next_multiple_of(4096))
             .map_err(|e| crate::client::CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("pinned host memory of {size} bytes: {e}")))?;
+        // The kernel attaches the new blob to our context with a command it
+        // queues and does not wait for, while the command ring is served
+        // beside the control queue: a copy through the blob could reach the
+        // device first and find the blob not attached. A call on the
+        // control queue is handled after that attach, so once it answers
+        // the ring may use the blob.
+        if let Err(e) = self.call(&Request::Ping, seq) {
+            close_bo(&self.fd, &bo);
+            return Err(crate::client::CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("pinned host memory of {size} bytes: {e}")));
+        }
         let (p, res) = (bo.ptr, bo.res);
         self.pinned.insert(res, bo);
         Ok((p, DataLoc::Blob, res))

@@ -197,6 +197,15 @@ impl RingClient {
         self.wait_until(|| self.u64_at(ring::SQ_HEAD).load(Ordering::Acquire) >= tail)
     }
 
+    /// Waits until every entry written so far has completed.
+    pub fn wait_all_done(&self) -> CallResult<()> {
+        let next = self.next_seq();
+        for seq in next.saturating_sub(ring::ENTRY_SLOTS).max(ring::FIRST_SEQ)..next {
+            self.wait(seq)?;
+        }
+        Ok(())
+    }
+
     /// Whether a message of `n` bytes fits in one entry.
     pub fn fits(n: usize) -> bool {
         ring::entry_len(n) <= ring::MAX_ENTRY
