@@ -3,4 +3,6 @@
 //! unix socket, with the CLI as its client).
 
 pub mod http;
+#[cfg(feature = "server")]
+pub mod serve;
 pub mod vm;

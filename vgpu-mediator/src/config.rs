@@ -10,6 +10,17 @@ use crate::size::Size;
 pub const DEFAULT_DEVICE_MEMORY: u64 = 512 << 20;
 /// Most connections one tenant may be allowed.
 pub const MAX_CONNECTIONS: u32 = 1024;
+/// Connections the admin API socket (`RUN_DIR/api.sock`, root's only)
+/// serves at once: `vgpuctl` and the VM manager use one per request, so
+/// this is room for many at once; never more than an eighth of the
+/// descriptor limit (`vgpu_api::serve::Limits::within_fd_limit`).
+pub const API_MAX_CONNECTIONS: usize = 64;
+/// Default `metering.metrics_max_connections`: a Prometheus server keeps
+/// one connection per scrape target; this leaves room for several scrapers
+/// and their retries.
+pub const METRICS_MAX_CONNECTIONS: usize = 32;
+/// The most `metering.metrics_max_connections` may be set to.
+pub const METRICS_MAX_CONNECTIONS_LIMIT: usize = 4096;
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -47,9 +58,69 @@ pub struct VmsConfig {
     /// Run every VMM in `vgpu-vmm`'s jail as this `UID:GID` (not 0): its
     /// own PID, mount and network namespaces, no capabilities. The VM's
     /// kernel, initramfs and disks must be readable (disks writable) by it;
-    /// the VM's vGPU socket is made its. Default: no jail.
+    /// the VM's vGPU socket is made its. `"off"`: no jail. Default: when
+    /// the daemon runs as root, the jail as the device workers' user
+    /// (`devices.worker_user`, `vgpu`) and its group ([`resolve_vm_jail`]).
     #[serde(default)]
+    pub jail: Option<VmJail>,
+}
+
+/// `vms.jail` (and `--vm-jail` / `--no-vm-jail`): an explicit choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmJail {
+    /// VMMs run unjailed, as the daemon's user.
+    Off,
+    /// VMMs are jailed as these ids.
+    As(Owner),
+}
+
+impl std::str::FromStr for VmJail {
+    type Err = String;
+    fn from_str(s: &str) -> Result<VmJail, String> {
+        if s == "off" {
+            return Ok(VmJail::Off);
+        }
+        s.parse().map(VmJail::As).map_err(|e| format!("{e}; give UID:GID, or \"off\" for no jail"))
+    }
+}
+
+impl<'de> Deserialize<'de> for VmJail {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<VmJail, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// How managed VMs' VMMs run, and what the log must say about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmJailChoice {
+    /// Jailed as these ids, or unjailed.
     pub jail: Option<Owner>,
+    /// Why the default jail could not be used (one warning for the log).
+    pub warning: Option<String>,
+}
+
+/// Decides the VM jail: an explicit choice (`--vm-jail`, `--no-vm-jail`,
+/// `vms.jail`) wins; otherwise a daemon running as root (`euid` 0) jails
+/// its VMMs as `user` (`devices.worker_user`, by default the system user
+/// `vgpu` that scripts/setup.sh creates), resolved by `lookup` (getpwnam,
+/// as for the workers) to its uid and primary group. Not root, or no such
+/// user (or one with uid or gid 0): unjailed, with a warning saying why.
+pub fn resolve_vm_jail(explicit: Option<VmJail>, euid: u32, user: &str, lookup: impl FnOnce(&str) -> Result<Owner, String>) -> VmJailChoice {
+    let unjailed = |why: String| VmJailChoice { jail: None, warning: Some(why) };
+    match explicit {
+        Some(VmJail::Off) => VmJailChoice { jail: None, warning: None },
+        Some(VmJail::As(o)) => VmJailChoice { jail: Some(o), warning: None },
+        None if euid != 0 => unjailed(format!(
+            "managed VMs run unjailed, as this daemon's user (uid {euid}): the VM jail needs root (namespaces, mounts, changing uid); --no-vm-jail (vms.jail = \"off\") says so and silences this warning"
+        )),
+        None => match lookup(user) {
+            Ok(o) if o.uid != 0 && o.gid != 0 => VmJailChoice { jail: Some(o), warning: None },
+            Ok(o) => unjailed(format!("managed VMs run unjailed, AS ROOT: the jail's user {user} is {o}, and a jail must not be uid or gid 0; give --vm-jail UID:GID, or --no-vm-jail to run them unjailed knowingly")),
+            Err(e) => unjailed(format!(
+                "managed VMs run unjailed, AS ROOT: their jail runs them as {user}, but {e}; create that user (scripts/setup.sh does), give --vm-jail UID:GID, or --no-vm-jail to run them unjailed knowingly"
+            )),
+        },
+    }
 }
 
 /// Usage records and the Prometheus listener.
@@ -68,6 +139,31 @@ pub struct MeteringConfig {
     /// off unless set.
     #[serde(default)]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Connections the metrics listener serves at once (default 32, at
+    /// most an eighth of the descriptor limit); more are closed at accept.
+    #[serde(default)]
+    pub metrics_max_connections: Option<usize>,
+    /// Milliseconds a metrics connection may take to send a request head,
+    /// from its start or from the previous response (default 10000).
+    #[serde(default)]
+    pub metrics_header_timeout_ms: Option<u64>,
+    /// Milliseconds a metrics connection may move no byte while the
+    /// listener waits on it (default 30000).
+    #[serde(default)]
+    pub metrics_idle_timeout_ms: Option<u64>,
+}
+
+impl MeteringConfig {
+    /// The metrics listener's limits, before the descriptor limit is
+    /// applied.
+    pub fn metrics_limits(&self) -> vgpu_api::serve::Limits {
+        let ms = |v: Option<u64>, default: std::time::Duration| v.map_or(default, std::time::Duration::from_millis);
+        vgpu_api::serve::Limits {
+            max_connections: self.metrics_max_connections.unwrap_or(METRICS_MAX_CONNECTIONS),
+            header_timeout: ms(self.metrics_header_timeout_ms, vgpu_api::serve::HEADER_TIMEOUT),
+            idle_timeout: ms(self.metrics_idle_timeout_ms, vgpu_api::serve::IDLE_TIMEOUT),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -431,6 +527,16 @@ impl Config {
                 return Err(ConfigError::Invalid(format!("metering.interval_s must be 1..=86400, not {i}")));
             }
         }
+        if let Some(n) = self.metering.metrics_max_connections {
+            if n == 0 || n > METRICS_MAX_CONNECTIONS_LIMIT {
+                return Err(ConfigError::Invalid(format!("metering.metrics_max_connections must be 1..={METRICS_MAX_CONNECTIONS_LIMIT}, not {n}")));
+            }
+        }
+        for (key, v) in [("metrics_header_timeout_ms", self.metering.metrics_header_timeout_ms), ("metrics_idle_timeout_ms", self.metering.metrics_idle_timeout_ms)] {
+            if v.is_some_and(|ms| ms == 0 || ms > 3_600_000) {
+                return Err(ConfigError::Invalid(format!("metering.{key} must be 1..=3600000, not {}", v.unwrap_or_default())));
+            }
+        }
         Ok(())
     }
 }
@@ -488,6 +594,38 @@ pub fn validate_name(name: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn managed_vms_are_jailed_as_the_workers_user_by_default_when_root() {
+        let vgpu = Owner { uid: 999, gid: 995 };
+        let found = |name: &str| if name == "vgpu" { Ok(vgpu) } else { Err(format!("no user named {name:?}")) };
+        // Root, the user exists: jailed as it and its group, quietly.
+        assert_eq!(resolve_vm_jail(None, 0, "vgpu", found), VmJailChoice { jail: Some(vgpu), warning: None });
+        // --no-vm-jail (vms.jail = "off"): none, quietly.
+        assert_eq!(resolve_vm_jail(Some(VmJail::Off), 0, "vgpu", found), VmJailChoice { jail: None, warning: None });
+        // An explicit UID:GID wins over the default.
+        let mine = Owner { uid: 40124, gid: 40124 };
+        assert_eq!(resolve_vm_jail(Some(VmJail::As(mine)), 0, "vgpu", found), VmJailChoice { jail: Some(mine), warning: None });
+        // Root without the user: unjailed, and the warning says why.
+        let c = resolve_vm_jail(None, 0, "nobody-here", found);
+        assert_eq!(c.jail, None);
+        assert!(c.warning.as_deref().is_some_and(|w| w.contains("AS ROOT") && w.contains("no user named \"nobody-here\"") && w.contains("--no-vm-jail")), "{c:?}");
+        // A user that is root in disguise is not a jail.
+        let c = resolve_vm_jail(None, 0, "vgpu", |_| Ok(Owner { uid: 999, gid: 0 }));
+        assert!(c.jail.is_none() && c.warning.as_deref().is_some_and(|w| w.contains("gid 0")), "{c:?}");
+        // Not root: unjailed (the jail needs root), with the reason; the
+        // user is not even looked up.
+        let c = resolve_vm_jail(None, 1000, "vgpu", |_| panic!("looked up"));
+        assert_eq!(c.jail, None);
+        assert!(c.warning.as_deref().is_some_and(|w| w.contains("needs root")), "{c:?}");
+        // The config file's forms.
+        let v: VmsConfig = toml::from_str("jail = \"off\"").unwrap();
+        assert_eq!(v.jail, Some(VmJail::Off));
+        let v: VmsConfig = toml::from_str("jail = \"1000:1001\"").unwrap();
+        assert_eq!(v.jail, Some(VmJail::As(Owner { uid: 1000, gid: 1001 })));
+        assert_eq!(toml::from_str::<VmsConfig>("").unwrap().jail, None);
+        assert!(toml::from_str::<VmsConfig>("jail = \"on\"").unwrap_err().to_string().contains("\"off\" for no jail"));
+    }
 
     #[test]
     fn the_packaged_sample_configuration_loads() {
@@ -563,5 +701,20 @@ memory = 1048576
         let c: Config = toml::from_str("[devices]\ncpu = 0\ncuda = \"required\"\ncuda_reserve = \"1GiB\"\n").unwrap();
         c.validate().unwrap();
         assert_eq!(c.devices.cuda_reserve.0, 1 << 30);
+    }
+
+    #[test]
+    fn metrics_listener_limits_default_and_are_checked() {
+        let l = Config::default().metering.metrics_limits();
+        assert_eq!(l, vgpu_api::serve::Limits::with_connections(METRICS_MAX_CONNECTIONS));
+        let c: Config = toml::from_str("[metering]\nmetrics_max_connections = 4\nmetrics_header_timeout_ms = 500\nmetrics_idle_timeout_ms = 700\n").unwrap();
+        c.validate().unwrap();
+        let l = c.metering.metrics_limits();
+        assert_eq!((l.max_connections, l.header_timeout.as_millis(), l.idle_timeout.as_millis()), (4, 500, 700));
+        for bad in ["metrics_max_connections = 0", "metrics_max_connections = 5000", "metrics_header_timeout_ms = 0", "metrics_idle_timeout_ms = 3600001"] {
+            let c: Config = toml::from_str(&format!("[metering]\n{bad}\n")).unwrap();
+            let key = bad.split(' ').next().unwrap();
+            assert!(c.validate().is_err_and(|e| e.to_string().contains(key)), "{bad}");
+        }
     }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use vgpu_api::serve::Limits;
 use vgpu_mediator::backend::discover;
 use vgpu_mediator::config::{self, Config, CudaMode, Owner, DEFAULT_DEVICE_MEMORY};
 use vgpu_mediator::control::meter::Meter;
@@ -82,8 +83,14 @@ struct Cli {
     #[arg(long)]
     vmm: Option<PathBuf>,
     /// Jail managed VMs' VMMs as UID:GID (overrides vms.jail; docs/vms.md).
-    #[arg(long, value_name = "UID:GID")]
+    /// Default, when this daemon runs as root: jailed as the device
+    /// workers' user (devices.worker_user, vgpu) and its group.
+    #[arg(long, value_name = "UID:GID", conflicts_with = "no_vm_jail")]
     vm_jail: Option<vgpu_mediator::config::Owner>,
+    /// Run managed VMs' VMMs unjailed (overrides vms.jail; the same as
+    /// vms.jail = "off"). Without the jail a VMM started as root stays root.
+    #[arg(long)]
+    no_vm_jail: bool,
     /// TOML configuration file (same tenant schema as POST /tenants).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -263,6 +270,18 @@ fn run() -> anyhow::Result<()> {
     // Sockets and files this daemon makes are private from the start.
     // SAFETY: umask only changes this process's file-creation mask.
     unsafe { libc::umask(0o077) };
+    // Room for the API's and the metrics' connections beside the workers'
+    // channels and the VMs; each listener keeps to a share of whatever the
+    // limit is, so neither can take the descriptors the other needs.
+    let nofile = match vgpu_api::serve::raise_fd_limit() {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!("cannot raise the descriptor limit: {e}");
+            vgpu_api::serve::fd_limit().unwrap_or(1024)
+        }
+    };
+    let api_limits = Limits::with_connections(config::API_MAX_CONNECTIONS).within_fd_limit(nofile);
+    let metrics = cfg.metering.metrics_listen.map(|addr| (addr, cfg.metering.metrics_limits().within_fd_limit(nofile)));
     // SAFETY: geteuid has no preconditions.
     let worker_user = if unsafe { libc::geteuid() } == 0 {
         let u = config::resolve_user(&cfg.devices.worker_user).map_err(|e| anyhow::anyhow!("devices.worker_user: {e}"))?;
@@ -343,9 +362,20 @@ fn run() -> anyhow::Result<()> {
     let vmm = cli.vmm.or(cfg.vms.vmm.clone()).unwrap_or_else(|| exe.with_file_name("vgpu-vmm"));
     std::fs::create_dir_all(state_dir.join("vms")).with_context(|| format!("making {}", state_dir.join("vms").display()))?;
     let stop_timeout = std::time::Duration::from_secs(cfg.vms.stop_timeout_s.unwrap_or(10));
-    let jail = cli.vm_jail.or(cfg.vms.jail);
-    if jail.is_some_and(|j| j.uid == 0 || j.gid == 0) {
+    let explicit = if cli.no_vm_jail { Some(config::VmJail::Off) } else { cli.vm_jail.map(config::VmJail::As).or(cfg.vms.jail) };
+    if matches!(explicit, Some(config::VmJail::As(j)) if j.uid == 0 || j.gid == 0) {
         anyhow::bail!("the VM jail's uid and gid must not be 0");
+    }
+    // SAFETY: geteuid has no preconditions.
+    let choice = config::resolve_vm_jail(explicit, unsafe { libc::geteuid() }, &cfg.devices.worker_user, config::resolve_user);
+    if let Some(why) = &choice.warning {
+        tracing::warn!("{why}");
+    }
+    let jail = choice.jail;
+    match jail {
+        Some(j) => tracing::info!(jail = %j, "managed VMs' VMMs run jailed (vgpu-vmm --jail) as this uid:gid"),
+        None if explicit == Some(config::VmJail::Off) => tracing::info!("managed VMs' VMMs run unjailed (--no-vm-jail or vms.jail = \"off\")"),
+        None => {}
     }
     let _ = control.vms.set(vgpu_mediator::control::vms::Vms::new(vgpu_mediator::control::vms::VmsConfig { vmm, state_dir, stop_timeout, jail }));
     if let Some(v) = control.vms.get() {
@@ -357,7 +387,7 @@ fn run() -> anyhow::Result<()> {
         }
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let result = rt.block_on(serve(control.clone(), api_path.clone(), cfg.metering.metrics_listen));
+    let result = rt.block_on(serve(control.clone(), api_path.clone(), api_limits, metrics));
     if let Some(m) = control.meter.get() {
         // What the last interval measured is written before exiting.
         m.sample(&control);
@@ -478,25 +508,21 @@ fn discover_cmd(record: Option<PathBuf>) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn serve(control: Arc<Control>, api_path: PathBuf, metrics_listen: Option<std::net::SocketAddr>) -> anyhow::Result<()> {
-    if let Some(addr) = metrics_listen {
+async fn serve(control: Arc<Control>, api_path: PathBuf, api_limits: Limits, metrics: Option<(std::net::SocketAddr, Limits)>) -> anyhow::Result<()> {
+    if let Some((addr, limits)) = metrics {
         // Only the metrics, read-only: the management API stays on the
         // unix socket.
         let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the metrics listener {addr}"))?;
-        tracing::info!(%addr, "serving GET /metrics over TCP");
+        tracing::info!(%addr, max_connections = limits.max_connections, "serving GET /metrics over TCP");
         let router = api::metrics_router(control.clone());
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(tcp, router).await {
-                tracing::error!("the metrics listener stopped: {e}");
-            }
-        });
+        tokio::spawn(vgpu_api::serve::serve(tcp, router, limits, std::future::pending()));
     }
     let listener = tokio::net::UnixListener::bind(&api_path).with_context(|| format!("binding {}", api_path.display()))?;
     {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&api_path, std::fs::Permissions::from_mode(0o600))?;
     }
-    tracing::info!(api = %api_path.display(), devices = control.devices.len(), "vgpu-mediatord serving");
+    tracing::info!(api = %api_path.display(), devices = control.devices.len(), max_connections = api_limits.max_connections, "vgpu-mediatord serving");
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
@@ -505,6 +531,6 @@ async fn serve(control: Arc<Control>, api_path: PathBuf, metrics_listen: Option<
         }
         tracing::info!("shutting down");
     };
-    axum::serve(listener, api::router(control)).with_graceful_shutdown(shutdown).await?;
+    vgpu_api::serve::serve(listener, api::router(control), api_limits, shutdown).await;
     Ok(())
 }

@@ -14,6 +14,13 @@ use serde_json::json;
 use crate::devices::i8042::I8042;
 use crate::vm::{Control, ExitReason, VmInfo};
 
+/// What the API socket (mode 0600, its VMM's user only) allows: the
+/// mediator and `vgpuctl` make one request per connection, so 16 at once
+/// is ample, and far under any descriptor limit a VMM runs with; the
+/// default timeouts close silent, half-sent and idle keep-alive
+/// connections (docs/threat-model.md).
+pub const API_LIMITS: vgpu_api::serve::Limits = vgpu_api::serve::Limits::with_connections(16);
+
 #[derive(Clone)]
 pub struct ApiState {
     pub control: Arc<Control>,
@@ -117,9 +124,7 @@ pub fn serve(listener: std::os::unix::net::UnixListener, s: ApiState) -> Result<
                     return drop(ready_tx.send(Err(ApiError::Seccomp(e))));
                 }
                 let _ = ready_tx.send(Ok(()));
-                if let Err(e) = axum::serve(l, router(s)).await {
-                    tracing::error!("API server: {e}");
-                }
+                vgpu_api::serve::serve(l, router(s), API_LIMITS, std::future::pending()).await;
             });
         })
         .map_err(ApiError::Thread)?;
