@@ -201,6 +201,10 @@ cp "$VMLINUZ" "$L1/l2/vmlinuz"
 cp "$OUT/l2.cpio.gz" "$L1/l2/initrd"
 cp "$OUT/l2-boot.cpio.gz" "$L1/l2/boot-initrd"
 cp "$OUT/l2-root.img" "$L1/l2/root.img"
+# Managed VMs' VMMs run jailed as vgpu by default (docs/vms.md): the kernel
+# and initramfs must be readable by it (Debian's vmlinuz may be 0600); the
+# scenarios give it the disks they write.
+chmod 0644 "$L1"/l2/*
 cp "$ROOT"/images/nested/scenarios/*.sh "$L1/scenarios/"
 install -m 0755 "$ROOT/images/nested/l1-init" "$L1/init"
 pack "$L1" "$OUT/l1.cpio.gz"

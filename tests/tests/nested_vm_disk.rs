@@ -80,6 +80,14 @@ fn the_vm_stops_starts_and_comes_back_after_the_daemon_is_killed_with_its_disk_i
     assert_eq!(lines(out, "CONSOLE: L2-NET-UP").len(), 3, "{out}");
 }
 
+/// The daemon, root in L1 with the user vgpu in its /etc/passwd, jails the
+/// VMM as that user by default (no --vm-jail given).
+#[test]
+fn the_vmm_runs_in_the_default_jail_as_the_user_vgpu() {
+    let Some(out) = output("the_vmm_runs_in_the_default_jail_as_the_user_vgpu") else { return };
+    assert_eq!(nested::value(out, "VMM-JAIL-UID"), Some("999"), "the VMM did not run jailed as vgpu:\n{out}");
+}
+
 #[test]
 fn deleting_the_vm_removes_its_tenant_and_tap_and_the_next_tenant_reads_zeros() {
     let Some(out) = output("deleting_the_vm_removes_its_tenant_and_tap_and_the_next_tenant_reads_zeros") else { return };

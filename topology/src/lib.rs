@@ -1,9 +1,12 @@
 //! Host NUMA topology, read from sysfs under a configurable root so tests
 //! can present a fake multi-node host, and the placement it implies: which
 //! CPUs a VM's vCPU threads (or a device worker) are pinned to, and the
-//! `mbind` of a VM's memory.
+//! `mbind` of a VM's memory. Also [`safe_open`]: how the VMM and the
+//! mediator open (or check) the files a VM's description names without
+//! following symbolic links.
 
 pub mod pci;
+pub mod safe_open;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

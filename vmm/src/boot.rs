@@ -40,8 +40,10 @@ const E820_RESERVED: u32 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
-    #[error("opening kernel {path}: {err}")]
-    OpenKernel { path: String, err: std::io::Error },
+    /// Opening the kernel or initramfs: missing, of the wrong type, a
+    /// symbolic link or behind one (vgpu_topology::safe_open).
+    #[error(transparent)]
+    Open(#[from] crate::safe_open::SafeOpenError),
     #[error("{path} is neither an x86-64 ELF kernel nor a bzImage (ELF: {elf}; bzImage: {bz})")]
     NotAKernel { path: String, elf: String, bz: String },
     #[error("reading initramfs {path}: {err}")]
@@ -64,10 +66,16 @@ fn write<T: vm_memory::ByteValued>(mem: &GuestMemoryMmap, v: T, at: u64) -> Resu
     mem.write_obj(v, GuestAddress(at)).map_err(|e| BootError::Write(format!("at {at:#x}: {e}")))
 }
 
+/// Opens the kernel or initramfs read-only without following a symbolic
+/// link in any component of its path; it must be a regular file.
+fn open_read_only(what: &str, p: &std::path::Path) -> Result<File, BootError> {
+    Ok(crate::safe_open::open(what, p, crate::safe_open::Kind::File, libc::O_RDONLY, 0)?)
+}
+
 /// Loads kernel, initramfs and command line, and writes every boot table.
 pub fn load(mem: &GuestMemoryMmap, cfg: &crate::config::VmConfig) -> Result<Entry, BootError> {
     let path = cfg.kernel.display().to_string();
-    let mut f = File::open(&cfg.kernel).map_err(|err| BootError::OpenKernel { path: path.clone(), err })?;
+    let mut f = open_read_only("kernel", &cfg.kernel)?;
     let high = Some(GuestAddress(HIMEM_START));
     let (res, rip) = match Elf::load(mem, None, &mut f, high) {
         Ok(r) => {
@@ -103,7 +111,7 @@ pub fn load(mem: &GuestMemoryMmap, cfg: &crate::config::VmConfig) -> Result<Entr
     let low_end = mem_end.min(MMIO_HOLE_START);
     if let Some(initrd) = &cfg.initramfs {
         let ipath = initrd.display().to_string();
-        let mut file = File::open(initrd).map_err(|err| BootError::Initramfs { path: ipath.clone(), err })?;
+        let mut file = open_read_only("initramfs", initrd)?;
         let size = file.metadata().map_err(|err| BootError::Initramfs { path: ipath.clone(), err })?.len();
         let max = match params.hdr.initrd_addr_max {
             0 => 0x37ff_ffff,

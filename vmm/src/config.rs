@@ -384,6 +384,11 @@ pub enum ConfigError {
     Parse { path: String, err: String },
     #[error("{0}")]
     Invalid(String),
+    /// A file the description names: missing, of the wrong type, a
+    /// symbolic link or behind one, or with hard links this host does not
+    /// restrict (vgpu_topology::safe_open).
+    #[error(transparent)]
+    File(#[from] crate::safe_open::SafeOpenError),
 }
 
 impl VmConfig {
@@ -449,11 +454,8 @@ impl VmConfig {
             return bad(format!("{} disks; the limit is {MAX_DISKS}", self.disks.len()));
         }
         for d in &self.disks {
-            match std::fs::metadata(&d.path) {
-                Ok(m) if m.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()) => {}
-                Ok(_) => return bad(format!("disk {} is not a regular file or a block device", d.path.display())),
-                Err(e) => return bad(format!("disk {}: {e}", d.path.display())),
-            }
+            // Without following symbolic links, as the VM opens it.
+            crate::safe_open::inspect("disk", &d.path, crate::safe_open::Kind::FileOrBlockDevice)?;
             if d.id.as_ref().is_some_and(|i| i.len() > 20 || !i.is_ascii()) {
                 return bad(format!("disk {}: id must be at most 20 ASCII bytes", d.path.display()));
             }
@@ -492,12 +494,11 @@ impl VmConfig {
     }
 }
 
+/// A regular file, reached without a symbolic link in any component of
+/// its path (as boot::load opens it).
 fn check_file(what: &str, p: &std::path::Path) -> Result<(), ConfigError> {
-    match std::fs::metadata(p) {
-        Ok(m) if m.is_file() => Ok(()),
-        Ok(_) => Err(ConfigError::Invalid(format!("{what} {} is not a regular file", p.display()))),
-        Err(e) => Err(ConfigError::Invalid(format!("{what} {}: {e}", p.display()))),
-    }
+    crate::safe_open::inspect(what, p, crate::safe_open::Kind::File)?;
+    Ok(())
 }
 
 /// MemTotal from /proc/meminfo.
@@ -553,6 +554,52 @@ mod tests {
         c.kernel = "/".into();
         assert!(c.validate().unwrap_err().to_string().contains("not a regular file"));
         assert_eq!(meminfo_field("MemTotal:  1024 kB\nHugePages_Free:  7\n", "HugePages_Free"), Some(7));
+    }
+
+    /// The VMM refuses a kernel, initramfs or disk that is a symbolic
+    /// link, or whose path passes through one, before it touches KVM: at
+    /// every start, so a file swapped for a link after a managed VM was
+    /// created is refused when the VM reboots.
+    #[test]
+    fn files_behind_symbolic_links_are_refused_with_the_link_named() {
+        let dir = std::env::temp_dir().join(format!("vgpu-cfg-links-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let real = dir.join("real");
+        std::fs::create_dir_all(&real).unwrap();
+        for f in ["kernel", "initrd", "disk.img"] {
+            std::fs::write(real.join(f), [0u8; 512]).unwrap();
+            std::os::unix::fs::symlink(real.join(f), dir.join(f)).unwrap();
+        }
+        std::os::unix::fs::symlink(&real, dir.join("via")).unwrap();
+        let disk = |p: PathBuf| DiskConfig { path: p, read_only: false, direct: false, id: None, bandwidth: None, ops: None };
+        let good = || {
+            let mut c = VmConfig::new(real.join("kernel"));
+            c.memory_mib = MemMiB(16);
+            c.initramfs = Some(real.join("initrd"));
+            c.disks = vec![disk(real.join("disk.img"))];
+            c
+        };
+        good().validate().unwrap();
+        let link = |what: &str, p: &str| format!("{what} {} is a symbolic link; give the real path", dir.join(p).display());
+        let through = |what: &str, p: &str| format!("{what} {}: {} is a symbolic link; give the real path", dir.join(p).display(), dir.join("via").display());
+        let cases: Vec<(VmConfig, String)> = vec![
+            (VmConfig { kernel: dir.join("kernel"), ..good() }, link("kernel", "kernel")),
+            (VmConfig { kernel: dir.join("via/kernel"), ..good() }, through("kernel", "via/kernel")),
+            (VmConfig { initramfs: Some(dir.join("initrd")), ..good() }, link("initramfs", "initrd")),
+            (VmConfig { initramfs: Some(dir.join("via/initrd")), ..good() }, through("initramfs", "via/initrd")),
+            (VmConfig { disks: vec![disk(dir.join("disk.img"))], ..good() }, link("disk", "disk.img")),
+            (VmConfig { disks: vec![disk(dir.join("via/disk.img"))], ..good() }, through("disk", "via/disk.img")),
+        ];
+        for (c, says) in cases {
+            let e = c.validate().unwrap_err();
+            assert!(matches!(e, ConfigError::File(_)), "{e:?}");
+            assert_eq!(e.to_string(), says);
+        }
+        // Swapped for a link after a good start: the next start refuses it.
+        std::fs::remove_file(real.join("disk.img")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", real.join("disk.img")).unwrap();
+        assert_eq!(good().validate().unwrap_err().to_string(), format!("disk {} is a symbolic link; give the real path", real.join("disk.img").display()));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

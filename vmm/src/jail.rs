@@ -10,7 +10,12 @@
 //!
 //! The child's root is a fresh tmpfs mounted on DIR inside its private
 //! mount namespace (the host's DIR stays empty), made read-only once it
-//! holds exactly what the VMM opens, each at its host path:
+//! holds exactly what the VMM opens, each at its host path (every one
+//! opened `O_PATH` without following a symbolic link in any component and
+//! checked on that descriptor before the fork, then opened so again in the
+//! jail's mount namespace, compared (device and inode) with what was
+//! checked, and bound from that descriptor through /proc/self/fd, so what
+//! is bound is what was checked):
 //! - `/dev/kvm`, a new node owned by the jail's uid, mode 0600;
 //! - the kernel and initramfs, bind-mounted read-only;
 //! - the serial output file, bind-mounted writable (created for the jail's
@@ -37,12 +42,14 @@
 
 use std::ffi::CString;
 use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use crate::config::{Hugepages, SerialOut, VmConfig};
+use crate::safe_open::Kind;
 
 /// Where a cgroup v2 hierarchy must be mounted for `--jail-memory` and
 /// `--jail-pids`.
@@ -70,6 +77,10 @@ pub enum JailError {
     NoCgroup2(String),
     #[error("jail: capabilities remain after dropping privileges (effective {0:#x}, permitted {1:#x})")]
     CapsLeft(u64, u64),
+    /// A file the jail exposes: missing, of the wrong type, a symbolic
+    /// link or behind one (vgpu_topology::safe_open).
+    #[error(transparent)]
+    File(#[from] crate::safe_open::SafeOpenError),
 }
 
 fn sys(what: impl Into<String>) -> impl FnOnce(io::Error) -> JailError {
@@ -101,20 +112,26 @@ pub struct JailConfig {
     pub pids_max: Option<u64>,
 }
 
-/// Rewrites the VM description's host paths as absolute paths without
-/// symlinks: the jail shows each file at that path, and the VMM's working
-/// directory inside is `/`.
+/// Rewrites the VM description's host paths as absolute paths: the jail
+/// shows each file at that path, and the VMM's working directory inside is
+/// `/`. A path that is, or passes through, a symbolic link is refused (it
+/// is never resolved to its target: the jail must not expose a file its
+/// path does not name).
 pub fn absolute_paths(cfg: &mut VmConfig) -> Result<(), JailError> {
-    let canon = |p: &Path, what: &str| std::fs::canonicalize(p).map_err(sys(format!("{what} {}", p.display())));
-    cfg.kernel = canon(&cfg.kernel, "kernel")?;
+    use crate::safe_open::{inspect, Kind};
+    let fix = |p: &Path, what: &str, kind: Kind| -> Result<PathBuf, JailError> {
+        inspect(what, p, kind)?;
+        absolute(p)
+    };
+    cfg.kernel = fix(&cfg.kernel, "kernel", Kind::File)?;
     if let Some(i) = &cfg.initramfs {
-        cfg.initramfs = Some(canon(i, "initramfs")?);
+        cfg.initramfs = Some(fix(i, "initramfs", Kind::File)?);
     }
     if let Some(v) = &mut cfg.vgpu {
-        v.socket = canon(&v.socket, "vGPU socket")?;
+        v.socket = fix(&v.socket, "vGPU socket", Kind::Socket)?;
     }
     for d in &mut cfg.disks {
-        d.path = canon(&d.path, "disk")?;
+        d.path = fix(&d.path, "disk", Kind::FileOrBlockDevice)?;
     }
     if let SerialOut::File(p) = &cfg.serial {
         let name = p.file_name().ok_or_else(|| JailError::Invalid(format!("serial output {} names no file", p.display())))?;
@@ -122,16 +139,46 @@ pub fn absolute_paths(cfg: &mut VmConfig) -> Result<(), JailError> {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
-        cfg.serial = SerialOut::File(canon(parent, "serial output directory")?.join(name));
+        cfg.serial = SerialOut::File(fix(parent, "serial output directory", Kind::Directory)?.join(name));
     }
     Ok(())
+}
+
+/// `p` made absolute against the working directory (a physical path, as
+/// getcwd gives it), `.` and `..` taken out. Only for paths already
+/// checked to hold no symbolic link, where the lexical parent is the real
+/// one.
+fn absolute(p: &Path) -> Result<PathBuf, JailError> {
+    let mut out = if p.is_absolute() { PathBuf::from("/") } else { std::env::current_dir().map_err(sys("the working directory"))? };
+    for c in p.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    Ok(out)
+}
+
+/// A file or directory bound into the jail at its host path.
+#[derive(Debug)]
+struct Bind {
+    path: PathBuf,
+    what: String,
+    kind: Kind,
+    /// The file that was checked (type, access): the one bound must be it.
+    dev: u64,
+    ino: u64,
+    is_dir: bool,
+    writable: bool,
 }
 
 /// What the jail holds besides `/dev/kvm`.
 #[derive(Debug, Default)]
 struct Exposed {
-    read_only: Vec<PathBuf>,
-    writable: Vec<PathBuf>,
+    binds: Vec<Bind>,
     /// Character devices made in the jail for its uid: (path, rdev).
     nodes: Vec<(PathBuf, u64)>,
     /// Symbolic links made in the jail: (link, target).
@@ -155,9 +202,8 @@ fn allowed(m: &std::fs::Metadata, uid: u32, gid: u32, want: u32) -> bool {
     bits & want == want
 }
 
-fn need_access(p: &Path, what: &str, j: &JailConfig, want: u32) -> Result<(), JailError> {
-    let m = std::fs::metadata(p).map_err(sys(format!("{what} {}", p.display())))?;
-    if !allowed(&m, j.uid, j.gid, want) {
+fn need_access(m: &std::fs::Metadata, p: &Path, what: &str, j: &JailConfig, want: u32) -> Result<(), JailError> {
+    if !allowed(m, j.uid, j.gid, want) {
         let how = if want == 4 { "readable" } else { "writable" };
         return Err(JailError::Invalid(format!("{what} {} is not {how} by the jail's uid {} / gid {} (owner {}:{}, mode {:o})", p.display(), j.uid, j.gid, m.uid(), m.gid(), m.mode() & 0o7777)));
     }
@@ -176,49 +222,52 @@ impl Exposed {
             // Guest RAM, which VFIO pins once, and a margin; not more.
             e.memlock = Some(cfg.memory_bytes().saturating_add(MEMLOCK_MARGIN));
         }
-        need_access(&cfg.kernel, "kernel", j, 4)?;
-        e.read_only.push(cfg.kernel.clone());
+        e.expose(&cfg.kernel, "kernel", Kind::File, Some((j, 4)))?;
         if let Some(i) = &cfg.initramfs {
-            need_access(i, "initramfs", j, 4)?;
-            e.read_only.push(i.clone());
+            e.expose(i, "initramfs", Kind::File, Some((j, 4)))?;
         }
         if let SerialOut::File(p) = &cfg.serial {
-            match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(p) {
+            // Made for the jail's uid when missing; never through a
+            // symbolic link (O_EXCL does not follow one: it fails, and the
+            // check below names it).
+            match crate::safe_open::open("serial output", p, Kind::File, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600) {
                 Ok(f) => std::os::unix::fs::fchown(&f, Some(j.uid), Some(j.gid)).map_err(sys(format!("giving {} to the jail's uid", p.display())))?,
-                Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {}
-                Err(err) => return Err(JailError::Sys { what: format!("creating serial output {}", p.display()), err }),
+                Err(err) if err.io_kind() == Some(io::ErrorKind::AlreadyExists) => {}
+                Err(err) => return Err(err.into()),
             }
-            let m = std::fs::metadata(p).map_err(sys(format!("serial output {}", p.display())))?;
-            if !m.is_file() {
-                return Err(JailError::Invalid(format!("serial output {} is not a regular file", p.display())));
-            }
-            need_access(p, "serial output", j, 2)?;
-            e.writable.push(p.clone());
+            e.expose(p, "serial output", Kind::File, Some((j, 2)))?;
         }
         for d in &cfg.disks {
-            if d.read_only {
-                need_access(&d.path, "disk", j, 4)?;
-                e.read_only.push(d.path.clone());
-            } else {
-                need_access(&d.path, "disk", j, 6)?;
-                e.writable.push(d.path.clone());
-            }
+            e.expose(&d.path, "disk", Kind::FileOrBlockDevice, Some((j, if d.read_only { 4 } else { 6 })))?;
         }
         if let Some(v) = &cfg.vgpu {
             // connect(2) on a unix socket needs write permission on it.
-            need_access(&v.socket, "vGPU socket", j, 2)?;
-            e.writable.push(v.socket.clone());
+            e.expose(&v.socket, "vGPU socket", Kind::Socket, Some((j, 2)))?;
         }
         if cfg.hugepages != Hugepages::None {
-            e.read_only.push(PathBuf::from("/sys/kernel/mm/hugepages"));
+            e.expose(Path::new("/sys/kernel/mm/hugepages"), "hugepage sysfs directory", Kind::Directory, None)?;
         }
         if cfg.numa_node.is_some() {
             let root = crate::numa::sysfs_root();
             let root = std::fs::canonicalize(&root).map_err(sys(format!("sysfs root {}", root.display())))?;
-            e.read_only.push(root.join("devices/system/node"));
-            e.read_only.push(root.join("devices/system/cpu/online"));
+            e.expose(&root.join("devices/system/node"), "NUMA sysfs directory", Kind::Directory, None)?;
+            e.expose(&root.join("devices/system/cpu/online"), "NUMA sysfs file", Kind::File, None)?;
         }
         Ok(e)
+    }
+
+    /// Opens `p` (`O_PATH`, no symbolic link in any component), checks it
+    /// is `kind` and, with `access`, that the jail's uid may use it so
+    /// (4 read, 2 write: writable too), and adds it to the binds. Read-only
+    /// unless write access was asked for.
+    fn expose(&mut self, p: &Path, what: &str, kind: Kind, access: Option<(&JailConfig, u32)>) -> Result<(), JailError> {
+        let (fd, m) = crate::safe_open::inspect(what, p, kind)?;
+        if let Some((j, want)) = access {
+            need_access(&m, p, what, j, want)?;
+        }
+        drop(fd);
+        self.binds.push(Bind { path: p.to_path_buf(), what: what.into(), kind, dev: m.dev(), ino: m.ino(), is_dir: m.is_dir(), writable: access.is_some_and(|(_, w)| w & 2 != 0) });
+        Ok(())
     }
 }
 
@@ -236,8 +285,8 @@ impl Exposed {
         let real = std::fs::canonicalize(&link).map_err(sys(format!("passthrough device {}", link.display())))?;
         let group = a.iommu_group(sysfs).ok_or_else(|| JailError::Invalid(crate::devices::vfio::VfioError::NoIommuGroup(*a).to_string()))?;
         let groups = std::fs::canonicalize(sysfs.join("kernel/iommu_groups").join(group.to_string())).map_err(sys(format!("IOMMU group {group}")))?;
-        self.read_only.push(real.clone());
-        self.read_only.push(groups);
+        self.expose(&real, "passthrough device's sysfs directory", Kind::Directory, None)?;
+        self.expose(&groups, "IOMMU group's sysfs directory", Kind::Directory, None)?;
         if link != real {
             self.links.push((link, real));
         }
@@ -452,10 +501,16 @@ pub fn enter(j: &JailConfig, cfg: Option<&VmConfig>) -> Result<Option<Supervisor
     if limited {
         Cgroup::check(j.memory_max, j.pids_max)?;
     }
+    // The jail's root has no /proc: read the hard-link setting the VMM's
+    // opens consult now (vgpu_topology::safe_open).
+    crate::safe_open::hardlinks_protected();
     let exposed = match cfg {
         Some(cfg) => Exposed::for_config(cfg, j)?,
         None => Exposed::default(),
     };
+    if !exposed.binds.is_empty() && !Path::new("/proc/self/fd").is_dir() {
+        return Err(JailError::Invalid("the VM's files are bound into the jail from their descriptors through /proc/self/fd, and /proc is not mounted".into()));
+    }
     let kvm_rdev = std::fs::metadata("/dev/kvm").map_err(sys("/dev/kvm"))?.rdev();
     std::fs::create_dir_all(&j.root).map_err(sys(format!("creating {}", j.root.display())))?;
     let cgroup = if limited { Some(Cgroup::create(j.memory_max, j.pids_max)?) } else { None };
@@ -537,21 +592,40 @@ fn mount(src: Option<&Path>, target: &Path, fstype: Option<&str>, flags: libc::c
     check(rc, format!("mounting {} on {}", src.map_or("-".into(), |s| s.display().to_string()), target.display()))
 }
 
-/// Bind-mounts `src` at the same path under `root`, read-only or not.
-fn bind_at_same_path(root: &Path, src: &Path, writable: bool) -> Result<(), JailError> {
+/// Opens `b`'s path again, in the jail's own mount namespace (mount(2)
+/// binds only from the caller's), without following a symbolic link in any
+/// component, and checks it is still the file that was checked before the
+/// fork. The bind is made from this descriptor, not from the path.
+fn reopen(b: &Bind) -> Result<OwnedFd, JailError> {
+    let (fd, m) = crate::safe_open::inspect(&b.what, &b.path, b.kind)?;
+    if (m.dev(), m.ino()) != (b.dev, b.ino) {
+        return Err(JailError::Invalid(format!("{} {} was replaced while the jail was being built", b.what, b.path.display())));
+    }
+    Ok(fd)
+}
+
+/// Bind-mounts what `fd` holds (`b`'s file, as [`reopen`] checked it,
+/// whatever its path names now) at the same path under `root`, read-only
+/// or not.
+fn bind_at_same_path(root: &Path, b: &Bind, fd: &OwnedFd) -> Result<(), JailError> {
+    let src = &b.path;
     let rel = src.strip_prefix("/").map_err(|_| JailError::Invalid(format!("{} is not an absolute path", src.display())))?;
     let target = root.join(rel);
-    let is_dir = std::fs::metadata(src).map_err(sys(src.display().to_string()))?.is_dir();
     let parent = target.parent().unwrap_or(root);
     std::fs::create_dir_all(parent).map_err(sys(format!("creating {}", parent.display())))?;
-    if is_dir {
+    if b.is_dir {
         std::fs::create_dir_all(&target).map_err(sys(format!("creating {}", target.display())))?;
     } else if !target.exists() {
         std::fs::File::create(&target).map_err(sys(format!("creating {}", target.display())))?;
     }
-    mount(Some(src), &target, None, libc::MS_BIND, None)?;
+    let by_fd = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+    let (s, t) = (cstr(&by_fd)?, cstr(&target)?);
+    // SAFETY: both are NUL-terminated paths that outlive the call; the
+    // null type and data are allowed for a bind.
+    let rc = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) };
+    check(rc, format!("binding {} (descriptor {}) on {}", src.display(), fd.as_raw_fd(), target.display()))?;
     let mut flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-    if !writable {
+    if !b.writable {
         flags |= libc::MS_RDONLY;
     }
     mount(None, &target, None, flags, None)
@@ -570,6 +644,10 @@ fn build_root(j: &JailConfig, e: &Exposed, kvm_rdev: u64) -> Result<(), JailErro
     check(unsafe { libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWNET) }, "unshare(CLONE_NEWNS | CLONE_NEWNET)")?;
     // Nothing mounted from here on propagates back to the host.
     mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None)?;
+    // Held until the binds are made, then closed: they lead outside the
+    // new root (fchdir to a host directory), and none may
+    // reach the jailed VMM.
+    let fds = e.binds.iter().map(reopen).collect::<Result<Vec<_>, _>>()?;
     let root = &j.root;
     mount(Some(Path::new("vgpu-jail")), root, Some("tmpfs"), libc::MS_NOSUID | libc::MS_NOEXEC, Some("mode=0755,size=1m,nr_inodes=4096"))?;
     let dev = root.join("dev");
@@ -579,12 +657,10 @@ fn build_root(j: &JailConfig, e: &Exposed, kvm_rdev: u64) -> Result<(), JailErro
     check(unsafe { libc::mknod(kvm.as_ptr(), libc::S_IFCHR | 0o600, kvm_rdev) }, "creating the jail's /dev/kvm")?;
     // SAFETY: as above; plain ownership change of the new node.
     check(unsafe { libc::chown(kvm.as_ptr(), j.uid, j.gid) }, "giving /dev/kvm to the jail's uid")?;
-    for p in &e.read_only {
-        bind_at_same_path(root, p, false)?;
+    for (b, fd) in e.binds.iter().zip(&fds) {
+        bind_at_same_path(root, b, fd)?;
     }
-    for p in &e.writable {
-        bind_at_same_path(root, p, true)?;
-    }
+    drop(fds);
     for (link, target) in &e.links {
         let at = root.join(link.strip_prefix("/").unwrap_or(link));
         std::fs::create_dir_all(at.parent().unwrap_or(root)).map_err(sys(format!("creating {}", at.display())))?;
@@ -691,13 +767,44 @@ mod tests {
 
     #[test]
     fn paths_become_absolute() {
-        let mut cfg = VmConfig::new(PathBuf::from("."));
+        // Tests run in the package's directory, which holds Cargo.toml.
+        let mut cfg = VmConfig::new(PathBuf::from("./src/../Cargo.toml"));
         cfg.serial = SerialOut::File(PathBuf::from("serial.log"));
         absolute_paths(&mut cfg).unwrap();
-        assert!(cfg.kernel.is_absolute());
+        assert_eq!(cfg.kernel, std::env::current_dir().unwrap().join("Cargo.toml"));
         match &cfg.serial {
             SerialOut::File(p) => assert!(p.is_absolute() && p.ends_with("serial.log")),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn paths_behind_symbolic_links_are_refused_not_resolved() {
+        let dir = std::env::temp_dir().join(format!("vgpu-jail-links-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let real = dir.join("real");
+        std::fs::create_dir_all(&real).unwrap();
+        std::fs::write(real.join("disk.img"), [0u8; 512]).unwrap();
+        std::fs::write(real.join("kernel"), b"k").unwrap();
+        std::os::unix::fs::symlink(real.join("disk.img"), dir.join("disk.img")).unwrap();
+        std::os::unix::fs::symlink(&real, dir.join("via")).unwrap();
+        let disk = |p: PathBuf| crate::config::DiskConfig { path: p, read_only: false, direct: false, id: None, bandwidth: None, ops: None };
+        let mut cfg = VmConfig::new(real.join("kernel"));
+        cfg.disks = vec![disk(real.join("disk.img"))];
+        absolute_paths(&mut cfg).unwrap();
+        for (kernel, d, says) in [
+            (real.join("kernel"), dir.join("disk.img"), format!("disk {} is a symbolic link; give the real path", dir.join("disk.img").display())),
+            (dir.join("via/kernel"), real.join("disk.img"), format!("kernel {}: {} is a symbolic link; give the real path", dir.join("via/kernel").display(), dir.join("via").display())),
+        ] {
+            let mut cfg = VmConfig::new(kernel);
+            cfg.disks = vec![disk(d)];
+            let e = absolute_paths(&mut cfg).unwrap_err();
+            assert!(matches!(e, JailError::File(_)), "{e:?}");
+            assert_eq!(e.to_string(), says);
+        }
+        let mut cfg = VmConfig::new(real.join("kernel"));
+        cfg.serial = SerialOut::File(dir.join("via/serial.log"));
+        assert!(absolute_paths(&mut cfg).unwrap_err().to_string().contains("is a symbolic link; give the real path"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

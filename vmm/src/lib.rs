@@ -11,4 +11,9 @@ pub mod jail;
 pub mod memory;
 pub mod numa;
 pub mod seccomp;
+pub mod trace;
 pub mod vm;
+
+/// Opening the VM's files without following symbolic links (shared with
+/// the mediator, which checks managed VMs' descriptions with it).
+pub use vgpu_topology::safe_open;

@@ -87,8 +87,10 @@ pub enum VmError {
     Net(#[from] crate::devices::virtio::net::NetError),
     #[error("VFIO passthrough: {0}")]
     Vfio(#[from] crate::devices::vfio::VfioError),
-    #[error("opening serial output {path}: {err}")]
-    Serial { path: String, err: std::io::Error },
+    /// A file of the description (disk, serial output): missing, of the
+    /// wrong type, a symbolic link or behind one (vgpu_topology::safe_open).
+    #[error(transparent)]
+    File(#[from] crate::safe_open::SafeOpenError),
 }
 
 fn kvm_err(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VmError {
@@ -247,7 +249,9 @@ fn serial_out(s: &SerialOut) -> Result<Box<dyn Write + Send>, VmError> {
     match s {
         SerialOut::Stdout => Ok(Box::new(std::io::stdout())),
         SerialOut::File(p) => {
-            let f = std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|err| VmError::Serial { path: p.display().to_string(), err })?;
+            // Created if missing, never through a symbolic link; an
+            // existing one must be a regular file.
+            let f = crate::safe_open::open("serial output", p, crate::safe_open::Kind::File, libc::O_WRONLY | libc::O_APPEND | libc::O_CREAT, 0o666)?;
             Ok(Box::new(f))
         }
     }
@@ -306,7 +310,12 @@ struct Buses {
     mmio: Arc<Bus>,
 }
 
-fn run_vcpu(mut fd: VcpuFd, buses: Arc<Buses>, ctl: Arc<Control>, first: Arc<Mutex<Option<Instant>>>) {
+fn run_vcpu(mut fd: VcpuFd, id: usize, synced: bool, buses: Arc<Buses>, ctl: Arc<Control>, first: Arc<Mutex<Option<Instant>>>) {
+    let mut trace = crate::trace::ExitTrace::default();
+    if synced {
+        fd.set_sync_valid_reg(kvm_ioctls::SyncReg::Register);
+        fd.set_sync_valid_reg(kvm_ioctls::SyncReg::SystemRegister);
+    }
     loop {
         if !ctl.wait_if_paused() {
             return;
@@ -319,30 +328,51 @@ fn run_vcpu(mut fd: VcpuFd, buses: Arc<Buses>, ctl: Arc<Control>, first: Arc<Mut
         }
         let r = fd.run();
         ctl.exits.fetch_add(1, Ordering::Relaxed);
-        match r {
-            Ok(VcpuExit::IoIn(port, data)) => buses.pio.read(port as u64, data),
-            Ok(VcpuExit::IoOut(port, data)) => buses.pio.write(port as u64, data),
-            Ok(VcpuExit::MmioRead(addr, data)) => buses.mmio.read(addr, data),
-            Ok(VcpuExit::MmioWrite(addr, data)) => buses.mmio.write(addr, data),
-            Ok(VcpuExit::Hlt) => {}
-            Ok(VcpuExit::Shutdown) => return ctl.request_exit(ExitReason::TripleFault),
+        let (what, addr, end): (&'static str, u64, Option<ExitReason>) = match r {
+            Ok(VcpuExit::IoIn(port, data)) => {
+                buses.pio.read(port as u64, data);
+                ("io-in", port as u64, None)
+            }
+            Ok(VcpuExit::IoOut(port, data)) => {
+                buses.pio.write(port as u64, data);
+                ("io-out", port as u64, None)
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                buses.mmio.read(addr, data);
+                ("mmio-read", addr, None)
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                buses.mmio.write(addr, data);
+                ("mmio-write", addr, None)
+            }
+            Ok(VcpuExit::Hlt) => ("hlt", 0, None),
+            Ok(VcpuExit::Shutdown) => ("shutdown", 0, Some(ExitReason::TripleFault)),
             Ok(VcpuExit::SystemEvent(t, _)) => {
                 let r = match t {
                     kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => ExitReason::PowerOff,
                     kvm_bindings::KVM_SYSTEM_EVENT_RESET => ExitReason::Reset,
                     other => ExitReason::Error(format!("system event {other}")),
                 };
-                return ctl.request_exit(r);
+                ("system", t as u64, Some(r))
             }
-            Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                return ctl.request_exit(ExitReason::Error(format!("KVM entry failed (reason {reason:#x}) on CPU {cpu}")));
-            }
-            Ok(VcpuExit::InternalError) => return ctl.request_exit(ExitReason::Error("KVM internal error (an instruction the host cannot emulate)".into())),
+            Ok(VcpuExit::FailEntry(reason, cpu)) => ("fail-entry", reason, Some(ExitReason::Error(format!("KVM entry failed (reason {reason:#x}) on CPU {cpu}")))),
+            Ok(VcpuExit::InternalError) => ("internal", 0, Some(ExitReason::Error("KVM internal error (an instruction the host cannot emulate)".into()))),
             Ok(other) => {
                 tracing::warn!("unhandled vCPU exit {other:?}");
+                ("other", 0, None)
             }
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
-            Err(e) => return ctl.request_exit(ExitReason::Error(format!("KVM_RUN: {e}"))),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => ("signal", 0, None),
+            Err(e) => ("error", 0, Some(ExitReason::Error(format!("KVM_RUN: {e}")))),
+        };
+        let synced_regs = synced.then(|| fd.sync_regs());
+        trace.record(what, addr, synced_regs.as_ref().map(|s| (&s.regs, &s.sregs)));
+        if let Some(reason) = end {
+            if matches!(reason, ExitReason::TripleFault | ExitReason::Error(_)) {
+                // The guest died: leave what it was doing in the log.
+                let report = trace.report(id, &reason.to_string(), fd.get_regs().ok().as_ref(), fd.get_sregs().ok().as_ref(), fd.get_vcpu_events().ok().as_ref(), synced);
+                tracing::error!("{report}");
+            }
+            return ctl.request_exit(reason);
         }
     }
 }
@@ -414,12 +444,13 @@ impl Vm {
             devices.push(d);
         }
         for (i, d) in cfg.disks.iter().enumerate() {
-            let mut o = std::fs::OpenOptions::new();
-            o.read(true).write(!d.read_only);
+            // Opened at every start (a reboot re-spawns the VMM), never
+            // through a symbolic link, checked on the descriptor.
+            let mut flags = if d.read_only { libc::O_RDONLY } else { libc::O_RDWR };
             if d.direct {
-                std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_DIRECT);
+                flags |= libc::O_DIRECT;
             }
-            let f = o.open(&d.path).map_err(|e| dev_err(format!("disk {}: {e}", d.path.display())))?;
+            let f = crate::safe_open::open("disk", &d.path, crate::safe_open::Kind::FileOrBlockDevice, flags, 0)?;
             let id = d.id.clone().unwrap_or_else(|| format!("vgpu-disk{i}"));
             let blk = crate::devices::virtio::block::Block::new(f, d.read_only, &id, d.rate_limit()).map_err(|e| dev_err(format!("disk {}: {e}", d.path.display())))?;
             let dev = Arc::new(Mutex::new(VirtioPci::new(Box::new(blk), ram.mem.clone(), routing.clone()).map_err(dev_err)?));
@@ -476,6 +507,9 @@ impl Vm {
         let first_entry = Arc::new(Mutex::new(None));
         let mut vcpu_threads = Vec::new();
         let count = cfg.vcpus as u8;
+        // Registers at every exit, for the log of a guest that dies (trace.rs).
+        let want = (kvm_bindings::KVM_SYNC_X86_REGS | kvm_bindings::KVM_SYNC_X86_SREGS) as i32;
+        let synced = kvm.check_extension_int(kvm_ioctls::Cap::SyncRegs) & want == want;
         for id in 0..count {
             let fd = vm.create_vcpu(id as u64).map_err(kvm_err("CREATE_VCPU"))?;
             setup_vcpu(&kvm, &fd, id, count, (id == 0).then_some(entry))?;
@@ -498,7 +532,7 @@ impl Vm {
                     // SAFETY: pthread_self has no preconditions.
                     ctl.threads.lock().unwrap_or_else(|e| e.into_inner()).push(unsafe { libc::pthread_self() });
                     let _ = ready_tx.send(Ok(()));
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_vcpu(fd, buses, ctl.clone(), first)));
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_vcpu(fd, id as usize, synced, buses, ctl.clone(), first)));
                     if r.is_err() {
                         ctl.request_exit(ExitReason::Error(format!("vCPU {id} thread panicked")));
                     }

@@ -2,9 +2,9 @@
 # libcuda.so.1) with different vGPU quotas and a host process share one
 # device of vgpu-mediatord, all running CUDA samples at once. The VMs are
 # managed: `vgpuctl vm create` makes each VM and its vGPU in one call, and
-# `vgpuctl vm delete` removes both. One vCPU per VM: two 2-vCPU L2 guests
-# on this 2-CPU emulated L1 have been seen to triple-fault now and then
-# (docs/vmm.md), which is still being investigated.
+# `vgpuctl vm delete` removes both. One vCPU per VM keeps the emulated L1
+# (2 CPUs) from being oversubscribed; docs/vmm.md ("Guests that died in
+# the nested test host") has what still fails in it now and then, and why.
 . /scenarios/lib.sh
 start_mediator --device-memory 256MiB
 ctl() { vgpuctl --run-dir $run "$@"; }
@@ -17,6 +17,8 @@ echo "   booting Debian's kernel from their own copy of an ext4 root disk image 
 for vm in a b; do
     if [ $vm = a ]; then mem=64MiB; w=2; else mem=32MiB; w=1; fi
     cp /l2/root.img /tmp/vm-$vm.img
+    # VMMs run jailed as the user vgpu (999:999 here) by default: its disk is its.
+    busybox chown 999:999 /tmp/vm-$vm.img
     # The guests reboot when their samples are done; restart=never leaves them stopped then.
     ctl vm create vm-$vm --vcpus 1 --memory 384MiB --kernel /l2/vmlinuz --initramfs /l2/boot-initrd \
         --cmdline "console=ttyS0 root=/dev/vda reboot=k panic=-1 quiet loglevel=3 l2test=demo" \

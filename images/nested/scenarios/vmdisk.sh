@@ -22,6 +22,9 @@ scrubbed() { ctl metrics | grep '^vgpu_device_scrubbed_bytes_total{' | grep 'dev
 brctl addbr br0
 ip addr add 10.0.2.1/24 dev br0
 ip link set br0 up
+# The daemon jails VMMs as the user vgpu (999:999 in L1's /etc/passwd) by
+# default: the disk the guest writes must be that user's.
+busybox chown 999:999 /l2/root.img
 t0=$(now)
 ctl vm create web --vcpus 1 --memory 256MiB --kernel /l2/vmlinuz --initramfs /l2/boot-initrd \
     --cmdline "console=ttyS0 root=/dev/vda reboot=k panic=-1 quiet loglevel=3 l2test=disk" \
@@ -32,6 +35,9 @@ t2=$(now)
 echo "VM-CREATE-RETURNED-S=$(awk "BEGIN {print $t1 - $t0}")"
 echo "VM-FIRST-USERSPACE-S=$(awk "BEGIN {print $t2 - $t0}")"
 echo "TAP-IN-BRIDGE=$(ls /sys/class/net/br0/brif | tr '\n' ' ')"
+# The daemon's child is the jail's supervisor; the VMM is its only child.
+sup=$(ctl -o json vm show web | grep '"pid"' | tr -dc 0-9)
+echo "VMM-JAIL-UID=$(awk '/^Uid:/ {print $2}' /proc/$(cat /proc/$sup/task/$sup/children 2>/dev/null | tr -d ' ')/status 2>/dev/null)"
 wait_console L2-NET-UP
 ping -c 3 -W 2 10.0.2.15 2>&1 | sed 's/^/L1-PING: /'
 wait_console L2-DISK-READY

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 use vgpu_api::vm::{Hugepages, NetAttach, RestartPolicy, VmSpec, VmState, VmView};
+use vgpu_topology::safe_open;
 
 use super::{Control, ControlError, TenantRecord};
 
@@ -284,18 +285,22 @@ impl CappedLog {
     }
 }
 
-/// Copies a pipe into a capped log until the writer closes it.
-fn pump(mut from: impl Read + Send + 'static, to: PathBuf, name: String) {
-    let _ = std::thread::Builder::new().name(name).spawn(move || {
-        let mut log = CappedLog::open(to);
-        let mut buf = [0u8; 16 << 10];
-        loop {
-            match from.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => log.write(&buf[..n]),
+/// Copies a pipe into a capped log until the writer closes it; the
+/// copying thread's handle, when it could be started.
+fn pump(mut from: impl Read + Send + 'static, to: PathBuf, name: String) -> Option<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            let mut log = CappedLog::open(to);
+            let mut buf = [0u8; 16 << 10];
+            loop {
+                match from.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => log.write(&buf[..n]),
+                }
             }
-        }
-    });
+        })
+        .ok()
 }
 
 /// The last `max` bytes of a capped log (reaching into its older file).
@@ -424,15 +429,20 @@ fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
+/// Checks a file of the description as the VMM will open it: without
+/// following a symbolic link in any component of its path, its type and
+/// hard links checked on the descriptor (vgpu_topology::safe_open). The
+/// VMM checks again each time it starts, so a file swapped after the
+/// create is refused then.
+fn check_path(what: &str, p: &Path, kind: safe_open::Kind) -> Result<(), ControlError> {
+    safe_open::inspect(what, p, kind).map(|_| ()).map_err(|e| bad(super::passthrough::chain(&e)))
+}
+
 fn check_file(what: &str, p: &Path) -> Result<(), ControlError> {
     if !p.is_absolute() {
         return Err(bad(format!("{what} {} must be an absolute path", p.display())));
     }
-    match std::fs::metadata(p) {
-        Ok(m) if m.is_file() => Ok(()),
-        Ok(_) => Err(bad(format!("{what} {} is not a regular file", p.display()))),
-        Err(e) => Err(bad(format!("{what} {}: {e}", p.display()))),
-    }
+    check_path(what, p, safe_open::Kind::File)
 }
 
 fn check_disk(p: &Path) -> Result<(), ControlError> {
@@ -442,11 +452,7 @@ fn check_disk(p: &Path) -> Result<(), ControlError> {
     if p.as_os_str().as_encoded_bytes().contains(&b',') {
         return Err(bad(format!("disk {}: a path with a comma cannot be passed to vgpu-vmm --disk", p.display())));
     }
-    match std::fs::metadata(p) {
-        Ok(m) if m.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()) => Ok(()),
-        Ok(_) => Err(bad(format!("disk {} is not a regular file or a block device", p.display()))),
-        Err(e) => Err(bad(format!("disk {}: {e}", p.display()))),
-    }
+    check_path("disk", p, safe_open::Kind::FileOrBlockDevice)
 }
 
 /// Checks a description before anything is made for it.
@@ -1053,6 +1059,37 @@ fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: Option<&TenantRecord>, node: i32, vfio
     cmd.spawn()
 }
 
+/// Whether a starting VMM's API answers. A jailed VMM's socket is bound,
+/// and accepts connections, before its VM is built (the listener is handed
+/// into the jail), so a connection proves nothing: one request, sent once,
+/// answered does. A VMM that dies before it answers closes the connection.
+#[derive(Default)]
+struct ApiProbe {
+    conn: Option<std::os::unix::net::UnixStream>,
+}
+
+impl ApiProbe {
+    fn answered(&mut self, socket: &Path) -> bool {
+        if self.conn.is_none() {
+            let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else { return false };
+            if s.set_read_timeout(Some(Duration::from_millis(20))).is_err() || s.write_all(b"GET /vm HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").is_err() {
+                return false;
+            }
+            self.conn = Some(s);
+        }
+        let mut b = [0u8; 1];
+        match self.conn.as_mut().map(|c| c.read(&mut b)) {
+            Some(Ok(n)) if n > 0 => true,
+            Some(Err(e)) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => false,
+            // Closed unanswered: connect again next time.
+            _ => {
+                self.conn = None;
+                false
+            }
+        }
+    }
+}
+
 fn pidfd_of(pid: u32) -> Option<Arc<OwnedFd>> {
     // SAFETY: pidfd_open with a pid and no flags returns a new fd or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
@@ -1122,9 +1159,7 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
         if let Some(out) = child.stdout.take() {
             pump(out, vm.console_log(), format!("console-{name}"));
         }
-        if let Some(err) = child.stderr.take() {
-            pump(err, vm.dir.join("vmm.log"), format!("vmmlog-{name}"));
-        }
+        let vmm_log = child.stderr.take().and_then(|err| pump(err, vm.dir.join("vmm.log"), format!("vmmlog-{name}")));
         {
             let mut r = vm.lock();
             r.pid = child.id();
@@ -1138,6 +1173,7 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
         let ran_from = Instant::now();
         // Running once its API answers (or it has lived READY_WAIT).
         let deadline = Instant::now() + READY_WAIT;
+        let mut probe = ApiProbe::default();
         let early = loop {
             if let Ok(Some(s)) = child.try_wait() {
                 break Some(s);
@@ -1146,7 +1182,7 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
                 let _ = child.kill();
                 break None;
             }
-            if std::os::unix::net::UnixStream::connect(&vm.api_socket).is_ok() || Instant::now() >= deadline {
+            if probe.answered(&vm.api_socket) || Instant::now() >= deadline {
                 break None;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -1169,6 +1205,14 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
         if ran_from.elapsed() >= MAX_BACKOFF {
             // It ran a good while: the next restart comes soon again.
             backoff = Duration::from_secs(1);
+        }
+        if early.is_some() {
+            // A failed start: its last words (why) are in its log once the
+            // pipe is drained, which the error below quotes.
+            let drained = Instant::now() + Duration::from_secs(2);
+            while vmm_log.as_ref().is_some_and(|h| !h.is_finished()) && Instant::now() < drained {
+                std::thread::sleep(Duration::from_millis(5));
+            }
         }
         let mut r = vm.lock();
         r.pid = 0;
