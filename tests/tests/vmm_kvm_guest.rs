@@ -47,6 +47,14 @@ fn triple_fault_ends_the_vm_with_a_clear_status() {
     let (st, err, _) = g.wait_exit(Duration::from_secs(60));
     assert_eq!(st.code(), Some(3), "{err}");
     assert!(err.contains("triple fault"), "{err}");
+    // What the guest was doing is in the log: registers and the last
+    // exits, here the serial writes of "triple fault next" and then the
+    // shutdown itself.
+    assert!(err.contains("regs now: rip="), "the vCPU's registers are logged:\n{err}");
+    assert!(err.contains("exits, oldest first"), "the vCPU's last exits are logged:\n{err}");
+    let exits: Vec<&str> = err.lines().skip_while(|l| !l.contains("exits, oldest first")).skip(1).take_while(|l| l.contains(" addr=")).collect();
+    assert!(exits.iter().filter(|l| l.contains("io-out") && l.contains("addr=0x3f8")).count() >= 10, "serial writes among the last exits:\n{err}");
+    assert!(exits.last().is_some_and(|l| l.contains("shutdown")), "the shutdown is the last exit:\n{err}");
 }
 
 #[test]

@@ -85,7 +85,7 @@ impl std::fmt::Display for ThreadKind {
 
 /// The KVM ioctls a vCPU thread makes once the VM runs.
 pub mod kvm {
-    use kvm_bindings::{kvm_device_attr, kvm_ioeventfd, kvm_irq_routing, kvm_irqfd, kvm_userspace_memory_region};
+    use kvm_bindings::{kvm_device_attr, kvm_ioeventfd, kvm_irq_routing, kvm_irqfd, kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events};
 
     const KVMIO: u32 = 0xAE;
     vmm_sys_util::ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
@@ -101,6 +101,10 @@ pub mod kvm {
     vmm_sys_util::ioctl_iow_nr!(KVM_SET_USER_MEMORY_REGION, KVMIO, 0x46, kvm_userspace_memory_region);
     // A VFIO group leaving KVM's VFIO device when a passthrough device is released.
     vmm_sys_util::ioctl_iow_nr!(KVM_SET_DEVICE_ATTR, KVMIO, 0xe1, kvm_device_attr);
+    // A vCPU whose guest died reads its own state for the log (trace.rs).
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_SREGS, KVMIO, 0x83, kvm_sregs);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_VCPU_EVENTS, KVMIO, 0x9f, kvm_vcpu_events);
 }
 
 /// The VFIO ioctls made once the VM runs (`_IO(';', 100 + n)`).
@@ -243,7 +247,17 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Seccom
         ThreadKind::Vcpu => {
             // The passthrough ones: a guest programming MSI-X (irqfds, VFIO's
             // trigger eventfds) and placing BARs (memory slots).
-            let ioctls = [kvm::KVM_RUN(), kvm::KVM_IOEVENTFD(), kvm::KVM_SET_GSI_ROUTING(), kvm::KVM_IRQFD(), kvm::KVM_SET_USER_MEMORY_REGION(), vfio::VFIO_DEVICE_SET_IRQS()];
+            let ioctls = [
+                kvm::KVM_RUN(),
+                kvm::KVM_IOEVENTFD(),
+                kvm::KVM_SET_GSI_ROUTING(),
+                kvm::KVM_IRQFD(),
+                kvm::KVM_SET_USER_MEMORY_REGION(),
+                vfio::VFIO_DEVICE_SET_IRQS(),
+                kvm::KVM_GET_REGS(),
+                kvm::KVM_GET_SREGS(),
+                kvm::KVM_GET_VCPU_EVENTS(),
+            ];
             r.insert(libc::SYS_ioctl, any_of(kind, 1, &ioctls)?);
             r.insert(libc::SYS_fcntl, any_of(kind, 1, &[libc::F_DUPFD_CLOEXEC as u64])?);
             // Threads, never processes.
@@ -456,6 +470,9 @@ mod tests {
         assert_eq!(kvm::KVM_IRQFD(), 0x4020_AE76);
         assert_eq!(kvm::KVM_SET_USER_MEMORY_REGION(), 0x4020_AE46);
         assert_eq!(kvm::KVM_SET_DEVICE_ATTR(), 0x4018_AEE1);
+        assert_eq!(kvm::KVM_GET_REGS(), 0x8090_AE81);
+        assert_eq!(kvm::KVM_GET_SREGS(), 0x8138_AE83);
+        assert_eq!(kvm::KVM_GET_VCPU_EVENTS(), 0x8040_AE9F);
         assert_eq!(vfio::VFIO_GROUP_UNSET_CONTAINER(), 0x3B69);
         assert_eq!(vfio::VFIO_DEVICE_SET_IRQS(), 0x3B6E);
         assert_eq!(vfio::VFIO_DEVICE_RESET(), 0x3B6F);
