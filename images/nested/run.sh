@@ -2,13 +2,17 @@
 # Boots L1 under QEMU TCG with emulated SVM and runs one scenario from
 # images/nested/scenarios inside it; the console goes to stdout. L1 powers
 # off when the scenario ends. Usage: run.sh SCENARIO [TIMEOUT_SECONDS]
+# NESTED_SMP sets L1's CPU count (default 2); NESTED_APPEND adds words to
+# L1's kernel command line, which scenarios read (soak: rounds=N);
+# NESTED_INITRD names another L1 image in target/nested;
+# NESTED_CPU replaces L1's CPU model.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="$ROOT/target/nested"
 SCENARIO="$1"
 TIMEOUT="${2:-600}"
 exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
-    -accel tcg,thread=multi -cpu max,svm=on -smp 2 -m 2048 \
+    -accel tcg,thread=multi -cpu "${NESTED_CPU:-max,svm=on}" -smp "${NESTED_SMP:-2}" -m 2048 \
     -machine q35 -nographic -no-reboot -nodefaults -serial stdio \
-    -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/l1.cpio.gz" \
-    -append "console=ttyS0 panic=-1 quiet loglevel=3 scenario=$SCENARIO"
+    -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/${NESTED_INITRD:-l1.cpio.gz}" \
+    -append "console=ttyS0 panic=-1 quiet loglevel=3 scenario=$SCENARIO ${NESTED_APPEND:-}"

@@ -3,10 +3,13 @@ export LD_LIBRARY_PATH=/opt/vgpu/lib
 run=/tmp/vgpu
 
 # Starts vgpu-mediatord on $run with the given flags and waits until its
-# API answers (a socket file an earlier daemon left is not enough).
+# API answers (a socket file an earlier daemon left is not enough). A
+# kernel here runs under two levels of emulation, beside the VMs' vCPUs:
+# the 10 s default launch limit (made for real hosts) cut matrixMul off
+# under load in the soak, so these daemons allow 120 s.
 start_mediator() {
     mkdir -p $run
-    vgpu-mediatord --run-dir $run "$@" 2>/tmp/mediator.err &
+    vgpu-mediatord --run-dir $run --launch-timeout-ms 120000 "$@" 2>/tmp/mediator.err &
     i=0
     while ! vgpuctl --run-dir $run -o json device list >/dev/null 2>&1 && [ $i -lt 400 ]; do sleep 0.05; i=$((i + 1)); done
 }
