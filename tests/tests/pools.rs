@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 use vgpu_tests::*;
-use virtio_gpu_compute::{CuResult, DataLoc, MemAllocReq, MemFreeReq, MemcpyDtoHReq, MemcpyHtoDReq, Reply, Request};
+use virtio_gpu_compute::{CuResult, DataLoc, MemAllocReq, MemFreeReq, MemcpyDtoDReq, MemcpyDtoHReq, MemcpyHtoDReq, MemsetReq, Reply, Request};
 
 const MIB: u64 = 1 << 20;
 
@@ -235,4 +235,62 @@ fn overcommitted_tenants_spill_to_host_ram_get_their_data_back_and_see_oom_past_
     let _ = b1;
     // The usage records carry spilled byte-seconds.
     assert!(m.metric("vgpu_tenant_spilled_byte_seconds_total", "tenant=\"b\"").is_some_and(|v| v > 0.0));
+}
+
+/// Security finding: in a fully backed pool, one tenant's 512 bytes placed
+/// mid-arena used to deny another tenant, holding nothing, its whole quota
+/// in one allocation ("device has no free range" with 128 MiB free). Each
+/// tenant now has its own address window, mapped onto any free granules.
+#[test]
+fn a_neighbours_small_allocation_cannot_fragment_a_fully_backed_quota_away() {
+    let m = Mediator::start(&["--cpu-devices", "1", "--device-memory", "64MiB", "--spill", "64MiB", "--overcommit", "2", "--lanes", "1"]);
+    let (sa, sb) = (m.tenant("a", "64MiB"), m.tenant("b", "64MiB"));
+    let (mut a, mut b) = (Client::new(&sa), Client::new(&sb));
+    // b fills device memory but one granule; a's 512 bytes go right after,
+    // in the middle of the 128 MiB arena; b lets go of everything.
+    let lower = b.ptr(64 * MIB - 256);
+    let small = a.ptr(512);
+    a.write(small, &[0xA5; 512]);
+    b.free(lower);
+    // Every free run is now 64 MiB - 256 bytes: b's whole quota, in one piece.
+    let big = b.ptr(64 * MIB);
+    assert_eq!(m.metric("vgpu_tenant_memory_spilled_bytes", "tenant=\"b\""), Some((64 * MIB) as f64), "it spills, counted in bytes");
+    // Its bytes lie in two runs of the arena, the seam 256 bytes before its
+    // end: copies, memsets and kernels on its last 4 KiB cross it.
+    let at = big + 64 * MIB - 4096;
+    b.write(at, &pattern(7));
+    assert_eq!(b.read(at, 4096), pattern(7));
+    b.inc(at);
+    let want: Vec<u32> = words(&pattern(7)).iter().map(|w| w.wrapping_add(1)).collect();
+    assert_eq!(words(&b.read(at, 4096)), want);
+    let copy = MemcpyDtoDReq { ctx: b.ctx, stream: 0, dst: big, src: at, size: 4096 };
+    assert!(matches!(b.r.call(Request::MemcpyDtoD(copy)), Reply::Empty));
+    assert_eq!(words(&b.read(big, 4096)), want);
+    let copy = MemcpyDtoDReq { ctx: b.ctx, stream: 0, dst: at, src: big + 8192, size: 4096 };
+    assert!(matches!(b.r.call(Request::MemcpyDtoD(copy)), Reply::Empty));
+    assert_eq!(b.read(at, 4096), vec![0; 4096], "fresh memory is zeroed");
+    let set = MemsetReq { ctx: b.ctx, stream: 0, dptr: at, value: 0x1234_5678, elem_size: 4, count: 1024 };
+    assert!(matches!(b.r.call(Request::Memset(set)), Reply::Empty));
+    assert_eq!(words(&b.read(at, 4096)), vec![0x1234_5678; 1024]);
+    // The whole allocation holds what b writes, and a's bytes are untouched.
+    let whole: Vec<u8> = (0..64 * MIB).map(|i| (i / 4096) as u8 ^ (i as u8)).collect();
+    for (i, chunk) in whole.chunks(4 * MIB as usize).enumerate() {
+        b.write(big + i as u64 * 4 * MIB, chunk);
+    }
+    for (i, chunk) in whole.chunks(4 * MIB as usize).enumerate() {
+        assert!(b.read(big + i as u64 * 4 * MIB, 4 * MIB) == chunk, "chunk {i}");
+    }
+    assert_eq!(a.read(small, 512), vec![0xA5; 512]);
+    // Isolation: a's allocation, in a's window, is not b's to touch.
+    assert!(matches!(b.r.call(Request::MemcpyDtoH(MemcpyDtoHReq { ctx: b.ctx, stream: 0, src: small, size: 4, loc: DataLoc::Inline as u32, blob: 0, shm_offset: 0 })), Reply::Error(..)));
+    let module = Raw::handle(b.r.load(b.ctx, INC_PTX));
+    let func = match b.r.function(b.ctx, module, "inc") {
+        Reply::Function(f, _) => f.func,
+        other => panic!("{other:?}"),
+    };
+    match b.r.launch(b.ctx, func, [4, 1, 1], [256, 1, 1], &small.to_le_bytes()) {
+        Reply::Error(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, _) => {}
+        other => panic!("expected ILLEGAL_ADDRESS, got {other:?}"),
+    }
+    assert_eq!(a.read(small, 512), vec![0xA5; 512]);
 }

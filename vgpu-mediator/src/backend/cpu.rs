@@ -1,8 +1,13 @@
 //! The CPU reference device: device memory is an anonymous host mapping of
 //! the configured size; kernels are PTX, run by the interpreter.
+//!
+//! Each tenant allocates in its own window of device addresses; an
+//! allocation's bytes take any free granules of the arena (one run when one
+//! fits, else several), so no tenant's allocations can fragment the device
+//! into refusing another's (docs/overcommit.md).
 
 use std::any::Any;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,7 +19,9 @@ use crate::ptx::{self, ExecError, GlobalMem, Module};
 
 /// Allocation granule and alignment, as CUDA guarantees 256-byte alignment.
 pub const GRANULE: u64 = 256;
-/// Device addresses of CPU device N start at `DEVICE_VA_BASE + N * DEVICE_VA_STRIDE`.
+/// Device addresses of CPU device N lie in the `DEVICE_VA_STRIDE` bytes from
+/// `DEVICE_VA_BASE + N * DEVICE_VA_STRIDE` on, cut into its tenants' address
+/// windows (`Windows`).
 pub const DEVICE_VA_BASE: u64 = 0x7000_0000_0000;
 pub const DEVICE_VA_STRIDE: u64 = 1 << 40;
 /// Default per-launch instruction budget: a few seconds of interpretation.
@@ -77,17 +84,28 @@ impl Arena {
         Ok(())
     }
 
-    fn fill(&self, off: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
-        let n = count.checked_mul(elem.len() as u64).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "memset size overflows"))?;
+    /// Writes `n` bytes at `off`, byte `i` being `elem[(phase + i) % elem.len()]`:
+    /// a memset of `elem`s resumed `phase` bytes into an element.
+    fn fill_from(&self, off: u64, n: u64, elem: &[u8], phase: usize) -> Result<(), BackendError> {
+        let Some(&first) = elem.first() else {
+            return if n == 0 { Ok(()) } else { Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "memset of empty elements")) };
+        };
         let o = self.check(off, n)?;
-        if elem.iter().all(|b| *b == elem[0]) {
+        let n = n as usize;
+        if elem.iter().all(|b| *b == first) {
             // SAFETY: [o, o+n) is inside the mapping (checked above).
-            unsafe { std::ptr::write_bytes(self.ptr.add(o), elem[0], n as usize) };
-        } else {
-            for i in 0..count {
-                // SAFETY: element i lies inside [o, o+n), checked above.
-                unsafe { std::ptr::copy_nonoverlapping(elem.as_ptr(), self.ptr.add(o + (i as usize) * elem.len()), elem.len()) };
-            }
+            unsafe { std::ptr::write_bytes(self.ptr.add(o), first, n) };
+            return Ok(());
+        }
+        let k = elem.len();
+        let mut i = 0;
+        while i < n {
+            let p = (phase + i) % k;
+            let c = (k - p).min(n - i);
+            // SAFETY: [o+i, o+i+c) lies inside [o, o+n), checked above; the
+            // source is the caller's element, a distinct host buffer.
+            unsafe { std::ptr::copy_nonoverlapping(elem[p..].as_ptr(), self.ptr.add(o + i), c) };
+            i += c;
         }
         Ok(())
     }
@@ -189,7 +207,7 @@ impl Arena {
     /// faults, as it would with MADV_DONTNEED. Freed device memory stays
     /// resident, as a GPU's does.
     fn scrub(&self, off: u64, n: u64) -> Result<(), BackendError> {
-        self.fill(off, n, &[0])
+        self.fill_from(off, n, &[0], 0)
     }
 }
 
@@ -201,10 +219,13 @@ impl Drop for Arena {
     }
 }
 
-/// First-fit range allocator over the arena; frees coalesce.
+/// First-fit range allocator (over the arena, or over a tenant's address
+/// window); frees coalesce.
 #[derive(Debug, Default)]
 struct RangeAlloc {
     free: BTreeMap<u64, u64>,
+    /// Bytes in `free`, all runs together.
+    free_bytes: u64,
 }
 
 impl RangeAlloc {
@@ -213,16 +234,49 @@ impl RangeAlloc {
         if size > 0 {
             free.insert(0, size);
         }
-        RangeAlloc { free }
+        RangeAlloc { free, free_bytes: size }
     }
 
+    /// One run of `n` bytes, the first that fits.
     fn alloc(&mut self, n: u64) -> Option<u64> {
         let (&off, &len) = self.free.iter().find(|(_, l)| **l >= n)?;
         self.free.remove(&off);
         if len > n {
             self.free.insert(off + n, len - n);
         }
+        self.free_bytes -= n;
         Some(off)
+    }
+
+    /// `n` bytes as `(offset, length)` runs: one run when one fits (first
+    /// fit), else the largest free runs, longest first (ties: lowest
+    /// offset), until they hold `n`, so the list is as short as it can be.
+    /// `None` only when fewer than `n` bytes are free in all.
+    fn alloc_runs(&mut self, n: u64) -> Option<Vec<(u64, u64)>> {
+        if n > self.free_bytes {
+            return None;
+        }
+        if let Some(off) = self.alloc(n) {
+            return Some(vec![(off, n)]);
+        }
+        let mut runs: Vec<(u64, u64)> = self.free.iter().map(|(&o, &l)| (o, l)).collect();
+        runs.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut got = Vec::new();
+        let mut need = n;
+        for (off, len) in runs {
+            if need == 0 {
+                break;
+            }
+            let take = len.min(need);
+            self.free.remove(&off);
+            if len > take {
+                self.free.insert(off + take, len - take);
+            }
+            got.push((off, take));
+            need -= take;
+        }
+        self.free_bytes -= n;
+        Some(got)
     }
 
     fn free(&mut self, off: u64, n: u64) {
@@ -240,19 +294,209 @@ impl RangeAlloc {
             len += nl;
         }
         self.free.insert(start, len);
+        self.free_bytes += n;
+    }
+}
+
+/// Where one allocation's bytes lie in the arena: runs of whole granules,
+/// in address order. Extent `i` holds bytes `[ext[i].at, ext[i+1].at)` of
+/// the allocation (the last one up to `len`) from arena offset
+/// `ext[i].off` on. Extent boundaries are multiples of [`GRANULE`] from the
+/// allocation's start, so a naturally aligned access of up to 16 bytes lies
+/// in one extent.
+///
+/// Host memory: at most one extent (16 bytes) per granule of the
+/// allocation, and, since extents never share a granule, at most one per
+/// granule of the arena over all allocations together (arena / 16 bytes).
+#[derive(Debug)]
+struct Mapping {
+    len: u64,
+    ext: Box<[Extent]>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Extent {
+    /// Offset of the extent's first byte in the allocation.
+    at: u64,
+    /// Its arena offset.
+    off: u64,
+}
+
+impl Mapping {
+    fn from_runs(runs: &[(u64, u64)]) -> Mapping {
+        let mut at = 0;
+        let ext = runs
+            .iter()
+            .map(|&(off, len)| {
+                let e = Extent { at, off };
+                at += len;
+                e
+            })
+            .collect();
+        Mapping { len: at, ext }
+    }
+
+    /// The extent holding byte `rel`: its start and end in the allocation,
+    /// and its arena offset.
+    fn extent(&self, rel: u64) -> Option<(u64, u64, u64)> {
+        if rel >= self.len {
+            return None;
+        }
+        let i = self.ext.partition_point(|e| e.at <= rel).checked_sub(1)?;
+        let e = self.ext.get(i)?;
+        let end = self.ext.get(i + 1).map_or(self.len, |n| n.at);
+        Some((e.at, end, e.off))
+    }
+
+    /// The arena offset of byte `rel`, and how many bytes from it on lie in
+    /// the same extent.
+    fn piece(&self, rel: u64) -> Option<(u64, u64)> {
+        let (start, end, off) = self.extent(rel)?;
+        Some((off + (rel - start), end - rel))
+    }
+
+    /// The arena offset just past byte `end - 1`, and how many bytes before
+    /// it lie in the same extent.
+    fn piece_before(&self, end: u64) -> Option<(u64, u64)> {
+        let (start, _, off) = self.extent(end.checked_sub(1)?)?;
+        Some((off + (end - start), end - start))
+    }
+
+    /// The arena runs, as `(offset, length)`.
+    fn runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.ext.iter().enumerate().map(|(i, e)| (e.off, self.ext.get(i + 1).map_or(self.len, |n| n.at) - e.at))
+    }
+}
+
+/// Calls `f(arena offset, range of the operation)` for each piece of the
+/// `n` bytes from byte `rel` of an allocation, pieces split where extents
+/// end. The caller checked that `[rel, rel+n)` lies in the allocation.
+fn each_piece(m: &Mapping, rel: u64, n: u64, mut f: impl FnMut(u64, std::ops::Range<usize>) -> Result<(), BackendError>) -> Result<(), BackendError> {
+    let mut pos = 0;
+    while pos < n {
+        let (off, avail) = m.piece(rel + pos).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, format!("byte {} is outside its allocation", rel + pos)))?;
+        let c = avail.min(n - pos);
+        f(off, pos as usize..(pos + c) as usize)?;
+        pos += c;
+    }
+    Ok(())
+}
+
+/// Device addresses of a window are aligned to this.
+const WINDOW_ALIGN: u64 = 2 << 20;
+
+/// One tenant's own range of device addresses, as big as the arena: its
+/// allocations take addresses here, and only its own allocations can
+/// fragment it. Their bytes take any free granules of the arena.
+///
+/// The window is the tenant's device address space. In the executor model
+/// (each tenant's device memory held by its own executor process) it is
+/// that executor's address space, and the granules it maps are what the
+/// device lends it; nothing of another tenant is ever mapped into it.
+#[derive(Debug)]
+struct Window {
+    slot: TenantSlot,
+    /// Closed by `close_tenant`; back to the pool once its last allocation
+    /// is freed.
+    closed: bool,
+    /// Free addresses, as offsets from the window's base.
+    va: RangeAlloc,
+    /// Live allocations by device address. Launches hold a snapshot and
+    /// read it without the lock; a change while one does copies the map.
+    maps: Arc<BTreeMap<u64, Arc<Mapping>>>,
+}
+
+/// The device's address windows: window `i` spans
+/// `[base + i * size, base + (i+1) * size)`, all inside the device's
+/// [`DEVICE_VA_STRIDE`], so windows of different devices never meet.
+#[derive(Debug)]
+struct Windows {
+    base: u64,
+    size: u64,
+    /// How many windows fit in the device's address range.
+    count: u64,
+    /// Windows in use (open, or closed but still holding allocations).
+    live: BTreeMap<u64, Window>,
+    /// Open tenant slots to their windows.
+    by_slot: BTreeMap<TenantSlot, u64>,
+    /// Windows handed back, below `next`.
+    free: BTreeSet<u64>,
+    /// Windows from here on were never used.
+    next: u64,
+}
+
+impl Windows {
+    fn new(base: u64, arena: u64) -> std::io::Result<Windows> {
+        let size = arena.max(GRANULE).checked_next_multiple_of(WINDOW_ALIGN).unwrap_or(u64::MAX);
+        let count = DEVICE_VA_STRIDE / size;
+        if count == 0 {
+            return Err(std::io::Error::other(format!("device memory and spill budget ({arena} bytes) exceed the device's address range ({DEVICE_VA_STRIDE} bytes)")));
+        }
+        Ok(Windows { base, size, count, live: BTreeMap::new(), by_slot: BTreeMap::new(), free: BTreeSet::new(), next: 0 })
+    }
+
+    /// Gives `slot` a window: the lowest one free.
+    fn open(&mut self, slot: TenantSlot) -> Option<u64> {
+        let idx = match self.free.pop_first() {
+            Some(i) => i,
+            None if self.next < self.count => {
+                self.next += 1;
+                self.next - 1
+            }
+            None => return None,
+        };
+        self.live.insert(idx, Window { slot, closed: false, va: RangeAlloc::new(self.size), maps: Arc::default() });
+        self.by_slot.insert(slot, idx);
+        Some(idx)
+    }
+
+    fn close(&mut self, slot: TenantSlot) {
+        if let Some(idx) = self.by_slot.remove(&slot) {
+            if let Some(w) = self.live.get_mut(&idx) {
+                w.closed = true;
+            }
+            self.recycle_if_done(idx);
+        }
+    }
+
+    fn recycle_if_done(&mut self, idx: u64) {
+        if self.live.get(&idx).is_some_and(|w| w.closed && w.maps.is_empty()) {
+            self.live.remove(&idx);
+            self.free.insert(idx);
+        }
+    }
+
+    /// The window `addr` lies in, if any.
+    fn index_of(&self, addr: u64) -> Option<u64> {
+        let i = addr.checked_sub(self.base)? / self.size;
+        (i < self.count).then_some(i)
+    }
+
+    fn base_of(&self, idx: u64) -> u64 {
+        self.base + idx * self.size
+    }
+
+    /// The live allocations of `slot`'s window (none if it has no window).
+    fn maps_of(&self, slot: TenantSlot) -> Arc<BTreeMap<u64, Arc<Mapping>>> {
+        self.by_slot.get(&slot).and_then(|i| self.live.get(i)).map(|w| w.maps.clone()).unwrap_or_default()
     }
 }
 
 /// Where the device's allocations are: in device memory (`memory` bytes)
-/// or spilled to the host spill budget once device memory is full.
-#[derive(Debug, Default)]
+/// or spilled to the host spill budget once device memory is full. The
+/// budgets count bytes: where in the arena an allocation's granules lie
+/// does not matter to them.
+#[derive(Debug)]
 struct Placement {
+    /// Free granules of the arena.
     ranges: RangeAlloc,
+    /// The tenants' address windows and their allocations.
+    windows: Windows,
     /// Bytes of allocations held in device memory.
     resident: u64,
-    /// Spilled allocations by age: sequence number to (offset, length, tenant).
+    /// Spilled allocations by age: sequence number to (address, length, tenant).
     spilled: BTreeMap<u64, (u64, u64, TenantSlot)>,
-    /// Offset of a spilled allocation to its sequence number.
+    /// Address of a spilled allocation to its sequence number.
     spilled_at: BTreeMap<u64, u64>,
     spilled_bytes: u64,
     by_tenant: BTreeMap<TenantSlot, u64>,
@@ -260,9 +504,22 @@ struct Placement {
 }
 
 impl Placement {
+    fn new(va_base: u64, arena: u64) -> std::io::Result<Placement> {
+        Ok(Placement {
+            ranges: RangeAlloc::new(arena),
+            windows: Windows::new(va_base, arena)?,
+            resident: 0,
+            spilled: BTreeMap::new(),
+            spilled_at: BTreeMap::new(),
+            spilled_bytes: 0,
+            by_tenant: BTreeMap::new(),
+            next_seq: 0,
+        })
+    }
+
     fn unspill(&mut self, seq: u64) -> Option<(u64, u64, TenantSlot)> {
-        let (off, len, slot) = self.spilled.remove(&seq)?;
-        self.spilled_at.remove(&off);
+        let (addr, len, slot) = self.spilled.remove(&seq)?;
+        self.spilled_at.remove(&addr);
         self.spilled_bytes -= len;
         if let Some(b) = self.by_tenant.get_mut(&slot) {
             *b -= len;
@@ -270,7 +527,7 @@ impl Placement {
                 self.by_tenant.remove(&slot);
             }
         }
-        Some((off, len, slot))
+        Some((addr, len, slot))
     }
 
     /// Brings spilled allocations back into device memory while it has
@@ -323,57 +580,105 @@ impl DeviceModule for CpuModule {
     }
 }
 
-/// Global memory as one tenant's kernel sees it.
+/// Global memory as one tenant's kernel sees it: the allocations of its
+/// table (`owned`), translated through its window's mappings (`maps`, a
+/// snapshot taken at launch).
 struct TenantView<'a> {
     backend: &'a CpuBackend,
     owned: &'a AllocTable,
-    hit: (u64, u64),
+    maps: &'a BTreeMap<u64, Arc<Mapping>>,
+    /// The extent of the last access: device addresses `[start, end)` from
+    /// arena offset `off` on.
+    hit: (u64, u64, u64),
+}
+
+fn illegal(addr: u64, len: usize) -> ExecError {
+    ExecError::IllegalAddress { kind: "global", addr, len, line: 0 }
+}
+
+/// The allocation of the tenant's table holding `[addr, addr+n)`, with its
+/// start address, if its window maps it.
+fn owned_mapping<'m>(owned: &AllocTable, maps: &'m BTreeMap<u64, Arc<Mapping>>, addr: u64, n: usize) -> Result<(u64, &'m Mapping), ExecError> {
+    let (start, len) = owned.find(addr, n as u64).ok_or_else(|| illegal(addr, n))?;
+    match maps.get(&start) {
+        Some(m) if m.len >= len => Ok((start, m)),
+        _ => Err(illegal(addr, n)),
+    }
 }
 
 impl TenantView<'_> {
-    fn check(&mut self, addr: u64, n: usize) -> Result<u64, ExecError> {
+    /// The arena offset of `[addr, addr+n)` if the tenant owns it: `Some`
+    /// when it lies in one extent (always, for a naturally aligned access),
+    /// `None` when it crosses from one extent into the next.
+    #[inline]
+    fn check(&mut self, addr: u64, n: usize) -> Result<Option<u64>, ExecError> {
         let n64 = n as u64;
-        let (s, l) = self.hit;
-        if addr >= s && addr.wrapping_add(n64) <= s + l && addr.checked_add(n64).is_some() {
-            return Ok(addr - self.backend.va_base);
+        let (s, e, off) = self.hit;
+        if addr >= s && addr.wrapping_add(n64) <= e && addr.checked_add(n64).is_some() {
+            return Ok(Some(addr - s + off));
         }
-        match self.owned.find(addr, n64) {
-            Some(hit) => {
-                self.hit = hit;
-                Ok(addr - self.backend.va_base)
-            }
-            None => Err(ExecError::IllegalAddress { kind: "global", addr, len: n, line: 0 }),
+        self.miss(addr, n)
+    }
+
+    fn miss(&mut self, addr: u64, n: usize) -> Result<Option<u64>, ExecError> {
+        let (start, m) = owned_mapping(self.owned, self.maps, addr, n)?;
+        let rel = addr - start;
+        let (es, ee, off) = m.extent(rel).ok_or_else(|| illegal(addr, n))?;
+        if rel + n as u64 <= ee {
+            self.hit = (start + es, start + ee, off);
+            Ok(Some(off + (rel - es)))
+        } else {
+            Ok(None)
         }
+    }
+
+    /// Calls `f` for each piece of an access that crosses extents.
+    fn split(&self, addr: u64, n: usize, f: impl FnMut(u64, std::ops::Range<usize>) -> Result<(), BackendError>) -> Result<(), ExecError> {
+        let (start, m) = owned_mapping(self.owned, self.maps, addr, n)?;
+        each_piece(m, addr - start, n as u64, f).map_err(|_| illegal(addr, n))
     }
 }
 
 impl GlobalMem for TenantView<'_> {
     fn load(&mut self, addr: u64, out: &mut [u8]) -> Result<(), ExecError> {
-        let off = self.check(addr, out.len())?;
-        self.backend.arena.load_shared(off, out).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: out.len(), line: 0 })
+        let arena = &self.backend.arena;
+        match self.check(addr, out.len())? {
+            Some(off) => arena.load_shared(off, out).map_err(|_| illegal(addr, out.len())),
+            None => {
+                let n = out.len();
+                self.split(addr, n, |off, r| arena.load_shared(off, &mut out[r]))
+            }
+        }
     }
     fn atomic(&mut self, addr: u64, n: usize, f: &mut dyn FnMut(u64) -> u64) -> Result<u64, ExecError> {
         let off = self.check(addr, n)?;
         if !self.owned.1.is_empty() && self.owned.read_only(addr, n as u64) {
             return Err(ExecError::IllegalAddress { kind: "constant (atomic)", addr, len: n, line: 0 });
         }
+        // An element across an extent boundary is not aligned to its size.
+        let off = off.ok_or(ExecError::Misaligned { addr, len: n, line: 0 })?;
         self.backend.arena.rmw(off, n, f).map_err(|_| ExecError::Misaligned { addr, len: n, line: 0 })
     }
     fn fork(&self) -> Option<Box<dyn GlobalMem + Send + '_>> {
-        Some(Box::new(TenantView { backend: self.backend, owned: self.owned, hit: (0, 0) }))
+        Some(Box::new(TenantView { backend: self.backend, owned: self.owned, maps: self.maps, hit: (0, 0, 0) }))
     }
     fn store(&mut self, addr: u64, data: &[u8]) -> Result<(), ExecError> {
         let off = self.check(addr, data.len())?;
         if !self.owned.1.is_empty() && self.owned.read_only(addr, data.len() as u64) {
             return Err(ExecError::IllegalAddress { kind: "constant (store)", addr, len: data.len(), line: 0 });
         }
-        self.backend.arena.store_shared(off, data).map_err(|_| ExecError::IllegalAddress { kind: "global", addr, len: data.len(), line: 0 })
+        let arena = &self.backend.arena;
+        match off {
+            Some(off) => arena.store_shared(off, data).map_err(|_| illegal(addr, data.len())),
+            None => self.split(addr, data.len(), |off, r| arena.store_shared(off, &data[r])),
+        }
     }
 }
 
 impl CpuBackend {
     pub fn new(ordinal: u32, memory: u64, budget: u64) -> std::io::Result<CpuBackend> {
         let memory = memory / GRANULE * GRANULE;
+        let va_base = DEVICE_VA_BASE + ordinal as u64 * DEVICE_VA_STRIDE;
         let mut uuid = [0u8; 16];
         uuid[..8].copy_from_slice(b"vgpu-cpu");
         uuid[8..12].copy_from_slice(&ordinal.to_be_bytes());
@@ -393,9 +698,9 @@ impl CpuBackend {
                 numa_node: -1,
                 attributes: None,
             },
-            va_base: DEVICE_VA_BASE + ordinal as u64 * DEVICE_VA_STRIDE,
+            va_base,
             arena: Arena::new(memory.max(GRANULE) as usize)?,
-            place: Mutex::new(Placement { ranges: RangeAlloc::new(memory), ..Default::default() }),
+            place: Mutex::new(Placement::new(va_base, memory)?),
             spill: 0,
             next_slot: AtomicU64::new(1),
             scrubbed: AtomicU64::new(0),
@@ -412,8 +717,8 @@ impl CpuBackend {
     pub fn with_spill(mut self, spill: u64) -> std::io::Result<CpuBackend> {
         let spill = spill / GRANULE * GRANULE;
         let total = self.desc.memory.checked_add(spill).ok_or_else(|| std::io::Error::other("device memory and spill overflow"))?;
+        self.place = Mutex::new(Placement::new(self.va_base, total)?);
         self.arena = Arena::new(total.max(GRANULE) as usize)?;
-        self.place = Mutex::new(Placement { ranges: RangeAlloc::new(total), ..Default::default() });
         self.spill = spill;
         Ok(self)
     }
@@ -440,8 +745,28 @@ impl CpuBackend {
         self
     }
 
-    fn off(&self, addr: u64) -> Result<u64, BackendError> {
-        addr.checked_sub(self.va_base).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, format!("{addr:#x} is not a device address")))
+    /// The allocation of tenant `slot` holding `[addr, addr+n)`, and the
+    /// offset of `addr` in it. Another tenant's window, and any address of
+    /// the tenant's own window outside its allocations, is an illegal
+    /// address. The caller has checked the range against the tenant's
+    /// table too; the allocation stays live while the operation runs (the
+    /// worker holds back frees while the tenant has work in flight).
+    fn resolve(&self, slot: TenantSlot, addr: u64, n: u64) -> Result<(Arc<Mapping>, u64), BackendError> {
+        let illegal = |why: &str| BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, format!("{addr:#x}+{n} {why}"));
+        let p = self.placement();
+        let w = p.windows.index_of(addr).and_then(|i| p.windows.live.get(&i)).filter(|w| w.slot == slot).ok_or_else(|| illegal("is not in the tenant's address window"))?;
+        let (start, m) = w.maps.range(..=addr).next_back().ok_or_else(|| illegal("is in none of the tenant's allocations"))?;
+        let rel = addr - start;
+        match rel.checked_add(n) {
+            Some(end) if end <= m.len => Ok((m.clone(), rel)),
+            _ => Err(illegal("is in none of the tenant's allocations")),
+        }
+    }
+
+    /// Where the allocation at `addr` lies in the arena: `(offset, length)` runs.
+    #[cfg(test)]
+    fn runs_of(&self, slot: TenantSlot, addr: u64) -> Vec<(u64, u64)> {
+        self.resolve(slot, addr, 1).map(|(m, _)| m.runs().collect()).unwrap_or_default()
     }
 
     /// Reads back a few words of a scrubbed range; any non-zero byte means
@@ -465,12 +790,14 @@ impl Backend for CpuBackend {
         if self.quarantined.load(Ordering::Relaxed) {
             return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "device quarantined after a failed scrub"));
         }
-        let n = size.checked_next_multiple_of(GRANULE).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "size overflows"))?;
-        let off = {
+        // Even a zero-byte allocation takes a granule: every allocation has
+        // an address of its own.
+        let n = size.max(1).checked_next_multiple_of(GRANULE).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "size overflows"))?;
+        let (addr, m) = {
             let mut p = self.placement();
             let memory = self.desc.memory;
-            let spills = p.resident + n > memory;
-            if spills && p.spilled_bytes + n > self.spill {
+            let spills = p.resident.saturating_add(n) > memory;
+            if spills && p.spilled_bytes.saturating_add(n) > self.spill {
                 let why = if self.spill == 0 {
                     format!("device memory is full ({} of {memory} bytes allocated) and the device has no host spill budget", p.resident)
                 } else {
@@ -478,50 +805,95 @@ impl Backend for CpuBackend {
                 };
                 return Err(BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("cannot place {n} bytes: {why}")));
             }
-            let off = p.ranges.alloc(n).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("device has no free range of {n} bytes")))?;
+            let Placement { ranges, windows, .. } = &mut *p;
+            // Slot 0 (a backend used without tenants) gets its window on
+            // first use; tenants get theirs from `open_tenant`.
+            let idx = match windows.by_slot.get(&slot) {
+                Some(&i) => i,
+                None if slot == 0 => windows.open(0).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "the device has no address window left"))?,
+                None => return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("tenant slot {slot} is not open on this device"))),
+            };
+            let base = windows.base_of(idx);
+            let w = windows.live.get_mut(&idx).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("tenant slot {slot} has lost its address window")))?;
+            let at =
+                w.va.alloc(n).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("the tenant's own allocations leave no free range of {n} bytes in its address window")))?;
+            // The budgets above leave at least `n` bytes free in the arena,
+            // in one run or several.
+            let Some(runs) = ranges.alloc_runs(n) else {
+                w.va.free(at, n);
+                return Err(BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("device has {} bytes free, fewer than {n}", ranges.free_bytes)));
+            };
+            let addr = base + at;
+            let m = Arc::new(Mapping::from_runs(&runs));
+            Arc::make_mut(&mut w.maps).insert(addr, m.clone());
             if spills {
                 let seq = p.next_seq;
                 p.next_seq += 1;
-                p.spilled.insert(seq, (off, n, slot));
-                p.spilled_at.insert(off, seq);
+                p.spilled.insert(seq, (addr, n, slot));
+                p.spilled_at.insert(addr, seq);
                 p.spilled_bytes += n;
                 *p.by_tenant.entry(slot).or_default() += n;
             } else {
                 p.resident += n;
             }
-            off
+            (addr, m)
         };
         // Scrub before hand-out: nobody sees the previous owner's bytes.
         // A range that fails it is given back, not handed out.
-        if let Err(e) = self.arena.scrub(off, n) {
-            self.free(slot, self.va_base + off, n);
-            return Err(e);
+        for (off, len) in m.runs() {
+            if let Err(e) = self.arena.scrub(off, len) {
+                self.free(slot, addr, n);
+                return Err(e);
+            }
         }
-        if !self.verify_scrub(off, n) {
+        if !m.runs().all(|(off, len)| self.verify_scrub(off, len)) {
             self.quarantined.store(true, Ordering::Relaxed);
-            self.free(slot, self.va_base + off, n);
+            self.free(slot, addr, n);
             return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "scrub verification failed; device quarantined"));
         }
         self.scrubbed.fetch_add(n, Ordering::Relaxed);
-        Ok((self.va_base + off, n))
+        Ok((addr, n))
     }
 
-    fn free(&self, _slot: TenantSlot, addr: u64, len: u64) {
-        if let Ok(off) = self.off(addr) {
-            let mut p = self.placement();
-            match p.spilled_at.get(&off).copied() {
-                Some(seq) => {
-                    p.unspill(seq);
-                }
-                None => p.resident = p.resident.saturating_sub(len),
+    /// Frees the allocation at `addr` of tenant `slot`, whole (its own
+    /// length is used); anything else is ignored.
+    fn free(&self, slot: TenantSlot, addr: u64, _len: u64) {
+        let mut p = self.placement();
+        let Placement { ranges, windows, .. } = &mut *p;
+        let Some(idx) = windows.index_of(addr) else { return };
+        let base = windows.base_of(idx);
+        let Some(w) = windows.live.get_mut(&idx).filter(|w| w.slot == slot) else { return };
+        let Some(m) = Arc::make_mut(&mut w.maps).remove(&addr) else { return };
+        w.va.free(addr - base, m.len);
+        for (off, len) in m.runs() {
+            ranges.free(off, len);
+        }
+        windows.recycle_if_done(idx);
+        match p.spilled_at.get(&addr).copied() {
+            Some(seq) => {
+                p.unspill(seq);
             }
-            p.ranges.free(off, len);
-            p.return_spilled(self.desc.memory);
+            None => p.resident = p.resident.saturating_sub(m.len),
+        }
+        p.return_spilled(self.desc.memory);
+    }
+
+    /// A tenant gets a slot and its own address window; it fails when every
+    /// window of the device is taken (the device's address range holds
+    /// `DEVICE_VA_STRIDE / window size` of them).
+    fn open_tenant(&self, name: &str) -> Result<TenantSlot, BackendError> {
+        let slot = self.next_slot.fetch_add(1, Ordering::Relaxed);
+        let mut p = self.placement();
+        match p.windows.open(slot) {
+            Some(_) => Ok(slot),
+            None => Err(BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("all {} address windows of the device are taken; none is left for tenant {name}", p.windows.count))),
         }
     }
 
-    fn open_tenant(&self, _name: &str) -> Result<TenantSlot, BackendError> {
-        Ok(self.next_slot.fetch_add(1, Ordering::Relaxed))
+    /// The tenant's window goes back to the pool once its allocations are
+    /// freed (at once, normally: the service frees them first).
+    fn close_tenant(&self, slot: TenantSlot) {
+        self.placement().windows.close(slot);
     }
 
     fn spilled(&self, slot: TenantSlot) -> u64 {
@@ -549,23 +921,64 @@ impl Backend for CpuBackend {
         self.quarantined.load(Ordering::Relaxed)
     }
 
-    fn write(&self, _slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError> {
-        self.arena.write(self.off(addr)?, data)
+    fn write(&self, slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let (m, rel) = self.resolve(slot, addr, data.len() as u64)?;
+        each_piece(&m, rel, data.len() as u64, |off, r| self.arena.write(off, &data[r]))
     }
 
-    fn read(&self, _slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
-        self.arena.read(self.off(addr)?, out)
+    fn read(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let (m, rel) = self.resolve(slot, addr, out.len() as u64)?;
+        each_piece(&m, rel, out.len() as u64, |off, r| self.arena.read(off, &mut out[r]))
     }
 
-    fn fill(&self, _slot: TenantSlot, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
-        self.arena.fill(self.off(addr)?, count, elem)
+    fn fill(&self, slot: TenantSlot, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
+        let n = count.checked_mul(elem.len() as u64).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "memset size overflows"))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (m, rel) = self.resolve(slot, addr, n)?;
+        each_piece(&m, rel, n, |off, r| self.arena.fill_from(off, r.len() as u64, elem, r.start % elem.len()))
     }
 
-    fn copy(&self, _slot: TenantSlot, dst: u64, src: u64, len: u64) -> Result<(), BackendError> {
-        self.arena.copy(self.off(dst)?, self.off(src)?, len)
+    fn copy(&self, slot: TenantSlot, dst: u64, src: u64, len: u64) -> Result<(), BackendError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let (dm, drel) = self.resolve(slot, dst, len)?;
+        let (sm, srel) = self.resolve(slot, src, len)?;
+        let outside = || BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, format!("copy {src:#x} -> {dst:#x} of {len} bytes left its allocation"));
+        // Piece by piece, split where either side's extent ends. Within one
+        // allocation the same address is the same arena byte, so a copy
+        // onto its own later bytes runs back to front, as memmove does.
+        if Arc::ptr_eq(&dm, &sm) && drel > srel && drel < srel + len {
+            let mut end = len;
+            while end > 0 {
+                let (d, da) = dm.piece_before(drel + end).ok_or_else(outside)?;
+                let (s, sa) = sm.piece_before(srel + end).ok_or_else(outside)?;
+                let c = da.min(sa).min(end);
+                self.arena.copy(d - c, s - c, c)?;
+                end -= c;
+            }
+        } else {
+            let mut pos = 0;
+            while pos < len {
+                let (d, da) = dm.piece(drel + pos).ok_or_else(outside)?;
+                let (s, sa) = sm.piece(srel + pos).ok_or_else(outside)?;
+                let c = da.min(sa).min(len - pos);
+                self.arena.copy(d, s, c)?;
+                pos += c;
+            }
+        }
+        Ok(())
     }
 
-    fn load_module(&self, _slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64, data: &mut ModuleDataAlloc<'_>) -> Result<Arc<dyn DeviceModule>, BackendError> {
+    fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64, data: &mut ModuleDataAlloc<'_>) -> Result<Arc<dyn DeviceModule>, BackendError> {
         let (major, minor) = self.desc.cc;
         let arch = major * 10 + minor;
         // A fatbin runs here through the best PTX it carries (or, if all of
@@ -607,15 +1020,18 @@ impl Backend for CpuBackend {
         let g = if m.global_size > 0 { data(m.global_size, false)? } else { 0 };
         let c = if m.const_size > 0 { data(m.const_size, true)? } else { 0 };
         for (addr, bytes) in m.link(g, c) {
-            self.arena.write(self.off(addr)?, &bytes)?;
+            self.write(slot, addr, &bytes)?;
         }
         Ok(Arc::new(CpuModule(m)))
     }
 
-    fn launch(&self, _slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError> {
+    fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError> {
         let m = module.as_any().downcast_ref::<CpuModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
         let k = m.0.kernels.get(func).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "no such function"))?;
-        let mut view = TenantView { backend: self, owned, hit: (0, 0) };
+        // Only the tenant's own window translates: a table naming another
+        // tenant's address still faults.
+        let maps = self.placement().windows.maps_of(slot);
+        let mut view = TenantView { backend: self, owned, maps: &maps, hit: (0, 0, 0) };
         let limits = ptx::Limits {
             max_threads_per_block: self.desc.max_threads_per_block,
             max_block: self.desc.max_block,
@@ -711,25 +1127,27 @@ mod tests {
         assert_eq!(b.placement().resident, 0);
         // Without a budget, a full device refuses.
         let plain = CpuBackend::new(0, 2 * k, 0).unwrap();
-        plain.alloc(1, 2 * k).unwrap();
-        assert!(plain.alloc(1, GRANULE).unwrap_err().msg.contains("no host spill budget"));
+        let t = plain.open_tenant("t").unwrap();
+        plain.alloc(t, 2 * k).unwrap();
+        assert!(plain.alloc(t, GRANULE).unwrap_err().msg.contains("no host spill budget"));
     }
 
     #[test]
     fn a_spill_that_does_not_fit_holds_back_later_ones() {
         let k = 64 * GRANULE;
         let b = CpuBackend::new(0, 4 * k, 0).unwrap().with_spill(8 * k).unwrap();
-        let resident = [b.alloc(1, 2 * k).unwrap(), b.alloc(1, 2 * k).unwrap()];
-        let big = b.alloc(2, 3 * k).unwrap();
-        let small = b.alloc(3, k).unwrap();
+        let [t1, t2, t3] = ["t1", "t2", "t3"].map(|n| b.open_tenant(n).unwrap());
+        let resident = [b.alloc(t1, 2 * k).unwrap(), b.alloc(t1, 2 * k).unwrap()];
+        let big = b.alloc(t2, 3 * k).unwrap();
+        let small = b.alloc(t3, k).unwrap();
         assert_eq!(b.spill_usage().0, 4 * k);
-        b.free(1, resident[0].0, resident[0].1);
+        b.free(t1, resident[0].0, resident[0].1);
         // 2k free: the 3k spill, first in line, does not fit; the 1k one waits behind it.
-        assert_eq!((b.spilled(2), b.spilled(3)), (3 * k, k));
-        b.free(1, resident[1].0, resident[1].1);
-        assert_eq!((b.spilled(2), b.spilled(3)), (0, 0));
-        b.free(2, big.0, big.1);
-        b.free(3, small.0, small.1);
+        assert_eq!((b.spilled(t2), b.spilled(t3)), (3 * k, k));
+        b.free(t1, resident[1].0, resident[1].1);
+        assert_eq!((b.spilled(t2), b.spilled(t3)), (0, 0));
+        b.free(t2, big.0, big.1);
+        b.free(t3, small.0, small.1);
     }
 
     #[test]
@@ -806,5 +1224,146 @@ mod tests {
         let l = Launch { grid: [4096, 1, 1], block: [64, 1, 1], shared_bytes: 0 };
         let e = b.launch(0, &*m, 0, &l, &a.to_le_bytes(), &owned).unwrap_err();
         assert_eq!(e.code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "{}", e.msg);
+    }
+
+    const INC_PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry inc(.param .u64 p, .param .u32 n) {\n .reg .pred %p1;\n .reg .b32 %r<7>;\n .reg .b64 %rd<4>;\n ld.param.u64 %rd1, [p];\n ld.param.u32 %r6, [n];\n mov.u32 %r2, %ctaid.x;\n mov.u32 %r3, %ntid.x;\n mov.u32 %r4, %tid.x;\n mad.lo.s32 %r2, %r2, %r3, %r4;\n setp.ge.u32 %p1, %r2, %r6;\n @%p1 bra DONE;\n mul.wide.u32 %rd2, %r2, 4;\n add.s64 %rd3, %rd1, %rd2;\n ld.global.u32 %r5, [%rd3];\n add.s32 %r5, %r5, 1;\n st.global.u32 [%rd3], %r5;\n atom.global.add.u32 %r5, [%rd3], 1;\nDONE:\n ret;\n}\n";
+
+    fn inc(b: &CpuBackend, slot: TenantSlot, owned: &AllocTable, p: u64, words: u32) -> Result<u64, BackendError> {
+        let m = b.load_module(slot, INC_PTX.as_bytes(), ImageFormat::Ptx, u64::MAX, &mut |_, _| unreachable!()).unwrap();
+        let mut params = p.to_le_bytes().to_vec();
+        params.extend_from_slice(&words.to_le_bytes());
+        let l = Launch { grid: [words.div_ceil(256), 1, 1], block: [256, 1, 1], shared_bytes: 0 };
+        b.launch(slot, &*m, 0, &l, &params, owned)
+    }
+
+    /// The security finding: a 512-byte allocation of one tenant, placed
+    /// mid-arena, denied another tenant (holding nothing) its whole quota
+    /// in one piece in a fully backed pool ("device has no free range").
+    #[test]
+    fn a_small_allocation_mid_arena_does_not_deny_another_tenant_its_whole_quota() {
+        const MIB: u64 = 1 << 20;
+        let b = CpuBackend::new(0, 64 * MIB, 0).unwrap().with_spill(64 * MIB).unwrap();
+        let (ta, tb) = (b.open_tenant("a").unwrap(), b.open_tenant("b").unwrap());
+        // B fills device memory but one granule, A's 512 bytes follow, B
+        // lets go: two free runs of 64 MiB - 256 bytes, A in between.
+        let lower = b.alloc(tb, 64 * MIB - GRANULE).unwrap();
+        let small = b.alloc(ta, 512).unwrap();
+        b.write(ta, small.0, &[0xA5; 512]).unwrap();
+        b.free(tb, lower.0, lower.1);
+        let big = b.alloc(tb, 64 * MIB).expect("a fully backed quota is allocatable in one piece");
+        assert_eq!(big.1, 64 * MIB);
+        assert_eq!((b.spilled(ta), b.spilled(tb)), (0, 64 * MIB), "spill counts bytes, not places");
+        assert_eq!(b.available(), 64 * MIB - 512);
+        // Every byte of it holds what B writes.
+        let whole: Vec<u8> = (0..big.1).map(|i| (i / 4096) as u8 ^ i as u8).collect();
+        b.write(tb, big.0, &whole).unwrap();
+        let mut back = vec![0u8; whole.len()];
+        b.read(tb, big.0, &mut back).unwrap();
+        assert!(back == whole);
+        // Two runs: all of the lower one, then a granule past A's bytes.
+        assert_eq!(b.runs_of(tb, big.0), vec![(0, 64 * MIB - GRANULE), (64 * MIB + GRANULE, GRANULE)]);
+        // Copies, fills and kernels over its last 4 KiB, across the seam.
+        let tail = big.0 + big.1 - 4096;
+        let mut model = whole[whole.len() - 4096..].to_vec();
+        b.copy(tb, tail + 1, tail, 3000).unwrap();
+        model.copy_within(0..3000, 1);
+        b.copy(tb, tail, tail + 7, 4000).unwrap();
+        model.copy_within(7..4007, 0);
+        let mut got = vec![0u8; 4096];
+        b.read(tb, tail, &mut got).unwrap();
+        assert_eq!(got, model, "overlapping copies are memmoves");
+        b.copy(tb, big.0, tail, 4096).unwrap();
+        b.copy(tb, tail, big.0 + 8192, 4096).unwrap();
+        b.read(tb, big.0, &mut got).unwrap();
+        assert_eq!(got, model);
+        // Odd start: the seam falls mid-element.
+        b.fill(tb, tail + 1, 2047, &[0x34, 0x12]).unwrap();
+        b.read(tb, tail, &mut got).unwrap();
+        assert_eq!((got[0], got[4095]), (whole[8192], whole[8192 + 4095]));
+        assert!(got[1..4095].chunks(2).all(|c| c == [0x34, 0x12]), "a two-byte fill keeps its phase across the seam");
+        let mut owned = AllocTable::default();
+        owned.0.insert(big.0, big.1);
+        b.fill(tb, tail, 1024, &7u32.to_le_bytes()).unwrap();
+        inc(&b, tb, &owned, tail, 1024).unwrap();
+        b.read(tb, tail, &mut got).unwrap();
+        assert!(got.chunks(4).all(|w| u32::from_le_bytes(w.try_into().unwrap()) == 9), "kernel loads, stores and atomics");
+        // Kernel accesses that straddle the seam are split; an atomic there
+        // is misaligned; addresses outside the table's allocations fault.
+        let seam = big.0 + big.1 - GRANULE;
+        let maps = b.placement().windows.maps_of(tb);
+        let mut view = TenantView { backend: &b, owned: &owned, maps: &maps, hit: (0, 0, 0) };
+        view.store(seam - 3, &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+        let mut word = [0u8; 8];
+        view.load(seam - 3, &mut word).unwrap();
+        assert_eq!(word, [1, 2, 3, 4, 5, 6, 7, 8]);
+        word = [0; 8];
+        b.read(tb, seam - 3, &mut word).unwrap();
+        assert_eq!(word, [1, 2, 3, 4, 5, 6, 7, 8]);
+        assert!(matches!(view.atomic(seam - 2, 4, &mut |v| v + 1), Err(ExecError::Misaligned { .. })));
+        assert_eq!(view.atomic(seam, 4, &mut |v| v + 1).unwrap(), 0x0706_0504);
+        for (addr, n) in [(small.0, 4), (big.0 + big.1 - 4, 8), (big.0 + big.1, 1), (big.0 - 4, 4)] {
+            assert!(matches!(view.load(addr, &mut word[..n]), Err(ExecError::IllegalAddress { .. })), "{addr:#x}");
+            assert!(matches!(view.store(addr, &word[..n]), Err(ExecError::IllegalAddress { .. })), "{addr:#x}");
+        }
+        // A's bytes are untouched, and not B's to reach.
+        let mut mine = [0u8; 512];
+        b.read(ta, small.0, &mut mine).unwrap();
+        assert_eq!(mine, [0xA5; 512]);
+        assert_eq!(b.read(tb, small.0, &mut mine).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(b.write(tb, small.0, &mine).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(b.read(tb, big.0 + big.1, &mut mine[..1]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        let mut stolen = owned.clone();
+        stolen.0.insert(small.0, small.1);
+        assert_eq!(inc(&b, tb, &owned, small.0, 4).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(inc(&b, tb, &stolen, small.0, 4).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "a forged table does not reach another window");
+        b.read(ta, small.0, &mut mine).unwrap();
+        assert_eq!(mine, [0xA5; 512]);
+        b.free(tb, big.0, big.1);
+        b.free(ta, small.0, small.1);
+        assert_eq!(b.available(), 128 * MIB);
+    }
+
+    #[test]
+    fn tenant_windows_are_disjoint_bounded_and_reused_after_close() {
+        let win = 1u64 << 36;
+        let b = CpuBackend::new(3, win, 0).unwrap();
+        let base = DEVICE_VA_BASE + 3 * DEVICE_VA_STRIDE;
+        let slots: Vec<TenantSlot> = (0..DEVICE_VA_STRIDE / win).map(|i| b.open_tenant(&format!("t{i}")).unwrap()).collect();
+        assert_eq!(slots.len(), 16);
+        let e = b.open_tenant("late").unwrap_err();
+        assert_eq!(e.code, CuResult::CUDA_ERROR_OUT_OF_MEMORY);
+        assert!(e.msg.contains("all 16 address windows"), "{}", e.msg);
+        // Each tenant's first allocation opens its own window.
+        let firsts: Vec<(u64, u64)> = slots.iter().map(|&t| b.alloc(t, 100).unwrap()).collect();
+        for (i, (a, n)) in firsts.iter().enumerate() {
+            assert_eq!((*a, *n), (base + i as u64 * win, GRANULE));
+        }
+        assert_eq!(b.read(slots[1], firsts[0].0, &mut [0; 4]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        // A closed window holding an allocation is not handed out; once
+        // freed, it is, with nothing of the old tenant in it.
+        b.close_tenant(slots[2]);
+        assert!(b.open_tenant("late").is_err());
+        b.free(slots[2], firsts[2].0, firsts[2].1);
+        let again = b.open_tenant("again").unwrap();
+        assert_eq!(b.read(again, firsts[2].0, &mut [0; 4]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(b.alloc(again, 1).unwrap().0, firsts[2].0);
+        // Slots never opened have no window.
+        assert_eq!(b.alloc(999, 1).unwrap_err().code, CuResult::CUDA_ERROR_INVALID_CONTEXT);
+        // Another tenant's freed granules come back scrubbed, at an address
+        // of the new owner's window.
+        let d = CpuBackend::new(0, 1 << 20, 0).unwrap();
+        let (p, q) = (d.open_tenant("p").unwrap(), d.open_tenant("q").unwrap());
+        let x = d.alloc(p, 8192).unwrap();
+        d.fill(p, x.0, x.1, &[0xEE]).unwrap();
+        let runs = d.runs_of(p, x.0);
+        d.free(p, x.0, x.1);
+        let y = d.alloc(q, 8192).unwrap();
+        assert_ne!(y.0, x.0);
+        assert_eq!(d.runs_of(q, y.0), runs, "the same granules");
+        let mut buf = vec![1u8; 8192];
+        d.read(q, y.0, &mut buf).unwrap();
+        assert!(buf.iter().all(|b| *b == 0));
+        // An arena larger than the device's address range is refused.
+        assert!(CpuBackend::new(0, 1 << 39, 0).unwrap().with_spill(1 << 40).is_err());
     }
 }
