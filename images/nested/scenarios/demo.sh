@@ -14,16 +14,7 @@ ctl device list
 h=$(ctl tenant create host --memory 32MiB)
 echo "== vgpuctl vm create: VMs vm-a (vGPU 64MiB, weight 2) and vm-b (vGPU 32MiB), 1 vCPU each,"
 echo "   booting Debian's kernel from their own copy of an ext4 root disk image (virtio-blk)"
-for vm in a b; do
-    if [ $vm = a ]; then mem=64MiB; w=2; else mem=32MiB; w=1; fi
-    cp /l2/root.img /tmp/vm-$vm.img
-    # VMMs run jailed as the user vgpu (999:999 here) by default: its disk is its.
-    busybox chown 999:999 /tmp/vm-$vm.img
-    # The guests reboot when their samples are done; restart=never leaves them stopped then.
-    ctl vm create vm-$vm --vcpus 1 --memory 384MiB --kernel /l2/vmlinuz --initramfs /l2/boot-initrd \
-        --cmdline "console=ttyS0 root=/dev/vda reboot=k panic=-1 quiet loglevel=3 l2test=demo" \
-        --disk /tmp/vm-$vm.img --vgpu-memory $mem --weight $w --restart never >/dev/null
-done
+create_demo_vms
 ctl vm list
 ctl tenant list
 echo "== the host tenant runs too"

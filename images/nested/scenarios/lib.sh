@@ -60,3 +60,19 @@ run_vfio_vm() {
     sed 's/^/CONSOLE: /' $log
     sed 's/^/VMM-ERR: /' /tmp/vmm.err
 }
+
+# Makes the demo's VMs with `vgpuctl vm create` (the daemon on $run):
+# vm-a (vGPU 64MiB, weight 2) and vm-b (vGPU 32MiB), 1 vCPU each, booting
+# Debian's kernel from their own copy of the ext4 root disk, running
+# l2-init's demo test and then stopping (restart never).
+create_demo_vms() {
+    for vm in a b; do
+        if [ $vm = a ]; then mem=64MiB; w=2; else mem=32MiB; w=1; fi
+        cp /l2/root.img /tmp/vm-$vm.img
+        # VMMs run jailed as the user vgpu (999:999 here) by default: its disk is its.
+        busybox chown 999:999 /tmp/vm-$vm.img
+        vgpuctl --run-dir $run vm create vm-$vm --vcpus 1 --memory 384MiB --kernel /l2/vmlinuz --initramfs /l2/boot-initrd \
+            --cmdline "console=ttyS0 root=/dev/vda reboot=k panic=-1 quiet loglevel=3 l2test=demo" \
+            --disk /tmp/vm-$vm.img --vgpu-memory $mem --weight $w --restart never >/dev/null
+    done
+}

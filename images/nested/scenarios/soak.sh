@@ -15,14 +15,7 @@ passed=0
 r=1
 while [ $r -le $rounds ]; do
     t0=$(cut -d' ' -f1 /proc/uptime)
-    for vm in a b; do
-        if [ $vm = a ]; then mem=64MiB; w=2; else mem=32MiB; w=1; fi
-        cp /l2/root.img /tmp/vm-$vm.img
-        busybox chown 999:999 /tmp/vm-$vm.img
-        ctl vm create vm-$vm --vcpus 1 --memory 384MiB --kernel /l2/vmlinuz --initramfs /l2/boot-initrd \
-            --cmdline "console=ttyS0 root=/dev/vda reboot=k panic=-1 quiet loglevel=3 l2test=demo" \
-            --disk /tmp/vm-$vm.img --vgpu-memory $mem --weight $w --restart never >/dev/null
-    done
+    create_demo_vms
     VGPU_SOCKET=$h vectorAdd >/tmp/host.log 2>&1 || echo "SOAK-HOST-FAILED round $r: $(tail -n 3 /tmp/host.log)"
     VGPU_SOCKET=$h reduction 65536 >/tmp/host.log 2>&1 || echo "SOAK-HOST-FAILED round $r: $(tail -n 3 /tmp/host.log)"
     ok=0
