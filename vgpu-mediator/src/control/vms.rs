@@ -167,6 +167,18 @@ impl Vm {
         true
     }
 
+    /// Ends the VMM: SIGTERM first, which a jail's supervisor turns into
+    /// a SIGKILL of the jailed VMM that it waits for, so the VMM's
+    /// descriptors (its taps) are closed when the supervisor ends; SIGKILL
+    /// after `grace` if it has not. A SIGKILLed supervisor ends before its
+    /// jailed VMM is reaped, and a restart then found the tap still busy.
+    fn terminate(&self, grace: Duration) {
+        self.signal(libc::SIGTERM);
+        if !self.wait_for(grace, |r| r.pid == 0) {
+            self.signal(libc::SIGKILL);
+        }
+    }
+
     fn signal(&self, sig: i32) {
         let fd = self.lock().pidfd.clone();
         if let Some(fd) = fd {
@@ -682,7 +694,7 @@ impl Vms {
     fn end(&self, vm: &Vm) {
         vm.lock().desired = Desired::Deleted;
         vm.cv.notify_all();
-        vm.signal(libc::SIGKILL);
+        vm.terminate(Duration::from_secs(5));
         vm.wait_for(Duration::from_secs(30), |r| r.ended);
     }
 
@@ -936,7 +948,7 @@ fn stop_vmm(vm: &Vm, timeout: Duration) {
             return;
         }
     }
-    vm.signal(libc::SIGKILL);
+    vm.terminate(Duration::from_secs(5));
     vm.wait_for(Duration::from_secs(10), |r| r.pid == 0);
 }
 
