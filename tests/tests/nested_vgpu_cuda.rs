@@ -51,11 +51,14 @@ fn vm_tenant_quota_and_scrub_hold_in_the_guest() {
     assert!(quota.contains(&"over_quota=CUDA_ERROR_OUT_OF_MEMORY"), "{quota:?}");
     assert!(quota.contains(&"free_after=0 total=33554432"), "cuMemGetInfo reports the quota: {quota:?}");
     // The host tenant filled 16 MiB with 0xA5 and freed it; the guest's
-    // fresh allocation of the same size reads back as zeros.
+    // fresh allocation of the same size reads back as zeros. Each tenant
+    // has its own address window now, so the addresses differ even where
+    // the bytes are the same; tests/tests/scrub.rs forces the reuse with a
+    // device of exactly the allocation's size.
     let filled = lines(out, "HOST-FILL: ");
     let scrub = lines(out, "L2-SCRUB: ");
+    assert!(filled.iter().any(|l| l.starts_with("ptr=")), "the host tenant filled its memory: {filled:?}");
     assert!(scrub.contains(&"clean=16777216"), "{scrub:?}");
-    assert_eq!(filled.first().copied(), scrub.first().copied(), "the guest's allocation reused the host tenant's range");
 }
 
 #[test]

@@ -64,6 +64,10 @@ sed 's/^/CONSOLE: /' $con
 ctl vm delete web
 echo "TENANTS-AFTER-DELETE=$(ctl -o json tenant list | grep -c '"name"')"
 echo "VMS-AFTER-DELETE=$(ctl -o json vm list | grep -c '"name"')"
+# The tap goes when the last descriptor on it closes, as the jailed VMM's
+# processes are reaped: give it up to 10 s.
+i=0
+while [ "$(ls /sys/class/net/br0/brif | wc -l)" != 0 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
 echo "TAPS-AFTER-DELETE=$(ls /sys/class/net/br0/brif | wc -l)"
 echo "== the next tenant takes all of the device's memory, which the VM's guest had filled in part: it reads zeros"
 h=$(ctl tenant create next --memory 128MiB)
