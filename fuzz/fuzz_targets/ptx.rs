@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use vgpu_mediator::ptx::{launch, ExecError, GlobalMem, LaunchConfig, Limits, Module};
+use vgpu_ptx::{launch, ExecError, GlobalMem, LaunchConfig, Limits, Module};
 
 const BASE: u64 = 0x7000_0000_0000;
 

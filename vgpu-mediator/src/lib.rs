@@ -1,5 +1,5 @@
 //! vgpu-mediatord: the control plane, device workers, scheduler, scrubber
-//! and backends of the vGPU stack (DESIGN §2, §5, §6).
+//! and backends of the vGPU stack.
 
 pub mod backend;
 pub mod config;
@@ -8,7 +8,8 @@ pub mod gpu;
 pub mod ipc;
 pub mod nice;
 pub mod placement;
-pub mod ptx;
 pub mod sched;
 pub use virtio_gpu_compute::size;
 pub mod worker;
+/// The PTX interpreter (its own crate, `vgpu-ptx`).
+pub use vgpu_ptx as ptx;

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use vgpu_mediator::backend::cpu::CpuBackend;
 use vgpu_mediator::backend::{AllocTable, Backend, BackendError, Launch};
-use vgpu_mediator::ptx::{self, ExecError, GlobalMem, Module};
+use vgpu_ptx::{self as ptx, ExecError, GlobalMem, Module};
 use virtio_gpu_compute::{CuResult, ImageFormat};
 
 const MATRIX_MUL_PTX: &str = include_str!("../../bench-kernels/matrixMul.ptx");

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use cuda::api as cu;
 use cuda::client::Client;
-use vgpu_mediator::ptx::{self, ExecError, GlobalMem, Module};
+use vgpu_ptx::{self as ptx, ExecError, GlobalMem, Module};
 use vgpu_tests::{workspace, Mediator};
 use virtio_gpu_compute::{Reply, Request};
 

@@ -1,10 +1,10 @@
 use super::*;
 
-const VECTOR_ADD: &str = include_str!("../../../samples/kernels/vectorAdd.ptx");
-const SAXPY: &str = include_str!("../../../samples/kernels/saxpy.ptx");
-const MATRIX_MUL: &str = include_str!("../../../samples/kernels/matrixMul.ptx");
-const REDUCTION: &str = include_str!("../../../samples/kernels/reduction.ptx");
-const FAULTS: &str = include_str!("../../../samples/kernels/faults.ptx");
+const VECTOR_ADD: &str = include_str!("../../samples/kernels/vectorAdd.ptx");
+const SAXPY: &str = include_str!("../../samples/kernels/saxpy.ptx");
+const MATRIX_MUL: &str = include_str!("../../samples/kernels/matrixMul.ptx");
+const REDUCTION: &str = include_str!("../../samples/kernels/reduction.ptx");
+const FAULTS: &str = include_str!("../../samples/kernels/faults.ptx");
 
 /// Global memory made of separate allocations, like one tenant's view.
 struct VecMem {

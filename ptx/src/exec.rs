@@ -99,7 +99,7 @@ pub struct LaunchConfig {
 }
 
 /// Where a long launch may be stopped for others: the device scheduler's
-/// hold on the launch's lane ([`crate::sched::Running`]).
+/// hold on the launch's lane (the device scheduler's running work, in `vgpu-mediator`).
 pub trait Preempt: Sync {
     /// Called between blocks and every few thousand units by each thread of
     /// the launch; returns once the launch may go on (at once, or after
