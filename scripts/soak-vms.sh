@@ -13,7 +13,7 @@ ROUNDS="${1:-20}"
 source "$ROOT/scripts/setup.sh"
 LOG="$(mktemp /tmp/vgpu-soak.XXXXXX.log)"
 echo "soak: $ROUNDS rounds of the demo's two VMs in the nested test host (log: $LOG)"
-NESTED_APPEND="rounds=$ROUNDS" bash "$ROOT/images/nested/run.sh" soak $((300 + 240 * ROUNDS)) \
+NESTED_APPEND="rounds=$ROUNDS" bash "$ROOT/images/nested/run.sh" soak $((300 + ${SOAK_ROUND_LIMIT:-240} * ROUNDS)) \
     | stdbuf -oL tr -d '\r' | stdbuf -oL sed 's/\x1b\[[0-9;?]*[A-Za-z]//g' | tee "$LOG" | grep --line-buffered -E '^SOAK-|^\[vm-' || true
 if grep -q "SOAK-RESULT passed=$ROUNDS rounds=$ROUNDS" "$LOG"; then
     echo "soak: $ROUNDS of $ROUNDS rounds passed"

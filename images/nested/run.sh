@@ -5,14 +5,15 @@
 # NESTED_SMP sets L1's CPU count (default 2); NESTED_APPEND adds words to
 # L1's kernel command line, which scenarios read (soak: rounds=N);
 # NESTED_INITRD names another L1 image in target/nested;
-# NESTED_CPU replaces L1's CPU model.
+# NESTED_CPU replaces L1's CPU model; NESTED_ACCEL replaces the TCG options
+# (default thread=multi: one host thread per L1 CPU).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="$ROOT/target/nested"
 SCENARIO="$1"
 TIMEOUT="${2:-600}"
 exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
-    -accel tcg,thread=multi -cpu "${NESTED_CPU:-max,svm=on}" -smp "${NESTED_SMP:-2}" -m 2048 \
+    -accel "tcg,${NESTED_ACCEL:-thread=multi}" -cpu "${NESTED_CPU:-max,svm=on}" -smp "${NESTED_SMP:-2}" -m 2048 \
     -machine q35 -nographic -no-reboot -nodefaults -serial stdio \
     -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/${NESTED_INITRD:-l1.cpio.gz}" \
     -append "console=ttyS0 panic=-1 quiet loglevel=3 scenario=$SCENARIO ${NESTED_APPEND:-}"
