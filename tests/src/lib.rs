@@ -467,6 +467,17 @@ impl Mediator {
         pid
     }
 
+    /// The process that holds `tenant`'s state on `device`: its executor
+    /// under process isolation, else the device's worker.
+    pub fn serving_pid(&self, device: &str, tenant: &str) -> u32 {
+        let d = self.device(device);
+        if d["isolation"] != "process" {
+            return self.worker_pid(device);
+        }
+        let pid = d["executors"].as_array().and_then(|v| v.iter().find(|e| e["tenant"] == tenant)).and_then(|e| e["pid"].as_u64());
+        pid.unwrap_or_else(|| panic!("no executor for tenant {tenant} on {device}: {d}")) as u32
+    }
+
     /// Creates a tenant from a full description; returns its record.
     pub fn tenant_with(&self, spec: Value) -> Value {
         let (st, v) = self.api("POST", "/tenants", Some(spec.clone()));
@@ -700,6 +711,17 @@ pub mod shares {
             t.join().expect("thread");
         }
         Window { used: before.iter().zip(&after).map(|(b, a)| (a - b) as f64).collect(), wall, lanes: 0 }
+    }
+
+    /// Weights 1:3, then 1:1:2:4, saturating `m`'s device: each share
+    /// within `tol` of its weight's.
+    pub fn assert_weights_hold(m: &Mediator, tol: f64) {
+        let (got, _) = measure(m, "w", &[1, 3], 1.5, 20_000);
+        assert!((got[0] - 0.25).abs() < tol && (got[1] - 0.75).abs() < tol, "1:3 gave {got:?}");
+        let (got, _) = measure(m, "v", &[1, 1, 2, 4], 1.5, 20_000);
+        for (g, want) in got.iter().zip([0.125, 0.125, 0.25, 0.5]) {
+            assert!((g - want).abs() < tol, "1:1:2:4 gave {got:?}");
+        }
     }
 
     /// Tenants `TAG0..` with `weights`: each one's share of the device time

@@ -105,7 +105,10 @@ fn attacks_in_a_loop_never_disturb_another_tenant_or_grow_the_worker() {
     let evil = std::path::PathBuf::from(evil["socket"].as_str().expect("socket"));
     let good = m.tenant("good", "64MiB");
     samples();
-    let pid = m.worker_pid("cpu0");
+    // The attacked process: the attacker's executor (the worker under
+    // shared isolation).
+    let pid = m.serving_pid("cpu0", "evil");
+    let good_pid = m.serving_pid("cpu0", "good");
     // The steady state of the victim is part of the baseline.
     assert!(run_ok(sample("reduction", &good)).contains("PASSED"));
     let base = proc_stats(pid);
@@ -147,7 +150,8 @@ fn attacks_in_a_loop_never_disturb_another_tenant_or_grow_the_worker() {
     victim.join().expect("the victim's samples failed during the attacks");
     let d = m.device("cpu0");
     assert_eq!(d["worker_restarts"], 0, "the worker restarted");
-    assert_eq!(m.worker_pid("cpu0"), pid);
+    assert_eq!(m.serving_pid("cpu0", "evil"), pid, "the attacker's executor was replaced");
+    assert_eq!(m.serving_pid("cpu0", "good"), good_pid, "the victim's executor was replaced");
     let (rounds, passes) = (rounds.load(Ordering::Relaxed), passes.load(Ordering::Relaxed));
     assert!(rounds >= 1 && passes >= 3, "{rounds} attack rounds, {passes} victim passes");
     // The bound: no thread at all per connection (a fixed pool serves

@@ -18,7 +18,14 @@ fn a_running_worker_is_unprivileged_and_every_thread_is_under_seccomp() {
     // A live connection, so its thread (with its own, narrower list) exists.
     let mut r = Raw::connect(&sock);
     assert!(r.ping());
-    let pid = m.worker_pid("cpu0");
+    // The process holding the tenant's state (its executor), and the
+    // device's arbiter, are each confined the same way.
+    for pid in [m.serving_pid("cpu0", "conf"), m.worker_pid("cpu0")] {
+        confined(pid);
+    }
+}
+
+fn confined(pid: u32) {
     let st = proc_stats(pid);
     assert_ne!(st.uid, 0, "the worker runs as root");
     assert_eq!(st.seccomp, 2, "the worker is not under a seccomp filter");
@@ -161,7 +168,7 @@ fn kernels_run_below_the_worker_s_control_threads_which_stay_at_nice_0() {
     let log_path = std::env::temp_dir().join(format!("vgpu-nice-{}.log", std::process::id()));
     let m = Mediator::start_logging(&["--compute-nice", "12"], &log_path);
     let sock = m.tenant("nice", "16MiB");
-    let pid = m.worker_pid("cpu0");
+    let pid = m.serving_pid("cpu0", "nice");
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     if log.contains("kernels run at the control threads' priority") {
         eprintln!("SKIP: this host lets no worker thread return to nice 0 (no CAP_SYS_RESOURCE to raise RLIMIT_NICE, no CAP_SYS_NICE to keep); compute nice is off here: {log}");

@@ -26,7 +26,7 @@ fn pools_admit_by_allow_list_place_by_policy_and_prefer_the_tenants_numa_node() 
     fake_numa_host(&root, 2);
     let config = root.join("pools.toml");
     std::fs::write(&config, "[[pools]]\nname = \"gold\"\ndevices = [\"cpu0\", \"cpu1\"]\naccess = \"private\"\nallow = [\"alice\", \"alice2\", \"carol\"]\nplacement = \"pack\"\n").unwrap();
-    let m = Mediator::start_on_topology(&["--cpu-devices", "5", "--device-memory", "64MiB", "--lanes", "1", "--spill", "64MiB", "--config", config.to_str().unwrap()], &root);
+    let m = Mediator::start_on_topology(&["--isolation", "shared", "--cpu-devices", "5", "--device-memory", "64MiB", "--lanes", "1", "--spill", "64MiB", "--config", config.to_str().unwrap()], &root);
 
     // CPU devices alternate between the two fake nodes.
     let (_, devs) = m.api("GET", "/devices", None);
@@ -172,7 +172,7 @@ fn words(b: &[u8]) -> Vec<u32> {
 
 #[test]
 fn overcommitted_tenants_spill_to_host_ram_get_their_data_back_and_see_oom_past_the_budget() {
-    let m = Mediator::start(&["--cpu-devices", "1", "--device-memory", "64MiB", "--spill", "32MiB", "--overcommit", "2", "--lanes", "1"]);
+    let m = Mediator::start(&["--isolation", "shared", "--cpu-devices", "1", "--device-memory", "64MiB", "--spill", "32MiB", "--overcommit", "2", "--lanes", "1"]);
     // Quotas add up to twice the device's memory.
     let (sa, sb) = (m.tenant("a", "64MiB"), m.tenant("b", "64MiB"));
     refused(&m, json!({"name": "c", "memory": "1MiB"}), 507, "no device in pool default has");
@@ -243,7 +243,7 @@ fn overcommitted_tenants_spill_to_host_ram_get_their_data_back_and_see_oom_past_
 /// tenant now has its own address window, mapped onto any free granules.
 #[test]
 fn a_neighbours_small_allocation_cannot_fragment_a_fully_backed_quota_away() {
-    let m = Mediator::start(&["--cpu-devices", "1", "--device-memory", "64MiB", "--spill", "64MiB", "--overcommit", "2", "--lanes", "1"]);
+    let m = Mediator::start(&["--isolation", "shared", "--cpu-devices", "1", "--device-memory", "64MiB", "--spill", "64MiB", "--overcommit", "2", "--lanes", "1"]);
     let (sa, sb) = (m.tenant("a", "64MiB"), m.tenant("b", "64MiB"));
     let (mut a, mut b) = (Client::new(&sa), Client::new(&sb));
     // b fills device memory but one granule; a's 512 bytes go right after,

@@ -99,7 +99,10 @@ fn process_and_vm_tenant_sockets_cannot_collide() {
 #[test]
 fn a_vm_tenant_socket_keeps_its_owner_across_vmm_connections_and_its_threads_end_on_deletion() {
     use std::os::unix::fs::MetadataExt;
-    let m = Mediator::start(&[]);
+    // Shared isolation: the tenant's threads live in the device's worker,
+    // which stays; under process isolation the executor goes whole
+    // (executors.rs).
+    let m = Mediator::start(&["--isolation", "shared"]);
     let pid = m.worker_pid("cpu0");
     let base = proc_stats(pid).threads;
     let (st, v) = m.api("POST", "/tenants", Some(json!({ "name": "vm1", "memory": "16MiB", "kind": "vm", "owner": "4242:4242" })));

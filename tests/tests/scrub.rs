@@ -12,7 +12,7 @@ fn ptr_of(out: &str) -> String {
 
 #[test]
 fn fresh_allocation_never_shows_another_tenants_bytes() {
-    let m = Mediator::start(&["--device-memory", "8MiB", "--overcommit", "2"]);
+    let m = Mediator::start(&["--isolation", "shared", "--device-memory", "8MiB", "--overcommit", "2"]);
     let a = m.tenant("writer", "8MiB");
     let b = m.tenant("reader", "8MiB");
     let size = (8u64 << 20).to_string();
@@ -31,7 +31,7 @@ fn fresh_allocation_never_shows_another_tenants_bytes() {
 
 #[test]
 fn memory_left_allocated_at_exit_is_reclaimed_and_scrubbed() {
-    let m = Mediator::start(&["--device-memory", "1MiB", "--overcommit", "2"]);
+    let m = Mediator::start(&["--isolation", "shared", "--device-memory", "1MiB", "--overcommit", "2"]);
     let a = m.tenant("leaky", "1MiB");
     let b = m.tenant("next", "1MiB");
     // "hold" exits without freeing once stdin closes: the worker reclaims.

@@ -15,7 +15,7 @@ use virtio_gpu_compute::*;
 fn fds_attached_to_messages_are_closed_not_leaked() {
     let m = Mediator::start(&[]);
     let sock = m.tenant("fds", "16MiB");
-    let pid = m.worker_pid("cpu0");
+    let pid = m.serving_pid("cpu0", "fds");
     let mut r = Raw::connect(&sock);
     assert!(r.ping());
     let before = proc_stats(pid).fds;
@@ -57,7 +57,7 @@ fn accept_errors_back_off_instead_of_spinning_and_service_resumes() {
     let m = Mediator::start_limited(&[], 48);
     let evil = m.tenant_with(json!({ "name": "evil", "memory": "16MiB", "max_connections": 1000, "host_memory": "1GiB" }));
     let good = m.tenant("good", "16MiB");
-    let pid = m.worker_pid("cpu0");
+    let pid = m.serving_pid("cpu0", "evil");
     let sock = std::path::PathBuf::from(evil["socket"].as_str().expect("socket"));
     let mut held = Vec::new();
     for _ in 0..60 {
@@ -249,7 +249,7 @@ fn connections_cost_no_threads_and_a_stalled_reader_does_not_block_others() {
     let v = m.tenant_with(json!({ "name": "many", "memory": "64MiB", "max_connections": 200 }));
     let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
     let good = m.tenant("other", "16MiB");
-    let pid = m.worker_pid("cpu0");
+    let pid = m.serving_pid("cpu0", "many");
     let base = proc_stats(pid).threads;
     let mut open: Vec<Raw> = (0..150).map(|_| Raw::connect(&sock)).collect();
     for r in open.iter_mut() {

@@ -241,11 +241,49 @@ pub struct DevicesConfig {
     /// cores also run other work.
     #[serde(default = "yes")]
     pub pin_lanes: bool,
+    /// Isolation of tenants on a CPU device: "process" gives each tenant
+    /// an executor process of its own under a uid of its own, scheduled
+    /// by the device's arbiter; "shared" serves every tenant of the device
+    /// in one worker process (docs/architecture.md).
+    #[serde(default)]
+    pub isolation: Isolation,
+    /// The uids tenant executors run as, "FIRST-LAST", one per live
+    /// executor (used when the daemon runs as root).
+    #[serde(default = "default_executor_uids")]
+    pub executor_uids: String,
     /// PCI devices (GPUs above all) lent whole to managed VMs from their
     /// pools and scrubbed on return (docs/passthrough.md). A GPU listed
     /// here gets no worker.
     #[serde(default)]
     pub passthrough: Vec<crate::control::passthrough::PassthroughConfig>,
+}
+
+/// How tenants sharing a device are kept apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// One worker process holds every tenant of the device.
+    #[default]
+    Shared,
+    /// One executor process per tenant, and the device's arbiter.
+    Process,
+}
+
+fn default_executor_uids() -> String {
+    let (first, count) = crate::control::executors::DEFAULT_UIDS;
+    format!("{first}-{}", first + (count - 1))
+}
+
+/// Parses "FIRST-LAST" into (first, count); no uid below 65536 (those are
+/// users'), and not 2^32-1 (the "no uid" value).
+pub fn parse_uid_range(s: &str) -> Result<(u32, u32), String> {
+    let (a, b) = s.split_once('-').ok_or_else(|| format!("uid range {s:?}: expected FIRST-LAST"))?;
+    let first: u32 = a.trim().parse().map_err(|_| format!("uid range {s:?}: {a:?} is not a uid"))?;
+    let last: u32 = b.trim().parse().map_err(|_| format!("uid range {s:?}: {b:?} is not a uid"))?;
+    if first < 65_536 || last < first || last == u32::MAX {
+        return Err(format!("uid range {s:?}: must lie within 65536-4294967294, first before last"));
+    }
+    Ok((first, last - first + 1))
 }
 
 fn default_compute_nice() -> i32 {
@@ -390,6 +428,8 @@ impl Default for DevicesConfig {
             spill: Size(0),
             compute_nice: default_compute_nice(),
             pin_lanes: true,
+            isolation: Isolation::Shared,
+            executor_uids: default_executor_uids(),
             passthrough: Vec::new(),
         }
     }

@@ -1,6 +1,7 @@
 //! vgpu-mediatord: the control plane, device workers, scheduler, scrubber
 //! and backends of the vGPU stack.
 
+pub mod arbiter;
 pub mod backend;
 pub mod config;
 pub mod control;
@@ -8,6 +9,7 @@ pub mod gpu;
 pub mod ipc;
 pub mod nice;
 pub mod placement;
+pub mod grant;
 pub mod sched;
 pub use virtio_gpu_compute::size;
 pub mod worker;

@@ -54,6 +54,10 @@ struct Cli {
     /// (overrides devices.pin_lanes).
     #[arg(long)]
     pin_lanes: Option<bool>,
+    /// How tenants on a CPU device are kept apart: process (an executor
+    /// process per tenant) or shared (overrides devices.isolation).
+    #[arg(long, value_enum)]
+    isolation: Option<vgpu_mediator::config::Isolation>,
     /// Compute capability the CPU devices report and accept PTX for
     /// (7.0 to 12.1; default 8.0).
     #[arg(long)]
@@ -136,6 +140,18 @@ enum Cmd {
         /// Pin each lane's kernels to a core of its own.
         #[arg(long)]
         pin_lanes: bool,
+        /// Be the device's arbiter: its scheduler, no tenant's state.
+        #[arg(long)]
+        arbiter: bool,
+        /// Be a tenant's executor, granted lanes over this descriptor.
+        #[arg(long)]
+        grant_fd: Option<i32>,
+        /// The executor's tenant socket, bound by the control plane.
+        #[arg(long, requires = "grant_fd")]
+        listen_fd: Option<i32>,
+        /// The executor's tenant's address window on a CPU device.
+        #[arg(long, default_value_t = 0)]
+        window: u64,
     },
     /// Internal: installs a device worker's seccomp allow-list, then makes
     /// the named syscall (`getpid`, allowed, or `socket-inet`, `execve`,
@@ -189,10 +205,10 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, compute_capability, user, seccomp, connection_threads, compute_nice, pin_lanes }) => {
+        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, compute_capability, user, seccomp, connection_threads, compute_nice, pin_lanes, arbiter, grant_fd, listen_fd, window }) => {
             let cc = config::parse_compute_capability(&compute_capability).map_err(anyhow::Error::msg)?;
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, cc, user, seccomp, connection_threads, compute_nice, pin_lanes });
+            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, cc, user, seccomp, connection_threads, compute_nice, pin_lanes, arbiter, grant_fd, listen_fd, window });
         }
         Some(Cmd::SeccompCheck { syscall, connection, keep_nice }) => {
             worker::confine::no_new_privs()?;
@@ -243,6 +259,9 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(sp) = cli.spill {
         cfg.devices.spill = sp;
+    }
+    if let Some(i) = cli.isolation {
+        cfg.devices.isolation = i;
     }
     if let Some(p) = cli.pin_lanes {
         cfg.devices.pin_lanes = p;
@@ -314,6 +333,7 @@ fn run() -> anyhow::Result<()> {
             spill: cfg.devices.spill.0,
             compute_nice: 0,
             pin_lanes: false,
+            executors: cfg.devices.isolation == vgpu_mediator::config::Isolation::Process,
             name: format!("cpu{i}"),
             ordinal: i,
             memory: cfg.devices.memory.0,
@@ -336,7 +356,13 @@ fn run() -> anyhow::Result<()> {
         d.pin_lanes = d.cuda.is_none() && cfg.devices.pin_lanes;
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
-    let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit);
+    if cfg.devices.isolation == config::Isolation::Process && cfg.devices.cpu > 0 {
+        // Device memory is brokered between executors only per tenant so
+        // far: no device-wide backing to overcommit or spill from.
+        anyhow::ensure!(cfg.devices.spill.0 == 0 && cfg.devices.overcommit <= 1.0, "devices.isolation = \"process\" does not support memory overcommit or spill yet (devices.overcommit {}, devices.spill {}); use isolation \"shared\" for those", cfg.devices.overcommit, cfg.devices.spill);
+    }
+    let exec_uids = config::parse_uid_range(&cfg.devices.executor_uids).map_err(|e| anyhow::anyhow!("devices.executor_uids: {e}"))?;
+    let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit, Some(exec_uids));
     let state_dir = cli.state_dir.or(cfg.vms.state_dir.clone()).unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu") } else { run_dir.join("state") });
     let pass =
         Passthrough::new(&cfg.devices.passthrough, vgpu_topology::sysfs_root(), &state_dir, Arc::new(passthrough::sysfs_write), passthrough::gpu_scrubber(exe.clone())).map_err(anyhow::Error::msg)?;
@@ -458,6 +484,7 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             spill: 0,
             compute_nice: 0,
             pin_lanes: false,
+            executors: false,
         });
     }
     if out.is_empty() {

@@ -376,6 +376,7 @@ impl Policy for WeightedFair {
 }
 
 /// The device's lanes and the queue of work waiting for one.
+#[derive(Clone)]
 pub struct Scheduler(Arc<Shared>);
 
 struct Shared {
@@ -494,10 +495,25 @@ impl Shared {
     }
 }
 
+/// Work that runs in another process (a tenant's executor) and holds its
+/// lane through a proxy in this one (the device's arbiter): before the
+/// scheduler gives the lane away it asks the work to stop, and when the
+/// work has a lane again it tells it which.
+pub trait PauseHook: Send + Sync {
+    /// Asks the work to stop at its next checkpoint and waits until it has.
+    /// False: it did not stop (it ended meanwhile, or did not answer in
+    /// time) and keeps its lane.
+    fn pause(&self) -> bool;
+    /// The work holds `lane` again and may go on.
+    fn resume(&self, lane: usize);
+}
+
 /// Work holding a lane. Made by [`Scheduler::run`], reachable from the code
 /// it runs through [`with_current`].
 pub struct Running {
     s: Arc<Shared>,
+    /// Set for work that runs elsewhere ([`Scheduler::run_for`]).
+    hook: Option<Arc<dyn PauseHook>>,
     tenant: String,
     base: Instant,
     /// ns since `base` up to which the work has been charged.
@@ -608,10 +624,11 @@ impl Drop for Current {
 }
 
 impl Running {
-    fn new(s: Arc<Shared>, tenant: &str, lane: usize) -> Running {
+    fn new(s: Arc<Shared>, tenant: &str, lane: usize, hook: Option<Arc<dyn PauseHook>>) -> Running {
         let seen = AtomicU64::new(s.arrivals.load(Ordering::Acquire));
         Running {
             s,
+            hook,
             tenant: tenant.to_string(),
             base: Instant::now(),
             charged_to: AtomicU64::new(0),
@@ -701,17 +718,27 @@ impl Running {
         if g.queue.is_empty() && !throttled {
             return;
         }
-        let ticket = s.enqueue_quiet(&mut g, &self.tenant);
+        let mut ticket = s.enqueue_quiet(&mut g, &self.tenant);
         let stay = match s.policy.pick(&g.queue) {
             // A policy's index out of range keeps the running work going.
             Pick::Run(i) => g.queue.get(i).is_none_or(|w| w.ticket == ticket || (!throttled && (w.tenant == self.tenant || (turn < QUANTUM && !s.policy.urgent(&w.tenant, &self.tenant))))),
             Pick::Wait(_) => false,
         };
+        if let Some(i) = g.queue.iter().position(|w| w.ticket == ticket).filter(|_| stay || self.hook.is_some()) {
+            s.dequeue(&mut g, i);
+        }
         if stay {
-            if let Some(i) = g.queue.iter().position(|w| w.ticket == ticket) {
-                s.dequeue(&mut g, i);
-            }
             return;
+        }
+        if let Some(h) = &self.hook {
+            // Work elsewhere stops before its lane is given away; no lock
+            // is held while the other process answers.
+            drop(g);
+            if !h.pause() {
+                return;
+            }
+            g = lock(&s.inner);
+            ticket = s.enqueue_quiet(&mut g, &self.tenant);
         }
         // Give the lane away; this work's entry waits in the queue.
         *d = true;
@@ -726,7 +753,10 @@ impl Running {
         let (g, lane) = s.wait_turn(g, ticket);
         drop(g);
         self.lane.store(lane, Ordering::Relaxed);
-        crate::placement::resumed(lane);
+        match &self.hook {
+            Some(h) => h.resume(lane),
+            None => crate::placement::resumed(lane),
+        }
         let back = Instant::now();
         self.paused_ns.fetch_add(back.duration_since(stopped).as_nanos() as u64, Ordering::Relaxed);
         let at = self.since_base(back);
@@ -815,7 +845,7 @@ impl Scheduler {
     /// time it used (time spent preempted excluded).
     pub fn run<T>(&self, tenant: &str, f: impl FnOnce() -> T) -> (T, Duration) {
         let lane = self.0.acquire(tenant);
-        let r = Running::new(self.0.clone(), tenant, lane);
+        let r = Running::new(self.0.clone(), tenant, lane, None);
         let out = {
             let _cur = Current::set(&r);
             // On the lane's core, below the worker's control threads, while
@@ -826,6 +856,22 @@ impl Scheduler {
         };
         let dt = r.finish();
         (out, dt)
+    }
+
+    /// Holds a lane for work that runs in another process: `f` is called
+    /// with the lane once it is granted and returns when the work has
+    /// ended. While `f` runs, the lane is preempted through `hook` (`f`
+    /// calls [`Running::checkpoint`] on the work's behalf, through
+    /// [`with_current`]). The calling thread is neither pinned nor lowered:
+    /// it only waits. Returns the lane time charged.
+    pub fn run_for(&self, tenant: &str, hook: Arc<dyn PauseHook>, f: impl FnOnce(usize)) -> Duration {
+        let lane = self.0.acquire(tenant);
+        let r = Running::new(self.0.clone(), tenant, lane, Some(hook));
+        {
+            let _cur = Current::set(&r);
+            f(lane);
+        }
+        r.finish()
     }
 
     /// Sets (or changes) a tenant's weight, cap and class.

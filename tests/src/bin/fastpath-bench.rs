@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use ::cuda::api as cu;
 use ::cuda::client::Client;
-use vgpu_tests::Mediator;
+use vgpu_tests::{Mediator, Raw};
 use virtio_gpu_compute::*;
 
 const NOP: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry nop()\n{\n    ret;\n}\n";
@@ -250,9 +250,34 @@ unsafe fn copy_loop(secs: f64) {
     }
 }
 
+/// Tenant creation (POST /tenants) to the first answered call on its
+/// socket, `n` times (each tenant deleted after): median and worst, ms.
+fn tenant_to_first_call(m: &Mediator, n: usize) -> (f64, f64) {
+    let mut t: Vec<f64> = (0..n)
+        .map(|i| {
+            let name = format!("first{i}");
+            let s = Instant::now();
+            let sock = m.tenant(&name, "16MiB");
+            let mut r = Raw::connect(&sock);
+            assert!(r.ping(), "the new tenant's first call failed");
+            let dt = s.elapsed().as_secs_f64() * 1e3;
+            let (st, _) = m.api("DELETE", &format!("/tenants/{name}"), None);
+            assert!(st == 204 || st == 202, "deleting {name}: {st}");
+            dt
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    (t[t.len() / 2], t[t.len() - 1])
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let m = Mediator::start(&["--device-memory", "1GiB"]);
+    // --isolation process|shared: how the mediator keeps tenants apart.
+    let isolation = std::env::args().skip_while(|a| a != "--isolation").nth(1).unwrap_or_else(|| "shared".into());
+    let m = Mediator::start(&["--device-memory", "1GiB", "--isolation", &isolation]);
+    println!("isolation={isolation}");
+    let (first_med, first_worst) = tenant_to_first_call(&m, if quick { 10 } else { 40 });
+    println!("tenant_create_to_first_call_ms median={first_med:.1} worst={first_worst:.1}");
     let sock = m.tenant("bench", "768MiB");
     let sock_s = sock.to_str().expect("utf8").to_string();
     let n = if quick { 2_000 } else { 20_000 };

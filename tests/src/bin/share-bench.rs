@@ -93,7 +93,10 @@ fn main() {
     }
     let n = if quick { 100 } else { 400 };
     // The device's lanes (one per host core) are what the tenants share.
-    let m = Mediator::start(&["--device-memory", "512MiB"]);
+    // --isolation process|shared: how the mediator keeps tenants apart.
+    let isolation = std::env::args().skip_while(|a| a != "--isolation").nth(1).unwrap_or_else(|| "shared".into());
+    println!("isolation={isolation}");
+    let m = Mediator::start(&["--device-memory", "512MiB", "--isolation", &isolation]);
     if !std::env::args().any(|a| a == "--latency-only") {
         weights(&m, "a", &[1, 1, 2, 4], secs);
         weights(&m, "b", &[1, 3], secs);
@@ -101,6 +104,6 @@ fn main() {
     }
     latency(&m, n, "kernels at the default compute nice (10)");
     drop(m);
-    let off = Mediator::start(&["--device-memory", "512MiB", "--compute-nice", "0"]);
+    let off = Mediator::start(&["--device-memory", "512MiB", "--compute-nice", "0", "--isolation", &isolation]);
     latency(&off, n, "compute nice off (kernels at the control threads' priority)");
 }

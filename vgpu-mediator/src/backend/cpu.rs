@@ -450,6 +450,15 @@ impl Windows {
         Some(idx)
     }
 
+    /// The next tenant to arrive gets window `first` (modulo the count):
+    /// tenants in different processes (executors) get different addresses,
+    /// so a pointer of one is no address of another's.
+    fn start_at(&mut self, first: u64) {
+        if self.live.is_empty() {
+            self.next = first % self.count;
+        }
+    }
+
     fn close(&mut self, slot: TenantSlot) {
         if let Some(idx) = self.by_slot.remove(&slot) {
             if let Some(w) = self.live.get_mut(&idx) {
@@ -725,6 +734,13 @@ impl CpuBackend {
 
     fn placement(&self) -> std::sync::MutexGuard<'_, Placement> {
         self.place.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The first tenant's address window (a tenant's executor is told a
+    /// window no other live tenant of the device has).
+    pub fn with_first_window(self, first: u64) -> CpuBackend {
+        self.placement().windows.start_at(first);
+        self
     }
 
     /// Runs each launch's blocks on up to `n` host threads (rayon's pool).
@@ -1046,7 +1062,7 @@ impl Backend for CpuBackend {
         let cfg = ptx::LaunchConfig { grid: l.grid, block: l.block, dynamic_shared: l.shared_bytes };
         // Under the device scheduler, the launch may be stopped between its
         // slices for other tenants' work.
-        let run = crate::sched::with_current(|cur| ptx::launch(k, &cfg, params, &mut view, &ptx::Limits { preempt: cur.map(|r| r as &dyn ptx::Preempt), ..limits }));
+        let run = crate::grant::with_preempt(|cur| ptx::launch(k, &cfg, params, &mut view, &ptx::Limits { preempt: cur, ..limits }));
         match run {
             Ok(stats) => Ok(stats.instructions),
             Err(e) => {

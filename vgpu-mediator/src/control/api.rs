@@ -112,6 +112,21 @@ struct DeviceView {
     /// Bytes of allocations spilled to host RAM, and the spill budget.
     memory_spilled: u64,
     spill_budget: u64,
+    /// How the device's tenants are kept apart: "process" (an executor
+    /// each; `worker_pid` is the device's arbiter) or "shared".
+    isolation: &'static str,
+    /// With process isolation: each tenant's executor (none otherwise).
+    executors: Vec<ExecutorView>,
+}
+
+/// A tenant's executor process.
+#[derive(Serialize)]
+struct ExecutorView {
+    tenant: String,
+    pid: u32,
+    /// The uid it runs as (absent: the daemon's workers').
+    #[serde(skip_serializing_if = "Option::is_none")]
+    uid: Option<u32>,
 }
 
 fn device_views(c: &Control) -> Vec<DeviceView> {
@@ -144,6 +159,8 @@ fn device_views(c: &Control) -> Vec<DeviceView> {
                 memory_capacity: pool.map(|p| p.capacity(s.spec.memory)).unwrap_or(s.spec.memory),
                 memory_spilled: st.as_ref().map(|d| d.spilled).unwrap_or(0),
                 spill_budget: s.spec.spill,
+                isolation: if s.spec.executors { "process" } else { "shared" },
+                executors: s.executors().into_iter().map(|(tenant, pid, uid)| ExecutorView { tenant, pid, uid }).collect(),
             }
         })
         .collect()

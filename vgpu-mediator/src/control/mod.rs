@@ -3,6 +3,7 @@
 //! registry the REST API serves.
 
 pub mod api;
+pub mod executors;
 pub mod meter;
 pub mod passthrough;
 pub mod pool;
@@ -83,6 +84,9 @@ pub struct DeviceSpec {
     pub compute_nice: i32,
     /// Whether the worker pins each lane to a core (CPU devices).
     pub pin_lanes: bool,
+    /// Each tenant on the device gets an executor process of its own, and
+    /// the device's worker becomes its arbiter (control/executors.rs).
+    pub executors: bool,
 }
 
 /// How a `cuda` worker finds its device.
@@ -107,14 +111,33 @@ impl DeviceSpec {
 /// reader thread hands each reply to the call waiting for that id and
 /// each event (id 0) to the control plane.
 struct WorkerLink {
-    stdin: Mutex<ChildStdin>,
+    /// None once closed: the process reads EOF and ends.
+    stdin: Mutex<Option<ChildStdin>>,
     pending: Mutex<HashMap<u64, mpsc::Sender<WorkerMsg>>>,
     next: AtomicU64,
 }
 
+impl WorkerLink {
+    fn new(stdin: ChildStdin) -> WorkerLink {
+        WorkerLink { stdin: Mutex::new(Some(stdin)), pending: Mutex::new(HashMap::new()), next: AtomicU64::new(0) }
+    }
+
+    /// Closes the process's stdin: it finishes what it does and ends.
+    fn close(&self) {
+        self.stdin.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+}
+
 pub struct DeviceSlot {
     pub spec: DeviceSpec,
+    /// The device's worker, or with executors its arbiter.
     link: Mutex<Option<Arc<WorkerLink>>>,
+    /// With executors: the arbiter's intake for grant channels.
+    intake: Mutex<Option<std::os::unix::net::UnixDatagram>>,
+    /// With executors: each tenant's executor.
+    execs: Mutex<HashMap<String, Arc<executors::Exec>>>,
+    /// With executors: the address windows live executors hold.
+    windows: Mutex<std::collections::BTreeSet<u64>>,
     pub pid: AtomicU32,
     pub restarts: AtomicU64,
     /// Bumped at every worker start: a tenant added to an older worker
@@ -124,7 +147,16 @@ pub struct DeviceSlot {
 
 impl DeviceSlot {
     fn call(&self, cmd: WorkerCmd, timeout: Duration) -> Result<WorkerMsg, ControlError> {
-        let link = self.link.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(|| ControlError::WorkerDown(self.spec.name.clone()))?;
+        let link = self.link.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        call_link(link.as_deref(), &self.spec.name, cmd, timeout)
+    }
+}
+
+/// Sends `cmd` to a worker, arbiter or executor (`who`, for errors) and
+/// waits up to `timeout` for its reply.
+fn call_link(link: Option<&WorkerLink>, who: &str, cmd: WorkerCmd, timeout: Duration) -> Result<WorkerMsg, ControlError> {
+    {
+        let link = link.ok_or_else(|| ControlError::WorkerDown(who.to_string()))?;
         let id = link.next.fetch_add(1, Ordering::Relaxed) + 1;
         let (tx, rx) = mpsc::channel();
         link.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
@@ -132,35 +164,42 @@ impl DeviceSlot {
         let deadline = Instant::now() + timeout;
         let sent = {
             let w = link.stdin.lock().unwrap_or_else(|e| e.into_inner());
-            write_before(&w, line.as_bytes(), deadline)
+            match w.as_ref() {
+                Some(w) => write_before(w, line.as_bytes(), deadline),
+                None => Err(std::io::ErrorKind::BrokenPipe.into()),
+            }
         };
         if let Err(e) = sent {
             link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             return Err(match e.kind() {
-                std::io::ErrorKind::TimedOut => ControlError::Timeout(self.spec.name.clone(), timeout),
-                _ => ControlError::WorkerDown(self.spec.name.clone()),
+                std::io::ErrorKind::TimedOut => ControlError::Timeout(who.to_string(), timeout),
+                _ => ControlError::WorkerDown(who.to_string()),
             });
         }
         match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             Ok(m) => Ok(m),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                Err(ControlError::Timeout(self.spec.name.clone(), timeout))
+                Err(ControlError::Timeout(who.to_string(), timeout))
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(ControlError::WorkerDown(self.spec.name.clone())),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(ControlError::WorkerDown(who.to_string())),
         }
     }
+}
 
+impl DeviceSlot {
     pub fn is_up(&self) -> bool {
         self.link.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
     /// The worker's statistics, or None if it is down or slow to answer.
+    /// With executors: the arbiter's, with each executor's tenant.
     pub fn stats(&self) -> Option<DeviceStats> {
-        match self.call(WorkerCmd::Stats, STATS_TIMEOUT) {
-            Ok(WorkerMsg::Stats(s)) => Some(s),
-            _ => None,
-        }
+        let s = match self.call(WorkerCmd::Stats, STATS_TIMEOUT) {
+            Ok(WorkerMsg::Stats(s)) => s,
+            _ => return None,
+        };
+        Some(if self.spec.executors { self.with_executors(s) } else { s })
     }
 }
 
@@ -248,6 +287,8 @@ pub struct TenantDefaults {
 }
 
 pub struct Control {
+    /// Itself, for threads that outlive a call.
+    me: std::sync::Weak<Control>,
     pub run_dir: PathBuf,
     exe: PathBuf,
     pub devices: Vec<Arc<DeviceSlot>>,
@@ -258,6 +299,8 @@ pub struct Control {
     defaults: TenantDefaults,
     /// Credentials the workers drop to (None: they keep ours).
     worker_user: Option<Owner>,
+    /// The uids tenant executors run as, one each (when the daemon is root).
+    exec_uids: Option<executors::UidRange>,
     /// Usage metering, once the daemon set it up.
     pub meter: std::sync::OnceLock<Arc<meter::Meter>>,
     /// Held by `set_tenant`.
@@ -274,19 +317,32 @@ pub struct Control {
 }
 
 impl Control {
-    pub fn new(run_dir: &Path, exe: PathBuf, devices: Vec<DeviceSpec>, defaults: TenantDefaults, worker_user: Option<Owner>, default_overcommit: f64) -> Arc<Control> {
-        Arc::new(Control {
+    pub fn new(run_dir: &Path, exe: PathBuf, devices: Vec<DeviceSpec>, defaults: TenantDefaults, worker_user: Option<Owner>, default_overcommit: f64, exec_uids: Option<(u32, u32)>) -> Arc<Control> {
+        Arc::new_cyclic(|me| Control {
+            me: me.clone(),
             run_dir: run_dir.to_path_buf(),
             exe,
             devices: devices
                 .into_iter()
-                .map(|spec| Arc::new(DeviceSlot { spec, link: Mutex::new(None), pid: AtomicU32::new(0), restarts: AtomicU64::new(0), generation: AtomicU64::new(0) }))
+                .map(|spec| {
+                    Arc::new(DeviceSlot {
+                        spec,
+                        link: Mutex::new(None),
+                        intake: Mutex::new(None),
+                        execs: Mutex::new(HashMap::new()),
+                        windows: Mutex::new(std::collections::BTreeSet::new()),
+                        pid: AtomicU32::new(0),
+                        restarts: AtomicU64::new(0),
+                        generation: AtomicU64::new(0),
+                    })
+                })
                 .collect(),
             tenants: Mutex::new(BTreeMap::new()),
             removed: Condvar::new(),
             stopping: AtomicBool::new(false),
             defaults,
             worker_user,
+            exec_uids: exec_uids.map(|(first, count)| executors::UidRange::new(first, count)),
             meter: std::sync::OnceLock::new(),
             setting: Mutex::new(()),
             pools: Mutex::new(BTreeMap::new()),
@@ -350,6 +406,7 @@ impl Control {
     /// tenants.
     pub fn create_pool(&self, spec: &pool::PoolSpec) -> Result<pool::PoolSpec, ControlError> {
         spec.validate().map_err(ControlError::BadRequest)?;
+        self.overcommit_allowed(spec)?;
         let mut named = self.pool_map();
         if spec.name == pool::DEFAULT_POOL || named.contains_key(&spec.name) {
             return Err(ControlError::Conflict(format!("pool {} already exists", spec.name)));
@@ -398,6 +455,7 @@ impl Control {
             next.overcommit = o;
         }
         next.validate().map_err(ControlError::BadRequest)?;
+        self.overcommit_allowed(&next)?;
         let tenants = self.registry();
         for d in &next.devices {
             let (memory, reserved) = (self.slot(d).map(|s| s.spec.memory).unwrap_or(0), Self::reserved(&tenants, d));
@@ -426,6 +484,15 @@ impl Control {
         named.remove(name);
         info!(pool = %name, "pool deleted");
         Ok(())
+    }
+
+    /// Overcommit needs the device-wide memory that process isolation does
+    /// not broker yet.
+    fn overcommit_allowed(&self, spec: &pool::PoolSpec) -> Result<(), ControlError> {
+        match spec.devices.iter().find(|d| spec.overcommit > 1.0 && self.slot(d).is_some_and(|s| s.spec.executors)) {
+            Some(d) => Err(ControlError::BadRequest(format!("pool {}: device {d} isolates tenants in processes, which does not support overcommit yet", spec.name))),
+            None => Ok(()),
+        }
     }
 
     /// How placement sees `device` in `pool`.
@@ -459,8 +526,15 @@ impl Control {
 
     /// Starts `slot`'s worker and the thread that reads its replies.
     fn launch(self: &Arc<Self>, slot: &Arc<DeviceSlot>) -> std::io::Result<Child> {
-        let (child, stdin, stdout, pid) = spawn_worker(&self.exe, &slot.spec, self.worker_user)?;
-        let link = Arc::new(WorkerLink { stdin: Mutex::new(stdin), pending: Mutex::new(HashMap::new()), next: AtomicU64::new(0) });
+        let role = if slot.spec.executors {
+            let (ours, theirs) = std::os::unix::net::UnixDatagram::pair()?;
+            *slot.intake.lock().unwrap_or_else(|e| e.into_inner()) = Some(ours);
+            Role::Arbiter(theirs.into())
+        } else {
+            Role::Worker
+        };
+        let (child, stdin, stdout, pid) = spawn_worker(&self.exe, &slot.spec, self.worker_user, role)?;
+        let link = Arc::new(WorkerLink::new(stdin));
         let (me, l2, name) = (self.clone(), link.clone(), slot.spec.name.clone());
         std::thread::Builder::new().name(format!("replies-{name}")).spawn(move || me.read_replies(&name, stdout, &l2))?;
         slot.generation.fetch_add(1, Ordering::AcqRel);
@@ -470,6 +544,11 @@ impl Control {
     }
 
     fn read_replies(&self, device: &str, stdout: BufReader<ChildStdout>, link: &WorkerLink) {
+        self.read_replies_then(device, stdout, link, |_| {})
+    }
+
+    /// As `read_replies`, calling `removed` after a tenant's removal.
+    fn read_replies_then(&self, device: &str, stdout: BufReader<ChildStdout>, link: &WorkerLink, removed: impl Fn(&str)) {
         for line in stdout.lines() {
             let Ok(line) = line else { break };
             let m = match serde_json::from_str::<MsgLine>(&line) {
@@ -486,7 +565,10 @@ impl Control {
                 continue;
             }
             match m.msg {
-                WorkerMsg::Removed { name } => self.finish_delete(&name),
+                WorkerMsg::Removed { name } => {
+                    self.finish_delete(&name);
+                    removed(&name);
+                }
                 WorkerMsg::Err(e) => warn!(device, "worker: {e}"),
                 other => warn!(device, "unexpected worker event {other:?}"),
             }
@@ -727,7 +809,8 @@ impl Control {
         let (interim, after) = after;
         let share = crate::sched::Share { weight: after.weight, cap: after.cap, priority: after.priority };
         let quota = (after.memory != before.memory).then_some(after.memory);
-        match slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT) {
+        let call = if slot.spec.executors { slot.set_on_executor(name, share, quota) } else { slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT) };
+        match call {
             Ok(WorkerMsg::Ok) => self.replace_if(name, &interim, &after),
             // A worker that is down gets the new values when it re-adds
             // the tenant.
@@ -791,7 +874,7 @@ impl Control {
             }
         };
         if let Some(slot) = slot {
-            match slot.map(|s| s.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT)) {
+            match slot.map(|s| if s.spec.executors { s.remove_on_executor(name) } else { s.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT) }) {
                 Some(Ok(WorkerMsg::Ok)) | Some(Err(ControlError::Timeout(..))) => {}
                 // A worker that is down, or never had it, holds nothing.
                 _ => self.finish_delete(name),
@@ -822,7 +905,11 @@ impl Control {
         self.removed.notify_all();
     }
 
-    fn add_on_worker(&self, slot: &DeviceSlot, t: &TenantRecord) -> Result<(), ControlError> {
+    fn add_on_worker(&self, slot: &Arc<DeviceSlot>, t: &TenantRecord) -> Result<(), ControlError> {
+        if slot.spec.executors {
+            let me = self.me.upgrade().ok_or_else(|| ControlError::WorkerDown(slot.spec.name.clone()))?;
+            return me.start_executor(slot, t);
+        }
         match slot.call(WorkerCmd::AddTenant(t.cmd()), COMMAND_TIMEOUT)? {
             WorkerMsg::Ok => {}
             WorkerMsg::Err(e) => return Err(ControlError::Worker(e)),
@@ -858,7 +945,18 @@ fn write_before(w: &ChildStdin, mut buf: &[u8], deadline: Instant) -> std::io::R
     Ok(())
 }
 
-fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::Result<(Child, ChildStdin, BufReader<ChildStdout>, u32)> {
+/// What a process started by [`spawn_worker`] is to be.
+enum Role {
+    /// Every tenant of the device in one process.
+    Worker,
+    /// The device's arbiter, taking grant channels on this datagram socket.
+    Arbiter(std::os::fd::OwnedFd),
+    /// One tenant's executor: its grant channel, its listening socket and
+    /// its address window.
+    Executor { grant: std::os::fd::OwnedFd, listen: std::os::fd::OwnedFd, window: u64 },
+}
+
+fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) -> std::io::Result<(Child, ChildStdin, BufReader<ChildStdout>, u32)> {
     let mut cmd = Command::new(exe);
     cmd.arg("worker")
         .arg("--ordinal")
@@ -891,6 +989,47 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>) -> std::io::
     }
     if spec.pin_lanes {
         cmd.arg("--pin-lanes");
+    }
+    // Descriptors the child gets at fixed numbers (3, and 4), duplicated
+    // between fork and exec; ours stay close-on-exec.
+    let pass: Vec<std::os::fd::OwnedFd> = match role {
+        Role::Worker => Vec::new(),
+        Role::Arbiter(intake) => {
+            cmd.arg("--arbiter");
+            vec![intake]
+        }
+        Role::Executor { grant, listen, window } => {
+            cmd.args(["--grant-fd", "3", "--listen-fd", "4", "--window", &window.to_string()]);
+            vec![grant, listen]
+        }
+    };
+    if !pass.is_empty() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let raw: Vec<i32> = pass.iter().map(|f| f.as_raw_fd()).collect();
+        // SAFETY: between fork and exec the closure only calls fcntl and
+        // dup2, which are async-signal-safe, on descriptors this process
+        // owns (kept alive by `pass` until spawn returns).
+        unsafe {
+            cmd.pre_exec(move || {
+                // First out of the way of the targets, then into place.
+                // No allocation here: a fixed array (at most two).
+                let mut moved = [-1i32; 2];
+                for (i, &fd) in raw.iter().enumerate().take(2) {
+                    let m = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 16);
+                    if m < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    moved[i] = m;
+                }
+                for (i, &m) in moved.iter().take(raw.len()).enumerate() {
+                    if libc::dup2(m, 3 + i as i32) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
     }
     let mut child = cmd
         // A GPU worker sees exactly its GPU or MIG instance, as device 0,

@@ -22,7 +22,7 @@ const REPLY_GPA: u64 = 0x20_0000;
 
 fn service() -> Arc<DeviceService> {
     let backend = Arc::new(CpuBackend::new(0, 64 << 20, 100_000_000).unwrap());
-    Arc::new(DeviceService::new(0, backend, Scheduler::new(2, Arc::new(Fifo))))
+    Arc::new(DeviceService::new(0, backend, crate::grant::Lanes::Local(Scheduler::new(2, Arc::new(Fifo)))))
 }
 
 fn device_on(svc: &Arc<DeviceService>, name: &str, quota: u64) -> (GpuDevice, GuestMemoryMmap, Arc<Tenant>) {

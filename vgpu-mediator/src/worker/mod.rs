@@ -1,6 +1,11 @@
 //! A device worker process: owns one device, listens on its tenants'
 //! sockets and serves their compute messages. The control plane drives it
 //! over stdin/stdout ([`crate::ipc`]); when stdin closes, the worker exits.
+//!
+//! Run as a tenant's **executor** (`--grant-fd`), it serves exactly one
+//! tenant: its listening socket is handed over ready (`--listen-fd`), and
+//! it runs work only on lanes the device's arbiter grants
+//! ([`crate::grant`]). It leaves when the arbiter goes.
 
 pub mod confine;
 pub mod conn;
@@ -48,6 +53,15 @@ pub struct WorkerOptions {
     pub compute_nice: i32,
     /// Pin each lane to a core of its own (crate::placement).
     pub pin_lanes: bool,
+    /// Run as the device's arbiter ([`crate::arbiter`]) instead.
+    pub arbiter: bool,
+    /// An executor: its grant channel to the device's arbiter.
+    pub grant_fd: Option<i32>,
+    /// An executor: its tenant's listening socket, bound by the control
+    /// plane.
+    pub listen_fd: Option<i32>,
+    /// An executor: the address window its tenant gets (CPU devices).
+    pub window: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -63,7 +77,8 @@ fn open_backend(opts: &WorkerOptions, launch_threads: usize) -> anyhow::Result<A
                 .with_launch_timeout(std::time::Duration::from_millis(opts.launch_timeout_ms))
                 .with_compute_capability(opts.cc)
                 .with_launch_threads(launch_threads)
-                .with_spill(opts.spill)?,
+                .with_spill(opts.spill)?
+                .with_first_window(opts.window),
         )),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
@@ -139,6 +154,9 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     // A CPU device runs each launch's blocks on every core the worker may
     // use (its NUMA node's, once pinned).
     let launch_threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if opts.arbiter {
+        return arbiter(&opts);
+    }
     let backend = open_backend(&opts, launch_threads)?;
     let seccomp = opts.seccomp && opts.backend == BackendKind::Cpu;
     // Before privileges go: a thread's way back from a lowered nice value
@@ -147,6 +165,14 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     let nice_limit = if opts.compute_nice > 0 { crate::nice::raise_limit() } else { Ok(()) };
     if opts.backend == BackendKind::Cpu {
         anyhow::Context::context(crate::nice::fence_limits(), "capping RLIMIT_RTPRIO and RLIMIT_NICE")?;
+    }
+    if opts.grant_fd.is_some() && opts.user.is_some() {
+        // An executor has no network: a namespace of its own with only a
+        // loopback device that is down.
+        // SAFETY: unshare affects only this process.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            anyhow::bail!("unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
+        }
     }
     if let Some(u) = opts.user {
         let keep_nice = nice_limit.is_err() && seccomp;
@@ -184,7 +210,26 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         }
     }
     let fair = Arc::new(WeightedFair::new(opts.lanes));
-    let svc = Arc::new(DeviceService::new(opts.ordinal, backend, Scheduler::new(opts.lanes, fair.clone())));
+    let lanes = match opts.grant_fd {
+        Some(fd) => {
+            // SAFETY: the control plane passed this descriptor to us alone;
+            // nothing else in this process owns it.
+            let chan = crate::grant::Channel::from_fd(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) });
+            let grants = crate::grant::Grants::start(chan, opts.lanes)?;
+            let g2 = grants.clone();
+            std::thread::Builder::new().name("arbiter-watch".into()).spawn(move || {
+                while !g2.is_closed() {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                warn!("the device's arbiter is gone; this executor ends");
+                std::process::exit(0);
+            })?;
+            crate::grant::Lanes::Granted(grants)
+        }
+        None => crate::grant::Lanes::Local(Scheduler::new(opts.lanes, fair.clone())),
+    };
+    let executor = opts.grant_fd.is_some();
+    let svc = Arc::new(DeviceService::new(opts.ordinal, backend, lanes));
     // Rings and streams: engine threads for several tenants' launches to
     // wait at the scheduler at once, and one more so a ring is consumed
     // while every lane runs a kernel.
@@ -192,6 +237,8 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     let _ = svc.engine.set(engine.clone());
     let pool = conn::Pool::start(svc.clone(), engine.clone(), opts.connection_threads, seccomp)?;
     let mut listening: HashMap<String, Listening> = HashMap::new();
+    // SAFETY: as the grant channel: passed to this process alone.
+    let mut handed: Option<UnixListener> = opts.listen_fd.map(|fd| unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) });
     let out = Out(Arc::new(Mutex::new(std::io::stdout())));
     out.send(0, WorkerMsg::Ready { pid: std::process::id() })?;
     info!(ordinal = opts.ordinal, memory = opts.memory, "device worker ready");
@@ -214,7 +261,13 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
                 Err(e) => WorkerMsg::Err(e),
             },
             WorkerCmd::AddTenant(spec) => {
-                let r = if spec.vm { add_vm_tenant(&svc, &spec) } else { add_tenant(&svc, &pool, &spec) };
+                let r = if executor && (!listening.is_empty() || handed.is_none()) {
+                    Err("an executor serves one tenant, on the socket it was started with".to_string())
+                } else if spec.vm {
+                    add_vm_tenant(&svc, &spec, handed.take())
+                } else {
+                    add_tenant(&svc, &pool, &spec, handed.take())
+                };
                 match r {
                     Ok(l) => {
                         listening.insert(spec.name, l);
@@ -254,13 +307,42 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn add_tenant(svc: &Arc<DeviceService>, pool: &conn::Pool, spec: &TenantCmd) -> Result<Listening, String> {
-    let socket = &spec.socket;
-    // A stale socket from a previous worker of this device is replaced; it
-    // is created 0600 (umask) and the control plane sets its owner and mode.
+/// The tenant's listening socket: the one the control plane bound, or one
+/// bound here. A stale socket from a previous worker of this device is
+/// replaced; it is created 0600 (umask) and the control plane sets its
+/// owner and mode.
+fn listen(socket: &std::path::Path, handed: Option<UnixListener>) -> Result<UnixListener, String> {
+    if let Some(l) = handed {
+        return Ok(l);
+    }
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
+    Ok(listener)
+}
+
+/// The device's arbiter: what tenants are told of the device (for its
+/// statistics), then no device open, confined as a worker is.
+fn arbiter(opts: &WorkerOptions) -> anyhow::Result<()> {
+    anyhow::ensure!(opts.backend == BackendKind::Cpu, "tenant executors serve CPU devices only so far");
+    let (desc, budget) = {
+        let b = open_backend(opts, 1)?;
+        (b.desc().clone(), b.spill_usage().1)
+    };
+    if let Some(u) = opts.user {
+        confine::drop_privileges(u, false)?;
+    }
+    if opts.seccomp {
+        confine::no_new_privs()?;
+        seccomp::confine_worker(false)?;
+    }
+    info!(uid = opts.user.map(|u| u.uid), seccomp = opts.seccomp, "device arbiter confined");
+    crate::arbiter::run(opts.lanes, (desc.kind.to_string(), desc.name.clone(), service::uuid_text(&desc.uuid), desc.memory, budget))
+}
+
+fn add_tenant(svc: &Arc<DeviceService>, pool: &conn::Pool, spec: &TenantCmd, handed: Option<UnixListener>) -> Result<Listening, String> {
+    let socket = &spec.socket;
+    let listener = listen(socket, handed)?;
     let tenant = svc.add_tenant(&spec.name, spec.quota, spec.share(), spec.host_limit)?;
     let id = match pool.add_listener(tenant.clone(), listener, spec.max_connections.max(1)) {
         Ok(id) => id,
@@ -274,13 +356,11 @@ fn add_tenant(svc: &Arc<DeviceService>, pool: &conn::Pool, spec: &TenantCmd) -> 
 }
 
 /// A VM tenant: its vhost-user virtio-gpu backend serves `socket`.
-fn add_vm_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd) -> Result<Listening, String> {
+fn add_vm_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd, handed: Option<UnixListener>) -> Result<Listening, String> {
     let (name, socket) = (&spec.name, &spec.socket);
-    // Bound here, once: the socket keeps its inode (and so the owner the
-    // control plane gives it) across VMM connections.
-    let _ = std::fs::remove_file(socket);
-    let listener = UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", socket.display()))?;
+    // Bound once: the socket keeps its inode (and so the owner the control
+    // plane gives it) across VMM connections.
+    let listener = listen(socket, handed)?;
     let handle = listener.try_clone().map_err(|e| format!("cloning the listener: {e}"))?;
     let tenant = svc.add_tenant(name, spec.quota, spec.share(), spec.host_limit)?;
     let stop = Arc::new(AtomicBool::new(false));

@@ -14,7 +14,6 @@ use virtio_gpu_compute::*;
 use super::shm::Shm;
 use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, Launch, TenantSlot};
 use crate::ipc::{DeviceStats, TenantStats};
-use crate::sched::Scheduler;
 
 /// Host memory a tenant's objects keep in the worker (parsed modules,
 /// function tables, contexts, streams, events, allocation records,
@@ -391,14 +390,14 @@ pub struct DeviceService {
     pub backend: Arc<dyn Backend>,
     /// The stream engine serving command rings, once the worker started it.
     pub engine: std::sync::OnceLock<Arc<super::engine::Engine>>,
-    pub sched: Scheduler,
+    pub sched: crate::grant::Lanes,
     pub ordinal: u32,
     tenants: RwLock<HashMap<String, Arc<Tenant>>>,
     started: Instant,
 }
 
 impl DeviceService {
-    pub fn new(ordinal: u32, backend: Arc<dyn Backend>, sched: Scheduler) -> Self {
+    pub fn new(ordinal: u32, backend: Arc<dyn Backend>, sched: crate::grant::Lanes) -> Self {
         DeviceService { backend, engine: std::sync::OnceLock::new(), sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
     }
 
@@ -925,8 +924,8 @@ impl DeviceService {
         Ok(HostMem::Shm(shm.clone(), off))
     }
 
-    fn timed<T>(&self, t: &Tenant, f: impl FnOnce() -> T) -> T {
-        let (out, dt) = self.sched.run(&t.name, f);
+    fn timed<T>(&self, t: &Tenant, f: impl FnOnce() -> Result<T, BackendError>) -> Result<T, BackendError> {
+        let (out, dt) = self.sched.run(&t.name, f).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("no lane: {e}")))?;
         t.device_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
         out
     }

@@ -1,0 +1,286 @@
+//! Tenant executors: on a device that has them, each tenant's state lives
+//! in a process of its own, and the device's worker is its arbiter.
+//!
+//! For each tenant the control plane binds the tenant's socket, makes a
+//! grant channel, starts an executor (`vgpu-mediatord worker --grant-fd 3
+//! --listen-fd 4`) under a uid of its own, and hands the channel's other
+//! end to the arbiter. The executor serves that one tenant, and runs work
+//! only on lanes the arbiter grants. An executor that dies takes only its
+//! tenant's state with it: the tenant gets a fresh executor (its clients
+//! reconnect), every other tenant carries on. The arbiter's death ends its
+//! executors (their grant channels close); the device's supervisor starts
+//! a new arbiter and new executors.
+
+use std::collections::BTreeSet;
+use std::os::unix::net::UnixListener;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::{call_link, rundir, spawn_worker, Control, ControlError, DeviceSlot, Role, TenantPhase, TenantRecord, WorkerLink, COMMAND_TIMEOUT, STATS_TIMEOUT};
+use crate::config::Owner;
+use crate::ipc::{DeviceStats, WorkerCmd, WorkerMsg};
+
+/// One tenant's executor process.
+pub struct Exec {
+    pub tenant: String,
+    pub pid: u32,
+    /// The uid it runs as (None: it kept the daemon's).
+    pub uid: Option<u32>,
+    /// Its tenant's address window on the device: no other live
+    /// executor of the device has it.
+    window: u64,
+    link: Arc<WorkerLink>,
+    /// Set once it was reaped: its pid may not be signalled any more.
+    reaped: Mutex<bool>,
+    /// Replaced or retired on purpose: its exit is not a crash.
+    retired: AtomicBool,
+}
+
+impl Exec {
+    fn call(&self, cmd: WorkerCmd, timeout: Duration) -> Result<WorkerMsg, ControlError> {
+        call_link(Some(&self.link), &format!("executor of {}", self.tenant), cmd, timeout)
+    }
+
+    /// Ends the executor now (SIGKILL: a kernel it runs cannot hold it).
+    pub fn kill(&self) {
+        self.retired.store(true, Ordering::Release);
+        let reaped = self.reaped.lock().unwrap_or_else(|e| e.into_inner());
+        if !*reaped {
+            // SAFETY: kill sends a signal to our own child, which is not
+            // reaped yet (checked under the lock the reaper sets it under),
+            // so its pid cannot have been reused.
+            unsafe { libc::kill(self.pid as i32, libc::SIGKILL) };
+        }
+    }
+
+    /// Lets the executor end on its own: its stdin closes once the last
+    /// caller is done with its link.
+    fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        self.link.close();
+    }
+}
+
+/// The uids executors run as: a range of the host's that no user owns,
+/// given one per live executor.
+pub struct UidRange {
+    first: u32,
+    count: u32,
+    used: Mutex<BTreeSet<u32>>,
+}
+
+/// The default executor uid range (`devices.executor_uids`): above the
+/// ranges distributions give users and their subordinate ids by default,
+/// and below 2^31, which some tools print as negative.
+pub const DEFAULT_UIDS: (u32, u32) = (1_900_000_000, 65_536);
+
+impl UidRange {
+    pub fn new(first: u32, count: u32) -> UidRange {
+        UidRange { first, count, used: Mutex::new(BTreeSet::new()) }
+    }
+
+    fn take(&self) -> Option<u32> {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        let uid = (self.first..self.first.saturating_add(self.count)).find(|u| !used.contains(u))?;
+        used.insert(uid);
+        Some(uid)
+    }
+
+    fn put(&self, uid: u32) {
+        self.used.lock().unwrap_or_else(|e| e.into_inner()).remove(&uid);
+    }
+}
+
+impl DeviceSlot {
+    fn exec(&self, tenant: &str) -> Option<Arc<Exec>> {
+        self.execs.lock().unwrap_or_else(|e| e.into_inner()).get(tenant).cloned()
+    }
+
+    /// Every executor: its tenant, pid and uid, by tenant name.
+    pub fn executors(&self) -> Vec<(String, u32, Option<u32>)> {
+        let mut v: Vec<_> = self.execs.lock().unwrap_or_else(|e| e.into_inner()).values().map(|e| (e.tenant.clone(), e.pid, e.uid)).collect();
+        v.sort();
+        v
+    }
+
+    /// A tenant's new share goes to the arbiter, its quota (and share, for
+    /// its statistics) to its executor, whose answer is the change's.
+    pub(super) fn set_on_executor(&self, name: &str, share: crate::sched::Share, quota: Option<u64>) -> Result<WorkerMsg, ControlError> {
+        let exec = self.exec(name).ok_or_else(|| ControlError::WorkerDown(format!("executor of {name}")))?;
+        match exec.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT)? {
+            WorkerMsg::Ok => {}
+            other => return Ok(other),
+        }
+        self.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota: None }, COMMAND_TIMEOUT)
+    }
+
+    /// Revokes the tenant in its executor; the executor reports `Removed`
+    /// once its memory is released, and then ends.
+    pub(super) fn remove_on_executor(&self, name: &str) -> Result<WorkerMsg, ControlError> {
+        let _ = self.call(WorkerCmd::RemoveTenant { name: name.to_string() }, STATS_TIMEOUT);
+        let exec = self.exec(name).ok_or_else(|| ControlError::WorkerDown(format!("executor of {name}")))?;
+        exec.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT)
+    }
+
+    /// The arbiter's statistics with each executor's tenant: the tenants'
+    /// memory, copies and scrubs come from their executors.
+    pub(super) fn with_executors(&self, mut s: DeviceStats) -> DeviceStats {
+        let execs: Vec<Arc<Exec>> = self.execs.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let arbiter = std::mem::take(&mut s.tenants);
+        for e in execs {
+            let Ok(WorkerMsg::Stats(x)) = e.call(WorkerCmd::Stats, STATS_TIMEOUT) else { continue };
+            s.allocated += x.allocated;
+            s.bytes_scrubbed += x.bytes_scrubbed;
+            s.spilled += x.spilled;
+            s.quarantined |= x.quarantined;
+            for mut t in x.tenants {
+                // The share the arbiter schedules by.
+                if let Some(a) = arbiter.iter().find(|a| a.name == t.name) {
+                    (t.weight, t.cap, t.priority) = (a.weight, a.cap, a.priority);
+                }
+                s.tenants.push(t);
+            }
+        }
+        s
+    }
+}
+
+impl Control {
+    /// Starts (or replaces) `t`'s executor on `slot` and has it serve the
+    /// tenant's socket.
+    pub(super) fn start_executor(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord) -> Result<(), ControlError> {
+        let old = slot.execs.lock().unwrap_or_else(|e| e.into_inner()).remove(&t.name);
+        if let Some(old) = old {
+            old.kill();
+        }
+        match slot.call(WorkerCmd::AddTenant(t.cmd()), COMMAND_TIMEOUT)? {
+            WorkerMsg::Ok => {}
+            WorkerMsg::Err(e) => return Err(ControlError::Worker(e)),
+            other => return Err(ControlError::Worker(format!("unexpected reply {other:?}"))),
+        }
+        let fail = |what: &str, e: std::io::Error| ControlError::Internal(format!("starting the executor of {}: {what}: {e}", t.name));
+        let (arbiter_end, executor_end) = crate::grant::Channel::pair().map_err(|e| fail("grant channel", e))?;
+        // Bound here, so the executor needs no write access anywhere; a
+        // stale socket of an earlier executor is replaced.
+        let _ = std::fs::remove_file(&t.socket);
+        let listener = UnixListener::bind(&t.socket).map_err(|e| fail(&format!("binding {}", t.socket.display()), e))?;
+        let uid = match (&self.exec_uids, self.worker_user) {
+            (Some(r), Some(_)) => Some(r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for {} (devices.executor_uids)", t.name)))?),
+            _ => None,
+        };
+        let user = match uid {
+            Some(u) => Some(Owner { uid: u, gid: u }),
+            None => self.worker_user,
+        };
+        let give_back = || {
+            if let (Some(u), Some(r)) = (uid, &self.exec_uids) {
+                r.put(u);
+            }
+        };
+        let window = {
+            let mut used = slot.windows.lock().unwrap_or_else(|e| e.into_inner());
+            let w = (0u64..).find(|w| !used.contains(w)).unwrap_or(0);
+            used.insert(w);
+            w
+        };
+        let put_window = || {
+            slot.windows.lock().unwrap_or_else(|e| e.into_inner()).remove(&window);
+        };
+        let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window };
+        let (mut child, stdin, stdout, pid) = match spawn_worker(&self.exe, &slot.spec, user, role) {
+            Ok(c) => c,
+            Err(e) => {
+                give_back();
+                put_window();
+                return Err(fail("spawning", e));
+            }
+        };
+        let intake = slot.intake.lock().unwrap_or_else(|e| e.into_inner());
+        let handed = intake.as_ref().map(|i| crate::arbiter::hand_over(i, &t.name, &arbiter_end.into_fd()));
+        drop(intake);
+        if !matches!(handed, Some(Ok(()))) {
+            let _ = child.kill();
+            let _ = child.wait();
+            give_back();
+            put_window();
+            return Err(ControlError::WorkerDown(format!("{} (its arbiter took no grant channel: {handed:?})", slot.spec.name)));
+        }
+        let link = Arc::new(WorkerLink::new(stdin));
+        let exec = Arc::new(Exec { tenant: t.name.clone(), pid, uid, window, link: link.clone(), reaped: Mutex::new(false), retired: AtomicBool::new(false) });
+        slot.execs.lock().unwrap_or_else(|e| e.into_inner()).insert(t.name.clone(), exec.clone());
+        let who = format!("{}/{}", slot.spec.name, t.name);
+        let (me, s2, e2) = (self.clone(), slot.clone(), exec.clone());
+        let reader = std::thread::Builder::new().name(format!("replies-{}", t.name)).spawn(move || {
+            me.read_replies_then(&who, stdout, &e2.link, |name| {
+                // Released: the executor has nothing left to serve.
+                if let Some(e) = s2.exec(name).filter(|e| Arc::ptr_eq(e, &e2)) {
+                    e.retire();
+                }
+            })
+        });
+        let (me, s2, e2) = (self.clone(), slot.clone(), exec.clone());
+        let reaper = std::thread::Builder::new().name(format!("exec-{}", t.name)).spawn(move || {
+            let status = child.wait();
+            *e2.reaped.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            if let (Some(u), Some(r)) = (e2.uid, &me.exec_uids) {
+                r.put(u);
+            }
+            s2.windows.lock().unwrap_or_else(|e| e.into_inner()).remove(&e2.window);
+            me.executor_ended(&s2, &e2, status);
+        });
+        if let Err(e) = reader.and(reaper) {
+            exec.kill();
+            return Err(fail("starting its threads", e));
+        }
+        match exec.call(WorkerCmd::AddTenant(t.cmd()), COMMAND_TIMEOUT) {
+            Ok(WorkerMsg::Ok) => {}
+            r => {
+                exec.kill();
+                return Err(match r {
+                    Ok(WorkerMsg::Err(e)) => ControlError::Worker(e),
+                    Ok(other) => ControlError::Worker(format!("unexpected reply {other:?}")),
+                    Err(e) => e,
+                });
+            }
+        }
+        info!(tenant = %t.name, device = %slot.spec.name, pid, uid, "tenant executor started");
+        let owner = t.owner.unwrap_or(Owner { uid: 0, gid: 0 });
+        rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Worker(format!("setting the owner of {}: {e}", t.socket.display())))
+    }
+
+    /// An executor's process ended: a crash gets the tenant a new one; a
+    /// tenant being deleted is released with it.
+    fn executor_ended(self: &Arc<Self>, slot: &Arc<DeviceSlot>, e: &Arc<Exec>, status: std::io::Result<std::process::ExitStatus>) {
+        let current = {
+            let mut execs = slot.execs.lock().unwrap_or_else(|x| x.into_inner());
+            let cur = execs.get(&e.tenant).is_some_and(|x| Arc::ptr_eq(x, e));
+            if cur {
+                execs.remove(&e.tenant);
+            }
+            cur
+        };
+        e.link.close();
+        let phase = self.registry().get(&e.tenant).map(|t| t.state);
+        if phase == Some(TenantPhase::Deleting) {
+            // Its memory went with the process.
+            self.finish_delete(&e.tenant);
+            return;
+        }
+        if !current || e.retired.load(Ordering::Acquire) || self.stopping.load(Ordering::Acquire) || phase != Some(TenantPhase::Ready) {
+            return;
+        }
+        warn!(tenant = %e.tenant, device = %slot.spec.name, ?status, "tenant executor exited; the tenant lost its connections; starting a new one");
+        let Some(rec) = self.registry().get(&e.tenant).cloned() else { return };
+        if !slot.is_up() {
+            // The device's supervisor re-creates it with the arbiter.
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        if let Err(err) = self.start_executor(slot, &rec) {
+            warn!(tenant = %e.tenant, "a new executor failed to start: {err}");
+        }
+    }
+}
