@@ -50,9 +50,15 @@ const TICK: Duration = Duration::from_micros(500);
 /// `YIELD` takes an idle lease back at once.
 const LINGER: Duration = Duration::from_micros(500);
 /// How long the arbiter waits for an executor to stop after `YIELD`: a
-/// launch stops at its next checkpoint, well within this. Work that does
-/// not keeps its lane, and is charged for it.
-const PAUSE_WAIT: Duration = Duration::from_millis(200);
+/// launch stops at its next checkpoint, in well under a millisecond, and
+/// the longest copy (which has no checkpoint) in about a second. An
+/// executor that has not stopped by then loses its channel: its work
+/// stops, and the control plane replaces it.
+const PAUSE_WAIT: Duration = Duration::from_secs(5);
+/// Messages from the executor a piece of its work may have waiting for
+/// the arbiter's proxy: an executor never needs more than one (a PAUSED
+/// or a DONE); more is a flood, and a protocol violation.
+const HEARD_DEPTH: usize = 4;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -109,10 +115,20 @@ impl Channel {
     }
 
     pub fn send(&self, m: Msg) -> std::io::Result<()> {
+        self.send_flags(m, libc::MSG_NOSIGNAL)
+    }
+
+    /// Sends without waiting for room: the arbiter never blocks on an
+    /// executor that stopped reading (EAGAIN then).
+    pub fn send_now(&self, m: Msg) -> std::io::Result<()> {
+        self.send_flags(m, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+    }
+
+    fn send_flags(&self, m: Msg, flags: i32) -> std::io::Result<()> {
         let b = m.encode();
         loop {
             // SAFETY: sends 16 bytes from a live buffer on a descriptor we own.
-            let n = unsafe { libc::send(self.0.as_raw_fd(), b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) };
+            let n = unsafe { libc::send(self.0.as_raw_fd(), b.as_ptr().cast(), b.len(), flags) };
             if n == b.len() as isize {
                 return Ok(());
             }
@@ -169,9 +185,22 @@ struct Proxy {
     done: AtomicBool,
 }
 
+impl Proxy {
+    /// Sends to the executor without waiting; one that does not read its
+    /// channel loses it.
+    fn tell(&self, m: Msg) -> bool {
+        if self.chan.send_now(m).is_ok() {
+            return true;
+        }
+        warn!(id = self.id, "the executor does not read its grant channel; it loses it");
+        self.chan.shutdown();
+        false
+    }
+}
+
 impl PauseHook for Proxy {
     fn pause(&self) -> bool {
-        if self.done.load(Ordering::Acquire) || self.chan.send(Msg { kind: YIELD, id: self.id, value: 0 }).is_err() {
+        if self.done.load(Ordering::Acquire) || !self.tell(Msg { kind: YIELD, id: self.id, value: 0 }) {
             return false;
         }
         match lock(&self.rx).recv_timeout(PAUSE_WAIT) {
@@ -181,14 +210,18 @@ impl PauseHook for Proxy {
                 false
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                warn!(id = self.id, "executor work did not stop within {PAUSE_WAIT:?} of a yield; it keeps its lane");
+                // Its lane is not given up at its word: the channel goes,
+                // the executor with it, and the lane with the proxy.
+                warn!(id = self.id, "executor work did not stop within {PAUSE_WAIT:?} of a yield; it loses its grant channel");
+                self.chan.shutdown();
+                self.done.store(true, Ordering::Release);
                 false
             }
         }
     }
 
     fn resume(&self, lane: usize) {
-        let _ = self.chan.send(Msg { kind: GRANT, id: self.id, value: lane as u64 });
+        self.tell(Msg { kind: GRANT, id: self.id, value: lane as u64 });
     }
 }
 
@@ -205,11 +238,12 @@ pub struct Served {
 /// Returns why it ended.
 pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served>) -> String {
     let chan = Arc::new(chan);
-    let waiting: Arc<Mutex<HashMap<u32, mpsc::Sender<Heard>>>> = Arc::default();
+    let waiting: Arc<Mutex<HashMap<u32, mpsc::SyncSender<Heard>>>> = Arc::default();
     // Threads that held a lane and wait for the next: one per piece of
     // work in flight at most, kept until the executor goes (a thread per
     // request would cost its start on every grant).
-    let spare: Arc<Mutex<Vec<mpsc::Sender<Arc<Proxy>>>>> = Arc::default();
+    // None once the executor is gone: threads then end instead of waiting.
+    let spare: Arc<Mutex<Option<Vec<mpsc::Sender<Arc<Proxy>>>>>> = Arc::new(Mutex::new(Some(Vec::new())));
     let why = loop {
         let m = match chan.recv() {
             Ok(Some(m)) => m,
@@ -225,11 +259,11 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
                 if w.contains_key(&m.id) {
                     break format!("work id {} asked for twice", m.id);
                 }
-                let (tx, rx) = mpsc::channel();
+                let (tx, rx) = mpsc::sync_channel(HEARD_DEPTH);
                 w.insert(m.id, tx);
                 drop(w);
                 let proxy = Arc::new(Proxy { id: m.id, chan: chan.clone(), rx: Mutex::new(rx), done: AtomicBool::new(false) });
-                let proxy = match lock(&spare).pop() {
+                let proxy = match lock(&spare).as_mut().and_then(Vec::pop) {
                     Some(tx) => match tx.send(proxy) {
                         Ok(()) => continue,
                         Err(mpsc::SendError(p)) => p,
@@ -250,9 +284,13 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
                         drop(p2);
                         // Spare until the next request, or until the
                         // executor goes and the spare senders are dropped
-                        // (this thread keeps none of its own).
+                        // (this thread keeps none of its own); once it
+                        // went, end.
                         let (tx, rx) = mpsc::channel::<Arc<Proxy>>();
-                        lock(&sp).push(tx);
+                        match lock(&sp).as_mut() {
+                            Some(v) => v.push(tx),
+                            None => break,
+                        }
                         next = rx.recv().ok();
                     }
                 });
@@ -265,7 +303,9 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
                 let Some(tx) = tx else {
                     break format!("message {} for work id {} that holds no lane", m.kind, m.id);
                 };
-                let _ = tx.send(if m.kind == DONE { Heard::Done } else { Heard::Paused });
+                if let Err(mpsc::TrySendError::Full(_)) = tx.try_send(if m.kind == DONE { Heard::Done } else { Heard::Paused }) {
+                    break format!("a flood of messages for work id {}", m.id);
+                }
             }
             k => break format!("unknown grant message kind {k}"),
         }
@@ -274,7 +314,7 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
     // spare threads end.
     chan.shutdown();
     lock(&waiting).clear();
-    lock(&spare).clear();
+    lock(&spare).take();
     why
 }
 
@@ -288,7 +328,7 @@ fn hold(p: &Proxy, lane: usize, served: &Served) -> u64 {
         served.lane_ns.fetch_add(ran.saturating_sub(counted), Ordering::Relaxed);
         counted = counted.max(ran);
     };
-    if p.chan.send(Msg { kind: GRANT, id: p.id, value: lane as u64 }).is_err() {
+    if !p.tell(Msg { kind: GRANT, id: p.id, value: lane as u64 }) {
         return counted;
     }
     while !p.done.load(Ordering::Acquire) {
@@ -300,7 +340,7 @@ fn hold(p: &Proxy, lane: usize, served: &Served) -> u64 {
             // still holds its lane, so it goes on at once.
             Ok(Heard::Paused) => {
                 let lane = crate::sched::with_current(|r| r.map(|r| r.lane())).unwrap_or(lane);
-                if p.chan.send(Msg { kind: GRANT, id: p.id, value: lane as u64 }).is_err() {
+                if !p.tell(Msg { kind: GRANT, id: p.id, value: lane as u64 }) {
                     break;
                 }
             }
@@ -321,15 +361,24 @@ struct Slot {
     /// The lane granted (None while waiting for it).
     lane: Mutex<Option<usize>>,
     granted: Condvar,
-    /// Set by the arbiter's YIELD: the work's threads stop at their next
-    /// checkpoint.
-    yield_asked: AtomicBool,
-    /// One thread of the work has answered PAUSED and waits for the grant.
-    pausing: AtomicBool,
+    /// YIELDs the arbiter sent for this work, and how many of them a
+    /// PAUSED (or the lane's release) answered: while they differ, the
+    /// work's threads stop at their next checkpoint. Counts, not a flag,
+    /// so a YIELD that arrives as the work resumes from the last one is
+    /// not lost.
+    yields: AtomicU64,
+    answered: AtomicU64,
     paused_ns: AtomicU64,
 }
 
 /// The executor's side of its grant channel.
+impl Slot {
+    /// The arbiter asked for the lane back and has no answer yet.
+    fn asked(&self) -> bool {
+        self.yields.load(Ordering::Acquire) != self.answered.load(Ordering::Acquire)
+    }
+}
+
 /// A lane the executor holds while no work of its runs on it.
 struct Idle {
     id: u32,
@@ -434,7 +483,9 @@ impl Grants {
                             drop(idle);
                             self.release(m.id);
                         }
-                        None => slot.yield_asked.store(true, Ordering::Release),
+                        None => {
+                            slot.yields.fetch_add(1, Ordering::AcqRel);
+                        }
                     }
                 }
                 k => warn!("unknown grant message kind {k} from the arbiter"),
@@ -498,7 +549,7 @@ impl Grants {
         held.1 = None;
         // The lane stays a while, unless the arbiter asked for it back.
         let mut idle = lock(&self.idle);
-        if slot.yield_asked.load(Ordering::Acquire) || self.is_closed() {
+        if slot.asked() || self.is_closed() {
             drop(idle);
             self.release(id);
         } else {
@@ -510,9 +561,19 @@ impl Grants {
 
     /// Asks the arbiter for a lane for new work and waits for it.
     fn want(&self) -> Result<(u32, Arc<Slot>, usize), GrantError> {
-        let id = (self.next.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX)) as u32;
-        let slot = Arc::new(Slot { lane: Mutex::new(None), granted: Condvar::new(), yield_asked: AtomicBool::new(false), pausing: AtomicBool::new(false), paused_ns: AtomicU64::new(0) });
-        lock(&self.slots).insert(id, slot.clone());
+        let slot = Arc::new(Slot { lane: Mutex::new(None), granted: Condvar::new(), yields: AtomicU64::new(0), answered: AtomicU64::new(0), paused_ns: AtomicU64::new(0) });
+        let id = {
+            let mut slots = lock(&self.slots);
+            // Ids wrap after 2^32; one still in use is skipped.
+            let id = loop {
+                let id = (self.next.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX)) as u32;
+                if !slots.contains_key(&id) {
+                    break id;
+                }
+            };
+            slots.insert(id, slot.clone());
+            id
+        };
         let asked = self.chan.send(Msg { kind: WANT, id, value: 0 }).map_err(GrantError::Send).and_then(|()| self.wait_grant(&slot));
         match asked {
             Ok(lane) => Ok((id, slot, lane)),
@@ -559,37 +620,36 @@ impl Working {
     /// Stops here if the arbiter asked for the lane back, until it grants
     /// one again. Costs one atomic load otherwise.
     pub fn checkpoint(&self) {
-        if !self.slot.yield_asked.load(Ordering::Acquire) {
+        if !self.slot.asked() {
             return;
         }
         let _raised = crate::nice::Raised::new();
         let mut lane = lock(&self.slot.lane);
-        if !self.slot.yield_asked.load(Ordering::Acquire) {
-            return;
-        }
-        if !self.slot.pausing.swap(true, Ordering::AcqRel) {
-            // The first thread to stop answers for the work.
-            *lane = None;
-            if self.g.chan.send(Msg { kind: PAUSED, id: self.id, value: 0 }).is_err() {
-                self.slot.pausing.store(false, Ordering::Release);
-                self.slot.yield_asked.store(false, Ordering::Release);
-                return;
+        let first = match *lane {
+            // Another thread of this work stopped already: wait with it.
+            None => false,
+            Some(_) if !self.slot.asked() => return,
+            Some(held) => {
+                // The first thread to stop answers for the work.
+                self.slot.answered.store(self.slot.yields.load(Ordering::Acquire), Ordering::Release);
+                *lane = None;
+                if self.g.chan.send(Msg { kind: PAUSED, id: self.id, value: 0 }).is_err() {
+                    // The arbiter is gone: go on, the executor is ending.
+                    *lane = Some(held);
+                    return;
+                }
+                true
             }
-        }
+        };
         let stopped = Instant::now();
         drop(lane);
         // Without a grant (the arbiter gone) the work goes on: the
         // executor is ending anyway, and the launch must not hang.
         let l = self.g.wait_grant(&self.slot).unwrap_or(self.lane.load(Ordering::Relaxed));
-        // Cleared under the lock late threads look at the request under.
-        let g = lock(&self.slot.lane);
-        if self.slot.pausing.load(Ordering::Acquire) {
-            self.slot.yield_asked.store(false, Ordering::Release);
-            self.slot.pausing.store(false, Ordering::Release);
+        if first {
             self.slot.paused_ns.fetch_add(stopped.elapsed().as_nanos() as u64, Ordering::Relaxed);
             self.lane.store(l, Ordering::Relaxed);
         }
-        drop(g);
         crate::placement::resumed(l);
     }
 

@@ -453,10 +453,14 @@ impl Windows {
     /// The next tenant to arrive gets window `first` (modulo the count):
     /// tenants in different processes (executors) get different addresses,
     /// so a pointer of one is no address of another's.
-    fn start_at(&mut self, first: u64) {
-        if self.live.is_empty() {
-            self.next = first % self.count;
+    fn start_at(&mut self, first: u64) -> std::io::Result<()> {
+        if first >= self.count {
+            return Err(std::io::Error::other(format!("address window {first} is beyond the device's {} (its memory and spill are too large for more tenants apart)", self.count)));
         }
+        if self.live.is_empty() {
+            self.next = first;
+        }
+        Ok(())
     }
 
     fn close(&mut self, slot: TenantSlot) {
@@ -738,9 +742,9 @@ impl CpuBackend {
 
     /// The first tenant's address window (a tenant's executor is told a
     /// window no other live tenant of the device has).
-    pub fn with_first_window(self, first: u64) -> CpuBackend {
-        self.placement().windows.start_at(first);
-        self
+    pub fn with_first_window(self, first: u64) -> std::io::Result<CpuBackend> {
+        self.placement().windows.start_at(first)?;
+        Ok(self)
     }
 
     /// Runs each launch's blocks on up to `n` host threads (rayon's pool).

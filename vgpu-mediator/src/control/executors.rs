@@ -44,14 +44,21 @@ impl Exec {
         call_link(Some(&self.link), &format!("executor of {}", self.tenant), cmd, timeout)
     }
 
-    /// Ends the executor now (SIGKILL: a kernel it runs cannot hold it).
+    /// Ends the executor now, on purpose (SIGKILL: a kernel it runs cannot
+    /// hold it); it is not restarted.
     pub fn kill(&self) {
         self.retired.store(true, Ordering::Release);
+        self.signal_kill();
+    }
+
+    /// SIGKILL, as a crash would: the tenant gets a new executor.
+    fn signal_kill(&self) {
         let reaped = self.reaped.lock().unwrap_or_else(|e| e.into_inner());
         if !*reaped {
-            // SAFETY: kill sends a signal to our own child, which is not
-            // reaped yet (checked under the lock the reaper sets it under),
-            // so its pid cannot have been reused.
+            // SAFETY: kill sends a signal to our own child, which has not
+            // been reaped: the reaper sets `reaped` under this lock before
+            // it reaps (it waits with WNOWAIT first), so the pid cannot
+            // have been reused.
             unsafe { libc::kill(self.pid as i32, libc::SIGKILL) };
         }
     }
@@ -63,6 +70,24 @@ impl Exec {
         self.link.close();
     }
 }
+
+/// Blocks until child `pid` has exited, leaving it to be reaped.
+fn wait_exited(pid: u32) {
+    loop {
+        // SAFETY: an all-zero siginfo_t is a valid out-parameter.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own child with WNOWAIT only reports its
+        // state; `info` is a valid out-parameter.
+        let rc = unsafe { libc::waitid(libc::P_PID, pid, &mut info, libc::WEXITED | libc::WNOWAIT) };
+        if rc == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return;
+        }
+    }
+}
+
+/// How long a deleted tenant's executor has to release its memory and end
+/// before it is killed.
+const REMOVE_GRACE: Duration = Duration::from_secs(15);
 
 /// The uids executors run as: a range of the host's that no user owns,
 /// given one per live executor.
@@ -122,7 +147,20 @@ impl DeviceSlot {
     pub(super) fn remove_on_executor(&self, name: &str) -> Result<WorkerMsg, ControlError> {
         let _ = self.call(WorkerCmd::RemoveTenant { name: name.to_string() }, STATS_TIMEOUT);
         let exec = self.exec(name).ok_or_else(|| ControlError::WorkerDown(format!("executor of {name}")))?;
-        exec.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT)
+        let r = exec.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT);
+        if !matches!(r, Ok(WorkerMsg::Ok)) {
+            // It did not take the removal: its end releases everything.
+            exec.kill();
+            return r;
+        }
+        // It ends by itself once it reported the release; if it does not
+        // within the grace, it is ended.
+        let e2 = exec.clone();
+        let _ = std::thread::Builder::new().name(format!("reap-{name}")).spawn(move || {
+            std::thread::sleep(REMOVE_GRACE);
+            e2.kill();
+        });
+        r
     }
 
     /// The arbiter's statistics with each executor's tenant: the tenants'
@@ -132,17 +170,16 @@ impl DeviceSlot {
         let arbiter = std::mem::take(&mut s.tenants);
         for e in execs {
             let Ok(WorkerMsg::Stats(x)) = e.call(WorkerCmd::Stats, STATS_TIMEOUT) else { continue };
-            s.allocated += x.allocated;
-            s.bytes_scrubbed += x.bytes_scrubbed;
-            s.spilled += x.spilled;
-            s.quarantined |= x.quarantined;
-            for mut t in x.tenants {
-                // The share the arbiter schedules by.
-                if let Some(a) = arbiter.iter().find(|a| a.name == t.name) {
-                    (t.weight, t.cap, t.priority) = (a.weight, a.cap, a.priority);
-                }
-                s.tenants.push(t);
+            // An executor speaks for its own tenant only, and its device
+            // time is what the arbiter's clock charged it, not its word.
+            let Some(mut t) = x.tenants.into_iter().find(|t| t.name == e.tenant) else { continue };
+            if let Some(a) = arbiter.iter().find(|a| a.name == t.name) {
+                (t.weight, t.cap, t.priority, t.device_ns) = (a.weight, a.cap, a.priority, a.device_ns);
             }
+            s.allocated = s.allocated.saturating_add(t.used);
+            s.spilled = s.spilled.saturating_add(t.spilled);
+            s.bytes_scrubbed = s.bytes_scrubbed.saturating_add(t.bytes_scrubbed);
+            s.tenants.push(t);
         }
         s
     }
@@ -152,6 +189,13 @@ impl Control {
     /// Starts (or replaces) `t`'s executor on `slot` and has it serve the
     /// tenant's socket.
     pub(super) fn start_executor(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord) -> Result<(), ControlError> {
+        // One start at a time on the device: two for one tenant (a crash's
+        // restart beside the supervisor's) would leave one orphaned.
+        let _one = slot.starting.lock().unwrap_or_else(|e| e.into_inner());
+        match self.registry().get(&t.name).map(|r| r.state) {
+            Some(TenantPhase::Creating | TenantPhase::Ready) => {}
+            _ => return Err(ControlError::Conflict(format!("tenant {} is gone or being deleted", t.name))),
+        }
         let old = slot.execs.lock().unwrap_or_else(|e| e.into_inner()).remove(&t.name);
         if let Some(old) = old {
             old.kill();
@@ -167,6 +211,8 @@ impl Control {
         // stale socket of an earlier executor is replaced.
         let _ = std::fs::remove_file(&t.socket);
         let listener = UnixListener::bind(&t.socket).map_err(|e| fail(&format!("binding {}", t.socket.display()), e))?;
+        // Nobody but root may connect before its owner is set.
+        std::fs::set_permissions(&t.socket, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(|e| fail("chmod", e))?;
         let uid = match (&self.exec_uids, self.worker_user) {
             (Some(r), Some(_)) => Some(r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for {} (devices.executor_uids)", t.name)))?),
             _ => None,
@@ -190,7 +236,7 @@ impl Control {
             slot.windows.lock().unwrap_or_else(|e| e.into_inner()).remove(&window);
         };
         let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window };
-        let (mut child, stdin, stdout, pid) = match spawn_worker(&self.exe, &slot.spec, user, role) {
+        let (mut child, stdin, stdout, _) = match spawn_worker(&self.exe, &slot.spec, user, role) {
             Ok(c) => c,
             Err(e) => {
                 give_back();
@@ -208,47 +254,55 @@ impl Control {
             put_window();
             return Err(ControlError::WorkerDown(format!("{} (its arbiter took no grant channel: {handed:?})", slot.spec.name)));
         }
+        // Our child's pid (not what it says it is).
+        let pid = child.id();
         let link = Arc::new(WorkerLink::new(stdin));
         let exec = Arc::new(Exec { tenant: t.name.clone(), pid, uid, window, link: link.clone(), reaped: Mutex::new(false), retired: AtomicBool::new(false) });
         slot.execs.lock().unwrap_or_else(|e| e.into_inner()).insert(t.name.clone(), exec.clone());
         let who = format!("{}/{}", slot.spec.name, t.name);
-        let (me, s2, e2) = (self.clone(), slot.clone(), exec.clone());
+        let (me, e2) = (self.clone(), exec.clone());
         let reader = std::thread::Builder::new().name(format!("replies-{}", t.name)).spawn(move || {
-            me.read_replies_then(&who, stdout, &e2.link, |name| {
+            me.read_replies_then(&who, stdout, &e2.link, Some(&e2.tenant), |_| {
                 // Released: the executor has nothing left to serve.
-                if let Some(e) = s2.exec(name).filter(|e| Arc::ptr_eq(e, &e2)) {
-                    e.retire();
-                }
-            })
+                e2.retire();
+            });
+            // Its output ended (or broke the rules): it is not listened to
+            // any more, so it goes (and, unless retired, is replaced).
+            e2.signal_kill();
         });
         let (me, s2, e2) = (self.clone(), slot.clone(), exec.clone());
         let reaper = std::thread::Builder::new().name(format!("exec-{}", t.name)).spawn(move || {
-            let status = child.wait();
+            // Waited for without reaping first, so `kill` (which looks at
+            // `reaped` under its lock) never signals a pid reused after it.
+            wait_exited(e2.pid);
             *e2.reaped.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            let status = child.wait();
             if let (Some(u), Some(r)) = (e2.uid, &me.exec_uids) {
                 r.put(u);
             }
             s2.windows.lock().unwrap_or_else(|e| e.into_inner()).remove(&e2.window);
             me.executor_ended(&s2, &e2, status);
         });
-        if let Err(e) = reader.and(reaper) {
-            exec.kill();
-            return Err(fail("starting its threads", e));
-        }
-        match exec.call(WorkerCmd::AddTenant(t.cmd()), COMMAND_TIMEOUT) {
-            Ok(WorkerMsg::Ok) => {}
-            r => {
-                exec.kill();
-                return Err(match r {
-                    Ok(WorkerMsg::Err(e)) => ControlError::Worker(e),
-                    Ok(other) => ControlError::Worker(format!("unexpected reply {other:?}")),
-                    Err(e) => e,
-                });
+        let started = reader.and(reaper).map_err(|e| fail("starting its threads", e)).and_then(|_| match exec.call(WorkerCmd::AddTenant(t.cmd()), COMMAND_TIMEOUT) {
+            Ok(WorkerMsg::Ok) => {
+                let owner = t.owner.unwrap_or(Owner { uid: 0, gid: 0 });
+                rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Worker(format!("setting the owner of {}: {e}", t.socket.display())))
             }
+            Ok(WorkerMsg::Err(e)) => Err(ControlError::Worker(e)),
+            Ok(other) => Err(ControlError::Worker(format!("unexpected reply {other:?}"))),
+            Err(e) => Err(e),
+        });
+        if let Err(e) = started {
+            // Not serving: it goes, and is not restarted.
+            exec.kill();
+            let mut execs = slot.execs.lock().unwrap_or_else(|x| x.into_inner());
+            if execs.get(&t.name).is_some_and(|x| Arc::ptr_eq(x, &exec)) {
+                execs.remove(&t.name);
+            }
+            return Err(e);
         }
         info!(tenant = %t.name, device = %slot.spec.name, pid, uid, "tenant executor started");
-        let owner = t.owner.unwrap_or(Owner { uid: 0, gid: 0 });
-        rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Worker(format!("setting the owner of {}: {e}", t.socket.display())))
+        Ok(())
     }
 
     /// An executor's process ended: a crash gets the tenant a new one; a

@@ -138,6 +138,8 @@ pub struct DeviceSlot {
     execs: Mutex<HashMap<String, Arc<executors::Exec>>>,
     /// With executors: the address windows live executors hold.
     windows: Mutex<std::collections::BTreeSet<u64>>,
+    /// With executors: held while one is started.
+    starting: Mutex<()>,
     pub pid: AtomicU32,
     pub restarts: AtomicU64,
     /// Bumped at every worker start: a tenant added to an older worker
@@ -331,6 +333,7 @@ impl Control {
                         intake: Mutex::new(None),
                         execs: Mutex::new(HashMap::new()),
                         windows: Mutex::new(std::collections::BTreeSet::new()),
+                        starting: Mutex::new(()),
                         pid: AtomicU32::new(0),
                         restarts: AtomicU64::new(0),
                         generation: AtomicU64::new(0),
@@ -544,13 +547,21 @@ impl Control {
     }
 
     fn read_replies(&self, device: &str, stdout: BufReader<ChildStdout>, link: &WorkerLink) {
-        self.read_replies_then(device, stdout, link, |_| {})
+        self.read_replies_then(device, stdout, link, None, |_| {})
     }
 
-    /// As `read_replies`, calling `removed` after a tenant's removal.
-    fn read_replies_then(&self, device: &str, stdout: BufReader<ChildStdout>, link: &WorkerLink, removed: impl Fn(&str)) {
-        for line in stdout.lines() {
-            let Ok(line) = line else { break };
+    /// As `read_replies`, calling `removed` after a tenant's removal. With
+    /// `only` (an executor), events about any other tenant are ignored.
+    fn read_replies_then(&self, device: &str, mut stdout: BufReader<ChildStdout>, link: &WorkerLink, only: Option<&str>, removed: impl Fn(&str)) {
+        loop {
+            let line = match read_line_bounded(&mut stdout, MAX_REPLY_LINE) {
+                Ok(Some(l)) => l,
+                Ok(None) => break,
+                Err(e) => {
+                    warn!(device, "reading the worker's replies: {e}; it is no longer listened to");
+                    break;
+                }
+            };
             let m = match serde_json::from_str::<MsgLine>(&line) {
                 Ok(m) => m,
                 Err(e) => {
@@ -565,10 +576,11 @@ impl Control {
                 continue;
             }
             match m.msg {
-                WorkerMsg::Removed { name } => {
+                WorkerMsg::Removed { name } if only.is_none_or(|t| t == name) => {
                     self.finish_delete(&name);
                     removed(&name);
                 }
+                WorkerMsg::Removed { name } => warn!(device, "an executor reported another tenant ({name}) removed; ignored"),
                 WorkerMsg::Err(e) => warn!(device, "worker: {e}"),
                 other => warn!(device, "unexpected worker event {other:?}"),
             }
@@ -917,6 +929,36 @@ impl Control {
         }
         let owner = t.owner.unwrap_or(Owner { uid: 0, gid: 0 });
         rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Worker(format!("setting the owner of {}: {e}", t.socket.display())))
+    }
+}
+
+/// The longest reply line a worker may send: a shared worker's statistics
+/// for many tenants fit many times over.
+const MAX_REPLY_LINE: usize = 16 << 20;
+
+/// One line of `r` without its newline, at most `max` bytes; None at EOF.
+/// A longer line is an error: a worker cannot make the control plane
+/// buffer without bound.
+fn read_line_bounded(r: &mut impl BufRead, max: usize) -> std::io::Result<Option<String>> {
+    let mut line = Vec::new();
+    loop {
+        let buf = r.fill_buf()?;
+        if buf.is_empty() {
+            return Ok((!line.is_empty()).then(|| String::from_utf8_lossy(&line).into_owned()));
+        }
+        let (take, end) = match buf.iter().position(|b| *b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        if line.len() + take > max + 1 {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a reply line longer than {max} bytes")));
+        }
+        line.extend_from_slice(&buf[..take]);
+        r.consume(take);
+        if end {
+            line.pop();
+            return Ok(Some(String::from_utf8_lossy(&line).into_owned()));
+        }
     }
 }
 

@@ -78,7 +78,7 @@ fn open_backend(opts: &WorkerOptions, launch_threads: usize) -> anyhow::Result<A
                 .with_compute_capability(opts.cc)
                 .with_launch_threads(launch_threads)
                 .with_spill(opts.spill)?
-                .with_first_window(opts.window),
+                .with_first_window(opts.window)?,
         )),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
