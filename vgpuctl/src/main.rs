@@ -545,7 +545,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if json_out {
                 print_json(&v);
             } else {
-                let mut rows = vec![["NAME", "KIND", "POOL", "NODE", "STATE", "MEMORY", "RESERVED", "ALLOCATED", "SPILLED", "TENANTS", "UTIL", "RESTARTS"].map(String::from).to_vec()];
+                let mut rows = vec![["NAME", "KIND", "POOL", "NODE", "STATE", "MEMORY", "RESERVED", "ALLOCATED", "SPILLED", "TENANTS", "UTIL", "RESTARTS", "ISOLATION"].map(String::from).to_vec()];
                 let (shared, whole): (Vec<&Value>, Vec<&Value>) = v.as_array().into_iter().flatten().partition(|d| s(d, "kind") != "passthrough");
                 for d in shared {
                     let node = d.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
@@ -562,6 +562,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                         u(d, "tenants").to_string(),
                         format!("{:.1}%", d.get("utilization").and_then(Value::as_f64).unwrap_or(0.0) * 100.0),
                         u(d, "worker_restarts").to_string(),
+                        d.get("isolation").and_then(Value::as_str).unwrap_or("shared").into(),
                     ]);
                 }
                 table(rows);
