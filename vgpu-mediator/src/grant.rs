@@ -740,6 +740,16 @@ impl Lanes {
         }
     }
 
+    /// The tenant's device time: with a local scheduler, as charged (so it
+    /// adds up with `busy` at any instant); with grants, `ran` (its own
+    /// work's, summed as each piece ended).
+    pub fn device_time(&self, tenant: &str, ran: Duration) -> Duration {
+        match self {
+            Lanes::Local(s) => s.used(tenant),
+            Lanes::Granted(_) => ran,
+        }
+    }
+
     pub fn busy(&self) -> Duration {
         match self {
             Lanes::Local(s) => s.busy(),

@@ -393,6 +393,9 @@ struct Shared {
     /// More than one piece of work holds a lane (read without the lock by
     /// running work: its helpers then keep to its core).
     crowded: AtomicBool,
+    /// Lane time charged to each tenant, as it is charged (with `busy_ns`,
+    /// so the two agree at every instant, work in flight included).
+    used: Mutex<HashMap<String, Arc<AtomicU64>>>,
 }
 
 struct Inner {
@@ -514,6 +517,8 @@ pub struct Running {
     s: Arc<Shared>,
     /// Set for work that runs elsewhere ([`Scheduler::run_for`]).
     hook: Option<Arc<dyn PauseHook>>,
+    /// The tenant's lane time, charged as it goes.
+    used: Arc<AtomicU64>,
     tenant: String,
     base: Instant,
     /// ns since `base` up to which the work has been charged.
@@ -626,9 +631,11 @@ impl Drop for Current {
 impl Running {
     fn new(s: Arc<Shared>, tenant: &str, lane: usize, hook: Option<Arc<dyn PauseHook>>) -> Running {
         let seen = AtomicU64::new(s.arrivals.load(Ordering::Acquire));
+        let used = lock(&s.used).entry(tenant.to_string()).or_default().clone();
         Running {
             s,
             hook,
+            used,
             tenant: tenant.to_string(),
             base: Instant::now(),
             charged_to: AtomicU64::new(0),
@@ -656,6 +663,7 @@ impl Running {
         if dt > 0 {
             self.s.policy.charge(&self.tenant, Duration::from_nanos(dt));
             self.s.busy_ns.fetch_add(dt, Ordering::Relaxed);
+            self.used.fetch_add(dt, Ordering::Relaxed);
             self.ran.fetch_add(dt, Ordering::Relaxed);
         }
         to
@@ -838,6 +846,7 @@ impl Scheduler {
             waiting: AtomicUsize::new(0),
             arrivals: AtomicU64::new(0),
             crowded: AtomicBool::new(false),
+            used: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -883,6 +892,12 @@ impl Scheduler {
 
     pub fn forget(&self, tenant: &str) {
         self.0.policy.forget(tenant);
+        lock(&self.0.used).remove(tenant);
+    }
+
+    /// Lane time charged to `tenant` so far, work in flight included.
+    pub fn used(&self, tenant: &str) -> Duration {
+        Duration::from_nanos(lock(&self.0.used).get(tenant).map_or(0, |u| u.load(Ordering::Relaxed)))
     }
 
     /// Total time lanes were busy, summed over lanes.
