@@ -24,7 +24,7 @@ fn service() -> &'static Arc<DeviceService> {
     static SVC: OnceLock<Arc<DeviceService>> = OnceLock::new();
     SVC.get_or_init(|| {
         let backend = Arc::new(CpuBackend::new(0, 16 << 20, 20_000).expect("cpu backend").with_launch_timeout(std::time::Duration::from_millis(200)));
-        Arc::new(DeviceService::new(0, backend, Scheduler::new(1, Arc::new(Fifo))))
+        Arc::new(DeviceService::new(0, backend, vgpu_mediator::grant::Lanes::Local(Scheduler::new(1, Arc::new(Fifo)))))
     })
 }
 

@@ -177,6 +177,9 @@ enum Heard {
     Done,
 }
 
+/// An executor's spare lane threads (their inboxes); None once it went.
+type Spare = Mutex<Option<Vec<mpsc::Sender<Arc<Proxy>>>>>;
+
 /// The arbiter's proxy for one piece of an executor's work.
 struct Proxy {
     id: u32,
@@ -243,7 +246,7 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
     // work in flight at most, kept until the executor goes (a thread per
     // request would cost its start on every grant).
     // None once the executor is gone: threads then end instead of waiting.
-    let spare: Arc<Mutex<Option<Vec<mpsc::Sender<Arc<Proxy>>>>>> = Arc::new(Mutex::new(Some(Vec::new())));
+    let spare: Arc<Spare> = Arc::new(Mutex::new(Some(Vec::new())));
     let why = loop {
         let m = match chan.recv() {
             Ok(Some(m)) => m,
@@ -776,7 +779,10 @@ mod tests {
         arbiter_served(lanes, shares).0
     }
 
-    fn arbiter_served(lanes: usize, shares: &[Share]) -> ((Scheduler, Vec<Arc<Grants>>), Vec<Arc<Served>>) {
+    /// A scheduler and one executor end per tenant.
+    type Arbiter = (Scheduler, Vec<Arc<Grants>>);
+
+    fn arbiter_served(lanes: usize, shares: &[Share]) -> (Arbiter, Vec<Arc<Served>>) {
         let s = Scheduler::new(lanes, Arc::new(WeightedFair::new(lanes)));
         let mut ends = Vec::new();
         let mut served = Vec::new();

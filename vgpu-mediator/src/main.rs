@@ -205,10 +205,48 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Worker { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, compute_capability, user, seccomp, connection_threads, compute_nice, pin_lanes, arbiter, grant_fd, listen_fd, window }) => {
+        Some(Cmd::Worker {
+            ordinal,
+            memory,
+            budget,
+            lanes,
+            backend,
+            numa_node,
+            spill,
+            launch_timeout_ms,
+            compute_capability,
+            user,
+            seccomp,
+            connection_threads,
+            compute_nice,
+            pin_lanes,
+            arbiter,
+            grant_fd,
+            listen_fd,
+            window,
+        }) => {
             let cc = config::parse_compute_capability(&compute_capability).map_err(anyhow::Error::msg)?;
             let lanes = if lanes == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { lanes as usize };
-            return worker::run(worker::WorkerOptions { ordinal, memory, budget, lanes, backend, numa_node, spill, launch_timeout_ms, cc, user, seccomp, connection_threads, compute_nice, pin_lanes, arbiter, grant_fd, listen_fd, window });
+            return worker::run(worker::WorkerOptions {
+                ordinal,
+                memory,
+                budget,
+                lanes,
+                backend,
+                numa_node,
+                spill,
+                launch_timeout_ms,
+                cc,
+                user,
+                seccomp,
+                connection_threads,
+                compute_nice,
+                pin_lanes,
+                arbiter,
+                grant_fd,
+                listen_fd,
+                window,
+            });
         }
         Some(Cmd::SeccompCheck { syscall, connection, keep_nice }) => {
             worker::confine::no_new_privs()?;
@@ -359,7 +397,12 @@ fn run() -> anyhow::Result<()> {
     if cfg.devices.isolation == config::Isolation::Process && cfg.devices.cpu > 0 {
         // Device memory is brokered between executors only per tenant so
         // far: no device-wide backing to overcommit or spill from.
-        anyhow::ensure!(cfg.devices.spill.0 == 0 && cfg.devices.overcommit <= 1.0, "devices.isolation = \"process\" does not support memory overcommit or spill yet (devices.overcommit {}, devices.spill {}); use isolation \"shared\" for those", cfg.devices.overcommit, cfg.devices.spill);
+        anyhow::ensure!(
+            cfg.devices.spill.0 == 0 && cfg.devices.overcommit <= 1.0,
+            "devices.isolation = \"process\" does not support memory overcommit or spill yet (devices.overcommit {}, devices.spill {}); use isolation \"shared\" for those",
+            cfg.devices.overcommit,
+            cfg.devices.spill
+        );
     }
     let exec_uids = config::parse_uid_range(&cfg.devices.executor_uids).map_err(|e| anyhow::anyhow!("devices.executor_uids: {e}"))?;
     let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit, Some(exec_uids));
