@@ -542,8 +542,8 @@ impl Grants {
         let (t0, paused0) = (Instant::now(), slot.paused_ns.load(Ordering::Relaxed));
         let out = {
             let _cur = CurrentWork::set(&w);
-            let _pin = crate::placement::LanePin::new(lane);
-            let _nice = crate::nice::Lowered::new();
+            // As on a local lane (crate::sched::Scheduler::run).
+            let _work = crate::placement::LaneWork::begin(lane);
             f()
         };
         let paused = slot.paused_ns.load(Ordering::Relaxed) - paused0;
@@ -623,6 +623,7 @@ impl Working {
     /// Stops here if the arbiter asked for the lane back, until it grants
     /// one again. Costs one atomic load otherwise.
     pub fn checkpoint(&self) {
+        crate::placement::settle(None);
         if !self.slot.asked() {
             return;
         }

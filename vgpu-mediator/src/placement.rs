@@ -17,8 +17,9 @@
 //! (`devices.pin_lanes = false`) on hosts that run other work on the same
 //! cores.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// The cores the worker may use, when pinning is on.
 static CORES: OnceLock<Vec<usize>> = OnceLock::new();
@@ -111,6 +112,60 @@ impl Drop for LanePin {
             unpin();
         }
     }
+}
+
+/// How long a lane's work runs on its own thread before that thread is
+/// pinned to the lane's core and lowered to the compute nice value. Most
+/// launches are shorter, and a pin and a nice change cost a system call
+/// each way (with the migrations they cause, tens of µs per launch,
+/// measured): work that ends sooner is not worth moving, and is gone
+/// before it could hold up a control thread.
+pub const SETTLE_AFTER: Duration = Duration::from_micros(200);
+
+struct Settling {
+    lane: usize,
+    since: Instant,
+    held: Option<(LanePin, crate::nice::Lowered)>,
+}
+
+thread_local! {
+    /// The lane work the calling thread runs, while it runs it.
+    static SETTLING: RefCell<Option<Settling>> = const { RefCell::new(None) };
+}
+
+/// The calling thread runs work on `lane` while this lives: pinned and
+/// lowered from the first checkpoint after [`SETTLE_AFTER`] ([`settle`]),
+/// and back as it was when dropped.
+pub struct LaneWork(());
+
+impl LaneWork {
+    pub fn begin(lane: usize) -> LaneWork {
+        SETTLING.with(|s| *s.borrow_mut() = Some(Settling { lane, since: Instant::now(), held: None }));
+        LaneWork(())
+    }
+}
+
+impl Drop for LaneWork {
+    fn drop(&mut self) {
+        // Taken out first: the guards' drops run outside the borrow.
+        let done = SETTLING.with(|s| s.borrow_mut().take());
+        drop(done);
+    }
+}
+
+/// At a checkpoint of lane work on its own thread: once the work has run
+/// [`SETTLE_AFTER`], the thread goes to the lane's core and below the
+/// control threads. Costs one thread-local read before and after that;
+/// nothing on other threads (a launch's helpers).
+#[inline]
+pub fn settle(now: Option<Instant>) {
+    SETTLING.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(st) = s.as_mut().filter(|st| st.held.is_none()) else { return };
+        if now.unwrap_or_else(Instant::now).duration_since(st.since) >= SETTLE_AFTER {
+            st.held = Some((LanePin::new(st.lane), crate::nice::Lowered::new()));
+        }
+    })
 }
 
 /// Preempted work resumed on `lane`: a pinned thread moves there.

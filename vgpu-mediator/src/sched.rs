@@ -696,6 +696,7 @@ impl Running {
             crate::placement::follow(lane, self.s.crowded.load(Ordering::Acquire));
         }
         let t = Instant::now();
+        crate::placement::settle(Some(t));
         let due = self.since_base(t).saturating_sub(self.charged_to.load(Ordering::Relaxed)) >= CHARGE_EVERY.as_nanos() as u64;
         let arrived = self.s.arrivals.load(Ordering::Acquire) != self.seen.load(Ordering::Relaxed);
         if !self.paused.load(Ordering::Acquire) && !due && !arrived {
@@ -857,10 +858,9 @@ impl Scheduler {
         let r = Running::new(self.0.clone(), tenant, lane, None);
         let out = {
             let _cur = Current::set(&r);
-            // On the lane's core, below the worker's control threads, while
-            // it holds the lane.
-            let _pin = crate::placement::LanePin::new(lane);
-            let _nice = crate::nice::Lowered::new();
+            // On the lane's core, below the worker's control threads, once
+            // it proves long (crate::placement::settle).
+            let _work = crate::placement::LaneWork::begin(lane);
             f()
         };
         let dt = r.finish();
