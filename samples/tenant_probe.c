@@ -13,6 +13,10 @@
  *   fault OFFSET        a kernel writes OFFSET bytes past a 256-byte allocation;
  *                       prints the launch result, what the context says after it,
  *                       and whether a context created after destroying it works
+ *   relive SIZE         allocates SIZE bytes, prints "ready", waits for a line on
+ *                       stdin (meanwhile the device's side may end), then prints
+ *                       what the old context says, and whether a context created
+ *                       after destroying it works
  *   storm N             N launches of a kernel that adds 1 to a counter, then one
  *                       cuCtxSynchronize; prints the counter and what the
  *                       connection cost the transport (vgpuGetConnectionStats)
@@ -160,6 +164,26 @@ int main(int argc, char **argv) {
         r = cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
         CUresult sync = cuCtxSynchronize();
         printf("launch=%s sync=%s\n", name_of(r), name_of(sync));
+        return 0;
+    }
+    if (!strcmp(mode, "relive")) {
+        CUdeviceptr p, q;
+        CHECK(cuMemAlloc(&p, strtoull(argv[2], NULL, 0)));
+        printf("ready\n");
+        fflush(stdout);
+        char line[16];
+        if (!fgets(line, sizeof line, stdin)) return 1;
+        CUresult old = cuMemAlloc(&q, 256);
+        cuCtxDestroy(ctx);
+        CUdevice dev;
+        CHECK(cuDeviceGet(&dev, 0));
+        CUresult made = cuCtxCreate(&ctx, NULL, 0, dev);
+        unsigned char h[256] = {0};
+        CUresult fresh = made;
+        if (fresh == CUDA_SUCCESS) fresh = cuMemAlloc(&q, 256);
+        if (fresh == CUDA_SUCCESS) fresh = cuMemsetD8(q, 0x3C, 256);
+        if (fresh == CUDA_SUCCESS) fresh = cuMemcpyDtoH(h, q, 256);
+        printf("old=%s made=%s fresh=%s value=0x%02x\n", name_of(old), name_of(made), name_of(fresh), h[255]);
         return 0;
     }
     if (!strcmp(mode, "fault")) {

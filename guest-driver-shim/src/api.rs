@@ -130,7 +130,10 @@ struct Alloc {
 }
 
 struct Shim {
-    client: Client,
+    /// The connection to the device. Replaced only when it was lost and
+    /// the process holds no context (its executor ended: a kernel fault
+    /// or a runaway, and a fresh executor serves the next context).
+    conn: std::sync::RwLock<Arc<Client>>,
     info: DeviceInfo,
     /// `CUdevice_attribute` values by number, from the worker (the GPU's
     /// own on the cuda backend), or the reference table of an older one.
@@ -167,6 +170,12 @@ fn trace_enabled() -> bool {
 }
 
 fn fail(api: &str, e: CallError) -> CUresult {
+    // A fault is sticky for the process on CUDA; where the device's side
+    // ended for it, later calls report the fault, not the lost connection.
+    let e = match READY.get() {
+        Some(s) => s.client().fatal(e),
+        None => e,
+    };
     if log_enabled() {
         eprintln!("libcuda(vgpu): {api}: {}", e);
     }
@@ -219,6 +228,21 @@ struct Target {
 }
 
 impl Shim {
+    fn client(&self) -> Arc<Client> {
+        self.conn.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// A new connection in place of one that was lost, for a process that
+    /// holds no context any more: its next context is served afresh.
+    fn reconnect(&self) -> CallResult<()> {
+        let fresh = Client::from_env()?;
+        *self.conn.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(fresh);
+        if log_enabled() {
+            eprintln!("libcuda(vgpu): the connection to the vGPU was lost; reconnected for a new context");
+        }
+        Ok(())
+    }
+
     fn st(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -264,7 +288,7 @@ impl Shim {
         if let Some(id) = PER_THREAD.try_with(|m| m.borrow().get(&ctx).copied()).ok().flatten().filter(|id| self.st().streams.contains_key(id)) {
             return Ok(id);
         }
-        let id = self.client.handle(Request::StreamCreate(ObjCreateReq { ctx, flags: 0 }))?;
+        let id = self.client().handle(Request::StreamCreate(ObjCreateReq { ctx, flags: 0 }))?;
         self.st().streams.insert(id, StreamInfo { ctx, blocking: true, last: 0, flags: 0, priority: 0 });
         // A thread being torn down keeps no per-thread stream.
         let _ = PER_THREAD.try_with(|m| m.borrow_mut().insert(ctx, id));
@@ -284,7 +308,7 @@ impl Shim {
     fn enqueue(&self, t: Target, req: Request) -> CallResult<u64> {
         let _order = self.order.lock().unwrap_or_else(|e| e.into_inner());
         self.enqueue_waits(t)?;
-        let seq = self.client.enqueue(req)?;
+        let seq = self.client().enqueue(req)?;
         self.note(t, seq);
         Ok(seq)
     }
@@ -292,7 +316,7 @@ impl Shim {
     /// Queues on `t` the stream waits the legacy stream's semantics need
     /// before new work there.
     fn enqueue_waits(&self, t: Target) -> CallResult<()> {
-        if self.client.ring().is_none() {
+        if self.client().ring().is_none() {
             return Ok(());
         }
         let waits: Vec<(u32, u64)> = {
@@ -301,15 +325,15 @@ impl Shim {
             if t.stream == DEFAULT_STREAM {
                 let orphan = st.orphans.get(&t.ctx).copied().unwrap_or(0);
                 let blocking = st.streams.values().filter(|s| s.ctx == t.ctx && s.blocking).map(|s| s.last);
-                blocking.chain([orphan]).filter(|l| *l > 0 && !self.client.is_done(*l)).map(|l| (DEFAULT_STREAM, l)).collect()
-            } else if st.streams.get(&t.stream).is_some_and(|s| s.blocking) && legacy > 0 && !self.client.is_done(legacy) {
+                blocking.chain([orphan]).filter(|l| *l > 0 && !self.client().is_done(*l)).map(|l| (DEFAULT_STREAM, l)).collect()
+            } else if st.streams.get(&t.stream).is_some_and(|s| s.blocking) && legacy > 0 && !self.client().is_done(legacy) {
                 vec![(t.stream, legacy)]
             } else {
                 Vec::new()
             }
         };
         for (stream, seq) in waits {
-            self.client.enqueue(Request::StreamWait(StreamWaitReq { ctx: t.ctx, stream, seq }))?;
+            self.client().enqueue(Request::StreamWait(StreamWaitReq { ctx: t.ctx, stream, seq }))?;
         }
         Ok(())
     }
@@ -345,14 +369,14 @@ impl Shim {
         let mut first = None;
         for &p in points {
             if p > 0 {
-                if let Err(e) = self.client.wait(p) {
+                if let Err(e) = self.client().wait(p) {
                     first.get_or_insert(e);
                 }
             }
         }
         match first {
             Some(e) => Err(e),
-            None => self.client.check_async().and_then(|_| self.client.sticky(ctx)),
+            None => self.client().check_async().and_then(|_| self.client().sticky(ctx)),
         }
     }
 
@@ -377,7 +401,32 @@ impl Shim {
 
     fn create_ctx(&self, flags: c_uint, dev: CUdevice) -> CallResult<u32> {
         self.device(dev)?;
-        let c = self.client.handle(Request::CtxCreate(CtxCreateReq { flags, reserved: 0 }))?;
+        let req = || Request::CtxCreate(CtxCreateReq { flags, reserved: 0 });
+        let idle = || self.st().ctxs.is_empty();
+        if self.client().is_lost() && idle() {
+            self.reconnect()?;
+        }
+        let c = match self.client().handle(req()) {
+            // Lost since, or ending after a fault (its device side cannot
+            // make contexts any more): with no context left there is
+            // nothing to keep, and the tenant's next executor serves this.
+            Err(e) if (e.code == CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE || e.code.is_sticky()) && idle() => {
+                if e.code.is_sticky() {
+                    let client = self.client();
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+                    // (A call finds a lost connection where no ring shows it.)
+                    while !client.is_lost() && client.device_info().is_ok() {
+                        if std::time::Instant::now() > deadline {
+                            return Err(e);
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                }
+                self.reconnect()?;
+                self.client().handle(req())?
+            }
+            r => r?,
+        };
         let mut st = self.st();
         st.ctxs.push(c);
         st.conf.insert(c, ctx::CtxConf::new(flags));
@@ -437,7 +486,7 @@ impl Shim {
             let bases: Vec<u64> = st.allocs.iter().filter(|(_, a)| a.ctx == c).map(|(b, _)| *b).collect();
             bases.into_iter().filter_map(|b| st.allocs.remove(&b).map(|a| (b, a))).collect()
         };
-        let r = self.client.empty(Request::CtxDestroy(CtxReq { ctx: c, reserved: 0 }));
+        let r = self.client().empty(Request::CtxDestroy(CtxReq { ctx: c, reserved: 0 }));
         for (base, a) in gone {
             mem::unreserve(base, a);
         }
@@ -451,7 +500,7 @@ impl Shim {
         st.orphans.remove(&c);
         st.conf.remove(&c);
         ctx::forget_on_thread(c);
-        self.client.forget(c);
+        self.client().forget(c);
         if st.primary == Some(c) {
             st.primary = None;
         }
@@ -477,7 +526,7 @@ pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
     let r = Client::from_env().and_then(|client| {
         let info = client.device_info()?;
         let attrs = client.device_attributes().unwrap_or_else(|_| virtio_gpu_compute::attrs::reference_table(&info));
-        Ok(Shim { client, info, attrs, st: Mutex::new(State::default()), order: Mutex::new(()) })
+        Ok(Shim { conn: std::sync::RwLock::new(Arc::new(client)), info, attrs, st: Mutex::new(State::default()), order: Mutex::new(()) })
     });
     match r {
         Ok(s) => {
@@ -724,8 +773,8 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
     with("cuCtxSynchronize", |s| {
         let c = s.current()?;
-        if s.client.ring().is_none() {
-            return s.client.empty(Request::CtxSynchronize(CtxReq { ctx: c, reserved: 0 }));
+        if s.client().ring().is_none() {
+            return s.client().empty(Request::CtxSynchronize(CtxReq { ctx: c, reserved: 0 }));
         }
         s.sync_ctx(c)
     })
@@ -785,7 +834,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> C
             return Err(bad("size is 0"));
         }
         let ctx = s.current()?;
-        match s.client.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: size as u64 }))? {
+        match s.client().call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: size as u64 }))? {
             Reply::Ptr(p) => {
                 s.track(p, size as u64, ctx, 0);
                 out(dptr, p)
@@ -809,7 +858,7 @@ pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
         // Forgotten before the worker frees it: once freed, another thread
         // may be handed the same address.
         let gone = s.st().allocs.remove(&dptr);
-        match s.client.empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr })) {
+        match s.client().empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr })) {
             Ok(()) => {
                 if let Some(a) = gone {
                     mem::unreserve(dptr, a);
@@ -853,7 +902,7 @@ pub extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
     with("cuMemGetInfo", |s| {
         s.current()?;
-        match s.client.call(Request::MemGetInfo)? {
+        match s.client().call(Request::MemGetInfo)? {
             Reply::MemInfo(m) => {
                 out(free, m.free as usize)?;
                 out(total, m.total as usize)
@@ -889,7 +938,7 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) ->
             return Err(bad("size is 0"));
         }
         s.current()?;
-        out(pp, s.client.alloc_pinned(size)?.cast())
+        out(pp, s.client().alloc_pinned(size)?.cast())
     })
 }
 
@@ -919,7 +968,7 @@ pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags
 pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
     with("cuMemFreeHost", |s| {
         s.sync_all()?;
-        if !s.client.free_pinned(p.cast())? {
+        if !s.client().free_pinned(p.cast())? {
             return Err(bad("not a pointer returned by cuMemAllocHost or cuMemHostAlloc"));
         }
         Ok(())
@@ -943,7 +992,7 @@ pub unsafe extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytes: usize, flag
             return Err(CallError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "mapped and I/O registrations are unsupported on this device"));
         }
         s.current()?;
-        s.client.register_host(p.cast(), bytes)
+        s.client().register_host(p.cast(), bytes)
     })
 }
 
@@ -957,7 +1006,7 @@ pub unsafe extern "C" fn cuMemHostRegister(p: *mut c_void, bytes: usize, flags: 
 pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
     with("cuMemHostUnregister", |s| {
         s.sync_all()?;
-        s.client.unregister_host(p.cast())
+        s.client().unregister_host(p.cast())
     })
 }
 
@@ -978,23 +1027,23 @@ fn host_copy(api: &str, to_device: bool, dev: CUdeviceptr, host: *mut c_void, n:
         if graph::record(t, node)? {
             return Ok(());
         }
-        s.client.check_async()?;
-        s.client.sticky(t.ctx)?;
+        s.client().check_async()?;
+        s.client().sticky(t.ctx)?;
         // Ordered after what CUDA's stream semantics order it after.
         let _order = s.order.lock().unwrap_or_else(|e| e.into_inner());
         s.enqueue_waits(t)?;
         let last = if to_device {
             // SAFETY: the caller provides `n` readable bytes at `host`.
             let data = unsafe { std::slice::from_raw_parts(host.cast::<u8>(), n) };
-            s.client.htod(t.ctx, t.stream, dev, data)?
+            s.client().htod(t.ctx, t.stream, dev, data)?
         } else {
             // SAFETY: the caller provides `n` writable bytes at `host`.
             let data = unsafe { std::slice::from_raw_parts_mut(host.cast::<u8>(), n) };
-            s.client.dtoh(t.ctx, t.stream, data, dev)?
+            s.client().dtoh(t.ctx, t.stream, data, dev)?
         };
         s.note(t, last);
         if sync {
-            s.client.wait(last)
+            s.client().wait(last)
         } else {
             Ok(())
         }
@@ -1009,7 +1058,7 @@ fn dtod(api: &str, dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: H, sync
         }
         let seq = s.enqueue(t, Request::MemcpyDtoD(MemcpyDtoDReq { ctx: t.ctx, stream: t.stream, dst, src, size: n as u64 }))?;
         if sync {
-            s.client.wait(seq)
+            s.client().wait(seq)
         } else {
             Ok(())
         }
@@ -1079,7 +1128,7 @@ fn memset(api: &str, dst: CUdeviceptr, value: u32, elem: u32, count: usize, stre
         }
         let seq = s.enqueue(t, Request::Memset(MemsetReq { ctx: t.ctx, stream: t.stream, dptr: dst, value, elem_size: elem, count: count as u64 }))?;
         if sync {
-            s.client.wait(seq)
+            s.client().wait(seq)
         } else {
             Ok(())
         }
@@ -1193,7 +1242,7 @@ fn load_image(s: &Shim, ctx: u32, bytes: &[u8]) -> CallResult<u32> {
     };
     let format = ImageFormat::sniff(bytes);
     let entries = Arc::new(entry_names(bytes));
-    let id = s.client.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: format as u32, image_len: bytes.len() as u64 }, bytes.to_vec()))?;
+    let id = s.client().handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: format as u32, image_len: bytes.len() as u64 }, bytes.to_vec()))?;
     let arch = code_arch(bytes).unwrap_or(s.info.cc_major * 10 + s.info.cc_minor);
     s.st().modules.insert(id, ModInfo { ctx, entries, arch });
     Ok(id)
@@ -1266,7 +1315,7 @@ fn load_module(s: &Shim, m: *mut H, image: *const c_void) -> CallResult<()> {
 /// Looks up kernel `name` in module `module` of context `ctx`.
 fn get_function(s: &Shim, ctx: u32, module: u32, name: &str) -> CallResult<u32> {
     let req = Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: name.len() as u32, reserved: 0 }, name.to_string());
-    match s.client.call(req)? {
+    match s.client().call(req)? {
         Reply::Function(fr, params) => {
             let conf = Mutex::new(library::FuncConf::new(&s.info));
             let arch = s.st().modules.get(&module).map_or(0, |m| m.arch);
@@ -1312,7 +1361,7 @@ pub extern "C" fn cuModuleUnload(m: H) -> CUresult {
         let ctx = s.st().modules.get(&id).map(|m| m.ctx).ok_or_else(|| invalid_handle("module"))?;
         // Launches queued from it run first.
         s.sync_ctx(ctx)?;
-        s.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: id }))?;
+        s.client().empty(Request::ModuleUnload(ModuleReq { ctx, module: id }))?;
         s.forget_module(id);
         Ok(())
     })
@@ -1358,7 +1407,7 @@ pub unsafe extern "C" fn cuModuleGetGlobal_v2(dptr: *mut u64, bytes: *mut usize,
 /// A module variable's device address and size.
 fn get_global(s: &Shim, ctx: u32, module: u32, name: &str) -> CallResult<(u64, u64)> {
     let req = Request::ModuleGetGlobal(GetFunctionReq { ctx, module, name_len: name.len() as u32, reserved: 0 }, name.to_string());
-    match s.client.call(req)? {
+    match s.client().call(req)? {
         Reply::Global(addr, size) => {
             // Device memory like any other, for unified-address copies.
             if size > 0 && !s.is_tracked(addr) {
@@ -1506,7 +1555,7 @@ fn create_stream(s: &Shim, p: *mut H, flags: c_uint, priority: c_int) -> CallRes
         return Err(bad("null pointer or unknown stream flags"));
     }
     let ctx = s.current()?;
-    let id = s.client.handle(Request::StreamCreate(ObjCreateReq { ctx, flags }))?;
+    let id = s.client().handle(Request::StreamCreate(ObjCreateReq { ctx, flags }))?;
     // Out-of-range priorities are clamped, as on CUDA.
     let priority = priority.clamp(ctx::PRIORITY_GREATEST, ctx::PRIORITY_LEAST);
     s.st().streams.insert(id, StreamInfo { ctx, blocking: flags & CU_STREAM_NON_BLOCKING == 0, last: 0, flags, priority });
@@ -1526,7 +1575,7 @@ pub extern "C" fn cuStreamDestroy_v2(h: H) -> CUresult {
     with("cuStreamDestroy", |s| {
         let id = dec(TAG_STREAM, h).ok_or_else(|| invalid_handle("stream"))?;
         let ctx = s.st().streams.get(&id).map(|x| x.ctx).ok_or_else(|| invalid_handle("stream"))?;
-        s.client.empty(Request::StreamDestroy(HandleReq { ctx, handle: id }))?;
+        s.client().empty(Request::StreamDestroy(HandleReq { ctx, handle: id }))?;
         let mut st = s.st();
         if let Some(gone) = st.streams.remove(&id) {
             let o = st.orphans.entry(ctx).or_insert(0);
@@ -1545,8 +1594,8 @@ fn stream_sync(h: H, default: Default) -> CUresult {
     with("cuStreamSynchronize", |s| {
         let t = s.target(h, default)?;
         graph::refuse_if_capturing(t)?;
-        if s.client.ring().is_none() {
-            return s.client.empty(Request::StreamSynchronize(HandleReq { ctx: t.ctx, handle: t.stream }));
+        if s.client().ring().is_none() {
+            return s.client().empty(Request::StreamSynchronize(HandleReq { ctx: t.ctx, handle: t.stream }));
         }
         let points = s.sync_points(t);
         s.wait_all(t.ctx, &points)
@@ -1567,8 +1616,8 @@ fn stream_query(h: H, default: Default) -> CUresult {
     with("cuStreamQuery", |s| {
         let t = s.target(h, default)?;
         graph::refuse_if_capturing(t)?;
-        if s.sync_points(t).iter().all(|p| s.client.is_done(*p)) {
-            s.client.check_async()
+        if s.sync_points(t).iter().all(|p| s.client().is_done(*p)) {
+            s.client().check_async()
         } else {
             Err(CallError::new(CuResult::CUDA_ERROR_NOT_READY, "work is still queued on the stream"))
         }
@@ -1598,14 +1647,14 @@ fn stream_wait_event(h: H, e: H, flags: c_uint, default: Default) -> CUresult {
             return Ok(());
         }
         let Some(seq) = s.st().events.get(&ev).and_then(|e| e.recorded) else { return Ok(()) };
-        if s.client.is_done(seq) {
+        if s.client().is_done(seq) {
             return Ok(());
         }
-        if s.client.ring().is_none() {
+        if s.client().ring().is_none() {
             return Ok(());
         }
         let _order = s.order.lock().unwrap_or_else(|e| e.into_inner());
-        let w = s.client.enqueue(Request::StreamWait(StreamWaitReq { ctx: t.ctx, stream: t.stream, seq }))?;
+        let w = s.client().enqueue(Request::StreamWait(StreamWaitReq { ctx: t.ctx, stream: t.stream, seq }))?;
         s.note(t, w);
         Ok(())
     })
@@ -1628,7 +1677,7 @@ pub unsafe extern "C" fn cuEventCreate(p: *mut H, flags: c_uint) -> CUresult {
             return Err(bad("null pointer or unknown event flags"));
         }
         let ctx = s.current()?;
-        let id = s.client.handle(Request::EventCreate(ObjCreateReq { ctx, flags }))?;
+        let id = s.client().handle(Request::EventCreate(ObjCreateReq { ctx, flags }))?;
         s.st().events.insert(id, EventInfo { ctx, recorded: None });
         out(p, enc(TAG_EVENT, id))
     })
@@ -1667,7 +1716,7 @@ pub extern "C" fn cuEventQuery(e: H) -> CUresult {
     with("cuEventQuery", |s| {
         let (_, ev) = s.event(e)?;
         match s.st().events.get(&ev).and_then(|e| e.recorded) {
-            Some(seq) if !s.client.is_done(seq) => Err(CallError::new(CuResult::CUDA_ERROR_NOT_READY, "the event's work is not done")),
+            Some(seq) if !s.client().is_done(seq) => Err(CallError::new(CuResult::CUDA_ERROR_NOT_READY, "the event's work is not done")),
             _ => Ok(()),
         }
     })
@@ -1677,8 +1726,8 @@ pub extern "C" fn cuEventQuery(e: H) -> CUresult {
 pub extern "C" fn cuEventSynchronize(e: H) -> CUresult {
     with("cuEventSynchronize", |s| {
         let (ctx, ev) = s.event(e)?;
-        if s.client.ring().is_none() {
-            return s.client.empty(Request::EventSynchronize(HandleReq { ctx, handle: ev }));
+        if s.client().ring().is_none() {
+            return s.client().empty(Request::EventSynchronize(HandleReq { ctx, handle: ev }));
         }
         let seq = s.st().events.get(&ev).and_then(|e| e.recorded).unwrap_or(0);
         s.wait_all(ctx, &[seq])
@@ -1693,11 +1742,11 @@ pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: H, end: H) -> C
         for ev in [a, b] {
             match s.st().events.get(&ev).and_then(|e| e.recorded) {
                 None => return Err(invalid_handle("event: it was never recorded")),
-                Some(seq) if !s.client.is_done(seq) => return Err(CallError::new(CuResult::CUDA_ERROR_NOT_READY, "an event's work is not done")),
+                Some(seq) if !s.client().is_done(seq) => return Err(CallError::new(CuResult::CUDA_ERROR_NOT_READY, "an event's work is not done")),
                 _ => {}
             }
         }
-        match s.client.call(Request::EventElapsedTime(EventElapsedReq { ctx, start: a, end: b, reserved: 0 }))? {
+        match s.client().call(Request::EventElapsedTime(EventElapsedReq { ctx, start: a, end: b, reserved: 0 }))? {
             Reply::Elapsed(v) => out(ms, v),
             r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
         }
@@ -1708,7 +1757,7 @@ pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: H, end: H) -> C
 pub extern "C" fn cuEventDestroy_v2(e: H) -> CUresult {
     with("cuEventDestroy", |s| {
         let (ctx, ev) = s.event(e)?;
-        s.client.empty(Request::EventDestroy(HandleReq { ctx, handle: ev }))?;
+        s.client().empty(Request::EventDestroy(HandleReq { ctx, handle: ev }))?;
         s.st().events.remove(&ev);
         Ok(())
     })
@@ -1725,7 +1774,7 @@ pub extern "C" fn cuEventDestroy(e: H) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn vgpuGetConnectionStats(messages: *mut u64, ring_entries: *mut u64, kicks: *mut u64) -> CUresult {
     with("vgpuGetConnectionStats", |s| {
-        let c = s.client.conn_stats()?;
+        let c = s.client().conn_stats()?;
         out(messages, c.messages)?;
         out(ring_entries, c.ring_entries)?;
         out(kicks, c.kicks)

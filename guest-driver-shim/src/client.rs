@@ -79,6 +79,9 @@ pub struct Client {
     /// Sticky errors of contexts whose kernels faulted.
     sticky: Mutex<std::collections::HashMap<u32, CallError>>,
     any_sticky: AtomicBool,
+    /// The first sticky error this connection reported: what every call
+    /// reports once the connection is lost after it (crate::api::fail).
+    fatal: Mutex<Option<CallError>>,
     /// Registered host ranges by page-aligned start: length and, where the
     /// worker shares them, how copies name them.
     registered: Mutex<BTreeMap<usize, Registered>>,
@@ -212,6 +215,7 @@ impl Client {
             pinned: Mutex::new(BTreeMap::new()),
             sticky: Mutex::default(),
             any_sticky: AtomicBool::new(false),
+            fatal: Mutex::new(None),
             registered: Mutex::default(),
         })
     }
@@ -227,7 +231,30 @@ impl Client {
             pinned: Mutex::new(BTreeMap::new()),
             sticky: Mutex::default(),
             any_sticky: AtomicBool::new(false),
+            fatal: Mutex::new(None),
             registered: Mutex::default(),
+        }
+    }
+
+    /// Whether the device's side of this connection is gone.
+    pub fn is_lost(&self) -> bool {
+        self.broken.load(Ordering::Acquire) || self.ring.as_ref().is_some_and(|r| !r.alive())
+    }
+
+    /// `e` as the caller sees it: a sticky error is remembered, and a lost
+    /// connection after one reports that error, as CUDA reports a fault
+    /// from every call of the process that met it.
+    pub fn fatal(&self, e: CallError) -> CallError {
+        let mut f = lock(&self.fatal);
+        if e.code.is_sticky() {
+            if f.is_none() {
+                *f = Some(e.clone());
+            }
+            return e;
+        }
+        match &*f {
+            Some(first) if e.code == CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE => first.clone(),
+            _ => e,
         }
     }
 

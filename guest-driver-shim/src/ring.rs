@@ -106,6 +106,11 @@ impl RingClient {
         unsafe { std::ptr::copy_nonoverlapping(self.base.add(off), out.as_mut_ptr(), out.len()) };
     }
 
+    /// Whether the device's side of the ring is still there.
+    pub fn alive(&self) -> bool {
+        self.kick.alive()
+    }
+
     pub fn is_done(&self, seq: u64) -> bool {
         seq < ring::FIRST_SEQ || self.u64_at(ring::done_offset(seq)).load(Ordering::Acquire) >= seq
     }

@@ -73,6 +73,39 @@ pub fn samples() -> &'static Path {
     })
 }
 
+/// A tenant program (`tenant_probe relive`) holding a context open while
+/// the test ends the process that serves it; [`Relive::finish`] then has
+/// it try the old context and a new one, and checks that the old one
+/// reports the loss and the new one is served afresh.
+pub struct Relive {
+    child: std::process::Child,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Relive {
+    pub fn start(socket: &Path) -> Relive {
+        use std::io::BufRead;
+        let mut c = sample("tenant_probe", socket);
+        c.args(["relive", "4096"]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+        let mut child = c.spawn().expect("spawn tenant_probe relive");
+        let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        out.read_line(&mut line).expect("ready line");
+        assert_eq!(line.trim(), "ready");
+        Relive { child, out }
+    }
+
+    pub fn finish(mut self) {
+        use std::io::BufRead;
+        self.child.stdin.take().expect("stdin").write_all(b"go\n").expect("go");
+        let mut line = String::new();
+        self.out.read_line(&mut line).expect("relive result");
+        assert!(self.child.wait().expect("wait").success(), "{line}");
+        assert!(line.contains("old=CUDA_ERROR_DEVICE_UNAVAILABLE"), "{line}");
+        assert!(line.contains("made=CUDA_SUCCESS fresh=CUDA_SUCCESS value=0x3c"), "the next context is served afresh: {line}");
+    }
+}
+
 /// A program from samples/ run as the tenant behind `socket`.
 pub fn sample(name: &str, socket: &Path) -> Command {
     let mut c = Command::new(samples().join(name));
@@ -338,7 +371,9 @@ pub fn gpu_mediator(test: &str, extra: &[&str]) -> Option<(Mediator, String)> {
         }
         Ok(v) => {
             let name = v["devices"][0]["name"].as_str().expect("device name").to_string();
-            let mut args = vec!["--cuda", "required", "--cpu-devices", "0"];
+            // Every tenant in an executor of its own: on NVIDIA's driver
+            // the process is what isolates address spaces and faults.
+            let mut args = vec!["--cuda", "required", "--cpu-devices", "0", "--isolation", "process"];
             args.extend_from_slice(extra);
             Some((Mediator::start_with(&args), name))
         }

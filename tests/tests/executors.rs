@@ -126,6 +126,8 @@ fn killing_an_executor_leaves_the_other_tenants_running_work_correct() {
     let a = m.tenant("victim", "32MiB");
     let b = m.tenant("bystander", "32MiB");
     let pa = executor_of(&m, "victim");
+    // A process of the victim's, with a context open when its executor dies.
+    let relive = Relive::start(&a);
     // The bystander's samples run while the victim's executor is killed.
     let b2 = b.clone();
     let work = std::thread::spawn(move || checks::samples_concurrently(&[&b2], "200000", "96"));
@@ -144,6 +146,10 @@ fn killing_an_executor_leaves_the_other_tenants_running_work_correct() {
     };
     assert_ne!(fresh, pa);
     assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"));
+    // The process that outlived its executor: its old context reports the
+    // loss, and a context it creates after destroying that one is served
+    // by the fresh executor.
+    relive.finish();
     assert_eq!(m.device("cpu0")["state"], "running");
 }
 

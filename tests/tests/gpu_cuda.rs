@@ -2,6 +2,10 @@
 //! the same programs and checks the CPU device passes, on two tenants that
 //! share the GPU. Every test skips, loudly, on a machine without a GPU.
 //!
+//! Every tenant runs in an executor process of its own (`--isolation
+//! process`): on NVIDIA's driver, contexts in one process share an address
+//! space and a fault breaks all of them; processes do not.
+//!
 //! Run on a GPU machine: cargo test --release -p vgpu-tests --test gpu_cuda
 
 use std::io::{BufRead, BufReader};
@@ -122,4 +126,52 @@ fn gpu_runaway_kernel_is_stopped_and_others_continue() {
     assert!(run_ok(sample("vectorAdd", &b)).contains("PASSED"));
     assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"), "the spinner's next process gets a fresh context");
     let _ = std::fs::remove_file(&cfg);
+}
+
+#[test]
+fn gpu_tenants_run_in_executors_of_their_own_and_one_killed_spares_the_other() {
+    let Some((m, gpu)) = gpu_mediator("gpu_tenants_run_in_executors_of_their_own_and_one_killed_spares_the_other", &[]) else { return };
+    let a = m.tenant_on("victim", "1GiB", &gpu);
+    let b = m.tenant_on("bystander", "1GiB", &gpu);
+    assert_eq!(m.device(&gpu)["isolation"], "process");
+    let (pa, pb, arbiter) = (m.serving_pid(&gpu, "victim"), m.serving_pid(&gpu, "bystander"), m.worker_pid(&gpu));
+    assert!(pa != pb && pa != arbiter && pb != arbiter, "victim {pa}, bystander {pb}, arbiter {arbiter}");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let (ua, ub) = (proc_stats(pa).uid, proc_stats(pb).uid);
+        assert!(ua != ub && ua != 0 && ub != 0, "uids: victim {ua}, bystander {ub}");
+    }
+    // The arbiter has no tenant memory, and no context on the GPU: it
+    // holds no /dev/nvidia-uvm mapping of a context.
+    let maps = std::fs::read_to_string(format!("/proc/{arbiter}/maps")).expect("maps");
+    assert!(!maps.contains("memfd:"), "the arbiter maps tenant memory: {maps}");
+    // A process of the victim's with a context open when its executor dies.
+    let relive = Relive::start(&a);
+    let steady = {
+        let b = b.clone();
+        std::thread::spawn(move || (0..5).map(|_| run_ok(sample("matrixMul", &b).arg("512"))).collect::<Vec<_>>())
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // SAFETY: SIGKILL to a process the test's daemon started.
+    assert_eq!(unsafe { libc::kill(pa as i32, libc::SIGKILL) }, 0);
+    for o in steady.join().expect("bystander") {
+        assert!(o.contains("matrixMul: PASSED"), "{o}");
+    }
+    // Its old context reports the loss; its next is served by a fresh executor.
+    relive.finish();
+    assert_ne!(m.serving_pid(&gpu, "victim"), pa);
+    assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"));
+}
+
+#[test]
+fn gpu_weights_hold_across_executors() {
+    let Some((m, _gpu)) = gpu_mediator("gpu_weights_hold_across_executors", &[]) else { return };
+    // The arbiter grants the GPU to one executor at a time, by weight.
+    for (tag, weights) in [("w", &[1u32, 3][..]), ("v", &[1, 1, 2, 4][..])] {
+        let (got, used) = shares::measure(&m, tag, weights, 2.0, 20_000);
+        let sum: u32 = weights.iter().sum();
+        let worst = got.iter().zip(weights).map(|(g, w)| (g - f64::from(*w) / f64::from(sum)).abs()).fold(0.0, f64::max);
+        println!("GPU shares, weights {weights:?}: {:?} of {used:?} device time; largest error {:.1} points", got.iter().map(|g| format!("{:.1}%", 100.0 * g)).collect::<Vec<_>>(), 100.0 * worst);
+        assert!(worst < 0.03, "weights {weights:?} gave {got:?}");
+    }
 }

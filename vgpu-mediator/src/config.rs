@@ -241,12 +241,14 @@ pub struct DevicesConfig {
     /// cores also run other work.
     #[serde(default = "yes")]
     pub pin_lanes: bool,
-    /// Isolation of tenants on a CPU device: "process" gives each tenant
+    /// Isolation of tenants sharing a device: "process" gives each tenant
     /// an executor process of its own under a uid of its own, scheduled
     /// by the device's arbiter; "shared" serves every tenant of the device
-    /// in one worker process (docs/architecture.md).
+    /// in one worker process (docs/architecture.md). Unset: "process" on
+    /// GPUs (where NVIDIA's driver isolates processes, not contexts) and
+    /// "shared" on CPU devices.
     #[serde(default)]
-    pub isolation: Isolation,
+    pub isolation: Option<Isolation>,
     /// The uids tenant executors run as, "FIRST-LAST", one per live
     /// executor (used when the daemon runs as root).
     #[serde(default = "default_executor_uids")]
@@ -267,6 +269,18 @@ pub enum Isolation {
     Shared,
     /// One executor process per tenant, and the device's arbiter.
     Process,
+}
+
+impl DevicesConfig {
+    /// The isolation of CPU devices: "shared" unless configured.
+    pub fn cpu_isolation(&self) -> Isolation {
+        self.isolation.unwrap_or(Isolation::Shared)
+    }
+
+    /// The isolation of GPUs and MIG instances: "process" unless configured.
+    pub fn gpu_isolation(&self) -> Isolation {
+        self.isolation.unwrap_or(Isolation::Process)
+    }
 }
 
 fn default_executor_uids() -> String {
@@ -428,7 +442,7 @@ impl Default for DevicesConfig {
             spill: Size(0),
             compute_nice: default_compute_nice(),
             pin_lanes: true,
-            isolation: Isolation::Shared,
+            isolation: None,
             executor_uids: default_executor_uids(),
             passthrough: Vec::new(),
         }

@@ -55,6 +55,21 @@ const LINGER: Duration = Duration::from_micros(500);
 /// executor that has not stopped by then loses its channel: its work
 /// stops, and the control plane replaces it.
 const PAUSE_WAIT: Duration = Duration::from_secs(5);
+/// The wait after `YIELD` on this arbiter: [`PAUSE_WAIT`], or longer where
+/// work has no checkpoint and a launch may run up to its timeout (a GPU
+/// kernel), so that the launch timeout, not the yield, is what ends it.
+static PAUSE_WAIT_MS: AtomicU64 = AtomicU64::new(PAUSE_WAIT.as_millis() as u64);
+
+/// Lets work run up to `launch_timeout` (plus a second) after a `YIELD`
+/// before its executor loses its channel; never less than [`PAUSE_WAIT`].
+pub fn allow_unpausable(launch_timeout: Duration) {
+    let ms = (launch_timeout + Duration::from_secs(1)).max(PAUSE_WAIT).as_millis();
+    PAUSE_WAIT_MS.store(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
+fn pause_wait() -> Duration {
+    Duration::from_millis(PAUSE_WAIT_MS.load(Ordering::Relaxed))
+}
 /// Messages from the executor a piece of its work may have waiting for
 /// the arbiter's proxy: an executor never needs more than one (a PAUSED
 /// or a DONE); more is a flood, and a protocol violation.
@@ -206,7 +221,8 @@ impl PauseHook for Proxy {
         if self.done.load(Ordering::Acquire) || !self.tell(Msg { kind: YIELD, id: self.id, value: 0 }) {
             return false;
         }
-        match lock(&self.rx).recv_timeout(PAUSE_WAIT) {
+        let wait = pause_wait();
+        match lock(&self.rx).recv_timeout(wait) {
             Ok(Heard::Paused) => true,
             Ok(Heard::Done) | Err(mpsc::RecvTimeoutError::Disconnected) => {
                 self.done.store(true, Ordering::Release);
@@ -215,7 +231,7 @@ impl PauseHook for Proxy {
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 // Its lane is not given up at its word: the channel goes,
                 // the executor with it, and the lane with the proxy.
-                warn!(id = self.id, "executor work did not stop within {PAUSE_WAIT:?} of a yield; it loses its grant channel");
+                warn!(id = self.id, "executor work did not stop within {wait:?} of a yield; it loses its grant channel");
                 self.chan.shutdown();
                 self.done.store(true, Ordering::Release);
                 false

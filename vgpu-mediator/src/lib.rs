@@ -5,6 +5,7 @@ pub mod arbiter;
 pub mod backend;
 pub mod config;
 pub mod control;
+pub mod fatal;
 pub mod gpu;
 pub mod grant;
 pub mod ipc;

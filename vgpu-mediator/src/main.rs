@@ -299,7 +299,7 @@ fn run() -> anyhow::Result<()> {
         cfg.devices.spill = sp;
     }
     if let Some(i) = cli.isolation {
-        cfg.devices.isolation = i;
+        cfg.devices.isolation = Some(i);
     }
     if let Some(p) = cli.pin_lanes {
         cfg.devices.pin_lanes = p;
@@ -371,7 +371,7 @@ fn run() -> anyhow::Result<()> {
             spill: cfg.devices.spill.0,
             compute_nice: 0,
             pin_lanes: false,
-            executors: cfg.devices.isolation == vgpu_mediator::config::Isolation::Process,
+            executors: cfg.devices.cpu_isolation() == vgpu_mediator::config::Isolation::Process,
             name: format!("cpu{i}"),
             ordinal: i,
             memory: cfg.devices.memory.0,
@@ -394,7 +394,7 @@ fn run() -> anyhow::Result<()> {
         d.pin_lanes = d.cuda.is_none() && cfg.devices.pin_lanes;
     }
     let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
-    if cfg.devices.isolation == config::Isolation::Process && cfg.devices.cpu > 0 {
+    if cfg.devices.cpu_isolation() == config::Isolation::Process && cfg.devices.cpu > 0 {
         // Device memory is brokered between executors only per tenant so
         // far: no device-wide backing to overcommit or spill from.
         anyhow::ensure!(
@@ -511,12 +511,16 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             continue;
         };
         tracing::info!(device = %g.name, model = %g.model, uuid = %g.uuid, numa_node = g.numa_node, memory, "serving GPU device");
+        let executors = d.gpu_isolation() == config::Isolation::Process;
         out.push(DeviceSpec {
             name: g.name,
             ordinal: d.cpu + i as u32,
             memory,
             budget: 0,
-            lanes: d.lanes,
+            // Two processes' kernels never run on a GPU at once (without
+            // MPS): its arbiter grants one executor at a time, so the
+            // tenants' weights, not the GPU's equal time slices, decide.
+            lanes: if executors { 1 } else { d.lanes },
             launch_timeout_ms: d.cuda_launch_timeout_ms,
             cc: (0, 0),
             seccomp: false,
@@ -527,7 +531,7 @@ fn gpu_devices(cfg: &Config) -> anyhow::Result<Vec<DeviceSpec>> {
             spill: 0,
             compute_nice: 0,
             pin_lanes: false,
-            executors: false,
+            executors,
         });
     }
     if out.is_empty() {

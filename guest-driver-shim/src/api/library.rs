@@ -79,7 +79,7 @@ impl Shim {
         // handle tables' lock is never taken inside the libraries' one.)
         let other = with_libs(|l| l.libs.get(&lib).and_then(|x| x.modules.get(&ctx).copied()));
         if let Some(o) = other.filter(|o| *o != m && self.st().modules.contains_key(o)) {
-            let _ = self.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: m }));
+            let _ = self.client().empty(Request::ModuleUnload(ModuleReq { ctx, module: m }));
             self.forget_module(m);
             return Ok(o);
         }
@@ -190,7 +190,7 @@ pub extern "C" fn cuLibraryUnload(lib: H) -> CUresult {
         let mut first = None;
         for (ctx, m) in gone.modules {
             if s.st().modules.contains_key(&m) {
-                let r = s.sync_ctx(ctx).and_then(|_| s.client.empty(Request::ModuleUnload(ModuleReq { ctx, module: m })));
+                let r = s.sync_ctx(ctx).and_then(|_| s.client().empty(Request::ModuleUnload(ModuleReq { ctx, module: m })));
                 s.forget_module(m);
                 if let Err(e) = r {
                     first.get_or_insert(e);

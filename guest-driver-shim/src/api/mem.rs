@@ -209,7 +209,7 @@ pub unsafe extern "C" fn cuMemHostGetDevicePointer(dptr: *mut CUdeviceptr, p: *m
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemHostGetFlags(flags: *mut c_uint, p: *mut c_void) -> CUresult {
-    with("cuMemHostGetFlags", |s| match s.client.host_range(p as usize) {
+    with("cuMemHostGetFlags", |s| match s.client().host_range(p as usize) {
         Some((_, _, false)) => out(flags, 0),
         _ => Err(bad("not pinned memory from cuMemHostAlloc")),
     })
@@ -231,7 +231,7 @@ fn owner(s: &Shim, p: u64) -> Owner {
     if let Some((b, a)) = s.alloc_at(p) {
         return Owner::Device(b, a);
     }
-    match s.client.host_range(p as usize) {
+    match s.client().host_range(p as usize) {
         Some((b, n, _)) => Owner::Host(b, n),
         None => Owner::Unknown,
     }

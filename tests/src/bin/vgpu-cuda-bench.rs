@@ -13,7 +13,8 @@
 //!   (native), and a mediated 1 GiB allocation, scrub included
 //!   matrixMul end to end: the C sample, run to completion both ways
 //!
-//! Usage: vgpu-cuda-bench [--quick]. Without a GPU it says why and exits 0.
+//! Usage: vgpu-cuda-bench [--quick] [--isolation process|shared] (process
+//! by default). Without a GPU it says why and exits 0.
 
 use std::ffi::{c_void, CString};
 use std::process::Command;
@@ -213,7 +214,11 @@ fn main() {
     let gpu = info["devices"][0]["name"].as_str().expect("device").to_string();
     println!("device {} ({}), driver {}, CUDA {}", gpu, info["devices"][0]["model"], info["driver_version"], info["cuda_driver_version"]);
     let native = run_role("native", quick, None);
-    let m = Mediator::start_with(&["--cuda", "required", "--cpu-devices", "0"]);
+    // --isolation process (the default here: a tenant's executor of its
+    // own, as on every GPU a tenant shares) or shared.
+    let isolation = args.iter().skip_while(|a| *a != "--isolation").nth(1).cloned().unwrap_or_else(|| "process".into());
+    println!("isolation={isolation}");
+    let m = Mediator::start_with(&["--cuda", "required", "--cpu-devices", "0", "--isolation", &isolation]);
     let sock = m.tenant_on("bench", "8GiB", &gpu);
     let mediated = run_role("mediated", quick, Some(&sock));
     let f = |v: &Value, k: &str| v[k].as_f64().expect(k);

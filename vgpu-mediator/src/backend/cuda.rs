@@ -222,6 +222,9 @@ impl TenantCtx {
         if let Err(e) = &r {
             if e.code.is_sticky() {
                 self.poisoned = true;
+                // A tenant's executor ends (crate::fatal): no context in
+                // this process works again on NVIDIA's driver.
+                crate::fatal::mark(&e.msg);
             }
         }
         r
@@ -439,11 +442,18 @@ impl CudaBackend {
         Self::open(numa_node, launch_timeout).map_err(|e| e.msg)
     }
 
-    fn open(numa_node: i32, launch_timeout: Duration) -> Result<CudaBackend, BackendError> {
-        use cu::CUdevice_attribute as A;
+    /// What device 0 of this process is, without a context on it (the
+    /// device's arbiter, which holds no tenant state, says this to tenants).
+    pub fn describe(numa_node: i32) -> Result<DeviceDesc, String> {
+        probe()?;
         let mut dev: cu::CUdevice = 0;
         // SAFETY: valid out-pointer; cuInit ran in probe().
-        check(unsafe { cu::cuDeviceGet(&mut dev, 0) }, "cuDeviceGet")?;
+        check(unsafe { cu::cuDeviceGet(&mut dev, 0) }, "cuDeviceGet").map_err(|e| e.msg)?;
+        Self::device_desc(dev, numa_node).map_err(|e| e.msg)
+    }
+
+    fn device_desc(dev: cu::CUdevice, numa_node: i32) -> Result<DeviceDesc, BackendError> {
+        use cu::CUdevice_attribute as A;
         let mut name = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer holds 256 bytes, as stated.
         check(unsafe { cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev) }, "cuDeviceGetName")?;
@@ -456,13 +466,7 @@ impl CudaBackend {
         let mut memory = 0usize;
         // SAFETY: valid out-pointer and device.
         check(unsafe { cu::cuDeviceTotalMem_v2(&mut memory, dev) }, "cuDeviceTotalMem")?;
-        let mut home: cu::CUcontext = std::ptr::null_mut();
-        // SAFETY: valid out-pointer and device; released in Drop.
-        check(unsafe { cu::cuDevicePrimaryCtxRetain(&mut home, dev) }, "cuDevicePrimaryCtxRetain")?;
-        // SAFETY: looks a symbol up by name; a missing one is None. The
-        // signature is cuFuncGetParamInfo's, per the CUDA 12.4 headers.
-        let param_info = unsafe { cu::culib().get::<ParamInfoFn>(b"cuFuncGetParamInfo").ok().map(|s| *s) };
-        let desc = DeviceDesc {
+        Ok(DeviceDesc {
             kind: "cuda",
             name,
             uuid: uuid.bytes.map(|b| b as u8),
@@ -476,7 +480,20 @@ impl CudaBackend {
             instruction_budget: 0,
             numa_node,
             attributes: Some(raw_attributes(dev)),
-        };
+        })
+    }
+
+    fn open(numa_node: i32, launch_timeout: Duration) -> Result<CudaBackend, BackendError> {
+        let mut dev: cu::CUdevice = 0;
+        // SAFETY: valid out-pointer; cuInit ran in probe().
+        check(unsafe { cu::cuDeviceGet(&mut dev, 0) }, "cuDeviceGet")?;
+        let desc = Self::device_desc(dev, numa_node)?;
+        let mut home: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device; released in Drop.
+        check(unsafe { cu::cuDevicePrimaryCtxRetain(&mut home, dev) }, "cuDevicePrimaryCtxRetain")?;
+        // SAFETY: looks a symbol up by name; a missing one is None. The
+        // signature is cuFuncGetParamInfo's, per the CUDA 12.4 headers.
+        let param_info = unsafe { cu::culib().get::<ParamInfoFn>(b"cuFuncGetParamInfo").ok().map(|s| *s) };
         Ok(CudaBackend {
             desc,
             dev,
@@ -507,9 +524,17 @@ impl CudaBackend {
             }
             let waited = start.elapsed();
             if waited >= self.launch_timeout {
+                let err = BackendError::new(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, format!("kernel ran past the {:?} launch timeout and was stopped", self.launch_timeout));
+                // An executor never destroys a context with a running
+                // kernel (cuCtxDestroy waits for it): it ends, and the
+                // driver stops the kernel with the process.
+                if crate::fatal::mark(&err.msg) {
+                    t.poisoned = true;
+                    return Err(err);
+                }
                 tracing::warn!(device = %self.desc.name, ?waited, "kernel exceeded the launch timeout; destroying its tenant's context");
                 t.destroy();
-                return Err(BackendError::new(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, format!("kernel ran past the {:?} launch timeout and was stopped", self.launch_timeout)));
+                return Err(err);
             }
             if waited < Duration::from_micros(200) {
                 std::hint::spin_loop();
@@ -658,6 +683,11 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        if crate::fatal::marked() {
+            // Ending: the process's end releases everything, and a
+            // destroy could wait on a running kernel.
+            return;
+        }
         for (_, t) in self.tenants.lock().unwrap_or_else(|e| e.into_inner()).drain() {
             t.lock().unwrap_or_else(|e| e.into_inner()).destroy();
         }
@@ -691,6 +721,11 @@ impl Backend for CudaBackend {
         let mut g = t.lock().unwrap_or_else(|e| e.into_inner());
         if !g.poisoned {
             return Ok(());
+        }
+        if crate::fatal::marked() {
+            // No new context can be made in this process: the tenant's
+            // next one is in its next executor.
+            return Err(BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "this executor is ending after a fatal error; the tenant's next connection gets a new one"));
         }
         // Destroying the context releases whatever it still held; nobody
         // sees those bytes, because every hand-out is zeroed first.

@@ -142,9 +142,37 @@ impl DeviceSlot {
         self.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota: None }, COMMAND_TIMEOUT)
     }
 
+    /// The tenant's listening socket: the one its earlier executors
+    /// served, if its file is still that socket, or a new one. Bound here,
+    /// so the executor needs no write access anywhere.
+    fn socket_for(&self, t: &TenantRecord) -> Result<UnixListener, (String, std::io::Error)> {
+        let mut sockets = self.sockets.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = sockets.get(&t.name) {
+            // Its file is in the run directory, which only the daemon writes.
+            let bound = l.local_addr().ok().and_then(|a| a.as_pathname().map(std::path::Path::to_path_buf));
+            if bound.as_deref() == Some(t.socket.as_path()) && t.socket.exists() {
+                return l.try_clone().map_err(|e| ("cloning the listening socket".to_string(), e));
+            }
+        }
+        // A stale socket of an earlier run is replaced.
+        let _ = std::fs::remove_file(&t.socket);
+        let listener = UnixListener::bind(&t.socket).map_err(|e| (format!("binding {}", t.socket.display()), e))?;
+        // Nobody but root may connect before its owner is set.
+        std::fs::set_permissions(&t.socket, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(|e| ("chmod".to_string(), e))?;
+        let handed = listener.try_clone().map_err(|e| ("cloning the listening socket".to_string(), e))?;
+        sockets.insert(t.name.clone(), listener);
+        Ok(handed)
+    }
+
+    /// Closes the tenant's listening socket: nobody connects any more.
+    fn forget_socket(&self, name: &str) {
+        self.sockets.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
+    }
+
     /// Revokes the tenant in its executor; the executor reports `Removed`
     /// once its memory is released, and then ends.
     pub(super) fn remove_on_executor(&self, name: &str) -> Result<WorkerMsg, ControlError> {
+        self.forget_socket(name);
         let _ = self.call(WorkerCmd::RemoveTenant { name: name.to_string() }, STATS_TIMEOUT);
         let exec = self.exec(name).ok_or_else(|| ControlError::WorkerDown(format!("executor of {name}")))?;
         let r = exec.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT);
@@ -207,12 +235,7 @@ impl Control {
         }
         let fail = |what: &str, e: std::io::Error| ControlError::Internal(format!("starting the executor of {}: {what}: {e}", t.name));
         let (arbiter_end, executor_end) = crate::grant::Channel::pair().map_err(|e| fail("grant channel", e))?;
-        // Bound here, so the executor needs no write access anywhere; a
-        // stale socket of an earlier executor is replaced.
-        let _ = std::fs::remove_file(&t.socket);
-        let listener = UnixListener::bind(&t.socket).map_err(|e| fail(&format!("binding {}", t.socket.display()), e))?;
-        // Nobody but root may connect before its owner is set.
-        std::fs::set_permissions(&t.socket, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(|e| fail("chmod", e))?;
+        let listener = slot.socket_for(t).map_err(|(what, e)| fail(&what, e))?;
         let uid = match (&self.exec_uids, self.worker_user) {
             (Some(r), Some(_)) => Some(r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for {} (devices.executor_uids)", t.name)))?),
             _ => None,
@@ -295,6 +318,10 @@ impl Control {
         if let Err(e) = started {
             // Not serving: it goes, and is not restarted.
             exec.kill();
+            if self.registry().get(&t.name).map(|r| r.state) != Some(TenantPhase::Ready) {
+                // A tenant whose creation fails keeps no socket.
+                slot.forget_socket(&t.name);
+            }
             let mut execs = slot.execs.lock().unwrap_or_else(|x| x.into_inner());
             if execs.get(&t.name).is_some_and(|x| Arc::ptr_eq(x, &exec)) {
                 execs.remove(&t.name);

@@ -140,6 +140,10 @@ pub struct DeviceSlot {
     windows: Mutex<std::collections::BTreeSet<u64>>,
     /// With executors: held while one is started.
     starting: Mutex<()>,
+    /// With executors: each tenant's listening socket, kept across its
+    /// executors, so a client that connects while one is replaced waits in
+    /// the backlog for the next instead of being refused.
+    sockets: Mutex<HashMap<String, std::os::unix::net::UnixListener>>,
     pub pid: AtomicU32,
     pub restarts: AtomicU64,
     /// Bumped at every worker start: a tenant added to an older worker
@@ -334,6 +338,7 @@ impl Control {
                         execs: Mutex::new(HashMap::new()),
                         windows: Mutex::new(std::collections::BTreeSet::new()),
                         starting: Mutex::new(()),
+                        sockets: Mutex::new(HashMap::new()),
                         pid: AtomicU32::new(0),
                         restarts: AtomicU64::new(0),
                         generation: AtomicU64::new(0),

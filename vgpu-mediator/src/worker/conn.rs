@@ -797,6 +797,13 @@ fn write_some(s: &UnixStream, tx: &mut Option<Tx>) -> std::io::Result<bool> {
             Err(e) => return Err(e),
         }
     }
+    // The whole reply is out: an executor ending on the error it carries
+    // may go now (crate::fatal).
+    if crate::fatal::marked() {
+        if let Ok(h) = virtio_gpu_compute::MsgHeader::decode(&t.bytes) {
+            crate::fatal::replied(h.status);
+        }
+    }
     Ok(false)
 }
 

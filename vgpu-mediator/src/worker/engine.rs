@@ -610,6 +610,9 @@ impl Ring {
             self.report(seq, 0, *code, msg);
         }
         self.complete(engine, seq);
+        if let Reply::Error(code, _) = &r {
+            crate::fatal::replied(*code as u32);
+        }
     }
 
     /// Runs `work` now if its stream is idle and the work bounded, or
@@ -715,6 +718,9 @@ impl Ring {
             self.report_backend(item.seq, item.work.ctx, e);
         }
         self.complete(engine, item.seq);
+        if let Err(e) = &res {
+            crate::fatal::replied(e.code as u32);
+        }
     }
 
     fn report_backend(&self, seq: u64, ctx: u32, e: &BackendError) {

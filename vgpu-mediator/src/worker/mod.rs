@@ -157,6 +157,10 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     if opts.arbiter {
         return arbiter(&opts);
     }
+    if opts.grant_fd.is_some() && opts.backend == BackendKind::Cuda {
+        // A kernel fault or a runaway ends a GPU executor (crate::fatal).
+        crate::fatal::enable();
+    }
     let backend = open_backend(&opts, launch_threads)?;
     let seccomp = opts.seccomp && opts.backend == BackendKind::Cpu;
     // Before privileges go: a thread's way back from a lowered nice value
@@ -222,7 +226,11 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
                     std::thread::sleep(std::time::Duration::from_millis(20));
                 }
                 warn!("the device's arbiter is gone; this executor ends");
-                std::process::exit(0);
+                // No exit handlers: a GPU driver's would destroy contexts,
+                // and wait on a kernel that still runs.
+                // SAFETY: _exit ends the process at once; nothing in this
+                // process relies on running further.
+                unsafe { libc::_exit(0) };
             })?;
             crate::grant::Lanes::Granted(grants)
         }
@@ -324,10 +332,16 @@ fn listen(socket: &std::path::Path, handed: Option<UnixListener>) -> Result<Unix
 /// The device's arbiter: what tenants are told of the device (for its
 /// statistics), then no device open, confined as a worker is.
 fn arbiter(opts: &WorkerOptions) -> anyhow::Result<()> {
-    anyhow::ensure!(opts.backend == BackendKind::Cpu, "tenant executors serve CPU devices only so far");
-    let (desc, budget) = {
-        let b = open_backend(opts, 1)?;
-        (b.desc().clone(), b.spill_usage().1)
+    let (desc, budget) = match opts.backend {
+        BackendKind::Cpu => {
+            let b = open_backend(opts, 1)?;
+            (b.desc().clone(), b.spill_usage().1)
+        }
+        // No context: the arbiter holds nothing on the GPU.
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => (crate::backend::cuda::CudaBackend::describe(opts.numa_node).map_err(anyhow::Error::msg)?, 0),
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda => anyhow::bail!("this vgpu-mediatord was built without the `cuda` feature"),
     };
     if let Some(u) = opts.user {
         confine::drop_privileges(u, false)?;
@@ -335,6 +349,11 @@ fn arbiter(opts: &WorkerOptions) -> anyhow::Result<()> {
     if opts.seccomp {
         confine::no_new_privs()?;
         seccomp::confine_worker(false)?;
+    }
+    if opts.backend == BackendKind::Cuda {
+        // A GPU kernel cannot stop at a yield: it runs to its end or to
+        // its launch timeout, which ends its executor.
+        crate::grant::allow_unpausable(std::time::Duration::from_millis(opts.launch_timeout_ms));
     }
     info!(uid = opts.user.map(|u| u.uid), seccomp = opts.seccomp, "device arbiter confined");
     crate::arbiter::run(opts.lanes, (desc.kind.to_string(), desc.name.clone(), service::uuid_text(&desc.uuid), desc.memory, budget))
