@@ -232,9 +232,15 @@ impl Shim {
         self.conn.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// A new connection in place of one that was lost, for a process that
-    /// holds no context any more: its next context is served afresh.
-    fn reconnect(&self) -> CallResult<()> {
+    /// A new connection in place of `lost`, for a process that holds no
+    /// context any more: its next context is served afresh. One thread
+    /// reconnects; others that saw the same loss use its connection.
+    fn reconnect(&self, lost: &Arc<Client>) -> CallResult<()> {
+        static ONE: Mutex<()> = Mutex::new(());
+        let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+        if !Arc::ptr_eq(&self.client(), lost) {
+            return Ok(());
+        }
         let fresh = Client::from_env()?;
         *self.conn.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(fresh);
         if log_enabled() {
@@ -403,16 +409,17 @@ impl Shim {
         self.device(dev)?;
         let req = || Request::CtxCreate(CtxCreateReq { flags, reserved: 0 });
         let idle = || self.st().ctxs.is_empty();
-        if self.client().is_lost() && idle() {
-            self.reconnect()?;
+        let client = self.client();
+        if client.is_lost() && idle() {
+            self.reconnect(&client)?;
         }
-        let c = match self.client().handle(req()) {
+        let client = self.client();
+        let c = match client.handle(req()) {
             // Lost since, or ending after a fault (its device side cannot
             // make contexts any more): with no context left there is
             // nothing to keep, and the tenant's next executor serves this.
             Err(e) if (e.code == CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE || e.code.is_sticky()) && idle() => {
                 if e.code.is_sticky() {
-                    let client = self.client();
                     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
                     // (A call finds a lost connection where no ring shows it.)
                     while !client.is_lost() && client.device_info().is_ok() {
@@ -422,7 +429,7 @@ impl Shim {
                         std::thread::sleep(std::time::Duration::from_millis(10));
                     }
                 }
-                self.reconnect()?;
+                self.reconnect(&client)?;
                 self.client().handle(req())?
             }
             r => r?,

@@ -253,7 +253,9 @@ impl Client {
             return e;
         }
         match &*f {
-            Some(first) if e.code == CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE => first.clone(),
+            // Only a lost connection: a device that refuses (quarantine, a
+            // deleted tenant) says so itself.
+            Some(first) if e.code == CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE && self.is_lost() => first.clone(),
             _ => e,
         }
     }

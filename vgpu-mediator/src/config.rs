@@ -190,8 +190,10 @@ pub struct DevicesConfig {
     /// for the per-tenant CUDA contexts and the worker's own.
     #[serde(default = "default_cuda_reserve")]
     pub cuda_reserve: Size,
-    /// A GPU kernel running longer than this is stopped by destroying its
-    /// tenant's context (milliseconds).
+    /// A GPU kernel running longer than this fails with
+    /// CUDA_ERROR_LAUNCH_TIMEOUT and is stopped (milliseconds): its
+    /// tenant's executor ends, or in a shared worker its tenant's context
+    /// is destroyed.
     #[serde(default = "default_launch_timeout")]
     pub cuda_launch_timeout_ms: u64,
     /// A kernel on a CPU device running longer than this fails with

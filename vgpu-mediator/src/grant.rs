@@ -451,6 +451,11 @@ impl Grants {
     /// Gives work `id`'s lane back to the arbiter.
     fn release(&self, id: u32) {
         lock(&self.slots).remove(&id);
+        if crate::fatal::marked() {
+            // A GPU kernel may still run until this process ends: the lane
+            // stays held, and goes back when the channel closes with it.
+            return;
+        }
         let _ = self.chan.send(Msg { kind: DONE, id, value: 0 });
     }
 
@@ -559,7 +564,7 @@ impl Grants {
         let out = {
             let _cur = CurrentWork::set(&w);
             // As on a local lane (crate::sched::Scheduler::run).
-            let _work = crate::placement::LaneWork::begin(lane);
+            let _work = crate::placement::LaneWork::begin();
             f()
         };
         let paused = slot.paused_ns.load(Ordering::Relaxed) - paused0;
@@ -639,7 +644,7 @@ impl Working {
     /// Stops here if the arbiter asked for the lane back, until it grants
     /// one again. Costs one atomic load otherwise.
     pub fn checkpoint(&self) {
-        crate::placement::settle(None);
+        crate::placement::settle(self.lane.load(Ordering::Relaxed), None);
         if !self.slot.asked() {
             return;
         }

@@ -123,7 +123,6 @@ impl Drop for LanePin {
 pub const SETTLE_AFTER: Duration = Duration::from_micros(200);
 
 struct Settling {
-    lane: usize,
     since: Instant,
     held: Option<(LanePin, crate::nice::Lowered)>,
 }
@@ -133,14 +132,14 @@ thread_local! {
     static SETTLING: RefCell<Option<Settling>> = const { RefCell::new(None) };
 }
 
-/// The calling thread runs work on `lane` while this lives: pinned and
-/// lowered from the first checkpoint after [`SETTLE_AFTER`] ([`settle`]),
-/// and back as it was when dropped.
+/// The calling thread runs lane work while this lives: pinned to its
+/// lane's core and lowered from the first checkpoint after
+/// [`SETTLE_AFTER`] ([`settle`]), and back as it was when dropped.
 pub struct LaneWork(());
 
 impl LaneWork {
-    pub fn begin(lane: usize) -> LaneWork {
-        SETTLING.with(|s| *s.borrow_mut() = Some(Settling { lane, since: Instant::now(), held: None }));
+    pub fn begin() -> LaneWork {
+        SETTLING.with(|s| *s.borrow_mut() = Some(Settling { since: Instant::now(), held: None }));
         LaneWork(())
     }
 }
@@ -153,17 +152,18 @@ impl Drop for LaneWork {
     }
 }
 
-/// At a checkpoint of lane work on its own thread: once the work has run
-/// [`SETTLE_AFTER`], the thread goes to the lane's core and below the
+/// At a checkpoint of lane work on its own thread, which holds `lane` now
+/// (preempted work may resume on another): once the work has run
+/// [`SETTLE_AFTER`], the thread goes to that lane's core and below the
 /// control threads. Costs one thread-local read before and after that;
 /// nothing on other threads (a launch's helpers).
 #[inline]
-pub fn settle(now: Option<Instant>) {
+pub fn settle(lane: usize, now: Option<Instant>) {
     SETTLING.with(|s| {
         let mut s = s.borrow_mut();
         let Some(st) = s.as_mut().filter(|st| st.held.is_none()) else { return };
         if now.unwrap_or_else(Instant::now).duration_since(st.since) >= SETTLE_AFTER {
-            st.held = Some((LanePin::new(st.lane), crate::nice::Lowered::new()));
+            st.held = Some((LanePin::new(lane), crate::nice::Lowered::new()));
         }
     })
 }

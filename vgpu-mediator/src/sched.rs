@@ -696,7 +696,9 @@ impl Running {
             crate::placement::follow(lane, self.s.crowded.load(Ordering::Acquire));
         }
         let t = Instant::now();
-        crate::placement::settle(Some(t));
+        if lane != NO_LANE {
+            crate::placement::settle(lane, Some(t));
+        }
         let due = self.since_base(t).saturating_sub(self.charged_to.load(Ordering::Relaxed)) >= CHARGE_EVERY.as_nanos() as u64;
         let arrived = self.s.arrivals.load(Ordering::Acquire) != self.seen.load(Ordering::Relaxed);
         if !self.paused.load(Ordering::Acquire) && !due && !arrived {
@@ -860,7 +862,7 @@ impl Scheduler {
             let _cur = Current::set(&r);
             // On the lane's core, below the worker's control threads, once
             // it proves long (crate::placement::settle).
-            let _work = crate::placement::LaneWork::begin(lane);
+            let _work = crate::placement::LaneWork::begin();
             f()
         };
         let dt = r.finish();

@@ -35,6 +35,8 @@ pub struct Exec {
     link: Arc<WorkerLink>,
     /// Set once it was reaped: its pid may not be signalled any more.
     reaped: Mutex<bool>,
+    /// When it was started (restart backoff).
+    started: std::time::Instant,
     /// Replaced or retired on purpose: its exit is not a crash.
     retired: AtomicBool,
 }
@@ -88,6 +90,21 @@ fn wait_exited(pid: u32) {
 /// How long a deleted tenant's executor has to release its memory and end
 /// before it is killed.
 const REMOVE_GRACE: Duration = Duration::from_secs(15);
+
+/// An executor that ends sooner than this after its start counts towards
+/// its tenant's restart backoff; one that lived longer resets it.
+const QUICK_END: Duration = Duration::from_secs(60);
+/// The first restart's delay, doubled for each quick end in a row.
+const RESTART_FIRST: Duration = Duration::from_millis(50);
+/// The longest delay between a tenant's executor ending and the next
+/// start: a tenant that faults in a loop (each fault ends its executor on
+/// a GPU) costs the host a process and a device open at most this often.
+const RESTART_MAX: Duration = Duration::from_secs(5);
+
+/// The delay before the next start after `quick` quick ends in a row.
+fn restart_delay(quick: u32) -> Duration {
+    RESTART_FIRST.saturating_mul(1u32 << quick.min(16)).min(RESTART_MAX)
+}
 
 /// The uids executors run as: a range of the host's that no user owns,
 /// given one per live executor.
@@ -165,8 +182,9 @@ impl DeviceSlot {
     }
 
     /// Closes the tenant's listening socket: nobody connects any more.
-    fn forget_socket(&self, name: &str) {
+    pub(super) fn forget_socket(&self, name: &str) {
         self.sockets.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
+        self.quick_ends.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
     }
 
     /// Revokes the tenant in its executor; the executor reports `Removed`
@@ -280,7 +298,7 @@ impl Control {
         // Our child's pid (not what it says it is).
         let pid = child.id();
         let link = Arc::new(WorkerLink::new(stdin));
-        let exec = Arc::new(Exec { tenant: t.name.clone(), pid, uid, window, link: link.clone(), reaped: Mutex::new(false), retired: AtomicBool::new(false) });
+        let exec = Arc::new(Exec { tenant: t.name.clone(), pid, uid, window, link: link.clone(), reaped: Mutex::new(false), started: std::time::Instant::now(), retired: AtomicBool::new(false) });
         slot.execs.lock().unwrap_or_else(|e| e.into_inner()).insert(t.name.clone(), exec.clone());
         let who = format!("{}/{}", slot.spec.name, t.name);
         let (me, e2) = (self.clone(), exec.clone());
@@ -328,6 +346,12 @@ impl Control {
             }
             return Err(e);
         }
+        if !matches!(self.registry().get(&t.name).map(|r| r.state), Some(TenantPhase::Creating | TenantPhase::Ready)) {
+            // Deleted while it started: it goes, with the socket it serves.
+            exec.kill();
+            slot.forget_socket(&t.name);
+            return Err(ControlError::Conflict(format!("tenant {} was deleted while its executor started", t.name)));
+        }
         info!(tenant = %t.name, device = %slot.spec.name, pid, uid, "tenant executor started");
         Ok(())
     }
@@ -353,15 +377,46 @@ impl Control {
         if !current || e.retired.load(Ordering::Acquire) || self.stopping.load(Ordering::Acquire) || phase != Some(TenantPhase::Ready) {
             return;
         }
-        warn!(tenant = %e.tenant, device = %slot.spec.name, ?status, "tenant executor exited; the tenant lost its connections; starting a new one");
-        let Some(rec) = self.registry().get(&e.tenant).cloned() else { return };
-        if !slot.is_up() {
-            // The device's supervisor re-creates it with the arbiter.
-            return;
+        let quick = {
+            let mut q = slot.quick_ends.lock().unwrap_or_else(|x| x.into_inner());
+            let n = q.entry(e.tenant.clone()).or_insert(0);
+            *n = if e.started.elapsed() < QUICK_END { n.saturating_add(1) } else { 0 };
+            *n
+        };
+        let mut delay = restart_delay(quick.saturating_sub(1));
+        warn!(tenant = %e.tenant, device = %slot.spec.name, ?status, ?delay, "tenant executor exited; the tenant lost its connections; starting a new one");
+        // Until one starts (clients wait in the socket's backlog meanwhile)
+        // or the tenant or its device goes.
+        loop {
+            std::thread::sleep(delay);
+            let rec = match self.registry().get(&e.tenant) {
+                Some(r) if r.state == TenantPhase::Ready => r.clone(),
+                _ => return,
+            };
+            if !slot.is_up() || self.stopping.load(Ordering::Acquire) || slot.exec(&e.tenant).is_some() {
+                // The device's supervisor re-creates it with the arbiter,
+                // or another start got there first.
+                return;
+            }
+            match self.start_executor(slot, &rec) {
+                Ok(()) => return,
+                Err(err) => warn!(tenant = %e.tenant, "a new executor failed to start: {err}; trying again"),
+            }
+            delay = (delay * 2).min(RESTART_MAX);
         }
-        std::thread::sleep(Duration::from_millis(50));
-        if let Err(err) = self.start_executor(slot, &rec) {
-            warn!(tenant = %e.tenant, "a new executor failed to start: {err}");
-        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restarts_back_off_from_50_ms_to_5_s() {
+        assert_eq!(restart_delay(0), Duration::from_millis(50));
+        assert_eq!(restart_delay(1), Duration::from_millis(100));
+        assert_eq!(restart_delay(6), Duration::from_millis(3200));
+        assert_eq!(restart_delay(7), RESTART_MAX);
+        assert_eq!(restart_delay(u32::MAX), RESTART_MAX);
     }
 }

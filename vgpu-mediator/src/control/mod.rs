@@ -144,6 +144,9 @@ pub struct DeviceSlot {
     /// executors, so a client that connects while one is replaced waits in
     /// the backlog for the next instead of being refused.
     sockets: Mutex<HashMap<String, std::os::unix::net::UnixListener>>,
+    /// With executors: per tenant, how many of its executors in a row
+    /// ended soon after they started (the restart backoff's exponent).
+    quick_ends: Mutex<HashMap<String, u32>>,
     pub pid: AtomicU32,
     pub restarts: AtomicU64,
     /// Bumped at every worker start: a tenant added to an older worker
@@ -339,6 +342,7 @@ impl Control {
                         windows: Mutex::new(std::collections::BTreeSet::new()),
                         starting: Mutex::new(()),
                         sockets: Mutex::new(HashMap::new()),
+                        quick_ends: Mutex::new(HashMap::new()),
                         pid: AtomicU32::new(0),
                         restarts: AtomicU64::new(0),
                         generation: AtomicU64::new(0),
@@ -914,6 +918,9 @@ impl Control {
         let mut tenants = self.registry();
         if tenants.get(name).is_some_and(|t| t.state == TenantPhase::Deleting) {
             if let Some(t) = tenants.remove(name) {
+                if let Some(slot) = self.slot(&t.device) {
+                    slot.forget_socket(name);
+                }
                 let _ = std::fs::remove_file(&t.socket);
             }
             info!(tenant = name, "tenant deleted; its memory is released");

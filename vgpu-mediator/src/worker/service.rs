@@ -980,6 +980,11 @@ impl DeviceService {
                 if st.ctxs.len() >= 256 {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many contexts"));
                 }
+                if crate::fatal::marked() {
+                    // No context works in this process again; the
+                    // tenant's next executor makes it.
+                    return Err(err(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "this executor is ending after a fault; connect again for a new context"));
+                }
                 t.host.reserve(host_cost::CONTEXT, "a context")?;
                 let id = st.handle();
                 st.ctxs.insert(id, Ctx { charged: host_cost::CONTEXT, ..Ctx::default() });
