@@ -129,6 +129,16 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "steal")) {
         CUdeviceptr victim = strtoull(argv[2], NULL, 0), mine;
         CHECK(cuMemAlloc(&mine, 4096));
+        /* Tenants in executors of their own have address spaces of their
+         * own: the same number may be one of this tenant's allocations,
+         * which proves nothing. Move off it first. */
+        if (victim >= mine && victim < mine + 4096) {
+            CUdeviceptr other;
+            CHECK(cuMemAlloc(&other, 4096));
+            CHECK(cuMemFree(mine));
+            mine = other;
+            printf("aliased=1\n");
+        }
         unsigned char buf[4096];
         memset(buf, 0x77, sizeof buf);
         CUresult r1 = cuMemcpyDtoH(buf, victim, 64);

@@ -132,11 +132,15 @@ struct Spawn<'a> {
     log: Option<&'a Path>,
     /// The fake sysfs tree it reads the NUMA topology from.
     sysfs_root: Option<&'a Path>,
+    /// Extra environment (the test double of NVIDIA's driver).
+    env: Vec<(&'static str, std::ffi::OsString)>,
 }
 
 pub struct Mediator {
     child: Child,
     pub run_dir: PathBuf,
+    /// Its `cuda` devices are the test double of NVIDIA's driver.
+    pub on_test_driver: bool,
 }
 
 impl Mediator {
@@ -205,6 +209,7 @@ impl Mediator {
         if let Some(root) = how.sysfs_root {
             cmd.env("VGPU_SYSFS_ROOT", root);
         }
+        cmd.envs(how.env.iter().map(|(k, v)| (k, v)));
         if let Some(n) = how.nofile {
             use std::os::unix::process::CommandExt;
             // SAFETY: the closure only calls setrlimit, which is
@@ -220,7 +225,7 @@ impl Mediator {
             };
         }
         let child = cmd.spawn().expect("start vgpu-mediatord");
-        let m = Mediator { child, run_dir };
+        let m = Mediator { child, run_dir, on_test_driver: false };
         let deadline = Instant::now() + Duration::from_secs(20);
         while UnixStream::connect(m.api_path()).is_err() {
             assert!(Instant::now() < deadline, "mediator API did not come up");
@@ -349,7 +354,13 @@ pub mod vmm_harness;
 
 /// What `vgpu-mediatord discover` reports, or why there is no GPU here.
 pub fn discover_gpus() -> Result<Value, String> {
-    let out = Command::new(bin("vgpu-mediatord")).arg("discover").output().map_err(|e| format!("running vgpu-mediatord discover: {e}"))?;
+    discover_with(&[])
+}
+
+fn discover_with(env: &[(&'static str, std::ffi::OsString)]) -> Result<Value, String> {
+    let mut c = Command::new(bin("vgpu-mediatord"));
+    c.arg("discover").envs(env.iter().map(|(k, v)| (k, v)));
+    let out = c.output().map_err(|e| format!("running vgpu-mediatord discover: {e}"))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         return Err(err.trim().trim_start_matches("vgpu-mediatord: error: ").to_string());
@@ -361,23 +372,72 @@ pub fn discover_gpus() -> Result<Value, String> {
     Ok(v)
 }
 
-/// A mediator serving only this machine's NVIDIA GPUs, and the name of
-/// the first one; None, after saying so loudly, where there is no GPU.
-pub fn gpu_mediator(test: &str, extra: &[&str]) -> Option<(Mediator, String)> {
-    match discover_gpus() {
-        Err(why) => {
-            report_skip(test, &format!("no NVIDIA GPU on this machine ({why}); run it on a GPU machine: cargo test --release -p vgpu-tests --test gpu_cuda"));
-            None
+/// The GPUs the test double plays: one whole GPU of 8 GiB.
+pub const TEST_DRIVER_GPUS: &str = "8GiB";
+
+/// A folder holding `libcuda.so.1` and `libnvidia-ml.so.1` as the test
+/// double of NVIDIA's driver (the `vgpu-testdriver` crate, built with the
+/// workspace), for `LD_LIBRARY_PATH`; None where it was not built.
+pub fn test_driver_dir() -> Option<PathBuf> {
+    let so = bin_dir().join("libvgpu_testdriver.so");
+    if !so.exists() {
+        return None;
+    }
+    let dir = bin_dir().join("testdriver");
+    std::fs::create_dir_all(&dir).ok()?;
+    for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1", "libnvidia-ml.so"] {
+        let link = dir.join(name);
+        if link.exists() {
+            continue;
         }
-        Ok(v) => {
-            let name = v["devices"][0]["name"].as_str().expect("device name").to_string();
-            // Every tenant in an executor of its own: on NVIDIA's driver
-            // the process is what isolates address spaces and faults.
-            let mut args = vec!["--cuda", "required", "--cpu-devices", "0", "--isolation", "process"];
-            args.extend_from_slice(extra);
-            Some((Mediator::start_with(&args), name))
+        // Tests race to make the links: one that lost finds them made.
+        if let Err(e) = std::os::unix::fs::symlink(&so, &link) {
+            if e.kind() != std::io::ErrorKind::AlreadyExists {
+                return None;
+            }
         }
     }
+    Some(dir)
+}
+
+/// The environment that makes a process load the test double.
+pub fn test_driver_env(dir: &Path) -> Vec<(&'static str, std::ffi::OsString)> {
+    vec![("LD_LIBRARY_PATH", dir.as_os_str().to_owned()), ("VGPU_TESTDRIVER_GPUS", TEST_DRIVER_GPUS.into())]
+}
+
+/// A mediator serving only this machine's NVIDIA GPUs, and the name of
+/// the first one. On a machine without one, the same mediator over the
+/// test double of NVIDIA's driver (`vgpu-testdriver`: the driver's
+/// per-process semantics as measured on an H100, kernels on the PTX
+/// interpreter), said loudly; None, after saying so, where that is not
+/// built either.
+pub fn gpu_mediator(test: &str, extra: &[&str]) -> Option<(Mediator, String)> {
+    let (v, env) = match discover_gpus() {
+        Ok(v) => (v, Vec::new()),
+        Err(why) => {
+            let Some(dir) = test_driver_dir() else {
+                report_skip(test, &format!("no NVIDIA GPU on this machine ({why}) and no test driver built; run it on a GPU machine: cargo test --release -p vgpu-tests --test gpu_cuda"));
+                return None;
+            };
+            let env = test_driver_env(&dir);
+            match discover_with(&env) {
+                Ok(v) => {
+                    eprintln!("\n*** {test}: no NVIDIA GPU here ({why}): running on the test double of NVIDIA's driver ({})\n", dir.display());
+                    (v, env)
+                }
+                Err(e) => panic!("the test double of NVIDIA's driver in {} does not answer discovery: {e}", dir.display()),
+            }
+        }
+    };
+    let name = v["devices"][0]["name"].as_str().expect("device name").to_string();
+    // Every tenant in an executor of its own: on NVIDIA's driver the
+    // process is what isolates address spaces and faults.
+    let mut args = vec!["--cuda", "required", "--cpu-devices", "0", "--isolation", "process"];
+    args.extend_from_slice(extra);
+    let on_test_driver = !env.is_empty();
+    let mut m = Mediator::spawn(&args, Spawn { env, ..Spawn::default() });
+    m.on_test_driver = on_test_driver;
+    Some((m, name))
 }
 
 /// The value of the series `name` whose labels start with `labels` in a

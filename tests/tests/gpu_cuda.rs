@@ -1,6 +1,10 @@
 //! The `cuda` backend on a real NVIDIA GPU (or its first MIG instance):
 //! the same programs and checks the CPU device passes, on two tenants that
-//! share the GPU. Every test skips, loudly, on a machine without a GPU.
+//! share the GPU. On a machine without a GPU the same tests run on the test
+//! double of NVIDIA's driver (`vgpu-testdriver`: the driver's per-process
+//! address space, sticky faults and blocking context destruction, as
+//! measured on an H100, with kernels on the PTX interpreter), and say so;
+//! it never stands in for the run on a real GPU.
 //!
 //! Every tenant runs in an executor process of its own (`--isolation
 //! process`): on NVIDIA's driver, contexts in one process share an address
@@ -13,6 +17,16 @@ use std::process::Stdio;
 
 use vgpu_tests::*;
 
+/// matrixMul's size: on the test double kernels run on the PTX
+/// interpreter, where 512 takes tens of seconds.
+fn matrix(m: &Mediator) -> &'static str {
+    if m.on_test_driver {
+        "128"
+    } else {
+        "512"
+    }
+}
+
 #[test]
 fn gpu_samples_run_for_two_tenants_with_their_own_quotas() {
     let Some((m, gpu)) = gpu_mediator("gpu_samples_run_for_two_tenants_with_their_own_quotas", &[]) else { return };
@@ -20,7 +34,7 @@ fn gpu_samples_run_for_two_tenants_with_their_own_quotas() {
     assert_eq!(dev["kind"], "cuda", "{dev}");
     let a = m.tenant_on("alpha", "1GiB", &gpu);
     let b = m.tenant_on("beta", "256MiB", &gpu);
-    checks::samples_concurrently(&[&a, &b], "1000000", "512");
+    checks::samples_concurrently(&[&a, &b], "1000000", matrix(&m));
     // Each tenant's quota is its own, and cuMemGetInfo reports it.
     for (sock, quota) in [(&a, 1u64 << 30), (&b, 256u64 << 20)] {
         let mut c = sample("tenant_probe", sock);
@@ -95,8 +109,8 @@ fn gpu_kernel_fault_in_one_tenant_leaves_the_other_correct() {
     let a = m.tenant_on("crasher", "256MiB", &gpu);
     let b = m.tenant_on("bystander", "1GiB", &gpu);
     let steady = {
-        let b = b.clone();
-        std::thread::spawn(move || (0..5).map(|_| run_ok(sample("matrixMul", &b).arg("512"))).collect::<Vec<_>>())
+        let (b, n) = (b.clone(), matrix(&m));
+        std::thread::spawn(move || (0..5).map(|_| run_ok(sample("matrixMul", &b).arg(n))).collect::<Vec<_>>())
     };
     let mut c = sample("tenant_probe", &a);
     c.args(["fault", "1099511627776"]);
@@ -148,8 +162,8 @@ fn gpu_tenants_run_in_executors_of_their_own_and_one_killed_spares_the_other() {
     // A process of the victim's with a context open when its executor dies.
     let relive = Relive::start(&a);
     let steady = {
-        let b = b.clone();
-        std::thread::spawn(move || (0..5).map(|_| run_ok(sample("matrixMul", &b).arg("512"))).collect::<Vec<_>>())
+        let (b, n) = (b.clone(), matrix(&m));
+        std::thread::spawn(move || (0..5).map(|_| run_ok(sample("matrixMul", &b).arg(n))).collect::<Vec<_>>())
     };
     std::thread::sleep(std::time::Duration::from_millis(300));
     // SAFETY: SIGKILL to a process the test's daemon started.
