@@ -90,8 +90,18 @@ MED=""
 echo
 echo "== now VMs: two stock Debian kernel guests, made with vgpuctl vm create, share one device with a host process"
 echo "   (they run in the nested test host: QEMU TCG boots an L1 Linux whose KVM runs our VMM; about a minute)"
-bash "$ROOT/images/nested/run.sh" demo 900 | tr -d '\r' | sed 's/\x1b\[[0-9;?]*[A-Za-z]//g' \
-    | grep -vE '^\s*$|SeaBIOS|Booting from|WARN|reboot: Power down|^L1: ' | tee "$RUN/vm-demo.log"
+nested_demo() {
+    bash "$ROOT/images/nested/run.sh" demo 900 | tr -d '\r' | sed 's/\x1b\[[0-9;?]*[A-Za-z]//g' \
+        | grep -vE '^\s*$|SeaBIOS|Booting from|WARN|reboot: Power down|^L1: ' | tee "$RUN/vm-demo.log"
+}
+nested_demo
+# L1's own kernel dying (a bare kernel timestamp, then BUG or a panic) is
+# the emulated CPU under the test host failing, as it does now and then
+# with QEMU -enable-kvm as L1's VMM too (docs/vmm.md): run it once more.
+if grep -qE '^\[ *[0-9]+\.[0-9]+\] (BUG: |Kernel panic|general protection fault|Oops:)' "$RUN/vm-demo.log"; then
+    echo "demo: the emulated CPU under the test host failed (L1's kernel died; docs/vmm.md); running the VMs once more" >&2
+    nested_demo
+fi
 if ! grep -q 'DEMO-RESULT vms_done=2 guest_samples_passed=6 runtime_passed=2' "$RUN/vm-demo.log"; then
     echo "demo: FAILED (a VM did not finish its samples)" >&2
     exit 1

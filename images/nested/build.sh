@@ -206,6 +206,17 @@ cp "$OUT/l2-root.img" "$L1/l2/root.img"
 # scenarios give it the disks they write.
 chmod 0644 "$L1"/l2/*
 cp "$ROOT"/images/nested/scenarios/*.sh "$L1/scenarios/"
+# QEMU as a second L1 VMM, only for the VMM comparison
+# (scripts/compare-vmms.sh, NESTED_WITH_QEMU=1): the same L2 under QEMU
+# with -enable-kvm, to tell the emulator's faults from ours. About 60 MiB,
+# so the default image goes without it.
+if [ "${NESTED_WITH_QEMU:-0}" = 1 ]; then
+    copy_prog "$(command -v qemu-system-x86_64)" "$L1"
+    mkdir -p "$L1/usr/share/qemu"
+    for f in /usr/share/seabios/bios-256k.bin /usr/share/qemu/linuxboot_dma.bin /usr/share/qemu/kvmvapic.bin; do
+        cp -L "$f" "$L1/usr/share/qemu/"
+    done
+fi
 install -m 0755 "$ROOT/images/nested/l1-init" "$L1/init"
 pack "$L1" "$OUT/l1.cpio.gz"
 echo "nested: built $OUT/l1.cpio.gz ($(du -h "$OUT/l1.cpio.gz" | cut -f1)) for kernel $KVER" >&2

@@ -4,7 +4,8 @@
 # managed: `vgpuctl vm create` makes each VM and its vGPU in one call, and
 # `vgpuctl vm delete` removes both. One vCPU per VM keeps the emulated L1
 # (2 CPUs) from being oversubscribed; docs/vmm.md ("Guests that died in
-# the nested test host") has what still fails in it now and then, and why.
+# the nested test host") has what still fails in it now and then, and why:
+# a VM whose guest triple-faults runs once more, saying so.
 . /scenarios/lib.sh
 start_mediator --device-memory 256MiB
 ctl() { vgpuctl --run-dir $run "$@"; }
@@ -20,9 +21,24 @@ ctl tenant list
 echo "== the host tenant runs too"
 VGPU_SOCKET=$h vectorAdd 2>&1 | sed 's/^/[host] /'
 VGPU_SOCKET=$h reduction 65536 2>&1 | sed 's/^/[host] /'
-for vm in a b; do
+wait_stopped() {
     i=0
-    while [ "$(state vm-$vm)" != stopped ] && [ $i -lt 4000 ]; do sleep 0.2; i=$((i + 1)); done
+    while [ "$(state $1)" != stopped ] && [ $i -lt 4000 ]; do sleep 0.2; i=$((i + 1)); done
+}
+for vm in a b; do
+    wait_stopped vm-$vm
+    # QEMU TCG's emulated SVM, under this test host, makes a guest
+    # triple-fault now and then, with QEMU -enable-kvm as L1's VMM as well
+    # as with ours (docs/vmm.md, "Guests that died in the nested test
+    # host"). Such a VM runs once more, and the demo says so.
+    if ctl vm logs vm-$vm --bytes 200000 2>/dev/null | grep -q "guest triple fault"; then
+        echo "[vm-$vm] the guest triple-faulted (the emulated CPU under this test host; see docs/vmm.md); its VMM's report:"
+        ctl vm logs vm-$vm --bytes 200000 2>/dev/null | grep -v "unmapped address ignored" | tail -n 40 | sed "s/^/[vm-$vm vmm] /"
+        echo "[vm-$vm] running vm-$vm once more"
+        ctl vm delete vm-$vm >/dev/null
+        create_demo_vm $vm
+        wait_stopped vm-$vm
+    fi
     echo "[vm-$vm] $(ctl vm show vm-$vm | grep '^restart')"
     ctl vm console vm-$vm --bytes 1000000 > /tmp/vm-$vm.log
 done

@@ -67,6 +67,13 @@ run_vfio_vm() {
 # l2-init's demo test and then stopping (restart never).
 create_demo_vms() {
     for vm in a b; do
+        create_demo_vm $vm
+    done
+}
+
+# Makes one of the demo's VMs (a or b).
+create_demo_vm() {
+    for vm in $1; do
         if [ $vm = a ]; then mem=64MiB; w=2; else mem=32MiB; w=1; fi
         cp /l2/root.img /tmp/vm-$vm.img
         # VMMs run jailed as the user vgpu (999:999 here) by default: its disk is its.
