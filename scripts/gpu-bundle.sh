@@ -23,6 +23,16 @@ if [ "$1" = worker ]; then exec "$real" "$@"; fi
 exec "$real" "$@" --pin-lanes false --compute-nice 0
 EOS
 chmod +x .gpu/alt/vgpu-mediatord
+# strace and the libraries it loads, with this machine's loader, for
+# scripts/gpu-syscalls.sh.
+if command -v strace >/dev/null; then
+    mkdir -p .gpu/strace/lib
+    cp "$(command -v strace)" .gpu/strace/strace
+    cp -L /lib64/ld-linux-x86-64.so.2 .gpu/strace/ld.so
+    for lib in $(ldd "$(command -v strace)" | grep -oE '/[^ ]+\.so[^ ]*'); do
+        cp -L "$lib" .gpu/strace/lib/
+    done
+fi
 # The tests find samples/ at the path they were built in.
 pwd > .gpu/workspace
 du -sh .gpu

@@ -201,6 +201,13 @@ fn device_info(dev: &crate::Device, ordinal: u32) -> virtio_gpu_compute::DeviceI
     }
 }
 
+/// Host threads a launch's blocks may use: up to 4 of this machine's
+/// (asked once: the answer reads cgroup files).
+fn host_threads() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4)))
+}
+
 /// How kernels run: the device's limits, no time limit (a GPU has none;
 /// the caller's launch timeout ends the process), a few host threads.
 pub fn limits<'a>(sms: u32) -> vgpu_ptx::Limits<'a> {
@@ -212,7 +219,7 @@ pub fn limits<'a>(sms: u32) -> vgpu_ptx::Limits<'a> {
         budget: 0,
         timeout: None,
         sm_count: sms,
-        threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
+        threads: host_threads(),
         preempt: None,
     }
 }
