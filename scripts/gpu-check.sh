@@ -23,18 +23,23 @@ fi
     nproc
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
+# GPU_ONLY="gpu_cuda syscalls" runs just the steps it names.
 step() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "${GPU_ONLY:-}" ] && [[ " $GPU_ONLY " != *" $name "* ]]; then
+        return
+    fi
     local t0=$SECONDS
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name: exit $? in $((SECONDS - t0)) s"
 }
 step gpu_cuda "${GPU_TEST_LIMIT:-240}" "$B/gpu_cuda" --test-threads 1 --nocapture
 grep -E "^test |test result|GPU shares|SKIPPED|panicked" "$OUT/gpu_cuda.log" | head -40
+step syscalls "${GPU_SYSCALLS_LIMIT:-150}" env OUT="$OUT" bash "$root/scripts/gpu-syscalls.sh"
 step cuda-bench-process 120 "$B/vgpu-cuda-bench" --quick --isolation process
 step fastpath 60 "$B/fastpath-bench" --quick
 step fastpath-unpinned 60 "$root/.gpu/alt/fastpath-bench" --quick
 step cuda-bench-shared 90 "$B/vgpu-cuda-bench" --quick --isolation shared
-tail -n 30 "$OUT/cuda-bench-process.log"
-grep -E "launch_|null_call_ring" "$OUT/fastpath.log" "$OUT/fastpath-unpinned.log"
+tail -n 30 "$OUT/cuda-bench-process.log" 2>/dev/null
+grep -E "launch_|null_call_ring" "$OUT/fastpath.log" "$OUT/fastpath-unpinned.log" 2>/dev/null

@@ -155,6 +155,12 @@ fn gpu_tenants_run_in_executors_of_their_own_and_one_killed_spares_the_other() {
         let (ua, ub) = (proc_stats(pa).uid, proc_stats(pb).uid);
         assert!(ua != ub && ua != 0 && ub != 0, "uids: victim {ua}, bystander {ub}");
     }
+    // Each executor runs under its seccomp lists (with what NVIDIA's
+    // driver calls), with no_new_privs.
+    for pid in [pa, pb] {
+        let st = proc_stats(pid);
+        assert_eq!((st.seccomp, st.no_new_privs), (2, 1), "executor {pid}: Seccomp and NoNewPrivs");
+    }
     // The arbiter has no tenant memory, and no context on the GPU: it
     // holds no /dev/nvidia-uvm mapping of a context.
     let maps = std::fs::read_to_string(format!("/proc/{arbiter}/maps")).expect("maps");

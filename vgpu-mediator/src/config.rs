@@ -217,7 +217,8 @@ pub struct DevicesConfig {
     /// open: a user name or `UID:GID`. Used when the mediator runs as root.
     #[serde(default = "default_worker_user")]
     pub worker_user: String,
-    /// CPU device workers run under their seccomp allow-lists.
+    /// Device workers (CPU devices, GPU arbiters and executors) run under
+    /// their seccomp allow-lists; a GPU's add what NVIDIA's driver calls.
     #[serde(default = "yes")]
     pub seccomp: bool,
     /// Executor threads each worker serves its tenants' sockets with,

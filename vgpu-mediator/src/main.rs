@@ -250,7 +250,7 @@ fn run() -> anyhow::Result<()> {
         }
         Some(Cmd::SeccompCheck { syscall, connection, keep_nice }) => {
             worker::confine::no_new_privs()?;
-            worker::seccomp::confine_worker(!keep_nice)?;
+            worker::seccomp::confine_worker(!keep_nice, false)?;
             if connection {
                 worker::seccomp::confine_connection_thread()?;
             }
@@ -388,7 +388,7 @@ fn run() -> anyhow::Result<()> {
     anyhow::ensure!(!devices.is_empty(), "no devices to serve: no GPU was found and devices.cpu is 0");
     let exe = std::env::current_exe().context("locating own executable")?;
     for d in devices.iter_mut() {
-        d.seccomp = cfg.devices.seccomp && d.cuda.is_none();
+        d.seccomp = cfg.devices.seccomp;
         d.connection_threads = cfg.devices.connection_threads;
         d.compute_nice = if d.cuda.is_none() { cfg.devices.compute_nice } else { 0 };
         d.pin_lanes = d.cuda.is_none() && cfg.devices.pin_lanes;

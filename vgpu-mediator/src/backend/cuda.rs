@@ -696,9 +696,41 @@ impl Drop for CudaBackend {
     }
 }
 
+/// A module with one empty kernel: loading it makes the driver load its
+/// PTX JIT compiler.
+const WARM_PTX: &[u8] = b".version 6.0\n.target sm_50\n.address_size 64\n.visible .entry vgpu_warm() { ret; }\n\0";
+
 impl Backend for CudaBackend {
     fn desc(&self) -> &DeviceDesc {
         &self.desc
+    }
+
+    /// The driver dlopens its PTX JIT compiler on the first PTX module and
+    /// tries its JIT cache under $HOME on every one. Under the worker's
+    /// seccomp lists no file opens, so the compiler is loaded now, for
+    /// good (RTLD_NODELETE), and a module is loaded once; the cache stays
+    /// unreachable, which the driver does without (measured on an H100).
+    fn before_confinement(&self) {
+        // SAFETY: dlopen with a static C string; the handle is kept (the
+        // library stays loaded for the process's life).
+        let jit = unsafe { libc::dlopen(c"libnvidia-ptxjitcompiler.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NODELETE) };
+        if jit.is_null() {
+            tracing::debug!("no libnvidia-ptxjitcompiler.so.1 to preload; the driver's first module load shows whether it needs one");
+        }
+        // SAFETY: the primary context is live (released in Drop); the
+        // image is NUL-terminated PTX; the module is unloaded right after.
+        unsafe {
+            if cu::cuCtxSetCurrent(self.home) != cu::CUresult::CUDA_SUCCESS {
+                return;
+            }
+            let mut m: cu::CUmodule = std::ptr::null_mut();
+            match cu::cuModuleLoadData(&mut m, WARM_PTX.as_ptr().cast()) {
+                cu::CUresult::CUDA_SUCCESS => {
+                    cu::cuModuleUnload(m);
+                }
+                r => tracing::warn!("loading a PTX module before confinement failed ({}); tenants' PTX may not load", error_name(r)),
+            }
+        }
     }
 
     fn open_tenant(&self, _name: &str) -> Result<TenantSlot, BackendError> {

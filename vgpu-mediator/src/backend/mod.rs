@@ -112,6 +112,10 @@ pub type TenantSlot = u64;
 
 pub trait Backend: Send + Sync {
     fn desc(&self) -> &DeviceDesc;
+    /// Called once before the worker's seccomp lists go on, after which no
+    /// file can be opened: loads whatever the backend would otherwise open
+    /// on first use.
+    fn before_confinement(&self) {}
     /// Sets up the backend-side state of a new tenant.
     fn open_tenant(&self, _name: &str) -> Result<TenantSlot, BackendError> {
         Ok(0)

@@ -162,7 +162,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         crate::fatal::enable();
     }
     let backend = open_backend(&opts, launch_threads)?;
-    let seccomp = opts.seccomp && opts.backend == BackendKind::Cpu;
+    let seccomp = opts.seccomp;
     // Before privileges go: a thread's way back from a lowered nice value
     // is RLIMIT_NICE raised, which takes privilege, or else CAP_SYS_NICE
     // kept, which only the seccomp lists make narrow enough.
@@ -189,8 +189,10 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     // the worker does not hold it, its limits fenced (crate::nice).
     let slice = opts.compute_nice > 0 && opts.backend == BackendKind::Cpu && !confine::holds_cap_sys_nice();
     if seccomp {
+        // Whatever the backend would open or load later, it does now.
+        backend.before_confinement();
         confine::no_new_privs()?;
-        seccomp::confine_worker(slice)?;
+        seccomp::confine_worker(slice, opts.backend == BackendKind::Cuda)?;
         info!("device worker under its seccomp allow-list");
     }
     match crate::nice::enable(opts.compute_nice, slice) {
@@ -348,7 +350,9 @@ fn arbiter(opts: &WorkerOptions) -> anyhow::Result<()> {
     }
     if opts.seccomp {
         confine::no_new_privs()?;
-        seccomp::confine_worker(false)?;
+        // On a GPU the driver is initialised here (no context): its
+        // threads get the driver's lists too.
+        seccomp::confine_worker(false, opts.backend == BackendKind::Cuda)?;
     }
     if opts.backend == BackendKind::Cuda {
         // A GPU kernel cannot stop at a yield: it runs to its end or to

@@ -7,9 +7,14 @@
 //! lists traps: the handler names it on stderr and the worker dies of
 //! SIGSYS (the control plane restarts it).
 //!
-//! The lists cover the CPU reference device. GPU workers (the `cuda`
-//! backend) are confined by uid and `no_new_privs` but get no seccomp
-//! filter yet: the NVIDIA driver's syscalls need tracing on a GPU host.
+//! A `cuda` backend worker (a GPU executor) gets the same lists plus what
+//! NVIDIA's driver calls once it is open ([`driver_rules`]), measured with
+//! strace on an H100 (driver 580.159.04, `scripts/gpu-syscalls.sh`): the
+//! driver's ioctls, thread creation from any thread, scheduling-priority
+//! queries, and the executor's own end (`kill(self, SIGKILL)`,
+//! crate::fatal). The driver opens /dev/nvidiactl and /dev/nvidiaN for
+//! every context it makes, so a GPU worker is not given the filter that
+//! makes every open fail ([`files_filter`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -161,6 +166,30 @@ fn own_priority(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) -> Result<(), Secco
     Ok(())
 }
 
+/// What NVIDIA's driver calls once the backend is open, on any thread,
+/// beyond [`BASE`] (measured: see the module's comment):
+/// - `ioctl`, any request: the driver's ABI on /dev/nvidiactl,
+///   /dev/nvidiaN and /dev/nvidia-uvm is its own private numbering;
+/// - `clone`/`clone3`: it starts threads inside calls a tenant connection
+///   thread makes (contexts, streams), and an executor's end starts one;
+/// - `sched_get_priority_min`/`max`: asked when it makes a context;
+/// - `prctl(PR_SET_NAME)`: thread names;
+/// - `kill`, only SIGKILL to this process: an executor ends itself after
+///   a fatal error (crate::fatal).
+fn driver_rules(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) -> Result<(), SeccompError> {
+    rules.insert(libc::SYS_ioctl, Vec::new());
+    plain(&[libc::SYS_clone, libc::SYS_clone3, libc::SYS_sched_get_priority_min, libc::SYS_sched_get_priority_max], rules);
+    rules.entry(libc::SYS_prctl).or_default().push(rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64)?])?);
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() } as u64;
+    rules.insert(libc::SYS_kill, vec![rule(vec![cond(0, SeccompCmpOp::Eq, me)?, cond(1, SeccompCmpOp::Eq, libc::SIGKILL as u64)?])?]);
+    Ok(())
+}
+
+/// Whether the lists include [`driver_rules`] (set once, by
+/// [`confine_worker`]).
+static DRIVER: AtomicBool = AtomicBool::new(false);
+
 /// The process-wide list.
 pub fn worker_filter() -> Result<BpfProgram, SeccompError> {
     let mut rules = BTreeMap::new();
@@ -174,6 +203,9 @@ pub fn worker_filter() -> Result<BpfProgram, SeccompError> {
     rules.insert(libc::SYS_prctl, vec![rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64)?])?, rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NO_NEW_PRIVS as u64)?])?]);
     // Non-blocking mode and close-on-exec on descriptors.
     rules.insert(libc::SYS_ioctl, vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::FIONBIO)?])?, rule(vec![cond(1, SeccompCmpOp::Eq, libc::FIOCLEX)?])?]);
+    if DRIVER.load(Ordering::Relaxed) {
+        driver_rules(&mut rules)?;
+    }
     compile(rules)
 }
 
@@ -187,11 +219,15 @@ pub fn files_filter() -> Result<BpfProgram, SeccompError> {
     f.try_into().map_err(SeccompError::Compile)
 }
 
-/// The narrower list of a tenant connection thread.
+/// The narrower list of a tenant connection thread: no sockets, files
+/// or (except where the driver needs them) threads.
 pub fn connection_filter() -> Result<BpfProgram, SeccompError> {
     let mut rules = BTreeMap::new();
     plain(BASE, &mut rules);
     own_priority(&mut rules)?;
+    if DRIVER.load(Ordering::Relaxed) {
+        driver_rules(&mut rules)?;
+    }
     compile(rules)
 }
 
@@ -243,13 +279,21 @@ static SLICE: AtomicBool = AtomicBool::new(false);
 
 /// Installs the process-wide list on every thread of the worker. With
 /// `slice`, threads may set their own scheduling attributes (only for a
-/// worker without CAP_SYS_NICE: see [`own_priority`]).
-pub fn confine_worker(slice: bool) -> Result<(), SeccompError> {
+/// worker without CAP_SYS_NICE: see [`own_priority`]); with `driver`, the
+/// lists allow what NVIDIA's driver calls ([`driver_rules`]).
+pub fn confine_worker(slice: bool, driver: bool) -> Result<(), SeccompError> {
     SLICE.store(slice, Ordering::Relaxed);
+    DRIVER.store(driver, Ordering::Relaxed);
     install_handler()?;
-    let files = files_filter()?;
+    // NVIDIA's driver opens /dev/nvidiactl and /dev/nvidiaN again for every
+    // context it makes (and /sys/devices/system/cpu/online, /proc/self/*),
+    // so a GPU worker keeps open(2); its uid and mount namespace bound
+    // what it reaches.
+    if !driver {
+        let files = files_filter()?;
+        seccompiler::apply_filter_all_threads(&files).map_err(SeccompError::Install)?;
+    }
     let f = worker_filter()?;
-    seccompiler::apply_filter_all_threads(&files).map_err(SeccompError::Install)?;
     seccompiler::apply_filter_all_threads(&f).map_err(SeccompError::Install)
 }
 
