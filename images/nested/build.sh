@@ -206,6 +206,15 @@ cp "$OUT/l2-root.img" "$L1/l2/root.img"
 # scenarios give it the disks they write.
 chmod 0644 "$L1"/l2/*
 cp "$ROOT"/images/nested/scenarios/*.sh "$L1/scenarios/"
+# The test double of NVIDIA's driver (testdriver/, tests only), for the
+# `cudadouble` scenario: the cuda backend and its executors in L1 without
+# a GPU. Only that scenario puts it on a library path.
+mkdir -p "$L1/opt/testdriver"
+strip -o "$L1/opt/testdriver/libcuda.so.1" "$BIN/libvgpu_testdriver.so"
+ln -sf libcuda.so.1 "$L1/opt/testdriver/libnvidia-ml.so.1"
+for lib in $(ldd "$BIN/libvgpu_testdriver.so" | grep -oE '/[^ ]+\.so[^ ]*'); do
+    install -D -m 0755 "$lib" "$L1$lib"
+done
 # QEMU as a second L1 VMM, only for the VMM comparison
 # (scripts/compare-vmms.sh, NESTED_WITH_QEMU=1): the same L2 under QEMU
 # with -enable-kvm, to tell the emulator's faults from ours. About 60 MiB,
