@@ -44,11 +44,28 @@ use crate::backend::BackendError;
 /// waits for an engine thread.
 pub const SPIN: Duration = Duration::from_micros(200);
 /// After the spin, it looks again every NAP until the ring has been empty
-/// for IDLE, then sleeps until the tenant kicks it: a tenant submitting
-/// now and then (a guest under emulation, a framework between batches)
-/// costs no kick per call and no busy core.
+/// for its idle time (IDLE at first), then sleeps until the tenant kicks
+/// it: a tenant submitting now and then (a guest under emulation, a
+/// framework between batches) costs no kick per call and no busy core.
 pub const NAP: Duration = Duration::from_micros(100);
 pub const IDLE: Duration = Duration::from_millis(5);
+/// The most a ring's idle time grows to. Like KVM's halt polling, each
+/// ring adapts: a kick that comes soon after the ring went to sleep (a
+/// guest vCPU descheduled for a few milliseconds in the middle of a burst)
+/// doubles its idle time, so the next such gap costs no kick; a long
+/// sleep halves it again. Napping holds an engine thread only while no
+/// other job waits for one.
+pub const MAX_IDLE: Duration = Duration::from_millis(40);
+
+/// A ring's next idle time, given its current one and how long it slept
+/// before the tenant kicked it.
+pub fn next_idle(idle: Duration, slept: Duration) -> Duration {
+    if slept <= MAX_IDLE {
+        (idle * 2).min(MAX_IDLE)
+    } else {
+        (idle / 2).max(IDLE)
+    }
+}
 /// Entries one ring job consumes before it lets waiting jobs go first.
 const ENTRIES_PER_TURN: usize = 256;
 /// Distinct streams one ring may have queues for.
@@ -307,6 +324,9 @@ pub struct Ring {
     pub kick_fd: Option<OwnedFd>,
     pub entries: AtomicU64,
     pub kicks: AtomicU64,
+    /// How long the ring may stay empty before its poller sleeps
+    /// (`next_idle`), and when it last went to sleep.
+    idle: Mutex<(Duration, Option<Instant>)>,
     /// One error-block writer at a time, and the count it last wrote (the
     /// shared word is the tenant's to scribble on).
     err_lock: Mutex<()>,
@@ -339,6 +359,7 @@ impl Ring {
             kick_fd,
             entries: AtomicU64::new(0),
             kicks: AtomicU64::new(0),
+            idle: Mutex::new((IDLE, None)),
             err_lock: Mutex::new(()),
             err_count: AtomicU32::new(0),
         };
@@ -366,6 +387,12 @@ impl Ring {
     /// The tenant found the ring asleep and woke it.
     pub fn kick(self: &Arc<Self>, engine: &Engine) {
         self.kicks.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut idle = lock(&self.idle);
+            if let Some(at) = idle.1.take() {
+                idle.0 = next_idle(idle.0, at.elapsed());
+            }
+        }
         self.wake(engine);
     }
 
@@ -399,6 +426,7 @@ impl Ring {
     fn poll(self: &Arc<Self>, engine: &Engine) {
         let state = |v: u32| self.mem.store32(ring::STATE, v);
         state(ring::STATE_AWAKE);
+        let idle_for = lock(&self.idle).0;
         let mut last = Instant::now();
         loop {
             if self.closed.load(Ordering::Acquire) || self.is_broken() {
@@ -448,7 +476,7 @@ impl Ring {
                 }
             }
             let idle = last.elapsed();
-            if idle < IDLE && !engine.others_waiting() {
+            if idle < idle_for && !engine.others_waiting() {
                 if idle < SPIN {
                     std::hint::spin_loop();
                 } else {
@@ -456,6 +484,7 @@ impl Ring {
                 }
                 continue;
             }
+            lock(&self.idle).1 = Some(Instant::now());
             state(ring::STATE_SLEEPING);
             std::sync::atomic::fence(Ordering::SeqCst);
             if self.tail() != lock(&self.cur).head && !self.closed.load(Ordering::Acquire) {
@@ -997,5 +1026,28 @@ impl Engine {
                 self.run_job(job);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_time_grows_on_quick_kicks_and_shrinks_on_long_sleeps() {
+        let ms = Duration::from_millis;
+        // A kick 3 ms into the sleep: the ring would have caught it by
+        // polling longer, so it does next time.
+        assert_eq!(next_idle(IDLE, ms(3)), IDLE * 2);
+        assert_eq!(next_idle(IDLE * 2, ms(1)), IDLE * 4);
+        assert_eq!(next_idle(MAX_IDLE, ms(1)), MAX_IDLE, "bounded");
+        // A tenant that went quiet for a second: back towards IDLE.
+        assert_eq!(next_idle(MAX_IDLE, ms(1000)), MAX_IDLE / 2);
+        assert_eq!(next_idle(IDLE, ms(1000)), IDLE, "never below IDLE");
+        let mut idle = MAX_IDLE;
+        for _ in 0..8 {
+            idle = next_idle(idle, ms(500));
+        }
+        assert_eq!(idle, IDLE);
     }
 }
