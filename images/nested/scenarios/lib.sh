@@ -6,10 +6,14 @@ run=/tmp/vgpu
 # API answers (a socket file an earlier daemon left is not enough). A
 # kernel here runs under two levels of emulation, beside the VMs' vCPUs:
 # the 10 s default launch limit (made for real hosts) cut matrixMul off
-# under load in the soak, so these daemons allow 120 s.
+# under load in the soak, so these daemons allow 120 s. L1's kernel
+# argument mediator_args=A,B adds flags A B (NESTED_APPEND on the host:
+# "mediator_args=--isolation,process").
 start_mediator() {
     mkdir -p $run
-    vgpu-mediatord --run-dir $run --launch-timeout-ms 120000 "$@" 2>/tmp/mediator.err &
+    extra=$(tr ' ' '\n' </proc/cmdline | sed -n 's/^mediator_args=//p' | tr ',' ' ')
+    # shellcheck disable=SC2086
+    vgpu-mediatord --run-dir $run --launch-timeout-ms 120000 "$@" $extra 2>/tmp/mediator.err &
     i=0
     while ! vgpuctl --run-dir $run -o json device list >/dev/null 2>&1 && [ $i -lt 400 ]; do sleep 0.05; i=$((i + 1)); done
 }
