@@ -319,39 +319,7 @@ fn yes() -> bool {
     true
 }
 
-/// A socket owner or process identity: `UID:GID`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Owner {
-    pub uid: u32,
-    pub gid: u32,
-}
-
-impl std::str::FromStr for Owner {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Owner, String> {
-        let (u, g) = s.split_once(':').ok_or_else(|| format!("owner {s:?} is not UID:GID"))?;
-        let num = |v: &str| v.parse::<u32>().ok().filter(|n| *n != u32::MAX).ok_or_else(|| format!("owner {s:?}: {v:?} is not a numeric id"));
-        Ok(Owner { uid: num(u)?, gid: num(g)? })
-    }
-}
-
-impl std::fmt::Display for Owner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}", self.uid, self.gid)
-    }
-}
-
-impl Serialize for Owner {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for Owner {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Owner, D::Error> {
-        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
-    }
-}
+pub use vgpu_arbiter::ipc::Owner;
 
 /// Resolves a user name or `UID:GID` to ids.
 pub fn resolve_user(s: &str) -> Result<Owner, String> {

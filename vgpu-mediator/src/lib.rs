@@ -1,18 +1,13 @@
-//! vgpu-mediatord: the control plane, device workers, scheduler, scrubber
-//! and backends of the vGPU stack.
+//! vgpu-mediatord: the control plane of the vGPU stack (REST API, tenants,
+//! VMs, pools, passthrough, metering, configuration). It starts the device
+//! processes (arbiters, executors and shared workers), which run the same
+//! binary; their code is in `vgpu-arbiter` and `vgpu-executor`, re-exported
+//! here under the module names the daemon and the tests use.
 
-pub mod arbiter;
-pub mod backend;
 pub mod config;
 pub mod control;
-pub mod fatal;
-pub mod gpu;
-pub mod grant;
-pub mod ipc;
-pub mod nice;
-pub mod placement;
-pub mod sched;
-pub use virtio_gpu_compute::size;
-pub mod worker;
+pub use vgpu_arbiter::{arbiter, fatal, grant, ipc, nice, placement, sched};
+pub use vgpu_executor::{backend, gpu, worker};
 /// The PTX interpreter (its own crate, `vgpu-ptx`).
 pub use vgpu_ptx as ptx;
+pub use virtio_gpu_compute::size;

@@ -2,7 +2,7 @@
 //! namespace, an unprivileged uid and gid with no supplementary groups
 //! (which clears every capability), and `no_new_privs`.
 
-use crate::config::Owner;
+use vgpu_arbiter::ipc::Owner;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfineError {
@@ -37,7 +37,7 @@ pub fn no_new_privs() -> Result<(), ConfineError> {
 /// `no_new_privs`. Fails (and the worker with it) if anything is left.
 ///
 /// With `keep_nice`, CAP_SYS_NICE alone survives, so lane threads can
-/// return to nice 0 (crate::nice) on a host that denies raising
+/// return to nice 0 (vgpu_arbiter::nice) on a host that denies raising
 /// RLIMIT_NICE. Only for a worker about to install its seccomp lists: they
 /// allow no syscall that uses it but `setpriority` of the calling thread
 /// to 0..=19.

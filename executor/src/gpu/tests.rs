@@ -11,8 +11,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::{GpuConfig, GpuDevice};
 use crate::backend::cpu::CpuBackend;
-use crate::sched::{Fifo, Scheduler};
 use crate::worker::service::{DeviceService, Tenant};
+use vgpu_arbiter::sched::{Fifo, Scheduler};
 
 const RAM: usize = 16 << 20;
 const CTX: u32 = 1;
@@ -22,7 +22,7 @@ const REPLY_GPA: u64 = 0x20_0000;
 
 fn service() -> Arc<DeviceService> {
     let backend = Arc::new(CpuBackend::new(0, 64 << 20, 100_000_000).unwrap());
-    Arc::new(DeviceService::new(0, backend, crate::grant::Lanes::Local(Scheduler::new(2, Arc::new(Fifo)))))
+    Arc::new(DeviceService::new(0, backend, vgpu_arbiter::grant::Lanes::Local(Scheduler::new(2, Arc::new(Fifo)))))
 }
 
 fn device_on(svc: &Arc<DeviceService>, name: &str, quota: u64) -> (GpuDevice, GuestMemoryMmap, Arc<Tenant>) {

@@ -824,7 +824,7 @@ impl Drop for Running {
     }
 }
 
-impl crate::ptx::Preempt for Running {
+impl vgpu_ptx::Preempt for Running {
     fn checkpoint(&self) {
         Running::checkpoint(self)
     }

@@ -12,7 +12,7 @@
 //! strace on an H100 (driver 580.159.04, `scripts/gpu-syscalls.sh`): the
 //! driver's ioctls, thread creation from any thread, scheduling-priority
 //! queries, and the executor's own end (`kill(self, SIGKILL)`,
-//! crate::fatal). The driver opens /dev/nvidiactl and /dev/nvidiaN for
+//! vgpu_arbiter::fatal). The driver opens /dev/nvidiactl and /dev/nvidiaN for
 //! every context it makes, so a GPU worker is not given the filter that
 //! makes every open fail ([`files_filter`]).
 
@@ -147,16 +147,16 @@ fn plain(list: &[i64], rules: &mut BTreeMap<i64, Vec<SeccompRule>>) {
 /// unsigned 32-bit word, so negative values fail the bound.)
 ///
 /// Lane threads also move themselves between cores
-/// (`sched_setaffinity(0, ..)`, crate::placement), and, in a worker
+/// (`sched_setaffinity(0, ..)`, vgpu_arbiter::placement), and, in a worker
 /// without CAP_SYS_NICE, set their own time slice with nice
-/// (`sched_setattr(0, .., 0)` and `sched_getattr(0, ..)`, crate::nice).
+/// (`sched_setattr(0, .., 0)` and `sched_getattr(0, ..)`, vgpu_arbiter::nice).
 /// The attributes themselves cannot be filtered (a pointer): the worker
 /// caps RLIMIT_RTPRIO at 0 and RLIMIT_NICE at 20 first
-/// (crate::nice::fence_limits), so without the capability the kernel
+/// (vgpu_arbiter::nice::fence_limits), so without the capability the kernel
 /// refuses a real-time policy or a raised priority; with it,
 /// sched_setattr is left off the list.
 fn own_priority(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) -> Result<(), SeccompError> {
-    let max = crate::nice::MAX as u64;
+    let max = vgpu_arbiter::nice::MAX as u64;
     rules.insert(libc::SYS_sched_setaffinity, vec![rule(vec![cond(0, SeccompCmpOp::Eq, 0)?])?]);
     if SLICE.load(Ordering::Relaxed) {
         rules.insert(libc::SYS_sched_setattr, vec![rule(vec![cond(0, SeccompCmpOp::Eq, 0)?, cond(2, SeccompCmpOp::Eq, 0)?])?]);
@@ -175,7 +175,7 @@ fn own_priority(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) -> Result<(), Secco
 /// - `sched_get_priority_min`/`max`: asked when it makes a context;
 /// - `prctl(PR_SET_NAME)`: thread names;
 /// - `kill`, only SIGKILL to this process: an executor ends itself after
-///   a fatal error (crate::fatal).
+///   a fatal error (vgpu_arbiter::fatal).
 fn driver_rules(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) -> Result<(), SeccompError> {
     rules.insert(libc::SYS_ioctl, Vec::new());
     plain(&[libc::SYS_clone, libc::SYS_clone3, libc::SYS_sched_get_priority_min, libc::SYS_sched_get_priority_max], rules);

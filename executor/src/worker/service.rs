@@ -13,7 +13,7 @@ use virtio_gpu_compute::*;
 
 use super::shm::Shm;
 use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, Launch, TenantSlot};
-use crate::ipc::{DeviceStats, TenantStats};
+use vgpu_arbiter::ipc::{DeviceStats, TenantStats};
 
 /// Host memory a tenant's objects keep in the worker (parsed modules,
 /// function tables, contexts, streams, events, allocation records,
@@ -76,7 +76,7 @@ pub struct Tenant {
     /// Device memory the tenant may allocate; resizable live.
     quota: AtomicU64,
     /// Weight, cap and class, as last configured (the scheduler has them).
-    share: Mutex<crate::sched::Share>,
+    share: Mutex<vgpu_arbiter::sched::Share>,
     /// Host memory the tenant's objects may keep in the worker.
     pub host: HostBudget,
     /// Set when the tenant is deleted: every path that serves it refuses
@@ -158,7 +158,7 @@ impl Tenant {
         self.quota.load(Ordering::Acquire)
     }
 
-    pub fn share(&self) -> crate::sched::Share {
+    pub fn share(&self) -> vgpu_arbiter::sched::Share {
         *self.share.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -390,18 +390,18 @@ pub struct DeviceService {
     pub backend: Arc<dyn Backend>,
     /// The stream engine serving command rings, once the worker started it.
     pub engine: std::sync::OnceLock<Arc<super::engine::Engine>>,
-    pub sched: crate::grant::Lanes,
+    pub sched: vgpu_arbiter::grant::Lanes,
     pub ordinal: u32,
     tenants: RwLock<HashMap<String, Arc<Tenant>>>,
     started: Instant,
 }
 
 impl DeviceService {
-    pub fn new(ordinal: u32, backend: Arc<dyn Backend>, sched: crate::grant::Lanes) -> Self {
+    pub fn new(ordinal: u32, backend: Arc<dyn Backend>, sched: vgpu_arbiter::grant::Lanes) -> Self {
         DeviceService { backend, engine: std::sync::OnceLock::new(), sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
     }
 
-    pub fn add_tenant(&self, name: &str, quota: u64, share: crate::sched::Share, host_limit: u64) -> Result<Arc<Tenant>, String> {
+    pub fn add_tenant(&self, name: &str, quota: u64, share: vgpu_arbiter::sched::Share, host_limit: u64) -> Result<Arc<Tenant>, String> {
         let mut map = self.tenants.write().unwrap_or_else(|e| e.into_inner());
         if map.contains_key(name) {
             return Err(format!("tenant {name} already exists on this device"));
@@ -437,7 +437,7 @@ impl DeviceService {
     /// Changes a tenant's scheduling parameters and quota live. A quota
     /// below what the tenant has allocated is refused, and then nothing
     /// changes.
-    pub fn set_tenant(&self, name: &str, share: Option<crate::sched::Share>, quota: Option<u64>) -> Result<(), String> {
+    pub fn set_tenant(&self, name: &str, share: Option<vgpu_arbiter::sched::Share>, quota: Option<u64>) -> Result<(), String> {
         let t = self.tenant(name).ok_or_else(|| format!("no tenant {name} on this device"))?;
         match quota {
             // Shrinking: under the state lock, which allocations hold while
@@ -980,7 +980,7 @@ impl DeviceService {
                 if st.ctxs.len() >= 256 {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many contexts"));
                 }
-                if crate::fatal::marked() {
+                if vgpu_arbiter::fatal::marked() {
                     // No context works in this process again; the
                     // tenant's next executor makes it.
                     return Err(err(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "this executor is ending after a fault; connect again for a new context"));

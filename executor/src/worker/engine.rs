@@ -640,7 +640,7 @@ impl Ring {
         }
         self.complete(engine, seq);
         if let Reply::Error(code, _) = &r {
-            crate::fatal::replied(*code as u32);
+            vgpu_arbiter::fatal::replied(*code as u32);
         }
     }
 
@@ -737,7 +737,7 @@ impl Ring {
     fn run_item(self: &Arc<Self>, engine: &Engine, item: Item) {
         // Work waiting for the lane this item gives back is woken once the
         // item's completion is out: the tenant waiting for it goes first.
-        let _wake_later = crate::sched::WakeLater::new();
+        let _wake_later = vgpu_arbiter::sched::WakeLater::new();
         let res = match &item.work.kind {
             WorkKind::Wait { .. } => Ok(()),
             _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.svc.execute(&self.tenant, &item.work).map(|_| ())))
@@ -748,7 +748,7 @@ impl Ring {
         }
         self.complete(engine, item.seq);
         if let Err(e) = &res {
-            crate::fatal::replied(e.code as u32);
+            vgpu_arbiter::fatal::replied(e.code as u32);
         }
     }
 
@@ -868,7 +868,7 @@ pub struct Engine {
     per_tenant: usize,
     /// Orders long stream work between tenants by weighted fair share
     /// (the scheduler's passes); `None`: oldest first.
-    fair: Option<Arc<crate::sched::WeightedFair>>,
+    fair: Option<Arc<vgpu_arbiter::sched::WeightedFair>>,
 }
 
 impl Engine {
@@ -876,7 +876,7 @@ impl Engine {
     /// four tenants' long work at the scheduler at once, and one more. With
     /// `seccomp`, each narrows its filter like a connection thread: it
     /// decodes tenant bytes.
-    pub fn start(lanes: usize, seccomp: bool, fair: Option<Arc<crate::sched::WeightedFair>>) -> std::io::Result<Arc<Engine>> {
+    pub fn start(lanes: usize, seccomp: bool, fair: Option<Arc<vgpu_arbiter::sched::WeightedFair>>) -> std::io::Result<Arc<Engine>> {
         let lanes = lanes.max(1);
         let threads = 4 * lanes + 1;
         let e = Arc::new(Engine { q: Mutex::new(ReadyQ::default()), cv: Condvar::new(), long_cap: threads - 1, per_tenant: lanes, fair });

@@ -15,7 +15,7 @@ use std::time::Duration;
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
 use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot};
-use crate::ptx::{self, ExecError, GlobalMem, Module};
+use vgpu_ptx::{self as ptx, ExecError, GlobalMem, Module};
 
 /// Allocation granule and alignment, as CUDA guarantees 256-byte alignment.
 pub const GRANULE: u64 = 256;
@@ -1066,7 +1066,7 @@ impl Backend for CpuBackend {
         let cfg = ptx::LaunchConfig { grid: l.grid, block: l.block, dynamic_shared: l.shared_bytes };
         // Under the device scheduler, the launch may be stopped between its
         // slices for other tenants' work.
-        let run = crate::grant::with_preempt(|cur| ptx::launch(k, &cfg, params, &mut view, &ptx::Limits { preempt: cur, ..limits }));
+        let run = vgpu_arbiter::grant::with_preempt(|cur| ptx::launch(k, &cfg, params, &mut view, &ptx::Limits { preempt: cur, ..limits }));
         match run {
             Ok(stats) => Ok(stats.instructions),
             Err(e) => {

@@ -1,11 +1,11 @@
 //! A device worker process: owns one device, listens on its tenants'
 //! sockets and serves their compute messages. The control plane drives it
-//! over stdin/stdout ([`crate::ipc`]); when stdin closes, the worker exits.
+//! over stdin/stdout ([`vgpu_arbiter::ipc`]); when stdin closes, the worker exits.
 //!
 //! Run as a tenant's **executor** (`--grant-fd`), it serves exactly one
 //! tenant: its listening socket is handed over ready (`--listen-fd`), and
 //! it runs work only on lanes the device's arbiter grants
-//! ([`crate::grant`]). It leaves when the arbiter goes.
+//! ([`vgpu_arbiter::grant`]). It leaves when the arbiter goes.
 
 pub mod confine;
 pub mod conn;
@@ -26,9 +26,9 @@ use tracing::{info, warn};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
-use crate::ipc::{CmdLine, MsgLine, TenantCmd, WorkerCmd, WorkerMsg};
-use crate::sched::{Scheduler, WeightedFair};
 use service::{DeviceService, Tenant};
+use vgpu_arbiter::ipc::{CmdLine, MsgLine, TenantCmd, WorkerCmd, WorkerMsg};
+use vgpu_arbiter::sched::{Scheduler, WeightedFair};
 
 pub struct WorkerOptions {
     pub ordinal: u32,
@@ -44,16 +44,16 @@ pub struct WorkerOptions {
     /// Compute capability of a CPU device.
     pub cc: (u32, u32),
     /// The unprivileged identity to drop to once the device is open.
-    pub user: Option<crate::config::Owner>,
+    pub user: Option<vgpu_arbiter::ipc::Owner>,
     /// Install the seccomp allow-lists (CPU devices).
     pub seccomp: bool,
     /// Executor threads serving tenant sockets.
     pub connection_threads: usize,
     /// The nice value kernels run at (0: off).
     pub compute_nice: i32,
-    /// Pin each lane to a core of its own (crate::placement).
+    /// Pin each lane to a core of its own (vgpu_arbiter::placement).
     pub pin_lanes: bool,
-    /// Run as the device's arbiter ([`crate::arbiter`]) instead.
+    /// Run as the device's arbiter ([`vgpu_arbiter::arbiter`]) instead.
     pub arbiter: bool,
     /// An executor: its grant channel to the device's arbiter.
     pub grant_fd: Option<i32>,
@@ -158,17 +158,17 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         return arbiter(&opts);
     }
     if opts.grant_fd.is_some() && opts.backend == BackendKind::Cuda {
-        // A kernel fault or a runaway ends a GPU executor (crate::fatal).
-        crate::fatal::enable();
+        // A kernel fault or a runaway ends a GPU executor (vgpu_arbiter::fatal).
+        vgpu_arbiter::fatal::enable();
     }
     let backend = open_backend(&opts, launch_threads)?;
     let seccomp = opts.seccomp;
     // Before privileges go: a thread's way back from a lowered nice value
     // is RLIMIT_NICE raised, which takes privilege, or else CAP_SYS_NICE
     // kept, which only the seccomp lists make narrow enough.
-    let nice_limit = if opts.compute_nice > 0 { crate::nice::raise_limit() } else { Ok(()) };
+    let nice_limit = if opts.compute_nice > 0 { vgpu_arbiter::nice::raise_limit() } else { Ok(()) };
     if opts.backend == BackendKind::Cpu {
-        anyhow::Context::context(crate::nice::fence_limits(), "capping RLIMIT_RTPRIO and RLIMIT_NICE")?;
+        anyhow::Context::context(vgpu_arbiter::nice::fence_limits(), "capping RLIMIT_RTPRIO and RLIMIT_NICE")?;
     }
     if opts.grant_fd.is_some() && opts.user.is_some() {
         // An executor has no network: a namespace of its own with only a
@@ -186,7 +186,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     }
     // Lane threads set their own time slice with sched_setattr, which
     // with CAP_SYS_NICE could also ask for a real-time policy: only where
-    // the worker does not hold it, its limits fenced (crate::nice).
+    // the worker does not hold it, its limits fenced (vgpu_arbiter::nice).
     let slice = opts.compute_nice > 0 && opts.backend == BackendKind::Cpu && !confine::holds_cap_sys_nice();
     if seccomp {
         // Whatever the backend would open or load later, it does now.
@@ -195,15 +195,19 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         seccomp::confine_worker(slice, opts.backend == BackendKind::Cuda)?;
         info!("device worker under its seccomp allow-list");
     }
-    match crate::nice::enable(opts.compute_nice, slice) {
+    match vgpu_arbiter::nice::enable(opts.compute_nice, slice) {
         Ok(()) if opts.compute_nice > 0 => {
-            info!(nice = crate::nice::compute(), slice_us = crate::nice::sliced().then_some(crate::nice::LANE_SLICE.as_micros() as u64), "kernels run below the worker's control threads")
+            info!(
+                nice = vgpu_arbiter::nice::compute(),
+                slice_us = vgpu_arbiter::nice::sliced().then_some(vgpu_arbiter::nice::LANE_SLICE.as_micros() as u64),
+                "kernels run below the worker's control threads"
+            )
         }
         Ok(()) => {}
         Err(e) => warn!("kernels run at the control threads' priority: no thread could return to nice 0 ({e}; RLIMIT_NICE: {nice_limit:?})"),
     }
     if opts.backend == BackendKind::Cpu && opts.pin_lanes {
-        match crate::placement::enable() {
+        match vgpu_arbiter::placement::enable() {
             Some(cores) => info!(?cores, "each lane's kernels run on a core of their own"),
             None => info!("one core: lanes are not pinned"),
         }
@@ -211,7 +215,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     if opts.backend == BackendKind::Cpu && launch_threads > 1 {
         // The threads launches run blocks on, made now: tenant connection
         // threads narrow their seccomp filters and may not create threads.
-        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(launch_threads).thread_name(|i| format!("vgpu-blocks-{i}")).start_handler(|_| crate::nice::lower_for_good()).build_global() {
+        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(launch_threads).thread_name(|i| format!("vgpu-blocks-{i}")).start_handler(|_| vgpu_arbiter::nice::lower_for_good()).build_global() {
             warn!("the block thread pool could not be built ({e}); launches run on one thread");
         }
     }
@@ -220,8 +224,8 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         Some(fd) => {
             // SAFETY: the control plane passed this descriptor to us alone;
             // nothing else in this process owns it.
-            let chan = crate::grant::Channel::from_fd(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) });
-            let grants = crate::grant::Grants::start(chan, opts.lanes)?;
+            let chan = vgpu_arbiter::grant::Channel::from_fd(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) });
+            let grants = vgpu_arbiter::grant::Grants::start(chan, opts.lanes)?;
             let g2 = grants.clone();
             std::thread::Builder::new().name("arbiter-watch".into()).spawn(move || {
                 while !g2.is_closed() {
@@ -234,9 +238,9 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
                 // process relies on running further.
                 unsafe { libc::_exit(0) };
             })?;
-            crate::grant::Lanes::Granted(grants)
+            vgpu_arbiter::grant::Lanes::Granted(grants)
         }
-        None => crate::grant::Lanes::Local(Scheduler::new(opts.lanes, fair.clone())),
+        None => vgpu_arbiter::grant::Lanes::Local(Scheduler::new(opts.lanes, fair.clone())),
     };
     let executor = opts.grant_fd.is_some();
     let svc = Arc::new(DeviceService::new(opts.ordinal, backend, lanes));
@@ -357,10 +361,10 @@ fn arbiter(opts: &WorkerOptions) -> anyhow::Result<()> {
     if opts.backend == BackendKind::Cuda {
         // A GPU kernel cannot stop at a yield: it runs to its end or to
         // its launch timeout, which ends its executor.
-        crate::grant::allow_unpausable(std::time::Duration::from_millis(opts.launch_timeout_ms));
+        vgpu_arbiter::grant::allow_unpausable(std::time::Duration::from_millis(opts.launch_timeout_ms));
     }
     info!(uid = opts.user.map(|u| u.uid), seccomp = opts.seccomp, "device arbiter confined");
-    crate::arbiter::run(opts.lanes, (desc.kind.to_string(), desc.name.clone(), service::uuid_text(&desc.uuid), desc.memory, budget))
+    vgpu_arbiter::arbiter::run(opts.lanes, (desc.kind.to_string(), desc.name.clone(), service::uuid_text(&desc.uuid), desc.memory, budget))
 }
 
 fn add_tenant(svc: &Arc<DeviceService>, pool: &conn::Pool, spec: &TenantCmd, handed: Option<UnixListener>) -> Result<Listening, String> {

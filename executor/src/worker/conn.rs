@@ -798,10 +798,10 @@ fn write_some(s: &UnixStream, tx: &mut Option<Tx>) -> std::io::Result<bool> {
         }
     }
     // The whole reply is out: an executor ending on the error it carries
-    // may go now (crate::fatal).
-    if crate::fatal::marked() {
+    // may go now (vgpu_arbiter::fatal).
+    if vgpu_arbiter::fatal::marked() {
         if let Ok(h) = virtio_gpu_compute::MsgHeader::decode(&t.bytes) {
-            crate::fatal::replied(h.status);
+            vgpu_arbiter::fatal::replied(h.status);
         }
     }
     Ok(false)

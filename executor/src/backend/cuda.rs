@@ -222,9 +222,9 @@ impl TenantCtx {
         if let Err(e) = &r {
             if e.code.is_sticky() {
                 self.poisoned = true;
-                // A tenant's executor ends (crate::fatal): no context in
+                // A tenant's executor ends (vgpu_arbiter::fatal): no context in
                 // this process works again on NVIDIA's driver.
-                crate::fatal::mark(&e.msg);
+                vgpu_arbiter::fatal::mark(&e.msg);
             }
         }
         r
@@ -528,7 +528,7 @@ impl CudaBackend {
                 // An executor never destroys a context with a running
                 // kernel (cuCtxDestroy waits for it): it ends, and the
                 // driver stops the kernel with the process.
-                if crate::fatal::mark(&err.msg) {
+                if vgpu_arbiter::fatal::mark(&err.msg) {
                     t.poisoned = true;
                     return Err(err);
                 }
@@ -683,7 +683,7 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        if crate::fatal::marked() {
+        if vgpu_arbiter::fatal::marked() {
             // Ending: the process's end releases everything, and a
             // destroy could wait on a running kernel.
             return;
@@ -754,7 +754,7 @@ impl Backend for CudaBackend {
         if !g.poisoned {
             return Ok(());
         }
-        if crate::fatal::marked() {
+        if vgpu_arbiter::fatal::marked() {
             // No new context can be made in this process: the tenant's
             // next one is in its next executor.
             return Err(BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "this executor is ending after a fatal error; the tenant's next connection gets a new one"));
@@ -887,7 +887,7 @@ impl Backend for CudaBackend {
         let ptx_params = match format {
             ImageFormat::Ptx => {
                 let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image)).map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
-                let sigs = crate::ptx::Module::signatures(text, host_limit - host_bytes).map_err(|e| {
+                let sigs = vgpu_ptx::Module::signatures(text, host_limit - host_bytes).map_err(|e| {
                     let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
                     BackendError::new(code, e.to_string())
                 })?;
