@@ -106,6 +106,57 @@ impl Relive {
     }
 }
 
+/// What a process holds that another process could share with it: the
+/// files behind its descriptors and its mappings (sockets, memfds, other
+/// files), by inode.
+pub fn held(pid: u32) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fd dir").flatten() {
+        if let Ok(t) = std::fs::read_link(e.path()) {
+            let t = t.to_string_lossy().to_string();
+            // The standard streams and the binary are every worker's.
+            if t.starts_with("socket:") || t.starts_with("/memfd:") || t.contains("(deleted)") {
+                let ino = std::fs::metadata(e.path()).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).unwrap_or(0);
+                out.insert(format!("{t}#{ino}"));
+            }
+        }
+    }
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
+    for l in maps.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() >= 6 && (f[5].starts_with("/memfd:") || f[5].starts_with("/dev/shm")) {
+            let kind = if f[5].starts_with("/memfd:") { "memfd" } else { "shm" };
+            out.insert(format!("{kind} map {} {}", f[3], f[4]));
+        }
+    }
+    out
+}
+
+/// A tenant_probe holding 4096 bytes of the tenant's device memory (and
+/// its connection, ring and shared buffers) until dropped.
+pub struct Holder(std::process::Child);
+
+impl Holder {
+    pub fn new(socket: &std::path::Path) -> Holder {
+        let mut c = sample("tenant_probe", socket);
+        c.args(["hold", "4096"]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+        let mut child = c.spawn().expect("spawn holder");
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().expect("stdout")), &mut line).expect("ptr line");
+        assert!(line.starts_with("ptr="), "{line}");
+        Holder(child)
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        if let Some(mut i) = self.0.stdin.take() {
+            let _ = std::io::Write::write_all(&mut i, b"go\n");
+        }
+        let _ = self.0.wait();
+    }
+}
+
 /// A program from samples/ run as the tenant behind `socket`.
 pub fn sample(name: &str, socket: &Path) -> Command {
     let mut c = Command::new(samples().join(name));

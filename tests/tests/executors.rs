@@ -5,9 +5,6 @@
 //! weight; killing one executor leaves every other tenant's running work
 //! correct, and gets its tenant a fresh one.
 
-use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Write};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use vgpu_tests::*;
@@ -25,56 +22,6 @@ fn executors(m: &Mediator) -> Vec<(String, u32, Option<u64>)> {
 
 fn executor_of(m: &Mediator, tenant: &str) -> u32 {
     executors(m).into_iter().find(|e| e.0 == tenant).unwrap_or_else(|| panic!("no executor for {tenant}: {:?}", executors(m))).1
-}
-
-/// What a process holds that another process could share with it: the
-/// files behind its descriptors and its mappings (sockets, memfds, other
-/// files), by inode.
-fn held(pid: u32) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fd dir").flatten() {
-        if let Ok(t) = std::fs::read_link(e.path()) {
-            let t = t.to_string_lossy().to_string();
-            // The standard streams and the binary are every worker's.
-            if t.starts_with("socket:") || t.starts_with("/memfd:") || t.contains("(deleted)") {
-                let ino = std::fs::metadata(e.path()).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).unwrap_or(0);
-                out.insert(format!("{t}#{ino}"));
-            }
-        }
-    }
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
-    for l in maps.lines() {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() >= 6 && (f[5].starts_with("/memfd:") || f[5].starts_with("/dev/shm")) {
-            out.insert(format!("map {} {}", f[3], f[4]));
-        }
-    }
-    out
-}
-
-/// A tenant_probe holding 4096 bytes of the tenant's device memory (and
-/// its connection, ring and shared buffers) until dropped.
-struct Holder(std::process::Child);
-
-impl Holder {
-    fn new(socket: &std::path::Path) -> Holder {
-        let mut c = sample("tenant_probe", socket);
-        c.args(["hold", "4096"]).stdin(Stdio::piped()).stdout(Stdio::piped());
-        let mut child = c.spawn().expect("spawn holder");
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("ptr line");
-        assert!(line.starts_with("ptr="), "{line}");
-        Holder(child)
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        if let Some(mut i) = self.0.stdin.take() {
-            let _ = i.write_all(b"go\n");
-        }
-        let _ = self.0.wait();
-    }
 }
 
 #[test]

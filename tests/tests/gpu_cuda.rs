@@ -161,10 +161,19 @@ fn gpu_tenants_run_in_executors_of_their_own_and_one_killed_spares_the_other() {
         let st = proc_stats(pid);
         assert_eq!((st.seccomp, st.no_new_privs), (2, 1), "executor {pid}: Seccomp and NoNewPrivs");
     }
-    // The arbiter has no tenant memory, and no context on the GPU: it
-    // holds no /dev/nvidia-uvm mapping of a context.
-    let maps = std::fs::read_to_string(format!("/proc/{arbiter}/maps")).expect("maps");
-    assert!(!maps.contains("memfd:"), "the arbiter maps tenant memory: {maps}");
+    // Each executor holds its own tenant's connection, ring and shared
+    // buffers, and nothing the other holds; the arbiter holds no tenant
+    // memory.
+    {
+        let (_ha, _hb) = (Holder::new(&a), Holder::new(&b));
+        assert_eq!((m.serving_pid(&gpu, "victim"), m.serving_pid(&gpu, "bystander")), (pa, pb));
+        let (ha, hb) = (held(pa), held(pb));
+        assert!(ha.iter().any(|h| h.contains("memfd")) && hb.iter().any(|h| h.contains("memfd")), "victim holds {ha:?}, bystander holds {hb:?}");
+        let shared: Vec<&String> = ha.intersection(&hb).collect();
+        assert!(shared.is_empty(), "both executors hold {shared:?}");
+        let arb = held(arbiter);
+        assert!(!arb.iter().any(|h| h.contains("memfd")), "the arbiter holds {arb:?}");
+    }
     // A process of the victim's with a context open when its executor dies.
     let relive = Relive::start(&a);
     let steady = {
