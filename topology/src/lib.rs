@@ -3,8 +3,10 @@
 //! CPUs a VM's vCPU threads (or a device worker) are pinned to, and the
 //! `mbind` of a VM's memory. Also [`safe_open`]: how the VMM and the
 //! mediator open (or check) the files a VM's description names without
-//! following symbolic links.
+//! following symbolic links, and [`cgroup`]: the cgroup v2 groups that
+//! bound a jailed VMM's or a tenant executor's memory and tasks.
 
+pub mod cgroup;
 pub mod pci;
 pub mod safe_open;
 

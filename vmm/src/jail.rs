@@ -53,10 +53,8 @@ use crate::safe_open::Kind;
 
 /// Where a cgroup v2 hierarchy must be mounted for `--jail-memory` and
 /// `--jail-pids`.
-pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
-const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
-const TMPFS_MAGIC: i64 = 0x0102_1994;
-const CGROUP_SUPER_MAGIC: i64 = 0x0027_e0eb;
+pub use vgpu_topology::cgroup::CGROUP_ROOT;
+use vgpu_topology::cgroup::{Cgroup, CgroupError, Limits};
 /// RLIMIT_MEMLOCK of a jailed VMM with passthrough devices beyond its
 /// guest RAM.
 const MEMLOCK_MARGIN: u64 = 64 << 20;
@@ -73,8 +71,8 @@ pub enum JailError {
     RootIds,
     #[error("jail: {0}")]
     Invalid(String),
-    #[error("jail: cgroup limits (--jail-memory, --jail-pids) need a writable cgroup v2 hierarchy at {CGROUP_ROOT}, but {0}; no limit was applied and the VMM did not start")]
-    NoCgroup2(String),
+    #[error("jail: cgroup limits (--jail-memory, --jail-pids) need a writable cgroup v2 hierarchy at {CGROUP_ROOT}; no limit was applied and the VMM did not start")]
+    Cgroup(#[source] CgroupError),
     #[error("jail: capabilities remain after dropping privileges (effective {0:#x}, permitted {1:#x})")]
     CapsLeft(u64, u64),
     /// A file the jail exposes: missing, of the wrong type, a symbolic
@@ -300,111 +298,6 @@ impl Exposed {
     }
 }
 
-/// A cgroup v2 group for one jailed VMM: `/sys/fs/cgroup/vgpu-vmm/vm-PID`.
-#[derive(Debug)]
-struct Cgroup {
-    dir: PathBuf,
-}
-
-fn write_file(p: &Path, v: &str) -> Result<(), JailError> {
-    std::fs::write(p, v).map_err(sys(format!("writing {v:?} to {}", p.display())))
-}
-
-/// The cgroup v2 controllers the limits asked for need.
-fn controllers(memory_max: Option<u64>, pids_max: Option<u64>) -> Vec<&'static str> {
-    let mut c = Vec::new();
-    if memory_max.is_some() {
-        c.push("memory");
-    }
-    if pids_max.is_some() {
-        c.push("pids");
-    }
-    c
-}
-
-impl Cgroup {
-    /// Checks that cgroup v2 is mounted at [`CGROUP_ROOT`] and offers the
-    /// controllers the limits need.
-    fn check(memory_max: Option<u64>, pids_max: Option<u64>) -> Result<(), JailError> {
-        let root = Path::new(CGROUP_ROOT);
-        let c = cstr(root)?;
-        // SAFETY: a zeroed statfs is valid; statfs writes into it.
-        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-        // SAFETY: c is a NUL-terminated path and st a valid out-pointer.
-        if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-            return Err(JailError::NoCgroup2(format!("{CGROUP_ROOT} cannot be read ({})", io::Error::last_os_error())));
-        }
-        let kind = st.f_type as i64;
-        if kind != CGROUP2_SUPER_MAGIC {
-            let found = match kind {
-                TMPFS_MAGIC => "a tmpfs (a cgroup v1 or hybrid layout)".to_string(),
-                CGROUP_SUPER_MAGIC => "a cgroup v1 hierarchy".to_string(),
-                other => format!("a filesystem of type {other:#x}"),
-            };
-            return Err(JailError::NoCgroup2(format!("{CGROUP_ROOT} is {found}")));
-        }
-        let have = std::fs::read_to_string(root.join("cgroup.controllers")).map_err(|e| JailError::NoCgroup2(format!("its cgroup.controllers cannot be read ({e})")))?;
-        let wanted = controllers(memory_max, pids_max);
-        for w in &wanted {
-            if !have.split_whitespace().any(|c| c == *w) {
-                return Err(JailError::NoCgroup2(format!("its root offers no {w} controller (it has: {})", have.trim())));
-            }
-        }
-        Ok(())
-    }
-
-    fn create(memory_max: Option<u64>, pids_max: Option<u64>) -> Result<Cgroup, JailError> {
-        Cgroup::check(memory_max, pids_max)?;
-        let root = Path::new(CGROUP_ROOT);
-        let wanted = controllers(memory_max, pids_max);
-        let enable: String = wanted.iter().map(|w| format!("+{w} ")).collect();
-        let enable = enable.trim_end();
-        // The parent holds no process, so its children may use controllers.
-        let base = root.join("vgpu-vmm");
-        match std::fs::create_dir(&base) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(JailError::NoCgroup2(format!("{} cannot be created ({e})", base.display()))),
-        }
-        write_file(&root.join("cgroup.subtree_control"), enable)?;
-        write_file(&base.join("cgroup.subtree_control"), enable)?;
-        // SAFETY: getpid has no preconditions.
-        let dir = base.join(format!("vm-{}", unsafe { libc::getpid() }));
-        std::fs::create_dir(&dir).map_err(sys(format!("creating {}", dir.display())))?;
-        let cg = Cgroup { dir };
-        let limits = || -> Result<(), JailError> {
-            if let Some(m) = memory_max {
-                write_file(&cg.dir.join("memory.max"), &m.to_string())?;
-            }
-            if let Some(p) = pids_max {
-                write_file(&cg.dir.join("pids.max"), &p.to_string())?;
-            }
-            Ok(())
-        };
-        if let Err(e) = limits() {
-            cg.remove();
-            return Err(e);
-        }
-        Ok(cg)
-    }
-
-    fn add(&self, pid: libc::pid_t) -> Result<(), JailError> {
-        write_file(&self.dir.join("cgroup.procs"), &pid.to_string())
-    }
-
-    /// Removes the group once its process is gone (the kernel empties it
-    /// shortly after the process is reaped).
-    fn remove(&self) {
-        for _ in 0..100 {
-            match std::fs::remove_dir(&self.dir) {
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => std::thread::sleep(std::time::Duration::from_millis(10)),
-                _ => return,
-            }
-        }
-        tracing::warn!(cgroup = %self.dir.display(), "the jail's cgroup is still busy; left in place");
-    }
-}
-
 /// The parent side of a jail: waits for the jailed VMM.
 #[derive(Debug)]
 pub struct Supervisor {
@@ -497,9 +390,10 @@ pub fn enter(j: &JailConfig, cfg: Option<&VmConfig>) -> Result<Option<Supervisor
     if !j.root.is_absolute() {
         return Err(JailError::Invalid(format!("--jail {} must be an absolute path", j.root.display())));
     }
+    let limits = Limits { memory_max: j.memory_max, pids_max: j.pids_max };
     let limited = j.memory_max.is_some() || j.pids_max.is_some();
     if limited {
-        Cgroup::check(j.memory_max, j.pids_max)?;
+        vgpu_topology::cgroup::check(Path::new(CGROUP_ROOT), &limits).map_err(JailError::Cgroup)?;
     }
     // The jail's root has no /proc: read the hard-link setting the VMM's
     // opens consult now (vgpu_topology::safe_open).
@@ -513,7 +407,9 @@ pub fn enter(j: &JailConfig, cfg: Option<&VmConfig>) -> Result<Option<Supervisor
     }
     let kvm_rdev = std::fs::metadata("/dev/kvm").map_err(sys("/dev/kvm"))?.rdev();
     std::fs::create_dir_all(&j.root).map_err(sys(format!("creating {}", j.root.display())))?;
-    let cgroup = if limited { Some(Cgroup::create(j.memory_max, j.pids_max)?) } else { None };
+    // SAFETY: getpid has no preconditions.
+    let name = format!("vm-{}", unsafe { libc::getpid() });
+    let cgroup = if limited { Some(Cgroup::create(Path::new(CGROUP_ROOT), "vgpu-vmm", &name, &limits).map_err(JailError::Cgroup)?) } else { None };
     let cleanup = |cg: &Option<Cgroup>| {
         if let Some(cg) = cg {
             cg.remove();
@@ -543,7 +439,7 @@ pub fn enter(j: &JailConfig, cfg: Option<&VmConfig>) -> Result<Option<Supervisor
     if pid > 0 {
         drop(rd);
         if let Some(cg) = &cgroup {
-            if let Err(e) = cg.add(pid) {
+            if let Err(e) = cg.add(pid).map_err(JailError::Cgroup) {
                 // SAFETY: kills and reaps our own child, which waits for us.
                 unsafe {
                     libc::kill(pid, libc::SIGKILL);
