@@ -101,6 +101,59 @@ fn killing_an_executor_leaves_the_other_tenants_running_work_correct() {
 }
 
 #[test]
+fn executors_are_bounded_by_the_kernel() {
+    let test = "executors_are_bounded_by_the_kernel";
+    let m = process_mediator();
+    let a = m.tenant("a", "32MiB");
+    let _ha = Holder::new(&a);
+    let d = m.device("cpu0");
+    let view = d["executors"].as_array().and_then(|v| v.iter().find(|e| e["tenant"] == "a")).cloned().unwrap_or_else(|| panic!("{d}"));
+    let pid = view["pid"].as_u64().unwrap() as u32;
+    let bounds = &view["bounds"];
+    // /proc/PID/limits: "Max open files   SOFT   HARD   files".
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+    let limit = |name: &str| -> Vec<String> { limits.lines().find(|l| l.starts_with(name)).map(|l| l[name.len()..].split_whitespace().take(2).map(str::to_string).collect()).unwrap_or_default() };
+    let fds = bounds["fds"].as_u64().unwrap_or_else(|| panic!("{view}"));
+    assert!(fds >= 256, "{view}");
+    assert_eq!(limit("Max open files"), [fds.to_string(), fds.to_string()], "soft and hard, so it cannot raise them:\n{limits}");
+    let cgroup2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").is_ok();
+    match bounds["cgroup"].as_str() {
+        Some(dir) => {
+            // Its cgroup holds it, with the limits the view reports.
+            let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+            let rel = own.lines().find_map(|l| l.strip_prefix("0::")).expect("cgroup v2 line");
+            assert_eq!(format!("/sys/fs/cgroup{rel}"), dir, "{own}");
+            assert!(rel.starts_with("/vgpu-mediatord/cpu0.a."), "{rel}");
+            let read = |f: &str| std::fs::read_to_string(format!("{dir}/{f}")).expect(f).trim().to_string();
+            let memory = bounds["memory"].as_u64().expect("memory with a cgroup");
+            assert!(memory >= (32 << 20) + (256 << 20), "device memory and the base: {view}");
+            assert_eq!(read("memory.max"), memory.to_string());
+            assert_eq!(read("pids.max"), bounds["tasks"].as_u64().expect("tasks").to_string());
+            drop(_ha);
+            let (st, v) = m.api("DELETE", "/tenants/a", None);
+            assert!(st < 300, "{st} {v}");
+            let gone = (0..200).any(|_| {
+                std::thread::sleep(Duration::from_millis(25));
+                !std::path::Path::new(dir).exists()
+            });
+            assert!(gone, "{dir} outlived its executor");
+        }
+        None => {
+            assert!(bounds["memory"].is_null(), "no memory bound without a cgroup: {view}");
+            // SAFETY: geteuid has no preconditions.
+            if unsafe { libc::geteuid() } == 0 {
+                let tasks = bounds["tasks"].as_u64().unwrap_or_else(|| panic!("an executor with a uid of its own has RLIMIT_NPROC: {view}"));
+                assert_eq!(limit("Max processes"), [tasks.to_string(), tasks.to_string()], "{limits}");
+            }
+            if cgroup2 {
+                panic!("cgroup v2 is mounted at /sys/fs/cgroup, but the executor has no cgroup: {view}");
+            }
+            report_skip(test, "/sys/fs/cgroup is not cgroup v2 here: the memory and tasks cgroup is checked in the nested test host (nested_jail)");
+        }
+    }
+}
+
+#[test]
 fn the_arbiter_shares_lanes_between_executors_by_weight() {
     // The tolerance of scheduling.rs; share-bench measures the real error
     // (docs/perf.md: up to 7 points across executors so far).

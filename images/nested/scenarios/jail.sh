@@ -46,3 +46,23 @@ echo "CGROUPS-LEFT=$(ls /sys/fs/cgroup/vgpu-vmm | grep -c '^vm-')"
 [ -e $api ] || echo "API-SOCKET-REMOVED"
 cat $log
 cat /tmp/vmm.err
+
+# Tenant executors (--isolation process) in cgroups of their own, bounded
+# as the device view says; a deleted tenant's group goes with its executor.
+. /scenarios/lib.sh
+start_mediator --isolation process --device-memory 256MiB
+ta=$(vgpuctl --run-dir $run tenant create ta --memory 32MiB)
+vgpuctl --run-dir $run tenant create tb --memory 64MiB >/dev/null
+VGPU_SOCKET=$ta vectorAdd 2>&1 | sed 's/^/EXEC-SAMPLE: /'
+echo "EXEC-VIEW=$(vgpuctl --run-dir $run -o json device show cpu0 | tr -d ' \n' | grep -o '"executors":\[.*\]' | sed 's/^"executors"://')"
+for p in /proc/[0-9]*; do
+    tr '\0' ' ' <$p/cmdline 2>/dev/null | grep -q -- '--grant-fd' || continue
+    pid=${p#/proc/}
+    cg=$(sed -n 's/^0:://p' $p/cgroup)
+    echo "EXEC-BOUND=$pid $cg $(cat /sys/fs/cgroup$cg/memory.max) $(cat /sys/fs/cgroup$cg/pids.max) $(awk '/^Max open files/ {print $4 "/" $5}' $p/limits)"
+done
+vgpuctl --run-dir $run tenant delete ta >/dev/null
+i=0
+while ls /sys/fs/cgroup/vgpu-mediatord | grep -q '^cpu0\.ta\.' && [ $i -lt 100 ]; do sleep 0.05; i=$((i + 1)); done
+echo "EXEC-CGROUPS-LEFT=$(ls /sys/fs/cgroup/vgpu-mediatord | grep '^cpu0\.' | tr '\n' ' ')"
+echo "JAIL-DONE"

@@ -127,6 +127,8 @@ struct ExecutorView {
     /// The uid it runs as (absent: the daemon's workers').
     #[serde(skip_serializing_if = "Option::is_none")]
     uid: Option<u32>,
+    /// What the kernel bounds it to.
+    bounds: super::executors::ExecBounds,
 }
 
 fn device_views(c: &Control) -> Vec<DeviceView> {
@@ -160,7 +162,7 @@ fn device_views(c: &Control) -> Vec<DeviceView> {
                 memory_spilled: st.as_ref().map(|d| d.spilled).unwrap_or(0),
                 spill_budget: s.spec.spill,
                 isolation: if s.spec.executors { "process" } else { "shared" },
-                executors: s.executors().into_iter().map(|(tenant, pid, uid)| ExecutorView { tenant, pid, uid }).collect(),
+                executors: s.executors().iter().map(|e| ExecutorView { tenant: e.tenant.clone(), pid: e.pid, uid: e.uid, bounds: e.bounds.clone() }).collect(),
             }
         })
         .collect()

@@ -19,9 +19,64 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use super::{call_link, rundir, spawn_worker, Control, ControlError, DeviceSlot, Role, TenantPhase, TenantRecord, WorkerLink, COMMAND_TIMEOUT, STATS_TIMEOUT};
+use super::{call_link, rundir, spawn_worker, Control, ControlError, DeviceSlot, DeviceSpec, Role, TenantPhase, TenantRecord, WorkerLink, COMMAND_TIMEOUT, STATS_TIMEOUT};
 use crate::config::Owner;
 use crate::ipc::{DeviceStats, WorkerCmd, WorkerMsg};
+
+/// Host memory an executor needs beyond its tenant's objects (the
+/// tenant's `host_memory`) and, on a CPU device, its device memory: the
+/// binary and its threads' stacks; for the `cuda` backend also NVIDIA's
+/// driver, its JIT and its context's host-side state.
+const EXEC_BASE_MEMORY_CPU: u64 = 256 << 20;
+const EXEC_BASE_MEMORY_CUDA: u64 = 4 << 30;
+/// The cgroup v2 group every executor's group is made under.
+const CGROUP_BASE: &str = "vgpu-mediatord";
+
+/// What the kernel bounds an executor to, so that no bug in it lets a
+/// tenant grow host resources without end (the executor's own accounting
+/// comes first: quotas, `host_memory`, `max_connections`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ExecBounds {
+    /// Open descriptors (RLIMIT_NOFILE): its sockets, rings and buffers.
+    pub fds: u64,
+    /// Processes and threads: cgroup `pids.max`, or without cgroup v2
+    /// RLIMIT_NPROC of its own uid (none when it has no uid of its own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<u64>,
+    /// cgroup `memory.max` (none without cgroup v2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<u64>,
+    /// Its cgroup, under the cgroup v2 root (none without cgroup v2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+}
+
+/// The bounds of `t`'s executor on a device like `spec`, on a host with
+/// `cpus` CPUs: descriptors for each connection it may hold (socket, kick,
+/// ring, staging buffers and what a message carries), tasks for its fixed
+/// threads and its device's thread pool, memory for what it holds.
+pub fn exec_bounds(spec: &DeviceSpec, t: &TenantRecord, cpus: u64) -> (u64, u64, u64) {
+    let fds = 256 + 16 * u64::from(t.max_connections);
+    let tasks = 256 + 2 * cpus;
+    let memory = match spec.cuda {
+        Some(_) => EXEC_BASE_MEMORY_CUDA.saturating_add(t.host_memory),
+        None => EXEC_BASE_MEMORY_CPU.saturating_add(t.host_memory).saturating_add(t.memory),
+    };
+    (fds, tasks, memory)
+}
+
+/// How the executor being spawned is bounded: applied between fork and
+/// exec (control/mod.rs `spawn_worker`).
+pub(super) struct SpawnBounds {
+    pub fds: u64,
+    /// RLIMIT_NPROC (its own uid, without a cgroup).
+    pub nproc: Option<u64>,
+    /// Its cgroup's `cgroup.procs`, which it joins before exec.
+    pub cgroup_procs: Option<std::os::fd::OwnedFd>,
+}
+
+/// Said once per daemon: executors are not in cgroups here.
+static NO_CGROUP_SAID: AtomicBool = AtomicBool::new(false);
 
 /// One tenant's executor process.
 pub struct Exec {
@@ -39,6 +94,10 @@ pub struct Exec {
     started: std::time::Instant,
     /// Replaced or retired on purpose: its exit is not a crash.
     retired: AtomicBool,
+    /// What the kernel bounds it to, and its cgroup (removed once it is
+    /// reaped).
+    pub bounds: ExecBounds,
+    cgroup: Option<vgpu_topology::cgroup::Cgroup>,
 }
 
 impl Exec {
@@ -141,10 +200,10 @@ impl DeviceSlot {
         self.execs.lock().unwrap_or_else(|e| e.into_inner()).get(tenant).cloned()
     }
 
-    /// Every executor: its tenant, pid and uid, by tenant name.
-    pub fn executors(&self) -> Vec<(String, u32, Option<u32>)> {
-        let mut v: Vec<_> = self.execs.lock().unwrap_or_else(|e| e.into_inner()).values().map(|e| (e.tenant.clone(), e.pid, e.uid)).collect();
-        v.sort();
+    /// Every executor, by tenant name.
+    pub fn executors(&self) -> Vec<Arc<Exec>> {
+        let mut v: Vec<_> = self.execs.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        v.sort_by(|a, b| a.tenant.cmp(&b.tenant));
         v
     }
 
@@ -276,12 +335,41 @@ impl Control {
         let put_window = || {
             slot.windows.lock().unwrap_or_else(|e| e.into_inner()).remove(&window);
         };
-        let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window };
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        let (fds, tasks, memory) = exec_bounds(&slot.spec, t, cpus);
+        let seq = self.exec_seq.fetch_add(1, Ordering::Relaxed);
+        let limits = vgpu_topology::cgroup::Limits { memory_max: Some(memory), pids_max: Some(tasks) };
+        let cgroup = match vgpu_topology::cgroup::Cgroup::create(std::path::Path::new(vgpu_topology::cgroup::CGROUP_ROOT), CGROUP_BASE, &format!("{}.{}.{seq}", slot.spec.name, t.name), &limits)
+            .and_then(|cg| cg.procs_fd().map(|fd| (cg, fd)))
+        {
+            Ok(c) => Some(c),
+            Err(e) => {
+                if !NO_CGROUP_SAID.swap(true, Ordering::Relaxed) {
+                    warn!(error = %super::passthrough::chain(&e), "tenant executors run without a cgroup: their descriptors are bounded by RLIMIT_NOFILE and their tasks by RLIMIT_NPROC of their own uids, their host memory only by the tenants' host_memory accounting");
+                }
+                None
+            }
+        };
+        let bounds = ExecBounds {
+            fds,
+            tasks: if cgroup.is_some() || uid.is_some() { Some(tasks) } else { None },
+            memory: cgroup.as_ref().map(|_| memory),
+            cgroup: cgroup.as_ref().map(|(cg, _)| cg.dir().display().to_string()),
+        };
+        let (cgroup, procs) = match cgroup {
+            Some((cg, fd)) => (Some(cg), Some(fd)),
+            None => (None, None),
+        };
+        let spawn_bounds = SpawnBounds { fds, nproc: if procs.is_none() && uid.is_some() { Some(tasks) } else { None }, cgroup_procs: procs };
+        let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window, bounds: spawn_bounds };
         let (mut child, stdin, stdout, _) = match spawn_worker(&self.exe, &slot.spec, user, role) {
             Ok(c) => c,
             Err(e) => {
                 give_back();
                 put_window();
+                if let Some(cg) = &cgroup {
+                    cg.remove();
+                }
                 return Err(fail("spawning", e));
             }
         };
@@ -293,12 +381,26 @@ impl Control {
             let _ = child.wait();
             give_back();
             put_window();
+            if let Some(cg) = &cgroup {
+                cg.remove();
+            }
             return Err(ControlError::WorkerDown(format!("{} (its arbiter took no grant channel: {handed:?})", slot.spec.name)));
         }
         // Our child's pid (not what it says it is).
         let pid = child.id();
         let link = Arc::new(WorkerLink::new(stdin));
-        let exec = Arc::new(Exec { tenant: t.name.clone(), pid, uid, window, link: link.clone(), reaped: Mutex::new(false), started: std::time::Instant::now(), retired: AtomicBool::new(false) });
+        let exec = Arc::new(Exec {
+            tenant: t.name.clone(),
+            pid,
+            uid,
+            window,
+            link: link.clone(),
+            reaped: Mutex::new(false),
+            started: std::time::Instant::now(),
+            retired: AtomicBool::new(false),
+            bounds,
+            cgroup,
+        });
         slot.execs.lock().unwrap_or_else(|e| e.into_inner()).insert(t.name.clone(), exec.clone());
         let who = format!("{}/{}", slot.spec.name, t.name);
         let (me, e2) = (self.clone(), exec.clone());
@@ -322,6 +424,9 @@ impl Control {
                 r.put(u);
             }
             s2.windows.lock().unwrap_or_else(|e| e.into_inner()).remove(&e2.window);
+            if let Some(cg) = &e2.cgroup {
+                cg.remove();
+            }
             me.executor_ended(&s2, &e2, status);
         });
         let started = reader.and(reaper).map_err(|e| fail("starting its threads", e)).and_then(|_| match exec.call(WorkerCmd::AddTenant(t.cmd()), COMMAND_TIMEOUT) {

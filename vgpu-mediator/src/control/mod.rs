@@ -310,6 +310,9 @@ pub struct Control {
     worker_user: Option<Owner>,
     /// The uids tenant executors run as, one each (when the daemon is root).
     exec_uids: Option<executors::UidRange>,
+    /// Numbers executors' cgroups, so a tenant's next executor never joins
+    /// the group of the one it replaces.
+    exec_seq: std::sync::atomic::AtomicU64,
     /// Usage metering, once the daemon set it up.
     pub meter: std::sync::OnceLock<Arc<meter::Meter>>,
     /// Held by `set_tenant`.
@@ -355,6 +358,7 @@ impl Control {
             defaults,
             worker_user,
             exec_uids: exec_uids.map(|(first, count)| executors::UidRange::new(first, count)),
+            exec_seq: std::sync::atomic::AtomicU64::new(0),
             meter: std::sync::OnceLock::new(),
             setting: Mutex::new(()),
             pools: Mutex::new(BTreeMap::new()),
@@ -1005,9 +1009,40 @@ enum Role {
     Worker,
     /// The device's arbiter, taking grant channels on this datagram socket.
     Arbiter(std::os::fd::OwnedFd),
-    /// One tenant's executor: its grant channel, its listening socket and
-    /// its address window.
-    Executor { grant: std::os::fd::OwnedFd, listen: std::os::fd::OwnedFd, window: u64 },
+    /// One tenant's executor: its grant channel, its listening socket, its
+    /// address window and what the kernel bounds it to.
+    Executor { grant: std::os::fd::OwnedFd, listen: std::os::fd::OwnedFd, window: u64, bounds: executors::SpawnBounds },
+}
+
+/// Applies an executor's bounds between fork and exec: it joins its
+/// cgroup (before it runs a single instruction of its own) and gets its
+/// rlimits, soft and hard alike, so it cannot raise them.
+fn bound_child(cmd: &mut Command, b: executors::SpawnBounds) {
+    use std::os::unix::process::CommandExt;
+    let procs = b.cgroup_procs;
+    let (fds, nproc) = (b.fds, b.nproc);
+    // SAFETY: between fork and exec the closure only calls write and
+    // setrlimit, which are async-signal-safe, and allocates nothing; the
+    // cgroup.procs descriptor is owned by the closure, alive until exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if let Some(fd) = &procs {
+                vgpu_topology::cgroup::join_self(fd)?;
+            }
+            let set = |what, n: u64| {
+                let rl = libc::rlimit { rlim_cur: n, rlim_max: n };
+                if libc::setrlimit(what, &rl) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            };
+            set(libc::RLIMIT_NOFILE, fds)?;
+            if let Some(n) = nproc {
+                set(libc::RLIMIT_NPROC, n)?;
+            }
+            Ok(())
+        })
+    };
 }
 
 fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) -> std::io::Result<(Child, ChildStdin, BufReader<ChildStdout>, u32)> {
@@ -1046,14 +1081,16 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
     }
     // Descriptors the child gets at fixed numbers (3, and 4), duplicated
     // between fork and exec; ours stay close-on-exec.
+    let mut bounded = None;
     let pass: Vec<std::os::fd::OwnedFd> = match role {
         Role::Worker => Vec::new(),
         Role::Arbiter(intake) => {
             cmd.arg("--arbiter");
             vec![intake]
         }
-        Role::Executor { grant, listen, window } => {
+        Role::Executor { grant, listen, window, bounds } => {
             cmd.args(["--grant-fd", "3", "--listen-fd", "4", "--window", &window.to_string()]);
+            bounded = Some(bounds);
             vec![grant, listen]
         }
     };
@@ -1084,6 +1121,11 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
                 Ok(())
             });
         }
+    }
+    // After the descriptors are in place: the bounds lower RLIMIT_NOFILE
+    // below the numbers the daemon's own descriptors may have.
+    if let Some(b) = bounded {
+        bound_child(&mut cmd, b);
     }
     let mut child = cmd
         // A GPU worker sees exactly its GPU or MIG instance, as device 0,
