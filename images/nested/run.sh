@@ -6,14 +6,18 @@
 # L1's kernel command line, which scenarios read (soak: rounds=N);
 # NESTED_INITRD names another L1 image in target/nested;
 # NESTED_CPU replaces L1's CPU model; NESTED_ACCEL replaces the TCG options
-# (default thread=multi: one host thread per L1 CPU).
+# (default thread=multi: one host thread per L1 CPU); NESTED_QEMU_LOG
+# names a file for QEMU's CPU-reset log, where an L1 triple fault (which
+# `-no-reboot` turns into a silent exit) shows as "Triple fault".
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="$ROOT/target/nested"
 SCENARIO="$1"
 TIMEOUT="${2:-600}"
+LOG=()
+[ -n "${NESTED_QEMU_LOG:-}" ] && LOG=(-d cpu_reset -D "$NESTED_QEMU_LOG")
 exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
     -accel "tcg,${NESTED_ACCEL:-thread=multi}" -cpu "${NESTED_CPU:-max,svm=on}" -smp "${NESTED_SMP:-2}" -m 2048 \
     -machine q35 -nographic -no-reboot -nodefaults -serial stdio \
     -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/${NESTED_INITRD:-l1.cpio.gz}" \
-    -append "console=ttyS0 panic=-1 quiet loglevel=3 scenario=$SCENARIO ${NESTED_APPEND:-}"
+    -append "console=ttyS0 panic=-1 quiet loglevel=3 scenario=$SCENARIO ${NESTED_APPEND:-}" "${LOG[@]}"

@@ -503,6 +503,11 @@ pub fn metric_in(text: &str, name: &str, labels: &str) -> Option<f64> {
 }
 
 impl Mediator {
+    /// The daemon's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Creates a tenant on a named device.
     pub fn tenant_on(&self, name: &str, memory: &str, device: &str) -> PathBuf {
         let (st, v) = self.api("POST", "/tenants", Some(serde_json::json!({ "name": name, "memory": memory, "device": device })));

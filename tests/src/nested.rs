@@ -31,9 +31,15 @@ pub fn build() {
 /// the emulator broke ([`emulator_fault`]) is run once more, saying so.
 pub fn run(scenario: &str, timeout_s: u32) -> String {
     build();
+    let log = std::env::temp_dir().join(format!("vgpu-nested-{scenario}-{}.qemu.log", std::process::id()));
     retrying_emulator_faults(scenario, || {
-        let o = Command::new("bash").arg(workspace().join("images/nested/run.sh")).arg(scenario).arg(timeout_s.to_string()).output().expect("run images/nested/run.sh");
-        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        let _ = std::fs::remove_file(&log);
+        let o = Command::new("bash").arg(workspace().join("images/nested/run.sh")).arg(scenario).arg(timeout_s.to_string()).env("NESTED_QEMU_LOG", &log).output().expect("run images/nested/run.sh");
+        let mut text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        if std::fs::read_to_string(&log).is_ok_and(|l| l.lines().any(|l| l.trim() == "Triple fault")) {
+            text.push_str(&format!("\n{L1_TRIPLE_FAULT} (QEMU's CPU-reset log)\n"));
+        }
+        let _ = std::fs::remove_file(&log);
         (o.status.success(), text)
     })
 }
@@ -44,8 +50,12 @@ pub fn run(scenario: &str, timeout_s: u32) -> String {
 /// scenarios), or an L2 guest triple-faulting. QEMU TCG's emulated SVM
 /// does both now and then, with QEMU `-enable-kvm` as L1's VMM as well as
 /// with ours (docs/vmm.md, "Guests that died in the nested test host").
-/// No scenario triple-faults a guest on purpose.
+/// No scenario triple-faults a guest on purpose. L1 itself triple-faults
+/// too (QEMU's CPU-reset log shows it; `run` appends [`L1_TRIPLE_FAULT`]).
 pub fn emulator_fault(text: &str) -> Option<String> {
+    if let Some(l) = text.lines().find(|l| l.starts_with(L1_TRIPLE_FAULT)) {
+        return Some(l.trim().to_string());
+    }
     let l1_oops = |l: &str| {
         let l = l.trim_end_matches('\r');
         let Some(rest) = l.strip_prefix('[') else { return false };
@@ -57,6 +67,11 @@ pub fn emulator_fault(text: &str) -> Option<String> {
     }
     text.lines().find(|l| l.contains("guest triple fault")).map(|l| format!("an L2 guest triple-faulted: {}", l.trim()))
 }
+
+/// The line `run` adds to a run's output when QEMU logged a triple fault
+/// of L1's CPU: the emulated machine reset, and `-no-reboot` ended it
+/// without a word on the console.
+pub const L1_TRIPLE_FAULT: &str = "NESTED: L1 triple-faulted";
 
 /// Runs `attempt` (which returns whether it succeeded and its output); if
 /// the emulator broke it, says so loudly and runs it once more.
@@ -108,7 +123,7 @@ pub fn run_vfio(scenario: &str, env: &[(&str, &std::path::Path)], done: &str) ->
 
 #[cfg(test)]
 mod tests {
-    use super::emulator_fault;
+    use super::{emulator_fault, L1_TRIPLE_FAULT};
 
     #[test]
     fn emulator_faults_are_told_from_guest_output() {
@@ -116,6 +131,8 @@ mod tests {
         assert!(emulator_fault(l1).is_some_and(|w| w.contains("stack guard page")));
         let l2 = "[vm-b vmm] 2026-11-27T03:00:00Z ERROR vgpu_vmm: guest triple fault: the vCPU shut down";
         assert!(emulator_fault(l2).is_some_and(|w| w.starts_with("an L2 guest")));
+        let reset = format!("L1: up, running scenario cudadouble\nARBITER=117\n{L1_TRIPLE_FAULT} (QEMU's CPU-reset log)\n");
+        assert!(emulator_fault(&reset).is_some_and(|w| w.starts_with(L1_TRIPLE_FAULT)));
         // An L2 console's kernel messages are prefixed; ordinary L1 lines are not faults.
         for fine in ["CONSOLE: [    1.000000] BUG: something in L2", "[    2.5] virtio_blk virtio0: [vda] 196608 512-byte", "[vm-a] matrixMul: PASSED"] {
             assert_eq!(emulator_fault(fine), None, "{fine}");

@@ -3,7 +3,9 @@
 //! probes the capset, creates a compute context and GUEST blobs, and runs
 //! vectorAdd through SUBMIT_3D on the mediator's CPU device over
 //! vhost-user. Also: malformed commands from the guest, a host tenant on
-//! the same device meanwhile, and the backend dying under a running VM.
+//! the same device meanwhile, the backend dying under a running VM, and
+//! the same guest on the `cuda` backend (a GPU, or the test double of
+//! NVIDIA's driver), its vhost-user backend in its tenant's executor.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -101,6 +103,38 @@ fn backend_death_is_a_device_error_and_the_vm_keeps_running() {
     // mediator this test started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
     let (st, err, out) = g.wait_exit(Duration::from_secs(60));
+    assert!(err.contains("backend hung up"), "{err}");
+    assert!(out.contains("DEVICE NEEDS RESET seen; the guest is still running"), "{out}");
+    assert_eq!(st.code(), Some(0), "{err}");
+}
+
+#[test]
+fn a_guest_on_the_cuda_backend_is_served_by_its_tenants_executor_alone() {
+    let test = "a_guest_on_the_cuda_backend_is_served_by_its_tenants_executor_alone";
+    if !kvm_available(test) {
+        return;
+    }
+    let Some((m, gpu)) = gpu_mediator(test, &[]) else { return };
+    let (code, v) = m.api("POST", "/tenants", Some(json!({ "name": "vm1", "memory": "64MiB", "kind": "vm", "device": gpu })));
+    assert_eq!(code, 201, "{v}");
+    let arg = vgpu_arg(&PathBuf::from(v["socket"].as_str().expect("socket")));
+    let mut g = Guest::start("vgpu-watch", &["--vgpu", &arg]);
+    g.wait_for("tick 2", Duration::from_secs(120));
+    // vectorAdd ran on the GPU (or the double), before the ticks.
+    let (exec, arbiter) = (m.serving_pid(&gpu, "vm1"), m.worker_pid(&gpu));
+    assert!(exec != arbiter && exec != m.pid(), "executor {exec}, arbiter {arbiter}");
+    // The guest's RAM is mapped by the tenant's executor (its vhost-user
+    // backend) and by no other process of the daemon's.
+    let ram = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps").lines().filter(|l| l.contains("vgpu-guest-ram")).count();
+    assert!(ram(exec) > 0, "the executor does not map the guest's RAM");
+    assert_eq!((ram(arbiter), ram(m.pid())), (0, 0), "the arbiter or the daemon maps the guest's RAM");
+    let st = proc_stats(exec);
+    assert_eq!((st.seccomp, st.no_new_privs), (2, 1), "the executor's confinement");
+    // Its executor's end is the VM's device error, not the VM's end.
+    // SAFETY: SIGKILL to a process of the daemon this test started.
+    assert_eq!(unsafe { libc::kill(exec as i32, libc::SIGKILL) }, 0);
+    let (st, err, out) = g.wait_exit(Duration::from_secs(60));
+    assert!(out.contains("VGPU vectorAdd PASSED n=1024 c[1023]=453fd000"), "{out}");
     assert!(err.contains("backend hung up"), "{err}");
     assert!(out.contains("DEVICE NEEDS RESET seen; the guest is still running"), "{out}");
     assert_eq!(st.code(), Some(0), "{err}");
