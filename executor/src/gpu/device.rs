@@ -17,7 +17,7 @@ use virtio_gpu_compute::virtio_gpu::*;
 use virtio_gpu_compute::{CuResult, Opcode, Reply, Request, Wire, MAX_PAYLOAD, VERSION};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
-use crate::worker::engine::{Ring, RingMem};
+use crate::worker::engine::{Engine, Ring, RingMem};
 use crate::worker::service::{BlobAccess, Conn, DeviceService, Pieces, Tenant};
 
 /// How the device presents itself.
@@ -128,6 +128,9 @@ pub struct GpuDevice {
     cfg: GpuConfig,
     mem: GuestMemoryMmap,
     svc: Arc<DeviceService>,
+    /// The stream engine that serves the contexts' command rings (none: no
+    /// rings).
+    engine: Option<Arc<Engine>>,
     tenant: Arc<Tenant>,
     resources: Resources,
     /// 2D resources of the compatibility scanout (the framebuffer console).
@@ -138,8 +141,8 @@ pub struct GpuDevice {
 }
 
 impl GpuDevice {
-    pub fn new(cfg: GpuConfig, mem: GuestMemoryMmap, svc: Arc<DeviceService>, tenant: Arc<Tenant>) -> GpuDevice {
-        GpuDevice { cfg, mem, svc, tenant, resources: Arc::new(RwLock::new(HashMap::new())), display: HashSet::new(), ctxs: HashMap::new(), refused: 0 }
+    pub fn new(cfg: GpuConfig, mem: GuestMemoryMmap, svc: Arc<DeviceService>, engine: Option<Arc<Engine>>, tenant: Arc<Tenant>) -> GpuDevice {
+        GpuDevice { cfg, mem, svc, engine, tenant, resources: Arc::new(RwLock::new(HashMap::new())), display: HashSet::new(), ctxs: HashMap::new(), refused: 0 }
     }
 
     /// Guest memory changed (a new vhost-user memory table): blobs keep
@@ -403,9 +406,9 @@ impl GpuDevice {
                 (h.map(|h| h.opcode()).unwrap_or(Opcode::Ping), h.map_or(0, |h| h.seq), Reply::error(e.cuda(), format!("bad compute message: {e}")))
             }
             Ok((h, Request::RegisterShm(_))) => (h.opcode(), h.seq, Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "VM contexts move data through blobs, not shared buffers")),
-            Ok((h, Request::AttachRing(b))) => (h.opcode(), h.seq, Self::attach_ring(&self.svc, &self.tenant, c, b.sq_size, b.blob)),
+            Ok((h, Request::AttachRing(b))) => (h.opcode(), h.seq, Self::attach_ring(&self.svc, self.engine.is_some(), &self.tenant, c, b.sq_size, b.blob)),
             Ok((h, Request::RingKick)) => {
-                if let (Some((_, r)), Some(e)) = (&c.ring, self.svc.engine.get()) {
+                if let (Some((_, r)), Some(e)) = (&c.ring, &self.engine) {
                     r.kick(e);
                 }
                 (h.opcode(), h.seq, Reply::Empty)
@@ -462,12 +465,12 @@ impl GpuDevice {
 impl GpuDevice {
     /// Attaches a context's command ring: the whole of blob `res`, which
     /// must be attached to the context and lie in guest RAM.
-    fn attach_ring(svc: &Arc<DeviceService>, tenant: &Arc<Tenant>, c: &mut GpuCtx, sq_size: u32, res: u32) -> Reply {
+    fn attach_ring(svc: &Arc<DeviceService>, rings: bool, tenant: &Arc<Tenant>, c: &mut GpuCtx, sq_size: u32, res: u32) -> Reply {
         let bad = |why: String| Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, why);
         if c.ring.is_some() {
             return bad("the context already has a ring".into());
         }
-        if svc.engine.get().is_none() {
+        if !rings {
             return Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "this device serves no command rings");
         }
         let size = virtio_gpu_compute::ring::region_size(sq_size) as u64;

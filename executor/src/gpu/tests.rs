@@ -26,9 +26,14 @@ fn service() -> Arc<DeviceService> {
 }
 
 fn device_on(svc: &Arc<DeviceService>, name: &str, quota: u64) -> (GpuDevice, GuestMemoryMmap, Arc<Tenant>) {
+    device_with(svc, None, name, quota)
+}
+
+/// A device whose contexts may attach command rings, served by `engine`.
+fn device_with(svc: &Arc<DeviceService>, engine: Option<Arc<crate::worker::engine::Engine>>, name: &str, quota: u64) -> (GpuDevice, GuestMemoryMmap, Arc<Tenant>) {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM)]).unwrap();
     let t = svc.add_tenant(name, quota, Default::default(), 1 << 30).unwrap();
-    (GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), t.clone()), mem, t)
+    (GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), engine, t.clone()), mem, t)
 }
 
 fn hdr(ty: u32, ctx: u32, flags: u32, ring: u8) -> Vec<u8> {
@@ -399,8 +404,8 @@ fn a_deleted_vm_tenant_can_neither_compute_nor_create_contexts() {
 fn a_vm_context_ring_in_scattered_guest_pages_serves_entries_after_one_kick() {
     use virtio_gpu_compute::ring;
     let svc = service();
-    let _ = svc.engine.set(crate::worker::engine::Engine::start(1, false, None).unwrap());
-    let (mut dev, mem, _t) = device_on(&svc, "ringvm", 8 << 20);
+    let engine = crate::worker::engine::Engine::start(1, false, None).unwrap();
+    let (mut dev, mem, _t) = device_with(&svc, Some(engine), "ringvm", 8 << 20);
     ready(&mut dev);
     const RING: u32 = 20;
     let sq = ring::MIN_SQ;
@@ -477,8 +482,8 @@ fn a_vm_context_ring_in_scattered_guest_pages_serves_entries_after_one_kick() {
 fn a_ring_blob_is_never_written_after_the_guest_unrefs_it() {
     use virtio_gpu_compute::ring;
     let svc = service();
-    let _ = svc.engine.set(crate::worker::engine::Engine::start(1, false, None).unwrap());
-    let (mut dev, mem, _t) = device_on(&svc, "ringunref", 8 << 20);
+    let engine = crate::worker::engine::Engine::start(1, false, None).unwrap();
+    let (mut dev, mem, _t) = device_with(&svc, Some(engine), "ringunref", 8 << 20);
     ready(&mut dev);
     const RING: u32 = 21;
     let sq = ring::MIN_SQ;

@@ -14,6 +14,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 
 use super::{GpuConfig, GpuDevice};
+use crate::worker::engine::Engine;
 use crate::worker::service::{DeviceService, Tenant};
 
 const QUEUE_SIZE: usize = 256;
@@ -26,6 +27,9 @@ const MAX_COMMAND: usize = virtio_gpu_compute::virtio_gpu::MAX_SUBMIT as usize +
 pub struct GpuBackend {
     cfg: GpuConfig,
     svc: Arc<DeviceService>,
+    /// The stream engine that serves the contexts' command rings (none: no
+    /// rings).
+    engine: Option<Arc<Engine>>,
     tenant: Arc<Tenant>,
     mem: Option<GuestMemoryAtomic<GuestMemoryMmap>>,
     device: Option<GpuDevice>,
@@ -46,9 +50,9 @@ pub enum VhostError {
 }
 
 impl GpuBackend {
-    pub fn new(cfg: GpuConfig, svc: Arc<DeviceService>, tenant: Arc<Tenant>) -> GpuBackend {
+    pub fn new(cfg: GpuConfig, svc: Arc<DeviceService>, engine: Option<Arc<Engine>>, tenant: Arc<Tenant>) -> GpuBackend {
         let exit = new_event_consumer_and_notifier(EventFlag::NONBLOCK).map_err(|e| tracing::error!("vhost exit event: {e}")).ok();
-        GpuBackend { cfg, svc, tenant, mem: None, device: None, event_idx: false, exit, commands: 0, registered: Vec::new() }
+        GpuBackend { cfg, svc, engine, tenant, mem: None, device: None, event_idx: false, exit, commands: 0, registered: Vec::new() }
     }
 
     fn unregister_guest_ram(&mut self) {
@@ -168,7 +172,7 @@ impl VhostUserBackendMut for GpuBackend {
         }
         match self.device.as_mut() {
             Some(d) => d.set_memory(snapshot),
-            None => self.device = Some(GpuDevice::new(self.cfg.clone(), snapshot, self.svc.clone(), self.tenant.clone())),
+            None => self.device = Some(GpuDevice::new(self.cfg.clone(), snapshot, self.svc.clone(), self.engine.clone(), self.tenant.clone())),
         }
         self.mem = Some(atomic);
         Ok(())
@@ -180,7 +184,7 @@ impl VhostUserBackendMut for GpuBackend {
         if let Some(d) = self.device.take() {
             let mem = d.memory();
             drop(d);
-            self.device = Some(GpuDevice::new(self.cfg.clone(), mem, self.svc.clone(), self.tenant.clone()));
+            self.device = Some(GpuDevice::new(self.cfg.clone(), mem, self.svc.clone(), self.engine.clone(), self.tenant.clone()));
         }
     }
 
@@ -219,11 +223,11 @@ impl Drop for GpuBackend {
 /// new connection (a restarted VMM) gets a fresh device. The socket stays
 /// the same between connections, so the owner and mode the control plane
 /// gave it stay too; shutting the listener down ends the loop.
-pub fn serve(listener: std::os::unix::net::UnixListener, cfg: GpuConfig, svc: Arc<DeviceService>, tenant: Arc<Tenant>, stop: Arc<std::sync::atomic::AtomicBool>) {
+pub fn serve(listener: std::os::unix::net::UnixListener, cfg: GpuConfig, svc: Arc<DeviceService>, engine: Option<Arc<Engine>>, tenant: Arc<Tenant>, stop: Arc<std::sync::atomic::AtomicBool>) {
     let stopped = || stop.load(std::sync::atomic::Ordering::Acquire);
     let mut listener = vhost::vhost_user::Listener::from(listener);
     while !stopped() {
-        let backend = Arc::new(RwLock::new(GpuBackend::new(cfg.clone(), svc.clone(), tenant.clone())));
+        let backend = Arc::new(RwLock::new(GpuBackend::new(cfg.clone(), svc.clone(), engine.clone(), tenant.clone())));
         let daemon = VhostUserDaemon::new(format!("vgpu-{}", tenant.name), backend.clone(), GuestMemoryAtomic::new(GuestMemoryMmap::new()));
         let mut daemon = match daemon {
             Ok(d) => d,

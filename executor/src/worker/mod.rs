@@ -248,7 +248,6 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     // wait at the scheduler at once, and one more so a ring is consumed
     // while every lane runs a kernel.
     let engine = engine::Engine::start(opts.lanes, seccomp, Some(fair))?;
-    let _ = svc.engine.set(engine.clone());
     let pool = conn::Pool::start(svc.clone(), engine.clone(), opts.connection_threads, seccomp)?;
     let mut listening: HashMap<String, Listening> = HashMap::new();
     // SAFETY: as the grant channel: passed to this process alone.
@@ -278,7 +277,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
                 let r = if executor && (!listening.is_empty() || handed.is_none()) {
                     Err("an executor serves one tenant, on the socket it was started with".to_string())
                 } else if spec.vm {
-                    add_vm_tenant(&svc, &spec, handed.take())
+                    add_vm_tenant(&svc, &engine, &spec, handed.take())
                 } else {
                     add_tenant(&svc, &pool, &spec, handed.take())
                 };
@@ -383,7 +382,7 @@ fn add_tenant(svc: &Arc<DeviceService>, pool: &conn::Pool, spec: &TenantCmd, han
 }
 
 /// A VM tenant: its vhost-user virtio-gpu backend serves `socket`.
-fn add_vm_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd, handed: Option<UnixListener>) -> Result<Listening, String> {
+fn add_vm_tenant(svc: &Arc<DeviceService>, engine: &Arc<engine::Engine>, spec: &TenantCmd, handed: Option<UnixListener>) -> Result<Listening, String> {
     let (name, socket) = (&spec.name, &spec.socket);
     // Bound once: the socket keeps its inode (and so the owner the control
     // plane gives it) across VMM connections.
@@ -391,8 +390,8 @@ fn add_vm_tenant(svc: &Arc<DeviceService>, spec: &TenantCmd, handed: Option<Unix
     let handle = listener.try_clone().map_err(|e| format!("cloning the listener: {e}"))?;
     let tenant = svc.add_tenant(name, spec.quota, spec.share(), spec.host_limit)?;
     let stop = Arc::new(AtomicBool::new(false));
-    let (svc2, t2, stop2) = (svc.clone(), tenant.clone(), stop.clone());
-    let started = std::thread::Builder::new().name(format!("vhost-{name}")).spawn(move || crate::gpu::vhost::serve(listener, crate::gpu::GpuConfig::default(), svc2, t2, stop2));
+    let (svc2, engine2, t2, stop2) = (svc.clone(), engine.clone(), tenant.clone(), stop.clone());
+    let started = std::thread::Builder::new().name(format!("vhost-{name}")).spawn(move || crate::gpu::vhost::serve(listener, crate::gpu::GpuConfig::default(), svc2, Some(engine2), t2, stop2));
     if let Err(e) = started {
         svc.remove_tenant(name);
         return Err(format!("starting the vhost-user thread: {e}"));

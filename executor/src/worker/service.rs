@@ -388,8 +388,6 @@ pub fn uuid_text(u: &[u8; 16]) -> String {
 
 pub struct DeviceService {
     pub backend: Arc<dyn Backend>,
-    /// The stream engine serving command rings, once the worker started it.
-    pub engine: std::sync::OnceLock<Arc<super::engine::Engine>>,
     pub sched: vgpu_arbiter::grant::Lanes,
     pub ordinal: u32,
     tenants: RwLock<HashMap<String, Arc<Tenant>>>,
@@ -398,7 +396,7 @@ pub struct DeviceService {
 
 impl DeviceService {
     pub fn new(ordinal: u32, backend: Arc<dyn Backend>, sched: vgpu_arbiter::grant::Lanes) -> Self {
-        DeviceService { backend, engine: std::sync::OnceLock::new(), sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
+        DeviceService { backend, sched, ordinal, tenants: RwLock::new(HashMap::new()), started: Instant::now() }
     }
 
     pub fn add_tenant(&self, name: &str, quota: u64, share: vgpu_arbiter::sched::Share, host_limit: u64) -> Result<Arc<Tenant>, String> {
