@@ -704,22 +704,23 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: us
     })
 }
 
-#[no_mangle]
-pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, s: Handle) -> CUresult {
+/// A copy between host memory and `n` bytes of the device at `dev`, in
+/// stream `s`'s order: the checks, then the context's earlier work (the
+/// copy is synchronous, as the real driver's is for pageable memory),
+/// then `copy`, which says whether the heap took it.
+fn host_copy(s: Handle, host_is_null: bool, dev: CUdeviceptr, n: usize, copy: impl FnOnce(&Driver) -> bool) -> CUresult {
     entry(|d| {
         usable(d)?;
         stream_of(&mut d.state(), s)?;
         if n == 0 {
             return Ok(());
         }
-        if src.is_null() || d.heap.find(dst, n).is_none() {
+        if host_is_null || d.heap.find(dev, n).is_none() {
             return Err(E::CUDA_ERROR_INVALID_VALUE);
         }
         drain_current(d)?;
         usable(d)?;
-        // SAFETY: the caller's source buffer holds n readable bytes for the
-        // call (it is read through volatile loads, never borrowed).
-        if unsafe { d.heap.from_host(dst, src.cast(), n) } {
+        if copy(d) {
             Ok(())
         } else {
             Err(E::CUDA_ERROR_INVALID_VALUE)
@@ -728,26 +729,17 @@ pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: 
 }
 
 #[no_mangle]
+pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, s: Handle) -> CUresult {
+    // SAFETY: the caller's source buffer holds n readable bytes for the
+    // call (it is read through volatile loads, never borrowed).
+    host_copy(s, src.is_null(), dst, n, |d| unsafe { d.heap.from_host(dst, src.cast(), n) })
+}
+
+#[no_mangle]
 pub extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, s: Handle) -> CUresult {
-    entry(|d| {
-        usable(d)?;
-        stream_of(&mut d.state(), s)?;
-        if n == 0 {
-            return Ok(());
-        }
-        if dst.is_null() || d.heap.find(src, n).is_none() {
-            return Err(E::CUDA_ERROR_INVALID_VALUE);
-        }
-        drain_current(d)?;
-        usable(d)?;
-        // SAFETY: the caller's destination holds n writable bytes for the
-        // call (written through volatile stores, never borrowed).
-        if unsafe { d.heap.to_host(dst.cast(), src, n) } {
-            Ok(())
-        } else {
-            Err(E::CUDA_ERROR_INVALID_VALUE)
-        }
-    })
+    // SAFETY: the caller's destination holds n writable bytes for the
+    // call (written through volatile stores, never borrowed).
+    host_copy(s, dst.is_null(), src, n, |d| unsafe { d.heap.to_host(dst.cast(), src, n) })
 }
 
 #[no_mangle]
