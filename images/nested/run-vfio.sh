@@ -24,6 +24,9 @@ if [ -n "${VFIO_AHCI:-}" ]; then
     extra+=(-drive "file=$VFIO_AHCI,if=none,id=sd,format=raw" -device ich9-ahci,id=ahci0 -device ide-hd,drive=sd,bus=ahci0.0)
 fi
 # The IOMMU comes before any PCI device, as QEMU requires.
+# NESTED_QEMU_LOG: QEMU's CPU-reset log, as in run.sh.
+LOG=()
+[ -n "${NESTED_QEMU_LOG:-}" ] && LOG=(-d cpu_reset -D "$NESTED_QEMU_LOG")
 exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
     -accel tcg,thread=multi -cpu max,svm=on -smp 2 -m 2048 \
     -machine q35 -device intel-iommu,intremap=on,caching-mode=on \
@@ -31,4 +34,4 @@ exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
     -drive file="$IMAGE",if=none,id=nv,format=raw -device nvme,drive=nv,serial=vgpu-nvme \
     "${extra[@]}" \
     -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/l1.cpio.gz" \
-    -append "console=ttyS0 panic=-1 quiet loglevel=3 intel_iommu=on iommu=pt scenario=$SCENARIO"
+    -append "console=ttyS0 panic=-1 quiet loglevel=3 intel_iommu=on iommu=pt scenario=$SCENARIO" "${LOG[@]}"

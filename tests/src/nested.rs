@@ -31,17 +31,27 @@ pub fn build() {
 /// the emulator broke ([`emulator_fault`]) is run once more, saying so.
 pub fn run(scenario: &str, timeout_s: u32) -> String {
     build();
-    let log = std::env::temp_dir().join(format!("vgpu-nested-{scenario}-{}.qemu.log", std::process::id()));
     retrying_emulator_faults(scenario, || {
-        let _ = std::fs::remove_file(&log);
-        let o = Command::new("bash").arg(workspace().join("images/nested/run.sh")).arg(scenario).arg(timeout_s.to_string()).env("NESTED_QEMU_LOG", &log).output().expect("run images/nested/run.sh");
-        let mut text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-        if std::fs::read_to_string(&log).is_ok_and(|l| l.lines().any(|l| l.trim() == "Triple fault")) {
-            text.push_str(&format!("\n{L1_TRIPLE_FAULT} (QEMU's CPU-reset log)\n"));
-        }
-        let _ = std::fs::remove_file(&log);
+        let mut cmd = Command::new("bash");
+        cmd.arg(workspace().join("images/nested/run.sh")).arg(scenario).arg(timeout_s.to_string());
+        let (o, text) = run_qemu(scenario, &mut cmd);
         (o.status.success(), text)
     })
+}
+
+/// Runs `cmd` (run.sh or run-vfio.sh for `scenario`) with QEMU's CPU-reset
+/// log in a file of its own; returns its status and its console, with
+/// [`L1_TRIPLE_FAULT`] added when that log shows L1's CPU triple-faulting.
+pub fn run_qemu(scenario: &str, cmd: &mut Command) -> (std::process::Output, String) {
+    let log = std::env::temp_dir().join(format!("vgpu-nested-{scenario}-{}.qemu.log", std::process::id()));
+    let _ = std::fs::remove_file(&log);
+    let o = cmd.env("NESTED_QEMU_LOG", &log).output().expect("run QEMU for the nested test host");
+    let mut text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    if std::fs::read_to_string(&log).is_ok_and(|l| l.lines().any(|l| l.trim() == "Triple fault")) {
+        text.push_str(&format!("\n{L1_TRIPLE_FAULT} (QEMU's CPU-reset log)\n"));
+    }
+    let _ = std::fs::remove_file(&log);
+    (o, text)
 }
 
 /// What in a nested run's output shows the emulator under the test host
@@ -113,8 +123,7 @@ pub fn run_vfio(scenario: &str, env: &[(&str, &std::path::Path)], done: &str) ->
     let out = retrying_emulator_faults(scenario, || {
         // Blank for every run: the scenario writes the device.
         std::fs::write(&img, vec![0u8; 1 << 20]).expect("write the NVMe image");
-        let o = cmd.output().expect("run images/nested/run-vfio.sh");
-        let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        let (o, out) = run_qemu(scenario, &mut cmd);
         (o.status.success() && out.contains(done), out)
     });
     let _ = std::fs::remove_file(&img);

@@ -30,15 +30,20 @@ fn output(test: &str) -> Option<&'static Run> {
     Some(OUT.get_or_init(|| {
         nested::build();
         let img = std::env::temp_dir().join(format!("vgpu-nested-vfio-{}.img", std::process::id()));
-        let mut bytes = vec![0u8; 16 << 20];
-        bytes[..HOST_MARKER.len()].copy_from_slice(HOST_MARKER.as_bytes());
-        std::fs::write(&img, &bytes).expect("write the NVMe image");
-        let t0 = std::time::Instant::now();
-        let o = Command::new("bash").arg(workspace().join("images/nested/run-vfio.sh")).arg("vfio").arg(&img).arg("900").output().expect("run images/nested/run-vfio.sh");
-        let seconds = t0.elapsed().as_secs_f64();
-        let console = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-        assert!(o.status.success(), "QEMU failed or timed out ({}):\n{console}", o.status);
-        let sectors = std::fs::read(&img).expect("read the NVMe image back")[..1024].to_vec();
+        let (mut sectors, mut seconds) = (Vec::new(), 0.0);
+        // An attempt the emulator broke is run once more, from a fresh image.
+        let console = nested::retrying_emulator_faults("vfio", || {
+            let mut bytes = vec![0u8; 16 << 20];
+            bytes[..HOST_MARKER.len()].copy_from_slice(HOST_MARKER.as_bytes());
+            std::fs::write(&img, &bytes).expect("write the NVMe image");
+            let t0 = std::time::Instant::now();
+            let mut cmd = Command::new("bash");
+            cmd.arg(workspace().join("images/nested/run-vfio.sh")).arg("vfio").arg(&img).arg("900");
+            let (o, console) = nested::run_qemu("vfio", &mut cmd);
+            seconds = t0.elapsed().as_secs_f64();
+            sectors = std::fs::read(&img).expect("read the NVMe image back")[..1024].to_vec();
+            (o.status.success(), console)
+        });
         let _ = std::fs::remove_file(&img);
         Run { console, sectors, seconds }
     }))

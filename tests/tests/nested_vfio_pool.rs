@@ -24,13 +24,17 @@ fn output(test: &str) -> Option<&'static String> {
     Some(OUT.get_or_init(|| {
         nested::build();
         let img = std::env::temp_dir().join(format!("vgpu-nested-vfio-pool-{}.img", std::process::id()));
-        let mut bytes = vec![0u8; 16 << 20];
-        bytes[..HOST_MARKER.len()].copy_from_slice(HOST_MARKER.as_bytes());
-        std::fs::write(&img, &bytes).expect("write the NVMe image");
-        let o = Command::new("bash").arg(workspace().join("images/nested/run-vfio.sh")).arg("vfio-pool").arg(&img).arg("900").output().expect("run images/nested/run-vfio.sh");
+        // An attempt the emulator broke is run once more, from a fresh image.
+        let console = nested::retrying_emulator_faults("vfio-pool", || {
+            let mut bytes = vec![0u8; 16 << 20];
+            bytes[..HOST_MARKER.len()].copy_from_slice(HOST_MARKER.as_bytes());
+            std::fs::write(&img, &bytes).expect("write the NVMe image");
+            let mut cmd = Command::new("bash");
+            cmd.arg(workspace().join("images/nested/run-vfio.sh")).arg("vfio-pool").arg(&img).arg("900");
+            let (o, console) = nested::run_qemu("vfio-pool", &mut cmd);
+            (o.status.success(), console)
+        });
         let _ = std::fs::remove_file(&img);
-        let console = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-        assert!(o.status.success(), "QEMU failed or timed out ({}):\n{console}", o.status);
         assert!(console.contains("VFIO-POOL-DONE"), "the scenario did not finish:\n{console}");
         console
     }))

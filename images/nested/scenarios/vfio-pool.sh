@@ -53,6 +53,8 @@ while ! grep -q L2-NVME-READBACK $con 2>/dev/null && [ $i -lt 3000 ]; do sleep 0
 i=0
 while ! ctl -o json vm show pt1 | grep -q '"state": "stopped"' && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
 sed 's/^/CONSOLE: /' $con
+# The VMM's own log: how it ended (a guest triple fault is the emulator's).
+tail -n 20 $run/state/vms/pt1/vmm.log 2>/dev/null | sed 's/^/VMM-LOG: /'
 t0=$(cut -d' ' -f1 /proc/uptime)
 ctl vm delete pt1
 echo "DELETE-EXIT=$?"
@@ -101,6 +103,7 @@ echo "JAILED-PIDS-MAX=$(cat /sys/fs/cgroup$cg/pids.max 2>/dev/null)"
 i=0
 while ! grep -q L2-NVME-DONE $con 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
 sed 's/^/JAILED-CONSOLE: /' $con
+tail -n 20 $run/state/vms/pt3/vmm.log 2>/dev/null | sed 's/^/JAILED-VMM-LOG: /'
 i=0
 while ! ctl -o json vm show pt3 | grep -q '"state": "stopped"' && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
 ctl vm delete pt3 >/dev/null
