@@ -35,7 +35,7 @@ fuzz_target!(|data: &[u8]| {
     let svc = service();
     let tenant = svc.add_tenant(&name, 4 << 20, Default::default(), 16 << 20).expect("tenant");
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM)]).expect("guest memory");
-    let mut dev = GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), tenant);
+    let mut dev = GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), None, tenant);
     if mode & 1 == 0 {
         // Commands: [u16 length][bytes] ...
         let mut rest = rest;
