@@ -340,8 +340,14 @@ impl Control {
         let seq = self.exec_seq.fetch_add(1, Ordering::Relaxed);
         let limits = vgpu_topology::cgroup::Limits { memory_max: Some(memory), pids_max: Some(tasks) };
         let cgroup = match vgpu_topology::cgroup::Cgroup::create(std::path::Path::new(vgpu_topology::cgroup::CGROUP_ROOT), CGROUP_BASE, &format!("{}.{}.{seq}", slot.spec.name, t.name), &limits)
-            .and_then(|cg| cg.procs_fd().map(|fd| (cg, fd)))
-        {
+            .and_then(|cg| match cg.procs_fd() {
+                Ok(fd) => Ok((cg, fd)),
+                Err(e) => {
+                    // Made but not joinable: it goes now, not later.
+                    cg.remove();
+                    Err(e)
+                }
+            }) {
             Ok(c) => Some(c),
             Err(e) => {
                 if !NO_CGROUP_SAID.swap(true, Ordering::Relaxed) {
