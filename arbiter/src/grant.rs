@@ -11,12 +11,21 @@
 //! | executor | `DONE` | work id | - (the lane is free) |
 //! | arbiter | `GRANT` | work id | lane (first grant, or resumed after a pause) |
 //! | arbiter | `YIELD` | work id | - (stop at the next checkpoint) |
+//! | arbiter | `CROWD` | work id | 1 while other work holds lanes too, 0 when it is alone |
+//! | arbiter | `CHARGED` | 0 | lane ns charged to the tenant so far, on every executor it had |
 //!
 //! The arbiter holds each granted lane in [`Scheduler::run_for`] on the
 //! executor's behalf: the lane time it charges the tenant is the time the
 //! lane was held, measured where the executor cannot change it. When the
 //! policy puts other work first, the arbiter sends `YIELD` and waits for
-//! `PAUSED` before it gives the lane away. An executor that breaks the
+//! `PAUSED` before it gives the lane away. `CROWD` tells running work
+//! whether it is alone on the device, as a worker's own lanes know it:
+//! a launch's helper threads keep to its lane's core while other work
+//! runs ([`crate::placement`]), and run anywhere while it is alone.
+//! `CHARGED` tells the executor what its tenant's meter reads (when the
+//! channel opens, every [`TELL_CHARGED`] of lane time and when a lane goes
+//! back), so the device time a tenant is told is the time it is billed.
+//! An executor that breaks the
 //! protocol (an id it did not ask for, more work in flight than allowed, a
 //! malformed message) loses its channel: its work stops, and the control
 //! plane replaces it.
@@ -36,6 +45,8 @@ pub const PAUSED: u32 = 2;
 pub const DONE: u32 = 3;
 pub const GRANT: u32 = 16;
 pub const YIELD: u32 = 17;
+pub const CROWD: u32 = 18;
+pub const CHARGED: u32 = 19;
 
 /// Work of one executor that may wait for or hold lanes at once: more is a
 /// protocol violation (an executor's own threads bound what it asks for).
@@ -70,6 +81,9 @@ pub fn allow_unpausable(launch_timeout: Duration) {
 fn pause_wait() -> Duration {
     Duration::from_millis(PAUSE_WAIT_MS.load(Ordering::Relaxed))
 }
+/// How much lane time a piece of work may be charged before its executor
+/// hears of it (`CHARGED`), besides when its lane goes back.
+const TELL_CHARGED: Duration = Duration::from_millis(10);
 /// Messages from the executor a piece of its work may have waiting for
 /// the arbiter's proxy: an executor never needs more than one (a PAUSED
 /// or a DONE); more is a flood, and a protocol violation.
@@ -263,6 +277,8 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
     // request would cost its start on every grant).
     // None once the executor is gone: threads then end instead of waiting.
     let spare: Arc<Spare> = Arc::new(Mutex::new(Some(Vec::new())));
+    // A tenant's new executor starts from what its meter reads.
+    let _ = chan.send_now(Msg { kind: CHARGED, id: 0, value: served.lane_ns.load(Ordering::Relaxed) });
     let why = loop {
         let m = match chan.recv() {
             Ok(Some(m)) => m,
@@ -297,8 +313,10 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
                         let mut counted = 0;
                         let dt = s2.run_for(&t2, proxy, |lane| counted = hold(&p2, lane, &sv));
                         // What the last charge added after `hold` counted.
-                        sv.lane_ns.fetch_add((dt.as_nanos() as u64).saturating_sub(counted), Ordering::Relaxed);
+                        let rest = (dt.as_nanos() as u64).saturating_sub(counted);
+                        let total = sv.lane_ns.fetch_add(rest, Ordering::Relaxed) + rest;
                         sv.grants.fetch_add(1, Ordering::Relaxed);
+                        p2.tell(Msg { kind: CHARGED, id: 0, value: total });
                         lock(&w2).remove(&p2.id);
                         drop(p2);
                         // Spare until the next request, or until the
@@ -342,16 +360,37 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
 /// it goes (a lease may last long). Returns the lane time it added.
 fn hold(p: &Proxy, lane: usize, served: &Served) -> u64 {
     let mut counted = 0u64;
+    // What the work was last told of the device's crowding (it starts
+    // out believing itself alone).
+    let mut told = false;
+    let tell_crowd = |told: &mut bool| {
+        let crowded = crate::sched::with_current(|r| r.is_some_and(|r| r.crowded()));
+        if crowded == *told {
+            return true;
+        }
+        *told = crowded;
+        p.tell(Msg { kind: CROWD, id: p.id, value: crowded as u64 })
+    };
+    // Lane time the executor was last told of (`CHARGED`).
+    let mut reported = 0u64;
     let mut count = || {
         let ran = crate::sched::with_current(|r| r.map(|r| r.ran().as_nanos() as u64)).unwrap_or(counted);
-        served.lane_ns.fetch_add(ran.saturating_sub(counted), Ordering::Relaxed);
+        let added = ran.saturating_sub(counted);
+        let total = served.lane_ns.fetch_add(added, Ordering::Relaxed) + added;
         counted = counted.max(ran);
+        if counted - reported < TELL_CHARGED.as_nanos() as u64 {
+            return true;
+        }
+        reported = counted;
+        p.tell(Msg { kind: CHARGED, id: 0, value: total })
     };
-    if !p.tell(Msg { kind: GRANT, id: p.id, value: lane as u64 }) {
+    if !tell_crowd(&mut told) || !p.tell(Msg { kind: GRANT, id: p.id, value: lane as u64 }) {
         return counted;
     }
     while !p.done.load(Ordering::Acquire) {
-        count();
+        if !count() || !tell_crowd(&mut told) {
+            break;
+        }
         let heard = lock(&p.rx).recv_timeout(TICK);
         match heard {
             Ok(Heard::Done) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -388,6 +427,8 @@ struct Slot {
     yields: AtomicU64,
     answered: AtomicU64,
     paused_ns: AtomicU64,
+    /// Other work holds lanes of the device too (the arbiter's `CROWD`).
+    crowded: AtomicBool,
 }
 
 /// The executor's side of its grant channel.
@@ -417,6 +458,8 @@ pub struct Grants {
     closed: AtomicBool,
     lanes: usize,
     busy_ns: AtomicU64,
+    /// What the tenant's meter read when the arbiter last said (`CHARGED`).
+    charged_ns: AtomicU64,
 }
 
 /// Why work could not run.
@@ -440,6 +483,7 @@ impl Grants {
             closed: AtomicBool::new(false),
             lanes: lanes.max(1),
             busy_ns: AtomicU64::new(0),
+            charged_ns: AtomicU64::new(0),
         });
         let g2 = g.clone();
         std::thread::Builder::new().name("grants".into()).spawn(move || g2.read())?;
@@ -489,6 +533,10 @@ impl Grants {
                     break;
                 }
             };
+            if m.kind == CHARGED {
+                self.charged_ns.fetch_max(m.value, Ordering::Relaxed);
+                continue;
+            }
             let slot = lock(&self.slots).get(&m.id).cloned();
             let Some(slot) = slot else { continue };
             match m.kind {
@@ -512,6 +560,7 @@ impl Grants {
                         }
                     }
                 }
+                CROWD => slot.crowded.store(m.value != 0, Ordering::Release),
                 k => warn!("unknown grant message kind {k} from the arbiter"),
             }
         }
@@ -524,6 +573,12 @@ impl Grants {
 
     pub fn lanes(&self) -> usize {
         self.lanes
+    }
+
+    /// Lane time the tenant was charged, as the arbiter last said: on every
+    /// executor the tenant had, up to [`TELL_CHARGED`] behind.
+    pub fn charged(&self) -> Duration {
+        Duration::from_nanos(self.charged_ns.load(Ordering::Relaxed))
     }
 
     /// Lane time this executor's work used.
@@ -585,7 +640,8 @@ impl Grants {
 
     /// Asks the arbiter for a lane for new work and waits for it.
     fn want(&self) -> Result<(u32, Arc<Slot>, usize), GrantError> {
-        let slot = Arc::new(Slot { lane: Mutex::new(None), granted: Condvar::new(), yields: AtomicU64::new(0), answered: AtomicU64::new(0), paused_ns: AtomicU64::new(0) });
+        let slot =
+            Arc::new(Slot { lane: Mutex::new(None), granted: Condvar::new(), yields: AtomicU64::new(0), answered: AtomicU64::new(0), paused_ns: AtomicU64::new(0), crowded: AtomicBool::new(false) });
         let id = {
             let mut slots = lock(&self.slots);
             // Ids wrap after 2^32; one still in use is skipped.
@@ -644,12 +700,19 @@ impl Working {
     /// Stops here if the arbiter asked for the lane back, until it grants
     /// one again. Costs one atomic load otherwise.
     pub fn checkpoint(&self) {
-        crate::placement::settle(self.lane.load(Ordering::Relaxed), None);
+        let lane = self.lane.load(Ordering::Relaxed);
+        // As on a worker's own lane (crate::sched::Running::checkpoint).
+        crate::placement::follow(lane, self.slot.crowded.load(Ordering::Acquire));
+        crate::placement::settle(lane, None);
         if !self.slot.asked() {
             return;
         }
         let _raised = crate::nice::Raised::new();
         let mut lane = lock(&self.slot.lane);
+        // The work stops here: what follows (the message, and a thread
+        // the message's wake-up of the arbiter may push off its core) is
+        // no device time of the tenant's.
+        let stopped = Instant::now();
         let first = match *lane {
             // Another thread of this work stopped already: wait with it.
             None => false,
@@ -666,7 +729,6 @@ impl Working {
                 true
             }
         };
-        let stopped = Instant::now();
         drop(lane);
         // Without a grant (the arbiter gone) the work goes on: the
         // executor is ending anyway, and the launch must not hang.
@@ -680,6 +742,11 @@ impl Working {
 
     pub fn paused(&self) -> Duration {
         Duration::from_nanos(self.slot.paused_ns.load(Ordering::Relaxed))
+    }
+
+    /// Other work holds lanes of the device too, as the arbiter last said.
+    pub fn crowded(&self) -> bool {
+        self.slot.crowded.load(Ordering::Acquire)
     }
 }
 
@@ -766,12 +833,14 @@ impl Lanes {
     }
 
     /// The tenant's device time: with a local scheduler, as charged (so it
-    /// adds up with `busy` at any instant); with grants, `ran` (its own
-    /// work's, summed as each piece ended).
+    /// adds up with `busy` at any instant); with grants, as the arbiter
+    /// charged it (what the tenant's meter reads), or `ran` (its own
+    /// work's, summed as each piece ended) where that is more: before the
+    /// arbiter's word on the latest work arrives.
     pub fn device_time(&self, tenant: &str, ran: Duration) -> Duration {
         match self {
             Lanes::Local(s) => s.used(tenant),
-            Lanes::Granted(_) => ran,
+            Lanes::Granted(g) => g.charged().max(ran),
         }
     }
 
@@ -824,10 +893,15 @@ mod tests {
     /// Work that computes for `d`, stopping at a checkpoint every 50 µs as
     /// a launch on the CPU device does.
     fn compute(d: Duration) {
+        compute_every(d, Duration::from_micros(50))
+    }
+
+    /// Work that computes for `d` with a checkpoint every `every`.
+    fn compute_every(d: Duration, every: Duration) {
         let mut left = d;
         while !left.is_zero() {
             let t = Instant::now();
-            while t.elapsed() < Duration::from_micros(50) {
+            while t.elapsed() < every {
                 std::hint::spin_loop();
             }
             left = left.saturating_sub(t.elapsed());
@@ -878,6 +952,63 @@ mod tests {
     }
 
     #[test]
+    fn a_capped_executor_stays_under_its_cap_when_it_is_slow_to_stop() {
+        // Checkpoints 2 ms apart: every time its bucket runs dry the work
+        // goes on up to 2 ms after the arbiter asks for the lane. That time
+        // is charged too, or the tenant would run it free at every pause
+        // (here: far over its cap).
+        let ((_s, ends), served) = arbiter_served(1, &[Share { cap: Some(25), ..w(1) }]);
+        let t = Instant::now();
+        let (_, ran) = ends[0].run(|| compute_every(Duration::from_millis(250), Duration::from_millis(2))).unwrap();
+        let wall = t.elapsed();
+        assert!(ran.as_secs_f64() / wall.as_secs_f64() <= 0.27, "capped at 25%, ran {ran:?} in {wall:?}, charged {:?}", Duration::from_nanos(served[0].lane_ns.load(Ordering::Relaxed)));
+        // What the executor tells its tenant is what the arbiter charged
+        // (once the lease has gone back and the arbiter said so).
+        let t = Instant::now();
+        let settled = || served[0].grants.load(Ordering::Relaxed) == 1 && ends[0].charged() >= Duration::from_nanos(served[0].lane_ns.load(Ordering::Relaxed));
+        while !settled() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let charged = served[0].lane_ns.load(Ordering::Relaxed);
+        assert_eq!(ends[0].charged(), Duration::from_nanos(charged), "the executor's word of its tenant's meter");
+        assert!(ends[0].charged() >= ran, "charged {:?} for {ran:?} of work", ends[0].charged());
+    }
+
+    #[test]
+    fn running_work_hears_whether_other_work_holds_lanes() {
+        // What keeps a launch's helper threads to its lane's core while
+        // another executor's work runs on the other lane.
+        let (_s, ends) = arbiter(2, &[w(1), w(1)]);
+        let crowded_within = |g: &Arc<Grants>, want: bool| {
+            g.run(|| {
+                let t = Instant::now();
+                while with_current(|w| w.expect("granted").crowded()) != want && t.elapsed() < Duration::from_secs(5) {
+                    compute(Duration::from_micros(200));
+                }
+                with_current(|w| w.expect("granted").crowded())
+            })
+            .unwrap()
+            .0
+        };
+        assert!(!crowded_within(&ends[0], false), "alone on the device");
+        let other = ends[1].clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let h = std::thread::spawn(move || {
+            other
+                .run(|| {
+                    while !s2.load(Ordering::Relaxed) {
+                        compute(Duration::from_micros(200))
+                    }
+                })
+                .unwrap()
+        });
+        assert!(crowded_within(&ends[0], true), "beside the other executor's work");
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+    }
+
+    #[test]
     fn a_latency_tenant_takes_the_lane_from_long_work_at_its_next_checkpoint() {
         let (_s, ends) = arbiter(1, &[Share { priority: Priority::Batch, ..w(1) }, Share { priority: Priority::Latency, ..w(1) }]);
         let batch = ends[0].clone();
@@ -908,6 +1039,7 @@ mod tests {
         bad.send(Msg { kind: DONE, id: 7, value: 0 }).unwrap();
         let why = h.join().unwrap();
         assert!(why.contains("holds no lane"), "{why}");
+        assert_eq!(bad.recv().unwrap(), Some(Msg { kind: CHARGED, id: 0, value: 0 }), "a new executor hears its tenant's meter first");
         assert_eq!(bad.recv().unwrap(), None, "the channel stays open");
         // Too much work in flight at once.
         let (a, bad) = Channel::pair().unwrap();

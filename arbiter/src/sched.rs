@@ -674,6 +674,11 @@ impl Running {
         Duration::from_nanos(self.ran.load(Ordering::Relaxed))
     }
 
+    /// More than one piece of work holds a lane of the device.
+    pub fn crowded(&self) -> bool {
+        self.s.crowded.load(Ordering::Acquire)
+    }
+
     /// The lane the work holds now (it may change when it is preempted).
     pub fn lane(&self) -> usize {
         self.lane.load(Ordering::Relaxed)
@@ -748,6 +753,10 @@ impl Running {
             if !h.pause() {
                 return;
             }
+            // The lane was the work's until it stopped: the time it took
+            // to answer is charged too (the work ran in it), or a tenant
+            // paused often (a capped one) would run that much free.
+            self.charge_to(Instant::now());
             g = lock(&s.inner);
             ticket = s.enqueue_quiet(&mut g, &self.tenant);
         }
@@ -764,11 +773,14 @@ impl Running {
         let (g, lane) = s.wait_turn(g, ticket);
         drop(g);
         self.lane.store(lane, Ordering::Relaxed);
+        // Charged from before the work hears it may go on: work elsewhere
+        // runs from the moment the message is sent, whenever this thread
+        // gets its core back.
+        let back = Instant::now();
         match &self.hook {
             Some(h) => h.resume(lane),
             None => crate::placement::resumed(lane),
         }
-        let back = Instant::now();
         self.paused_ns.fetch_add(back.duration_since(stopped).as_nanos() as u64, Ordering::Relaxed);
         let at = self.since_base(back);
         self.charged_to.fetch_max(at, Ordering::AcqRel);
