@@ -84,9 +84,10 @@ fn pause_wait() -> Duration {
 /// How much lane time a piece of work may be charged before its executor
 /// hears of it (`CHARGED`), besides when its lane goes back.
 const TELL_CHARGED: Duration = Duration::from_millis(10);
-/// Messages from the executor a piece of its work may have waiting for
-/// the arbiter's proxy: an executor never needs more than one (a PAUSED
-/// or a DONE); more is a flood, and a protocol violation.
+/// Messages a piece of an executor's work may have waiting for the
+/// arbiter's proxy: the executor never needs more than one (a PAUSED or a
+/// DONE), and the scheduler adds at most one poke; more is a flood from
+/// the executor, and a protocol violation.
 const HEARD_DEPTH: usize = 4;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -204,10 +205,14 @@ impl Channel {
 enum Heard {
     Paused,
     Done,
+    /// The scheduler has new work queued ([`PauseHook::poke`]).
+    Poke,
 }
 
 /// An executor's spare lane threads (their inboxes); None once it went.
 type Spare = Mutex<Option<Vec<mpsc::Sender<Arc<Proxy>>>>>;
+/// Each piece of an executor's work's queue of what the executor said.
+type Inbox = Arc<Mutex<HashMap<u32, mpsc::SyncSender<Heard>>>>;
 
 /// The arbiter's proxy for one piece of an executor's work.
 struct Proxy {
@@ -215,6 +220,11 @@ struct Proxy {
     chan: Arc<Channel>,
     rx: Mutex<mpsc::Receiver<Heard>>,
     done: AtomicBool,
+    /// Where the executor's messages for this work are queued (the
+    /// sender of `rx`, looked up by id: gone once the executor is).
+    inbox: Inbox,
+    /// A poke waits in `rx` (at most one does).
+    poked: AtomicBool,
 }
 
 impl Proxy {
@@ -236,8 +246,17 @@ impl PauseHook for Proxy {
             return false;
         }
         let wait = pause_wait();
-        match lock(&self.rx).recv_timeout(wait) {
+        let until = Instant::now() + wait;
+        let heard = loop {
+            match lock(&self.rx).recv_timeout(until.saturating_duration_since(Instant::now())) {
+                Ok(Heard::Poke) => self.poked.store(false, Ordering::Release),
+                other => break other,
+            }
+        };
+        match heard {
             Ok(Heard::Paused) => true,
+            // Skipped above; were one here, the work would keep its lane.
+            Ok(Heard::Poke) => false,
             Ok(Heard::Done) | Err(mpsc::RecvTimeoutError::Disconnected) => {
                 self.done.store(true, Ordering::Release);
                 false
@@ -256,6 +275,16 @@ impl PauseHook for Proxy {
     fn resume(&self, lane: usize) {
         self.tell(Msg { kind: GRANT, id: self.id, value: lane as u64 });
     }
+
+    fn poke(&self) {
+        if self.poked.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let sent = lock(&self.inbox).get(&self.id).is_some_and(|tx| tx.try_send(Heard::Poke).is_ok());
+        if !sent {
+            self.poked.store(false, Ordering::Release);
+        }
+    }
 }
 
 /// The arbiter's side of one executor's channel: what the executor's work
@@ -271,7 +300,7 @@ pub struct Served {
 /// Returns why it ended.
 pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served>) -> String {
     let chan = Arc::new(chan);
-    let waiting: Arc<Mutex<HashMap<u32, mpsc::SyncSender<Heard>>>> = Arc::default();
+    let waiting: Inbox = Arc::default();
     // Threads that held a lane and wait for the next: one per piece of
     // work in flight at most, kept until the executor goes (a thread per
     // request would cost its start on every grant).
@@ -297,7 +326,7 @@ pub fn serve(sched: &Scheduler, tenant: &str, chan: Channel, served: &Arc<Served
                 let (tx, rx) = mpsc::sync_channel(HEARD_DEPTH);
                 w.insert(m.id, tx);
                 drop(w);
-                let proxy = Arc::new(Proxy { id: m.id, chan: chan.clone(), rx: Mutex::new(rx), done: AtomicBool::new(false) });
+                let proxy = Arc::new(Proxy { id: m.id, chan: chan.clone(), rx: Mutex::new(rx), done: AtomicBool::new(false), inbox: waiting.clone(), poked: AtomicBool::new(false) });
                 let proxy = match lock(&spare).as_mut().and_then(Vec::pop) {
                     Some(tx) => match tx.send(proxy) {
                         Ok(()) => continue,
@@ -394,6 +423,14 @@ fn hold(p: &Proxy, lane: usize, served: &Served) -> u64 {
         let heard = lock(&p.rx).recv_timeout(TICK);
         match heard {
             Ok(Heard::Done) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Ok(Heard::Poke) => {
+                p.poked.store(false, Ordering::Release);
+                crate::sched::with_current(|r| {
+                    if let Some(r) = r {
+                        r.checkpoint();
+                    }
+                })
+            }
             // Stopped after a yield the arbiter stopped waiting for: it
             // still holds its lane, so it goes on at once.
             Ok(Heard::Paused) => {

@@ -396,6 +396,9 @@ struct Shared {
     /// Lane time charged to each tenant, as it is charged (with `busy_ns`,
     /// so the two agree at every instant, work in flight included).
     used: Mutex<HashMap<String, Arc<AtomicU64>>>,
+    /// Work that runs elsewhere and holds (or waits to get back) a lane:
+    /// poked when work is queued.
+    elsewhere: Mutex<Vec<Arc<dyn PauseHook>>>,
 }
 
 struct Inner {
@@ -416,6 +419,12 @@ impl Shared {
             return self.take_lane(&mut g);
         }
         let ticket = self.enqueue(&mut g, tenant);
+        // Work elsewhere looks at the queue only when asked to or at its
+        // holder's next tick: ask now, so an urgent arrival waits for the
+        // other process's next checkpoint, not for the tick.
+        for h in lock(&self.elsewhere).iter() {
+            h.poke();
+        }
         self.wait_turn(g, ticket).1
     }
 
@@ -509,6 +518,9 @@ pub trait PauseHook: Send + Sync {
     fn pause(&self) -> bool;
     /// The work holds `lane` again and may go on.
     fn resume(&self, lane: usize);
+    /// Work was queued that may come first: look at the queue now (call
+    /// [`Running::checkpoint`]) rather than at the next tick.
+    fn poke(&self) {}
 }
 
 /// Work holding a lane. Made by [`Scheduler::run`], reachable from the code
@@ -862,6 +874,7 @@ impl Scheduler {
             arrivals: AtomicU64::new(0),
             crowded: AtomicBool::new(false),
             used: Mutex::new(HashMap::new()),
+            elsewhere: Mutex::new(Vec::new()),
         }))
     }
 
@@ -889,11 +902,14 @@ impl Scheduler {
     /// it only waits. Returns the lane time charged.
     pub fn run_for(&self, tenant: &str, hook: Arc<dyn PauseHook>, f: impl FnOnce(usize)) -> Duration {
         let lane = self.0.acquire(tenant);
+        lock(&self.0.elsewhere).push(hook.clone());
+        let key = Arc::as_ptr(&hook) as *const ();
         let r = Running::new(self.0.clone(), tenant, lane, Some(hook));
         {
             let _cur = Current::set(&r);
             f(lane);
         }
+        lock(&self.0.elsewhere).retain(|h| Arc::as_ptr(h) as *const () != key);
         r.finish()
     }
 

@@ -65,6 +65,16 @@ pub fn exec_bounds(spec: &DeviceSpec, t: &TenantRecord, cpus: u64) -> (u64, u64,
     (fds, tasks, memory)
 }
 
+/// The daemon's own hard limit on open descriptors.
+fn own_hard_nofile() -> u64 {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into the live struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
+        return u64::MAX;
+    }
+    rl.rlim_max
+}
+
 /// How the executor being spawned is bounded: applied between fork and
 /// exec (control/mod.rs `spawn_worker`).
 pub(super) struct SpawnBounds {
@@ -337,6 +347,10 @@ impl Control {
         };
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
         let (fds, tasks, memory) = exec_bounds(&slot.spec, t, cpus);
+        // Never above the daemon's own hard limit: raising it takes
+        // CAP_SYS_RESOURCE, and an operator who bounded the daemon bounded
+        // its executors too.
+        let fds = fds.min(own_hard_nofile());
         let seq = self.exec_seq.fetch_add(1, Ordering::Relaxed);
         let limits = vgpu_topology::cgroup::Limits { memory_max: Some(memory), pids_max: Some(tasks) };
         let cgroup = match vgpu_topology::cgroup::Cgroup::create(std::path::Path::new(vgpu_topology::cgroup::CGROUP_ROOT), CGROUP_BASE, &format!("{}.{}.{seq}", slot.spec.name, t.name), &limits)
