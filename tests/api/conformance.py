@@ -428,8 +428,11 @@ def report_skip(what, why):
 
 def check_mediator(tmp, deadline, args):
     run_dir, api = tmp / "run", tmp / "run" / "api.sock"
+    # The document's pool example overcommits its device's memory, which
+    # needs the devices' tenants in one worker (isolation "shared"; the
+    # default, "process", refuses such a pool with a 400).
     proc = spawn(
-        [BIN / "vgpu-mediatord", "--cuda", "off", "--run-dir", run_dir, "--state-dir", tmp / "state", "--cpu-devices", "2", "--device-memory", "64MiB", "--usage-interval", "1"],
+        [BIN / "vgpu-mediatord", "--cuda", "off", "--run-dir", run_dir, "--state-dir", tmp / "state", "--cpu-devices", "2", "--device-memory", "64MiB", "--usage-interval", "1", "--isolation", "shared"],
         LOGS / "mediatord.log",
     )
     bridge = None
