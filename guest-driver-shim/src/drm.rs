@@ -160,7 +160,13 @@ pub struct DrmKick {
     fd: File,
     reply: Bo,
     reply_handles: [u32; 1],
+    /// When the device last showed it still serves this context.
+    checked: std::sync::Mutex<std::time::Instant>,
 }
+
+/// How often a thread waiting on the ring asks whether the device still
+/// knows this context.
+const ALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 // SAFETY: the kick's reply mapping is only written by the device.
 unsafe impl Send for DrmKick {}
@@ -186,6 +192,38 @@ impl crate::ring::Kick for DrmKick {
     }
     fn futex(&self) -> bool {
         false
+    }
+    /// At most once a second: a kick waited for, whose answer must reach
+    /// the kick's reply blob. A device that no longer knows this context
+    /// (its backend was started again: the VMM reconnects, and contexts
+    /// made before are gone) answers the command with an error and writes
+    /// nothing, so a thread waiting on the ring fails instead of waiting
+    /// for ever.
+    fn alive(&self) -> bool {
+        let mut last = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+        if last.elapsed() < ALIVE_EVERY {
+            return true;
+        }
+        // SAFETY: the reply blob is our mapping of `reply.len` bytes, at
+        // least a header; a zeroed header marks "no answer yet". The device
+        // writes it only while answering a kick.
+        unsafe { std::ptr::write_bytes(self.reply.ptr, 0, MsgHeader::SIZE.min(self.reply.len)) };
+        if self.kick().is_err() {
+            return false;
+        }
+        let mut w = Wait { handle: self.reply.handle, flags: 0 };
+        if ioctl(&self.fd, IOCTL_WAIT, &mut w, "WAIT").is_err() {
+            return false;
+        }
+        let mut hdr = [0u8; MsgHeader::SIZE];
+        for (i, b) in hdr.iter_mut().enumerate().take(self.reply.len) {
+            // SAFETY: byte i < reply.len of our own mapping of the reply
+            // blob, read volatile since the device writes it.
+            *b = unsafe { std::ptr::read_volatile(self.reply.ptr.add(i)) };
+        }
+        let answered = hdr.iter().any(|&b| b != 0);
+        *last = std::time::Instant::now();
+        answered
     }
 }
 
@@ -276,7 +314,7 @@ impl DrmTransport {
             return Ok((reply, None));
         }
         let kreply = create_blob(&self.fd, 4096)?;
-        let kick = DrmKick { fd: self.fd.try_clone()?, reply_handles: [kreply.handle], reply: kreply };
+        let kick = DrmKick { fd: self.fd.try_clone()?, reply_handles: [kreply.handle], reply: kreply, checked: std::sync::Mutex::new(std::time::Instant::now()) };
         let (p, n) = (bo.ptr, bo.len);
         self.ring = Some(bo);
         Ok((reply, Some((p, n, kick))))
