@@ -134,6 +134,40 @@ impl Guest {
     }
 }
 
+impl Guest {
+    /// Kills the VMM; returns its stderr and the serial console's text.
+    pub fn stop(mut self) -> (String, String) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut err);
+        }
+        (err, self.serial_text())
+    }
+
+    /// The `vgpu-again` guest's last round, passed or failed (0 before the first).
+    pub fn last_round(&self) -> u32 {
+        self.serial_text().lines().filter_map(|l| l.strip_prefix("round ")?.split(' ').next()?.parse().ok()).max().unwrap_or(0)
+    }
+
+    /// Ends the `vgpu-again` guest's backend with `end` after its second
+    /// round, then waits for a round that began after the end to pass: the
+    /// VMM reconnected to the backend the daemon started again, and the
+    /// guest's device never reported an error. Returns the VMM's stderr
+    /// and the serial text.
+    pub fn outlives_its_backend(mut self, end: impl FnOnce()) -> (String, String) {
+        self.wait_for("round 2 PASSED", Duration::from_secs(120));
+        end();
+        let after = format!("round {} PASSED", self.last_round() + 2);
+        self.wait_for(&after, Duration::from_secs(90));
+        let (err, out) = self.stop();
+        assert!(err.contains("backend hung up") && err.contains("reconnected to the vGPU backend"), "{err}");
+        assert!(!err.contains("device error") && !err.contains("forbidden syscall"), "{err}");
+        (err, out)
+    }
+}
+
 impl Drop for Guest {
     fn drop(&mut self) {
         let _ = self.child.kill();

@@ -846,7 +846,7 @@ fn vmm_schemas_match_the_vmm_types() {
     let disk = DiskConfig { path: "/var/lib/vgpu/root.img".into(), read_only: true, direct: true, id: Some("root".into()), bandwidth: Some(bucket), ops: Some(bucket) };
     let net =
         NetConfig { tap: "tap0".into(), mac: Some(MacAddr([0x52, 0x54, 0, 0x12, 0x34, 0x56])), rx_bandwidth: Some(bucket), rx_ops: Some(bucket), tx_bandwidth: Some(bucket), tx_ops: Some(bucket) };
-    let vgpu = VgpuConfig { socket: "/run/vgpu/tenants/vm1.vhost".into(), headless: true };
+    let vgpu = VgpuConfig { socket: "/run/vgpu/tenants/vm1.vhost".into(), headless: true, reconnect_s: 30 };
     let config = VmConfig {
         kernel: "/boot/vmlinux".into(),
         initramfs: Some("/boot/initrd".into()),

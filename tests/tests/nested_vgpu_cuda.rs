@@ -100,3 +100,19 @@ fn a_cuda_runtime_program_runs_in_the_guest() {
     }
     assert!(rt.contains("quota: total 33554432 bytes"), "the guest sees its vGPU's quota:\n{rt}");
 }
+
+#[test]
+fn a_guest_outlives_its_backend_and_only_its_old_contexts_fail() {
+    let Some(out) = output("a_guest_outlives_its_backend_and_only_its_old_contexts_fail") else { return };
+    assert!(out.contains("KILLED-WORKER="), "the scenario did not kill the device's worker:\n{out}");
+    // The context made before the backend ended fails instead of waiting
+    // for ever; a new one, and the next program, work.
+    let relive = lines(out, "L2-RELIVE: ").join("\n");
+    assert!(relive.contains("old=CUDA_ERROR_"), "the old context must fail:\n{relive}");
+    assert!(relive.contains("made=CUDA_SUCCESS fresh=CUDA_SUCCESS value=0x3c"), "a new context must work:\n{relive}");
+    let after = lines(out, "L2-AFTER: ").join("\n");
+    assert!(after.contains("PASSED"), "the next program after the backend came back:\n{after}");
+    let link = lines(out, "VMM-LINK: ").join("\n");
+    assert!(link.contains("hung up") && link.contains("reconnected to the vGPU backend"), "{link}");
+    assert!(!out.contains("NEEDS RESET") && !link.contains("device error"), "{link}");
+}

@@ -345,7 +345,7 @@ impl std::str::FromStr for NetConfig {
     }
 }
 
-/// `--vgpu socket=PATH[,headless]`.
+/// `--vgpu socket=PATH[,headless][,reconnect=SECONDS]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VgpuConfig {
@@ -354,6 +354,21 @@ pub struct VgpuConfig {
     /// Report no scanout (guests with Linux 6.4 or later accept that).
     #[serde(default)]
     pub headless: bool,
+    /// How long to keep reconnecting when the backend hangs up (its
+    /// executor ended and the daemon starts another) before the guest
+    /// sees a device error; 0 reports the error at once.
+    #[serde(default = "default_reconnect_s")]
+    pub reconnect_s: u32,
+}
+
+/// Seconds a VMM keeps reconnecting to a vGPU backend that hung up: longer
+/// than the daemon's longest restart delay (5 s) several times over.
+pub const VGPU_RECONNECT_DEFAULT_S: u32 = 30;
+/// The longest reconnection window accepted.
+pub const VGPU_RECONNECT_MAX_S: u32 = 3600;
+
+fn default_reconnect_s() -> u32 {
+    VGPU_RECONNECT_DEFAULT_S
 }
 
 impl std::str::FromStr for VgpuConfig {
@@ -361,14 +376,18 @@ impl std::str::FromStr for VgpuConfig {
     fn from_str(s: &str) -> Result<Self, String> {
         let mut socket = None;
         let mut headless = false;
+        let mut reconnect_s = VGPU_RECONNECT_DEFAULT_S;
         for part in s.split(',') {
             match part.split_once('=') {
                 Some(("socket", p)) if !p.is_empty() => socket = Some(PathBuf::from(p)),
+                Some(("reconnect", n)) => {
+                    reconnect_s = n.parse().ok().filter(|&n| n <= VGPU_RECONNECT_MAX_S).ok_or_else(|| format!("invalid --vgpu reconnect={n}: give whole seconds, 0 to {VGPU_RECONNECT_MAX_S}"))?;
+                }
                 None if part == "headless" => headless = true,
-                _ => return Err(format!("invalid --vgpu part '{part}': use socket=PATH[,headless]")),
+                _ => return Err(format!("invalid --vgpu part '{part}': use socket=PATH[,headless][,reconnect=SECONDS]")),
             }
         }
-        Ok(VgpuConfig { socket: socket.ok_or("--vgpu needs socket=PATH")?, headless })
+        Ok(VgpuConfig { socket: socket.ok_or("--vgpu needs socket=PATH")?, headless, reconnect_s })
     }
 }
 
@@ -426,6 +445,11 @@ impl VmConfig {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             return bad(format!("vcpus must be 1..={MAX_VCPUS}, not {}", self.vcpus));
+        }
+        if let Some(v) = &self.vgpu {
+            if v.reconnect_s > VGPU_RECONNECT_MAX_S {
+                return bad(format!("vgpu reconnect_s {} is more than {VGPU_RECONNECT_MAX_S}", v.reconnect_s));
+            }
         }
         if self.memory_mib.0 < MIN_MEMORY_MIB {
             return bad(format!("memory must be at least {MIN_MEMORY_MIB} MiB, not {} MiB", self.memory_mib.0));
@@ -600,6 +624,23 @@ mod tests {
         std::os::unix::fs::symlink("/etc/hostname", real.join("disk.img")).unwrap();
         assert_eq!(good().validate().unwrap_err().to_string(), format!("disk {} is a symbolic link; give the real path", real.join("disk.img").display()));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn vgpu_arguments_parse_and_bad_ones_say_why() {
+        let v: VgpuConfig = "socket=/run/t.vhost".parse().unwrap();
+        assert_eq!((v.headless, v.reconnect_s), (false, VGPU_RECONNECT_DEFAULT_S));
+        let v: VgpuConfig = "socket=/run/t.vhost,headless,reconnect=0".parse().unwrap();
+        assert_eq!((v.socket.to_str(), v.headless, v.reconnect_s), (Some("/run/t.vhost"), true, 0));
+        for bad in ["socket=/s,reconnect=3601", "socket=/s,reconnect=-1", "socket=/s,reconnect=", "socket=/s,reconnect=1.5"] {
+            let e = bad.parse::<VgpuConfig>().unwrap_err();
+            assert!(e.contains("reconnect") && e.contains("0 to 3600"), "{bad}: {e}");
+        }
+        assert!("headless".parse::<VgpuConfig>().unwrap_err().contains("socket=PATH"));
+        // The same bound holds for a JSON description.
+        let mut cfg = VmConfig::new("/k".into());
+        cfg.vgpu = Some(VgpuConfig { socket: "/s".into(), headless: false, reconnect_s: 3601 });
+        assert!(cfg.validate().unwrap_err().to_string().contains("reconnect_s 3601"));
     }
 
     #[test]

@@ -55,10 +55,13 @@ pub enum ThreadKind {
     Api,
     /// A device's worker (virtio-rng, the vGPU interrupt forwarder).
     Device,
+    /// The vGPU's link to its backend, which connects again to the same
+    /// unix socket when the backend hangs up.
+    Link,
 }
 
 impl ThreadKind {
-    pub const ALL: [ThreadKind; 4] = [ThreadKind::Main, ThreadKind::Vcpu, ThreadKind::Api, ThreadKind::Device];
+    pub const ALL: [ThreadKind; 5] = [ThreadKind::Main, ThreadKind::Vcpu, ThreadKind::Api, ThreadKind::Device, ThreadKind::Link];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -66,6 +69,7 @@ impl ThreadKind {
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::Api => "api",
             ThreadKind::Device => "device",
+            ThreadKind::Link => "link",
         }
     }
 }
@@ -189,6 +193,13 @@ const MAIN: &[i64] = &[libc::SYS_unlink, libc::SYS_readlink, libc::SYS_readlinka
 /// the disk I/O of virtio-blk on the image files opened before the VM ran.
 const DEVICE: &[i64] = &[libc::SYS_epoll_wait, libc::SYS_epoll_pwait, libc::SYS_pread64, libc::SYS_pwrite64, libc::SYS_fdatasync];
 
+/// The vGPU link thread, besides COMMON: waiting on its connection, and
+/// reconnecting: a unix socket (`rules` allows AF_UNIX only), connect, and
+/// the vhost-user messages, whose descriptors it already holds. The path
+/// it connects to is fixed at start; in a jail it is the only socket the
+/// VMM can see.
+const LINK: &[i64] = &[libc::SYS_epoll_ctl, libc::SYS_epoll_wait, libc::SYS_epoll_pwait, libc::SYS_connect, libc::SYS_sendmsg, libc::SYS_recvmsg];
+
 /// Never on any list: the SIGSYS handler makes it to be killed for sure
 /// when a re-raised SIGSYS was not fatal (the init of a PID namespace
 /// ignores its own default-action signals).
@@ -228,6 +239,7 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Seccom
         ThreadKind::Vcpu => VCPU,
         ThreadKind::Api => API,
         ThreadKind::Device => DEVICE,
+        ThreadKind::Link => LINK,
     };
     for &nr in COMMON.iter().chain(extra) {
         r.insert(nr, Vec::new());
@@ -240,7 +252,7 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Seccom
     let mut signals = vec![libc::SIGSYS as u64];
     match kind {
         ThreadKind::Main | ThreadKind::Api => signals.push(kick_signal()),
-        ThreadKind::Vcpu | ThreadKind::Device => {}
+        ThreadKind::Vcpu | ThreadKind::Device | ThreadKind::Link => {}
     }
     r.insert(libc::SYS_tgkill, any_of(kind, 2, &signals)?);
     match kind {
@@ -282,6 +294,16 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Seccom
             r.insert(libc::SYS_ioctl, any_of(kind, 1, &ioctls)?);
         }
         ThreadKind::Device => {}
+        ThreadKind::Link => {
+            // A unix stream socket, never a network one; the clone of the
+            // connection it watches.
+            r.insert(libc::SYS_socket, any_of(kind, 0, &[libc::AF_UNIX as u64])?);
+            r.insert(libc::SYS_fcntl, any_of(kind, 1, &[libc::F_DUPFD_CLOEXEC as u64])?);
+            // The handshake's time limit, set and lifted.
+            let timeout = SeccompRule::new(vec![cond(kind, 1, SeccompCmpOp::Eq, libc::SOL_SOCKET as u64)?, cond(kind, 2, SeccompCmpOp::Eq, libc::SO_RCVTIMEO as u64)?])
+                .map_err(|err| SeccompError::Build { kind: kind.name(), err })?;
+            r.insert(libc::SYS_setsockopt, vec![timeout]);
+        }
     }
     Ok(r)
 }
@@ -452,12 +474,15 @@ mod tests {
             assert_eq!(filters(k).unwrap().len(), 3);
             let r = rules(k).unwrap();
             assert!(!r.contains_key(&NEVER_ALLOWED), "{k}");
-            for forbidden in
-                [libc::SYS_execve, libc::SYS_execveat, libc::SYS_ptrace, libc::SYS_fork, libc::SYS_vfork, libc::SYS_socket, libc::SYS_connect, libc::SYS_bind, libc::SYS_mount, libc::SYS_setuid]
-            {
+            for forbidden in [libc::SYS_execve, libc::SYS_execveat, libc::SYS_ptrace, libc::SYS_fork, libc::SYS_vfork, libc::SYS_bind, libc::SYS_listen, libc::SYS_mount, libc::SYS_setuid] {
                 assert!(!r.contains_key(&forbidden), "{k} allows syscall {forbidden}");
             }
+            // Only the vGPU link connects, and only to unix sockets.
+            if k != ThreadKind::Link {
+                assert!(!r.contains_key(&libc::SYS_socket) && !r.contains_key(&libc::SYS_connect), "{k} may connect");
+            }
         }
+        assert_eq!(rules(ThreadKind::Link).unwrap()[&libc::SYS_socket].len(), 1, "the link's socket rule is AF_UNIX alone");
         assert!(!rules(ThreadKind::Device).unwrap().contains_key(&libc::SYS_ioctl));
         assert!(!rules(ThreadKind::Device).unwrap().contains_key(&libc::SYS_clone));
     }

@@ -475,7 +475,7 @@ impl Vm {
             devices.push(dev);
         }
         if let Some(v) = &cfg.vgpu {
-            let gpu = crate::devices::virtio::vhost_gpu::VhostGpu::connect(&v.socket, v.headless).map_err(|e| dev_err(e.to_string()))?;
+            let gpu = crate::devices::virtio::vhost_gpu::VhostGpu::connect(&v.socket, v.headless, std::time::Duration::from_secs(v.reconnect_s.into())).map_err(|e| dev_err(e.to_string()))?;
             let d = Arc::new(Mutex::new(VirtioPci::new(Box::new(gpu), ram.mem.clone(), routing.clone()).map_err(dev_err)?));
             pci.add(d.clone()).map_err(dev_err)?;
             devices.push(d);

@@ -653,6 +653,12 @@ static VECTOR_ADD_PTX: &[u8] = include_bytes!("../../../samples/kernels/vectorAd
 struct Gpu {
     notify: u64,
     sent: u16,
+    /// The virtio-gpu context and the two blobs the calls use.
+    ctx: u32,
+    res_data: u32,
+    res_reply: u32,
+    /// Polls of the used ring before a command counts as lost.
+    patience: u32,
 }
 
 /// A little-endian writer over guest memory.
@@ -687,6 +693,13 @@ impl Gpu {
     /// Sends the command at GREQ (len bytes) with a response buffer at
     /// GRESP on the control queue; waits; returns the response type.
     fn cmd(&mut self, len: u32) -> u32 {
+        match self.try_cmd(len) {
+            Ok(t) => t,
+            Err(e) => fail(e),
+        }
+    }
+
+    fn try_cmd(&mut self, len: u32) -> Result<u32, &'static str> {
         let (desc, avail, used) = GQ0;
         let slot = self.sent % QSIZE;
         let d0 = desc + (slot as u64 * 2 % QSIZE as u64) * 16;
@@ -711,19 +724,19 @@ impl Gpu {
         let mut spins = 0u32;
         while rd16(used + 2) != self.sent {
             spins += 1;
-            if spins > 20_000_000 {
-                fail("virtio-gpu command timed out");
+            if spins > self.patience {
+                return Err("virtio-gpu command timed out");
             }
             core::hint::spin_loop();
         }
-        rd32(GRESP)
+        Ok(rd32(GRESP))
     }
 
-    fn simple(&mut self, ty: u32, ctx: u32, a: u32, b: u32) -> u32 {
+    fn try_cmd_simple(&mut self, ty: u32, ctx: u32, a: u32, b: u32) -> Result<u32, &'static str> {
         let mut w = W(GREQ);
         ctrl_hdr(&mut w, ty, 0, ctx, 0);
         w.u32(a).u32(b);
-        self.cmd(32)
+        self.try_cmd(32)
     }
 
     fn ctx_create(&mut self, ctx: u32, capset: u32) -> u32 {
@@ -738,7 +751,7 @@ impl Gpu {
 
     fn create_blob(&mut self, res: u32, addr: u64, len: u32, nr_entries: u32) -> u32 {
         let mut w = W(GREQ);
-        ctrl_hdr(&mut w, 0x010c, 0, GPU_CTX, 0);
+        ctrl_hdr(&mut w, 0x010c, 0, self.ctx, 0);
         w.u32(res).u32(1).u32(1).u32(nr_entries).u64(0).u64(len as u64);
         w.u64(addr).u32(len).u32(0);
         self.cmd(24 + 32 + 16)
@@ -748,9 +761,9 @@ impl Gpu {
     /// reply blob. Returns (virtio response type, CUresult of the reply).
     fn submit(&mut self, len: u32, flags: u32, ring: u8) -> (u32, u32) {
         let mut w = W(GREQ);
-        ctrl_hdr(&mut w, 0x0207, flags, GPU_CTX, ring);
+        ctrl_hdr(&mut w, 0x0207, flags, self.ctx, ring);
         w.u32(24 + len).u32(0);
-        w.bytes(b"VGPS").u32(RES_REPLY).u64(0).u32(4096).u32(0);
+        w.bytes(b"VGPS").u32(self.res_reply).u64(0).u32(4096).u32(0);
         for i in 0..len as u64 {
             w.u8(rd8(MSG + i));
         }
@@ -761,14 +774,22 @@ impl Gpu {
 
     /// Runs one compute call whose body the caller wrote after the header
     /// at MSG + 24; returns the reply status (0 = CUDA_SUCCESS).
-    fn call(&mut self, opcode: u16, body_len: u32) -> u32 {
+    fn call(&mut self, opcode: u16, body_len: u32) -> Result<u32, &'static str> {
         let mut w = W(MSG);
         w.bytes(b"VGPC").u16(2).u16(opcode).u32(7).u32(0).u32(body_len).u32(0);
         let (t, status) = self.submit(24 + body_len, 3, 0); // FENCE | INFO_RING_IDX, ring 0
         if t != 0x1100 {
-            fail("SUBMIT_3D was refused");
+            return Err("SUBMIT_3D was refused");
         }
-        status
+        Ok(status)
+    }
+
+    /// A compute call that must succeed.
+    fn ok(&mut self, opcode: u16, body_len: u32, what: &'static str) -> Result<(), &'static str> {
+        match self.call(opcode, body_len)? {
+            0 => Ok(()),
+            _ => Err(what),
+        }
     }
 }
 
@@ -790,45 +811,43 @@ fn gpu_init() -> Gpu {
     let mut notify = [0u64; 2];
     // VIRGL | RESOURCE_BLOB | CONTEXT_INIT
     virtio_init(&v, 1 | 8 | 16, &[GQ0, GQ1], &mut notify);
-    Gpu { notify: notify[0], sent: 0 }
+    Gpu { notify: notify[0], sent: 0, ctx: GPU_CTX, res_data: RES_DATA, res_reply: RES_REPLY, patience: 20_000_000 }
 }
 
-fn vgpu_setup(g: &mut Gpu) {
+fn vgpu_setup(g: &mut Gpu) -> Result<(), &'static str> {
     // Capset probe: GET_CAPSET_INFO takes an index.
-    if g.simple(0x0108, 0, 0, 0) != 0x1102 || rd32(GRESP + 24) != CAPSET {
-        fail("capset info");
+    if g.try_cmd_simple(0x0108, 0, 0, 0)? != 0x1102 || rd32(GRESP + 24) != CAPSET {
+        return Err("capset info");
     }
     puts("capset id ");
     put_dec(rd32(GRESP + 24) as u64);
     puts("\n");
-    if g.simple(0x0109, 0, CAPSET, 1) != 0x1103 || rd32(GRESP + 24) != u32::from_le_bytes(*b"VGPC") {
-        fail("capset payload");
+    if g.try_cmd_simple(0x0109, 0, CAPSET, 1)? != 0x1103 || rd32(GRESP + 24) != u32::from_le_bytes(*b"VGPC") {
+        return Err("capset payload");
     }
-    if g.ctx_create(GPU_CTX, CAPSET) != 0x1100 {
-        fail("CTX_CREATE");
+    if g.ctx_create(g.ctx, CAPSET) != 0x1100 {
+        return Err("CTX_CREATE");
     }
-    if g.create_blob(RES_DATA, DATA_BLOB, 0x1_0000, 1) != 0x1100 || g.create_blob(RES_REPLY, REPLY_BLOB, 0x1000, 1) != 0x1100 {
-        fail("RESOURCE_CREATE_BLOB");
+    let (ctx, data, reply) = (g.ctx, g.res_data, g.res_reply);
+    if g.create_blob(data, DATA_BLOB, 0x1_0000, 1) != 0x1100 || g.create_blob(reply, REPLY_BLOB, 0x1000, 1) != 0x1100 {
+        return Err("RESOURCE_CREATE_BLOB");
     }
-    if g.simple(0x0202, GPU_CTX, RES_DATA, 0) != 0x1100 || g.simple(0x0202, GPU_CTX, RES_REPLY, 0) != 0x1100 {
-        fail("CTX_ATTACH_RESOURCE");
+    if g.try_cmd_simple(0x0202, ctx, data, 0)? != 0x1100 || g.try_cmd_simple(0x0202, ctx, reply, 0)? != 0x1100 {
+        return Err("CTX_ATTACH_RESOURCE");
     }
+    Ok(())
 }
 
-fn vector_add(g: &mut Gpu) {
+fn vector_add(g: &mut Gpu) -> Result<(), &'static str> {
     let body = MSG + 24;
     W(body).u32(0).u32(0);
-    if g.call(4, 8) != 0 {
-        fail("cuCtxCreate");
-    }
+    g.ok(4, 8, "cuCtxCreate")?;
     let ctx = rd32(REPLY_BLOB + 24);
     let bytes = (N * 4) as u64;
     let mut dptr = [0u64; 3];
     for p in dptr.iter_mut() {
         W(body).u32(ctx).u32(0).u64(bytes);
-        if g.call(7, 16) != 0 {
-            fail("cuMemAlloc");
-        }
+        g.ok(7, 16, "cuMemAlloc")?;
         *p = rd64(REPLY_BLOB + 24);
     }
     for i in 0..N as u64 {
@@ -838,31 +857,21 @@ fn vector_add(g: &mut Gpu) {
     }
     for (k, p) in dptr.iter().take(2).enumerate() {
         // HtoD from the data blob, in place: loc 2 = Blob.
-        W(body).u32(ctx).u32(0).u64(*p).u64(bytes).u32(2).u32(RES_DATA).u64(k as u64 * bytes);
-        if g.call(11, 40) != 0 {
-            fail("cuMemcpyHtoD");
-        }
+        W(body).u32(ctx).u32(0).u64(*p).u64(bytes).u32(2).u32(g.res_data).u64(k as u64 * bytes);
+        g.ok(11, 40, "cuMemcpyHtoD")?;
     }
     W(body).u32(ctx).u32(0).u64(VECTOR_ADD_PTX.len() as u64).bytes(VECTOR_ADD_PTX);
-    if g.call(14, 16 + VECTOR_ADD_PTX.len() as u32) != 0 {
-        fail("cuModuleLoadData");
-    }
+    g.ok(14, 16 + VECTOR_ADD_PTX.len() as u32, "cuModuleLoadData")?;
     let module = rd32(REPLY_BLOB + 24);
     W(body).u32(ctx).u32(module).u32(9).u32(0).bytes(b"vectorAdd");
-    if g.call(16, 16 + 9) != 0 {
-        fail("cuModuleGetFunction");
-    }
+    g.ok(16, 16 + 9, "cuModuleGetFunction")?;
     let func = rd32(REPLY_BLOB + 24);
     let mut w = W(body);
     w.u32(ctx).u32(func).u32(0).u32(0).u32(N / 256).u32(1).u32(1).u32(256).u32(1).u32(1).u32(28).u32(0);
     w.u64(dptr[0]).u64(dptr[1]).u64(dptr[2]).u32(N);
-    if g.call(17, 48 + 28) != 0 {
-        fail("cuLaunchKernel");
-    }
-    W(body).u32(ctx).u32(0).u64(dptr[2]).u64(bytes).u32(2).u32(RES_DATA).u64(2 * bytes);
-    if g.call(12, 40) != 0 {
-        fail("cuMemcpyDtoH");
-    }
+    g.ok(17, 48 + 28, "cuLaunchKernel")?;
+    W(body).u32(ctx).u32(0).u64(dptr[2]).u64(bytes).u32(2).u32(g.res_data).u64(2 * bytes);
+    g.ok(12, 40, "cuMemcpyDtoH")?;
     for i in 0..N as u64 {
         if rd32(DATA_BLOB + 2 * bytes + 4 * i) != f32_bits(3 * i as u32) {
             puts("element ");
@@ -870,12 +879,13 @@ fn vector_add(g: &mut Gpu) {
             puts(": ");
             put_hex(rd32(DATA_BLOB + 2 * bytes + 4 * i) as u64, 8);
             puts("\n");
-            fail("vectorAdd result");
+            return Err("vectorAdd result");
         }
     }
     puts("VGPU vectorAdd PASSED n=1024 c[1023]=");
     put_hex(rd32(DATA_BLOB + 2 * bytes + 4 * 1023) as u64, 8);
     puts("\n");
+    Ok(())
 }
 
 fn expect(t: u32, want: u32, what: &str) {
@@ -919,8 +929,8 @@ fn tick(n: u64) {
 fn vgpu_watch() {
     let Some((_, v)) = find_virtio(16) else { fail("no virtio-gpu on PCI") };
     let mut g = gpu_init();
-    vgpu_setup(&mut g);
-    vector_add(&mut g);
+    vgpu_setup(&mut g).unwrap_or_else(|e| fail(e));
+    vector_add(&mut g).unwrap_or_else(|e| fail(e));
     let mut n = 0u64;
     loop {
         n += 1;
@@ -935,12 +945,45 @@ fn vgpu_watch() {
 
 fn vgpu_test(hostile: bool) {
     let mut g = gpu_init();
-    vgpu_setup(&mut g);
+    vgpu_setup(&mut g).unwrap_or_else(|e| fail(e));
     if hostile {
         vgpu_hostile(&mut g);
         puts("hostile commands answered\n");
     }
-    vector_add(&mut g);
+    vector_add(&mut g).unwrap_or_else(|e| fail(e));
+}
+
+/// vectorAdd in rounds, each in a context and blobs of its own, until the
+/// VM is stopped: "round K PASSED" or "round K failed: WHY". A round whose
+/// backend went away in the middle fails, and a later one passes once the
+/// VMM has reconnected (commands wait meanwhile, up to seconds).
+fn vgpu_again() {
+    let mut g = gpu_init();
+    g.patience = 2_000_000_000;
+    let mut round = 0u32;
+    loop {
+        round += 1;
+        (g.ctx, g.res_data, g.res_reply) = (round, 2 * round + 1, 2 * round + 2);
+        let r = vgpu_setup(&mut g).and_then(|_| vector_add(&mut g));
+        puts("round ");
+        put_dec(round as u64);
+        match r {
+            Ok(()) => puts(" PASSED\n"),
+            Err(e) => {
+                puts(" failed: ");
+                puts(e);
+                puts("\n");
+            }
+        }
+        // CTX_DESTROY and RESOURCE_UNREF, answered or not.
+        let (ctx, data, reply) = (g.ctx, g.res_data, g.res_reply);
+        let _ = g.try_cmd_simple(0x0201, ctx, 0, 0);
+        let _ = g.try_cmd_simple(0x0102, 0, data, 0);
+        let _ = g.try_cmd_simple(0x0102, 0, reply, 0);
+        for _ in 0..2_000_000 {
+            core::hint::spin_loop();
+        }
+    }
 }
 
 fn count_test() {
@@ -980,6 +1023,8 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
         count_test();
     } else if has(cmd, b"test=vgpu-watch") {
         vgpu_watch();
+    } else if has(cmd, b"test=vgpu-again") {
+        vgpu_again();
     } else if has(cmd, b"test=vgpu-hostile") {
         vgpu_test(true);
         puts("TEST PASSED vgpu-hostile\n");
