@@ -207,6 +207,40 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n; i++) bad += hy[i] != 2.0f * i + 1.0f;
     check(bad == 0, "axpy through cudaLaunchKernel", "wrong results");
 
+    /* A driver CUfunction (cuModuleGetFunction, reached through
+       cudaGetDriverEntryPoint) launched by cudaLaunchKernel, which NVIDIA's
+       runtime accepts since CUDA 12: z = 1 * x + 0. */
+    {
+        typedef int (*load_fn)(void **, const void *);
+        typedef int (*get_fn)(void **, void *, const char *);
+        typedef int (*unload_fn)(void *);
+        load_fn load = NULL;
+        get_fn get = NULL;
+        unload_fn unload = NULL;
+        enum cudaDriverEntryPointQueryResult q;
+        CK(cudaGetDriverEntryPoint("cuModuleLoadData", (void **)&load, cudaEnableDefault, &q));
+        CK(cudaGetDriverEntryPoint("cuModuleGetFunction", (void **)&get, cudaEnableDefault, &q));
+        CK(cudaGetDriverEntryPoint("cuModuleUnload", (void **)&unload, cudaEnableDefault, &q));
+        void *mod = NULL, *fn = NULL;
+        int found = load && get && load(&mod, ptx) == 0 && get(&fn, mod, "axpy") == 0;
+        check(found, "a driver module and function", "cuModuleLoadData or cuModuleGetFunction failed");
+        if (found) {
+            float *dz, one = 1.0f;
+            CK(cudaMalloc((void **)&dz, n * sizeof(float)));
+            CK(cudaMemset(dz, 0, n * sizeof(float)));
+            void *fargs[] = {&one, &dx, &dz, &nn};
+            cudaError_t e = cudaLaunchKernel((const void *)fn, d3((n + 255) / 256), d3(256), fargs, 0, 0);
+            float *hz = malloc(n * sizeof(float));
+            CK(cudaMemcpy(hz, dz, n * sizeof(float), cudaMemcpyDeviceToHost));
+            bad = 0;
+            for (int i = 0; i < n; i++) bad += hz[i] != (float)i;
+            check(e == cudaSuccess && bad == 0, "a driver CUfunction through cudaLaunchKernel", cudaGetErrorString(e));
+            free(hz);
+            CK(cudaFree(dz));
+        }
+        check(!mod || (unload && unload(mod) == 0), "the driver module unloads", "cuModuleUnload failed");
+    }
+
     /* Device to device, memset, and a unified-address copy back. */
     CK(cudaMemcpy(dx, dy, n * sizeof(float), cudaMemcpyDeviceToDevice));
     CK(cudaMemset(dy, 0, n * sizeof(float)));

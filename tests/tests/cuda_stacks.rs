@@ -81,6 +81,8 @@ fn a_cuda_runtime_program_with_nvrtc_runs_on_the_cpu_device() {
         "ok nvrtc",
         "ok memory info is the quota",
         "ok axpy through cudaLaunchKernel",
+        "ok a driver CUfunction through cudaLaunchKernel",
+        "ok the driver module unloads",
         "ok device copy, memset, unified copies",
         "ok shared-memory block sums on a stream",
         "ok host function runs in stream order",

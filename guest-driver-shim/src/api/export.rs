@@ -21,6 +21,7 @@ const CALLBACK_HOOKS: Uuid = [0xa0, 0x94, 0x79, 0x8c, 0x2e, 0x74, 0x2e, 0x74, 0x
 const TOOLS_TLS: Uuid = [0x42, 0xd8, 0x5a, 0x81, 0x23, 0xf6, 0xcb, 0x47, 0x82, 0x98, 0xf6, 0xe7, 0x8a, 0x3a, 0xec, 0xdc];
 const CONTEXT_STORAGE: Uuid = [0xc6, 0x93, 0x33, 0x6e, 0x11, 0x21, 0xdf, 0x11, 0xa8, 0xc3, 0x68, 0xf3, 0x55, 0xd8, 0x95, 0x93];
 const INTEGRITY_CHECK: Uuid = [0xd4, 0x08, 0x20, 0x55, 0xbd, 0xe6, 0x70, 0x4b, 0x8d, 0x34, 0xba, 0x12, 0x3c, 0x66, 0xe1, 0xf2];
+const CONTEXT_CHECKS: Uuid = [0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb, 0xd5, 0x00, 0x6d, 0xfa, 0x7e];
 
 fn uuid_str(u: &Uuid) -> String {
     u.iter().map(|b| format!("{b:02x}")).collect()
@@ -356,6 +357,32 @@ fn integrity_table() -> &'static Table<2> {
     T.get_or_init(|| Table { size: 3 * 8, slots: [slot(integrity_check as unsafe extern "C" fn(u32, u64, *mut [u64; 2]) -> CUresult), slot(not_supported as extern "C" fn() -> CUresult)] })
 }
 
+// ---- context checks -------------------------------------------------------------
+
+/// Slot 2: asks the driver about a context; its first answer is a flag
+/// word a driver leaves 0, and its second is left as the caller set it
+/// (as NVIDIA's driver does, observed by others on real GPUs).
+unsafe extern "C" fn context_check(_ctx: H, flags: *mut u32, _other: *mut *const c_void) -> CUresult {
+    if !flags.is_null() {
+        // SAFETY: a non-null out-pointer to a 32-bit word, from the caller.
+        unsafe { *flags = 0 };
+    }
+    0
+}
+
+/// Slot 3: a check whose answer is 0 on the drivers observed.
+extern "C" fn check_zero() -> u32 {
+    0
+}
+
+fn context_checks() -> &'static Table<3> {
+    static T: OnceLock<Table<3>> = OnceLock::new();
+    T.get_or_init(|| Table {
+        size: 4 * 8,
+        slots: [slot(noop as extern "C" fn() -> CUresult), slot(context_check as unsafe extern "C" fn(H, *mut u32, *mut *const c_void) -> CUresult), slot(check_zero as extern "C" fn() -> u32)],
+    })
+}
+
 // ---- the entry point ----------------------------------------------------------------
 
 #[no_mangle]
@@ -371,6 +398,7 @@ pub unsafe extern "C" fn cuGetExportTable(table: *mut *const c_void, id: *const 
         TOOLS_TLS => Some(tools_tls() as *const _ as *const c_void),
         CONTEXT_STORAGE => Some(storage_table() as *const _ as *const c_void),
         INTEGRITY_CHECK => Some(integrity_table() as *const _ as *const c_void),
+        CONTEXT_CHECKS => Some(context_checks() as *const _ as *const c_void),
         _ => None,
     };
     if trace_enabled() {

@@ -311,6 +311,13 @@ pub unsafe extern "C" fn cuLibraryEnumerateKernels(kernels: *mut H, n: c_uint, l
 #[no_mangle]
 pub unsafe extern "C" fn cuKernelGetFunction(f: *mut H, k: H) -> CUresult {
     with("cuKernelGetFunction", |s| {
+        // A CUfunction is its own function: the runtime asks this of any
+        // handle given to cudaLaunchKernel that it did not register
+        // (NVIDIA's driver answers it for a CUfunction too).
+        if dec(TAG_FUNC, k).is_some() {
+            s.func(k)?;
+            return out(f, k);
+        }
         let kid = dec(TAG_KERNEL, k).ok_or_else(|| invalid_handle("kernel"))?;
         out(f, enc(TAG_FUNC, s.kernel_func(kid)?))
     })
