@@ -209,7 +209,8 @@ int main(int argc, char **argv) {
 
     /* A driver CUfunction (cuModuleGetFunction, reached through
        cudaGetDriverEntryPoint) launched by cudaLaunchKernel, which NVIDIA's
-       runtime accepts since CUDA 12: z = 1 * x + 0. */
+       runtime accepts since CUDA 12: z = 1 * x + 0. (Looked up by version:
+       cudaGetDriverEntryPoint is deprecated in CUDA 13.) */
     {
         typedef int (*load_fn)(void **, const void *);
         typedef int (*get_fn)(void **, void *, const char *);
@@ -218,9 +219,9 @@ int main(int argc, char **argv) {
         get_fn get = NULL;
         unload_fn unload = NULL;
         enum cudaDriverEntryPointQueryResult q;
-        CK(cudaGetDriverEntryPoint("cuModuleLoadData", (void **)&load, cudaEnableDefault, &q));
-        CK(cudaGetDriverEntryPoint("cuModuleGetFunction", (void **)&get, cudaEnableDefault, &q));
-        CK(cudaGetDriverEntryPoint("cuModuleUnload", (void **)&unload, cudaEnableDefault, &q));
+        CK(cudaGetDriverEntryPointByVersion("cuModuleLoadData", (void **)&load, 12000, cudaEnableDefault, &q));
+        CK(cudaGetDriverEntryPointByVersion("cuModuleGetFunction", (void **)&get, 12000, cudaEnableDefault, &q));
+        CK(cudaGetDriverEntryPointByVersion("cuModuleUnload", (void **)&unload, 12000, cudaEnableDefault, &q));
         void *mod = NULL, *fn = NULL;
         int found = load && get && load(&mod, ptx) == 0 && get(&fn, mod, "axpy") == 0;
         check(found, "a driver module and function", "cuModuleLoadData or cuModuleGetFunction failed");

@@ -28,34 +28,58 @@ fn nvidia(pkg: &str) -> PathBuf {
 }
 
 /// The library path a program on the CUDA runtime needs: our libcuda.so.1
-/// first, then PyPI's libcudart and libnvrtc.
-fn library_path() -> String {
-    format!("{}:{}:{}", lib_dir().display(), nvidia("cuda_runtime").join("lib").display(), nvidia("cuda_nvrtc").join("lib").display())
+/// first, then PyPI's libcudart (12, or 13 under nvidia/cu13) and libnvrtc.
+fn library_path(runtime: Runtime) -> String {
+    format!("{}:{}:{}", lib_dir().display(), runtime.dir().join("lib").display(), nvidia("cuda_nvrtc").join("lib").display())
 }
 
-/// samples/runtime_probe.c, built once per test binary against PyPI's
-/// CUDA runtime headers and libcudart.so.12.
-fn runtime_probe() -> &'static PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let out = bin_dir().join(format!("runtime_probe-{}", std::process::id()));
-        let st = Command::new("cc")
-            .args(["-O2", "-Wall", "-Werror"])
-            .arg("-I")
-            .arg(nvidia("cuda_runtime").join("include"))
-            .arg("-I")
-            .arg(nvidia("cuda_nvcc").join("include"))
+/// The two CUDA runtimes the probe is built against.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Runtime {
+    /// nvidia-cuda-runtime-cu12 12.9: `libcudart.so.12`.
+    Cuda12,
+    /// nvidia-cuda-runtime 13.0 (and nvidia-cuda-crt's headers): `libcudart.so.13`.
+    Cuda13,
+}
+
+impl Runtime {
+    fn dir(self) -> PathBuf {
+        match self {
+            Runtime::Cuda12 => nvidia("cuda_runtime"),
+            Runtime::Cuda13 => nvidia("cu13"),
+        }
+    }
+}
+
+/// samples/runtime_probe.c, built once per test binary and runtime against
+/// PyPI's CUDA runtime headers and library.
+fn runtime_probe(runtime: Runtime) -> &'static PathBuf {
+    static BIN12: OnceLock<PathBuf> = OnceLock::new();
+    static BIN13: OnceLock<PathBuf> = OnceLock::new();
+    let (cell, lib, tag) = match runtime {
+        Runtime::Cuda12 => (&BIN12, "-l:libcudart.so.12", 12),
+        Runtime::Cuda13 => (&BIN13, "-l:libcudart.so.13", 13),
+    };
+    cell.get_or_init(|| {
+        let out = bin_dir().join(format!("runtime_probe{tag}-{}", std::process::id()));
+        let mut cc = Command::new("cc");
+        cc.args(["-O2", "-Wall", "-Werror"]).arg("-I").arg(runtime.dir().join("include"));
+        if runtime == Runtime::Cuda12 {
+            // CUDA 12 keeps crt/host_defines.h in the nvcc package.
+            cc.arg("-I").arg(nvidia("cuda_nvcc").join("include"));
+        }
+        let st = cc
             .arg("-I")
             .arg(nvidia("cuda_nvrtc").join("include"))
             .arg("-o")
             .arg(&out)
             .arg(workspace().join("samples/runtime_probe.c"))
             .arg("-L")
-            .arg(nvidia("cuda_runtime").join("lib"))
-            .args(["-l:libcudart.so.12", "-ldl"])
+            .arg(runtime.dir().join("lib"))
+            .args([lib, "-ldl"])
             .status()
             .expect("running cc");
-        assert!(st.success(), "compiling samples/runtime_probe.c failed");
+        assert!(st.success(), "compiling samples/runtime_probe.c against CUDA {tag} failed");
         out
     })
 }
@@ -70,13 +94,15 @@ fn run(mut c: Command, what: &str, summary: &str) -> String {
     text
 }
 
-#[test]
-fn a_cuda_runtime_program_with_nvrtc_runs_on_the_cpu_device() {
+/// The runtime probe on `runtime`, as a tenant of a fresh daemon: every
+/// check passes, and the tenant's memory is all back once it exits.
+fn runtime_probe_passes(runtime: Runtime, want_version: &str) {
     let m = Mediator::start(&["--device-memory", "512MiB"]);
     let sock = m.tenant("rt", "192MiB");
-    let mut c = Command::new(runtime_probe());
-    c.env("VGPU_SOCKET", &sock).env("LD_LIBRARY_PATH", library_path());
+    let mut c = Command::new(runtime_probe(runtime));
+    c.env("VGPU_SOCKET", &sock).env("LD_LIBRARY_PATH", library_path(runtime));
     let text = run(c, "runtime_probe", "runtime probe: all passed");
+    assert!(text.contains(want_version), "the probe did not run on the runtime it was built for:\n{text}");
     for check in [
         "ok nvrtc",
         "ok memory info is the quota",
@@ -95,9 +121,20 @@ fn a_cuda_runtime_program_with_nvrtc_runs_on_the_cpu_device() {
         assert!(text.contains(check), "missing '{check}':\n{text}");
     }
     assert!(text.contains(&format!("quota: total {QUOTA} bytes")), "{text}");
-    // The tenant's memory is all back once the program exits.
     let t = m.api("GET", "/tenants/rt", None).1;
     assert_eq!(t["usage"]["used"].as_u64(), Some(0), "{t}");
+}
+
+#[test]
+fn a_cuda_runtime_program_with_nvrtc_runs_on_the_cpu_device() {
+    runtime_probe_passes(Runtime::Cuda12, "runtime 12090");
+}
+
+/// The same program built against the CUDA 13.0 runtime, which needs the
+/// context-checks export table (263e8860) at start-up.
+#[test]
+fn the_same_program_on_the_cuda_13_runtime_runs_on_the_cpu_device() {
+    runtime_probe_passes(Runtime::Cuda13, "runtime 13000");
 }
 
 #[test]
