@@ -66,6 +66,16 @@ if [ ! -x "$PYENV/bin/python" ] || ! cat "${REQS[@]}" | cmp -s - "$PYENV/.requir
     "$PYENV/bin/pip" install --quiet --disable-pip-version-check -r "${REQS[0]}" -r "${REQS[1]}"
     cat "${REQS[@]}" > "$PYENV/.requirements"
 fi
+# CuPy for CUDA 13 in an environment of its own (both CuPy builds are the
+# `cupy` module), pinned in tests/stacks/requirements-cuda13.txt.
+PYENV13="$ROOT/target/pyenv13"
+REQS13="$ROOT/tests/stacks/requirements-cuda13.txt"
+if [ ! -x "$PYENV13/bin/python" ] || ! cmp -s "$REQS13" "$PYENV13/.requirements"; then
+    echo "setup: installing CuPy for CUDA 13 in target/pyenv13" >&2
+    [ -x "$PYENV13/bin/python" ] || python3 -m venv "$PYENV13"
+    "$PYENV13/bin/pip" install --quiet --disable-pip-version-check -r "$REQS13"
+    cp "$REQS13" "$PYENV13/.requirements"
+fi
 echo "setup: compiling the NVRTC suite's kernels (target/nvrtc)" >&2
 "$PYENV/bin/python" "$ROOT/scripts/nvrtc-compile.py"
 

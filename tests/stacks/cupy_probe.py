@@ -5,6 +5,7 @@ Prints "ok <check>" per check; exits 1 if any fails.
 
 Usage: cupy_probe.py QUOTA_BYTES
 """
+import importlib.metadata
 import sys
 
 import numpy as np
@@ -14,12 +15,21 @@ quota = int(sys.argv[1])
 failed = []
 
 
+def _installed(dist):
+    try:
+        importlib.metadata.version(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def check(ok, name):
     print(("ok " if ok else "FAIL ") + name, flush=True)
     if not ok:
         failed.append(name)
 
 
+print("cupy build:", next((d for d in ("cupy-cuda12x", "cupy-cuda13x") if _installed(d)), "unknown"), "runtime", cp.cuda.runtime.runtimeGetVersion(), flush=True)
 check(cp.cuda.runtime.getDeviceCount() == 1, "one device")
 a = cp.arange(1000, dtype=cp.float32)
 check((a.get() == np.arange(1000, dtype=np.float32)).all(), "arange and .get()")
@@ -49,6 +59,9 @@ z = cp.zeros_like(x)
 cp.multiply(x, 2, out=z)
 z += 1
 z.fill(0)
+# The fill ran on the legacy default stream, which a non-blocking stream
+# does not wait for: wait for it here.
+cp.cuda.Device().synchronize()
 s = cp.cuda.Stream(non_blocking=True)
 with s:
     s.begin_capture()

@@ -146,11 +146,12 @@ fn numba_cuda_kernels_run_on_the_cpu_device() {
     run(c, "numba_probe.py", "numba probe: all passed");
 }
 
-#[test]
-fn cupy_arrays_reductions_and_raw_kernels_run_on_the_cpu_device() {
+/// The CuPy probe with `python` (its environment's CuPy build) as a
+/// tenant of a fresh daemon.
+fn cupy_probe_passes(python: PathBuf, tag: &str) -> String {
     let m = Mediator::start(&["--device-memory", "512MiB"]);
     let sock = m.tenant("cupy", "192MiB");
-    let mut c = Command::new(pyenv().join("bin/python"));
+    let mut c = Command::new(python);
     c.arg(workspace().join("tests/stacks/cupy_probe.py"))
         .arg(QUOTA.to_string())
         .env("VGPU_SOCKET", &sock)
@@ -160,10 +161,26 @@ fn cupy_arrays_reductions_and_raw_kernels_run_on_the_cpu_device() {
         // from the PTX in CuPy's prebuilt fatbin.
         .env("CUPY_COMPILE_WITH_PTX", "1")
         .env_remove("CUPY_ACCELERATORS")
-        .env("CUPY_CACHE_DIR", bin_dir().join(format!("cupy-cache-{}", std::process::id())));
+        .env("CUPY_CACHE_DIR", bin_dir().join(format!("cupy-cache-{tag}-{}", std::process::id())));
     let text = run(c, "cupy_probe.py", "cupy probe: all passed");
     assert!(text.contains("accelerators: [1]"), "CuPy's default reduction accelerator (CUB) was in use:\n{text}");
     assert!(text.contains("ok multi-block reductions"), "{text}");
+    text
+}
+
+#[test]
+fn cupy_arrays_reductions_and_raw_kernels_run_on_the_cpu_device() {
+    cupy_probe_passes(pyenv().join("bin/python"), "12");
+}
+
+/// CuPy's CUDA 13 build: NVIDIA's CUDA 13.0 runtime inside it, and CUB's
+/// kernels as zstd-compressed compute_120 PTX.
+#[test]
+fn cupy_for_cuda_13_runs_on_the_cpu_device() {
+    let py = workspace().join("target/pyenv13/bin/python");
+    assert!(py.exists(), "{} is missing: run scripts/setup.sh (it installs CuPy for CUDA 13)", py.display());
+    let text = cupy_probe_passes(py, "13");
+    assert!(text.contains("cupy-cuda13x"), "the probe did not run CuPy's CUDA 13 build:\n{text}");
 }
 
 /// Without the CuPy settings above, its default cubins are refused with a

@@ -1,6 +1,6 @@
 //! NVIDIA fatbin containers: the `fatbinc` wrapper a host program embeds,
 //! the fatbin header, and its entries (PTX text or cubin ELF images, per
-//! architecture, optionally LZ4-compressed). Parsing is bounded and
+//! architecture, optionally LZ4- or zstd-compressed). Parsing is bounded and
 //! total: a hostile image gets an error, never a panic or an unbounded
 //! allocation.
 //!
@@ -11,7 +11,9 @@
 //! u32 compressed_size, u32 _, u16 minor, u16 major, u32 arch, u32
 //! name_offset, u32 name_len, u64 flags, u64 _, u64 uncompressed_size }`
 //! followed by its payload at `header_size`. Flag 0x2000 marks an LZ4
-//! block-compressed payload; 0x8000 (zstd) is recognised and refused.
+//! block-compressed payload, 0x8000 a zstd frame (CUDA 13 compresses so);
+//! the old 0x1000 is recognised and refused. A compressed payload is
+//! `compressed_size` bytes long.
 
 use thiserror::Error;
 
@@ -20,8 +22,9 @@ pub const WRAPPER_MAGIC: u32 = 0x4662_43B1;
 
 const KIND_PTX: u16 = 1;
 const KIND_ELF: u16 = 2;
-const FLAG_COMPRESSED: u64 = 0x2000;
-const FLAG_OTHER_COMPRESSION: u64 = 0x1000 | 0x8000;
+const FLAG_LZ4: u64 = 0x2000;
+const FLAG_ZSTD: u64 = 0x8000;
+const FLAG_OTHER_COMPRESSION: u64 = 0x1000;
 const ENTRY_MIN_HEADER: usize = 64;
 /// No entry decompresses to more than this; callers pass a tighter
 /// limit where a budget applies (the device worker: the tenant's host
@@ -68,7 +71,7 @@ pub struct Entry<'a> {
 
 impl Entry<'_> {
     pub fn compressed(&self) -> bool {
-        self.flags & FLAG_COMPRESSED != 0
+        self.flags & (FLAG_LZ4 | FLAG_ZSTD) != 0
     }
 
     /// The entry's contents, decompressed; PTX loses its trailing NULs.
@@ -83,7 +86,9 @@ impl Entry<'_> {
             if self.uncompressed == 0 || self.uncompressed > MAX_UNCOMPRESSED.min(limit) {
                 return Err(FatbinError::TooLarge { index: self.index, size: self.uncompressed, limit: MAX_UNCOMPRESSED.min(limit) });
             }
-            lz4_block(self.payload, self.uncompressed as usize).map_err(|what| FatbinError::Decompress { index: self.index, what })?
+            let size = self.uncompressed as usize;
+            let out = if self.flags & FLAG_ZSTD != 0 { zstd_frame(self.payload, size) } else { lz4_block(self.payload, size) };
+            out.map_err(|what| FatbinError::Decompress { index: self.index, what })?
         } else {
             self.payload.to_vec()
         };
@@ -158,12 +163,12 @@ pub fn entries(image: &[u8]) -> Result<Vec<Entry<'_>>, FatbinError> {
         let flags = u64_at(e, 40).unwrap_or(0);
         let compressed_size = u32_at(e, 16).unwrap_or(0) as usize;
         let mut payload = &e[ehs..ehs + psz];
-        if flags & FLAG_COMPRESSED != 0 && compressed_size > 0 && compressed_size <= psz {
+        if flags & (FLAG_LZ4 | FLAG_ZSTD) != 0 && compressed_size > 0 && compressed_size <= psz {
             payload = &payload[..compressed_size];
         }
-        // Other compression schemes (zstd, 0x8000; the old 0x1000) are
-        // refused, not misread as plain payloads.
-        if flags & FLAG_OTHER_COMPRESSION != 0 {
+        // Another compression scheme (the old 0x1000), or two at once, is
+        // refused, not misread as a plain payload.
+        if flags & FLAG_OTHER_COMPRESSION != 0 || flags & (FLAG_LZ4 | FLAG_ZSTD) == FLAG_LZ4 | FLAG_ZSTD {
             return Err(FatbinError::UnknownCompression { index, flags });
         }
         out.push(Entry { index, kind, arch: u32_at(e, 28).unwrap_or(0), flags, payload, uncompressed: u64_at(e, 56).unwrap_or(0), raw: &e[..ehs + psz] });
@@ -227,6 +232,23 @@ pub fn select(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
 /// The highest PTX architecture a fatbin carries, if any.
 pub fn ptx_archs(image: &[u8]) -> Result<Vec<u32>, FatbinError> {
     Ok(entries(image)?.iter().filter(|e| e.kind == Kind::Ptx).map(|e| e.arch).collect())
+}
+
+/// Decodes one zstd frame of exactly `size` bytes of output. The caller
+/// bounds `size`; the frame's window may not exceed it (rounded up to a
+/// power of two, at least 1 MiB), so a hostile frame cannot make the
+/// decoder hold more than that either.
+pub fn zstd_frame(src: &[u8], size: usize) -> Result<Vec<u8>, &'static str> {
+    use std::io::Read;
+    let window = (size as u64).next_power_of_two().clamp(1 << 20, ruzstd::decoding::DEFAULT_MAX_WINDOW_SIZE);
+    let mut dec = ruzstd::decoding::StreamingDecoder::new_with_max_window_size(src, window).map_err(|_| "bad zstd frame header, or a window larger than the entry")?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(size + 1).map_err(|_| "no memory for the decompressed entry")?;
+    (&mut dec).take(size as u64 + 1).read_to_end(&mut out).map_err(|_| "corrupt zstd data")?;
+    if out.len() != size {
+        return Err("zstd data does not decompress to the size its entry gives");
+    }
+    Ok(out)
 }
 
 /// Decodes one LZ4 block (the raw block format, no frame) of exactly
@@ -370,6 +392,29 @@ mod tests {
     }
 
     #[test]
+    fn zstd_entries_decompress_within_their_bounds() {
+        let ptx = b".version 9.0\n.target sm_120\n.address_size 64\n// a CUDA 13 library's PTX, zstd-compressed\n".repeat(40);
+        let z = ruzstd::encoding::compress_to_vec(&ptx[..], ruzstd::encoding::CompressionLevel::Fastest);
+        assert!(z.len() < ptx.len());
+        let image = fatbin(&[entry(KIND_ELF, 120, 0x8011, b"cubin", 5), entry(KIND_PTX, 120, 0x8011, &z, ptx.len() as u64)]);
+        let (got, newer) = ptx_for_interpreter(&image, 80, MAX_UNCOMPRESSED).unwrap().unwrap();
+        assert_eq!((&got[..], newer), (&ptx[..], true));
+        // The size the entry gives must be the size it decompresses to.
+        for wrong in [ptx.len() as u64 - 1, ptx.len() as u64 + 1] {
+            let bad = fatbin(&[entry(KIND_PTX, 120, 0x8011, &z, wrong)]);
+            assert!(matches!(best_ptx(&bad, 120), Err(FatbinError::Decompress { .. })), "size {wrong}");
+        }
+        // The caller's limit holds before anything is decoded.
+        assert!(matches!(best_ptx_within(&image, 120, 100), Err(FatbinError::TooLarge { .. })));
+        // Garbage, a truncated frame and a cut payload are errors.
+        for junk in [&b"not a zstd frame at all"[..], &z[..z.len() / 2], &z[..4]] {
+            let bad = fatbin(&[entry(KIND_PTX, 120, 0x8011, junk, ptx.len() as u64)]);
+            assert!(best_ptx(&bad, 120).is_err());
+        }
+        assert!(zstd_frame(&z, ptx.len()).is_ok());
+    }
+
+    #[test]
     fn hostile_images_are_errors() {
         let good = fatbin(&[entry(KIND_PTX, 80, 0x11, b"x", 0)]);
         for cut in 0..good.len() {
@@ -381,8 +426,10 @@ mod tests {
         let mut e = good.clone();
         e[16 + 8..16 + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
         assert!(entries(&e).is_err());
-        let zstd = fatbin(&[entry(KIND_PTX, 80, 0x8011, b"x", 1)]);
-        assert!(matches!(entries(&zstd), Err(FatbinError::UnknownCompression { .. })));
+        let old = fatbin(&[entry(KIND_PTX, 80, 0x1011, b"x", 1)]);
+        assert!(matches!(entries(&old), Err(FatbinError::UnknownCompression { .. })));
+        let both = fatbin(&[entry(KIND_PTX, 80, 0xa011, b"x", 1)]);
+        assert!(matches!(entries(&both), Err(FatbinError::UnknownCompression { .. })));
         let huge = fatbin(&[entry(KIND_PTX, 80, 0x2011, LZ4, 1 << 40)]);
         assert!(best_ptx(&huge, 80).is_err());
         let big = fatbin(&[entry(KIND_PTX, 80, 0x2011, LZ4, 13)]);
