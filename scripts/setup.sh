@@ -66,15 +66,30 @@ if [ ! -x "$PYENV/bin/python" ] || ! cat "${REQS[@]}" | cmp -s - "$PYENV/.requir
     "$PYENV/bin/pip" install --quiet --disable-pip-version-check -r "${REQS[0]}" -r "${REQS[1]}"
     cat "${REQS[@]}" > "$PYENV/.requirements"
 fi
-# CuPy for CUDA 13 in an environment of its own (both CuPy builds are the
-# `cupy` module), pinned in tests/stacks/requirements-cuda13.txt.
-PYENV13="$ROOT/target/pyenv13"
-REQS13="$ROOT/tests/stacks/requirements-cuda13.txt"
-if [ ! -x "$PYENV13/bin/python" ] || ! cmp -s "$REQS13" "$PYENV13/.requirements"; then
-    echo "setup: installing CuPy for CUDA 13 in target/pyenv13" >&2
-    [ -x "$PYENV13/bin/python" ] || python3 -m venv "$PYENV13"
-    "$PYENV13/bin/pip" install --quiet --disable-pip-version-check -r "$REQS13"
-    cp "$REQS13" "$PYENV13/.requirements"
+# Two more environments the test suite alone needs (test.sh sets
+# VGPU_SETUP_FOR=tests; the demo does without them).
+if [ "${VGPU_SETUP_FOR:-}" = tests ]; then
+    # CuPy for CUDA 13 in an environment of its own (both CuPy builds are the
+    # `cupy` module), pinned in tests/stacks/requirements-cuda13.txt.
+    PYENV13="$ROOT/target/pyenv13"
+    REQS13="$ROOT/tests/stacks/requirements-cuda13.txt"
+    if [ ! -x "$PYENV13/bin/python" ] || ! cmp -s "$REQS13" "$PYENV13/.requirements"; then
+        echo "setup: installing CuPy for CUDA 13 in target/pyenv13" >&2
+        [ -x "$PYENV13/bin/python" ] || python3 -m venv "$PYENV13"
+        "$PYENV13/bin/pip" install --quiet --disable-pip-version-check -r "$REQS13"
+        cp "$REQS13" "$PYENV13/.requirements"
+    fi
+    # PyTorch (PyPI's default wheel) in an environment of its own, pinned in
+    # tests/stacks/requirements-torch.txt: about 3 GiB to fetch the first time
+    # (pip's cache keeps it for the next setup), 5 GiB installed.
+    PYENVTORCH="$ROOT/target/pyenvtorch"
+    REQSTORCH="$ROOT/tests/stacks/requirements-torch.txt"
+    if [ ! -x "$PYENVTORCH/bin/python" ] || ! cmp -s "$REQSTORCH" "$PYENVTORCH/.requirements"; then
+        echo "setup: installing PyTorch in target/pyenvtorch (about 3 GiB to fetch the first time)" >&2
+        [ -x "$PYENVTORCH/bin/python" ] || python3 -m venv "$PYENVTORCH"
+        "$PYENVTORCH/bin/pip" install --quiet --disable-pip-version-check -r "$REQSTORCH"
+        cp "$REQSTORCH" "$PYENVTORCH/.requirements"
+    fi
 fi
 echo "setup: compiling the NVRTC suite's kernels (target/nvrtc)" >&2
 "$PYENV/bin/python" "$ROOT/scripts/nvrtc-compile.py"

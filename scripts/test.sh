@@ -5,6 +5,8 @@
 # and the fuzz smoke (scripts/fuzz-smoke.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The suite's own Python environments too (CuPy for CUDA 13, PyTorch).
+export VGPU_SETUP_FOR=tests
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 # Tests start many short-lived daemons; 2 test threads fit the 2-core machines.

@@ -1,14 +1,16 @@
-//! Issue 13: real CUDA software runs unmodified on the vGPU's CPU device as
-//! a host tenant: a C program on NVIDIA's CUDA runtime (libcudart 12.9)
-//! that compiles its kernels with NVRTC, numba-cuda, and CuPy, each from
-//! PyPI (pinned in tests/nvrtc and tests/stacks requirements, installed by
-//! scripts/setup.sh in target/pyenv). Each sees its quota as the device's
-//! memory and gets out-of-memory past it.
+//! Real CUDA software runs unmodified on the vGPU's CPU device as a host
+//! tenant: a C program on NVIDIA's CUDA runtime (libcudart 12.9 and 13.0)
+//! that compiles its kernels with NVRTC, numba-cuda, CuPy for CUDA 12 and
+//! 13, and PyTorch as far as its cubin-only kernels allow, each from PyPI
+//! (pinned in tests/nvrtc and tests/stacks requirements, installed by
+//! scripts/setup.sh in target/pyenv, pyenv13 and pyenvtorch). Each sees
+//! its quota as the device's memory and gets out-of-memory past it.
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
+use serde_json::json;
 use vgpu_tests::*;
 
 const QUOTA: u64 = 192 << 20;
@@ -181,6 +183,43 @@ fn cupy_for_cuda_13_runs_on_the_cpu_device() {
     assert!(py.exists(), "{} is missing: run scripts/setup.sh (it installs CuPy for CUDA 13)", py.display());
     let text = cupy_probe_passes(py, "13");
     assert!(text.contains("cupy-cuda13x"), "the probe did not run CuPy's CUDA 13 build:\n{text}");
+}
+
+/// PyTorch (PyPI's default wheel, CUDA 13.2) as far as its binaries allow
+/// on a device that runs PTX: its kernels are cubins only. It initialises,
+/// sees the quota as the device's memory, allocates and copies, raises
+/// OutOfMemoryError past the quota, and a kernel launch fails with "no
+/// kernel image is available" (CUDA_ERROR_NO_BINARY_FOR_GPU), after which
+/// the process goes on.
+#[test]
+fn pytorch_initialises_allocates_copies_and_refuses_its_cubins_clearly() {
+    let m = Mediator::start(&["--device-memory", "512MiB"]);
+    let sock = m.tenant("torch", "192MiB");
+    torch_probe_passes(&sock);
+}
+
+/// The same through the `cuda` backend, in the tenant's executor: on a
+/// GPU, or on the test double of NVIDIA's driver, which refuses cubins as
+/// the CPU device does (its kernels run on the PTX interpreter).
+#[test]
+fn pytorch_on_the_cuda_backend_initialises_allocates_and_copies() {
+    let test = "pytorch_on_the_cuda_backend_initialises_allocates_and_copies";
+    let Some((m, gpu)) = gpu_mediator(test, &[]) else { return };
+    if !m.on_test_driver {
+        return report_skip(test, "a real GPU runs PyTorch's cubins: the GPU check is tests/tests/gpu_cuda.rs");
+    }
+    let v = m.tenant_with(json!({ "name": "torch", "memory": "192MiB", "device": gpu }));
+    torch_probe_passes(v["socket"].as_str().expect("socket"));
+}
+
+fn torch_probe_passes(sock: impl AsRef<std::ffi::OsStr>) {
+    let py = workspace().join("target/pyenvtorch/bin/python");
+    assert!(py.exists(), "{} is missing: run scripts/setup.sh (it installs PyTorch)", py.display());
+    let mut c = Command::new(py);
+    c.arg(workspace().join("tests/stacks/torch_probe.py")).arg(QUOTA.to_string()).env("VGPU_SOCKET", sock.as_ref()).env("LD_LIBRARY_PATH", lib_dir());
+    let text = run(c, "torch_probe.py", "torch probe: all passed");
+    assert!(text.contains("built for CUDA 13."), "{text}");
+    assert!(text.contains("no kernel image is available"), "{text}");
 }
 
 /// Without the CuPy settings above, its default cubins are refused with a

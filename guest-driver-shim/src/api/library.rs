@@ -234,12 +234,19 @@ pub unsafe extern "C" fn cuLibraryGetKernel(k: *mut H, lib: H, name: *const c_ch
             return out(k, enc(TAG_KERNEL, found));
         }
         // The kernel must exist: look it up where a context is current,
-        // else in the library's image.
+        // else in the library's PTX. An image without PTX (cubins only, as
+        // PyTorch's kernels ship) names nothing readable here: its kernel
+        // is checked where it is first used in a context, as CUDA's lazy
+        // loading does, and on a device that runs PTX only that use fails
+        // with CUDA_ERROR_NO_BINARY_FOR_GPU.
         if let Ok(ctx) = s.current() {
             let m = s.lib_module(id, ctx)?;
             get_function(s, ctx, m, &n)?;
-        } else if !lib_entries(id).contains(&n) {
-            return Err(CallError::new(CuResult::CUDA_ERROR_NOT_FOUND, format!("no kernel {n} in the library")));
+        } else {
+            let names = lib_entries(id);
+            if !names.is_empty() && !names.contains(&n) {
+                return Err(CallError::new(CuResult::CUDA_ERROR_NOT_FOUND, format!("no kernel {n} in the library")));
+            }
         }
         let cname = CString::new(n.clone()).map_err(|_| bad("name contains NUL"))?;
         let kid = with_libs(|l| {
