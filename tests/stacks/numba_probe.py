@@ -21,6 +21,17 @@ def check(ok, name):
         failed.append(name)
 
 
+def _version(dist):
+    import importlib.metadata
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+print("numba-cuda", _version("numba-cuda"), "on cuda-bindings", _version("cuda-bindings"), flush=True)
+
+
 @cuda.jit
 def scale_add(a, x, y, out):
     i = cuda.grid(1)

@@ -139,13 +139,26 @@ fn the_same_program_on_the_cuda_13_runtime_runs_on_the_cpu_device() {
     runtime_probe_passes(Runtime::Cuda13, "runtime 13000");
 }
 
-#[test]
-fn numba_cuda_kernels_run_on_the_cpu_device() {
+fn numba_probe_passes(python: PathBuf) -> String {
     let m = Mediator::start(&["--device-memory", "512MiB"]);
     let sock = m.tenant("numba", "192MiB");
-    let mut c = Command::new(pyenv().join("bin/python"));
+    let mut c = Command::new(python);
     c.arg(workspace().join("tests/stacks/numba_probe.py")).arg(QUOTA.to_string()).env("VGPU_SOCKET", &sock).env("LD_LIBRARY_PATH", lib_dir());
-    run(c, "numba_probe.py", "numba probe: all passed");
+    run(c, "numba_probe.py", "numba probe: all passed")
+}
+
+#[test]
+fn numba_cuda_kernels_run_on_the_cpu_device() {
+    numba_probe_passes(pyenv().join("bin/python"));
+}
+
+/// numba-cuda on cuda-bindings 13 and NVVM 13, as it runs on 12.
+#[test]
+fn numba_cuda_on_cuda_bindings_13_runs_on_the_cpu_device() {
+    let py = workspace().join("target/pyenv13/bin/python");
+    assert!(py.exists(), "{} is missing: run scripts/setup.sh (it installs the CUDA 13 stacks)", py.display());
+    let text = numba_probe_passes(py);
+    assert!(text.contains("cuda-bindings 13."), "the probe did not run on cuda-bindings 13:\n{text}");
 }
 
 /// The CuPy probe with `python` (its environment's CuPy build) as a
