@@ -4,7 +4,8 @@
  * NVRTC, loads them with cudaLibraryLoadData and launches them with
  * cudaLaunchKernel. It exercises device queries, allocation, copies
  * (pageable, pinned, 2D, device to device, unified), memsets, streams,
- * events, host functions and the memory quota. Each check prints
+ * events, host functions, stream-ordered allocation and memory pools, and
+ * the memory quota. Each check prints
  * "ok <name>"; any failure prints "FAIL <name>: <why>" and exits 1.
  *
  * NVRTC is loaded at run time (dlopen), as CuPy and numba do, so the
@@ -348,6 +349,55 @@ int main(int argc, char **argv) {
     CK(cudaMemcpy2D(d2, pitch, h2, w * sizeof(int), w * sizeof(int), h, cudaMemcpyHostToDevice));
     CK(cudaMemcpy2D(back, w * sizeof(int), d2, pitch, w * sizeof(int), h, cudaMemcpyDeviceToHost));
     check(pitch >= w * sizeof(int) && memcmp(h2, back, w * h * sizeof(int)) == 0, "pitched 2D copies", "rows differ");
+
+    /* Stream-ordered allocation: cudaMallocAsync from the device's current
+       pool on a stream, used by a kernel queued after it, freed in stream
+       order; a pool of its own; the quota holds for pools too. */
+    {
+        cudaMemPool_t pool, def;
+        CK(cudaDeviceGetDefaultMemPool(&def, 0));
+        CK(cudaDeviceGetMemPool(&pool, 0));
+        check(pool == def, "the current pool is the default pool", "they differ");
+        float *da = NULL;
+        CK(cudaMallocAsync((void **)&da, n * sizeof(float), s));
+        unsigned long long used = 0;
+        CK(cudaMemPoolGetAttribute(def, cudaMemPoolAttrUsedMemCurrent, &used));
+        float two = 2.0f;
+        CK(cudaMemsetAsync(da, 0, n * sizeof(float), s));
+        void *aargs[] = {&two, &dx, &da, &nn};
+        CK(cudaLaunchKernel((const void *)axpy, d3((n + 255) / 256), d3(256), aargs, 0, s));
+        float *ha = malloc(n * sizeof(float)), *hx2 = malloc(n * sizeof(float));
+        CK(cudaMemcpyAsync(ha, da, n * sizeof(float), cudaMemcpyDeviceToHost, s));
+        CK(cudaMemcpy(hx2, dx, n * sizeof(float), cudaMemcpyDeviceToHost));
+        CK(cudaFreeAsync(da, s));
+        CK(cudaStreamSynchronize(s));
+        bad = 0;
+        for (int i = 0; i < n; i++) bad += ha[i] != 2.0f * hx2[i];
+        check(bad == 0 && used >= n * sizeof(float), "cudaMallocAsync, a kernel and cudaFreeAsync in stream order", "wrong results or pool usage");
+        unsigned long long after = 1;
+        CK(cudaMemPoolGetAttribute(def, cudaMemPoolAttrUsedMemCurrent, &after));
+        check(after == 0, "the pool's usage goes back to 0", "memory still counted in the pool");
+        free(ha);
+        free(hx2);
+
+        struct cudaMemPoolProps props;
+        memset(&props, 0, sizeof props);
+        props.allocType = cudaMemAllocationTypePinned;
+        props.location.type = cudaMemLocationTypeDevice;
+        props.location.id = 0;
+        cudaMemPool_t mine;
+        CK(cudaMemPoolCreate(&mine, &props));
+        unsigned long long threshold = 1 << 20;
+        CK(cudaMemPoolSetAttribute(mine, cudaMemPoolAttrReleaseThreshold, &threshold));
+        void *pa = NULL, *over = NULL;
+        CK(cudaMallocFromPoolAsync(&pa, 4096, mine, s));
+        cudaError_t oe = cudaMallocFromPoolAsync(&over, total_b + (1 << 20), mine, s);
+        check(oe == cudaErrorMemoryAllocation, "a pool allocation past the quota fails", cudaGetErrorName(oe));
+        cudaGetLastError();
+        CK(cudaFreeAsync(pa, s));
+        CK(cudaStreamSynchronize(s));
+        CK(cudaMemPoolDestroy(mine));
+    }
 
     /* The quota: an allocation past it fails cleanly, and memory comes back. */
     void *big = NULL;

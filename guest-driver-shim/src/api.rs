@@ -22,6 +22,7 @@ mod export;
 mod graph;
 mod library;
 mod mem;
+mod pool;
 mod unsupported;
 
 pub type CUresult = c_uint;
@@ -841,14 +842,19 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> C
             return Err(bad("size is 0"));
         }
         let ctx = s.current()?;
-        match s.client().call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: size as u64 }))? {
-            Reply::Ptr(p) => {
-                s.track(p, size as u64, ctx, 0);
-                out(dptr, p)
-            }
-            r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
-        }
+        out(dptr, alloc_device(s, ctx, size as u64)?)
     })
+}
+
+/// Allocates `size` bytes of device memory in `ctx`, charged to the quota.
+fn alloc_device(s: &Shim, ctx: u32, size: u64) -> CallResult<u64> {
+    match s.client().call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size }))? {
+        Reply::Ptr(p) => {
+            s.track(p, size, ctx, 0);
+            Ok(p)
+        }
+        r => Err(CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))),
+    }
 }
 
 /// Frees device memory once the context's queued work is done, as CUDA's
@@ -861,25 +867,31 @@ pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
             return Ok(());
         }
         let ctx = s.current()?;
-        s.sync_ctx(ctx)?;
-        // Forgotten before the worker frees it: once freed, another thread
-        // may be handed the same address.
-        let gone = s.st().allocs.remove(&dptr);
-        match s.client().empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr })) {
-            Ok(()) => {
-                if let Some(a) = gone {
-                    mem::unreserve(dptr, a);
-                }
-                Ok(())
-            }
-            Err(e) => {
-                if let Some(a) = gone {
-                    s.st().allocs.insert(dptr, a);
-                }
-                Err(e)
-            }
-        }
+        free_device(s, ctx, dptr)
     })
+}
+
+/// Frees device memory of `ctx` once the context's queued work is done.
+fn free_device(s: &Shim, ctx: u32, dptr: CUdeviceptr) -> CallResult<()> {
+    s.sync_ctx(ctx)?;
+    // Forgotten before the worker frees it: once freed, another thread
+    // may be handed the same address.
+    let gone = s.st().allocs.remove(&dptr);
+    match s.client().empty(Request::MemFree(MemFreeReq { ctx, reserved: 0, dptr })) {
+        Ok(()) => {
+            if let Some(a) = gone {
+                mem::unreserve(dptr, a);
+            }
+            pool::forget(dptr);
+            Ok(())
+        }
+        Err(e) => {
+            if let Some(a) = gone {
+                s.st().allocs.insert(dptr, a);
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Legacy 32-bit form: fails cleanly when the address needs 64 bits.
@@ -1856,6 +1868,9 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
             "cuGraphLaunch" => f!(graph::cuGraphLaunch_ptsz),
             "cuGraphUpload" => f!(graph::cuGraphUpload_ptsz),
             "cuEventRecordWithFlags" => f!(library::cuEventRecordWithFlags_ptsz),
+            "cuMemAllocAsync" => f!(pool::cuMemAllocAsync_ptsz),
+            "cuMemAllocFromPoolAsync" => f!(pool::cuMemAllocFromPoolAsync_ptsz),
+            "cuMemFreeAsync" => f!(pool::cuMemFreeAsync_ptsz),
             _ => None,
         };
         if found.is_some() {
@@ -2121,6 +2136,22 @@ pub fn proc_address(symbol: &str, version: c_int, per_thread: bool) -> Option<*m
         "cuProfilerStart" => f!(library::cuProfilerStart),
         "cuProfilerStop" => f!(library::cuProfilerStop),
         "cuProfilerInitialize" => f!(library::cuProfilerInitialize),
+        "cuMemAllocAsync" => f!(pool::cuMemAllocAsync),
+        "cuMemAllocFromPoolAsync" => f!(pool::cuMemAllocFromPoolAsync),
+        "cuMemFreeAsync" => f!(pool::cuMemFreeAsync),
+        "cuDeviceGetDefaultMemPool" => f!(pool::cuDeviceGetDefaultMemPool),
+        "cuDeviceGetMemPool" => f!(pool::cuDeviceGetMemPool),
+        "cuDeviceSetMemPool" => f!(pool::cuDeviceSetMemPool),
+        "cuMemGetDefaultMemPool" => f!(pool::cuMemGetDefaultMemPool),
+        "cuMemGetMemPool" => f!(pool::cuMemGetMemPool),
+        "cuMemSetMemPool" => f!(pool::cuMemSetMemPool),
+        "cuMemPoolCreate" => f!(pool::cuMemPoolCreate),
+        "cuMemPoolDestroy" => f!(pool::cuMemPoolDestroy),
+        "cuMemPoolGetAttribute" => f!(pool::cuMemPoolGetAttribute),
+        "cuMemPoolSetAttribute" => f!(pool::cuMemPoolSetAttribute),
+        "cuMemPoolTrimTo" => f!(pool::cuMemPoolTrimTo),
+        "cuMemPoolSetAccess" => f!(pool::cuMemPoolSetAccess),
+        "cuMemPoolGetAccess" => f!(pool::cuMemPoolGetAccess),
         "cuGetProcAddress" => {
             if version >= 12000 {
                 f!(cuGetProcAddress_v2)

@@ -117,6 +117,9 @@ fn runtime_probe_passes(runtime: Runtime, want_version: &str) {
         "ok atomics on a module global",
         "ok pitched 2D copies",
         "ok stream capture and graph replay",
+        "ok cudaMallocAsync, a kernel and cudaFreeAsync in stream order",
+        "ok the pool's usage goes back to 0",
+        "ok a pool allocation past the quota fails",
         "ok allocation past the quota fails",
         "ok all memory returned",
     ] {
