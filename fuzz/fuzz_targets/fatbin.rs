@@ -1,4 +1,5 @@
-//! Feeds arbitrary bytes to the fatbin parser and the LZ4 decoder, which
+//! Feeds arbitrary bytes to the fatbin parser and the LZ4 and zstd
+//! decoders, which
 //! read tenant-supplied images inside the device worker. Any panic, any
 //! allocation past the stated limits, is a bug. Run with
 //! `cargo +nightly fuzz run fatbin` from the repo root.
@@ -27,6 +28,13 @@ fuzz_target!(|data: &[u8]| {
     if data.len() > 2 {
         let size = u16::from_le_bytes([data[0], data[1]]) as usize;
         if let Ok(out) = fatbin::lz4_block(&data[2..], size) {
+            assert_eq!(out.len(), size);
+        }
+        // The same bytes as a zstd frame (with the zstd magic in front, so
+        // the fuzzer reaches the frame decoder rather than its header check).
+        let mut frame = vec![0x28, 0xb5, 0x2f, 0xfd];
+        frame.extend_from_slice(&data[2..]);
+        if let Ok(out) = fatbin::zstd_frame(&frame, size) {
             assert_eq!(out.len(), size);
         }
     }

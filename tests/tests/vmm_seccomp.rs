@@ -22,7 +22,7 @@ fn number(syscall: &str) -> i64 {
         "execve" => libc::SYS_execve,
         "fork" => libc::SYS_clone,
         "ptrace" => libc::SYS_ptrace,
-        "socket-inet" | "socket-unix" => libc::SYS_socket,
+        "socket-inet" | "socket-unix" | "socket-unix-dgram" => libc::SYS_socket,
         "kvm-run" | "kvm-create-vm" => libc::SYS_ioctl,
         "unlink" => libc::SYS_unlink,
         "clone3" => libc::SYS_clone3,
@@ -37,7 +37,7 @@ fn a_forbidden_syscall_kills_each_thread_kind_with_sigsys() {
         ("vcpu", &["execve", "fork", "ptrace", "socket-inet", "socket-unix", "kvm-create-vm", "unlink"]),
         ("api", &["execve", "fork", "ptrace", "socket-inet", "socket-unix", "kvm-run", "unlink"]),
         ("device", &["execve", "fork", "ptrace", "socket-inet", "socket-unix", "kvm-run", "unlink", "thread", "clone3"]),
-        ("link", &["execve", "fork", "ptrace", "socket-inet", "kvm-run", "unlink", "thread", "clone3"]),
+        ("link", &["execve", "fork", "ptrace", "socket-inet", "socket-unix-dgram", "kvm-run", "unlink", "thread", "clone3"]),
     ];
     for (thread, calls) in forbidden {
         for syscall in *calls {

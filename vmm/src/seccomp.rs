@@ -194,7 +194,8 @@ const MAIN: &[i64] = &[libc::SYS_unlink, libc::SYS_readlink, libc::SYS_readlinka
 const DEVICE: &[i64] = &[libc::SYS_epoll_wait, libc::SYS_epoll_pwait, libc::SYS_pread64, libc::SYS_pwrite64, libc::SYS_fdatasync];
 
 /// The vGPU link thread, besides COMMON: waiting on its connection, and
-/// reconnecting: a unix socket (`rules` allows AF_UNIX only), connect, and
+/// reconnecting: a unix stream socket (`rules` allows AF_UNIX,
+/// SOCK_STREAM|SOCK_CLOEXEC only), connect, and
 /// the vhost-user messages, whose descriptors it already holds. The path
 /// it connects to is fixed at start; in a jail it is the only socket the
 /// VMM can see.
@@ -295,9 +296,11 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Seccom
         }
         ThreadKind::Device => {}
         ThreadKind::Link => {
-            // A unix stream socket, never a network one; the clone of the
-            // connection it watches.
-            r.insert(libc::SYS_socket, any_of(kind, 0, &[libc::AF_UNIX as u64])?);
+            // A unix stream socket (close-on-exec), never a datagram or a
+            // network one; the clone of the connection it watches.
+            let stream = SeccompRule::new(vec![cond(kind, 0, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?, cond(kind, 1, SeccompCmpOp::Eq, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64)?])
+                .map_err(|err| SeccompError::Build { kind: kind.name(), err })?;
+            r.insert(libc::SYS_socket, vec![stream]);
             r.insert(libc::SYS_fcntl, any_of(kind, 1, &[libc::F_DUPFD_CLOEXEC as u64])?);
             // The handshake's time limit, set and lifted.
             let timeout = SeccompRule::new(vec![cond(kind, 1, SeccompCmpOp::Eq, libc::SOL_SOCKET as u64)?, cond(kind, 2, SeccompCmpOp::Eq, libc::SO_RCVTIMEO as u64)?])
@@ -428,7 +431,7 @@ fn install_handler() -> Result<(), SeccompError> {
 }
 
 /// The syscalls `vgpu-vmm seccomp-check --syscall NAME` can make.
-pub const CHECK_SYSCALLS: &[&str] = &["getpid", "openat", "clone3", "thread", "fork", "execve", "ptrace", "socket-unix", "socket-inet", "kvm-run", "kvm-create-vm", "unlink"];
+pub const CHECK_SYSCALLS: &[&str] = &["getpid", "openat", "clone3", "thread", "fork", "execve", "ptrace", "socket-unix", "socket-unix-dgram", "socket-inet", "kvm-run", "kvm-create-vm", "unlink"];
 
 /// Makes one named syscall for the seccomp self-test and returns its
 /// result (a negative errno on failure). A forbidden one never returns.
@@ -454,6 +457,7 @@ pub fn make_syscall(name: &str) -> Result<i64, String> {
             "execve" => errno(libc::syscall(libc::SYS_execve, c"/bin/true".as_ptr(), std::ptr::null::<*const libc::c_char>(), std::ptr::null::<*const libc::c_char>())),
             "ptrace" => errno(libc::syscall(libc::SYS_ptrace, libc::PTRACE_TRACEME, 0, 0, 0)),
             "socket-unix" => errno(libc::syscall(libc::SYS_socket, libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0)),
+            "socket-unix-dgram" => errno(libc::syscall(libc::SYS_socket, libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0)),
             "socket-inet" => errno(libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0)),
             "kvm-run" => errno(libc::syscall(libc::SYS_ioctl, -1, kvm::KVM_RUN(), 0)),
             "kvm-create-vm" => errno(libc::syscall(libc::SYS_ioctl, -1, 0xAE01u64, 0)),
@@ -482,7 +486,7 @@ mod tests {
                 assert!(!r.contains_key(&libc::SYS_socket) && !r.contains_key(&libc::SYS_connect), "{k} may connect");
             }
         }
-        assert_eq!(rules(ThreadKind::Link).unwrap()[&libc::SYS_socket].len(), 1, "the link's socket rule is AF_UNIX alone");
+        assert_eq!(rules(ThreadKind::Link).unwrap()[&libc::SYS_socket].len(), 1, "the link's socket rule is a unix stream socket alone");
         assert!(!rules(ThreadKind::Device).unwrap().contains_key(&libc::SYS_ioctl));
         assert!(!rules(ThreadKind::Device).unwrap().contains_key(&libc::SYS_clone));
     }

@@ -43,6 +43,8 @@ const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
 /// The first wait between reconnection attempts, doubled up to the last.
 const RETRY_FIRST: Duration = Duration::from_millis(50);
 const RETRY_MAX: Duration = Duration::from_secs(1);
+/// A link that lasted this long resets the wait between reconnections.
+const LINK_LASTED: Duration = Duration::from_secs(10);
 /// The longest one attempt waits for a backend that accepted to answer.
 const ATTEMPT_MAX: Duration = Duration::from_secs(5);
 
@@ -363,6 +365,9 @@ fn keep_linked(shared: Arc<Shared>, ctl: EventFd, mut watch: UnixStream, offered
     }
     let stopping = || shared.stopping.load(Ordering::Acquire);
     let path = shared.path.display().to_string();
+    let mut up_since = Instant::now();
+    let mut short_links = 0u32;
+    let mut delay = RETRY_FIRST;
     let mut events = [EpollEvent::default(); 2];
     // Waits for a stop, up to `t`; false when stopping.
     let nap = |t: Duration| -> bool {
@@ -387,8 +392,23 @@ fn keep_linked(shared: Arc<Shared>, ctl: EventFd, mut watch: UnixStream, offered
         let lost = Instant::now();
         let old = shared.state.lock().unwrap_or_else(|e| e.into_inner()).link.take();
         drop(old);
-        tracing::warn!(backend = %path, reconnect_s = shared.reconnect.as_secs(), "the vGPU backend hung up; reconnecting");
-        let mut delay = RETRY_FIRST;
+        // A backend that hangs up soon after each connection (it accepts,
+        // then ends) is not reconnected at full speed: the wait grows from
+        // one short link to the next, and starts afresh only after a link
+        // that lasted.
+        let short = up_since.elapsed() < LINK_LASTED;
+        if short {
+            short_links = short_links.saturating_add(1);
+        } else {
+            short_links = 0;
+            delay = RETRY_FIRST;
+        }
+        if short_links <= 3 || short_links.is_power_of_two() {
+            tracing::warn!(backend = %path, reconnect_s = shared.reconnect.as_secs(), short_links, "the vGPU backend hung up; reconnecting");
+        }
+        if short_links > 0 && !nap(delay) {
+            return;
+        }
         let mut last_err = String::from("no attempt allowed");
         let relinked = loop {
             if lost.elapsed() >= shared.reconnect {
@@ -406,6 +426,7 @@ fn keep_linked(shared: Arc<Shared>, ctl: EventFd, mut watch: UnixStream, offered
         };
         match relinked {
             Some(w) => {
+                up_since = Instant::now();
                 watch = w;
                 if ep.ctl(ControlOperation::Add, watch.as_raw_fd(), EpollEvent::new(hup, HUP)).is_err() {
                     return tracing::error!("vgpu link: watching the new connection failed; a later hang-up is not reconnected");
