@@ -254,7 +254,8 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: H, attr: c_int, value: *mut
             return Err(bad("null value pointer"));
         }
         let v = with_pools(|p| {
-            let pl = &p.pools[&id];
+            // Another thread may have destroyed it since pool_id().
+            let pl = p.pools.get(&id).ok_or_else(|| invalid_handle("memory pool"))?;
             match attr {
                 ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES..=ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES => Ok(Err(pl.reuse[(attr - 1) as usize])),
                 ATTR_RELEASE_THRESHOLD => Ok(Ok(pl.threshold)),
