@@ -667,8 +667,20 @@ fn fill_async(dst: CUdeviceptr, elem: Vec<u8>, count: usize, s: Handle) -> CUres
     })
 }
 
+/// Fault injection, not modelled behaviour: with
+/// `VGPU_TESTDRIVER_FAULT=zeroing-writes-ones`, a byte memset of zero
+/// writes 0xFF instead, so tests can watch a scrub's check catch memory
+/// that was not zeroed.
+pub const FAULT_ENV: &str = "VGPU_TESTDRIVER_FAULT";
+
+fn zeroing_writes_ones() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(FAULT_ENV).is_ok_and(|v| v == "zeroing-writes-ones"))
+}
+
 #[no_mangle]
 pub extern "C" fn cuMemsetD8Async(dst: CUdeviceptr, v: u8, n: usize, s: Handle) -> CUresult {
+    let v = if v == 0 && zeroing_writes_ones() { 0xFF } else { v };
     fill_async(dst, vec![v], n, s)
 }
 
@@ -682,13 +694,17 @@ pub extern "C" fn cuMemsetD32Async(dst: CUdeviceptr, v: c_uint, n: usize, s: Han
     fill_async(dst, v.to_le_bytes().to_vec(), n, s)
 }
 
-#[no_mangle]
-pub extern "C" fn cuMemsetD8_v2(dst: CUdeviceptr, v: u8, n: usize) -> CUresult {
-    let r = cuMemsetD8Async(dst, v, n, std::ptr::null_mut());
-    if r != 0 {
-        return r;
+/// A synchronous call: `queued` on the null stream, then waited for.
+fn then_wait(queued: CUresult) -> CUresult {
+    if queued != 0 {
+        return queued;
     }
     cuStreamSynchronize(std::ptr::null_mut())
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemsetD8_v2(dst: CUdeviceptr, v: u8, n: usize) -> CUresult {
+    then_wait(cuMemsetD8Async(dst, v, n, std::ptr::null_mut()))
 }
 
 #[no_mangle]
@@ -745,6 +761,26 @@ pub extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: us
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
     cuMemcpyDtoHAsync_v2(dst, src, n, std::ptr::null_mut())
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
+    cuMemcpyHtoDAsync_v2(dst, src, n, std::ptr::null_mut())
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
+    then_wait(cuMemcpyDtoDAsync_v2(dst, src, n, std::ptr::null_mut()))
+}
+
+/// Waits for every stream of the current context.
+#[no_mangle]
+pub extern "C" fn cuCtxSynchronize() -> CUresult {
+    entry(|d| {
+        usable(d)?;
+        drain_current(d)?;
+        usable(d)
+    })
 }
 
 // ---- modules and launches ----

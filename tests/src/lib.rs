@@ -216,6 +216,15 @@ impl Mediator {
         Self::spawn(args, Spawn::default())
     }
 
+    /// A mediator with exactly the given flags and extra environment (the
+    /// test double of NVIDIA's driver: [`test_driver_env`]).
+    pub fn start_with_env(args: &[&str], env: Vec<(&'static str, std::ffi::OsString)>) -> Mediator {
+        let on_test_driver = !env.is_empty();
+        let mut m = Self::spawn(args, Spawn { env, ..Spawn::default() });
+        m.on_test_driver = on_test_driver;
+        m
+    }
+
     /// A CPU-device mediator whose log (stderr, at `warn`) goes to `log`.
     pub fn start_logging(args: &[&str], log: &Path) -> Mediator {
         let mut all = vec!["--cuda", "off"];
@@ -408,7 +417,9 @@ pub fn discover_gpus() -> Result<Value, String> {
     discover_with(&[])
 }
 
-fn discover_with(env: &[(&'static str, std::ffi::OsString)]) -> Result<Value, String> {
+/// What `vgpu-mediatord discover` reports with `env` set (the test
+/// double of NVIDIA's driver), or why there is no GPU.
+pub fn discover_with(env: &[(&'static str, std::ffi::OsString)]) -> Result<Value, String> {
     let mut c = Command::new(bin("vgpu-mediatord"));
     c.arg("discover").envs(env.iter().map(|(k, v)| (k, v)));
     let out = c.output().map_err(|e| format!("running vgpu-mediatord discover: {e}"))?;
@@ -485,10 +496,7 @@ pub fn gpu_mediator(test: &str, extra: &[&str]) -> Option<(Mediator, String)> {
     // process is what isolates address spaces and faults.
     let mut args = vec!["--cuda", "required", "--cpu-devices", "0", "--isolation", "process"];
     args.extend_from_slice(extra);
-    let on_test_driver = !env.is_empty();
-    let mut m = Mediator::spawn(&args, Spawn { env, ..Spawn::default() });
-    m.on_test_driver = on_test_driver;
-    Some((m, name))
+    Some((Mediator::start_with_env(&args, env), name))
 }
 
 /// The value of the series `name` whose labels start with `labels` in a

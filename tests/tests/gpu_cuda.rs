@@ -204,3 +204,81 @@ fn gpu_weights_hold_across_executors() {
         assert!(worst < 0.03, "weights {weights:?} gave {got:?}");
     }
 }
+
+/// vgpu-cuda-bench runs end to end on the test double, so a change that
+/// breaks it shows before a GPU run. Its figures are the interpreter's and
+/// judge nothing; on a GPU the bench runs from scripts/gpu-check.sh.
+#[test]
+fn gpu_cuda_bench_runs_end_to_end() {
+    if discover_gpus().is_ok() {
+        report_skip("gpu_cuda_bench_runs_end_to_end", "a real GPU is here: run target/release/vgpu-cuda-bench (scripts/gpu-check.sh does), not this smoke run");
+        return;
+    }
+    if test_driver_dir().is_none() {
+        report_skip("gpu_cuda_bench_runs_end_to_end", "no GPU and no test driver built");
+        return;
+    }
+    let mut c = std::process::Command::new(bin("vgpu-cuda-bench"));
+    c.arg("--quick").env("VGPU_LOG", "error");
+    let out = run_ok(c);
+    for row in [
+        "kernel launch + sync latency",
+        "launch throughput",
+        "tiny kernels, sync every 100",
+        "HtoD 1MiB pinned",
+        "DtoH 256MiB pinned",
+        "HtoD 256MiB pageable vs native pinned",
+        "allocation until usable vs memset",
+        "victim p99 beside a flooder",
+        "shares, weights 1:3",
+        "matrixMul 128 end to end",
+    ] {
+        let (_, rest) = out.lines().find_map(|l| l.split_once(row)).unwrap_or_else(|| panic!("no `{row}` row in:\n{out}"));
+        // Every figure on the row is a finite, positive number.
+        let figures: Vec<f64> = rest.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+        assert!(!figures.is_empty() && figures.iter().all(|f| f.is_finite() && *f >= 0.0), "{row}{rest}");
+    }
+    assert!(out.contains("judge nothing"), "the bench must say its figures here are the test double's:\n{out}");
+}
+
+/// An allocation's scrub is checked off the critical path (sample reads
+/// queued behind the memset), but before any byte of the device goes back
+/// to the tenant. With zeroing broken on purpose (the test double's fault
+/// injection), the tenant's first read fails and returns nothing, and the
+/// device is quarantined: later allocations are refused.
+#[test]
+fn gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant() {
+    let test = "gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant";
+    if discover_gpus().is_ok() {
+        report_skip(test, "a real GPU is here, and only the test double can be told to break its memsets");
+        return;
+    }
+    let Some(dir) = test_driver_dir() else {
+        report_skip(test, "no GPU and no test driver built");
+        return;
+    };
+    let mut env = test_driver_env(&dir);
+    env.push(("VGPU_TESTDRIVER_FAULT", "zeroing-writes-ones".into()));
+    let m = Mediator::start_with_env(&["--cuda", "required", "--cpu-devices", "0", "--isolation", "process"], env);
+    let sock = m.tenant_on("victim", "64MiB", "gpu0");
+    use virtio_gpu_compute::*;
+    let mut raw = Raw::connect(&sock);
+    let ctx = match raw.call(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })) {
+        Reply::Handle(h) => h,
+        r => panic!("{r:?}"),
+    };
+    // The allocation itself returns at once: its check is still queued.
+    let dptr = match raw.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 1 << 20 })) {
+        Reply::Ptr(p) => p,
+        r => panic!("{r:?}"),
+    };
+    let read = MemcpyDtoHReq { ctx, stream: 0, src: dptr, size: 4096, loc: DataLoc::Inline as u32, blob: 0, shm_offset: 0 };
+    match raw.call(Request::MemcpyDtoH(read)) {
+        Reply::Error(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, msg) => assert!(msg.contains("scrub"), "{msg}"),
+        r => panic!("the unscrubbed bytes must not be read: {r:?}"),
+    }
+    match raw.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })) {
+        Reply::Error(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, msg) => assert!(msg.contains("quarantined"), "{msg}"),
+        r => panic!("a quarantined device must refuse allocations: {r:?}"),
+    }
+}

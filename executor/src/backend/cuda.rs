@@ -179,6 +179,12 @@ struct TenantCtx {
     stream: cu::CUstream,
     /// Two pinned buffers and the events that say when each is free again.
     stage: Option<([Pinned; 2], [cu::CUevent; 2])>,
+    /// The pinned buffer a scrub's sample reads land in, and the event
+    /// recorded after them.
+    check_buf: Option<(Pinned, cu::CUevent)>,
+    /// The last allocation's sample reads, queued behind its scrub and not
+    /// yet looked at: the allocation's address and each sample's length.
+    pending_check: Option<(u64, [usize; SAMPLES])>,
     /// A kernel faulted: the context refuses every call until rebuilt.
     poisoned: bool,
     /// False once the context was destroyed (a runaway kernel, or close).
@@ -206,7 +212,7 @@ impl TenantCtx {
             unsafe { cu::cuCtxDestroy_v2(ctx) };
             return Err(e);
         }
-        Ok(TenantCtx { ctx, stream, stage: None, poisoned: false, alive: true, generation })
+        Ok(TenantCtx { ctx, stream, stage: None, check_buf: None, pending_check: None, poisoned: false, alive: true, generation })
     }
 
     fn current(&self) -> Result<(), BackendError> {
@@ -218,7 +224,7 @@ impl TenantCtx {
     }
 
     /// Records a sticky error so later calls fail fast, as CUDA would.
-    fn note(&mut self, r: Result<(), BackendError>) -> Result<(), BackendError> {
+    fn note<T>(&mut self, r: Result<T, BackendError>) -> Result<T, BackendError> {
         if let Err(e) = &r {
             if e.code.is_sticky() {
                 self.poisoned = true;
@@ -257,6 +263,20 @@ impl TenantCtx {
         self.stage.as_mut().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "no staging buffers"))
     }
 
+    fn check_buf(&mut self) -> Result<(*mut u8, cu::CUevent), BackendError> {
+        if self.check_buf.is_none() {
+            let mut p: *mut c_void = std::ptr::null_mut();
+            // SAFETY: the tenant's context is current; valid out-pointer.
+            check(unsafe { cu::cuMemAllocHost_v2(&mut p, SAMPLES * SAMPLE_BYTES) }, "cuMemAllocHost")?;
+            let buf = Pinned { ptr: p.cast() };
+            let mut ev = std::ptr::null_mut();
+            // SAFETY: as above.
+            check(unsafe { cu::cuEventCreate(&mut ev, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+            self.check_buf = Some((buf, ev));
+        }
+        self.check_buf.as_ref().map(|(b, e)| (b.ptr, *e)).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "no scrub check buffer"))
+    }
+
     fn destroy(&mut self) {
         if !std::mem::replace(&mut self.alive, false) {
             return;
@@ -273,6 +293,11 @@ impl TenantCtx {
                         cu::cuEventDestroy_v2(ev);
                     }
                 }
+            }
+            self.pending_check = None;
+            if let Some((buf, ev)) = self.check_buf.take() {
+                drop(buf);
+                cu::cuEventDestroy_v2(ev);
             }
             cu::cuStreamDestroy_v2(self.stream);
             cu::cuCtxDestroy_v2(self.ctx);
@@ -583,27 +608,60 @@ impl CudaBackend {
         pts
     }
 
-    /// Zeroes `[d, d+n)` on the tenant's stream and, with `verify`, reads
-    /// samples back; a non-zero byte quarantines the device.
+    /// Zeroes `[d, d+n)` on the tenant's stream. Without `verify` it waits
+    /// for the memset. With `verify` (a new allocation) nothing waits: the
+    /// memset and the sample reads that check it are queued on the
+    /// tenant's stream, ahead of anything the tenant does with the memory,
+    /// and [`Self::settle_check`] looks at the samples later, before any
+    /// kernel runs and before any copy to the tenant's host memory.
     fn scrub(&self, t: &mut TenantCtx, d: u64, n: u64, verify: bool) -> Result<(), BackendError> {
+        if verify {
+            // One check in flight per tenant: its buffer is reused.
+            self.settle_check(t)?;
+        }
         // SAFETY: [d, d+n) is an allocation of the current context.
         let r = check(unsafe { cu::cuMemsetD8Async(d, 0, n as usize, t.stream) }, "scrub memset");
         t.note(r)?;
         if !verify {
             return t.sync("scrub memset");
         }
-        let mut buf = [0xAAu8; SAMPLE_BYTES];
-        for off in self.sample_points(n) {
-            let len = SAMPLE_BYTES.min((n - off) as usize);
-            // SAFETY: the source lies inside the allocation; the destination
-            // is a local buffer of at least `len` bytes. Pageable memory
-            // makes the copy synchronous with the stream's memset.
-            let r = check(unsafe { cu::cuMemcpyDtoHAsync_v2(buf.as_mut_ptr().cast(), d + off, len, t.stream) }, "scrub read-back");
-            t.note(r)?;
-            t.sync("scrub read-back")?;
-            if buf[..len].iter().any(|b| *b != 0) {
+        let r = (|| {
+            let (buf, ev) = t.check_buf()?;
+            // SAFETY: no copy into the buffer is in flight (settled above);
+            // it holds SAMPLES * SAMPLE_BYTES bytes.
+            unsafe { std::ptr::write_bytes(buf, 0xAA, SAMPLES * SAMPLE_BYTES) };
+            let mut lens = [0usize; SAMPLES];
+            for (i, off) in self.sample_points(n).into_iter().enumerate() {
+                lens[i] = SAMPLE_BYTES.min((n - off) as usize);
+                // SAFETY: the source lies inside the allocation, after its
+                // memset on the same stream; the destination is slot i of
+                // the pinned buffer, untouched until the event fires.
+                check(unsafe { cu::cuMemcpyDtoHAsync_v2(buf.add(i * SAMPLE_BYTES).cast(), d + off, lens[i], t.stream) }, "scrub read-back")?;
+            }
+            // SAFETY: event and stream belong to the current context.
+            check(unsafe { cu::cuEventRecord(ev, t.stream) }, "cuEventRecord")?;
+            Ok(lens)
+        })();
+        let lens = t.note(r)?;
+        t.pending_check = Some((d, lens));
+        Ok(())
+    }
+
+    /// Waits for the last allocation's sample reads and looks at them; a
+    /// non-zero byte quarantines the device.
+    fn settle_check(&self, t: &mut TenantCtx) -> Result<(), BackendError> {
+        let Some((d, lens)) = t.pending_check.take() else { return Ok(()) };
+        let (buf, ev) = t.check_buf()?;
+        // SAFETY: the event was recorded after the sample reads.
+        let r = check(unsafe { cu::cuEventSynchronize(ev) }, "scrub read-back");
+        t.note(r)?;
+        for (i, len) in lens.into_iter().enumerate() {
+            // SAFETY: the reads into the buffer are done (waited above); it
+            // is this executor's own memory, which no tenant can write.
+            let got = unsafe { std::slice::from_raw_parts(buf.add(i * SAMPLE_BYTES), len) };
+            if got.iter().any(|b| *b != 0) {
                 self.quarantined.store(true, Ordering::Relaxed);
-                tracing::error!(device = %self.desc.name, addr = d + off, "scrub verification read back non-zero bytes; device quarantined");
+                tracing::error!(device = %self.desc.name, addr = d, "scrub verification read back non-zero bytes; device quarantined");
                 return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "scrub verification failed; device quarantined"));
             }
         }
@@ -839,6 +897,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.with(slot, |t| {
+            // No device byte reaches the tenant before its scrub is checked.
+            self.settle_check(t)?;
             if self.is_registered(out.as_ptr(), out.len()) {
                 // SAFETY: as for writes, in the other direction.
                 let r = check(unsafe { cu::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), addr, out.len(), t.stream) }, "cuMemcpyDtoHAsync");
@@ -938,6 +998,9 @@ impl Backend for CudaBackend {
             if t.generation != m.generation {
                 return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to a context that no longer exists"));
             }
+            // A kernel can copy device bytes into the tenant's registered
+            // host memory: none runs before the last scrub was checked.
+            self.settle_check(t)?;
             // SAFETY: f is live in the current context (same generation);
             // `args` holds one pointer per declared parameter, each to at
             // least its declared size of bytes inside `params`, which
