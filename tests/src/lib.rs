@@ -246,11 +246,25 @@ impl Mediator {
         Self::spawn_in(run_dir, args, how)
     }
 
+    /// A CPU-device mediator on a run directory the caller made (and the
+    /// returned handle removes).
+    pub fn start_in(run_dir: PathBuf, args: &[&str]) -> Mediator {
+        let mut all = vec!["--cuda", "off"];
+        all.extend_from_slice(args);
+        Self::spawn_in(run_dir, &all, Spawn::default())
+    }
+
     /// Kills the daemon with SIGKILL (no cleanup of any kind) and starts a
     /// new one on the same run directory, with `args` (CPU devices only).
     pub fn kill_and_restart(&mut self, args: &[&str]) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.restart_after(libc::SIGKILL, args);
+    }
+
+    /// Stops the daemon with `signal` (SIGTERM: a clean shutdown; SIGKILL:
+    /// none), waits for it to end, and starts a new one on the same run
+    /// directory with `args` (CPU devices only).
+    pub fn restart_after(&mut self, signal: i32, args: &[&str]) {
+        self.stop_with(signal);
         let _ = std::fs::remove_file(self.api_path());
         let mut all = vec!["--cuda", "off"];
         all.extend_from_slice(args);
@@ -258,6 +272,20 @@ impl Mediator {
         // The old handle must not clean the run directory up.
         let old = std::mem::replace(self, fresh);
         std::mem::forget(old);
+    }
+
+    /// Stops the daemon with `signal` and waits for it to end (SIGKILL
+    /// after 10 s). The run directory stays.
+    pub fn stop_with(&mut self, signal: i32) {
+        // SAFETY: signals our own child process.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !matches!(self.child.try_wait(), Ok(Some(_))) {
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     fn spawn_in(run_dir: PathBuf, args: &[&str], how: Spawn<'_>) -> Mediator {

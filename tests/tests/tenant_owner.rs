@@ -3,7 +3,7 @@
 //! tenant and no other user can; the daemon refuses a run directory that
 //! another user could tamper with.
 
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -95,4 +95,20 @@ fn a_run_dir_another_user_owns_or_can_write_is_refused() {
     let err = start_expecting_failure(&d);
     assert!(err.contains("symbolic link"), "{err}");
     std::fs::remove_dir_all(&d).expect("cleanup");
+}
+
+/// A run directory made as `mktemp -d` makes one (0700, ours) is opened up
+/// for the workers (0711): tenants are created and served, never an HTTP
+/// 500 from a worker that cannot reach its socket's directory.
+#[test]
+fn a_private_run_dir_of_ours_is_opened_for_the_workers() {
+    let d = std::env::temp_dir().join(format!("vgpu-private-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::DirBuilder::new().mode(0o700).create(&d).expect("mkdir");
+    let m = Mediator::start_in(d.clone(), &[]);
+    let mode = std::fs::metadata(&d).expect("run dir").permissions().mode() & 0o777;
+    assert_eq!(mode, 0o711, "the run dir's mode");
+    let (st, v) = m.api("POST", "/tenants", Some(json!({ "name": "t1", "memory": "64MiB" })));
+    assert_eq!(st, 201, "{v}");
+    assert!(run_ok(sample("vectorAdd", Path::new(v["socket"].as_str().unwrap()))).contains("PASSED"));
 }

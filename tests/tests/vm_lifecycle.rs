@@ -179,6 +179,7 @@ fn the_daemon_brings_its_vms_back_after_it_is_killed() {
     let pid = v["pid"].as_u64().expect("pid");
     create_counting(&m, "resting", &[]);
     ok(ctl(&m, &["vm", "stop", "resting", "--timeout", "0"]));
+    assert_eq!(m.api("GET", "/tenants/resting", None).0, 200, "a stopped VM keeps its vGPU's reservation");
     m.kill_and_restart(&args);
     // The VMM died with the daemon; the new daemon starts it again, and
     // leaves the stopped one stopped.
@@ -189,7 +190,7 @@ fn the_daemon_brings_its_vms_back_after_it_is_killed() {
     assert_ne!(s["pid"].as_u64(), Some(pid));
     assert_eq!(m.api("GET", "/tenants/back", None).0, 200, "its vGPU was made again");
     assert_eq!(show(&m, "resting")["state"], "stopped");
-    assert_eq!(m.api("GET", "/tenants/resting", None).0, 404, "a stopped VM's vGPU is made when it starts");
+    assert_eq!(m.api("GET", "/tenants/resting", None).0, 200, "the stopped VM's vGPU (a saved tenant) came back with the daemon");
     let s = json_of(&m, &["vm", "start", "resting"]);
     assert_eq!(s["state"], "running", "{s}");
 }

@@ -46,7 +46,7 @@ pub struct VmsConfig {
     /// The `vgpu-vmm` binary (default: the one beside `vgpu-mediatord`).
     #[serde(default)]
     pub vmm: Option<PathBuf>,
-    /// Where VM descriptions and their console and VMM logs are kept
+    /// Where tenants, pools, VM descriptions and their console and VMM logs are kept
     /// (default: /var/lib/vgpu when the run directory is under /run, a
     /// tmpfs; RUN_DIR/state otherwise).
     #[serde(default)]

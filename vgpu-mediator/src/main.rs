@@ -11,6 +11,7 @@ use vgpu_mediator::backend::discover;
 use vgpu_mediator::config::{self, Config, CudaMode, Owner, DEFAULT_DEVICE_MEMORY};
 use vgpu_mediator::control::meter::Meter;
 use vgpu_mediator::control::passthrough::{self, Passthrough};
+use vgpu_mediator::control::store::Store;
 use vgpu_mediator::control::{api, rundir, Control, CudaSpec, DeviceSpec, TenantDefaults};
 use vgpu_mediator::size::Size;
 use vgpu_mediator::worker;
@@ -79,7 +80,7 @@ struct Cli {
     /// unless given), e.g. 127.0.0.1:9400.
     #[arg(long)]
     metrics_listen: Option<std::net::SocketAddr>,
-    /// Where managed VMs' descriptions and logs are kept (overrides
+    /// Where tenants, pools and managed VMs' descriptions and logs are kept (overrides
     /// vms.state_dir; default /var/lib/vgpu when the run directory is under
     /// /run, RUN_DIR/state otherwise).
     #[arg(long)]
@@ -415,9 +416,16 @@ fn run() -> anyhow::Result<()> {
         anyhow::bail!("passthrough device {} has the name of a shared device; give it another", d.name);
     }
     let _ = control.passthrough.set(Arc::new(pass));
+    // Tenants and pools an earlier run made through the API come back; a
+    // state file that cannot be read whole stops the start, by name.
+    let store = Store::open(&state_dir)?;
+    store.declare(cfg.tenants.iter().map(|t| t.name.clone()), cfg.pools.iter().map(|p| p.name.clone()));
+    let saved = store.load()?;
+    let _ = control.store.set(store);
     for p in &cfg.pools {
         control.create_pool(p).with_context(|| format!("creating pool {} from the config file", p.name))?;
     }
+    control.restore_pools(&saved.pools).map_err(anyhow::Error::msg)?;
     let usage_file = cfg.metering.usage_file.clone().unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu/usage.jsonl") } else { run_dir.join("usage.jsonl") });
     let meter = Meter::open(&usage_file, std::time::Duration::from_secs(cfg.metering.interval_s.unwrap_or(60)))?;
     let _ = control.meter.set(meter.clone());
@@ -429,6 +437,7 @@ fn run() -> anyhow::Result<()> {
     for t in &cfg.tenants {
         control.create_tenant(t).with_context(|| format!("creating tenant {} from the config file", t.name))?;
     }
+    control.restore_tenants(&saved.tenants).map_err(anyhow::Error::msg)?;
     // Managed VMs: those saved by an earlier run come back.
     let vmm = cli.vmm.or(cfg.vms.vmm.clone()).unwrap_or_else(|| exe.with_file_name("vgpu-vmm"));
     std::fs::create_dir_all(state_dir.join("vms")).with_context(|| format!("making {}", state_dir.join("vms").display()))?;

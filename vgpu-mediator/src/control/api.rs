@@ -29,7 +29,7 @@ impl IntoResponse for ControlError {
             ControlError::InsufficientMemory(_) => StatusCode::INSUFFICIENT_STORAGE,
             ControlError::WorkerDown(_) => StatusCode::SERVICE_UNAVAILABLE,
             ControlError::Timeout(..) => StatusCode::GATEWAY_TIMEOUT,
-            ControlError::Worker(_) | ControlError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ControlError::Worker(_) | ControlError::Internal(_) | ControlError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         (code, Json(json!({ "error": self.to_string() }))).into_response()
     }

@@ -9,6 +9,7 @@ pub mod passthrough;
 pub mod pool;
 
 pub mod rundir;
+pub mod store;
 pub mod tap;
 pub mod vms;
 
@@ -56,6 +57,9 @@ pub enum ControlError {
     /// A failure of the host's (sysfs, the state directory), not the caller's.
     #[error("{0}")]
     Internal(String),
+    /// The state directory could not record a change.
+    #[error("saving to the state directory: {0}")]
+    Store(#[from] store::StoreError),
 }
 
 pub struct DeviceSpec {
@@ -270,6 +274,25 @@ impl TenantRecord {
     fn mode_bits(&self) -> u32 {
         u32::from_str_radix(&self.mode, 8).unwrap_or(0o600)
     }
+
+    /// The request that makes this tenant again, where it is now.
+    pub fn spec(&self) -> TenantSpec {
+        TenantSpec {
+            name: self.name.clone(),
+            memory: Size(self.memory),
+            weight: self.weight,
+            cap: self.cap,
+            priority: self.priority,
+            device: Some(self.device.clone()),
+            pool: Some(self.pool.clone()),
+            numa_node: None,
+            kind: if self.kind == "vm" { crate::config::TenantKind::Vm } else { crate::config::TenantKind::Process },
+            owner: self.owner,
+            mode: Some(self.mode.clone()),
+            host_memory: Some(Size(self.host_memory)),
+            max_connections: Some(self.max_connections),
+        }
+    }
 }
 
 /// What `PATCH /tenants/NAME` may change; absent fields stay as they are.
@@ -326,6 +349,8 @@ pub struct Control {
     pub vms: std::sync::OnceLock<vms::Vms>,
     /// Devices lent whole to VMs, once the daemon set them up.
     pub passthrough: std::sync::OnceLock<Arc<passthrough::Passthrough>>,
+    /// Where tenants and pools are saved, once the daemon set it up.
+    pub store: std::sync::OnceLock<store::Store>,
 }
 
 impl Control {
@@ -365,6 +390,7 @@ impl Control {
             default_overcommit,
             vms: std::sync::OnceLock::new(),
             passthrough: std::sync::OnceLock::new(),
+            store: std::sync::OnceLock::new(),
         })
     }
 
@@ -442,6 +468,10 @@ impl Control {
         }
         drop(tenants);
         named.insert(spec.name.clone(), spec.clone());
+        if let Err(e) = self.save_pools(&named) {
+            named.remove(&spec.name);
+            return Err(e);
+        }
         info!(pool = %spec.name, devices = ?spec.devices, access = ?spec.access, placement = ?spec.placement, overcommit = spec.overcommit, "pool created");
         Ok(spec.clone())
     }
@@ -480,7 +510,11 @@ impl Control {
             }
         }
         drop(tenants);
-        named.insert(name.to_string(), next.clone());
+        let before = named.insert(name.to_string(), next.clone());
+        if let Err(e) = self.save_pools(&named) {
+            named.extend(before.map(|b| (name.to_string(), b)));
+            return Err(e);
+        }
         info!(pool = %name, access = ?next.access, placement = ?next.placement, overcommit = next.overcommit, "pool changed");
         Ok(next)
     }
@@ -497,8 +531,56 @@ impl Control {
         if !in_use.is_empty() {
             return Err(ControlError::Conflict(format!("pool {name} still has tenants: {}", in_use.join(", "))));
         }
-        named.remove(name);
+        let gone = named.remove(name);
+        if let Err(e) = self.save_pools(&named) {
+            named.extend(gone.map(|p| (name.to_string(), p)));
+            return Err(e);
+        }
         info!(pool = %name, "pool deleted");
+        Ok(())
+    }
+
+    fn save_pools(&self, named: &BTreeMap<String, pool::PoolSpec>) -> Result<(), ControlError> {
+        match self.store.get() {
+            Some(s) => Ok(s.save_pools(named.values())?),
+            None => Ok(()),
+        }
+    }
+
+    /// Brings back the pools an earlier run saved (after the config
+    /// file's). A saved pool the config file now declares is the config
+    /// file's.
+    pub fn restore_pools(&self, saved: &[pool::PoolSpec]) -> Result<(), String> {
+        for p in saved {
+            if self.store.get().is_some_and(|s| s.is_declared_pool(&p.name)) {
+                warn!(pool = %p.name, "a saved pool has the name of one in the config file; the config file's stands");
+                continue;
+            }
+            self.create_pool(p).map_err(|e| {
+                format!(
+                    "restoring pool {} saved in {}: {e}; change the config so it fits, or remove it from that file",
+                    p.name,
+                    self.store.get().map(|s| s.dir().join("pools.json").display().to_string()).unwrap_or_default()
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Brings back the tenants an earlier run saved, on the devices and
+    /// pools they were placed on, with the same sockets.
+    pub fn restore_tenants(&self, saved: &[(TenantSpec, PathBuf)]) -> Result<(), String> {
+        for (spec, path) in saved {
+            if self.store.get().is_some_and(|s| s.is_declared_tenant(&spec.name)) {
+                warn!(tenant = %spec.name, "a saved tenant has the name of one in the config file; the config file's stands");
+                continue;
+            }
+            if self.tenant(&spec.name).is_some() {
+                continue;
+            }
+            self.create_tenant(spec).map_err(|e| format!("restoring tenant {} from {}: {e}; fix the cause, or move the file away to drop the tenant", spec.name, path.display()))?;
+            info!(tenant = %spec.name, device = ?spec.device, "tenant restored from the state directory");
+        }
         Ok(())
     }
 
@@ -766,6 +848,12 @@ impl Control {
         };
         r.state = TenantPhase::Ready;
         let rec = r.clone();
+        drop(tenants);
+        if let Err(e) = self.save_tenant(&rec) {
+            // A tenant that would not come back after a restart is not kept.
+            let _ = self.delete_tenant(&rec.name);
+            return Err(e);
+        }
         info!(tenant = %rec.name, device = %rec.device, quota = rec.memory, "tenant created");
         Ok(rec)
     }
@@ -858,6 +946,8 @@ impl Control {
             }
         }
         info!(tenant = %name, weight = after.weight, cap = ?after.cap, priority = after.priority.as_str(), memory = after.memory, "tenant changed");
+        // The change is live; said plainly when a restart would undo it.
+        self.save_tenant(&after)?;
         Ok(after)
     }
 
@@ -881,6 +971,13 @@ impl Control {
         }
     }
 
+    fn save_tenant(&self, rec: &TenantRecord) -> Result<(), ControlError> {
+        match self.store.get() {
+            Some(s) => Ok(s.save_tenant(&rec.spec())?),
+            None => Ok(()),
+        }
+    }
+
     /// Revokes a tenant at once, then waits (up to [`DELETE_WAIT`], holding
     /// no lock) for its worker to release its memory. Returns true once the
     /// tenant is gone and its quota free, false while the teardown is
@@ -898,6 +995,10 @@ impl Control {
                 }
             }
         };
+        // A delete once accepted does not come undone by a restart.
+        if let Some(Err(e)) = self.store.get().map(|s| s.remove_tenant(name)) {
+            warn!(tenant = name, "{e}");
+        }
         if let Some(slot) = slot {
             match slot.map(|s| if s.spec.executors { s.remove_on_executor(name) } else { s.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT) }) {
                 Some(Ok(WorkerMsg::Ok)) | Some(Err(ControlError::Timeout(..))) => {}

@@ -363,14 +363,9 @@ impl Passthrough {
     /// over the old one, and the directory synced.
     fn save(&self, d: &PassDevice, s: &Saved) -> Result<(), PassError> {
         let path = self.dir.join(format!("{}.json", d.name));
-        let tmp = path.with_extension("json.tmp");
         let write = || -> io::Result<()> {
             let body = serde_json::to_vec_pretty(s).map_err(io::Error::other)?;
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&body)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
-            std::fs::File::open(&self.dir)?.sync_all()
+            super::store::write_atomically(&path, &body)
         };
         write().map_err(|source| PassError::Save { name: d.name.clone(), path, source })
     }

@@ -146,11 +146,8 @@ impl Vm {
         };
         let s = Saved { spec: self.spec.clone(), desired, hugepages_reserved: huge };
         let text = serde_json::to_vec_pretty(&s).map_err(|e| ControlError::Worker(e.to_string()))?;
-        let tmp = self.dir.join("vm.json.tmp");
         let io = |e: std::io::Error| ControlError::Worker(format!("saving {}: {e}", self.dir.join("vm.json").display()));
-        let mut f = File::create(&tmp).map_err(io)?;
-        f.write_all(&text).and_then(|()| f.sync_all()).map_err(io)?;
-        std::fs::rename(&tmp, self.dir.join("vm.json")).map_err(io)
+        super::store::write_atomically(&self.dir.join("vm.json"), &text).map_err(io)
     }
 
     /// Waits until `done` holds or `limit` passes; returns whether it held.

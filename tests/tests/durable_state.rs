@@ -1,0 +1,113 @@
+//! Tenants and pools made through the API survive the daemon: a clean
+//! restart, a `kill -9`, and the run directory it finds afterwards. They
+//! come back with the same sockets, owners, modes, quotas, weights and
+//! pools, and usage accounting goes on. A state file that cannot be read
+//! whole stops the start with its path, never half-read.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::{json, Value};
+use vgpu_tests::*;
+
+const ARGS: &[&str] = &["--cpu-devices", "2", "--device-memory", "256MiB", "--usage-interval", "1"];
+
+fn tenant(m: &Mediator, name: &str) -> Value {
+    let (st, v) = m.api("GET", &format!("/tenants/{name}"), None);
+    assert_eq!(st, 200, "{name}: {v}");
+    v
+}
+
+fn device_seconds(m: &Mediator, name: &str) -> f64 {
+    let (st, recs) = m.api("GET", &format!("/usage?since=0&tenant={name}"), None);
+    assert_eq!(st, 200, "{recs}");
+    recs.as_array().expect("records").iter().filter(|r| r["type"] == "tenant").map(|r| r["device_seconds"].as_f64().expect("device_seconds")).sum()
+}
+
+/// Runs vectorAdd as the tenant at `sock` until the usage records show
+/// device time for it beyond `above`.
+fn use_until_billed(m: &Mediator, name: &str, sock: &std::path::Path, above: f64) -> f64 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        assert!(run_ok(sample("vectorAdd", sock)).contains("PASSED"));
+        let billed = device_seconds(m, name);
+        if billed > above {
+            return billed;
+        }
+        assert!(std::time::Instant::now() < deadline, "{name}'s usage stayed at {billed} s");
+        std::thread::sleep(std::time::Duration::from_millis(1200));
+    }
+}
+
+#[test]
+fn tenants_and_pools_come_back_after_a_clean_restart_and_a_kill() {
+    let mut m = Mediator::start(ARGS);
+    let (st, v) = m.api("POST", "/pools", Some(json!({ "name": "gold", "devices": ["cpu1"], "access": "private", "allow": ["vip"] })));
+    assert_eq!(st, 201, "{v}");
+    let a = m.tenant_with(json!({ "name": "persist1", "memory": "64MiB", "weight": 3, "cap": 60, "owner": "1000:1001", "mode": "0660", "device": "cpu0" }));
+    let b = m.tenant_with(json!({ "name": "vip", "memory": "32MiB", "pool": "gold", "priority": "latency" }));
+    let (st, v) = m.api("PATCH", "/tenants/persist1", Some(json!({ "weight": 5 })));
+    assert_eq!(st, 200, "{v}");
+    let (sa, sb) = (PathBuf::from(a["socket"].as_str().unwrap()), PathBuf::from(b["socket"].as_str().unwrap()));
+    let billed = use_until_billed(&m, "persist1", &sa, 0.0);
+    // A deleted tenant stays deleted.
+    m.tenant_with(json!({ "name": "gone", "memory": "16MiB" }));
+    let (st, v) = m.api("DELETE", "/tenants/gone", None);
+    assert!(st == 200 || st == 202 || st == 204, "{st} {v}");
+
+    for (how, signal) in [("a clean restart", libc::SIGTERM), ("kill -9", libc::SIGKILL)] {
+        m.restart_after(signal, ARGS);
+        let t = tenant(&m, "persist1");
+        assert_eq!(
+            (t["socket"].as_str(), t["memory"].as_u64(), t["weight"].as_u64(), t["cap"].as_u64(), t["device"].as_str()),
+            (a["socket"].as_str(), Some(64 << 20), Some(5), Some(60), Some("cpu0")),
+            "after {how}: {t}"
+        );
+        assert_eq!((t["owner"].as_str(), t["mode"].as_str()), (Some("1000:1001"), Some("0660")), "after {how}: {t}");
+        let meta = std::fs::metadata(&sa).expect("the socket is back");
+        assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (1000, 1001, 0o660), "after {how}");
+        let t = tenant(&m, "vip");
+        assert_eq!((t["pool"].as_str(), t["device"].as_str(), t["priority"].as_str()), (Some("gold"), Some("cpu1"), Some("latency")), "after {how}: {t}");
+        let (st, p) = m.api("GET", "/pools/gold", None);
+        assert_eq!(st, 200, "after {how}: {p}");
+        assert_eq!((p["access"].as_str(), p["allow"].clone()), (Some("private"), json!(["vip"])), "after {how}: {p}");
+        let (_, all) = m.api("GET", "/tenants", None);
+        assert_eq!(all.as_array().map(Vec::len), Some(2), "after {how}, only the two live tenants: {all}");
+        // The same sockets serve, and usage goes on from where it was.
+        assert!(run_ok(sample("vectorAdd", &sb)).contains("PASSED"), "after {how}");
+        let before = device_seconds(&m, "persist1");
+        assert!(before >= billed, "after {how} the records lost usage: {billed} s then {before} s");
+        use_until_billed(&m, "persist1", &sa, before);
+    }
+    // A tenant deleted now is not brought back by the next start.
+    let (st, _) = m.api("DELETE", "/tenants/vip", None);
+    assert!(st < 300, "{st}");
+    m.restart_after(libc::SIGKILL, ARGS);
+    let (st, _) = m.api("GET", "/tenants/vip", None);
+    assert_eq!(st, 404);
+    assert_eq!(tenant(&m, "persist1")["weight"], 5);
+}
+
+#[test]
+fn a_state_file_that_cannot_be_read_whole_stops_the_start_by_name() {
+    let mut m = Mediator::start(ARGS);
+    m.tenant_with(json!({ "name": "keeper", "memory": "16MiB" }));
+    let state = m.run_dir.join("state/tenants");
+    let good = std::fs::read_to_string(state.join("keeper.json")).expect("the tenant is saved");
+    // Stop it cleanly, then damage the store: half a file, a version
+    // from elsewhere.
+    m.stop_with(libc::SIGTERM);
+    let run_dir = m.run_dir.clone();
+    for (file, text, why) in [("keeper.json", &good[..good.len() / 2], "EOF"), ("keeper.json", &good.replace("\"version\": 1", "\"version\": 7")[..], "version 7")] {
+        std::fs::write(state.join(file), text).expect("damage");
+        let out = Command::new(bin("vgpu-mediatord")).arg("--run-dir").arg(&run_dir).args(["--cuda", "off"]).args(ARGS).env("VGPU_LOG", "warn").output().expect("start");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "a daemon started on a damaged store: {err}");
+        assert!(err.contains(&state.join(file).display().to_string()) && err.contains(why) && err.contains("move it away"), "{err}");
+    }
+    // Put right, the tenant comes back.
+    std::fs::write(state.join("keeper.json"), &good).expect("repair");
+    m.restart_after(libc::SIGKILL, ARGS);
+    assert_eq!(tenant(&m, "keeper")["memory"], 16 << 20);
+}
