@@ -173,6 +173,11 @@ fn vgpuctl_prints_shell_completions_and_a_manual_page_from_its_definition() {
     assert!(bash.contains("--vgpu-memory"), "the completion knows vm create's flags");
     let man = run(&["man"]);
     assert!(man.starts_with(".ie") || man.contains(".TH vgpuctl"), "not a roff page: {}", &man[..man.len().min(200)]);
+    // Output cut short by a closed pipe ends quietly, as `head` expects.
+    for cmd in ["completions bash", "man"] {
+        let o = std::process::Command::new("sh").arg("-c").arg(format!("{} {cmd} | head -1", vgpu_tests::bin("vgpuctl").display())).output().expect("sh");
+        assert!(o.status.success() && o.stderr.is_empty(), "vgpuctl {cmd} | head -1: {o:?}");
+    }
     // Every verb has --help.
     for verb in [&["vm", "create"][..], &["vm", "list"], &["tenant", "set"], &["pool", "create"], &["vmm", "info"]] {
         let mut a = verb.to_vec();

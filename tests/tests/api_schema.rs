@@ -834,6 +834,19 @@ fn mediator_served_bodies_have_the_documented_fields() {
     record.as_object_mut().expect("object").remove("usage");
     let documented = props(schema(&doc, "Tenant"));
     assert!(keys(&record).is_subset(&documented), "GET /tenants/web: fields the document lacks: {:?}", keys(&record).difference(&documented).collect::<Vec<_>>());
+    let (st, v) = m.api("GET", "/version", None);
+    assert_eq!(st, 200, "{v}");
+    check_response(&doc, "Version", &v);
+    let (st, v) = m.api("GET", "/healthz", None);
+    assert_eq!((st, v["status"].as_str(), v["devices_up"].as_u64()), (200, Some("ok"), Some(2)), "{v}");
+    check_response(&doc, "Health", &v);
+    // Unknown paths and wrong methods answer with an Error body too.
+    for (method, path, code) in [("GET", "/nonsense", 404), ("DELETE", "/devices", 405), ("PUT", "/tenants/web", 405)] {
+        let (st, v) = m.api(method, path, None);
+        assert_eq!(st, code, "{method} {path}: {v}");
+        check_response(&doc, "Error", &v);
+        assert!(v["error"].as_str().is_some_and(|e| e.contains(path)), "{method} {path}: {v}");
+    }
 }
 
 #[test]

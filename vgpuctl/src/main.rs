@@ -356,6 +356,10 @@ impl std::fmt::Display for Usage {
 impl std::error::Error for Usage {}
 
 fn main() -> ExitCode {
+    // Output piped into `head` ends the program quietly, as in any Unix
+    // tool, instead of a panic on the closed pipe.
+    // SAFETY: restoring a signal's default action before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,

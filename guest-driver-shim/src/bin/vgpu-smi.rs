@@ -23,6 +23,9 @@ fn human(b: u64) -> String {
 }
 
 fn main() {
+    // Output piped into `head` ends the program quietly.
+    // SAFETY: restoring a signal's default action before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let mut json = false;
     let mut socket = std::env::var("VGPU_SOCKET").ok();
     let mut args = std::env::args().skip(1);

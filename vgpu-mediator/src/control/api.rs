@@ -53,7 +53,33 @@ pub fn router(c: Arc<Control>) -> Router {
         .route("/vms/{name}/reboot", axum::routing::post(reboot_vm))
         .route("/vms/{name}/console", get(vm_console))
         .route("/vms/{name}/logs", get(vm_logs))
+        .route("/version", get(version))
+        .route("/healthz", get(healthz))
+        .fallback(no_such_path)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(c)
+}
+
+/// Every answer is JSON, an unknown path's and a wrong method's included.
+async fn no_such_path(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    (StatusCode::NOT_FOUND, Json(json!({ "error": format!("no such path: {method} {}", uri.path()) }))).into_response()
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    (StatusCode::METHOD_NOT_ALLOWED, Json(json!({ "error": format!("{method} is not allowed on {}", uri.path()) }))).into_response()
+}
+
+async fn version() -> Json<serde_json::Value> {
+    Json(json!({ "name": "vgpu-mediatord", "version": env!("CARGO_PKG_VERSION") }))
+}
+
+/// 200 while every device's worker is up; 503, naming those that are not,
+/// while one restarts.
+async fn healthz(State(c): St) -> Response {
+    let down: Vec<String> = c.devices.iter().filter(|d| !d.is_up()).map(|d| d.spec.name.clone()).collect();
+    let up = c.devices.len() - down.len();
+    let (code, status) = if down.is_empty() { (StatusCode::OK, "ok") } else { (StatusCode::SERVICE_UNAVAILABLE, "degraded") };
+    (code, Json(json!({ "status": status, "devices_up": up, "devices_down": down }))).into_response()
 }
 
 /// Only `GET /metrics`, for a TCP listener Prometheus scrapes.
