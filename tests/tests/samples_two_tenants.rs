@@ -43,4 +43,38 @@ fn vgpu_smi_shows_quota_and_usage() {
     let v: serde_json::Value = serde_json::from_str(&run_ok(c)).expect("json");
     assert_eq!(v["tenant"]["quota"], 96u64 << 20);
     assert_eq!(v["tenant"]["kernels"], 1);
+
+    // nvidia-smi's forms, with the UUID the metrics carry.
+    let metrics = m.metrics();
+    let uuid =
+        metrics.lines().find_map(|l| l.strip_prefix("vgpu_device_busy_seconds_total{device=\"cpu0\",uuid=\"")).and_then(|r| r.split('"').next()).expect("the device's uuid in the metrics").to_string();
+    let smi = |args: &[&str]| {
+        let mut c = std::process::Command::new(bin("vgpu-smi"));
+        c.args(args).arg("--socket").arg(&a);
+        c.output().expect("vgpu-smi")
+    };
+    let text = |o: &std::process::Output| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let o = smi(&["-L"]);
+    assert!(o.status.success() && text(&o).starts_with("GPU 0: ") && text(&o).trim_end().ends_with(&format!("(UUID: {uuid})")), "{}", text(&o));
+    let o = smi(&["--query-gpu=name,uuid,memory.total,memory.used,utilization.gpu", "--format=csv,noheader,nounits"]);
+    let out = text(&o);
+    let vals: Vec<&str> = out.trim().split(", ").collect();
+    assert!(o.status.success() && vals.len() == 5, "{out}");
+    assert_eq!((vals[1], vals[2]), (uuid.as_str(), "96"), "{out}");
+    assert!(vals[3].parse::<u64>().is_ok() && vals[4].parse::<u64>().is_ok_and(|u| u <= 100), "{out}");
+    let o = smi(&["--query-gpu=memory.total,utilization.gpu", "--format=csv"]);
+    let out = text(&o);
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("memory.total [MiB], utilization.gpu [%]"), "{out}");
+    assert!(lines.next().is_some_and(|l| l.starts_with("96 MiB, ") && l.ends_with(" %")), "{out}");
+    let o = smi(&["-q"]);
+    assert!(o.status.success() && text(&o).contains(&format!("GPU UUID                      : {uuid}")) && text(&o).contains("Total                     : 96 MiB"), "{}", text(&o));
+    let o = smi(&["--version"]);
+    assert!(o.status.success() && text(&o).starts_with("vgpu-smi "), "{}", text(&o));
+    // What it cannot answer is refused as a usage error, never a table.
+    for bad in [&["-o", "xml"][..], &["--query-gpu=temperature.gpu", "--format=csv"], &["--query-gpu=name"], &["--query-gpu=name", "--format=xml"], &["-i", "1"]] {
+        let o = smi(bad);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", text(&o));
+        assert!(o.stdout.is_empty(), "{bad:?}: {}", text(&o));
+    }
 }

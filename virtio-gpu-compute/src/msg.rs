@@ -776,6 +776,12 @@ pub fn fixed_name<const N: usize>(s: &str) -> [u8; N] {
     out
 }
 
+/// A device UUID as NVIDIA's tools print it: `GPU-` and 8-4-4-4-12 hex.
+pub fn uuid_text(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
 /// Reads a NUL-padded fixed name field.
 pub fn name_str(b: &[u8]) -> String {
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());

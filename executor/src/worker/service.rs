@@ -380,11 +380,7 @@ pub enum Prepared {
     Work(Work),
 }
 
-/// A device UUID as NVIDIA tools print it: `GPU-` and 8-4-4-4-12 hex.
-pub fn uuid_text(u: &[u8; 16]) -> String {
-    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
-}
+pub use virtio_gpu_compute::uuid_text;
 
 pub struct DeviceService {
     pub backend: Arc<dyn Backend>,
