@@ -6,3 +6,6 @@ pub mod http;
 #[cfg(feature = "server")]
 pub mod serve;
 pub mod vm;
+
+/// The one size type and grammar of every API, config and command line.
+pub use virtio_gpu_compute::size::{Size, SizeError};

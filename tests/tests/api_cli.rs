@@ -96,6 +96,22 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
         assert!(!ok && text.contains(want), "{args:?}: {text}");
     }
 
+    // One size grammar: a bad size is a usage error (exit 2) before any
+    // request; decimal units and fractions are sizes too.
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "create", "odd", "--memory", "12XB"]);
+    assert_eq!(c.output().expect("vgpuctl").status.code(), Some(2));
+    for (size, bytes) in [("1.5MiB", 3u64 << 19), ("2MB", 2_000_000), ("3Mi", 3 << 20)] {
+        let name = format!("sz{bytes}");
+        let mut c = m.vgpuctl();
+        c.args(["tenant", "create", &name, "--memory", size]);
+        assert!(out(c).0, "--memory {size}");
+        let (_, t) = m.api("GET", &format!("/tenants/{name}"), None);
+        assert_eq!(t["memory"].as_u64(), Some(bytes), "--memory {size}: {t}");
+        let (st, _) = m.api("DELETE", &format!("/tenants/{name}"), None);
+        assert!(st < 300);
+    }
+
     let mut c = m.vgpuctl();
     c.args(["tenant", "delete", "web"]);
     assert!(out(c).0);

@@ -25,7 +25,8 @@ struct Cli {
     /// Number of CPU reference devices.
     #[arg(long)]
     cpu_devices: Option<u32>,
-    /// Memory of each CPU device (bytes, or with a KiB/MiB/GiB suffix).
+    /// Memory of each CPU device (bytes, or a number with a unit: KiB, MiB,
+    /// GiB, TiB; KB, MB, GB, TB; such as 1.5GiB).
     #[arg(long)]
     device_memory: Option<Size>,
     /// Cost units (about one per instruction) one kernel launch may spend

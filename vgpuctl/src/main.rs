@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
-use vgpu_api::http;
+use vgpu_api::{http, Size};
 
 #[derive(Parser)]
 #[command(name = "vgpuctl", version, about = "Manage vGPU devices and tenants")]
@@ -134,9 +134,10 @@ enum TenantCmd {
     /// Create a tenant and print its socket path.
     Create {
         name: String,
-        /// Memory quota: bytes, or with a KiB/MiB/GiB suffix.
+        /// Memory quota: bytes, or a number with a unit (KiB, MiB, GiB,
+        /// TiB; KB, MB, GB, TB), such as 256MiB or 1.5GiB.
         #[arg(long)]
-        memory: String,
+        memory: Size,
         /// Compute share weight (1..=10000).
         #[arg(long, default_value_t = 1)]
         weight: u32,
@@ -169,7 +170,7 @@ enum TenantCmd {
         /// Host memory the tenant's objects may keep in its worker
         /// (default: the mediator's devices.tenant_host_memory).
         #[arg(long)]
-        host_memory: Option<String>,
+        host_memory: Option<Size>,
         /// Client connections the tenant may hold at once (default: the
         /// mediator's devices.tenant_connections).
         #[arg(long)]
@@ -192,7 +193,7 @@ enum TenantCmd {
         /// New memory quota. A smaller one must still cover what the
         /// tenant has allocated.
         #[arg(long)]
-        memory: Option<String>,
+        memory: Option<Size>,
     },
     Delete {
         name: String,
@@ -408,17 +409,20 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     match &cli.cmd {
         Cmd::Tenant(TenantCmd::Create { name, memory, weight, cap, priority, device, pool, numa_node, vm, owner, mode, host_memory, max_connections }) => {
-            let mut body = json!({ "name": name, "memory": memory, "weight": weight, "priority": priority.as_str(), "kind": if *vm { "vm" } else { "process" } });
+            let mut body = json!({ "name": name, "memory": memory.0, "weight": weight, "priority": priority.as_str(), "kind": if *vm { "vm" } else { "process" } });
             if let Some(c) = cap {
                 body["cap"] = json!(c);
             }
             if let Some(n) = numa_node {
                 body["numa_node"] = json!(n);
             }
-            for (key, v) in [("device", device), ("pool", pool), ("owner", owner), ("mode", mode), ("host_memory", host_memory)] {
+            for (key, v) in [("device", device), ("pool", pool), ("owner", owner), ("mode", mode)] {
                 if let Some(v) = v {
                     body[key] = json!(v);
                 }
+            }
+            if let Some(h) = host_memory {
+                body["host_memory"] = json!(h.0);
             }
             if let Some(c) = max_connections {
                 body["max_connections"] = json!(c);
@@ -491,7 +495,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 body["priority"] = json!(p.as_str());
             }
             if let Some(m) = memory {
-                body["memory"] = json!(m);
+                body["memory"] = json!(m.0);
             }
             let v = patch(cli, &format!("/tenants/{name}"), body, "--weight, --cap, --priority or --memory")?;
             if json_out {

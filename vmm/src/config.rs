@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Deserializer, Serialize};
-use virtio_gpu_compute::size::{NumberOrText, Size};
+use virtio_gpu_compute::size::{number_or_text, Size};
 
 /// Most vCPUs one VM may have (the MP table and the APIC ids fit in 8 bits).
 pub const MAX_VCPUS: u32 = 64;
@@ -70,10 +70,7 @@ impl std::str::FromStr for MemMiB {
 
 impl<'de> Deserialize<'de> for MemMiB {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        match NumberOrText::deserialize(d)? {
-            NumberOrText::Number(n) => Ok(MemMiB(n)),
-            NumberOrText::Text(s) => s.parse().map_err(serde::de::Error::custom),
-        }
+        number_or_text(d, "a memory size: MiB, or a string such as \"2GiB\"", |n| Ok(MemMiB(n)), str::parse)
     }
 }
 
