@@ -5,6 +5,7 @@
 pub mod api;
 pub mod client;
 pub mod drm;
+pub mod nvml;
 pub mod ptxlink;
 pub mod ring;
 pub mod transport;

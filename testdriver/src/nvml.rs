@@ -10,49 +10,12 @@
 
 use std::ffi::{c_char, c_uint, c_void};
 
+use virtio_gpu_compute::nvml::*;
+
 use crate::config::{uuid_text, Device};
 use crate::driver;
 
-pub type NvmlReturn = c_uint;
-const SUCCESS: NvmlReturn = 0;
-const UNINITIALIZED: NvmlReturn = 1;
-const INVALID_ARGUMENT: NvmlReturn = 2;
-const NOT_FOUND: NvmlReturn = 6;
-const INSUFFICIENT_SIZE: NvmlReturn = 7;
-const DRIVER_NOT_LOADED: NvmlReturn = 9;
-const UNKNOWN: NvmlReturn = 999;
-
-/// `nvmlPciInfo_t` (the `_v3` query's layout).
-#[repr(C)]
-pub struct PciInfo {
-    pub bus_id_legacy: [c_char; 16],
-    pub domain: c_uint,
-    pub bus: c_uint,
-    pub device: c_uint,
-    pub pci_device_id: c_uint,
-    pub pci_sub_system_id: c_uint,
-    pub bus_id: [c_char; 32],
-}
-
-/// `nvmlMemory_v2_t`.
-#[repr(C)]
-pub struct MemoryV2 {
-    pub version: c_uint,
-    pub total: u64,
-    pub reserved: u64,
-    pub free: u64,
-    pub used: u64,
-}
-
 static INITED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-fn entry(f: impl FnOnce() -> Result<(), NvmlReturn>) -> NvmlReturn {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(Ok(())) => SUCCESS,
-        Ok(Err(e)) => e,
-        Err(_) => UNKNOWN,
-    }
-}
 
 fn ready() -> Result<(), NvmlReturn> {
     if INITED.load(std::sync::atomic::Ordering::Acquire) {
@@ -80,30 +43,6 @@ fn dev_of(h: *mut c_void) -> Result<(usize, Option<u32>, Option<&'static Device>
     Ok((g, m, driver().devices.iter().find(|d| d.gpu == g && d.mig == m)))
 }
 
-fn put_str(s: &str, buf: *mut c_char, len: c_uint) -> Result<(), NvmlReturn> {
-    if buf.is_null() {
-        return Err(INVALID_ARGUMENT);
-    }
-    if s.len() >= len as usize {
-        return Err(INSUFFICIENT_SIZE);
-    }
-    // SAFETY: the caller's buffer holds len > s.len() bytes.
-    unsafe {
-        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
-        buf.add(s.len()).write(0);
-    }
-    Ok(())
-}
-
-fn put<T>(p: *mut T, v: T) -> Result<(), NvmlReturn> {
-    if p.is_null() {
-        return Err(INVALID_ARGUMENT);
-    }
-    // SAFETY: non-null out-pointer for a T.
-    unsafe { p.write(v) };
-    Ok(())
-}
-
 #[no_mangle]
 pub extern "C" fn nvmlInit_v2() -> NvmlReturn {
     entry(|| {
@@ -125,23 +64,14 @@ pub extern "C" fn nvmlShutdown() -> NvmlReturn {
 
 #[no_mangle]
 pub extern "C" fn nvmlErrorString(r: NvmlReturn) -> *const c_char {
-    let s: &'static [u8] = match r {
-        SUCCESS => b"Success\0",
-        UNINITIALIZED => b"Uninitialized\0",
-        INVALID_ARGUMENT => b"Invalid Argument\0",
-        NOT_FOUND => b"Not Found\0",
-        INSUFFICIENT_SIZE => b"Insufficient Size\0",
-        DRIVER_NOT_LOADED => b"Driver Not Loaded\0",
-        _ => b"Unknown Error\0",
-    };
-    s.as_ptr().cast()
+    error_string(r)
 }
 
 #[no_mangle]
 pub extern "C" fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) -> NvmlReturn {
     entry(|| {
         ready()?;
-        put_str("580.0-vgpu-testdriver", buf, len)
+        put_text(buf, len, "580.0-vgpu-testdriver")
     })
 }
 
@@ -184,7 +114,7 @@ pub extern "C" fn nvmlDeviceGetName(h: *mut c_void, buf: *mut c_char, len: c_uin
             (None, None) => "NVIDIA test double (vgpu-testdriver)".into(),
             (Some(_), None) => return Err(INVALID_ARGUMENT),
         };
-        put_str(&name, buf, len)
+        put_text(buf, len, &name)
     })
 }
 
@@ -203,7 +133,7 @@ pub extern "C" fn nvmlDeviceGetUUID(h: *mut c_void, buf: *mut c_char, len: c_uin
             }
             None => return Err(INVALID_ARGUMENT),
         };
-        put_str(&text, buf, len)
+        put_text(buf, len, &text)
     })
 }
 

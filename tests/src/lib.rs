@@ -34,14 +34,16 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
-/// The shim's directory, with the `libcuda.so.1` name programs load.
+/// The shim's directory, with the `libcuda.so.1` and `libnvidia-ml.so.1`
+/// names programs load (one shared object answers both).
 pub fn lib_dir() -> PathBuf {
     let d = bin_dir();
     let so = d.join("libcuda.so");
     assert!(so.exists(), "{} is missing: build the workspace first", so.display());
-    let so1 = d.join("libcuda.so.1");
-    if !so1.exists() {
-        let _ = std::os::unix::fs::symlink("libcuda.so", &so1);
+    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+        if !d.join(name).exists() {
+            let _ = std::os::unix::fs::symlink("libcuda.so", d.join(name));
+        }
     }
     d
 }

@@ -278,3 +278,30 @@ fn the_worker_answers_every_device_attribute() {
     assert_eq!((t[41], t[83], t[95], t[115]), (1, 0, 0, 0), "unified addressing on; managed memory, cooperative launch, pools off");
     assert!((1..=138).all(|a| t[a] != attrs::UNSUPPORTED), "{t:?}");
 }
+
+/// pynvml reads the tenant's GPU from the vGPU's libnvidia-ml.so.1 (the
+/// same shared object as libcuda.so.1): one device, the metrics' UUID,
+/// memory as the quota, a utilization, and NOT_SUPPORTED for what a vGPU
+/// has no value for.
+#[test]
+fn pynvml_sees_the_tenants_gpu_with_its_quota_and_the_metrics_uuid() {
+    let m = Mediator::start(&["--device-memory", "512MiB"]);
+    let sock = m.tenant("nvml", "192MiB");
+    run_ok(sample("vectorAdd", &sock));
+    let mut c = Command::new(pyenv().join("bin/python"));
+    c.arg(workspace().join("tests/stacks/nvml_probe.py")).env("VGPU_SOCKET", &sock).env("LD_LIBRARY_PATH", lib_dir());
+    let out = run_ok(c);
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let metrics = m.metrics();
+    let uuid = metrics.lines().find_map(|l| l.strip_prefix("vgpu_device_busy_seconds_total{device=\"cpu0\",uuid=\"")).and_then(|r| r.split('"').next()).expect("uuid in the metrics");
+    assert_eq!((v["count"].as_u64(), v["uuid"].as_str(), v["total"].as_u64()), (Some(1), Some(uuid), Some(QUOTA)), "{v}");
+    assert_eq!(v["used"].as_u64().zip(v["free"].as_u64()).map(|(u, f)| u + f), Some(QUOTA), "{v}");
+    assert!(v["util"].as_u64().is_some_and(|u| u <= 100), "{v}");
+    assert_eq!((v["by_uuid"].as_bool(), v["temperature"].as_str(), v["second"].as_str(), v["processes"].as_u64()), (Some(true), Some("not supported"), Some("invalid argument"), Some(0)), "{v}");
+    assert!(v["name"].as_str().is_some_and(|n| !n.is_empty()) && v["cuda"].as_i64().is_some_and(|c| c >= 12000), "{v}");
+    // Without a vGPU, nvmlInit says so instead of crashing.
+    let mut c = Command::new(pyenv().join("bin/python"));
+    c.args(["-c", "import pynvml\ntry:\n    pynvml.nvmlInit()\nexcept pynvml.NVMLError as e:\n    print('refused:', e)\n"]).env("VGPU_SOCKET", "/nonexistent.sock").env("LD_LIBRARY_PATH", lib_dir());
+    let out = run_ok(c);
+    assert!(out.contains("refused: Driver Not Loaded"), "{out}");
+}

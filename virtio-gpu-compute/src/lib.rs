@@ -12,6 +12,7 @@ pub mod capset;
 pub mod cuda;
 pub mod fatbin;
 pub mod msg;
+pub mod nvml;
 pub mod ring;
 pub mod size;
 pub mod virtio_gpu;

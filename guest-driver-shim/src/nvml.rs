@@ -1,0 +1,336 @@
+//! The NVML queries monitoring tools and frameworks make (nvitop, gpustat,
+//! pynvml, PyTorch), answered for the one GPU a tenant sees. The same
+//! shared object is installed as `libnvidia-ml.so.1` beside
+//! `libcuda.so.1`, so no NVIDIA library is needed in the guest.
+//!
+//! What they answer: one device (index 0); its name, UUID (as the
+//! mediator's metrics print it) and compute capability; memory as the
+//! tenant's quota (total), what it holds (used) and the rest (free);
+//! utilization as the tenant's share of the device's time since the
+//! previous query. What a vGPU has no value for (temperature, power, fans,
+//! clocks, PCI address, the processes of other tenants) answers
+//! `NVML_ERROR_NOT_SUPPORTED`, as NVML does on NVIDIA's own vGPUs. The
+//! tenant's own processes are not known to the device, so the process
+//! lists are empty.
+
+// These are C entry points: their callers hold NVML's contract for every
+// pointer they pass, as with NVIDIA's library, so they are not `unsafe fn`
+// to Rust; each dereference says what it relies on.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use virtio_gpu_compute::nvml::*;
+use virtio_gpu_compute::{name_str, uuid_text, DeviceInfo, TenantInfo};
+
+use crate::client::Client;
+
+/// The one device's handle.
+const HANDLE: usize = 0x76_6770;
+
+struct Session {
+    client: Client,
+    /// Inits not yet shut down.
+    refs: u32,
+    /// The tenant's device time at the previous utilization query.
+    last: (Instant, u64),
+}
+
+static SESSION: Mutex<Option<Session>> = Mutex::new(None);
+
+fn session<T>(f: impl FnOnce(&mut Session) -> Result<T, NvmlReturn>) -> Result<T, NvmlReturn> {
+    let mut g = SESSION.lock().unwrap_or_else(|e| e.into_inner());
+    f(g.as_mut().ok_or(UNINITIALIZED)?)
+}
+
+fn device(h: *mut c_void) -> Result<DeviceInfo, NvmlReturn> {
+    if h as usize != HANDLE {
+        return Err(INVALID_ARGUMENT);
+    }
+    session(|s| s.client.device_info().map_err(|_| UNKNOWN))
+}
+
+fn tenant(h: *mut c_void) -> Result<TenantInfo, NvmlReturn> {
+    if h as usize != HANDLE {
+        return Err(INVALID_ARGUMENT);
+    }
+    session(|s| s.client.tenant_info().map_err(|_| UNKNOWN))
+}
+
+fn init() -> NvmlReturn {
+    entry(|| {
+        let mut g = SESSION.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = g.as_mut() {
+            s.refs += 1;
+            return Ok(());
+        }
+        let client = Client::from_env().map_err(|_| DRIVER_NOT_LOADED)?;
+        let ns = client.tenant_info().map_err(|_| DRIVER_NOT_LOADED)?.device_ns;
+        *g = Some(Session { client, refs: 1, last: (Instant::now(), ns) });
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInit_v2() -> NvmlReturn {
+    init()
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInit() -> NvmlReturn {
+    init()
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> NvmlReturn {
+    init()
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlShutdown() -> NvmlReturn {
+    entry(|| {
+        let mut g = SESSION.lock().unwrap_or_else(|e| e.into_inner());
+        let s = g.as_mut().ok_or(UNINITIALIZED)?;
+        s.refs -= 1;
+        if s.refs == 0 {
+            *g = None;
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlErrorString(r: NvmlReturn) -> *const c_char {
+    error_string(r)
+}
+
+fn driver_text() -> String {
+    let v = crate::api::DRIVER_VERSION;
+    format!("{}.{}", v / 1000, v % 1000 / 10)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) -> NvmlReturn {
+    entry(|| session(|_| Ok(())).and_then(|()| put_text(buf, len, &driver_text())))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlSystemGetNVMLVersion(buf: *mut c_char, len: c_uint) -> NvmlReturn {
+    entry(|| put_text(buf, len, &driver_text()))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlSystemGetCudaDriverVersion(v: *mut c_int) -> NvmlReturn {
+    entry(|| put(v, crate::api::DRIVER_VERSION))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlSystemGetCudaDriverVersion_v2(v: *mut c_int) -> NvmlReturn {
+    nvmlSystemGetCudaDriverVersion(v)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetCount_v2(n: *mut c_uint) -> NvmlReturn {
+    entry(|| session(|_| Ok(())).and_then(|()| put(n, 1)))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetCount(n: *mut c_uint) -> NvmlReturn {
+    nvmlDeviceGetCount_v2(n)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetHandleByIndex_v2(i: c_uint, h: *mut *mut c_void) -> NvmlReturn {
+    entry(|| {
+        session(|_| Ok(()))?;
+        if i != 0 {
+            return Err(INVALID_ARGUMENT);
+        }
+        put(h, HANDLE as *mut c_void)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetHandleByIndex(i: c_uint, h: *mut *mut c_void) -> NvmlReturn {
+    nvmlDeviceGetHandleByIndex_v2(i, h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, h: *mut *mut c_void) -> NvmlReturn {
+    entry(|| {
+        if uuid.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: a NUL-terminated string, by NVML's contract.
+        let want = unsafe { std::ffi::CStr::from_ptr(uuid) }.to_string_lossy().into_owned();
+        let d = device(HANDLE as *mut c_void)?;
+        if uuid_text(&d.uuid) != want {
+            return Err(NOT_FOUND);
+        }
+        put(h, HANDLE as *mut c_void)
+    })
+}
+
+/// The tenant sees one GPU, whatever PCI address CUDA reported for it
+/// (PyTorch looks its device up this way, and asserts that it is found).
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(bus: *const c_char, h: *mut *mut c_void) -> NvmlReturn {
+    entry(|| {
+        if bus.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        device(HANDLE as *mut c_void)?;
+        put(h, HANDLE as *mut c_void)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetHandleByPciBusId(bus: *const c_char, h: *mut *mut c_void) -> NvmlReturn {
+    nvmlDeviceGetHandleByPciBusId_v2(bus, h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetIndex(h: *mut c_void, i: *mut c_uint) -> NvmlReturn {
+    entry(|| device(h).and_then(|_| put(i, 0)))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetName(h: *mut c_void, buf: *mut c_char, len: c_uint) -> NvmlReturn {
+    entry(|| device(h).and_then(|d| put_text(buf, len, &name_str(&d.name))))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetUUID(h: *mut c_void, buf: *mut c_char, len: c_uint) -> NvmlReturn {
+    entry(|| device(h).and_then(|d| put_text(buf, len, &uuid_text(&d.uuid))))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetCudaComputeCapability(h: *mut c_void, major: *mut c_int, minor: *mut c_int) -> NvmlReturn {
+    entry(|| {
+        let d = device(h)?;
+        put(major, d.cc_major as c_int)?;
+        put(minor, d.cc_minor as c_int)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetMemoryInfo(h: *mut c_void, m: *mut Memory) -> NvmlReturn {
+    entry(|| {
+        let t = tenant(h)?;
+        put(m, Memory { total: t.quota, free: t.quota.saturating_sub(t.used), used: t.used })
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetMemoryInfo_v2(h: *mut c_void, m: *mut MemoryV2) -> NvmlReturn {
+    entry(|| {
+        if m.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null; the caller set `version` in its struct.
+        if unsafe { (*m).version } != MEMORY_V2 {
+            return Err(INVALID_ARGUMENT);
+        }
+        let t = tenant(h)?;
+        put(m, MemoryV2 { version: MEMORY_V2, total: t.quota, reserved: 0, free: t.quota.saturating_sub(t.used), used: t.used })
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetUtilizationRates(h: *mut c_void, u: *mut Utilization) -> NvmlReturn {
+    entry(|| {
+        if h as usize != HANDLE {
+            return Err(INVALID_ARGUMENT);
+        }
+        let gpu = session(|s| {
+            let ns = s.client.tenant_info().map_err(|_| UNKNOWN)?.device_ns;
+            let now = Instant::now();
+            let (t0, ns0) = std::mem::replace(&mut s.last, (now, ns));
+            let wall = now.duration_since(t0).as_nanos().max(1) as f64;
+            Ok((100.0 * ns.saturating_sub(ns0) as f64 / wall).round().min(100.0) as c_uint)
+        })?;
+        put(u, Utilization { gpu, memory: 0 })
+    })
+}
+
+/// The tenant's processes are not known to the device: an empty list.
+fn no_processes(h: *mut c_void, count: *mut c_uint) -> NvmlReturn {
+    entry(|| device(h).and_then(|_| put(count, 0)))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(h: *mut c_void, count: *mut c_uint, _infos: *mut c_void) -> NvmlReturn {
+    no_processes(h, count)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(h: *mut c_void, count: *mut c_uint, _infos: *mut c_void) -> NvmlReturn {
+    no_processes(h, count)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetComputeRunningProcesses(h: *mut c_void, count: *mut c_uint, _infos: *mut c_void) -> NvmlReturn {
+    no_processes(h, count)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(h: *mut c_void, count: *mut c_uint, _infos: *mut c_void) -> NvmlReturn {
+    no_processes(h, count)
+}
+
+/// Queries a vGPU has no value for.
+fn not_supported(h: *mut c_void) -> NvmlReturn {
+    entry(|| device(h).and(Err(NOT_SUPPORTED)))
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetTemperature(h: *mut c_void, _sensor: c_uint, _t: *mut c_uint) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetPowerUsage(h: *mut c_void, _mw: *mut c_uint) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetEnforcedPowerLimit(h: *mut c_void, _mw: *mut c_uint) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetFanSpeed(h: *mut c_void, _pct: *mut c_uint) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetClockInfo(h: *mut c_void, _clock: c_uint, _mhz: *mut c_uint) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetPciInfo_v3(h: *mut c_void, _pci: *mut c_void) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetPersistenceMode(h: *mut c_void, _mode: *mut c_uint) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetNvLinkRemoteDeviceType(h: *mut c_void, _link: c_uint, _kind: *mut c_uint) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(h: *mut c_void, _link: c_uint, _pci: *mut c_void) -> NvmlReturn {
+    not_supported(h)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetGpuFabricInfoV(h: *mut c_void, _info: *mut c_void) -> NvmlReturn {
+    not_supported(h)
+}
