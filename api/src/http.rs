@@ -29,9 +29,18 @@ impl Response {
     }
 }
 
+/// How long a request waits for its answer unless it says otherwise.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);
+
 pub fn request(socket: &Path, method: &str, path: &str, body: Option<&[u8]>) -> Result<Response, HttpError> {
+    request_waiting(socket, method, path, body, DEFAULT_WAIT)
+}
+
+/// A request whose answer may take up to `wait` (a VM's stop waits for
+/// its guest).
+pub fn request_waiting(socket: &Path, method: &str, path: &str, body: Option<&[u8]>, wait: Duration) -> Result<Response, HttpError> {
     let mut s = UnixStream::connect(socket).map_err(|err| HttpError::Connect { path: socket.display().to_string(), err })?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    s.set_read_timeout(Some(wait))?;
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
     if let Some(b) = body {
         req.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", b.len()));

@@ -394,8 +394,16 @@ fn call_at(api: &std::path::Path, method: &str, path: &str, body: Option<Value>)
 }
 
 fn call_status(api: &std::path::Path, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<(u16, Value)> {
+    call_waiting(api, method, path, body, http::DEFAULT_WAIT)
+}
+
+/// The longest a VM's stop may take: the daemon caps a stop's timeout at
+/// an hour, and a delete or reboot stops the VM first.
+const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(3600 + 30);
+
+fn call_waiting(api: &std::path::Path, method: &str, path: &str, body: Option<Value>, wait: std::time::Duration) -> anyhow::Result<(u16, Value)> {
     let body = body.map(|b| b.to_string());
-    let r = http::request(api, method, path, body.as_deref().map(str::as_bytes))?;
+    let r = http::request_waiting(api, method, path, body.as_deref().map(str::as_bytes), wait)?;
     let v: Value = if r.body.is_empty() { Value::Null } else { serde_json::from_slice(&r.body).unwrap_or(Value::String(r.text())) };
     if !(200..300).contains(&r.status) {
         let msg = v.get("error").and_then(Value::as_str).map(str::to_string).unwrap_or_else(|| r.text());
@@ -855,11 +863,13 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd, json_out: bool) -> anyhow::Result<()> {
         VmCmd::Start { name } => one(&call(cli, "POST", &format!("/vms/{name}/start"), None)?),
         VmCmd::Stop { name, timeout } => {
             let q = timeout.map(|t| format!("?timeout={t}")).unwrap_or_default();
-            one(&call(cli, "POST", &format!("/vms/{name}/stop{q}"), None)?)
+            // The answer comes once the guest stopped or the timeout passed.
+            let wait = timeout.map(|t| std::time::Duration::from_secs(t.min(3600) + 30)).unwrap_or(STOP_WAIT);
+            one(&call_waiting(&api_of(cli), "POST", &format!("/vms/{name}/stop{q}"), None, wait)?.1)
         }
-        VmCmd::Reboot { name } => one(&call(cli, "POST", &format!("/vms/{name}/reboot"), None)?),
+        VmCmd::Reboot { name } => one(&call_waiting(&api_of(cli), "POST", &format!("/vms/{name}/reboot"), None, STOP_WAIT)?.1),
         VmCmd::Delete { name } => {
-            let (status, _) = call_status(&api_of(cli), "DELETE", &format!("/vms/{name}"), None)?;
+            let (status, _) = call_waiting(&api_of(cli), "DELETE", &format!("/vms/{name}"), None, STOP_WAIT)?;
             let released = status != 202;
             if json_out {
                 print_json(&json!({ "deleted": name, "released": released }))
