@@ -74,6 +74,15 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     c.args(["device", "list"]);
     let (ok, text) = out(c);
     assert!(ok && text.contains("cpu1") && text.contains("running"), "{text}");
+    // Table mode shows a table (not JSON); an output a verb cannot give is
+    // a usage error.
+    let mut c = m.vgpuctl();
+    c.args(["device", "show", "cpu1"]);
+    let (ok, text) = out(c);
+    assert!(ok && text.starts_with("name:        cpu1") && !text.contains('{'), "{text}");
+    let mut c = m.vgpuctl();
+    c.args(["-o", "json", "metrics"]);
+    assert_eq!(c.output().expect("vgpuctl").status.code(), Some(2));
 
     // Clear errors.
     for (args, want) in [

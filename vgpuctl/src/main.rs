@@ -605,8 +605,31 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Cmd::Device(DeviceCmd::Show { name }) => {
             let v = call(cli, "GET", &format!("/devices/{name}"), None)?;
-            if json_out || s(&v, "kind") != "passthrough" {
+            if json_out {
                 print_json(&v);
+            } else if s(&v, "kind") != "passthrough" {
+                let node = v.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
+                let execs = v.get("executors").and_then(Value::as_array).map(Vec::len).unwrap_or(0);
+                println!(
+                    "name:        {}\nkind:        {}\npool:        {}\nnode:        {}\nstate:       {} (worker pid {}, {} restarts)\nisolation:   {} ({execs} executors)\nlanes:       {}\nmemory:      {} (capacity {}, reserved {}, allocated {}, spilled {}, spill budget {})\ntenants:     {}\nutilization: {:.1}%",
+                    s(&v, "name"),
+                    s(&v, "kind"),
+                    s(&v, "pool"),
+                    if node < 0 { "-".into() } else { node.to_string() },
+                    s(&v, "state"),
+                    u(&v, "worker_pid"),
+                    u(&v, "worker_restarts"),
+                    v.get("isolation").and_then(Value::as_str).unwrap_or("shared"),
+                    u(&v, "lanes"),
+                    human(u(&v, "memory_total")),
+                    human(u(&v, "memory_capacity")),
+                    human(u(&v, "memory_reserved")),
+                    human(u(&v, "memory_allocated")),
+                    human(u(&v, "memory_spilled")),
+                    human(u(&v, "spill_budget")),
+                    u(&v, "tenants"),
+                    v.get("utilization").and_then(Value::as_f64).unwrap_or(0.0) * 100.0,
+                );
             } else {
                 let node = v.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
                 println!(
@@ -736,6 +759,9 @@ node:      {}",
             clap_mangen::Man::new(<Cli as clap::CommandFactory>::command()).render(&mut std::io::stdout())?;
         }
         Cmd::Metrics => {
+            if json_out {
+                return Err(Usage("metrics are Prometheus text: -o json is not offered for them".into()).into());
+            }
             let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
             let r = http::request(&api, "GET", "/metrics", None)?;
             print!("{}", r.text());
