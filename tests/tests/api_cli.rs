@@ -83,6 +83,10 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     let mut c = m.vgpuctl();
     c.args(["-o", "json", "metrics"]);
     assert_eq!(c.output().expect("vgpuctl").status.code(), Some(2));
+    let mut c = m.vgpuctl();
+    c.arg("version");
+    let (ok, text) = out(c);
+    assert!(ok && text.starts_with("vgpuctl ") && text.contains("vgpu-mediatord ") && text.contains("health: ok (2 devices up)"), "{text}");
 
     // Clear errors.
     for (args, want) in [

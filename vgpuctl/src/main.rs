@@ -42,6 +42,8 @@ enum Cmd {
     Pool(PoolCmd),
     /// Prometheus metrics, as the API serves them.
     Metrics,
+    /// vgpuctl's version and the daemon's, and whether the daemon is healthy.
+    Version,
     /// Usage records (the billing file), oldest first.
     Usage {
         /// Records whose interval ends after this time (UNIX seconds).
@@ -757,6 +759,20 @@ node:      {}",
         }
         Cmd::Man => {
             clap_mangen::Man::new(<Cli as clap::CommandFactory>::command()).render(&mut std::io::stdout())?;
+        }
+        Cmd::Version => {
+            let api = api_of(cli);
+            let server = call_at(&api, "GET", "/version", None)?;
+            // 503 while a device's worker restarts: still an answer.
+            let health = http::request(&api, "GET", "/healthz", None).ok().and_then(|r| serde_json::from_slice::<Value>(&r.body).ok()).unwrap_or(Value::Null);
+            if json_out {
+                print_json(&json!({ "client": { "name": "vgpuctl", "version": env!("CARGO_PKG_VERSION") }, "server": server, "health": health }));
+            } else {
+                println!("vgpuctl {}", env!("CARGO_PKG_VERSION"));
+                println!("{} {} at {}", s(&server, "name"), s(&server, "version"), api.display());
+                let down: Vec<&str> = health.get("devices_down").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).collect();
+                println!("health: {} ({} devices up{})", s(&health, "status"), u(&health, "devices_up"), if down.is_empty() { String::new() } else { format!(", down: {}", down.join(", ")) });
+            }
         }
         Cmd::Metrics => {
             if json_out {
