@@ -277,6 +277,11 @@ fn gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant() {
         Reply::Error(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, msg) => assert!(msg.contains("scrub"), "{msg}"),
         r => panic!("the unscrubbed bytes must not be read: {r:?}"),
     }
+    // Asking again does not get them either: the context is unusable.
+    match raw.call(Request::MemcpyDtoH(read)) {
+        Reply::Error(_, msg) => assert!(msg.contains("scrub"), "{msg}"),
+        r => panic!("a retry must not read the unscrubbed bytes: {r:?}"),
+    }
     match raw.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })) {
         Reply::Error(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, msg) => assert!(msg.contains("quarantined"), "{msg}"),
         r => panic!("a quarantined device must refuse allocations: {r:?}"),

@@ -217,7 +217,10 @@ impl TenantCtx {
 
     fn current(&self) -> Result<(), BackendError> {
         if self.poisoned || !self.alive {
-            return Err(BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "the tenant's device context is unusable after a kernel fault; destroy its contexts to start afresh"));
+            return Err(BackendError::new(
+                CuResult::CUDA_ERROR_ILLEGAL_ADDRESS,
+                "the tenant's device context is unusable after a kernel fault or a failed scrub check; destroy its contexts to start afresh",
+            ));
         }
         // SAFETY: ctx is a live context owned by this value.
         check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
@@ -642,6 +645,12 @@ impl CudaBackend {
             check(unsafe { cu::cuEventRecord(ev, t.stream) }, "cuEventRecord")?;
             Ok(lens)
         })();
+        if r.is_err() {
+            // Reads queued before the failure land in the buffer: none may
+            // still be in flight when it is next filled.
+            // SAFETY: the stream belongs to the current context.
+            unsafe { cu::cuStreamSynchronize(t.stream) };
+        }
         let lens = t.note(r)?;
         t.pending_check = Some((d, lens));
         Ok(())
@@ -649,22 +658,37 @@ impl CudaBackend {
 
     /// Waits for the last allocation's sample reads and looks at them; a
     /// non-zero byte quarantines the device.
+    ///
+    /// The check stays pending until it passes. A check that fails, or
+    /// cannot be made, leaves the tenant's context unusable, so no retry
+    /// reaches memory whose scrub was not verified.
     fn settle_check(&self, t: &mut TenantCtx) -> Result<(), BackendError> {
-        let Some((d, lens)) = t.pending_check.take() else { return Ok(()) };
-        let (buf, ev) = t.check_buf()?;
+        let Some((d, lens)) = t.pending_check else { return Ok(()) };
+        let unverified = |t: &mut TenantCtx, e: BackendError| {
+            t.poisoned = true;
+            Err(e)
+        };
+        let (buf, ev) = match t.check_buf() {
+            Ok(b) => b,
+            Err(e) => return unverified(t, e),
+        };
         // SAFETY: the event was recorded after the sample reads.
         let r = check(unsafe { cu::cuEventSynchronize(ev) }, "scrub read-back");
-        t.note(r)?;
+        if let Err(e) = t.note(r) {
+            return unverified(t, e);
+        }
         for (i, len) in lens.into_iter().enumerate() {
-            // SAFETY: the reads into the buffer are done (waited above); it
-            // is this executor's own memory, which no tenant can write.
+            // SAFETY: the reads into the buffer are done (waited above). It
+            // is this executor's pinned memory; a kernel could reach it only
+            // by its address, and no kernel runs before this check passed.
             let got = unsafe { std::slice::from_raw_parts(buf.add(i * SAMPLE_BYTES), len) };
             if got.iter().any(|b| *b != 0) {
                 self.quarantined.store(true, Ordering::Relaxed);
                 tracing::error!(device = %self.desc.name, addr = d, "scrub verification read back non-zero bytes; device quarantined");
-                return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "scrub verification failed; device quarantined"));
+                return unverified(t, BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, "scrub verification failed; device quarantined"));
             }
         }
+        t.pending_check = None;
         Ok(())
     }
 

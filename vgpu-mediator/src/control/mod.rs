@@ -843,17 +843,27 @@ impl Control {
             let _ = self.add_on_worker(&slot, &rec);
         }
         let mut tenants = self.registry();
+        if !tenants.contains_key(&rec.name) {
+            return Err(ControlError::Conflict(format!("tenant {} was deleted while it was being created", rec.name)));
+        }
+        // Saved while it is still being created (no delete can run then),
+        // so a tenant is kept only if it would come back after a restart.
+        if let Err(e) = self.save_tenant(&rec) {
+            tenants.remove(&rec.name);
+            drop(tenants);
+            if slot.spec.executors {
+                let _ = slot.remove_on_executor(&rec.name);
+            } else {
+                let _ = slot.call(WorkerCmd::RemoveTenant { name: rec.name.clone() }, STATS_TIMEOUT);
+            }
+            return Err(e);
+        }
         let Some(r) = tenants.get_mut(&rec.name) else {
             return Err(ControlError::Conflict(format!("tenant {} was deleted while it was being created", rec.name)));
         };
         r.state = TenantPhase::Ready;
         let rec = r.clone();
         drop(tenants);
-        if let Err(e) = self.save_tenant(&rec) {
-            // A tenant that would not come back after a restart is not kept.
-            let _ = self.delete_tenant(&rec.name);
-            return Err(e);
-        }
         info!(tenant = %rec.name, device = %rec.device, quota = rec.memory, "tenant created");
         Ok(rec)
     }
@@ -947,7 +957,13 @@ impl Control {
         }
         info!(tenant = %name, weight = after.weight, cap = ?after.cap, priority = after.priority.as_str(), memory = after.memory, "tenant changed");
         // The change is live; said plainly when a restart would undo it.
-        self.save_tenant(&after)?;
+        // Saved under the registry's lock, only while the tenant is still
+        // there: a delete that ran meanwhile is not undone.
+        let tenants = self.registry();
+        if tenants.get(name).is_some_and(|t| t.state == TenantPhase::Ready) {
+            self.save_tenant(&after)?;
+        }
+        drop(tenants);
         Ok(after)
     }
 

@@ -18,7 +18,7 @@
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -43,6 +43,8 @@ pub enum StoreError {
     },
     #[error("{path} is not a state file this daemon can read ({why}); move it away to start without it")]
     Unreadable { path: String, why: String },
+    #[error("{path}: {why}; refusing to use it")]
+    Unsafe { path: String, why: String },
 }
 
 fn io(path: &Path, err: std::io::Error) -> StoreError {
@@ -77,7 +79,13 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    // A leftover from a crash goes; the new one is made afresh (O_EXCL:
+    // never through a link planted at its name).
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(&tmp)?;
     f.write_all(bytes)?;
     f.sync_all()?;
     drop(f);
@@ -116,9 +124,20 @@ pub struct Store {
 
 impl Store {
     /// The store under `state_dir`, its `tenants/` made (0700) if missing.
+    /// A `tenants/` that is a link, is not ours, or that others may write
+    /// is refused: what is in it decides who owns which socket.
     pub fn open(state_dir: &Path) -> Result<Store, StoreError> {
         let tenants = state_dir.join("tenants");
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&tenants).map_err(|e| io(&tenants, e))?;
+        let m = std::fs::symlink_metadata(&tenants).map_err(|e| io(&tenants, e))?;
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if !m.is_dir() || m.uid() != me || m.mode() & 0o022 != 0 {
+            return Err(StoreError::Unsafe {
+                path: tenants.display().to_string(),
+                why: format!("a directory of uid {me} that only it may write is needed, not mode {:o} of uid {}", m.mode() & 0o7777, m.uid()),
+            });
+        }
         Ok(Store { dir: state_dir.to_path_buf(), declared_tenants: Mutex::default(), declared_pools: Mutex::default(), pools_lock: Mutex::default() })
     }
 
@@ -250,6 +269,23 @@ mod tests {
         s.remove_tenant("t1").expect("remove");
         s.remove_tenant("t1").expect("removing twice is fine");
         assert!(s.load().expect("load").tenants.is_empty());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_tenants_directory_others_may_write_is_refused_and_a_planted_link_is_not_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = dir("unsafe");
+        let s = Store::open(&d).expect("open");
+        // A link planted at the temporary name is replaced, not written through.
+        let victim = d.join("victim");
+        std::fs::write(&victim, "keep").expect("victim");
+        std::os::unix::fs::symlink(&victim, d.join("tenants/t1.json.tmp")).expect("link");
+        s.save_tenant(&spec("t1")).expect("save");
+        assert_eq!(std::fs::read_to_string(&victim).expect("victim"), "keep");
+        std::fs::set_permissions(d.join("tenants"), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let e = Store::open(&d).err().expect("a world-writable tenants dir").to_string();
+        assert!(e.contains("tenants") && e.contains("refusing"), "{e}");
         let _ = std::fs::remove_dir_all(&d);
     }
 
