@@ -19,7 +19,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use virtio_gpu_compute::nvml::*;
@@ -31,7 +31,9 @@ use crate::client::Client;
 const HANDLE: usize = 0x76_6770;
 
 struct Session {
-    client: Client,
+    client: Arc<Client>,
+    /// The process that connected: a forked child connects again.
+    pid: u32,
     /// Inits not yet shut down.
     refs: u32,
     /// The tenant's device time at the previous utilization query.
@@ -45,18 +47,31 @@ fn session<T>(f: impl FnOnce(&mut Session) -> Result<T, NvmlReturn>) -> Result<T
     f(g.as_mut().ok_or(UNINITIALIZED)?)
 }
 
+/// The session's connection, for a query made without holding the lock
+/// (one slow answer does not hold up every other thread's queries).
+fn client() -> Result<Arc<Client>, NvmlReturn> {
+    session(|s| {
+        if s.pid != std::process::id() {
+            // A forked child does not share its parent's connection.
+            s.client = Arc::new(Client::from_env().map_err(|_| DRIVER_NOT_LOADED)?);
+            s.pid = std::process::id();
+        }
+        Ok(s.client.clone())
+    })
+}
+
 fn device(h: *mut c_void) -> Result<DeviceInfo, NvmlReturn> {
     if h as usize != HANDLE {
         return Err(INVALID_ARGUMENT);
     }
-    session(|s| s.client.device_info().map_err(|_| UNKNOWN))
+    client()?.device_info().map_err(|_| UNKNOWN)
 }
 
 fn tenant(h: *mut c_void) -> Result<TenantInfo, NvmlReturn> {
     if h as usize != HANDLE {
         return Err(INVALID_ARGUMENT);
     }
-    session(|s| s.client.tenant_info().map_err(|_| UNKNOWN))
+    client()?.tenant_info().map_err(|_| UNKNOWN)
 }
 
 fn init() -> NvmlReturn {
@@ -68,7 +83,7 @@ fn init() -> NvmlReturn {
         }
         let client = Client::from_env().map_err(|_| DRIVER_NOT_LOADED)?;
         let ns = client.tenant_info().map_err(|_| DRIVER_NOT_LOADED)?.device_ns;
-        *g = Some(Session { client, refs: 1, last: (Instant::now(), ns) });
+        *g = Some(Session { client: Arc::new(client), pid: std::process::id(), refs: 1, last: (Instant::now(), ns) });
         Ok(())
     })
 }
@@ -231,7 +246,7 @@ pub extern "C" fn nvmlDeviceGetMemoryInfo_v2(h: *mut c_void, m: *mut MemoryV2) -
         }
         // SAFETY: non-null; the caller set `version` in its struct.
         if unsafe { (*m).version } != MEMORY_V2 {
-            return Err(INVALID_ARGUMENT);
+            return Err(ARGUMENT_VERSION_MISMATCH);
         }
         let t = tenant(h)?;
         put(m, MemoryV2 { version: MEMORY_V2, total: t.quota, reserved: 0, free: t.quota.saturating_sub(t.used), used: t.used })
@@ -244,8 +259,8 @@ pub extern "C" fn nvmlDeviceGetUtilizationRates(h: *mut c_void, u: *mut Utilizat
         if h as usize != HANDLE {
             return Err(INVALID_ARGUMENT);
         }
+        let ns = client()?.tenant_info().map_err(|_| UNKNOWN)?.device_ns;
         let gpu = session(|s| {
-            let ns = s.client.tenant_info().map_err(|_| UNKNOWN)?.device_ns;
             let now = Instant::now();
             let (t0, ns0) = std::mem::replace(&mut s.last, (now, ns));
             let wall = now.duration_since(t0).as_nanos().max(1) as f64;

@@ -286,4 +286,7 @@ fn gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant() {
         Reply::Error(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, msg) => assert!(msg.contains("quarantined"), "{msg}"),
         r => panic!("a quarantined device must refuse allocations: {r:?}"),
     }
+    // The device says so, in its status and its metric.
+    assert_eq!(m.device("gpu0")["state"], "quarantined");
+    assert_eq!(m.metric("vgpu_device_quarantined", "device=\"gpu0\""), Some(1.0));
 }

@@ -12,6 +12,7 @@ pub const NOT_SUPPORTED: NvmlReturn = 3;
 pub const NOT_FOUND: NvmlReturn = 6;
 pub const INSUFFICIENT_SIZE: NvmlReturn = 7;
 pub const DRIVER_NOT_LOADED: NvmlReturn = 9;
+pub const ARGUMENT_VERSION_MISMATCH: NvmlReturn = 25;
 pub const UNKNOWN: NvmlReturn = 999;
 
 /// `nvmlPciInfo_t` (the `_v3` query's layout).
@@ -74,6 +75,7 @@ pub fn error_string(r: NvmlReturn) -> *const c_char {
         NOT_FOUND => b"Not Found\0",
         INSUFFICIENT_SIZE => b"Insufficient Size\0",
         DRIVER_NOT_LOADED => b"Driver Not Loaded\0",
+        ARGUMENT_VERSION_MISMATCH => b"Argument Version Mismatch\0",
         _ => b"Unknown Error\0",
     };
     s.as_ptr().cast()

@@ -285,6 +285,9 @@ impl DeviceSlot {
         let arbiter = std::mem::take(&mut s.tenants);
         for e in execs {
             let Ok(WorkerMsg::Stats(x)) = e.call(WorkerCmd::Stats, STATS_TIMEOUT) else { continue };
+            // A scrub that failed its check in any executor marks the
+            // device: its memory cannot be trusted for anyone.
+            s.quarantined |= x.quarantined;
             // An executor speaks for its own tenant only, and its device
             // time is what the arbiter's clock charged it, not its word.
             let Some(mut t) = x.tenants.into_iter().find(|t| t.name == e.tenant) else { continue };
