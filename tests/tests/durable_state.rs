@@ -111,3 +111,26 @@ fn a_state_file_that_cannot_be_read_whole_stops_the_start_by_name() {
     m.restart_after(libc::SIGKILL, ARGS);
     assert_eq!(tenant(&m, "keeper")["memory"], 16 << 20);
 }
+
+/// The config file is the only source of what it lists: a saved tenant or
+/// pool of the same name gives way to it and is forgotten, so dropping the
+/// name from the config later does not bring the old one back.
+#[test]
+fn the_config_file_wins_over_a_saved_tenant_or_pool_of_the_same_name() {
+    let mut m = Mediator::start(ARGS);
+    m.tenant_with(json!({ "name": "dup", "memory": "16MiB", "weight": 7 }));
+    let (st, v) = m.api("POST", "/pools", Some(json!({ "name": "pdup", "devices": ["cpu1"] })));
+    assert_eq!(st, 201, "{v}");
+    let cfg = m.run_dir.join("declares.toml");
+    std::fs::write(&cfg, "[devices]\ncpu = 2\nmemory = \"256MiB\"\n\n[[pools]]\nname = \"pdup\"\ndevices = [\"cpu1\"]\naccess = \"private\"\n\n[[tenants]]\nname = \"dup\"\nmemory = \"32MiB\"\nweight = 2\ndevice = \"cpu0\"\n").expect("config");
+    let with_config = ["--config", cfg.to_str().expect("utf-8"), "--usage-interval", "1"];
+    m.restart_after(libc::SIGKILL, &with_config);
+    let t = tenant(&m, "dup");
+    assert_eq!((t["memory"].as_u64(), t["weight"].as_u64()), (Some(32 << 20), Some(2)), "the config file's tenant: {t}");
+    let (_, p) = m.api("GET", "/pools/pdup", None);
+    assert_eq!(p["access"], "private", "the config file's pool: {p}");
+    // Without the config file, neither saved one comes back.
+    m.restart_after(libc::SIGKILL, ARGS);
+    assert_eq!(m.api("GET", "/tenants/dup", None).0, 404);
+    assert_eq!(m.api("GET", "/pools/pdup", None).0, 404);
+}

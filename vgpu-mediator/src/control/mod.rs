@@ -553,7 +553,7 @@ impl Control {
     pub fn restore_pools(&self, saved: &[pool::PoolSpec]) -> Result<(), String> {
         for p in saved {
             if self.store.get().is_some_and(|s| s.is_declared_pool(&p.name)) {
-                warn!(pool = %p.name, "a saved pool has the name of one in the config file; the config file's stands");
+                warn!(pool = %p.name, "a saved pool has the name of one in the config file; the config file's stands and the saved one is forgotten");
                 continue;
             }
             self.create_pool(p).map_err(|e| {
@@ -564,15 +564,21 @@ impl Control {
                 )
             })?;
         }
-        Ok(())
+        // Saved again without the pools the config file now declares.
+        let named = self.pool_map();
+        self.save_pools(&named).map_err(|e| e.to_string())
     }
 
     /// Brings back the tenants an earlier run saved, on the devices and
     /// pools they were placed on, with the same sockets.
     pub fn restore_tenants(&self, saved: &[(TenantSpec, PathBuf)]) -> Result<(), String> {
         for (spec, path) in saved {
-            if self.store.get().is_some_and(|s| s.is_declared_tenant(&spec.name)) {
-                warn!(tenant = %spec.name, "a saved tenant has the name of one in the config file; the config file's stands");
+            if let Some(s) = self.store.get().filter(|s| s.is_declared_tenant(&spec.name)) {
+                // The config file's stands, now and after it drops the name.
+                warn!(tenant = %spec.name, "a saved tenant has the name of one in the config file; the config file's stands and the saved one is forgotten");
+                if let Err(e) = s.remove_tenant(&spec.name) {
+                    warn!(tenant = %spec.name, "{e}");
+                }
                 continue;
             }
             if self.tenant(&spec.name).is_some() {
