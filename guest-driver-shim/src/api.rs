@@ -33,6 +33,11 @@ type H = *mut c_void;
 /// Driver API version reported by `cuDriverGetVersion` (13.0).
 pub const DRIVER_VERSION: c_int = 13000;
 
+/// [`DRIVER_VERSION`] as tools print it ("13.0").
+pub fn driver_version_text() -> String {
+    format!("{}.{}", DRIVER_VERSION / 1000, DRIVER_VERSION % 1000 / 10)
+}
+
 const TAG_CTX: usize = 0xC1;
 const TAG_MOD: usize = 0xC2;
 const TAG_FUNC: usize = 0xC3;

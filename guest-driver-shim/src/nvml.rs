@@ -121,19 +121,14 @@ pub extern "C" fn nvmlErrorString(r: NvmlReturn) -> *const c_char {
     error_string(r)
 }
 
-fn driver_text() -> String {
-    let v = crate::api::DRIVER_VERSION;
-    format!("{}.{}", v / 1000, v % 1000 / 10)
-}
-
 #[no_mangle]
 pub extern "C" fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) -> NvmlReturn {
-    entry(|| session(|_| Ok(())).and_then(|()| put_text(buf, len, &driver_text())))
+    entry(|| session(|_| Ok(())).and_then(|()| put_text(buf, len, &crate::api::driver_version_text())))
 }
 
 #[no_mangle]
 pub extern "C" fn nvmlSystemGetNVMLVersion(buf: *mut c_char, len: c_uint) -> NvmlReturn {
-    entry(|| put_text(buf, len, &driver_text()))
+    entry(|| put_text(buf, len, &crate::api::driver_version_text()))
 }
 
 #[no_mangle]

@@ -124,17 +124,13 @@ impl Probe {
     }
 }
 
-fn driver_version() -> String {
-    format!("{}.{}", cuda::api::DRIVER_VERSION / 1000, cuda::api::DRIVER_VERSION % 1000 / 10)
-}
-
 fn field(s: &Sample, name: &str, units: bool) -> String {
     let mib = |b: u64| if units { format!("{} MiB", b >> 20) } else { (b >> 20).to_string() };
     match name {
         "index" => "0".into(),
         "name" => name_str(&s.d.name),
         "uuid" => uuid_text(&s.d.uuid),
-        "driver_version" => driver_version(),
+        "driver_version" => cuda::api::driver_version_text(),
         "compute_cap" => format!("{}.{}", s.d.cc_major, s.d.cc_minor),
         "memory.total" => mib(s.t.quota),
         "memory.used" => mib(s.t.used),
@@ -155,7 +151,7 @@ fn field(s: &Sample, name: &str, units: bool) -> String {
 fn table(s: &Sample) {
     let (d, t) = (&s.d, &s.t);
     let pct = if t.quota == 0 { 0.0 } else { 100.0 * t.used as f64 / t.quota as f64 };
-    println!("vgpu-smi   protocol v{}   driver API {}", virtio_gpu_compute::VERSION, driver_version());
+    println!("vgpu-smi   protocol v{}   driver API {}", virtio_gpu_compute::VERSION, cuda::api::driver_version_text());
     println!("Device 0   {}   uuid {}   cc {}.{}", name_str(&d.name), uuid_text(&d.uuid), d.cc_major, d.cc_minor);
     println!("Tenant     {}   weight {}", name_str(&t.name), t.weight);
     println!("Memory     {} used / {} quota ({pct:.1}%)", human(t.used), human(t.quota));
@@ -184,7 +180,7 @@ fn json(s: &Sample) {
 
 fn report(s: &Sample) {
     let (d, t) = (&s.d, &s.t);
-    println!("Driver Version                    : {}", driver_version());
+    println!("Driver Version                    : {}", cuda::api::driver_version_text());
     println!("Attached GPUs                     : 1");
     println!("GPU 0");
     println!("    Product Name                  : {}", name_str(&d.name));
