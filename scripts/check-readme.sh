@@ -7,6 +7,10 @@ cd "$ROOT"
 block="$(awk '/^## Using it by hand/{f=1; next} f && /^```sh/{g=1; next} g && /^```/{exit} g' README.md)"
 [ -n "$block" ] || { echo "check-readme: no sh block under 'Using it by hand' in README.md" >&2; exit 1; }
 pkill -f "vgpu-mediatord --run-dir /tmp/vgpu( |$)" 2>/dev/null || true
+# A new user's machine has no /tmp/vgpu: drop what an earlier run left
+# (its state directory would bring alice back and the create would fail).
+for _ in 1 2 3 4 5 6 7 8 9 10; do pgrep -f "vgpu-mediatord --run-dir /tmp/vgpu( |$)" >/dev/null || break; sleep 0.5; done
+rm -rf /tmp/vgpu
 out="$(mktemp)"
 trap 'rm -f "$out" vectorAdd; pkill -f "vgpu-mediatord --run-dir /tmp/vgpu( |$)" 2>/dev/null || true' EXIT
 if ! bash -euo pipefail -c "$block" >"$out" 2>&1; then
