@@ -247,9 +247,9 @@ pub struct DevicesConfig {
     /// Isolation of tenants sharing a device: "process" gives each tenant
     /// an executor process of its own under a uid of its own, scheduled
     /// by the device's arbiter; "shared" serves every tenant of the device
-    /// in one worker process (docs/architecture.md). Unset: "process" on
-    /// GPUs (where NVIDIA's driver isolates processes, not contexts) and
-    /// "shared" on CPU devices.
+    /// in one worker process (docs/architecture.md). Unset: "process",
+    /// except on CPU devices with memory overcommit or spill configured,
+    /// which need "shared".
     #[serde(default)]
     pub isolation: Option<Isolation>,
     /// The uids tenant executors run as, "FIRST-LAST", one per live
@@ -275,9 +275,17 @@ pub enum Isolation {
 }
 
 impl DevicesConfig {
-    /// The isolation of CPU devices: "shared" unless configured.
+    /// The isolation of CPU devices: "process" unless configured, or
+    /// "shared" where memory overcommit or spill is configured and the
+    /// isolation is not (device memory is not brokered between executors).
     pub fn cpu_isolation(&self) -> Isolation {
-        self.isolation.unwrap_or(Isolation::Shared)
+        self.isolation.unwrap_or(if self.needs_shared_memory() { Isolation::Shared } else { Isolation::Process })
+    }
+
+    /// Memory overcommit or spill is configured: both need every tenant of
+    /// a CPU device in one worker process.
+    pub fn needs_shared_memory(&self) -> bool {
+        self.overcommit > 1.0 || self.spill.0 > 0
     }
 
     /// The isolation of GPUs and MIG instances: "process" unless configured.

@@ -57,9 +57,9 @@ struct Cli {
     #[arg(long)]
     pin_lanes: Option<bool>,
     /// How tenants of a device are kept apart: process (an executor
-    /// process per tenant; the default on GPUs) or shared (one worker per
-    /// CPU device; the default there, and what overcommit and spill
-    /// need). Overrides devices.isolation.
+    /// process per tenant; the default) or shared (one worker per CPU
+    /// device; what overcommit and spill need). Overrides
+    /// devices.isolation.
     #[arg(long, value_enum)]
     isolation: Option<vgpu_mediator::config::Isolation>,
     /// Compute capability the CPU devices report and accept PTX for
@@ -406,6 +406,13 @@ fn run() -> anyhow::Result<()> {
             "devices.isolation = \"process\" does not support memory overcommit or spill yet (devices.overcommit {}, devices.spill {}); use isolation \"shared\" for those",
             cfg.devices.overcommit,
             cfg.devices.spill
+        );
+    }
+    if cfg.devices.isolation.is_none() && cfg.devices.needs_shared_memory() && cfg.devices.cpu > 0 {
+        tracing::warn!(
+            overcommit = cfg.devices.overcommit,
+            spill = cfg.devices.spill.0,
+            "CPU devices serve all their tenants in one worker process (isolation \"shared\"): memory overcommit and spill need it; tenants get no executor of their own there"
         );
     }
     let exec_uids = config::parse_uid_range(&cfg.devices.executor_uids).map_err(|e| anyhow::anyhow!("devices.executor_uids: {e}"))?;

@@ -273,7 +273,7 @@ fn tenant_to_first_call(m: &Mediator, n: usize) -> (f64, f64) {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     // --isolation process|shared: how the mediator keeps tenants apart.
-    let isolation = std::env::args().skip_while(|a| a != "--isolation").nth(1).unwrap_or_else(|| "shared".into());
+    let isolation = std::env::args().skip_while(|a| a != "--isolation").nth(1).unwrap_or_else(|| "process".into());
     let m = Mediator::start(&["--device-memory", "1GiB", "--isolation", &isolation]);
     println!("isolation={isolation}");
     let (first_med, first_worst) = tenant_to_first_call(&m, if quick { 10 } else { 40 });

@@ -94,7 +94,7 @@ fn main() {
     let n = if quick { 100 } else { 400 };
     // The device's lanes (one per host core) are what the tenants share.
     // --isolation process|shared: how the mediator keeps tenants apart.
-    let isolation = std::env::args().skip_while(|a| a != "--isolation").nth(1).unwrap_or_else(|| "shared".into());
+    let isolation = std::env::args().skip_while(|a| a != "--isolation").nth(1).unwrap_or_else(|| "process".into());
     println!("isolation={isolation}");
     let m = Mediator::start(&["--device-memory", "512MiB", "--isolation", &isolation]);
     if !std::env::args().any(|a| a == "--latency-only") {
