@@ -15,6 +15,10 @@ use vgpu_tests::*;
 use virtio_gpu_compute::*;
 
 const EVIL_CONNECTIONS: u64 = 16;
+/// Fds a tenant may have waiting to be closed, and most one message
+/// carries (executor/src/worker/conn.rs, docs/threat-model.md).
+const MAX_JUNK_FDS: u64 = 64;
+const MAX_MESSAGE_FDS: u64 = 8;
 const EVIL_HOST: u64 = 64 << 20;
 const EVIL_QUOTA: u64 = 32 << 20;
 const GOOD_QUOTA: u64 = 64 << 20;
@@ -156,11 +160,16 @@ fn attacks_in_a_loop_never_disturb_another_tenant_or_grow_the_worker() {
     assert!(rounds >= 1 && passes >= 3, "{rounds} attack rounds, {passes} victim passes");
     // The bound: no thread at all per connection (a fixed pool serves
     // them), at most two teardown threads; one descriptor per connection
-    // (the evil tenant's and the victim's); RSS grows by at most both
+    // (the evil tenant's and the victim's), plus the fds the tenant sent
+    // that wait for the closer thread (past MAX_JUNK_FDS its connections
+    // are not read, and each connection has at most one message of at
+    // most MAX_MESSAGE_FDS in hand; an executor's closer thread competes
+    // with its lanes for the cores, so the queue does fill under attack);
+    // RSS grows by at most both
     // tenants' device memory, the attacker's host budget and one register
     // file per lane.
     let max_threads = base.threads + 2;
-    let max_fds = base.fds as u64 + EVIL_CONNECTIONS + 2 + 8;
+    let max_fds = base.fds as u64 + EVIL_CONNECTIONS + 2 + 8 + MAX_JUNK_FDS + MAX_MESSAGE_FDS * EVIL_CONNECTIONS;
     // The worker runs one lane per CPU it may use, as this test sees them.
     let lanes = std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1);
     let max_rss = base.rss_kib + (EVIL_HOST + EVIL_QUOTA + GOOD_QUOTA + lanes * REGISTER_FILE) / 1024 + 32 * 1024;
