@@ -63,7 +63,8 @@ def nvrtc_version(nv):
 
 def include_dirs():
     dirs = []
-    for rel in ("cuda_runtime/include", "cuda_cccl/include"):
+    # cuda_nvcc/include holds crt/mma.h, which mma.h (the WMMA API) includes.
+    for rel in ("cuda_runtime/include", "cuda_cccl/include", "cuda_nvcc/include"):
         d = find_in_wheels(rel)
         if d is None:
             sys.exit(f"nvrtc-compile: nvidia/{rel} not found: scripts/setup.sh installs the suite's wheels "

@@ -322,14 +322,23 @@ struct Coll {
     a: u64,
     b: u64,
     c: u64,
-    /// Set once the collective completed: `out` and `outp` are its results.
+    /// Register operands of a matrix instruction (`mma`: A's, B's, then
+    /// C's; `stmatrix`: its sources).
+    v: [u64; MAX_MATRIX_REGS],
+    /// Set once the collective completed: `out` and `outp` are its results
+    /// (`outv` for a matrix instruction's destination registers).
     done: bool,
     out: u64,
     outp: bool,
+    outv: [u64; 8],
     /// The cluster barrier's phase when this thread last arrived on it; kept
     /// across the collectives it may run before it waits.
     cluster_phase: u64,
 }
+
+/// Most register operands a matrix instruction takes from one lane
+/// (`wmma.mma` .m16n16k16 on f16: 8 of A, 8 of B, 8 of C).
+const MAX_MATRIX_REGS: usize = 24;
 
 impl Coll {
     /// Operands of a collective the thread parks on.
@@ -788,17 +797,68 @@ fn resolve_warp(k: &Kernel, b: &mut BlockState, w: usize) -> Result<bool, ExecEr
             members
         };
         settled |= group;
-        complete(op, b, lo, hi, group);
+        complete(op, b, lo, hi, group).map_err(|e| e.at(insts[pc as usize].line))?;
         released = true;
     }
     Ok(released)
 }
 
 /// Computes a collective for the lanes in `group` (bits relative to `lo`).
-fn complete(op: &Op, b: &mut BlockState, lo: usize, hi: usize, group: u32) {
+fn complete(op: &Op, b: &mut BlockState, lo: usize, hi: usize, group: u32) -> Result<(), ExecError> {
     let lanes: Vec<usize> = (0..(hi - lo)).filter(|j| group & (1 << j) != 0).collect();
     let mut results: Vec<(usize, u64, bool)> = Vec::with_capacity(lanes.len());
     match op {
+        Op::Mma(mma) => {
+            let n = mma.a.len() + mma.b.len() + mma.c.len();
+            let coll = &b.coll;
+            let d = crate::mma::run(mma, &|lane| {
+                let j = lane as usize;
+                (group & (1 << j) != 0).then(|| coll[lo + j].v[..n].to_vec())
+            });
+            for &j in &lanes {
+                let c = &mut b.coll[lo + j];
+                c.outv[..d[j].len()].copy_from_slice(&d[j]);
+            }
+            results.extend(lanes.iter().map(|&j| (j, 0, false)));
+        }
+        Op::Ldmatrix { num, trans, space, .. } | Op::Stmatrix { num, trans, space, .. } => {
+            let load = matches!(op, Op::Ldmatrix { .. });
+            // Lane r's address names row r % 8 of matrix r / 8; a lane that
+            // is not in the group gives no row.
+            let row_addr = |b: &BlockState, r: u32| -> Result<usize, ExecError> {
+                let t = r as usize;
+                if group & (1 << t) == 0 {
+                    return Err(ExecError::Failed(format!("matrix row {} needs lane {t}, which did not take part", r % 8)));
+                }
+                let a = b.coll[lo + t].a;
+                // A generic address must fall in the shared window.
+                let off = if *space == Space::Generic { a.wrapping_sub(SHARED_WINDOW) } else { a };
+                if off % 16 != 0 {
+                    return Err(ExecError::Misaligned { addr: a, len: 16, line: 0 });
+                }
+                if off.checked_add(16).is_none_or(|end| end > b.shared.len() as u64) {
+                    return Err(ExecError::IllegalAddress { kind: "shared", addr: a, len: 16, line: 0 });
+                }
+                Ok(off as usize)
+            };
+            for &j in &lanes {
+                for q in 0..*num as u32 {
+                    let mut reg = 0u64;
+                    for h in 0..2 {
+                        let (r, byte) = crate::mma::tile_at(j as u32, q, h, *trans);
+                        let at = row_addr(b, r)? + byte as usize;
+                        if load {
+                            reg |= (u16::from_le_bytes([b.shared[at], b.shared[at + 1]]) as u64) << (16 * h);
+                        } else {
+                            let v = (b.coll[lo + j].v[q as usize] >> (16 * h)) as u16;
+                            b.shared[at..at + 2].copy_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                    b.coll[lo + j].outv[q as usize] = reg;
+                }
+            }
+            results.extend(lanes.iter().map(|&j| (j, 0, false)));
+        }
         Op::Shfl { mode, a, .. } => {
             for &j in &lanes {
                 let lane = j as i64;
@@ -890,6 +950,7 @@ fn complete(op: &Op, b: &mut BlockState, lo: usize, hi: usize, group: u32) {
         c.outp = outp;
         b.st[lo + j] = St::Run;
     }
+    Ok(())
 }
 
 /// Per-thread values an instruction's operands read.
@@ -1064,6 +1125,16 @@ fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8
                 }
                 Op::Vote { d, .. } | Op::Redux { d, .. } | Op::ActiveMask { d } => regs[*d as usize] = cl.out,
                 Op::Bar { d: Some(d), .. } => regs[*d as usize] = cl.out,
+                Op::Mma(m) => {
+                    for (i, d) in m.d.iter().enumerate() {
+                        regs[*d as usize] = cl.outv[i];
+                    }
+                }
+                Op::Ldmatrix { d, .. } => {
+                    for (i, d) in d.iter().enumerate() {
+                        regs[*d as usize] = cl.outv[i];
+                    }
+                }
                 Op::Elect { d, p, .. } => {
                     if let Some(d) = d {
                         regs[*d as usize] = cl.out;
@@ -1280,6 +1351,33 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 };
             }
             Op::Cvt { dty, sty, round, sat, relu, d, a } => regs[*d as usize] = cvt(*dty, *sty, *round, *sat, *relu, rd(regs, a, c, clock)),
+            Op::CvtPack { bits, signed, d, a, b, c: cc } => {
+                let (lo, hi) = if *signed { (-(1i64 << (bits - 1)), (1i64 << (bits - 1)) - 1) } else { (0, (1i64 << bits) - 1) };
+                let mask = (1u64 << bits) - 1;
+                let sat = |v: u64| (v as u32 as i32 as i64).clamp(lo, hi) as u64 & mask;
+                let (ta, tb) = (sat(rd(regs, a, c, clock)), sat(rd(regs, b, c, clock)));
+                let high = cc.map(|s| rd(regs, &s, c, clock) << (2 * bits)).unwrap_or(0);
+                regs[*d as usize] = (high | (ta << bits) | tb) & 0xffff_ffff;
+            }
+            Op::CvtToFp8x2 { e5m2, relu, from_f16x2, d, hi, lo } => {
+                let (h, l) = if *from_f16x2 {
+                    let v = rd(regs, hi, c, clock);
+                    (half::f16::from_bits((v >> 16) as u16).to_f64(), half::f16::from_bits(v as u16).to_f64())
+                } else {
+                    (f32v(rd(regs, hi, c, clock)) as f64, f32v(rd(regs, lo, c, clock)) as f64)
+                };
+                let enc = |x: f64| crate::mma::to_fp8(if *relu && x < 0.0 { 0.0 } else { x }, *e5m2) as u64;
+                regs[*d as usize] = (enc(h) << 8) | enc(l);
+            }
+            Op::CvtFromFp8x2 { e5m2, relu, d, a } => {
+                let v = rd(regs, a, c, clock);
+                let half = |b: u64| {
+                    let x = crate::mma::from_fp8(b as u8, *e5m2);
+                    let x = if *relu && x < 0.0 { 0.0 } else { x };
+                    half::f16::from_f64(x).to_bits() as u64
+                };
+                regs[*d as usize] = (half((v >> 8) & 0xff) << 16) | half(v & 0xff);
+            }
             Op::Cvt2 { dty, round, relu, d, hi, lo } => {
                 let h = cvt(half_of(*dty), Ty::F32, *round, false, *relu, rd(regs, hi, c, clock));
                 let l = cvt(half_of(*dty), Ty::F32, *round, false, *relu, rd(regs, lo, c, clock));
@@ -1532,6 +1630,59 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 cl.park(0, 0, 0, 0);
                 park!(St::Coll);
             }
+            Op::Mma(mma) => {
+                // The tensor-core work is done once for the warp; each lane
+                // pays for its share of it.
+                meter.left = meter.left.saturating_sub(MAX_INST_UNITS - 1);
+                cl.park(u32::MAX, 0, 0, 0);
+                for (i, s) in mma.a.iter().chain(&mma.b).chain(&mma.c).enumerate() {
+                    cl.v[i] = rd(regs, s, c, clock);
+                }
+                park!(St::Coll);
+            }
+            Op::Ldmatrix { addr, .. } => {
+                cl.park(u32::MAX, rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64), 0, 0);
+                park!(St::Coll);
+            }
+            Op::Stmatrix { addr, s, .. } => {
+                cl.park(u32::MAX, rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64), 0, 0);
+                for (i, s) in s.iter().enumerate() {
+                    cl.v[i] = rd(regs, s, c, clock);
+                }
+                park!(St::Coll);
+            }
+            Op::Wmma(w) => {
+                meter.left = meter.left.saturating_sub(MAX_INST_UNITS - 1);
+                let lane = c.c.special(Special::LaneId, clock, c.li) as u32;
+                let base = rd(regs, &w.addr.base, c, clock).wrapping_add(w.addr.offset as u64);
+                let stride = w.stride.map(|s| rd(regs, &s, c, clock)).unwrap_or(if w.row_major { w.cols } else { w.rows } as u64);
+                let bits = w.ty.bits();
+                let bytes = (bits / 8) as usize;
+                let per = crate::mma::wmma_per_reg(w.ty);
+                let nregs = if w.store { w.s.len() } else { w.d.len() };
+                for r in 0..nregs {
+                    let mut reg = if w.store { rd(regs, &w.s[r], c, clock) } else { 0 };
+                    for j in 0..per {
+                        let (row, col) = crate::mma::wmma_at(lane, r as u32 * per + j, w.rows, w.cols);
+                        let idx = if w.row_major { row as u64 * stride + col as u64 } else { col as u64 * stride + row as u64 };
+                        let at = base.wrapping_add(idx.wrapping_mul(bytes as u64));
+                        let shift = if bits >= 32 { 0 } else { j * bits };
+                        let mut buf = [0u8; 8];
+                        if w.store {
+                            let v = if bits >= 64 { reg } else { (reg >> shift) & ((1u64 << bits) - 1) };
+                            buf[..bytes].copy_from_slice(&v.to_le_bytes()[..bytes]);
+                            m.store(w.space, at, &buf[..bytes]).map_err(fail).inspect_err(|_| *pc_io = pc)?;
+                        } else {
+                            m.load(w.space, at, &mut buf[..bytes]).map_err(fail).inspect_err(|_| *pc_io = pc)?;
+                            reg |= u64::from_le_bytes(buf) << shift;
+                        }
+                    }
+                    if !w.store {
+                        regs[w.d[r] as usize] = reg;
+                    }
+                }
+            }
+            Op::CvtTf32 { round, d, a } => regs[*d as usize] = tf32(rd(regs, a, c, clock) as u32, *round) as u64,
             Op::Nop => {}
             Op::Atom { space, op, ty, d, addr, b, c: cas } => {
                 let a = rd(regs, &addr.base, c, clock).wrapping_add(addr.offset as u64);
@@ -1586,6 +1737,22 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
 }
 
 /// The new value of an `atom`/`red` location holding `old`.
+/// An f32 rounded to tf32 (10 fraction bits), kept in f32 form.
+fn tf32(bits: u32, round: Round) -> u32 {
+    const LOW: u32 = 0x1fff;
+    if (bits & 0x7f80_0000) == 0x7f80_0000 {
+        // Infinities stay; a NaN stays a NaN (its payload cut, kept non-zero).
+        return if bits & 0x007f_ffff == 0 { bits } else { (bits & !LOW) | 0x0040_0000 };
+    }
+    let up = match round {
+        Round::Rna => 0x1000,
+        Round::Rn => 0x0fff + ((bits >> 13) & 1),
+        _ => 0,
+    };
+    // Adding to the magnitude rounds it; a carry into the exponent is right.
+    (bits + up) & !LOW
+}
+
 fn atom_op(op: AtomOp, ty: Ty, old: u64, bv: u64, cv: u64) -> u64 {
     let new = match op {
         AtomOp::Add if matches!(ty, Ty::F32 | Ty::F64) => fbin(Bin::Add, ty, old, bv),

@@ -401,6 +401,33 @@ pub enum Op {
         d: u32,
         a: Src,
     },
+    /// `cvt.rn.satfinite{.relu}.{e4m3x2,e5m2x2}.f32 d, hi, lo` (and `.f16x2
+    /// d, a`, whose halves are hi and lo): two FP8 values in a .b16.
+    CvtToFp8x2 {
+        e5m2: bool,
+        relu: bool,
+        from_f16x2: bool,
+        d: u32,
+        hi: Src,
+        lo: Src,
+    },
+    /// `cvt.rn{.relu}.f16x2.{e4m3x2,e5m2x2} d, a`.
+    CvtFromFp8x2 {
+        e5m2: bool,
+        relu: bool,
+        d: u32,
+        a: Src,
+    },
+    /// `cvt.pack.sat` of two s32 to `bits`-wide integers: d = (c <<
+    /// 2·bits) | (a' << bits) | b', a' and b' saturated.
+    CvtPack {
+        bits: u32,
+        signed: bool,
+        d: u32,
+        a: Src,
+        b: Src,
+        c: Option<Src>,
+    },
     /// `cvt.pack`/two-source `cvt.rn.f16x2.f32 d, hi, lo`.
     Cvt2 {
         dty: Ty,
@@ -607,6 +634,35 @@ pub enum Op {
         size: u32,
         src_size: Option<Src>,
     },
+    /// `mma.sync.aligned`: the warp's D = A × B + C (ptx/src/mma.rs).
+    Mma(Box<Mma>),
+    /// `wmma.load.{a,b,c}` (`store: false`, into `regs`) and `wmma.store.d`
+    /// (from `regs`).
+    Wmma(Box<WmmaMove>),
+    /// `ldmatrix.sync.aligned.m8n8.xN{.trans}.b16 d, [addr]`: `num` 8×8
+    /// tiles from shared memory into fragments.
+    Ldmatrix {
+        num: u8,
+        trans: bool,
+        space: Space,
+        d: Vec<u32>,
+        addr: Addr,
+    },
+    /// `stmatrix.sync.aligned.m8n8.xN{.trans}.b16 [addr], s`: the inverse.
+    Stmatrix {
+        num: u8,
+        trans: bool,
+        space: Space,
+        addr: Addr,
+        s: Vec<Src>,
+    },
+    /// `cvt.{rna,rn,rz}.tf32.f32 d, a`: `a` rounded to 10 fraction bits,
+    /// kept in an f32 register.
+    CvtTf32 {
+        round: Round,
+        d: u32,
+        a: Src,
+    },
     /// `isspacep.space p, a`.
     Isspacep {
         space: Space,
@@ -632,6 +688,88 @@ pub enum Op {
     Exit,
     /// `trap` / `brkpt`: the launch fails.
     Trap,
+}
+
+/// Element types of `mma` operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MmaTy {
+    F16,
+    Bf16,
+    Tf32,
+    F32,
+    F64,
+    S8,
+    U8,
+    S32,
+    E4m3,
+    E5m2,
+}
+
+impl MmaTy {
+    pub fn parse(s: &str) -> Option<MmaTy> {
+        Some(match s {
+            "f16" => MmaTy::F16,
+            "bf16" => MmaTy::Bf16,
+            "tf32" => MmaTy::Tf32,
+            "f32" => MmaTy::F32,
+            "f64" => MmaTy::F64,
+            "s8" => MmaTy::S8,
+            "u8" => MmaTy::U8,
+            "s32" => MmaTy::S32,
+            "e4m3" => MmaTy::E4m3,
+            "e5m2" => MmaTy::E5m2,
+            _ => return None,
+        })
+    }
+
+    pub fn bits(self) -> u32 {
+        match self {
+            MmaTy::F16 | MmaTy::Bf16 => 16,
+            MmaTy::Tf32 | MmaTy::F32 | MmaTy::S32 => 32,
+            MmaTy::F64 => 64,
+            MmaTy::S8 | MmaTy::U8 | MmaTy::E4m3 | MmaTy::E5m2 => 8,
+        }
+    }
+}
+
+/// A `wmma.load` or `wmma.store`: a `rows`×`cols` matrix of `ty` between
+/// memory (row- or column-major, `stride` elements between rows or columns)
+/// and the warp's fragments (ptx/src/mma.rs has their layout).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WmmaMove {
+    pub store: bool,
+    pub rows: u32,
+    pub cols: u32,
+    pub ty: MmaTy,
+    pub row_major: bool,
+    pub space: Space,
+    pub addr: Addr,
+    pub stride: Option<Src>,
+    /// Destination registers of a load.
+    pub d: Vec<u32>,
+    /// Source registers of a store.
+    pub s: Vec<Src>,
+}
+
+/// One `mma.sync.aligned` instruction, shape `m`×`n`×`k`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mma {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub aty: MmaTy,
+    pub bty: MmaTy,
+    pub cty: MmaTy,
+    pub dty: MmaTy,
+    /// `.satfinite` on integer accumulators: clamp instead of wrapping.
+    pub satfinite: bool,
+    /// `wmma.mma`: fragments in this device's own layout (what its
+    /// `wmma.load`/`wmma.store` use), not `mma`'s documented one.
+    pub wmma: bool,
+    pub d: Vec<u32>,
+    pub a: Vec<Src>,
+    pub b: Vec<Src>,
+    pub c: Vec<Src>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -721,6 +859,10 @@ impl Code {
                 Op::Unpack { d, .. } => d.capacity() * 8,
                 Op::St { s, .. } | Op::Pack { s, .. } => s.capacity() * std::mem::size_of::<Src>(),
                 Op::Brx { targets, .. } => targets.capacity() * 4,
+                Op::Mma(m) => std::mem::size_of::<Mma>() + (m.d.capacity() * 4) + (m.a.capacity() + m.b.capacity() + m.c.capacity()) * std::mem::size_of::<Src>(),
+                Op::Ldmatrix { d, .. } => d.capacity() * 4,
+                Op::Wmma(w) => std::mem::size_of::<WmmaMove>() + w.d.capacity() * 4 + w.s.capacity() * std::mem::size_of::<Src>(),
+                Op::Stmatrix { s, .. } => s.capacity() * std::mem::size_of::<Src>(),
                 Op::Call { args, .. } => args.capacity() * 8,
                 _ => 0,
             })

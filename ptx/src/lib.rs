@@ -5,6 +5,7 @@
 mod exec;
 mod ir;
 mod lex;
+mod mma;
 mod parse;
 
 pub use exec::{launch, ExecError, GlobalMem, LaunchConfig, Limits, Preempt, Stats, SHARED_WINDOW};

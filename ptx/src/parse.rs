@@ -5,8 +5,9 @@
 //! functions, a table of functions (frames and entry points) and a table of
 //! module variables. Variables live in two device segments (`.global` and
 //! `.common` in one, `.const` in the other) placed by [`Module::link`];
-//! declarations no instruction or initialiser refers to, and that the host
-//! cannot name (not `.visible`), take no space at all.
+//! declarations no instruction or initialiser refers to, that the host
+//! cannot name (not `.visible`) and that hold no data of their own (no
+//! initialiser), take no space at all.
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -54,6 +55,16 @@ pub struct Var {
     /// Initial bytes (the rest of the variable is zero).
     pub init: Vec<u8>,
     pub relocs: Vec<Reloc>,
+}
+
+impl Var {
+    /// Kept even where no instruction uses it: the host can name it
+    /// (`.visible`), or it carries data of its own (an initialiser), which
+    /// libraries read and write through `cuModuleGetGlobal` whatever the
+    /// linkage (cuBLAS's internal constants are one).
+    fn kept(&self) -> bool {
+        self.visible || !self.init.is_empty() || !self.relocs.is_empty()
+    }
 }
 
 /// A loaded module: its entry points, functions and variables, decoded once.
@@ -1042,7 +1053,7 @@ impl<'a> Parser<'a> {
                 self.i += 1;
                 let n = self.int()?;
                 self.expect_punct('>')?;
-                if n > 1 << 16 {
+                if n > 1 << 18 {
                     return self.err(format!("too many registers in '{name}<{n}>'"));
                 }
                 Some(n as u32)
@@ -1050,7 +1061,7 @@ impl<'a> Parser<'a> {
                 None
             };
             let n = count.unwrap_or(1);
-            if b.num_regs.saturating_add(n) > (1 << 16) + 1 {
+            if b.num_regs.saturating_add(n) > (1 << 18) + 1 {
                 return self.err("too many registers");
             }
             match count {
@@ -1261,7 +1272,7 @@ impl<'a> Parser<'a> {
         while changed {
             changed = false;
             for (i, v) in self.vars.iter().enumerate() {
-                if self.used[i].get() || v.visible {
+                if self.used[i].get() || v.kept() {
                     for r in &v.relocs {
                         if let RelocTarget::Var(t) = r.target {
                             if !self.used[t as usize].get() {
@@ -1275,7 +1286,7 @@ impl<'a> Parser<'a> {
         }
         let (mut gsize, mut csize) = (0u64, 0u64);
         for (i, v) in self.vars.iter_mut().enumerate() {
-            if !(self.used[i].get() || v.visible) {
+            if !(self.used[i].get() || v.kept()) {
                 continue;
             }
             let seg = if v.space == VarSpace::Global { &mut gsize } else { &mut csize };
@@ -1382,6 +1393,10 @@ const KNOWN_OPCODES: &[&str] = &[
     "discard",
     "applypriority",
     "createpolicy",
+    "mma",
+    "wmma",
+    "ldmatrix",
+    "stmatrix",
 ];
 
 enum Label {
@@ -1630,6 +1645,211 @@ impl Cx<'_, '_, '_, '_> {
         }
     }
 
+    /// `mma.sync.aligned.mMnNkK.row.col{.satfinite}.dtype.atype.btype.ctype
+    /// d, a, b, c` with register vectors.
+    fn mma(&self, mods: &[&str], ops: &[Raw]) -> Result<Mma, PtxError> {
+        if let Some(m) = mods.iter().find(|m| m.starts_with("kind") || **m == "block_scale" || **m == "sp" || m.starts_with("sp::")) {
+            return self.err(format!(".{m} (sparse, block-scaled or kind:: forms) is not supported on this device"));
+        }
+        if !mods.contains(&"sync") || !mods.contains(&"aligned") {
+            return self.err("expected mma.sync.aligned");
+        }
+        let shape = mods.iter().find_map(|m| {
+            let r = m.strip_prefix('m')?;
+            let (mm, r) = r.split_once('n')?;
+            let (nn, kk) = r.split_once('k')?;
+            Some((mm.parse::<u32>().ok()?, nn.parse::<u32>().ok()?, kk.parse::<u32>().ok()?))
+        });
+        let Some((m, n, k)) = shape else { return self.err("missing shape (.m16n8k16, ...)") };
+        if !(mods.contains(&"row") && mods.contains(&"col")) {
+            return self.err("only the .row.col layout is supported");
+        }
+        let tys: Vec<MmaTy> = mods.iter().filter_map(|m| MmaTy::parse(m)).collect();
+        let [dty, aty, bty, cty] = tys[..] else { return self.err("expected four types: .dtype.atype.btype.ctype") };
+        let mixed_ints = matches!((aty, bty), (MmaTy::S8 | MmaTy::U8, MmaTy::S8 | MmaTy::U8));
+        let mixed_fp8 = matches!((aty, bty), (MmaTy::E4m3 | MmaTy::E5m2, MmaTy::E4m3 | MmaTy::E5m2));
+        if (aty != bty && !mixed_ints && !mixed_fp8) || dty != cty {
+            return self.err(format!("mma types {}{}{}{} are not supported on this device", dty.name(), aty.name(), bty.name(), cty.name()));
+        }
+        let (na, nb, nc) = crate::mma::fragment_regs(m, n, k, aty, cty).or_else(|e| self.err(e))?;
+        if ops.len() != 4 {
+            return self.err(format!("expected 4 operands, found {}", ops.len()));
+        }
+        let (d, a, b, c) = self.mma_operands(ops, [nc, na, nb, nc], [aty, bty, cty])?;
+        Ok(Mma { m, n, k, aty, bty, cty, dty, satfinite: mods.contains(&"satfinite"), wmma: false, d, a, b, c })
+    }
+
+    /// A fragment operand: `want` registers, in braces or (one) alone.
+    fn fragment(&self, r: &Raw, want: usize, what: &str) -> Result<Vec<Raw>, PtxError> {
+        let v = match r {
+            Raw::Vec(v) => v.clone(),
+            r => vec![r.clone()],
+        };
+        if v.len() != want {
+            return self.err(format!("{what} takes {want} registers here, found {}", v.len()));
+        }
+        Ok(v)
+    }
+
+    /// The D, A, B and C operands of an `mma`/`wmma.mma`, with `counts`
+    /// registers each, A, B and C read as `tys`.
+    #[allow(clippy::type_complexity)]
+    fn mma_operands(&self, ops: &[Raw], counts: [usize; 4], tys: [MmaTy; 3]) -> Result<(Vec<u32>, Vec<Src>, Vec<Src>, Vec<Src>), PtxError> {
+        let src_ty = |t: MmaTy| match t {
+            MmaTy::F32 => Ty::F32,
+            MmaTy::F64 => Ty::F64,
+            _ => Ty::B32,
+        };
+        let srcs = |i: usize, what: &str, t: MmaTy| -> Result<Vec<Src>, PtxError> { self.fragment(&ops[i], counts[i], what)?.iter().map(|r| self.src(r, src_ty(t))).collect() };
+        let d = self.fragment(&ops[0], counts[0], "D")?.iter().map(|r| self.reg(r)).collect::<Result<_, _>>()?;
+        Ok((d, srcs(1, "A", tys[0])?, srcs(2, "B", tys[1])?, srcs(3, "C", tys[2])?))
+    }
+
+    /// A `wmma` shape's (M, N, K), and whether this device runs it with
+    /// operands of `ab`.
+    fn wmma_shape(&self, mods: &[&str], ab: MmaTy) -> Result<(u32, u32, u32), PtxError> {
+        let shape = mods.iter().find_map(|m| match *m {
+            "m16n16k16" => Some((16, 16, 16)),
+            "m32n8k16" => Some((32, 8, 16)),
+            "m8n32k16" => Some((8, 32, 16)),
+            "m16n16k8" => Some((16, 16, 8)),
+            "m8n8k4" => Some((8, 8, 4)),
+            _ => None,
+        });
+        let Some((m, n, k)) = shape else { return self.err("wmma shapes here: .m16n16k16, .m32n8k16, .m8n32k16, .m16n16k8 (tf32), .m8n8k4 (f64)") };
+        let fits = match ab {
+            MmaTy::F16 | MmaTy::Bf16 | MmaTy::S8 | MmaTy::U8 => k == 16,
+            MmaTy::Tf32 => (m, n, k) == (16, 16, 8),
+            MmaTy::F64 => (m, n, k) == (8, 8, 4),
+            _ => false,
+        };
+        if !fits {
+            return self.err(format!("wmma .m{m}n{n}k{k} with {} operands is not supported on this device", ab.name()));
+        }
+        Ok((m, n, k))
+    }
+
+    /// `wmma.load.{a,b,c}.sync.aligned.layout.shape{.ss}.type r, [p]{, stride}`
+    /// and `wmma.store.d.sync.aligned.layout.shape{.ss}.type [p], r{, stride}`.
+    fn wmma_move(&self, mods: &[&str], ops: &[Raw]) -> Result<WmmaMove, PtxError> {
+        let store = mods.contains(&"store");
+        let which = if store {
+            'd'
+        } else if mods.contains(&"a") {
+            'a'
+        } else if mods.contains(&"b") {
+            'b'
+        } else if mods.contains(&"c") {
+            'c'
+        } else {
+            return self.err("expected wmma.load.a, .b, .c or wmma.store.d");
+        };
+        if !mods.contains(&"load") && !store {
+            return self.err("expected wmma.load, wmma.store or wmma.mma");
+        }
+        let ty = mods.iter().find_map(|m| MmaTy::parse(m)).ok_or_else(|| PtxError::at(self.line, format!("'{}': missing element type", self.opw)))?;
+        // The shape is checked against the operands' type: for C and D any
+        // accumulator type of a supported shape.
+        let ab = if matches!(which, 'a' | 'b') {
+            ty
+        } else {
+            match ty {
+                MmaTy::F64 => MmaTy::F64,
+                MmaTy::S32 => MmaTy::S8,
+                _ if mods.contains(&"m16n16k8") => MmaTy::Tf32,
+                _ => MmaTy::F16,
+            }
+        };
+        if matches!(which, 'c' | 'd') && !matches!(ty, MmaTy::F16 | MmaTy::F32 | MmaTy::S32 | MmaTy::F64) {
+            return self.err(format!("wmma accumulators of {} are not supported", ty.name()));
+        }
+        let (m, n, k) = self.wmma_shape(mods, ab)?;
+        let (rows, cols) = match which {
+            'a' => (m, k),
+            'b' => (k, n),
+            _ => (m, n),
+        };
+        let row_major = if mods.contains(&"row") {
+            true
+        } else if mods.contains(&"col") {
+            false
+        } else {
+            return self.err("missing .row or .col");
+        };
+        let space = self.space(mods)?;
+        if matches!(space, Space::Param | Space::Local) {
+            return self.err("wmma moves matrices to and from global and shared memory");
+        }
+        if ops.len() != 2 && ops.len() != 3 {
+            return self.err(format!("expected 2 or 3 operands, found {}", ops.len()));
+        }
+        let want = crate::mma::wmma_regs(rows, cols, ty, matches!(which, 'a' | 'b')) as usize;
+        let (regs, addr) = if store { (&ops[1], &ops[0]) } else { (&ops[0], &ops[1]) };
+        let regs = self.fragment(regs, want, "this fragment")?;
+        let (space, addr) = self.addr(addr, space)?;
+        let stride = ops.get(2).map(|r| self.src(r, Ty::U32)).transpose()?;
+        let reg_ty = match ty {
+            MmaTy::F32 => Ty::F32,
+            MmaTy::F64 => Ty::F64,
+            _ => Ty::B32,
+        };
+        let (d, s) = if store { (Vec::new(), regs.iter().map(|r| self.src(r, reg_ty)).collect::<Result<_, _>>()?) } else { (regs.iter().map(|r| self.reg(r)).collect::<Result<_, _>>()?, Vec::new()) };
+        Ok(WmmaMove { store, rows, cols, ty, row_major, space, addr, stride, d, s })
+    }
+
+    /// `wmma.mma.sync.aligned.alayout.blayout.shape.dtype.ctype d, a, b, c`
+    /// (f16 operands), or `.dtype.atype.btype.ctype` for the others.
+    fn wmma_mma(&self, mods: &[&str], ops: &[Raw]) -> Result<Mma, PtxError> {
+        let tys: Vec<MmaTy> = mods.iter().filter_map(|m| MmaTy::parse(m)).collect();
+        let (dty, aty, bty, cty) = match tys[..] {
+            [d, c] => (d, MmaTy::F16, MmaTy::F16, c),
+            [d, a, b, c] => (d, a, b, c),
+            _ => return self.err("expected .dtype.ctype (f16 operands) or .dtype.atype.btype.ctype"),
+        };
+        let ok = match (aty, bty) {
+            (MmaTy::F16, MmaTy::F16) => matches!(cty, MmaTy::F16 | MmaTy::F32) && matches!(dty, MmaTy::F16 | MmaTy::F32),
+            (MmaTy::Bf16, MmaTy::Bf16) | (MmaTy::Tf32, MmaTy::Tf32) => cty == MmaTy::F32 && dty == MmaTy::F32,
+            (MmaTy::S8 | MmaTy::U8, MmaTy::S8 | MmaTy::U8) => cty == MmaTy::S32 && dty == MmaTy::S32,
+            (MmaTy::F64, MmaTy::F64) => cty == MmaTy::F64 && dty == MmaTy::F64,
+            _ => false,
+        };
+        if !ok {
+            return self.err(format!("wmma.mma types {}{}{}{} are not supported on this device", dty.name(), aty.name(), bty.name(), cty.name()));
+        }
+        let (m, n, k) = self.wmma_shape(mods, aty)?;
+        if ops.len() != 4 {
+            return self.err(format!("expected 4 operands, found {}", ops.len()));
+        }
+        use crate::mma::wmma_regs;
+        let counts = [wmma_regs(m, n, dty, false), wmma_regs(m, k, aty, true), wmma_regs(k, n, bty, true), wmma_regs(m, n, cty, false)].map(|c| c as usize);
+        let (d, a, b, c) = self.mma_operands(ops, counts, [aty, bty, cty])?;
+        Ok(Mma { m, n, k, aty, bty, cty, dty, satfinite: mods.contains(&"satfinite"), wmma: true, d, a, b, c })
+    }
+
+    /// `.m8n8.xN{.trans}{.shared}.b16` of ldmatrix/stmatrix: (N, trans, space).
+    fn matrix_mods(&self, mods: &[&str]) -> Result<(u8, bool, Space), PtxError> {
+        if !mods.contains(&"sync") || !mods.contains(&"aligned") {
+            return self.err("expected .sync.aligned");
+        }
+        if !mods.contains(&"m8n8") || !mods.contains(&"b16") {
+            return self.err("only .m8n8 tiles of .b16 are supported on this device");
+        }
+        let num = if mods.contains(&"x1") {
+            1
+        } else if mods.contains(&"x2") {
+            2
+        } else if mods.contains(&"x4") {
+            4
+        } else {
+            return self.err("missing .x1, .x2 or .x4");
+        };
+        let space = self.space(mods)?;
+        if !matches!(space, Space::Shared | Space::Generic) {
+            return self.err("matrices move between registers and shared memory only");
+        }
+        Ok((num, mods.contains(&"trans"), space))
+    }
+
     /// Returns the decoded op and, for branches, the label to resolve.
     fn decode(&self, ops: &[Raw]) -> Result<(Op, Option<Label>), PtxError> {
         let mut parts = self.opw.split('.');
@@ -1638,6 +1858,15 @@ impl Cx<'_, '_, '_, '_> {
         let has = |m: &str| mods.contains(&m);
         let types: Vec<Ty> = mods.iter().filter_map(|m| Ty::parse(m)).collect();
         let ty = types.last().copied();
+        // `.L2::cache_hint` adds a last operand, a cache policy (from
+        // `createpolicy`): a hint this device has no use for.
+        let ops = match ops.split_last() {
+            Some((policy, rest)) if has("L2::cache_hint") => {
+                self.src(policy, Ty::B64)?;
+                rest
+            }
+            _ => ops,
+        };
         let need = |n: usize| -> Result<(), PtxError> {
             if ops.len() != n {
                 self.err(format!("expected {n} operands, found {}", ops.len()))
@@ -1724,6 +1953,85 @@ impl Cx<'_, '_, '_, '_> {
                 };
                 let ty = the_ty()?;
                 Op::Cvta { to_generic: !has("to"), window, d: self.reg(&ops[0])?, a: self.src(&ops[1], ty)? }
+            }
+            "cvt" if mods.iter().any(|m| *m == "e4m3x2" || *m == "e5m2x2") => {
+                if !has("rn") {
+                    return self.err("FP8 conversions need .rn");
+                }
+                let e5m2 = has("e5m2x2");
+                let to_fp8 = mods.iter().position(|m| *m == "e4m3x2" || *m == "e5m2x2") < mods.iter().position(|m| *m == "f32" || *m == "f16x2");
+                if to_fp8 {
+                    if !has("satfinite") {
+                        return self.err("a conversion to FP8 needs .satfinite");
+                    }
+                    if has("f32") {
+                        need(3)?;
+                        Op::CvtToFp8x2 { e5m2, relu: has("relu"), from_f16x2: false, d: self.reg(&ops[0])?, hi: self.src(&ops[1], Ty::F32)?, lo: self.src(&ops[2], Ty::F32)? }
+                    } else {
+                        need(2)?;
+                        Op::CvtToFp8x2 { e5m2, relu: has("relu"), from_f16x2: true, d: self.reg(&ops[0])?, hi: self.src(&ops[1], Ty::B32)?, lo: Src::Imm(0) }
+                    }
+                } else {
+                    need(2)?;
+                    if !has("f16x2") {
+                        return self.err("FP8 pairs convert to .f16x2 only");
+                    }
+                    Op::CvtFromFp8x2 { e5m2, relu: has("relu"), d: self.reg(&ops[0])?, a: self.src(&ops[1], Ty::B16)? }
+                }
+            }
+            "cvt" if has("pack") && has("sat") && has("s32") => {
+                // cvt.pack.sat.{u16,s16}.s32 d, a, b and
+                // cvt.pack.sat.{u8,s8,u4,s4,u2,s2}.s32.b32 d, a, b, c.
+                let (bits, signed) = match mods.iter().find(|m| matches!(**m, "u16" | "s16" | "u8" | "s8" | "u4" | "s4" | "u2" | "s2")) {
+                    Some(m) => (m[1..].parse::<u32>().unwrap_or(16), m.starts_with('s')),
+                    None => return self.err("expected .u16, .s16, .u8, .s8, .u4, .s4, .u2 or .s2"),
+                };
+                let c = if bits == 16 {
+                    need(3)?;
+                    None
+                } else {
+                    need(4)?;
+                    Some(self.src(&ops[3], Ty::B32)?)
+                };
+                Op::CvtPack { bits, signed, d: self.reg(&ops[0])?, a: self.src(&ops[1], Ty::S32)?, b: self.src(&ops[2], Ty::S32)?, c }
+            }
+            "cvt" if has("tf32") => {
+                need(2)?;
+                if !has("f32") || types.len() != 1 {
+                    return self.err("only cvt to .tf32 from .f32 is supported");
+                }
+                let round = if has("rna") {
+                    Round::Rna
+                } else if has("rn") {
+                    Round::Rn
+                } else if has("rz") {
+                    Round::Rz
+                } else {
+                    return self.err("cvt to .tf32 needs .rna, .rn or .rz");
+                };
+                Op::CvtTf32 { round, d: self.reg(&ops[0])?, a: self.src(&ops[1], Ty::F32)? }
+            }
+            "mma" => return Ok((Op::Mma(Box::new(self.mma(&mods, ops)?)), None)),
+            "wmma" if has("mma") => return Ok((Op::Mma(Box::new(self.wmma_mma(&mods, ops)?)), None)),
+            "wmma" => return Ok((Op::Wmma(Box::new(self.wmma_move(&mods, ops)?)), None)),
+            "ldmatrix" | "stmatrix" => {
+                need(2)?;
+                let (num, trans, space) = self.matrix_mods(&mods)?;
+                let load = base == "ldmatrix";
+                let (regs, addr) = if load { (&ops[0], &ops[1]) } else { (&ops[1], &ops[0]) };
+                let regs: Vec<&Raw> = match regs {
+                    Raw::Vec(v) => v.iter().collect(),
+                    r => vec![r],
+                };
+                if regs.len() != num as usize {
+                    return self.err(format!(".x{num} takes {num} registers, found {}", regs.len()));
+                }
+                let (space, addr) = self.addr(addr, space)?;
+                if load {
+                    Op::Ldmatrix { num, trans, space, d: regs.iter().map(|r| self.reg(r)).collect::<Result<_, _>>()?, addr }
+                } else {
+                    Op::Stmatrix { num, trans, space, addr, s: regs.iter().map(|r| self.src(r, Ty::B32)).collect::<Result<_, _>>()? }
+                }
             }
             "cvt" => {
                 if types.len() != 2 {

@@ -752,3 +752,69 @@ fn packed_16x2_min_and_max_work_on_each_half() {
     assert_eq!(w[4], 0x0000_0005, "signed max with relu clamps negatives to 0");
     assert!(Module::parse(&src.replace("max.s16x2.relu", "max.u16x2.relu")).is_err(), "relu is for signed halves only");
 }
+
+#[test]
+fn fp8_encodings_round_trip_round_to_even_and_saturate() {
+    use crate::mma::{from_fp8, to_fp8};
+    for e5m2 in [false, true] {
+        for b in 0..=255u8 {
+            let v = from_fp8(b, e5m2);
+            if v.is_nan() || v.is_infinite() {
+                continue;
+            }
+            assert_eq!(to_fp8(v, e5m2), b, "byte {b:#x} (e5m2 {e5m2}) is {v}");
+        }
+    }
+    // 1.0625 lies halfway between 1.0 (0x38) and 1.125 (0x39): to even.
+    assert_eq!(to_fp8(1.0625, false), 0x38);
+    assert_eq!(to_fp8(1.1875, false), 0x3a);
+    assert_eq!(to_fp8(1.07, false), 0x39);
+    // Saturating: past 448 (E4M3) and 57344 (E5M2), and infinities.
+    assert_eq!(to_fp8(1000.0, false), 0x7e);
+    assert_eq!(to_fp8(-1e9, true), 0xfb);
+    assert_eq!(to_fp8(f64::INFINITY, true), 0x7b);
+    assert_eq!(to_fp8(f64::NAN, false), 0x7f);
+    // The smallest subnormals, and what rounds to zero.
+    assert_eq!(to_fp8(2f64.powi(-9), false), 0x01);
+    assert_eq!(to_fp8(2f64.powi(-11), false), 0x00);
+    assert_eq!(to_fp8(2f64.powi(-16), true), 0x01);
+}
+
+#[test]
+fn cvt_pack_saturates_and_packs_below_c() {
+    let src = r#"
+.version 8.0
+.target sm_80
+.address_size 64
+.visible .entry k(.param .u64 out) {
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<2>;
+    ld.param.u64 %rd1, [out];
+    mov.b32 %r1, 300;
+    mov.b32 %r2, -5;
+    mov.b32 %r3, 0xABCD;
+    cvt.pack.sat.s8.s32.b32 %r4, %r1, %r2, %r3;
+    cvt.pack.sat.u8.s32.b32 %r5, %r1, %r2, %r3;
+    cvt.pack.sat.s16.s32 %r6, %r2, %r1;
+    cvt.pack.sat.u4.s32.b32 %r7, %r1, %r2, %r3;
+    st.global.b32 [%rd1], %r4;
+    st.global.b32 [%rd1+4], %r5;
+    st.global.b32 [%rd1+8], %r6;
+    st.global.b32 [%rd1+12], %r7;
+    ret;
+}
+"#;
+    let m = Module::parse(src).unwrap();
+    let mut mem = VecMem::new();
+    let out = mem.alloc(&[0; 16]);
+    launch(&m.kernels[0], &cfg([1, 1, 1], [1, 1, 1]), &Params::new().u64(out).0, &mut mem, &Limits::default()).unwrap();
+    let w: Vec<u32> = mem.bytes(out).chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    // s8: 300 -> 127, -5 -> 0xfb; c above them.
+    assert_eq!(w[0], 0xABCD_7FFB);
+    // u8: 300 -> 255, -5 -> 0.
+    assert_eq!(w[1], 0xABCD_FF00);
+    // s16 (no c): -5 -> 0xfffb high, 300 low.
+    assert_eq!(w[2], 0xFFFB_012C);
+    // u4: 15 and 0, c shifted by 8.
+    assert_eq!(w[3], 0x00AB_CDF0);
+}

@@ -12,6 +12,7 @@ Functions", maximum ULP errors) for approximate ones; see TOLERANCES.
 
 import math
 import random
+import struct
 from fractions import Fraction
 
 import refs
@@ -1352,3 +1353,198 @@ def cluster_pairs(t):
     t.launch("cluster_pairs", [4], [64], [t.ptr(t.upload("i", a)), t.ptr(out)])
     want = [a[((i // 64) ^ 1) * 64 + 63 - i % 64] * 10 + (i // 64) % 2 + 200 for i in range(256)]
     t.expect("peer block's shared memory through map_shared_rank", t.read(out, "i", 256), want)
+
+
+# ----------------------------------------------------------------------------
+# warp-level matrix instructions (mma.sync, ldmatrix, stmatrix)
+# ----------------------------------------------------------------------------
+# Operands are small integers (and halves), so every product and sum is exact
+# in the accumulator type and the comparison is bit for bit whatever order a
+# device sums in.
+
+def matmul(a, b, c, m, n, k):
+    return [sum(a[i * k + x] * b[x * n + j] for x in range(k)) + c[i * n + j] for i in range(m) for j in range(n)]
+
+
+def bf16_bits(v):
+    return struct.unpack("<I", struct.pack("<f", v))[0] >> 16
+
+
+def small(r, count, lo=-8, hi=8, halves=False):
+    return [r.randrange(lo * 2, hi * 2 + 1) / 2 if halves else r.randrange(lo, hi + 1) for _ in range(count)]
+
+
+@case("mma", min_arch=80)
+def mma_f16_bf16(t):
+    r = rng(81)
+    a, b, c = small(r, 256, halves=True), small(r, 128, halves=True), small(r, 128, -100, 100)
+    want = matmul(a, b, c, 16, 8, 16)
+    for kernel, bits in (("mma_f16", hb), ("mma_bf16", lambda v: [bf16_bits(x) for x in v])):
+        d = t.zeros("f", 128)
+        t.launch(kernel, [1], [32], [t.ptr(t.upload("H", bits(a))), t.ptr(t.upload("H", bits(b))), t.ptr(t.upload("f", c)), t.ptr(d)])
+        t.expect(f"{kernel}: m16n8k16 D = A x B + C", t.read(d, "f", 128), want)
+
+
+@case("mma", min_arch=80)
+def mma_f16_k8(t):
+    r = rng(82)
+    a, b, c = small(r, 128), small(r, 64), small(r, 128, -100, 100)
+    d = t.zeros("f", 128)
+    t.launch("mma_f16_k8", [1], [32], [t.ptr(t.upload("H", hb(a))), t.ptr(t.upload("H", hb(b))), t.ptr(t.upload("f", c)), t.ptr(d)])
+    t.expect("m16n8k8 f16 D = A x B + C", t.read(d, "f", 128), matmul(a, b, c, 16, 8, 8))
+
+
+@case("mma", min_arch=80)
+def mma_ldmatrix(t):
+    r = rng(83)
+    a, b, c = small(r, 256, -4, 4), small(r, 128, -4, 4), small(r, 128, -50, 50)
+    want = matmul(a, b, c, 16, 8, 16)
+    d, df = t.zeros("H", 128), t.zeros("f", 128)
+    t.launch("mma_ldmatrix", [1], [32], [t.ptr(t.upload("H", hb(a))), t.ptr(t.upload("H", hb(b))), t.ptr(t.upload("H", hb(c))), t.ptr(d), t.ptr(df)])
+    how = "stmatrix" if t.arch >= 90 else "fragment stores"
+    t.expect(f"ldmatrix .x4 / .x2.trans, f16 accumulators, {how}", t.read(d, "H", 128), hb(want))
+    t.expect("ldmatrix .x2 of B's transpose, f32 accumulators", t.read(df, "f", 128), matmul(a, b, [0] * 128, 16, 8, 16))
+
+
+def tf32_rna(v):
+    bits = struct.unpack("<I", struct.pack("<f", v))[0]
+    if bits & 0x7F800000 == 0x7F800000:
+        return bits if bits & 0x7FFFFF == 0 else (bits & ~0x1FFF) | 0x400000
+    return (bits + 0x1000) & ~0x1FFF & MASK32
+
+
+@case("mma", min_arch=80)
+def mma_tf32(t):
+    r = rng(84)
+    a, b, c = small(r, 128, halves=True), small(r, 64, halves=True), small(r, 128, -100, 100)
+    x = [refs.f32(r.uniform(-1e6, 1e6)) for _ in range(48)] + [refs.f32(v) for v in (1 + 2 ** -11, 1 + 3 * 2 ** -12, -(1 + 2 ** -11), 3.4028234e38, 1e-40, 0.0, -0.0, 1.0)]
+    x += [math.inf, -math.inf, math.nan] + [refs.f32(1 + k * 2 ** -23) for k in range(5)]
+    d, xr = t.zeros("f", 128), t.zeros("I", 64)
+    t.launch("mma_tf32", [1], [32], [t.ptr(t.upload("f", a)), t.ptr(t.upload("f", b)), t.ptr(t.upload("f", c)), t.ptr(d), t.ptr(t.upload("f", x)), t.ptr(xr)])
+    t.expect("m16n8k8 tf32 D = A x B + C", t.read(d, "f", 128), matmul(a, b, c, 16, 8, 8))
+    got = t.read(xr, "I", 64)
+    want = [tf32_rna(v) for v in x]
+    nan = lambda w: (w & 0x7F800000) == 0x7F800000 and (w & 0x7FFFFF) != 0
+    t.expect("cvt.rna.tf32.f32", got, want, same=lambda g, w: g == w or (nan(g) and nan(w)), show=lambda i: f"x={x[i]!r}")
+
+
+@case("mma", min_arch=80)
+def mma_s8(t):
+    r = rng(85)
+    a, b = small(r, 512, -128, 127), small(r, 256, -128, 127)
+    c = small(r, 128, -1000, 1000)
+    # Row 3 of C sits near the top of the s32 range: the plain form wraps,
+    # .satfinite clamps.
+    for j in range(8):
+        c[3 * 8 + j] = 2 ** 31 - 100 - j
+    exact = matmul(a, b, c, 16, 8, 32)
+    d, ds = t.zeros("i", 128), t.zeros("i", 128)
+    sb = lambda v: [x & 0xFF for x in v]
+    t.launch("mma_s8", [1], [32], [t.ptr(t.upload("B", sb(a))), t.ptr(t.upload("B", sb(b))), t.ptr(t.upload("i", c)), t.ptr(d), t.ptr(ds)])
+    t.expect("m16n8k32 s8 D = A x B + C, wrapping", t.read(d, "i", 128), [s32(v & MASK32) for v in exact])
+    t.expect("m16n8k32 s8 .satfinite", t.read(ds, "i", 128), [max(-(2 ** 31), min(2 ** 31 - 1, v)) for v in exact])
+    t.check(any(v > 2 ** 31 - 1 for v in exact), "the saturating row does not overflow: the check would not tell the forms apart")
+
+
+def e4m3_value(byte):
+    s = -1 if byte & 0x80 else 1
+    e, m = (byte >> 3) & 0xF, byte & 7
+    return s * (m / 8 * 2 ** -6 if e == 0 else (1 + m / 8) * 2 ** (e - 7))
+
+
+@case("mma", min_arch=90)
+def mma_e4m3(t):
+    r = rng(86)
+    # Bytes whose values are multiples of 1/8 up to 8: exact sums in f32.
+    pool = [v for v in range(256) if (v & 0x7F) != 0x7F and abs(e4m3_value(v)) <= 8 and (e4m3_value(v) * 8).is_integer()]
+    a, b = [r.choice(pool) for _ in range(512)], [r.choice(pool) for _ in range(256)]
+    c = small(r, 128, -100, 100)
+    want = matmul([e4m3_value(v) for v in a], [e4m3_value(v) for v in b], c, 16, 8, 32)
+    d = t.zeros("f", 128)
+    t.launch("mma_e4m3", [1], [32], [t.ptr(t.upload("B", a)), t.ptr(t.upload("B", b)), t.ptr(t.upload("f", c)), t.ptr(d)])
+    t.expect("m16n8k32 e4m3 D = A x B + C", t.read(d, "f", 128), want)
+
+
+@case("mma", min_arch=80)
+def mma_f64(t):
+    r = rng(87)
+    a, b, c = [r.uniform(-10, 10) for _ in range(32)], [r.uniform(-10, 10) for _ in range(32)], [r.uniform(-10, 10) for _ in range(64)]
+    d = t.zeros("d", 64)
+    t.launch("mma_f64", [1], [32], [t.ptr(t.upload("d", a)), t.ptr(t.upload("d", b)), t.ptr(t.upload("d", c)), t.ptr(d)])
+    terms = [[a[i * 4 + x] * b[x * 8 + j] for x in range(4)] + [c[i * 8 + j]] for i in range(8) for j in range(8)]
+    want = [math.fsum(ts) for ts in terms]
+    # The dot product's error bound: 5 terms, each sum rounded once.
+    bound = [8 * 2 ** -53 * sum(abs(x) for x in ts) for ts in terms]
+    got = t.read(d, "d", 64)
+    t.expect("m8n8k4 f64 D = A x B + C (within the dot product's rounding bound)", [abs(g - w) <= e for g, w, e in zip(got, want, bound)], [True] * 64,
+             show=lambda i: f"got {got[i]!r}, exact {want[i]!r}")
+
+
+# The WMMA API (mma.h). Memory layouts: `rm(m, rows, cols, ld)` places a
+# row-major matrix in a buffer whose rows are `ld` wide, `cm` a column-major
+# one whose columns are `ld` tall; the filler around the tile must not leak in.
+
+def rm(m, rows, cols, ld, fill=99):
+    out = [fill] * (rows * ld)
+    for i in range(rows):
+        for j in range(cols):
+            out[i * ld + j] = m[i * cols + j]
+    return out
+
+
+def cm(m, rows, cols, ld, fill=99):
+    out = [fill] * (cols * ld)
+    for i in range(rows):
+        for j in range(cols):
+            out[j * ld + i] = m[i * cols + j]
+    return out
+
+
+@case("wmma", min_arch=70)
+def wmma_f16(t):
+    r = rng(91)
+    a, b, c = small(r, 256, halves=True), small(r, 256, halves=True), small(r, 256, -100, 100)
+    d = t.zeros("f", 256)
+    t.launch("wmma_f16", [1], [32], [t.ptr(t.upload("H", hb(rm(a, 16, 16, 24)))), t.ptr(t.upload("H", hb(cm(b, 16, 16, 20)))), t.ptr(t.upload("f", c)), t.ptr(d)])
+    t.expect("16x16x16 f16, A row-major (ld 24), B column-major (ld 20)", t.read(d, "f", 256), matmul(a, b, c, 16, 16, 16))
+
+
+@case("wmma", min_arch=70)
+def wmma_f16_acc(t):
+    r = rng(92)
+    a, b, c = small(r, 512, -4, 4), small(r, 128, -4, 4), small(r, 256, -50, 50)
+    d = t.zeros("H", 256)
+    t.launch("wmma_f16_acc", [1], [32], [t.ptr(t.upload("H", hb(a))), t.ptr(t.upload("H", hb(b))), t.ptr(t.upload("H", hb(c))), t.ptr(d)])
+    want = matmul(a, b, c, 32, 8, 16)
+    t.expect("32x8x16 f16 accumulators, D column-major", t.read(d, "H", 256), hb(cm(want, 32, 8, 32)))
+
+
+@case("wmma", min_arch=80)
+def wmma_s8(t):
+    r = rng(93)
+    a, b, c = small(r, 256, -128, 127), small(r, 256, -128, 127), small(r, 256, -10 ** 6, 10 ** 6)
+    d = t.zeros("i", 256)
+    sb = lambda v: [x & 0xFF for x in v]
+    t.launch("wmma_s8", [1], [32], [t.ptr(t.upload("B", sb(a))), t.ptr(t.upload("B", sb(b))), t.ptr(t.upload("i", c)), t.ptr(d)])
+    t.expect("16x16x16 s8, s32 accumulators", t.read(d, "i", 256), matmul(a, b, c, 16, 16, 16))
+
+
+@case("wmma", min_arch=80)
+def wmma_bf16_tf32(t):
+    r = rng(94)
+    a, b = small(r, 256, halves=True), small(r, 256, halves=True)
+    at, bt = small(r, 128, halves=True), small(r, 128, halves=True)
+    d, dt = t.zeros("f", 256), t.zeros("f", 256)
+    t.launch("wmma_bf16_tf32", [1], [32], [t.ptr(t.upload("H", [bf16_bits(x) for x in a])), t.ptr(t.upload("H", [bf16_bits(x) for x in b])),
+                                           t.ptr(t.upload("f", at)), t.ptr(t.upload("f", cm(bt, 8, 16, 8))), t.ptr(d), t.ptr(dt)])
+    t.expect("16x16x16 bf16", t.read(d, "f", 256), matmul(a, b, [0] * 256, 16, 16, 16))
+    t.expect("16x16x8 tf32, B column-major", t.read(dt, "f", 256), matmul(at, bt, [0] * 256, 16, 16, 8))
+
+
+@case("wmma", min_arch=80)
+def wmma_f64(t):
+    r = rng(95)
+    a, b, c = small(r, 32, -50, 50), small(r, 32, -50, 50), small(r, 64, -1000, 1000)
+    d = t.zeros("d", 64)
+    t.launch("wmma_f64", [1], [32], [t.ptr(t.upload("d", a)), t.ptr(t.upload("d", b)), t.ptr(t.upload("d", c)), t.ptr(d)])
+    t.expect("8x8x4 f64", t.read(d, "d", 64), matmul(a, b, c, 8, 8, 4))
