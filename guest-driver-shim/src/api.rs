@@ -175,6 +175,14 @@ fn trace_enabled() -> bool {
     *T.get_or_init(|| std::env::var_os("VGPU_TRACE").is_some())
 }
 
+/// `VGPU_TRACE=calls`: also log every driver call made, by name, as it
+/// is entered (which call a library gave up after, when it reports no
+/// error of ours).
+fn trace_calls_enabled() -> bool {
+    static T: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *T.get_or_init(|| std::env::var_os("VGPU_TRACE").is_some_and(|v| v == "calls"))
+}
+
 fn fail(api: &str, e: CallError) -> CUresult {
     // A fault is sticky for the process on CUDA; where the device's side
     // ended for it, later calls report the fault, not the lost connection.
@@ -200,6 +208,9 @@ fn invalid_handle(what: &str) -> CallError {
 /// Runs `f` against the initialised shim, mapping errors to `CUresult`.
 /// Threads run their calls concurrently: no lock is held across `f`.
 fn with(api: &str, f: impl FnOnce(&Shim) -> CallResult<()>) -> CUresult {
+    if trace_calls_enabled() {
+        eprintln!("libcuda(vgpu): call {api}");
+    }
     let Some(s) = READY.get() else {
         return fail(api, CallError::new(CuResult::CUDA_ERROR_NOT_INITIALIZED, "cuInit has not been called"));
     };
@@ -681,6 +692,9 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, dev: C
     with("cuDeviceGetAttribute", |s| {
         s.device(dev)?;
         let a = s.attribute(attr).ok_or_else(|| bad(&format!("unsupported device attribute {attr}")))?;
+        if trace_calls_enabled() {
+            eprintln!("libcuda(vgpu): attribute {attr} = {a}");
+        }
         out(v, a)
     })
 }

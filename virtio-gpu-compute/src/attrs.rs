@@ -32,7 +32,11 @@ pub fn reference(info: &DeviceInfo, attr: c_int) -> Option<c_int> {
         15 | 31 | 40 | 41 | 78 | 79 | 80 | 99 | 126 => 1,
         16 => i(info.sm_count),
         17 => (info.instruction_budget != 0) as c_int,
-        18 | 19 | 20 | 32 | 33 | 35 | 38 | 44 | 50 | 83..=86 | 88..=96 | 98 | 100..=105 | 107..=125 | 127..=130 | 132 | 133 | 135..=143 => 0,
+        // L2 cache size: an A100's 40 MiB, as for the other sm_80-class
+        // figures (libraries size tiles, split-k and persisting windows by
+        // it; none at all is no real GPU's answer).
+        38 => 40 << 20,
+        18 | 19 | 20 | 32 | 33 | 35 | 44 | 50 | 83..=86 | 88..=96 | 98 | 100..=105 | 107..=125 | 127..=130 | 132 | 133 | 135..=143 => 0,
         21 | 56 | 70 => 131072,
         22 | 27 | 28 | 45 | 46 | 52 | 53 | 55 | 61 | 63 | 64 | 66 | 67 | 73 | 74 | 77 => 32768,
         23 | 57 => 65536,

@@ -74,6 +74,9 @@ impl Shim {
         if let Some(m) = loaded.filter(|m| self.st().modules.contains_key(m)) {
             return Ok(m);
         }
+        if image.is_empty() {
+            return Err(CallError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "the library's fatbin has no PTX: its kernels are machine code for real GPUs only"));
+        }
         let m = load_image(self, ctx, &image)?;
         // Another thread may have loaded it meanwhile: keep one. (The
         // handle tables' lock is never taken inside the libraries' one.)
@@ -123,8 +126,15 @@ fn load_library(s: &Shim, lib: *mut H, bytes: &[u8]) -> CallResult<()> {
         return Err(bad("null library pointer"));
     }
     // A fatbin is kept as only what this device can use.
+    // A fatbin with nothing this device runs (cubins only, as libraries
+    // ship their architecture-specific kernels) is kept as no image at all:
+    // the library loads, and its kernels fail where they are first used.
     let image = Arc::new(match ImageFormat::sniff(bytes) {
-        ImageFormat::Fatbin => super::select_for(s, bytes)?,
+        ImageFormat::Fatbin => match super::select_for(s, bytes) {
+            Ok(image) => image,
+            Err(e) if e.code == CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU => Vec::new(),
+            Err(e) => return Err(e),
+        },
         _ => bytes.to_vec(),
     });
     let entries = Arc::new(std::sync::OnceLock::new());
@@ -134,10 +144,17 @@ fn load_library(s: &Shim, lib: *mut H, bytes: &[u8]) -> CallResult<()> {
         l.next
     });
     // Load it now where a context is current, so a bad image fails here.
+    // One with nothing this device runs (a fatbin of cubins only, as
+    // libraries ship their architecture-specific kernels) loads: its
+    // kernels fail where they are first used, with
+    // CUDA_ERROR_NO_BINARY_FOR_GPU, as with CUDA's lazy loading.
     if let Ok(ctx) = s.current() {
-        if let Err(e) = s.lib_module(id, ctx) {
-            with_libs(|l| l.libs.remove(&id));
-            return Err(e);
+        match s.lib_module(id, ctx) {
+            Err(e) if e.code != CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU => {
+                with_libs(|l| l.libs.remove(&id));
+                return Err(e);
+            }
+            _ => {}
         }
     }
     out(lib, enc(TAG_LIB, id))
@@ -239,8 +256,15 @@ pub unsafe extern "C" fn cuLibraryGetKernel(k: *mut H, lib: H, name: *const c_ch
         // is checked where it is first used in a context, as CUDA's lazy
         // loading does, and on a device that runs PTX only that use fails
         // with CUDA_ERROR_NO_BINARY_FOR_GPU.
-        if let Ok(ctx) = s.current() {
-            let m = s.lib_module(id, ctx)?;
+        let loaded = match s.current() {
+            Ok(ctx) => match s.lib_module(id, ctx) {
+                Ok(m) => Some((ctx, m)),
+                Err(e) if e.code == CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU => None,
+                Err(e) => return Err(e),
+            },
+            Err(_) => None,
+        };
+        if let Some((ctx, m)) = loaded {
             get_function(s, ctx, m, &n)?;
         } else {
             let names = lib_entries(id);
