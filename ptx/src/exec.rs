@@ -1104,6 +1104,13 @@ enum Ev {
 fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8], global: &mut dyn GlobalMem, meter: &mut Meter, li: &LaunchInfo) -> Result<St, ExecError> {
     let code = &*k.code;
     let nk = b.nregs;
+    // A parallel launch's meter holds a chunk of the shared budget: with
+    // less than a slice left, the slice would never end (yield_at 0) and a
+    // thread spinning on another warp's store (a cooperative-groups tile
+    // barrier) would spin through every refill. Take the next chunk first.
+    if meter.left < 2 * SLICE {
+        meter.refill(2 * SLICE);
+    }
     let yield_at = meter.left.saturating_sub(SLICE);
     let BlockState { regs: kregs, pc: pcs, shared, stacks, coll, bars, stack_bytes, .. } = b;
     let stack = &mut stacks[t];
