@@ -27,6 +27,10 @@ use super::ir::*;
 /// memory and the kernel's parameters, and function addresses live in
 /// their own window. Everything else is global.
 pub const SHARED_WINDOW: u64 = 0x0000_1000_0000_0000;
+
+/// Shared memory each block has beyond its own, for system software (the
+/// 1 KiB sm_80 and later reserve; `%reserved_smem_offset_*` name it).
+pub const RESERVED_SMEM: u64 = 1024;
 pub const LOCAL_WINDOW: u64 = 0x0000_2000_0000_0000;
 pub const PARAM_WINDOW: u64 = 0x0000_3000_0000_0000;
 pub const FUNC_WINDOW: u64 = 0x0000_4000_0000_0000;
@@ -272,6 +276,8 @@ struct LaunchInfo {
     dyn_base: u64,
     dyn_size: u64,
     total_smem: u64,
+    /// Where the block's reserved shared memory starts: after its own.
+    reserved_base: u64,
     sm_count: u32,
     start: Instant,
 }
@@ -306,6 +312,12 @@ impl Coords {
             Special::TotalSmemSize => li.total_smem,
             Special::Const(v) => v,
             Special::DynShared => li.dyn_base,
+            Special::ReservedSmem(which) => match which {
+                0 => li.reserved_base,
+                1 => li.reserved_base + 16,
+                2 => li.reserved_base + RESERVED_SMEM,
+                _ => RESERVED_SMEM,
+            },
         }
     }
 }
@@ -415,11 +427,17 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
     if regfile.saturating_add(local) > MAX_BLOCK_STACK {
         return Err(ExecError::OutOfResources(format!("{nthreads} threads × {} bytes of local memory and a {regfile}-byte register file exceed the {MAX_BLOCK_STACK}-byte block limit", k.local_size)));
     }
+    // The reserved shared memory follows the kernel's own, outside its
+    // limit, as on sm_80 and later, past a guard of the same size that
+    // faults, so a kernel overrunning its own shared memory still faults.
+    let reserved_base = shared.div_ceil(16) * 16 + RESERVED_SMEM;
+    let total_smem = shared;
+    let shared = reserved_base + RESERVED_SMEM;
     let budget = if limits.budget == 0 { u64::MAX } else { limits.budget };
     let start = Instant::now();
     let deadline = limits.timeout.map(|t| (start + t, t));
     let block_units = BLOCK_UNITS + nthreads + (regfile + shared + local) / ZERO_BYTES_PER_UNIT;
-    let li = LaunchInfo { dyn_base, dyn_size: cfg.dynamic_shared as u64, total_smem: shared, sm_count: limits.sm_count.max(1), start };
+    let li = LaunchInfo { dyn_base, dyn_size: cfg.dynamic_shared as u64, total_smem, reserved_base, sm_count: limits.sm_count.max(1), start };
     let nblocks = cfg.grid.iter().map(|&g| g as u64).product::<u64>();
     let threads = (limits.threads.max(1) as u64).min(nblocks) as usize;
     let _in_flight = InFlight::enter();
@@ -983,6 +1001,10 @@ fn f64v(v: u64) -> f64 {
 
 struct Mem<'a> {
     shared: &'a mut [u8],
+    /// The kernel's own shared bytes, and where the reserved ones start
+    /// (between them, a guard that faults).
+    smem_own: u64,
+    smem_reserved: u64,
     params: &'a [u8],
     local: &'a mut Vec<u8>,
     global: &'a mut dyn GlobalMem,
@@ -1006,8 +1028,9 @@ impl Mem<'_> {
             _ => (PARAM_WINDOW, self.params.len(), "param"),
         };
         let off = if addr >= window { addr - window } else { addr };
+        let guard = space == Space::Shared && off < self.smem_reserved && off.saturating_add(len as u64) > self.smem_own;
         match off.checked_add(len as u64) {
-            Some(end) if end <= size as u64 => Ok(off as usize..end as usize),
+            Some(end) if end <= size as u64 && !guard => Ok(off as usize..end as usize),
             _ => Err(ExecError::IllegalAddress { kind, addr, len, line: 0 }),
         }
     }
@@ -1154,7 +1177,7 @@ fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8
             }
             pc += 1;
         }
-        let mut m = Mem { shared, params, local: &mut stack.local, global: &mut *global };
+        let mut m = Mem { shared, smem_own: li.total_smem, smem_reserved: li.reserved_base, params, local: &mut stack.local, global: &mut *global };
         let ev = run_frame(&code.insts, &mut pc, regs, &th, &mut m, meter, yield_at, cl, bars);
         let ev = match ev {
             Ok(ev) => ev,
@@ -1210,7 +1233,7 @@ fn run_thread(k: &Kernel, b: &mut BlockState, t: usize, c: &Coords, params: &[u8
                     match builtin {
                         Builtin::AssertFail => {
                             let (msg, file, ln, func) = (arg(0, &stack.local), arg(1, &stack.local), arg(2, &stack.local) as u32, arg(3, &stack.local));
-                            let mut m = Mem { shared, params, local: &mut stack.local, global: &mut *global };
+                            let mut m = Mem { shared, smem_own: li.total_smem, smem_reserved: li.reserved_base, params, local: &mut stack.local, global: &mut *global };
                             let (msg, file, func) = (m.cstr(msg, 256), m.cstr(file, 256), m.cstr(func, 256));
                             pcs[t] = pc as u32;
                             return Err(ExecError::Assert(format!(

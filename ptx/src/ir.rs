@@ -131,6 +131,11 @@ pub enum Special {
     /// Shared-space offset where dynamic shared memory starts for the
     /// launching kernel (an `extern .shared` array).
     DynShared,
+    /// The block's reserved shared memory (what sm_80 and later set aside
+    /// for system software; cooperative groups keep the barriers of tiles
+    /// wider than a warp there): 0 its start (`%reserved_smem_offset_begin`
+    /// and `_0`), 1 a second slot (`_1`), 2 its end, 3 its size (`_cap`).
+    ReservedSmem(u8),
 }
 
 /// A source operand.

@@ -1548,3 +1548,22 @@ def wmma_f64(t):
     d = t.zeros("d", 64)
     t.launch("wmma_f64", [1], [32], [t.ptr(t.upload("d", a)), t.ptr(t.upload("d", b)), t.ptr(t.upload("d", c)), t.ptr(d)])
     t.expect("8x8x4 f64", t.read(d, "d", 64), matmul(a, b, c, 8, 8, 4))
+
+
+@case("coop_groups")
+def cg_wide_tiles(t):
+    n = 512
+    r = rng(45)
+    a = [r.randrange(-90, 90) for _ in range(n)]
+    a[300] = 7
+    out = t.zeros("i", n * 6)
+    t.launch("cg_wide_tiles", [2], [256], [t.ptr(t.upload("i", a)), t.ptr(out)])
+    got = t.read(out, "i", n * 6)
+    want = []
+    for i in range(n):
+        w64, w128 = a[i - i % 64: i - i % 64 + 64], a[i - i % 128: i - i % 128 + 128]
+        tid, r64 = i % 256, i % 64
+        scan = sum(w64[:r64])
+        want += [sum(w64), max(w128), (tid // 64) * 1000 + r64, w64[37], int(any(x == 7 for x in w128)) + 2 * int(all(x > -100 for x in w128)), scan]
+    for k, nm in enumerate(["reduce over 64", "max over 128", "meta_group_rank, thread_rank", "shfl from rank 37 of 64", "any/all over 128", "exclusive_scan over 64"]):
+        t.expect(nm, got[k::6], want[k::6])

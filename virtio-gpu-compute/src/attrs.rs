@@ -36,7 +36,10 @@ pub fn reference(info: &DeviceInfo, attr: c_int) -> Option<c_int> {
         // figures (libraries size tiles, split-k and persisting windows by
         // it; none at all is no real GPU's answer).
         38 => 40 << 20,
-        18 | 19 | 20 | 32 | 33 | 35 | 44 | 50 | 83..=86 | 88..=96 | 98 | 100..=105 | 107..=125 | 127..=130 | 132 | 133 | 135..=143 => 0,
+        // Shared memory the driver reserves per block: the 1 KiB the
+        // interpreter sets aside (%reserved_smem_offset_*), as sm_80 does.
+        111 => 1024,
+        18 | 19 | 20 | 32 | 33 | 35 | 44 | 50 | 83..=86 | 88..=96 | 98 | 100..=105 | 107..=110 | 112..=125 | 127..=130 | 132 | 133 | 135..=143 => 0,
         21 | 56 | 70 => 131072,
         22 | 27 | 28 | 45 | 46 | 52 | 53 | 55 | 61 | 63 | 64 | 66 | 67 | 73 | 74 | 77 => 32768,
         23 | 57 => 65536,

@@ -1,7 +1,8 @@
 // Cooperative groups: grid ranks (no grid.sync), thread_block, tiles of 32
-// and 8 with shfl_down reductions, cg::reduce.
+// and 8 with shfl_down reductions, cg::reduce; tiles of 64 and 128.
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
+#include <cooperative_groups/scan.h>
 #include "common.cuh"
 namespace cg = cooperative_groups;
 
@@ -44,4 +45,22 @@ extern "C" __global__ void cg_tiles(const int* in, int* out) {
     o[4] = t8.meta_group_rank() * 100 + t8.thread_rank();
     o[5] = (int)t32.ballot(v > 0);
     o[6] = t8.any(v == 3) + 2 * t8.all(v > -50);
+}
+
+// Tiles wider than a warp (64 and 128 threads, in blocks of 256): their
+// collectives go through shared memory and named barriers, not shuffles.
+extern "C" __global__ void cg_wide_tiles(const int* in, int* out) {
+    __shared__ cg::block_tile_memory<256> scratch;
+    cg::thread_block block = cg::this_thread_block(scratch);
+    cg::thread_block_tile<64> t64 = cg::tiled_partition<64>(block);
+    cg::thread_block_tile<128> t128 = cg::tiled_partition<128>(block);
+    int i = gid(), v = in[i];
+    int* o = out + i * 6;
+    o[0] = cg::reduce(t64, v, cg::plus<int>());
+    o[1] = cg::reduce(t128, v, cg::greater<int>());
+    o[2] = t64.meta_group_rank() * 1000 + t64.thread_rank();
+    o[3] = t64.shfl(v, 37);  // wider than a warp, shfl is a broadcast
+    t128.sync();
+    o[4] = t128.any(v == 7) + 2 * t128.all(v > -100);
+    o[5] = cg::exclusive_scan(t64, v, cg::plus<int>());
 }
