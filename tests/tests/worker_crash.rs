@@ -22,8 +22,20 @@ fn killed_worker_errors_its_tenants_restarts_and_serves_again() {
 
     let pid = m.device(&dev)["worker_pid"].as_u64().expect("pid") as i32;
     assert!(pid > 0);
+    // The process holding the tenant's state: the worker itself, or, with
+    // an executor per tenant, its executor, which ends when its arbiter
+    // (the worker) is gone.
+    let served = m.serving_pid(&dev, "before");
     // SAFETY: signals the worker process the mediator reported.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    // A call that reaches the executor before it has seen its arbiter go
+    // still completes; the client's next call is made once the state it
+    // refers to is gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(format!("/proc/{served}/stat")).is_ok_and(|s| !s.contains(") Z ")) {
+        assert!(Instant::now() < deadline, "the tenant's executor outlived its arbiter by 10 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 
     // The connected client's next call fails cleanly.
     child.stdin.take().expect("stdin").write_all(b"go\n").expect("write");
