@@ -1688,13 +1688,15 @@ fn run_frame(insts: &[Inst], pc_io: &mut usize, regs: &mut [u64], th: &Th, m: &m
                 let stride = w.stride.map(|s| rd(regs, &s, c, clock)).unwrap_or(if w.row_major { w.cols } else { w.rows } as u64);
                 let bits = w.ty.bits();
                 let bytes = (bits / 8) as usize;
-                let per = crate::mma::wmma_per_reg(w.ty);
+                let per = crate::mma::per_reg(w.ty);
                 let nregs = if w.store { w.s.len() } else { w.d.len() };
                 for r in 0..nregs {
                     let mut reg = if w.store { rd(regs, &w.s[r], c, clock) } else { 0 };
                     for j in 0..per {
                         let (row, col) = crate::mma::wmma_at(lane, r as u32 * per + j, w.rows, w.cols);
-                        let idx = if w.row_major { row as u64 * stride + col as u64 } else { col as u64 * stride + row as u64 };
+                        // The stride is the tenant's: addresses wrap, and the access is checked.
+                        let (major, minor) = if w.row_major { (row, col) } else { (col, row) };
+                        let idx = (major as u64).wrapping_mul(stride).wrapping_add(minor as u64);
                         let at = base.wrapping_add(idx.wrapping_mul(bytes as u64));
                         let shift = if bits >= 32 { 0 } else { j * bits };
                         let mut buf = [0u8; 8];

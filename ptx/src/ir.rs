@@ -727,6 +727,15 @@ impl MmaTy {
         })
     }
 
+    /// The register type a fragment of this element type is read as.
+    pub fn reg_ty(self) -> Ty {
+        match self {
+            MmaTy::F32 => Ty::F32,
+            MmaTy::F64 => Ty::F64,
+            _ => Ty::B32,
+        }
+    }
+
     pub fn bits(self) -> u32 {
         match self {
             MmaTy::F16 | MmaTy::Bf16 => 16,

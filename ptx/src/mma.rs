@@ -22,8 +22,8 @@
 use crate::ir::{Mma, MmaTy};
 use half::{bf16, f16};
 
-/// Elements of `ty` in one 32-bit register.
-fn per_reg(ty: MmaTy) -> u32 {
+/// Elements of `ty` in one fragment register (one for 32- and 64-bit types).
+pub fn per_reg(ty: MmaTy) -> u32 {
     32 / ty.bits().min(32)
 }
 
@@ -161,11 +161,6 @@ pub fn wmma_regs(rows: u32, cols: u32, ty: MmaTy, operand: bool) -> u32 {
     }
 }
 
-/// Elements of `ty` a `wmma` fragment register holds.
-pub fn wmma_per_reg(ty: MmaTy) -> u32 {
-    per_reg(ty)
-}
-
 /// (row, column) of A's register `r`, element `j`, held by `lane`.
 fn a_at(op: &Mma, lane: u32, r: u32, j: u32) -> (u32, u32) {
     if op.wmma {
@@ -213,8 +208,7 @@ pub fn run(op: &Mma, regs: &dyn Fn(u32) -> Option<Vec<u64>>) -> Vec<Vec<u64>> {
     let mut a = vec![0f64; m * k];
     let mut bm = vec![0f64; k * n];
     let mut c = vec![0f64; m * n];
-    let ea = if op.aty == MmaTy::F64 { 1 } else { per_reg(op.aty) };
-    let eb = if op.bty == MmaTy::F64 { 1 } else { per_reg(op.bty) };
+    let (ea, eb) = (per_reg(op.aty), per_reg(op.bty));
     let per_c = if op.cty == MmaTy::F16 { 2 } else { 1 };
     for lane in 0..32u32 {
         let Some(v) = regs(lane) else { continue };

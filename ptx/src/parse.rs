@@ -1697,12 +1697,7 @@ impl Cx<'_, '_, '_, '_> {
     /// registers each, A, B and C read as `tys`.
     #[allow(clippy::type_complexity)]
     fn mma_operands(&self, ops: &[Raw], counts: [usize; 4], tys: [MmaTy; 3]) -> Result<(Vec<u32>, Vec<Src>, Vec<Src>, Vec<Src>), PtxError> {
-        let src_ty = |t: MmaTy| match t {
-            MmaTy::F32 => Ty::F32,
-            MmaTy::F64 => Ty::F64,
-            _ => Ty::B32,
-        };
-        let srcs = |i: usize, what: &str, t: MmaTy| -> Result<Vec<Src>, PtxError> { self.fragment(&ops[i], counts[i], what)?.iter().map(|r| self.src(r, src_ty(t))).collect() };
+        let srcs = |i: usize, what: &str, t: MmaTy| -> Result<Vec<Src>, PtxError> { self.fragment(&ops[i], counts[i], what)?.iter().map(|r| self.src(r, t.reg_ty())).collect() };
         let d = self.fragment(&ops[0], counts[0], "D")?.iter().map(|r| self.reg(r)).collect::<Result<_, _>>()?;
         Ok((d, srcs(1, "A", tys[0])?, srcs(2, "B", tys[1])?, srcs(3, "C", tys[2])?))
     }
@@ -1790,12 +1785,8 @@ impl Cx<'_, '_, '_, '_> {
         let regs = self.fragment(regs, want, "this fragment")?;
         let (space, addr) = self.addr(addr, space)?;
         let stride = ops.get(2).map(|r| self.src(r, Ty::U32)).transpose()?;
-        let reg_ty = match ty {
-            MmaTy::F32 => Ty::F32,
-            MmaTy::F64 => Ty::F64,
-            _ => Ty::B32,
-        };
-        let (d, s) = if store { (Vec::new(), regs.iter().map(|r| self.src(r, reg_ty)).collect::<Result<_, _>>()?) } else { (regs.iter().map(|r| self.reg(r)).collect::<Result<_, _>>()?, Vec::new()) };
+        let (d, s) =
+            if store { (Vec::new(), regs.iter().map(|r| self.src(r, ty.reg_ty())).collect::<Result<_, _>>()?) } else { (regs.iter().map(|r| self.reg(r)).collect::<Result<_, _>>()?, Vec::new()) };
         Ok(WmmaMove { store, rows, cols, ty, row_major, space, addr, stride, d, s })
     }
 
