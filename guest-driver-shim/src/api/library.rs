@@ -125,20 +125,18 @@ fn load_library(s: &Shim, lib: *mut H, bytes: &[u8]) -> CallResult<()> {
     if lib.is_null() {
         return Err(bad("null library pointer"));
     }
-    // A fatbin is kept as only what this device can use; one with nothing
-    // it runs (cubins only, as libraries ship their architecture-specific
-    // kernels) as no image at all: the library loads, and its kernels fail
-    // where first used with CUDA_ERROR_NO_BINARY_FOR_GPU, as with CUDA's
-    // lazy loading.
-    let (image, runs_nothing) = match ImageFormat::sniff(bytes) {
+    // A fatbin is kept as only what this device can use.
+    // A fatbin with nothing this device runs (cubins only, as libraries
+    // ship their architecture-specific kernels) is kept as no image at all:
+    // the library loads, and its kernels fail where they are first used.
+    let image = Arc::new(match ImageFormat::sniff(bytes) {
         ImageFormat::Fatbin => match super::select_for(s, bytes) {
-            Ok(image) => (image, false),
-            Err(e) if e.code == CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU => (Vec::new(), true),
+            Ok(image) => image,
+            Err(e) if e.code == CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU => Vec::new(),
             Err(e) => return Err(e),
         },
-        _ => (bytes.to_vec(), false),
-    };
-    let image = Arc::new(image);
+        _ => bytes.to_vec(),
+    });
     let entries = Arc::new(std::sync::OnceLock::new());
     let id = with_libs(|l| {
         l.next += 1;
@@ -146,10 +144,17 @@ fn load_library(s: &Shim, lib: *mut H, bytes: &[u8]) -> CallResult<()> {
         l.next
     });
     // Load it now where a context is current, so a bad image fails here.
-    if let (false, Ok(ctx)) = (runs_nothing, s.current()) {
-        if let Err(e) = s.lib_module(id, ctx) {
-            with_libs(|l| l.libs.remove(&id));
-            return Err(e);
+    // One with nothing this device runs (a fatbin of cubins only, as
+    // libraries ship their architecture-specific kernels) loads: its
+    // kernels fail where they are first used, with
+    // CUDA_ERROR_NO_BINARY_FOR_GPU, as with CUDA's lazy loading.
+    if let Ok(ctx) = s.current() {
+        match s.lib_module(id, ctx) {
+            Err(e) if e.code != CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU => {
+                with_libs(|l| l.libs.remove(&id));
+                return Err(e);
+            }
+            _ => {}
         }
     }
     out(lib, enc(TAG_LIB, id))
