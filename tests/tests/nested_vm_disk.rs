@@ -75,9 +75,20 @@ fn the_vm_stops_starts_and_comes_back_after_the_daemon_is_killed_with_its_disk_i
     // Each boot counts itself on the disk: the second and third boots
     // found what the ones before wrote.
     let boots: Vec<&str> = lines(out, "CONSOLE: L2-BOOTS-BEFORE=");
-    assert_eq!(boots, ["0", "1", "2"], "the root disk did not keep its writes across boots:\n{out}");
+    assert_eq!(boots, ["0", "1", "2"], "the root disk did not keep its writes across boots:\n{}", boot_facts(out));
     // The network came up on every boot (the daemon's tap outlives a VMM).
-    assert_eq!(lines(out, "CONSOLE: L2-NET-UP").len(), 3, "{out}");
+    assert_eq!(lines(out, "CONSOLE: L2-NET-UP").len(), 3, "{}", boot_facts(out));
+}
+
+/// What a failed boot count is read from, short enough to survive a CI
+/// log's truncation: the scenario's waits that gave up, the restarts and
+/// the VMM's warnings, then the end of the guest's console.
+fn boot_facts(out: &str) -> String {
+    let keep = |l: &&str| ["WAIT-TIMEOUT", "VM-RESTARTS", "VMM-LOG", "STOPPED-STATE", "STARTED-STATE", "RESTORED-STATE", "CONSOLE: L2-BOOTS", "CONSOLE: L2-DISK-READY"].iter().any(|k| l.starts_with(k));
+    let facts: Vec<&str> = out.lines().filter(keep).collect();
+    let console: Vec<&str> = out.lines().filter(|l| l.starts_with("CONSOLE: ")).collect();
+    let tail = &console[console.len().saturating_sub(40)..];
+    format!("{}\n-- the console's last {} lines --\n{}", facts.join("\n"), tail.len(), tail.join("\n"))
 }
 
 /// The daemon, root in L1 with the user vgpu in its /etc/passwd, jails the

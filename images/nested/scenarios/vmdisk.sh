@@ -15,7 +15,8 @@ now() { cut -d' ' -f1 /proc/uptime; }
 wait_console() {
     i=0
     while [ "$(grep -c "$1" $con 2>/dev/null)" -lt "${2:-1}" ] && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
-    grep -q "$1" $con 2>/dev/null
+    # Said when it gave up: the test then shows what the console had.
+    [ "$(grep -c "$1" $con 2>/dev/null)" -ge "${2:-1}" ] || echo "WAIT-TIMEOUT: $1 x${2:-1} after $i polls"
 }
 scrubbed() { ctl metrics | grep '^vgpu_device_scrubbed_bytes_total{' | grep 'device="cpu0"' | awk '{print $NF}'; }
 # The host side: a bridge with an address; the daemon makes the VM's tap in it.
@@ -59,6 +60,11 @@ echo "VMM-AFTER-KILL=$(test -d /proc/$pid && echo alive || echo gone)"
 start_mediator $flags
 wait_console L2-DISK-READY 3
 echo "RESTORED-STATE=$(state)"
+echo "VM-RESTARTS=$(ctl -o json vm show web | grep '"restarts"' | tr -dc 0-9)"
+# A VM the restart policy brought back booted once more than the steps
+# above: its VMM's log says why (an L2 triple fault is the emulator's,
+# which the test harness recognises and runs the scenario again for).
+grep -E "triple fault|ERROR|WARN" $run/state/vms/web/vmm.log 2>/dev/null | grep -v "unmapped address" | sed 's/^/VMM-LOG: /'
 echo "== the guest's console"
 sed 's/^/CONSOLE: /' $con
 ctl vm delete web
