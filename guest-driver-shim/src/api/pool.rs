@@ -23,7 +23,7 @@ use virtio_gpu_compute::CuResult;
 use super::{alloc_device, bad, dec, enc, free_device, graph, invalid_handle, out, with, CUdevice, CUdeviceptr, CUresult, Default, H};
 use crate::client::{CallError, CallResult};
 
-const TAG_POOL: usize = 0xCA;
+pub(super) const TAG_POOL: usize = 0xCB;
 /// Pools a process may create, besides the device's default one.
 const MAX_POOLS: usize = 1024;
 
