@@ -178,7 +178,7 @@ fn trace_enabled() -> bool {
 /// `VGPU_TRACE=calls`: also log every driver call made, by name, as it
 /// is entered (which call a library gave up after, when it reports no
 /// error of ours).
-fn trace_calls_enabled() -> bool {
+pub(crate) fn trace_calls_enabled() -> bool {
     static T: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *T.get_or_init(|| std::env::var_os("VGPU_TRACE").is_some_and(|v| v == "calls"))
 }
@@ -2213,4 +2213,22 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *m
 pub unsafe extern "C" fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) -> CUresult {
     // SAFETY: same contract as cuGetProcAddress_v2, with no status pointer.
     unsafe { cuGetProcAddress_v2(symbol, pfn, version, flags, std::ptr::null_mut()) }
+}
+
+#[cfg(test)]
+mod handle_tests {
+    use super::*;
+
+    /// A handle of one kind must never decode as another: every kind has
+    /// a tag of its own.
+    #[test]
+    fn handle_tags_are_distinct() {
+        let tags = [TAG_CTX, TAG_MOD, TAG_FUNC, TAG_STREAM, TAG_EVENT, library::TAG_LIB, library::TAG_KERNEL, library::TAG_LINK, graph::TAG_GRAPH, graph::TAG_EXEC, pool::TAG_POOL];
+        let mut seen = std::collections::HashSet::new();
+        for t in tags {
+            assert!(seen.insert(t), "tag {t:#x} is used by two kinds of handle");
+        }
+        let exec = enc(graph::TAG_EXEC, 7);
+        assert_eq!(dec(pool::TAG_POOL, exec), None, "a graph exec decoded as a memory pool");
+    }
 }

@@ -4,16 +4,20 @@ PyTorch's own kernels ship as cubins (machine code for real GPUs) with no
 PTX, so this device cannot run them. Everything that needs no kernel works:
 initialisation and device queries, the caching allocator within the
 tenant's quota (mem_get_info reports it; past it, OutOfMemoryError), copies
-both ways. A kernel launch fails with a clear error, and the process goes
-on. Prints "ok <check>" per check; exits 1 if any fails.
+both ways, cuBLAS's initialisation. A kernel launch and a cuBLAS matmul
+fail with a clear error, and the process goes on. Prints "ok <check>" per check; exits 1 if any fails.
 
-Usage: torch_probe.py QUOTA_BYTES
+Usage: torch_probe.py QUOTA_BYTES [--cublas-refused]
 """
 import sys
 
 import torch
 
 quota = int(sys.argv[1])
+# Where none of cuBLAS's start-up kernels can load (the test double of
+# NVIDIA's driver refuses cubins, and cuBLAS's PTX is for compute 12.0),
+# cuBLAS cannot start: then its refusal is what is checked.
+cublas_refused = "--cublas-refused" in sys.argv[2:]
 failed = []
 
 
@@ -54,6 +58,31 @@ try:
 except Exception as e:
     msg = str(e).splitlines()[0]
     check("no kernel image is available" in msg, "a kernel without PTX fails clearly (%s: %s)" % (type(e).__name__, msg))
+
+# cuBLAS starts through this driver: cublasCreate loads its kernel
+# libraries, reads its constants, resolves the driver entry points it
+# looks up by name and its private tables (docs/cuda-stacks.md). Its GEMM
+# kernels are cubins too, so a matmul is refused with cuBLAS's error.
+if cublas_refused:
+    try:
+        torch.cuda.current_blas_handle()
+        check(False, "cublasCreate is refused clearly")
+    except Exception as e:
+        msg = str(e).splitlines()[0]
+        check("CUBLAS_STATUS_NOT_INITIALIZED" in msg, "cublasCreate is refused clearly (%s: %s)" % (type(e).__name__, msg[:100]))
+else:
+    try:
+        check(torch.cuda.current_blas_handle() != 0, "cuBLAS initialises (cublasCreate)")
+    except Exception as e:
+        check(False, "cuBLAS initialises (cublasCreate) (%s: %s)" % (type(e).__name__, str(e).splitlines()[0]))
+a = torch.ones(32, 64).cuda()
+b = torch.ones(64, 16).cuda()
+try:
+    (a @ b).cpu()
+    check(False, "a cuBLAS matmul without PTX fails clearly")
+except Exception as e:
+    msg = str(e).splitlines()[0]
+    check("CUBLAS_STATUS_" in msg, "a cuBLAS matmul without PTX fails clearly (%s: %s)" % (type(e).__name__, msg[:100]))
 
 # The process is still usable after the refused launch: no crash, no hang.
 try:

@@ -22,6 +22,7 @@ const TOOLS_TLS: Uuid = [0x42, 0xd8, 0x5a, 0x81, 0x23, 0xf6, 0xcb, 0x47, 0x82, 0
 const CONTEXT_STORAGE: Uuid = [0xc6, 0x93, 0x33, 0x6e, 0x11, 0x21, 0xdf, 0x11, 0xa8, 0xc3, 0x68, 0xf3, 0x55, 0xd8, 0x95, 0x93];
 const INTEGRITY_CHECK: Uuid = [0xd4, 0x08, 0x20, 0x55, 0xbd, 0xe6, 0x70, 0x4b, 0x8d, 0x34, 0xba, 0x12, 0x3c, 0x66, 0xe1, 0xf2];
 const CONTEXT_CHECKS: Uuid = [0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb, 0xd5, 0x00, 0x6d, 0xfa, 0x7e];
+const STREAM_RESOLVE: Uuid = [0x21, 0x31, 0x8c, 0x60, 0x97, 0x14, 0x32, 0x48, 0x8c, 0xa6, 0x41, 0xff, 0x73, 0x24, 0xc8, 0xf2];
 
 fn uuid_str(u: &Uuid) -> String {
     u.iter().map(|b| format!("{b:02x}")).collect()
@@ -134,9 +135,24 @@ fn hooks() -> &'static Table<6> {
     })
 }
 
+/// Slot 2 (offset 0x10): the calling thread's current context (NULL when
+/// it has none). cuBLASLt passes it to the 21318c60 table below.
+unsafe extern "C" fn thread_context(ctx: *mut H) -> CUresult {
+    if !ctx.is_null() {
+        let c = CURRENT.with(|c| c.get());
+        // SAFETY: checked non-null; the caller passes a CUcontext slot.
+        unsafe { *ctx = if c == 0 { std::ptr::null_mut() } else { enc(TAG_CTX, c) } };
+    }
+    0
+}
+
 fn tools_tls() -> &'static Table<3> {
     static T: OnceLock<Table<3>> = OnceLock::new();
-    T.get_or_init(|| Table { size: 4 * 8, slots: [slot(noop as extern "C" fn() -> CUresult); 3] })
+    T.get_or_init(|| {
+        let mut slots = [slot(noop as extern "C" fn() -> CUresult); 3];
+        slots[1] = slot(thread_context as unsafe extern "C" fn(*mut H) -> CUresult);
+        Table { size: 4 * 8, slots }
+    })
 }
 
 // ---- context-local storage ------------------------------------------------------
@@ -383,6 +399,78 @@ fn context_checks() -> &'static Table<3> {
     })
 }
 
+// ---- 21318c60: contexts and streams as cuBLASLt keys its caches ----------------------
+
+/// The table's slot count after its size word, as driver 595 serves it.
+const STREAM_RESOLVE_SLOTS: usize = 94;
+
+/// Slot 4: the id of a context (NULL: the current one), as
+/// `cuCtxGetId` gives it. cuBLASLt keys its heuristics cache by it.
+unsafe extern "C" fn context_number(ctx: H, id: *mut u64) -> CUresult {
+    // SAFETY: the caller's contract is cuCtxGetId's.
+    unsafe { super::ctx::cuCtxGetId(ctx, id) }
+}
+
+/// Slot 51: resolves a stream handle as a launch would (NULL and
+/// CU_STREAM_LEGACY: the current context's legacy default stream;
+/// CU_STREAM_PER_THREAD: this thread's default stream, made if need be)
+/// to a handle that names that stream alone. The first argument (the
+/// thread's context from the tools-TLS table: the stream names its own)
+/// and the last (whether the caller asked for the per-thread stream, which
+/// the handle says too) are not needed.
+unsafe extern "C" fn resolve_stream(_thread: *mut c_void, stream: H, resolved: *mut H) -> CUresult {
+    with("cuStreamResolve", |s| {
+        let v = stream as usize;
+        let r = if v == 0 || v == 1 {
+            s.target(stream, super::Default::Legacy)?;
+            1 as H
+        } else {
+            let t = s.target(stream, super::Default::PerThread)?;
+            enc(super::TAG_STREAM, t.stream)
+        };
+        super::out(resolved, r)
+    })
+}
+
+/// Slot 39: the id of a stream that slot 51 resolved, as
+/// `cuStreamGetId` gives it (cuBLASLt's per-stream workspace key). The
+/// first argument is the thread's context, as for slot 51.
+unsafe extern "C" fn resolved_stream_id(_thread: *mut c_void, stream: H, id: *mut u64) -> CUresult {
+    // SAFETY: the caller's contract is cuStreamGetId's.
+    unsafe { super::library::cuStreamGetId(stream, id) }
+}
+
+/// Every other slot: a private entry point whose meaning is not known
+/// here. It says which slot was called and fails cleanly.
+macro_rules! unknown_slots {
+    ($($n:literal),* $(,)?) => {
+        fn unknown_stream_slots() -> [Option<unsafe extern "C" fn()>; STREAM_RESOLVE_SLOTS] {
+            [$({
+                extern "C" fn f() -> CUresult {
+                    fail(concat!("export table 21318c60 slot ", stringify!($n)), CallError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "this private entry point is not supported on this device"))
+                }
+                slot(f as extern "C" fn() -> CUresult)
+            }),*]
+        }
+    };
+}
+unknown_slots!(
+    1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
+    48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94,
+);
+
+fn stream_resolve_table() -> &'static Table<STREAM_RESOLVE_SLOTS> {
+    static T: OnceLock<Table<STREAM_RESOLVE_SLOTS>> = OnceLock::new();
+    T.get_or_init(|| {
+        let mut slots = unknown_stream_slots();
+        // Slot N is the N-th word after the size word.
+        slots[4 - 1] = slot(context_number as unsafe extern "C" fn(H, *mut u64) -> CUresult);
+        slots[39 - 1] = slot(resolved_stream_id as unsafe extern "C" fn(*mut c_void, H, *mut u64) -> CUresult);
+        slots[51 - 1] = slot(resolve_stream as unsafe extern "C" fn(*mut c_void, H, *mut H) -> CUresult);
+        Table { size: (STREAM_RESOLVE_SLOTS + 1) * 8, slots }
+    })
+}
+
 // ---- the entry point ----------------------------------------------------------------
 
 #[no_mangle]
@@ -399,6 +487,7 @@ pub unsafe extern "C" fn cuGetExportTable(table: *mut *const c_void, id: *const 
         CONTEXT_STORAGE => Some(storage_table() as *const _ as *const c_void),
         INTEGRITY_CHECK => Some(integrity_table() as *const _ as *const c_void),
         CONTEXT_CHECKS => Some(context_checks() as *const _ as *const c_void),
+        STREAM_RESOLVE => Some(stream_resolve_table() as *const _ as *const c_void),
         _ => None,
     };
     if trace_enabled() {

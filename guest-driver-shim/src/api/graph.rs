@@ -17,7 +17,7 @@ use crate::client::{CallError, CallResult};
 use super::{bad, dec, enc, invalid_handle, out, with, CUdeviceptr, CUresult, Default, Shim, Target, H};
 
 pub(super) const TAG_GRAPH: usize = 0xC9;
-const TAG_EXEC: usize = 0xCA;
+pub(super) const TAG_EXEC: usize = 0xCA;
 
 /// The most work one graph may record.
 const MAX_NODES: usize = 1 << 20;
@@ -258,6 +258,18 @@ pub extern "C" fn cuGraphInstantiateWithFlags(exec: *mut H, graph: H, _flags: u6
 /// The CUDA 11 form, with an error node and log it never needs to fill.
 #[no_mangle]
 pub extern "C" fn cuGraphInstantiate_v2(exec: *mut H, graph: H, _err_node: *mut H, _log: *mut c_char, _size: usize) -> CUresult {
+    with("cuGraphInstantiate", |_| instantiate(exec, graph))
+}
+
+/// The unversioned name, which the driver still exports for libraries
+/// that look their entry points up by name (cuBLASLt `dlsym`s it and
+/// refuses to start without it). Callers built for CUDA 11 pass five
+/// arguments and those built for CUDA 12 and later three (`flags` last);
+/// both begin with the exec out-pointer and the graph, the only two read
+/// here, so either call is served (the System V caller owns its argument
+/// registers and stack).
+#[no_mangle]
+pub extern "C" fn cuGraphInstantiate(exec: *mut H, graph: H) -> CUresult {
     with("cuGraphInstantiate", |_| instantiate(exec, graph))
 }
 

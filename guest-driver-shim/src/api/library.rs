@@ -13,9 +13,9 @@ use crate::client::{CallError, CallResult};
 
 use super::{bad, dec, enc, fail, get_function, get_global, image_bytes, invalid_handle, load_image, out, with, CUdevice, CUdeviceptr, CUresult, Default, Shim, H, TAG_FUNC, TAG_MOD};
 
-const TAG_LIB: usize = 0xC6;
-const TAG_KERNEL: usize = 0xC7;
-const TAG_LINK: usize = 0xC8;
+pub(super) const TAG_LIB: usize = 0xC6;
+pub(super) const TAG_KERNEL: usize = 0xC7;
+pub(super) const TAG_LINK: usize = 0xC8;
 
 /// A function's settable attributes.
 #[derive(Clone, Copy)]
@@ -143,12 +143,14 @@ fn load_library(s: &Shim, lib: *mut H, bytes: &[u8]) -> CallResult<()> {
         l.libs.insert(l.next, Library { image, entries, modules: HashMap::new() });
         l.next
     });
-    // Load it now where a context is current, so a bad image fails here.
-    // One with nothing this device runs (a fatbin of cubins only, as
-    // libraries ship their architecture-specific kernels) loads: its
-    // kernels fail where they are first used, with
-    // CUDA_ERROR_NO_BINARY_FOR_GPU, as with CUDA's lazy loading.
-    if let Ok(ctx) = s.current() {
+    // Under eager loading, load it now where a context is current, so a
+    // bad image fails here. One with nothing this device runs (a fatbin of
+    // cubins only, as libraries ship their architecture-specific kernels)
+    // loads: its kernels fail where they are first used, with
+    // CUDA_ERROR_NO_BINARY_FOR_GPU. Under lazy loading (CUDA's default)
+    // each context loads it when one of its kernels or globals is first
+    // asked for: cuBLAS loads about 2 600 libraries and uses a handful.
+    if let Some(ctx) = s.current().ok().filter(|_| !lazy_loading()) {
         match s.lib_module(id, ctx) {
             Err(e) if e.code != CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU => {
                 with_libs(|l| l.libs.remove(&id));
@@ -301,6 +303,9 @@ pub unsafe extern "C" fn cuLibraryGetGlobal(dptr: *mut CUdeviceptr, bytes: *mut 
         let ctx = s.current()?;
         let m = s.lib_module(id, ctx)?;
         let (addr, size) = get_global(s, ctx, m, &n)?;
+        if super::trace_calls_enabled() {
+            eprintln!("libcuda(vgpu): cuLibraryGetGlobal library {id} {n:?} -> {addr:#x}, {size} bytes");
+        }
         if !dptr.is_null() {
             out(dptr, addr)?;
         }
@@ -428,7 +433,17 @@ pub unsafe extern "C" fn cuModuleLoadFatBinary(m: *mut H, image: *const c_void) 
 /// Modules load eagerly (CU_MODULE_EAGER_LOADING); libraries lazily.
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleGetLoadingMode(mode: *mut c_int) -> CUresult {
-    with("cuModuleGetLoadingMode", |_| out(mode, 1))
+    // CU_MODULE_LAZY_LOADING = 2, CU_MODULE_EAGER_LOADING = 1.
+    with("cuModuleGetLoadingMode", |_| out(mode, if lazy_loading() { 2 } else { 1 }))
+}
+
+/// Whether libraries load into a context at first use (CUDA's default
+/// since 12.2) rather than at `cuLibraryLoad*`: CUDA's own setting,
+/// `CUDA_MODULE_LOADING=EAGER`, chooses eager loading. Modules
+/// (`cuModuleLoad*`) always load at once here.
+fn lazy_loading() -> bool {
+    static LAZY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LAZY.get_or_init(|| std::env::var("CUDA_MODULE_LOADING").map_or(true, |v| !v.eq_ignore_ascii_case("EAGER")))
 }
 
 fn module_entries(s: &Shim, m: H) -> CallResult<(u32, Arc<Vec<String>>)> {
