@@ -137,6 +137,50 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     assert!(ok && text.contains("vgpu_tenant_memory_quota_bytes{tenant=\"batch\""), "{text}");
 }
 
+/// Every verb that reads prints JSON and YAML with the same data, a wider
+/// table for lists under `-o wide` (the plain table for one object), and
+/// metrics refuse both data formats as a usage error.
+#[test]
+fn every_reading_verb_honours_each_output_format() {
+    let m = Mediator::start(&["--cpu-devices", "2", "--device-memory", "128MiB"]);
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "create", "web", "--memory", "32MiB", "--weight", "3"]);
+    assert!(out(c).0);
+    let run = |fmt: &str, verb: &[&str]| {
+        let mut c = m.vgpuctl();
+        c.args(["-o", fmt]).args(verb);
+        let o = c.output().expect("vgpuctl");
+        assert!(o.status.success(), "-o {fmt} {verb:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let lists: [&[&str]; 4] = [&["tenant", "list"], &["device", "list"], &["pool", "list"], &["vm", "list"]];
+    let ones: [&[&str]; 5] = [&["tenant", "show", "web"], &["device", "show", "cpu1"], &["pool", "show", "default"], &["usage"], &["version"]];
+    for verb in lists.iter().chain(ones.iter()) {
+        let json: serde_json::Value = serde_json::from_str(&run("json", verb)).unwrap_or_else(|e| panic!("{verb:?}: -o json is not JSON: {e}"));
+        let yaml: serde_json::Value = serde_yaml_ng::from_str(&run("yaml", verb)).unwrap_or_else(|e| panic!("{verb:?}: -o yaml is not YAML: {e}"));
+        // The same answer both ways (live figures aside).
+        let keys = |v: &serde_json::Value| match v {
+            serde_json::Value::Array(a) => a.iter().map(|x| x.get("name").cloned().unwrap_or_default()).collect::<Vec<_>>(),
+            serde_json::Value::Object(o) => o.keys().map(|k| serde_json::Value::String(k.clone())).collect(),
+            other => vec![other.clone()],
+        };
+        assert_eq!(keys(&json), keys(&yaml), "{verb:?}: JSON and YAML differ");
+    }
+    for verb in lists {
+        let (table, wide) = (run("table", verb), run("wide", verb));
+        let cols = |t: &str| t.lines().next().unwrap_or("").split_whitespace().count();
+        assert!(cols(&wide) > cols(&table), "{verb:?}: -o wide has no more columns than the table:\n{table}\n{wide}");
+    }
+    let wide = run("wide", &["tenant", "list"]);
+    assert!(wide.lines().next().is_some_and(|h| h.contains("PRIORITY") && h.contains("OWNER")) && wide.contains("normal"), "{wide}");
+    assert_eq!(run("wide", &["tenant", "show", "web"]), run("table", &["tenant", "show", "web"]));
+    for fmt in ["json", "yaml"] {
+        let mut c = m.vgpuctl();
+        c.args(["-o", fmt, "metrics"]);
+        assert_eq!(c.output().expect("vgpuctl").status.code(), Some(2), "-o {fmt} metrics");
+    }
+}
+
 #[test]
 fn api_rejects_malformed_requests() {
     let m = Mediator::start(&[]);

@@ -25,8 +25,32 @@ struct Cli {
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
 enum Output {
+    /// Text for people: a table for lists, fields for one object.
     Table,
+    /// The table with more columns (lists; other verbs print as table).
+    Wide,
+    /// The API's answer as JSON.
     Json,
+    /// The API's answer as YAML.
+    Yaml,
+}
+
+impl Output {
+    /// Whether the verb prints the API's data (JSON or YAML), not text.
+    fn data(self) -> bool {
+        matches!(self, Output::Json | Output::Yaml)
+    }
+
+    /// Prints `v` as this format's data (JSON unless YAML was asked for).
+    fn print(self, v: &Value) {
+        match self {
+            Output::Yaml => match serde_yaml_ng::to_string(v) {
+                Ok(text) => print!("{text}"),
+                Err(e) => eprintln!("vgpuctl: the answer cannot be printed as YAML: {e}"),
+            },
+            _ => println!("{}", serde_json::to_string_pretty(v).unwrap_or_default()),
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -415,8 +439,9 @@ fn call_waiting(api: &std::path::Path, method: &str, path: &str, body: Option<Va
 }
 
 fn run(cli: &Cli) -> anyhow::Result<()> {
-    let json_out = cli.output == Output::Json;
-    let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    let data_out = cli.output.data();
+    let wide = cli.output == Output::Wide;
+    let print_data = |v: &Value| cli.output.print(v);
     match &cli.cmd {
         Cmd::Tenant(TenantCmd::Create { name, memory, weight, cap, priority, device, pool, numa_node, vm, owner, mode, host_memory, max_connections }) => {
             let mut body = json!({ "name": name, "memory": memory.0, "weight": weight, "priority": priority.as_str(), "kind": if *vm { "vm" } else { "process" } });
@@ -438,28 +463,46 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 body["max_connections"] = json!(c);
             }
             let v = call(cli, "POST", "/tenants", Some(body))?;
-            if json_out {
-                print_json(&v)
+            if data_out {
+                print_data(&v)
             } else {
                 println!("{}", s(&v, "socket"))
             }
         }
         Cmd::Tenant(TenantCmd::List) => {
             let v = call(cli, "GET", "/tenants", None)?;
-            if json_out {
-                print_json(&v);
+            if data_out {
+                print_data(&v);
             } else {
-                let mut rows = vec![["NAME", "KIND", "POOL", "DEVICE", "QUOTA", "WEIGHT", "SOCKET"].map(String::from).to_vec()];
+                let mut head = ["NAME", "KIND", "POOL", "DEVICE", "QUOTA", "WEIGHT", "SOCKET"].map(String::from).to_vec();
+                if wide {
+                    head.extend(["STATE", "CAP", "PRIORITY", "NODE", "HOST-MEM", "CONNS", "OWNER", "MODE"].map(String::from));
+                }
+                let mut rows = vec![head];
                 for t in v.as_array().into_iter().flatten() {
-                    rows.push(vec![s(t, "name").into(), s(t, "kind").into(), s(t, "pool").into(), s(t, "device").into(), human(u(t, "memory")), u(t, "weight").to_string(), s(t, "socket").into()]);
+                    let mut row = vec![s(t, "name").into(), s(t, "kind").into(), s(t, "pool").into(), s(t, "device").into(), human(u(t, "memory")), u(t, "weight").to_string(), s(t, "socket").into()];
+                    if wide {
+                        let node = t.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
+                        row.extend([
+                            s(t, "state").into(),
+                            cap_text(t),
+                            s(t, "priority").into(),
+                            if node < 0 { "-".into() } else { node.to_string() },
+                            human(u(t, "host_memory")),
+                            u(t, "max_connections").to_string(),
+                            t.get("owner").and_then(Value::as_str).unwrap_or("0:0").into(),
+                            s(t, "mode").into(),
+                        ]);
+                    }
+                    rows.push(row);
                 }
                 table(rows);
             }
         }
         Cmd::Tenant(TenantCmd::Show { name }) => {
             let v = call(cli, "GET", &format!("/tenants/{name}"), None)?;
-            if json_out {
-                print_json(&v);
+            if data_out {
+                print_data(&v);
             } else {
                 println!(
                     "name:      {}\nstate:     {}\ndevice:    {} (pool {}, NUMA node {})\nquota:     {}\nweight:    {}\ncap:       {}\npriority:  {}\nsocket:    {} (owner {}, mode {})\nhost mem:  {}\nmax conns: {}",
@@ -508,8 +551,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 body["memory"] = json!(m.0);
             }
             let v = patch(cli, &format!("/tenants/{name}"), body, "--weight, --cap, --priority or --memory")?;
-            if json_out {
-                print_json(&v)
+            if data_out {
+                print_data(&v)
             } else {
                 println!("{}: weight {}, cap {}, priority {}, quota {}", s(&v, "name"), u(&v, "weight"), cap_text(&v), s(&v, "priority"), human(u(&v, "memory")))
             }
@@ -519,8 +562,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             let (status, _) = call_status(&api, "DELETE", &format!("/tenants/{name}"), None)?;
             // 202: revoked everywhere, its memory still being released.
             let done = status != 202;
-            if json_out {
-                print_json(&json!({ "deleted": name, "released": done }))
+            if data_out {
+                print_data(&json!({ "deleted": name, "released": done }))
             } else if done {
                 println!("deleted {name}")
             } else {
@@ -533,8 +576,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 path += &format!("&tenant={t}");
             }
             let v = call(cli, "GET", &path, None)?;
-            if json_out {
-                print_json(&v);
+            if data_out {
+                print_data(&v);
             } else {
                 let mut rows = vec![["END", "TENANT", "DEVICE", "DEVICE-S", "MEM-MiB·S", "KERNELS", "COPIED", "SCRUBBED"].map(String::from).to_vec()];
                 let f = |r: &Value, k: &str| r.get(k).and_then(Value::as_f64).unwrap_or(0.0);
@@ -560,14 +603,25 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Cmd::Device(DeviceCmd::List) => {
             let v = call(cli, "GET", "/devices", None)?;
-            if json_out {
-                print_json(&v);
+            if data_out {
+                print_data(&v);
             } else {
-                let mut rows = vec![["NAME", "KIND", "POOL", "NODE", "STATE", "MEMORY", "RESERVED", "ALLOCATED", "SPILLED", "TENANTS", "UTIL", "RESTARTS", "ISOLATION"].map(String::from).to_vec()];
+                let mut head = ["NAME", "KIND", "POOL", "NODE", "STATE", "MEMORY", "RESERVED", "ALLOCATED", "SPILLED", "TENANTS", "UTIL", "RESTARTS", "ISOLATION"].map(String::from).to_vec();
+                if wide {
+                    head.extend(["CAPACITY", "SPILL-BUDGET", "LANES", "EXECUTORS", "WORKER-PID"].map(String::from));
+                }
+                let mut rows = vec![head];
                 let (shared, whole): (Vec<&Value>, Vec<&Value>) = v.as_array().into_iter().flatten().partition(|d| s(d, "kind") != "passthrough");
                 for d in shared {
                     let node = d.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
-                    rows.push(vec![
+                    let extra = [
+                        human(u(d, "memory_capacity")),
+                        human(u(d, "spill_budget")),
+                        u(d, "lanes").to_string(),
+                        d.get("executors").and_then(Value::as_array).map_or(0, Vec::len).to_string(),
+                        u(d, "worker_pid").to_string(),
+                    ];
+                    let mut row = vec![
                         s(d, "name").into(),
                         s(d, "kind").into(),
                         s(d, "pool").into(),
@@ -581,7 +635,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                         format!("{:.1}%", d.get("utilization").and_then(Value::as_f64).unwrap_or(0.0) * 100.0),
                         u(d, "worker_restarts").to_string(),
                         d.get("isolation").and_then(Value::as_str).unwrap_or("shared").into(),
-                    ]);
+                    ];
+                    if wide {
+                        row.extend(extra);
+                    }
+                    rows.push(row);
                 }
                 table(rows);
                 if !whole.is_empty() {
@@ -607,8 +665,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Cmd::Device(DeviceCmd::Show { name }) => {
             let v = call(cli, "GET", &format!("/devices/{name}"), None)?;
-            if json_out {
-                print_json(&v);
+            if data_out {
+                print_data(&v);
             } else if s(&v, "kind") != "passthrough" {
                 let node = v.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
                 let execs = v.get("executors").and_then(Value::as_array).map(Vec::len).unwrap_or(0);
@@ -671,8 +729,8 @@ node:      {}",
         }
         Cmd::Device(DeviceCmd::Scrub { name }) => {
             let v = call(cli, "POST", &format!("/devices/{name}/scrub"), None)?;
-            if json_out {
-                print_json(&v);
+            if data_out {
+                print_data(&v);
             } else {
                 println!("{name}: {}", scrub_text(&v));
             }
@@ -683,21 +741,26 @@ node:      {}",
         Cmd::Pool(PoolCmd::Create { name, devices, private, allow, placement, overcommit }) => {
             let body = json!({ "name": name, "devices": devices, "access": if *private { "private" } else { "public" }, "allow": allow, "placement": placement.as_str(), "overcommit": overcommit });
             let v = call(cli, "POST", "/pools", Some(body))?;
-            if json_out {
-                print_json(&v)
+            if data_out {
+                print_data(&v)
             } else {
                 println!("created pool {name}")
             }
         }
         Cmd::Pool(PoolCmd::List) => {
             let v = call(cli, "GET", "/pools", None)?;
-            if json_out {
-                print_json(&v);
+            if data_out {
+                print_data(&v);
             } else {
-                let mut rows = vec![["NAME", "ACCESS", "PLACEMENT", "OVERCOMMIT", "DEVICES", "MEMORY", "RESERVED", "TENANTS"].map(String::from).to_vec()];
+                let mut head = ["NAME", "ACCESS", "PLACEMENT", "OVERCOMMIT", "DEVICES", "MEMORY", "RESERVED", "TENANTS"].map(String::from).to_vec();
+                if wide {
+                    head.extend(["CAPACITY", "DEVICE-NAMES", "TENANT-NAMES"].map(String::from));
+                }
+                let mut rows = vec![head];
                 for p in v.as_array().into_iter().flatten() {
                     let n = |k: &str| p.get(k).and_then(Value::as_array).map(Vec::len).unwrap_or(0);
-                    rows.push(vec![
+                    let names = |k: &str| p.get(k).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(",")).filter(|t| !t.is_empty()).unwrap_or_else(|| "-".into());
+                    let mut row = vec![
                         s(p, "name").into(),
                         s(p, "access").into(),
                         s(p, "placement").into(),
@@ -706,15 +769,19 @@ node:      {}",
                         human(u(p, "memory_total")),
                         human(u(p, "memory_reserved")),
                         n("tenants").to_string(),
-                    ]);
+                    ];
+                    if wide {
+                        row.extend([human(u(p, "memory_capacity")), names("devices"), names("tenants")]);
+                    }
+                    rows.push(row);
                 }
                 table(rows);
             }
         }
         Cmd::Pool(PoolCmd::Show { name }) => {
             let v = call(cli, "GET", &format!("/pools/{name}"), None)?;
-            if json_out {
-                print_json(&v)
+            if data_out {
+                print_data(&v)
             } else {
                 print_pool(&v)
             }
@@ -737,22 +804,22 @@ node:      {}",
                 body["overcommit"] = json!(o);
             }
             let v = patch(cli, &format!("/pools/{name}"), body, "--private, --public, --allow, --allow-none, --placement or --overcommit")?;
-            if json_out {
-                print_json(&v)
+            if data_out {
+                print_data(&v)
             } else {
                 print_pool(&v)
             }
         }
         Cmd::Pool(PoolCmd::Delete { name }) => {
             call(cli, "DELETE", &format!("/pools/{name}"), None)?;
-            if json_out {
-                print_json(&json!({ "deleted": name }))
+            if data_out {
+                print_data(&json!({ "deleted": name }))
             } else {
                 println!("deleted pool {name}")
             }
         }
-        Cmd::Vmm { socket, cmd } => vmm(socket, cmd, json_out)?,
-        Cmd::Vm(cmd) => managed_vm(cli, cmd, json_out)?,
+        Cmd::Vmm { socket, cmd } => vmm(socket, cmd, cli.output)?,
+        Cmd::Vm(cmd) => managed_vm(cli, cmd)?,
         Cmd::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(*shell, &mut cmd, "vgpuctl", &mut std::io::stdout());
@@ -765,8 +832,8 @@ node:      {}",
             let server = call_at(&api, "GET", "/version", None)?;
             // 503 while a device's worker restarts: still an answer.
             let health = http::request(&api, "GET", "/healthz", None).ok().and_then(|r| serde_json::from_slice::<Value>(&r.body).ok()).unwrap_or(Value::Null);
-            if json_out {
-                print_json(&json!({ "client": { "name": "vgpuctl", "version": env!("CARGO_PKG_VERSION") }, "server": server, "health": health }));
+            if data_out {
+                print_data(&json!({ "client": { "name": "vgpuctl", "version": env!("CARGO_PKG_VERSION") }, "server": server, "health": health }));
             } else {
                 println!("vgpuctl {}", env!("CARGO_PKG_VERSION"));
                 println!("{} {} at {}", s(&server, "name"), s(&server, "version"), api.display());
@@ -775,8 +842,8 @@ node:      {}",
             }
         }
         Cmd::Metrics => {
-            if json_out {
-                return Err(Usage("metrics are Prometheus text: -o json is not offered for them".into()).into());
+            if data_out {
+                return Err(Usage("metrics are Prometheus text: -o json and -o yaml are not offered for them".into()).into());
             }
             let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
             let r = http::request(&api, "GET", "/metrics", None)?;
@@ -786,12 +853,14 @@ node:      {}",
     Ok(())
 }
 
-fn vmm(socket: &std::path::Path, cmd: &VmmCmd, json_out: bool) -> anyhow::Result<()> {
+fn vmm(socket: &std::path::Path, cmd: &VmmCmd, output: Output) -> anyhow::Result<()> {
+    let data_out = output.data();
+    let print_data = |v: &Value| output.print(v);
     let (path, done) = match cmd {
         VmmCmd::Info => {
             let v = call_at(socket, "GET", "/vm", None)?;
-            if json_out {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            if data_out {
+                print_data(&v);
                 return Ok(());
             }
             let c = &v["config"];
@@ -815,8 +884,8 @@ fn vmm(socket: &std::path::Path, cmd: &VmmCmd, json_out: bool) -> anyhow::Result
         VmmCmd::Kill => ("/vm/kill", "killed"),
     };
     call_at(socket, "PUT", path, None)?;
-    if json_out {
-        println!("{}", json!({ "result": done }));
+    if data_out {
+        print_data(&json!({ "result": done }));
     } else {
         println!("{done}");
     }
@@ -873,20 +942,28 @@ fn size_text(v: &Value) -> String {
     }
 }
 
-fn managed_vm(cli: &Cli, cmd: &VmCmd, json_out: bool) -> anyhow::Result<()> {
-    let print_json = |v: &Value| println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-    let one = |v: &Value| if json_out { print_json(v) } else { print_vm(v) };
+fn managed_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<()> {
+    let data_out = cli.output.data();
+    let wide = cli.output == Output::Wide;
+    let print_data = |v: &Value| cli.output.print(v);
+    let one = |v: &Value| if data_out { print_data(v) } else { print_vm(v) };
     match cmd {
         VmCmd::Create(spec) => one(&call(cli, "POST", "/vms", Some(serde_json::to_value(spec)?))?),
         VmCmd::List => {
             let v = call(cli, "GET", "/vms", None)?;
-            if json_out {
-                print_json(&v);
+            if data_out {
+                print_data(&v);
             } else {
-                let mut rows = vec![["NAME", "STATE", "VCPUS", "MEMORY", "VGPU", "DEVICE", "NODE", "RESTARTS", "PID"].map(String::from).to_vec()];
+                let mut head = ["NAME", "STATE", "VCPUS", "MEMORY", "VGPU", "DEVICE", "NODE", "RESTARTS", "PID"].map(String::from).to_vec();
+                if wide {
+                    head.extend(["DESIRED", "POOL", "RESTART", "DISKS", "NETS", "API"].map(String::from));
+                }
+                let mut rows = vec![head];
                 for m in v.as_array().into_iter().flatten() {
                     let node = m.get("numa_node").and_then(Value::as_i64).unwrap_or(-1);
-                    rows.push(vec![
+                    let count = |k: &str| m["spec"].get(k).and_then(Value::as_array).map(Vec::len).unwrap_or(0).to_string();
+                    let extra = [s(m, "desired").to_string(), s(m, "pool").to_string(), s(&m["spec"], "restart").to_string(), count("disks"), count("nets"), s(m, "api_socket").to_string()];
+                    let mut row = vec![
                         s(m, "name").into(),
                         s(m, "state").into(),
                         u(&m["spec"], "vcpus").to_string(),
@@ -896,7 +973,11 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd, json_out: bool) -> anyhow::Result<()> {
                         if node < 0 { "-".into() } else { node.to_string() },
                         u(m, "restarts").to_string(),
                         u(m, "pid").to_string(),
-                    ]);
+                    ];
+                    if wide {
+                        row.extend(extra);
+                    }
+                    rows.push(row);
                 }
                 table(rows);
             }
@@ -913,8 +994,8 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd, json_out: bool) -> anyhow::Result<()> {
         VmCmd::Delete { name } => {
             let (status, _) = call_waiting(&api_of(cli), "DELETE", &format!("/vms/{name}"), None, STOP_WAIT)?;
             let released = status != 202;
-            if json_out {
-                print_json(&json!({ "deleted": name, "released": released }))
+            if data_out {
+                print_data(&json!({ "deleted": name, "released": released }))
             } else if released {
                 println!("deleted VM {name}: its vGPU (if any) is released and its passthrough devices (if any) are back in their pools")
             } else {
