@@ -436,3 +436,53 @@ fn a_managed_vm_can_run_in_the_vmm_jail_as_an_unprivileged_uid() {
     ok(ctl(&m, &["vm", "delete", "cell"]));
     assert_nothing_left(&m, "cell", &[sup as u64, kids[0] as u64]);
 }
+
+/// `vgpuctl apply -f` makes a pool, a tenant and a VM from one YAML file,
+/// then brings them to an edited file: the tenant's weight, the pool's
+/// placement and the VM's state change in place; a field the API cannot
+/// change on a live VM is refused by name, and nothing else is touched.
+#[test]
+fn apply_makes_a_pool_a_tenant_and_a_vm_and_then_updates_them() {
+    if !kvm_available("apply_makes_a_pool_a_tenant_and_a_vm_and_then_updates_them") {
+        return;
+    }
+    let m = Mediator::start(&["--cpu-devices", "2", "--device-memory", "128MiB"]);
+    let file = m.run_dir.join("site.yaml");
+    let describe = |weight: u32, placement: &str, state: &str, vcpus: u32| {
+        let text = format!(
+            "kind: pool\nname: batch\ndevices: [cpu1]\nplacement: {placement}\n---\n\
+             kind: tenant\nname: etl\nmemory: 32MiB\nweight: {weight}\npool: batch\n---\n\
+             kind: vm\nname: web\nvcpus: {vcpus}\nmemory: 16MiB\nkernel: {}\ncmdline: test=count\nvgpu: {{ memory: 32MiB }}\nstate: {state}\n",
+            guest()
+        );
+        std::fs::write(&file, text).expect("write the file");
+    };
+    let apply = |m: &Mediator| ctl(m, &["apply", "-f", file.to_str().expect("path")]);
+    describe(2, "spread", "running", 1);
+    let text = ok(apply(&m));
+    assert_eq!(text.lines().collect::<Vec<_>>(), ["pool/batch created", "tenant/etl created", "vm/web created"], "{text}");
+    assert_eq!((show(&m, "web")["state"].as_str(), m.api("GET", "/tenants/etl", None).1["weight"].as_u64()), (Some("running"), Some(2)));
+    // The same file again changes nothing.
+    let text = ok(apply(&m));
+    assert!(text.lines().all(|l| l.ends_with(" unchanged")), "{text}");
+    // Edited: weight, placement and the VM's state change in place.
+    describe(5, "pack", "stopped", 1);
+    let text = ok(apply(&m));
+    assert_eq!(text.lines().collect::<Vec<_>>(), ["pool/batch configured (placement)", "tenant/etl configured (weight)", "vm/web configured (state)"], "{text}");
+    assert_eq!(m.api("GET", "/tenants/etl", None).1["weight"].as_u64(), Some(5));
+    assert_eq!(m.api("GET", "/pools/batch", None).1["placement"], "pack");
+    assert_eq!(show(&m, "web")["state"], "stopped");
+    // A live VM's vCPUs cannot change: refused by name, exit 1, and the
+    // objects before it in the file are still applied.
+    describe(6, "pack", "stopped", 2);
+    let o = apply(&m);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("vm/web: vcpus cannot change on a live vm"), "{err}");
+    assert_eq!(m.api("GET", "/tenants/etl", None).1["weight"].as_u64(), Some(6));
+    assert_eq!(show(&m, "web")["spec"]["vcpus"], 1);
+    // A file that is not a description is a usage error, before any request.
+    std::fs::write(&file, "kind: printer\nname: p\n").expect("write");
+    assert_eq!(apply(&m).status.code(), Some(2));
+    ok(ctl(&m, &["vm", "delete", "web"]));
+}

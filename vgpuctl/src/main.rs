@@ -7,6 +7,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 use vgpu_api::{http, Size};
 
+mod apply;
+
 #[derive(Parser)]
 #[command(name = "vgpuctl", version, about = "Manage vGPU devices and tenants")]
 struct Cli {
@@ -88,6 +90,14 @@ enum Cmd {
         socket: PathBuf,
         #[command(subcommand)]
         cmd: VmmCmd,
+    },
+    /// Make or update the tenants, pools and VMs a file describes (YAML or
+    /// JSON: objects with a kind, tenant, pool or vm, and the fields of
+    /// their create verbs; a VM may say state: running or stopped).
+    Apply {
+        /// The file (- reads standard input).
+        #[arg(short = 'f', long)]
+        file: PathBuf,
     },
     /// Print a shell completion script for vgpuctl.
     Completions {
@@ -820,6 +830,7 @@ node:      {}",
         }
         Cmd::Vmm { socket, cmd } => vmm(socket, cmd, cli.output)?,
         Cmd::Vm(cmd) => managed_vm(cli, cmd)?,
+        Cmd::Apply { file } => apply::apply(cli, file)?,
         Cmd::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(*shell, &mut cmd, "vgpuctl", &mut std::io::stdout());
