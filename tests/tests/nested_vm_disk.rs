@@ -84,7 +84,8 @@ fn the_vm_stops_starts_and_comes_back_after_the_daemon_is_killed_with_its_disk_i
 /// log's truncation: the scenario's waits that gave up, the restarts and
 /// the VMM's warnings, then the end of the guest's console.
 fn boot_facts(out: &str) -> String {
-    let keep = |l: &&str| ["WAIT-TIMEOUT", "VM-RESTARTS", "VMM-LOG", "STOPPED-STATE", "STARTED-STATE", "RESTORED-STATE", "CONSOLE: L2-BOOTS", "CONSOLE: L2-DISK-READY"].iter().any(|k| l.starts_with(k));
+    let keep =
+        |l: &&str| ["WAIT-TIMEOUT", "VM-RESTARTS", "VMM-LOG", "STOPPED-STATE", "STARTED-STATE", "RESTORED-STATE", "CONSOLE: L2-BOOTS", "CONSOLE: L2-DISK-READY"].iter().any(|k| l.starts_with(k));
     let facts: Vec<&str> = out.lines().filter(keep).collect();
     let console: Vec<&str> = out.lines().filter(|l| l.starts_with("CONSOLE: ")).collect();
     let tail = &console[console.len().saturating_sub(40)..];

@@ -769,7 +769,8 @@ node:      {}",
                 let mut rows = vec![head];
                 for p in v.as_array().into_iter().flatten() {
                     let n = |k: &str| p.get(k).and_then(Value::as_array).map(Vec::len).unwrap_or(0);
-                    let names = |k: &str| p.get(k).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(",")).filter(|t| !t.is_empty()).unwrap_or_else(|| "-".into());
+                    let names =
+                        |k: &str| p.get(k).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(",")).filter(|t| !t.is_empty()).unwrap_or_else(|| "-".into());
                     let mut row = vec![
                         s(p, "name").into(),
                         s(p, "access").into(),
