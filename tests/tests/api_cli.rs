@@ -196,6 +196,29 @@ fn api_rejects_malformed_requests() {
     assert_eq!(st, 404);
 }
 
+/// The API is versioned: every path answers under /v1 as at the root, the
+/// daemon serves its own OpenAPI document, and refusals there are JSON too.
+#[test]
+fn the_api_answers_under_v1_and_serves_its_document() {
+    let m = Mediator::start(&[]);
+    let (st, _) = m.api("POST", "/v1/tenants", Some(json!({"name": "web", "memory": "16MiB"})));
+    assert_eq!(st, 201);
+    let (st, v1) = m.api("GET", "/v1/tenants/web", None);
+    let (_, root) = m.api("GET", "/tenants/web", None);
+    assert_eq!((st, v1["name"].as_str(), v1["memory"].as_u64()), (200, Some("web"), root["memory"].as_u64()), "{v1}");
+    for path in ["/openapi.yaml", "/v1/openapi.yaml"] {
+        let r = vgpu_api::http::request(&m.api_path(), "GET", path, None).expect("request");
+        let committed = std::fs::read_to_string(workspace().join("docs/api/mediator.yaml")).expect("the document");
+        assert_eq!((r.status, r.text()), (200, committed), "{path} serves the committed document");
+    }
+    let (st, v) = m.api("GET", "/v1/nothing", None);
+    assert!(st == 404 && v["error"].as_str().is_some_and(|e| e.contains("/v1/nothing")), "{v}");
+    let (st, v) = m.api("DELETE", "/v1/version", None);
+    assert!(st == 405 && v["error"].is_string(), "{v}");
+    let (st, _) = m.api("DELETE", "/v1/tenants/web", None);
+    assert!(st < 300);
+}
+
 #[test]
 fn config_file_creates_tenants_and_bad_config_is_refused() {
     let dir = std::env::temp_dir().join(format!("vgpu-cfg-{}", std::process::id()));

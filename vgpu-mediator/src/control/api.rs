@@ -35,8 +35,17 @@ impl IntoResponse for ControlError {
     }
 }
 
+/// The API's OpenAPI document, as committed (docs/api/mediator.yaml).
+const SPEC: &str = include_str!("../../../docs/api/mediator.yaml");
+
+async fn spec() -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "application/yaml")], SPEC).into_response()
+}
+
+/// Every path is served under `/v1` (the API's version) and, for clients
+/// made before it had one, at the root.
 pub fn router(c: Arc<Control>) -> Router {
-    Router::new()
+    let api = Router::new()
         .route("/devices", get(devices))
         .route("/devices/{name}", get(show_device))
         .route("/devices/{name}/scrub", axum::routing::post(scrub_device))
@@ -55,9 +64,9 @@ pub fn router(c: Arc<Control>) -> Router {
         .route("/vms/{name}/logs", get(vm_logs))
         .route("/version", get(version))
         .route("/healthz", get(healthz))
-        .fallback(no_such_path)
-        .method_not_allowed_fallback(method_not_allowed)
-        .with_state(c)
+        .route("/openapi.yaml", get(spec))
+        .method_not_allowed_fallback(method_not_allowed);
+    Router::new().nest("/v1", api.clone()).merge(api).fallback(no_such_path).with_state(c)
 }
 
 /// Every answer is JSON, an unknown path's and a wrong method's included.
