@@ -34,6 +34,9 @@ else
 fi
 # The README's by-hand steps, exactly as written.
 ./scripts/check-readme.sh || status=$?
+# The Debian package: built, unpacked into a clean root, and the README's
+# steps run from its files (docs/install.md).
+./scripts/check-package.sh || status=$?
 # The fuzz smoke: every cargo-fuzz target for 60 s from its committed corpus.
 ./scripts/fuzz-smoke.sh || status=$?
 if [ -s "$SKIPS" ]; then

@@ -616,6 +616,12 @@ async fn serve(control: Arc<Control>, api_path: PathBuf, api_limits: Limits, met
         std::fs::set_permissions(&api_path, std::fs::Permissions::from_mode(0o600))?;
     }
     tracing::info!(api = %api_path.display(), devices = control.devices.len(), max_connections = api_limits.max_connections, "vgpu-mediatord serving");
+    // Under systemd (Type=notify) the unit is started once the API
+    // answers. Children inherit NOTIFY_SOCKET, but the unit takes
+    // notifications from this process only (NotifyAccess=main).
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!("telling systemd the daemon is ready: {e}");
+    }
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds the host's Debian package, target/package/vgpu_VERSION-1_amd64.deb,
+# from the workspace's release build (made first if missing), with
+# cargo-deb (installed from crates.io, pinned, if missing). Prints the
+# package's path. docs/install.md, "From the Debian package".
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+CARGO_DEB_VERSION=3.8.0
+if [ "$(cargo deb --version 2>/dev/null)" != "cargo-deb $CARGO_DEB_VERSION" ]; then
+    echo "package: installing cargo-deb $CARGO_DEB_VERSION" >&2
+    cargo install cargo-deb --version "$CARGO_DEB_VERSION" --locked >&2
+fi
+for f in vgpu-mediatord vgpu-vmm vgpuctl vgpu-smi libcuda.so; do
+    if [ ! -e "target/release/$f" ]; then
+        cargo build --release --workspace >&2
+        break
+    fi
+done
+OUT=target/package
+STAGE=target/release/deb-staging
+rm -rf "$OUT" "$STAGE"
+mkdir -p "$OUT" "$STAGE/links"
+# What is generated rather than kept: the unit with the package's paths,
+# the manual page and completions from vgpuctl's definition, and the
+# libraries' other names.
+sed 's|/usr/local/bin/|/usr/bin/|g' packaging/systemd/vgpu-mediatord.service > "$STAGE/vgpu-mediatord.service"
+target/release/vgpuctl man | gzip -9n > "$STAGE/vgpuctl.1.gz"
+target/release/vgpuctl completions bash > "$STAGE/vgpuctl.bash"
+target/release/vgpuctl completions zsh > "$STAGE/_vgpuctl"
+ln -s libcuda.so "$STAGE/links/libcuda.so.1"
+ln -s libcuda.so "$STAGE/links/libnvidia-ml.so.1"
+# Stripped: the release build keeps debug info for backtraces here.
+cargo deb -p vgpu-mediator --no-build --strip --output "$OUT/" >&2
+ls "$OUT"/vgpu_*.deb
