@@ -29,7 +29,8 @@ dpkg-deb -x "$deb" "$root"
 dpkg-deb -e "$deb" "$root/DEBIAN"
 for f in usr/bin/vgpu-mediatord usr/bin/vgpu-vmm usr/bin/vgpuctl usr/bin/vgpu-smi usr/lib/vgpu/libcuda.so \
     usr/lib/systemd/system/vgpu-mediatord.service usr/lib/sysusers.d/vgpu.conf usr/lib/tmpfiles.d/vgpu.conf \
-    etc/vgpu/mediator.toml usr/share/man/man1/vgpuctl.1.gz usr/share/bash-completion/completions/vgpuctl \
+    etc/vgpu/mediator.toml usr/share/man/man1/vgpuctl.1.gz usr/share/man/man1/vgpuctl-tenant-create.1.gz \
+    usr/share/bash-completion/completions/vgpuctl \
     usr/share/doc/vgpu/install.md usr/share/doc/vgpu/api/mediator.yaml; do
     [ -f "$root/$f" ] || fail "/$f is not in the package"
 done

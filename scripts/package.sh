@@ -22,10 +22,11 @@ STAGE=target/release/deb-staging
 rm -rf "$OUT" "$STAGE"
 mkdir -p "$OUT" "$STAGE/links"
 # What is generated rather than kept: the unit with the package's paths,
-# the manual page and completions from vgpuctl's definition, and the
+# the manual pages and completions from vgpuctl's definition, and the
 # libraries' other names.
 sed 's|/usr/local/bin/|/usr/bin/|g' packaging/systemd/vgpu-mediatord.service > "$STAGE/vgpu-mediatord.service"
-target/release/vgpuctl man | gzip -9n > "$STAGE/vgpuctl.1.gz"
+target/release/vgpuctl man --dir "$STAGE/man" >/dev/null
+gzip -9n "$STAGE"/man/*.1
 target/release/vgpuctl completions bash > "$STAGE/vgpuctl.bash"
 target/release/vgpuctl completions zsh > "$STAGE/_vgpuctl"
 ln -s libcuda.so "$STAGE/links/libcuda.so.1"

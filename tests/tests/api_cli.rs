@@ -280,4 +280,20 @@ fn vgpuctl_prints_shell_completions_and_a_manual_page_from_its_definition() {
         a.push("--help");
         assert!(run(&a).contains("Usage: vgpuctl"), "{verb:?} --help");
     }
+    // A page per verb, and every page another page names exists.
+    let dir = std::env::temp_dir().join(format!("vgpuctl-man-{}", std::process::id()));
+    let listed = run(&["man", "--dir", dir.to_str().expect("path")]);
+    for page in ["vgpuctl.1", "vgpuctl-tenant.1", "vgpuctl-tenant-create.1", "vgpuctl-vm-stop.1", "vgpuctl-apply.1"] {
+        assert!(dir.join(page).exists() && listed.contains(page), "{page} was not written:\n{listed}");
+    }
+    for entry in std::fs::read_dir(&dir).expect("the pages") {
+        let path = entry.expect("page").path();
+        let text = std::fs::read_to_string(&path).expect("page");
+        for named in text.split("vgpuctl\\-").skip(1).filter_map(|rest| rest.split_once("(1)").map(|(n, _)| n.replace("\\-", "-"))) {
+            if named.chars().all(|c| c.is_ascii_lowercase() || c == '-') {
+                assert!(dir.join(format!("vgpuctl-{named}.1")).exists(), "{} names vgpuctl-{named}(1), which was not written", path.display());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

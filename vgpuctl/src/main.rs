@@ -104,8 +104,13 @@ enum Cmd {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Print vgpuctl's manual page (roff).
-    Man,
+    /// Print vgpuctl's manual page (roff), or write every verb's page.
+    Man {
+        /// Write vgpuctl.1 and a page per verb (vgpuctl-tenant-create.1, ...)
+        /// into this directory instead, naming each.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -836,8 +841,17 @@ node:      {}",
             let mut cmd = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(*shell, &mut cmd, "vgpuctl", &mut std::io::stdout());
         }
-        Cmd::Man => {
+        Cmd::Man { dir: None } => {
             clap_mangen::Man::new(<Cli as clap::CommandFactory>::command()).render(&mut std::io::stdout())?;
+        }
+        Cmd::Man { dir: Some(dir) } => {
+            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("making {}: {e}", dir.display()))?;
+            clap_mangen::generate_to(<Cli as clap::CommandFactory>::command(), dir).map_err(|e| anyhow::anyhow!("writing the pages into {}: {e}", dir.display()))?;
+            let mut pages: Vec<String> = std::fs::read_dir(dir)?.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("vgpuctl") && n.ends_with(".1")).collect();
+            pages.sort();
+            for p in pages {
+                println!("{}", dir.join(p).display());
+            }
         }
         Cmd::Version => {
             let api = api_of(cli);
