@@ -44,9 +44,9 @@ impl Kind {
 
     fn path(self) -> &'static str {
         match self {
-            Kind::Tenant => "/tenants",
-            Kind::Pool => "/pools",
-            Kind::Vm => "/vms",
+            Kind::Tenant => "/v1/tenants",
+            Kind::Pool => "/v1/pools",
+            Kind::Vm => "/v1/vms",
         }
     }
 

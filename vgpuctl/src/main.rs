@@ -477,7 +477,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if let Some(c) = max_connections {
                 body["max_connections"] = json!(c);
             }
-            let v = call(cli, "POST", "/tenants", Some(body))?;
+            let v = call(cli, "POST", "/v1/tenants", Some(body))?;
             if data_out {
                 print_data(&v)
             } else {
@@ -485,7 +485,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Tenant(TenantCmd::List) => {
-            let v = call(cli, "GET", "/tenants", None)?;
+            let v = call(cli, "GET", "/v1/tenants", None)?;
             if data_out {
                 print_data(&v);
             } else {
@@ -515,7 +515,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Tenant(TenantCmd::Show { name }) => {
-            let v = call(cli, "GET", &format!("/tenants/{name}"), None)?;
+            let v = call(cli, "GET", &format!("/v1/tenants/{name}"), None)?;
             if data_out {
                 print_data(&v);
             } else {
@@ -565,7 +565,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if let Some(m) = memory {
                 body["memory"] = json!(m.0);
             }
-            let v = patch(cli, &format!("/tenants/{name}"), body, "--weight, --cap, --priority or --memory")?;
+            let v = patch(cli, &format!("/v1/tenants/{name}"), body, "--weight, --cap, --priority or --memory")?;
             if data_out {
                 print_data(&v)
             } else {
@@ -574,7 +574,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Cmd::Tenant(TenantCmd::Delete { name }) => {
             let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
-            let (status, _) = call_status(&api, "DELETE", &format!("/tenants/{name}"), None)?;
+            let (status, _) = call_status(&api, "DELETE", &format!("/v1/tenants/{name}"), None)?;
             // 202: revoked everywhere, its memory still being released.
             let done = status != 202;
             if data_out {
@@ -586,7 +586,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Usage { since, tenant } => {
-            let mut path = format!("/usage?since={since}");
+            let mut path = format!("/v1/usage?since={since}");
             if let Some(t) = tenant {
                 path += &format!("&tenant={t}");
             }
@@ -617,7 +617,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Device(DeviceCmd::List) => {
-            let v = call(cli, "GET", "/devices", None)?;
+            let v = call(cli, "GET", "/v1/devices", None)?;
             if data_out {
                 print_data(&v);
             } else {
@@ -679,7 +679,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Device(DeviceCmd::Show { name }) => {
-            let v = call(cli, "GET", &format!("/devices/{name}"), None)?;
+            let v = call(cli, "GET", &format!("/v1/devices/{name}"), None)?;
             if data_out {
                 print_data(&v);
             } else if s(&v, "kind") != "passthrough" {
@@ -743,7 +743,7 @@ node:      {}",
             }
         }
         Cmd::Device(DeviceCmd::Scrub { name }) => {
-            let v = call(cli, "POST", &format!("/devices/{name}/scrub"), None)?;
+            let v = call(cli, "POST", &format!("/v1/devices/{name}/scrub"), None)?;
             if data_out {
                 print_data(&v);
             } else {
@@ -755,7 +755,7 @@ node:      {}",
         }
         Cmd::Pool(PoolCmd::Create { name, devices, private, allow, placement, overcommit }) => {
             let body = json!({ "name": name, "devices": devices, "access": if *private { "private" } else { "public" }, "allow": allow, "placement": placement.as_str(), "overcommit": overcommit });
-            let v = call(cli, "POST", "/pools", Some(body))?;
+            let v = call(cli, "POST", "/v1/pools", Some(body))?;
             if data_out {
                 print_data(&v)
             } else {
@@ -763,7 +763,7 @@ node:      {}",
             }
         }
         Cmd::Pool(PoolCmd::List) => {
-            let v = call(cli, "GET", "/pools", None)?;
+            let v = call(cli, "GET", "/v1/pools", None)?;
             if data_out {
                 print_data(&v);
             } else {
@@ -795,7 +795,7 @@ node:      {}",
             }
         }
         Cmd::Pool(PoolCmd::Show { name }) => {
-            let v = call(cli, "GET", &format!("/pools/{name}"), None)?;
+            let v = call(cli, "GET", &format!("/v1/pools/{name}"), None)?;
             if data_out {
                 print_data(&v)
             } else {
@@ -819,7 +819,7 @@ node:      {}",
             if let Some(o) = overcommit {
                 body["overcommit"] = json!(o);
             }
-            let v = patch(cli, &format!("/pools/{name}"), body, "--private, --public, --allow, --allow-none, --placement or --overcommit")?;
+            let v = patch(cli, &format!("/v1/pools/{name}"), body, "--private, --public, --allow, --allow-none, --placement or --overcommit")?;
             if data_out {
                 print_data(&v)
             } else {
@@ -827,7 +827,7 @@ node:      {}",
             }
         }
         Cmd::Pool(PoolCmd::Delete { name }) => {
-            call(cli, "DELETE", &format!("/pools/{name}"), None)?;
+            call(cli, "DELETE", &format!("/v1/pools/{name}"), None)?;
             if data_out {
                 print_data(&json!({ "deleted": name }))
             } else {
@@ -855,9 +855,9 @@ node:      {}",
         }
         Cmd::Version => {
             let api = api_of(cli);
-            let server = call_at(&api, "GET", "/version", None)?;
+            let server = call_at(&api, "GET", "/v1/version", None)?;
             // 503 while a device's worker restarts: still an answer.
-            let health = http::request(&api, "GET", "/healthz", None).ok().and_then(|r| serde_json::from_slice::<Value>(&r.body).ok()).unwrap_or(Value::Null);
+            let health = http::request(&api, "GET", "/v1/healthz", None).ok().and_then(|r| serde_json::from_slice::<Value>(&r.body).ok()).unwrap_or(Value::Null);
             if data_out {
                 print_data(&json!({ "client": { "name": "vgpuctl", "version": env!("CARGO_PKG_VERSION") }, "server": server, "health": health }));
             } else {
@@ -872,7 +872,7 @@ node:      {}",
                 return Err(Usage("metrics are Prometheus text: -o json and -o yaml are not offered for them".into()).into());
             }
             let api = cli.api.clone().unwrap_or_else(|| cli.run_dir.join("api.sock"));
-            let r = http::request(&api, "GET", "/metrics", None)?;
+            let r = http::request(&api, "GET", "/v1/metrics", None)?;
             print!("{}", r.text());
         }
     }
@@ -974,9 +974,9 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<()> {
     let print_data = |v: &Value| cli.output.print(v);
     let one = |v: &Value| if data_out { print_data(v) } else { print_vm(v) };
     match cmd {
-        VmCmd::Create(spec) => one(&call(cli, "POST", "/vms", Some(serde_json::to_value(spec)?))?),
+        VmCmd::Create(spec) => one(&call(cli, "POST", "/v1/vms", Some(serde_json::to_value(spec)?))?),
         VmCmd::List => {
-            let v = call(cli, "GET", "/vms", None)?;
+            let v = call(cli, "GET", "/v1/vms", None)?;
             if data_out {
                 print_data(&v);
             } else {
@@ -1008,17 +1008,17 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<()> {
                 table(rows);
             }
         }
-        VmCmd::Show { name } => one(&call(cli, "GET", &format!("/vms/{name}"), None)?),
-        VmCmd::Start { name } => one(&call(cli, "POST", &format!("/vms/{name}/start"), None)?),
+        VmCmd::Show { name } => one(&call(cli, "GET", &format!("/v1/vms/{name}"), None)?),
+        VmCmd::Start { name } => one(&call(cli, "POST", &format!("/v1/vms/{name}/start"), None)?),
         VmCmd::Stop { name, timeout } => {
             let q = timeout.map(|t| format!("?timeout={t}")).unwrap_or_default();
             // The answer comes once the guest stopped or the timeout passed.
             let wait = timeout.map(|t| std::time::Duration::from_secs(t.min(3600) + 30)).unwrap_or(STOP_WAIT);
-            one(&call_waiting(&api_of(cli), "POST", &format!("/vms/{name}/stop{q}"), None, wait)?.1)
+            one(&call_waiting(&api_of(cli), "POST", &format!("/v1/vms/{name}/stop{q}"), None, wait)?.1)
         }
-        VmCmd::Reboot { name } => one(&call_waiting(&api_of(cli), "POST", &format!("/vms/{name}/reboot"), None, STOP_WAIT)?.1),
+        VmCmd::Reboot { name } => one(&call_waiting(&api_of(cli), "POST", &format!("/v1/vms/{name}/reboot"), None, STOP_WAIT)?.1),
         VmCmd::Delete { name } => {
-            let (status, _) = call_waiting(&api_of(cli), "DELETE", &format!("/vms/{name}"), None, STOP_WAIT)?;
+            let (status, _) = call_waiting(&api_of(cli), "DELETE", &format!("/v1/vms/{name}"), None, STOP_WAIT)?;
             let released = status != 202;
             if data_out {
                 print_data(&json!({ "deleted": name, "released": released }))
@@ -1030,14 +1030,14 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<()> {
         }
         VmCmd::Console { name, follow, bytes } => {
             let api = api_of(cli);
-            let mut seen = print_tail(&api, &format!("/vms/{name}/console?bytes={bytes}"))?;
+            let mut seen = print_tail(&api, &format!("/v1/vms/{name}/console?bytes={bytes}"))?;
             if !*follow {
                 return Ok(());
             }
             loop {
                 std::thread::sleep(std::time::Duration::from_millis(500));
                 // What came since: the tail's end past what was printed.
-                let now = http::request(&api, "GET", &format!("/vms/{name}/console?bytes={}", 2u64 << 20), None)?;
+                let now = http::request(&api, "GET", &format!("/v1/vms/{name}/console?bytes={}", 2u64 << 20), None)?;
                 if now.status != 200 {
                     anyhow::bail!("{} (HTTP {})", now.text(), now.status);
                 }
@@ -1049,7 +1049,7 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<()> {
             }
         }
         VmCmd::Logs { name, bytes } => {
-            print_tail(&api_of(cli), &format!("/vms/{name}/logs?bytes={bytes}"))?;
+            print_tail(&api_of(cli), &format!("/v1/vms/{name}/logs?bytes={bytes}"))?;
         }
     }
     Ok(())
