@@ -3,9 +3,12 @@
 //! unix socket, with the CLI as its client).
 
 pub mod http;
+pub mod openapi;
 #[cfg(feature = "server")]
 pub mod serve;
 pub mod vm;
+pub mod vmm;
 
 /// The one size type and grammar of every API, config and command line.
-pub use virtio_gpu_compute::size::{Size, SizeError};
+pub mod size;
+pub use size::{Size, SizeError};

@@ -5,11 +5,11 @@
 
 use std::path::PathBuf;
 
+use crate::size::Size;
 use serde::{Deserialize, Serialize};
-use virtio_gpu_compute::size::Size;
 
 /// Guest memory backing page size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub enum Hugepages {
     #[default]
     #[serde(rename = "none")]
@@ -61,7 +61,7 @@ impl std::str::FromStr for Hugepages {
 }
 
 /// What the daemon does when a VM's VMM exits without being asked to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RestartPolicy {
     /// Start it again, whatever ended it (a guest power-off or reboot too).
@@ -73,13 +73,16 @@ pub enum RestartPolicy {
     Never,
 }
 
-/// A rate limit, `SIZE/MS` on the command line: a token bucket of `size`
-/// bytes (or operations) refilled completely every `refill_ms`
-/// milliseconds (Firecracker's model; docs/vmm.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// A rate limit, `SIZE/MS` on the command line: a token bucket
+/// (Firecracker's model) of `size` bytes or operations, refilled
+/// completely every `refill_ms` milliseconds; one operation bigger than the
+/// bucket goes when it is full and leaves it in debt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = Rate)]
 pub struct RateSpec {
     pub size: Size,
+    #[schema(minimum = 1, maximum = 3600000)]
     pub refill_ms: u64,
 }
 
@@ -110,11 +113,13 @@ impl std::str::FromStr for RateSpec {
 }
 
 /// A disk: `PATH[,ro][,bw=SIZE/MS][,ops=N/MS]` on the command line.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DiskSpec {
+    #[schema(value_type = String)]
     pub path: PathBuf,
     #[serde(default)]
+    #[schema(default = false)]
     pub read_only: bool,
     /// Bytes per time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -147,28 +152,33 @@ impl std::str::FromStr for DiskSpec {
 
 /// A network interface: `tap=NAME` (the admin's own tap) or `bridge=NAME`
 /// (a tap the daemon makes in that bridge), exactly one of them, with an
-/// optional MAC address and rate limits per direction. On the command
-/// line: `tap=NAME|bridge=NAME[,mac=MAC][,rx_bw=SIZE/MS][,rx_ops=N/MS]
+/// optional MAC address and rate limits per direction; a request with
+/// both or neither is refused. On the command line:
+/// `tap=NAME|bridge=NAME[,mac=MAC][,rx_bw=SIZE/MS][,rx_ops=N/MS]
 /// [,tx_bw=SIZE/MS][,tx_ops=N/MS]`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NetSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tap: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bridge: Option<String>,
-    /// A unicast MAC address (default: a random 52:54:00 one the daemon
-    /// assigns at create, unlike every other VM's, and keeps).
+    /// A unicast MAC address, such as 52:54:00:12:34:56 (default: a random
+    /// 52:54:00 one the daemon assigns at create, unlike every other VM's,
+    /// and keeps).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}$")]
     pub mac: Option<String>,
-    /// Towards the guest: bytes and frames per time.
+    /// Towards the guest: bytes per time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rx_bandwidth: Option<RateSpec>,
+    /// Towards the guest: frames per time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rx_ops: Option<RateSpec>,
-    /// From the guest: bytes and frames per time.
+    /// From the guest: bytes per time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tx_bandwidth: Option<RateSpec>,
+    /// From the guest: frames per time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tx_ops: Option<RateSpec>,
 }
@@ -226,7 +236,7 @@ impl std::str::FromStr for NetSpec {
 }
 
 /// The VM's vGPU: a VM tenant created with it and deleted with it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, clap::Args, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct VgpuSpec {
     /// vGPU memory quota (a size such as 256MiB); without it the VM has no
@@ -237,10 +247,12 @@ pub struct VgpuSpec {
     /// --vgpu-memory, so that no vGPU flag at all means no vGPU.)
     #[arg(long, required = false, requires = "vgpu_memory", default_value_if("vgpu_memory", clap::builder::ArgPredicate::IsPresent, Some("1")))]
     #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 10000, default = 1)]
     pub weight: u32,
     /// Hard cap: percent of the device's time (1..=100; default none).
     #[arg(long, requires = "vgpu_memory")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 100)]
     pub cap: Option<u32>,
     /// The pool whose placement policy picks the device (default: `default`).
     #[arg(long, requires = "vgpu_memory")]
@@ -252,16 +264,21 @@ fn one() -> u32 {
     1
 }
 
-/// A managed VM: its shape, what it boots, and its vGPU.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
+/// A managed VM: its shape, what it boots, and its vGPU. Give a kernel
+/// (with an optional initramfs and cmdline). Without `vgpu` the VM has no
+/// vGPU. A `boot_disk` is refused (vgpu-vmm has no firmware: give the root
+/// disk in `disks` and `root=/dev/vda` in `cmdline`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, clap::Args, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 #[command(group(clap::ArgGroup::new("boot").required(true).args(["kernel", "boot_disk"])))]
 pub struct VmSpec {
     /// The VM's name (its vGPU tenant has the same name).
+    #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$", example = "vm1")]
     pub name: String,
     /// Virtual CPUs.
     #[arg(long, default_value_t = 1)]
     #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 64, default = 1)]
     pub vcpus: u32,
     /// Guest memory (a size such as 512MiB).
     #[arg(long, value_name = "SIZE")]
@@ -271,29 +288,37 @@ pub struct VmSpec {
     #[arg(long, value_name = "SIZE")]
     #[serde(default, skip_serializing_if = "is_none")]
     pub hugepages: Option<Hugepages>,
-    /// Kernel to boot: an ELF vmlinux or a bzImage.
+    /// Kernel to boot: an ELF vmlinux or a bzImage (an absolute path).
     #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
     pub kernel: Option<PathBuf>,
+    /// An initramfs for the kernel.
     #[arg(long, requires = "kernel")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
     pub initramfs: Option<PathBuf>,
+    /// The kernel's command line.
     #[arg(long, requires = "kernel")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 2048)]
     pub cmdline: Option<String>,
     /// A bootable disk image instead of a kernel.
     #[arg(long, value_name = "IMAGE")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
     pub boot_disk: Option<PathBuf>,
     /// A disk (PATH[,ro][,bw=SIZE/MS][,ops=N/MS]); repeat for more.
     #[arg(long = "disk", value_name = "PATH[,ro][,bw=SIZE/MS][,ops=N/MS]")]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schema(max_items = 16)]
     pub disks: Vec<DiskSpec>,
     /// A network interface (tap=NAME or bridge=NAME, then optionally
     /// mac=MAC, rx_bw=SIZE/MS, rx_ops=N/MS, tx_bw=SIZE/MS, tx_ops=N/MS);
     /// repeat for more.
     #[arg(long = "net", value_name = "tap=NAME|bridge=NAME[,mac=..][,rx_bw=..]..")]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schema(max_items = 8)]
     pub nets: Vec<NetSpec>,
     /// The VM's vGPU (none: a VM with only passthrough devices, or none).
     #[command(flatten)]
@@ -304,10 +329,12 @@ pub struct VmSpec {
     /// more.
     #[arg(long = "passthrough", value_name = "POOL")]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schema(max_items = 8)]
     pub passthrough: Vec<String>,
     /// What to do when the VM's VMM exits without being asked to.
     #[arg(long, value_enum, default_value_t)]
     #[serde(default)]
+    #[schema(default = "on-failure")]
     pub restart: RestartPolicy,
 }
 
@@ -316,15 +343,16 @@ fn is_none(h: &Option<Hugepages>) -> bool {
 }
 
 /// A passthrough device lent to a VM.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Lease {
     pub device: String,
+    /// PCI address, DDDD:BB:DD.F.
     pub address: String,
     pub numa_node: i32,
 }
 
 /// Where a VM is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum VmState {
     /// Its VMM is being started.
@@ -341,18 +369,23 @@ pub enum VmState {
 }
 
 /// A VM as the API reports it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = Vm)]
 pub struct VmView {
     pub name: String,
     pub state: VmState,
-    /// Whether the VM should be running (kept across daemon restarts).
+    /// Whether the VM should be `running`, `stopped` or is being `deleted`
+    /// (kept across daemon restarts).
     pub desired: String,
     pub spec: VmSpec,
-    /// The device its vGPU is on, its pool and NUMA node (-1: unknown).
+    /// The device its vGPU is on.
     #[serde(default)]
     pub device: String,
+    /// That device's pool.
     #[serde(default)]
     pub pool: String,
+    /// The vGPU's device's NUMA node (else its first passthrough device's),
+    /// where the VM runs (-1: unknown).
     pub numa_node: i32,
     /// The passthrough devices lent to it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -367,8 +400,11 @@ pub struct VmView {
     /// Why the last start failed, if it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    /// The VMM's API socket (`vgpuctl vmm --socket`).
+    /// The VMM's own API (docs/api/vmm.yaml; `vgpuctl vmm --socket`).
+    #[schema(value_type = String)]
     pub api_socket: PathBuf,
+    /// The file the guest's serial console goes to.
+    #[schema(value_type = String)]
     pub console_log: PathBuf,
 }
 

@@ -97,12 +97,17 @@ pub struct DeviceStats {
     pub tenants: Vec<TenantStats>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+/// A tenant's live usage, as its device's worker reports it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = TenantUsage)]
 pub struct TenantStats {
     pub name: String,
+    /// Its memory quota, bytes.
     pub quota: u64,
+    /// Device memory it has allocated, bytes.
     pub used: u64,
     pub kernels: u64,
+    /// Device time its work took, nanoseconds (lane-time on a CPU device).
     pub device_ns: u64,
     pub bytes_scrubbed: u64,
     /// Bytes the tenant's copies moved.
@@ -118,9 +123,10 @@ pub struct TenantStats {
     #[serde(default)]
     pub priority: Priority,
     pub connections: u32,
-    /// Host memory the tenant's objects keep in the worker, and its limit.
+    /// Host memory the tenant's objects keep in its worker.
     #[serde(default)]
     pub host_used: u64,
+    /// What `host_used` may reach.
     #[serde(default)]
     pub host_limit: u64,
 }
@@ -158,6 +164,16 @@ impl Serialize for Owner {
         s.collect_str(self)
     }
 }
+
+/// Its OpenAPI schema: the string `UID:GID`.
+impl utoipa::PartialSchema for Owner {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        ObjectBuilder::new().schema_type(Type::String).pattern(Some("^[0-9]+:[0-9]+$")).examples(["1000:1000"]).into()
+    }
+}
+
+impl utoipa::ToSchema for Owner {}
 
 impl<'de> Deserialize<'de> for Owner {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Owner, D::Error> {

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 /// A tenant's priority class: latency-sensitive work goes first within its
 /// share, batch work last.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Priority {
     Latency,

@@ -1,11 +1,14 @@
-//! The OpenAPI documents (docs/api/*.yaml) against the API types they
-//! describe, which are the source of truth: every field a type serializes
+//! The OpenAPI documents (docs/api/*.yaml) are generated from the API
+//! types and routes (utoipa; the daemons' own tests fail while a committed
+//! document differs from what they generate). These tests check that the
+//! generation reads the types as serde does: every field a type serializes
 //! is a property of its schema and every property a field; a schema
 //! refuses unknown properties exactly when its type does; its `required`
-//! list is what the type cannot do without; its defaults are the type's
-//! and its enums the type's variants. Response bodies the daemon builds
-//! from private types are checked as it serves them. (The served API
-//! against the documents is tests/api/conformance.py, with schemathesis.)
+//! list is what the type cannot do without; it takes null exactly where
+//! the type does; its defaults are the type's and its enums the type's
+//! variants. Response bodies are also checked as a daemon serves them.
+//! (The served API against the documents is tests/api/conformance.py, with
+//! schemathesis.)
 //!
 //! The documents are read with serde_yaml_ng, and checked to read the
 //! same with PyYAML where target/apienv has it.
@@ -35,11 +38,25 @@ fn schema<'a>(doc: &'a Value, path: &str) -> &'a Value {
     s
 }
 
-/// Follows `$ref`s, and the `allOf` of one schema that OpenAPI 3.0 needs
-/// to make a reference nullable.
+/// `{type: "null"}`, what OpenAPI 3.1 adds to a `oneOf` to make it
+/// nullable.
+fn is_null_schema(s: &Value) -> bool {
+    s.get("type") == Some(&json!("null"))
+}
+
+/// Whether a property's schema takes null: `type: [T, "null"]`, or a
+/// `oneOf` with a null member.
+fn nullable(s: &Value) -> bool {
+    s["type"].as_array().is_some_and(|t| t.contains(&json!("null"))) || s["oneOf"].as_array().is_some_and(|a| a.iter().any(is_null_schema))
+}
+
+/// Follows `$ref`s, and a `oneOf` of one schema (with null, or alone).
 fn deref<'a>(doc: &'a Value, s: &'a Value) -> &'a Value {
-    if let Some([one]) = s.get("allOf").and_then(Value::as_array).map(Vec::as_slice) {
-        return deref(doc, one);
+    if let Some(one) = s.get("oneOf").and_then(Value::as_array) {
+        let real: Vec<&Value> = one.iter().filter(|m| !is_null_schema(m)).collect();
+        if let [only] = real.as_slice() {
+            return deref(doc, only);
+        }
     }
     match s.get("$ref").and_then(Value::as_str) {
         Some(r) => {
@@ -57,6 +74,24 @@ fn deref<'a>(doc: &'a Value, s: &'a Value) -> &'a Value {
 
 fn props(s: &Value) -> BTreeSet<String> {
     s["properties"].as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default()
+}
+
+/// The properties of a schema and of every member of its `allOf` (how a
+/// flattened struct is documented).
+fn all_props(doc: &Value, s: &Value) -> BTreeSet<String> {
+    let mut all = props(s);
+    for m in s["allOf"].as_array().into_iter().flatten() {
+        all.extend(all_props(doc, deref(doc, m)));
+    }
+    all
+}
+
+fn all_required(doc: &Value, s: &Value) -> BTreeSet<String> {
+    let mut all: BTreeSet<String> = s["required"].as_array().into_iter().flatten().filter_map(|r| r.as_str().map(String::from)).collect();
+    for m in s["allOf"].as_array().into_iter().flatten() {
+        all.extend(all_required(doc, deref(doc, m)));
+    }
+    all
 }
 
 fn keys(v: &Value) -> BTreeSet<String> {
@@ -116,8 +151,8 @@ fn check_request<T: Serialize + DeserializeOwned>(doc: &Value, path: &str, full:
         let mut null = v.clone();
         null[&k] = Value::Null;
         let takes_null = back(&null).is_ok();
-        let nullable = s["properties"][&k].get("nullable") == Some(&json!(true));
-        assert_eq!(takes_null, nullable, "{path}.{k}: the type {} null; the document must {}say nullable: true", if takes_null { "takes" } else { "refuses" }, if takes_null { "" } else { "not " });
+        let nullable = nullable(&s["properties"][&k]);
+        assert_eq!(takes_null, nullable, "{path}.{k}: the type {} null; the document {} it", if takes_null { "takes" } else { "refuses" }, if nullable { "takes" } else { "refuses" });
         if let Some(d) = s["properties"][&k].get("default") {
             // The value serde fills in, where it serializes one (an
             // Option's default is applied later, by the daemon).
@@ -127,8 +162,6 @@ fn check_request<T: Serialize + DeserializeOwned>(doc: &Value, path: &str, full:
             }
         }
         if let Some(values) = deref(doc, &s["properties"][&k]).get("enum").and_then(Value::as_array) {
-            // OpenAPI 3.0.3: a nullable enum lists null among its values.
-            assert_eq!(nullable, values.contains(&Value::Null), "{path}.{k}: a nullable enum must list null, and only a nullable one");
             for e in values {
                 let mut with = v.clone();
                 with[&k] = e.clone();
@@ -153,7 +186,7 @@ fn values<T: clap::ValueEnum>() -> &'static [T] {
 
 /// A response body (fully populated, or as served) against its schema.
 fn check_response(doc: &Value, path: &str, v: &Value) {
-    same_fields(path, &keys(v), &props(schema(doc, path)));
+    same_fields(path, &keys(v), &all_props(doc, schema(doc, path)));
 }
 
 fn docs_path() -> PathBuf {
@@ -401,16 +434,20 @@ fn mediator_response_schemas_match_the_api_types() {
     let stats = TenantStats { name: "web".into(), cap: Some(50), ..TenantStats::default() };
     check_response(&doc, "TenantUsage", &serde_json::to_value(&stats).expect("serialize"));
 
-    // Both kinds of usage record: the document's properties are their
-    // union, and what both always have is required.
+    // Both kinds of usage record, each one of the document's: its fields,
+    // all of them required, and its `type`.
     let t = serde_json::to_value(Record::Tenant { start: 0.0, end: 60.0, tenant: "web".into(), device: "cpu0".into(), uuid: "u".into(), usage: Usage::default() }).expect("serialize");
     let d = serde_json::to_value(Record::Device { start: 0.0, end: 60.0, device: "cpu0".into(), uuid: "u".into(), model: "m".into(), busy_seconds: 1.0, lanes: 2 }).expect("serialize");
-    let s = schema(&doc, "UsageRecord");
-    same_fields("UsageRecord", &keys(&t).union(&keys(&d)).cloned().collect(), &props(s));
-    let required: BTreeSet<String> = s["required"].as_array().expect("required").iter().map(|r| r.as_str().expect("name").to_string()).collect();
-    same_fields("UsageRecord (required)", &keys(&t).intersection(&keys(&d)).cloned().collect(), &required);
-    let kinds: BTreeSet<String> = [&t, &d].iter().map(|r| r["type"].as_str().expect("type").to_string()).collect();
-    same_fields("UsageRecord/properties/type (enum values)", &kinds, &s["properties"]["type"]["enum"].as_array().expect("enum").iter().map(|e| e.as_str().expect("name").to_string()).collect());
+    let kinds = schema(&doc, "UsageRecord")["oneOf"].as_array().expect("UsageRecord is one of its kinds");
+    assert_eq!(kinds.len(), 2, "UsageRecord: two kinds");
+    for (r, s) in [&t, &d].into_iter().zip(kinds) {
+        let s = deref(&doc, s);
+        let what = format!("UsageRecord ({})", r["type"]);
+        same_fields(&what, &keys(r), &all_props(&doc, s));
+        same_fields(&format!("{what} (required)"), &keys(r), &all_required(&doc, s));
+        let typed: Vec<&Value> = s["allOf"].as_array().into_iter().flatten().chain([s]).filter_map(|m| m["properties"]["type"]["enum"].as_array()).flatten().collect();
+        assert_eq!(typed, vec![&r["type"]], "{what}: its type");
+    }
 }
 
 /// The response bodies built from private types, as a daemon serves them.
@@ -429,7 +466,7 @@ fn mediator_served_bodies_have_the_documented_fields() {
     }
     let (_, pools) = m.api("GET", "/pools", None);
     for p in pools.as_array().expect("pools") {
-        let documented = props(schema(&doc, "Pool"));
+        let documented = all_props(&doc, schema(&doc, "Pool"));
         let served = keys(p);
         assert!(served.is_subset(&documented), "Pool: served fields the document lacks: {:?}", served.difference(&documented).collect::<Vec<_>>());
     }
@@ -438,7 +475,7 @@ fn mediator_served_bodies_have_the_documented_fields() {
     check_response(&doc, "TenantUsage", &t["usage"]);
     let mut record = t.clone();
     record.as_object_mut().expect("object").remove("usage");
-    let documented = props(schema(&doc, "Tenant"));
+    let documented = all_props(&doc, schema(&doc, "Tenant"));
     assert!(keys(&record).is_subset(&documented), "GET /tenants/web: fields the document lacks: {:?}", keys(&record).difference(&documented).collect::<Vec<_>>());
     let (st, v) = m.api("GET", "/version", None);
     assert_eq!(st, 200, "{v}");
@@ -520,10 +557,17 @@ fn every_schema_reference_resolves_and_every_path_parameter_is_declared() {
         }
         walk(&doc, &doc, name);
         for (path, item) in doc["paths"].as_object().expect("paths") {
-            let params: BTreeSet<String> =
-                item["parameters"].as_array().map(|a| a.iter().filter(|p| p["in"] == "path").map(|p| p["name"].as_str().expect("name").to_string()).collect()).unwrap_or_default();
             let named: BTreeSet<String> = path.split('/').filter_map(|s| s.strip_prefix('{').and_then(|s| s.strip_suffix('}'))).map(String::from).collect();
-            assert_eq!(params, named, "{name} {path}: path parameters");
+            for (method, op) in item.as_object().expect("path item") {
+                let params: BTreeSet<String> = [&item["parameters"], &op["parameters"]]
+                    .into_iter()
+                    .filter_map(Value::as_array)
+                    .flatten()
+                    .filter(|p| p["in"] == "path")
+                    .map(|p| p["name"].as_str().expect("name").to_string())
+                    .collect();
+                assert_eq!(params, named, "{name} {method} {path}: path parameters");
+            }
         }
     }
 }

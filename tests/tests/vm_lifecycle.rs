@@ -92,15 +92,25 @@ fn a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted() {
     assert_eq!(v["state"], "running", "{v}");
     let pid = v["pid"].as_u64().expect("pid");
     assert!(alive(pid));
-    // Its disk goes to the VMM, read-only as asked.
+    // The VMM runs the description the daemon wrote for it (one JSON
+    // config, the VMM's own schema), and its API reports that config.
     let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
-    let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-    assert!(cmd.contains(&format!("--disk path={},ro,bw=10485760/1000", disk.display())), "{cmd}");
+    let cmd: Vec<String> = cmd.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    let at = cmd.iter().position(|a| a == "--config").unwrap_or_else(|| panic!("the VMM was not given a config file: {cmd:?}"));
+    let written: Value = serde_json::from_slice(&std::fs::read(&cmd[at + 1]).expect("the VMM's config file")).expect("JSON");
+    let api = v["api_socket"].as_str().expect("api_socket");
+    let running: Value =
+        serde_json::from_str(&ok(std::process::Command::new(vgpu_tests::bin("vgpuctl")).args(["-o", "json", "vmm", "--socket", api, "info"]).output().expect("vgpuctl"))).expect("JSON");
+    assert_eq!(running["config"], written, "the VMM runs what the daemon wrote");
+    // Its disk, read-only and rate-limited as asked; its vGPU; its node.
+    assert_eq!(written["disks"], json!([{ "path": disk, "read_only": true, "direct": false, "bandwidth": { "size": 10 << 20, "refill_ms": 1000 } }]), "{written}");
+    assert_eq!(written["vgpu"]["socket"], m.api("GET", "/tenants/web", None).1["socket"], "{written}");
     if is_root() {
-        assert!(cmd.contains(&format!("--net {},tx_bw=1048576/100", net_arg.split(",tx_bw").next().unwrap_or(""))), "{cmd}");
+        let tap = net_arg.split(',').next().and_then(|t| t.strip_prefix("tap=")).unwrap_or("");
+        assert_eq!(written["nets"], json!([{ "tap": tap, "mac": "52:54:00:aa:bb:cc", "tx_bandwidth": { "size": 1 << 20, "refill_ms": 100 } }]), "{written}");
     }
     if let Some(node) = m.device("cpu0")["numa_node"].as_i64().filter(|n| *n >= 0) {
-        assert!(cmd.contains(&format!("--numa-node {node}")), "the VMM runs on its vGPU's node: {cmd}");
+        assert_eq!(written["numa_node"], node, "the VMM runs on its vGPU's node: {written}");
     }
     // Listed with its device and that device's NUMA node.
     let list = json_of(&m, &["vm", "list"]);
@@ -260,8 +270,8 @@ fn bad_vm_requests_get_clear_errors_and_leave_nothing_behind() {
         // and handed to the VMM.
         let mac = dup["spec"]["nets"][0]["mac"].as_str().unwrap_or_else(|| panic!("no MAC assigned: {dup}")).to_string();
         assert!(mac.starts_with("52:54:00:") && mac.len() == 17, "{mac}");
-        let cmd = String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", dup["pid"])).expect("cmdline")).replace('\0', " ");
-        assert!(cmd.contains(&format!("--net tap={tap},mac={mac}")), "{cmd}");
+        let config: Value = serde_json::from_slice(&std::fs::read(Path::new(dup["console_log"].as_str().expect("console_log")).with_file_name("vmm.json")).expect("the VMM's config")).expect("JSON");
+        assert_eq!(config["nets"], json!([{ "tap": tap, "mac": mac }]), "{config}");
         let (st, v) = m.api("POST", "/vms", Some(body("dup2", json!({ "nets": [{ "tap": tap }] }))));
         assert_eq!(st, 409, "{v}");
         assert!(v["error"].as_str().is_some_and(|e| e.contains("VM dup uses tap")), "{v}");

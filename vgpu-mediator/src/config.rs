@@ -429,20 +429,25 @@ impl Default for DevicesConfig {
 }
 
 /// A tenant, as `POST /tenants` takes it and the config file lists it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TenantSpec {
+    #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$", example = "web")]
     pub name: String,
     /// Memory quota.
     pub memory: Size,
+    /// Compute share weight.
     #[serde(default = "weight_one")]
+    #[schema(minimum = 1, maximum = 10000, default = 1)]
     pub weight: u32,
     /// Hard cap: the percentage (1..=100) of the device's time the tenant
-    /// never exceeds, even alone on it.
+    /// never exceeds, even alone on it (absent or 100: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 100)]
     pub cap: Option<u32>,
     /// `latency` (goes first within its share), `normal` or `batch`.
     #[serde(default)]
+    #[schema(default = "normal")]
     pub priority: crate::sched::Priority,
     /// Device name (e.g. `cpu0`); placed by its pool's policy when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -454,17 +459,22 @@ pub struct TenantSpec {
     /// The NUMA node the tenant's VM or process runs on: placement prefers
     /// a device attached to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(maximum = 1023)]
     pub numa_node: Option<u32>,
-    /// `process` (a host process or container, through a tenant socket) or
-    /// `vm` (a VM's virtio-gpu device, through a vhost-user socket).
+    /// `process` (a host process or container, through the socket
+    /// NAME.sock) or `vm` (a VM's virtio-gpu device, through the vhost-user
+    /// socket NAME.vhost).
     #[serde(default)]
+    #[schema(default = "process")]
     pub kind: TenantKind,
     /// Owner of the tenant's socket, `UID:GID` (default root): the user or
     /// container that may be this tenant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<Owner>,
-    /// Mode of the tenant's socket, octal (default `0600`).
+    /// Mode of the tenant's socket, octal (default `0600`); it must include
+    /// 0600.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^0?[0-7]{3}$")]
     pub mode: Option<String>,
     /// Host memory the tenant's objects may keep in its worker (default
     /// `devices.tenant_host_memory`).
@@ -473,10 +483,11 @@ pub struct TenantSpec {
     /// Client connections the tenant may hold at once (default
     /// `devices.tenant_connections`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 1024)]
     pub max_connections: Option<u32>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum TenantKind {
     #[default]

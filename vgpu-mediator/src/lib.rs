@@ -6,8 +6,8 @@
 
 pub mod config;
 pub mod control;
+pub use vgpu_api::size;
 pub use vgpu_arbiter::{arbiter, fatal, grant, ipc, nice, placement, sched};
 pub use vgpu_executor::{backend, gpu, worker};
 /// The PTX interpreter (its own crate, `vgpu-ptx`).
 pub use vgpu_ptx as ptx;
-pub use virtio_gpu_compute::size;

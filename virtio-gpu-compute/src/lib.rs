@@ -14,7 +14,6 @@ pub mod fatbin;
 pub mod msg;
 pub mod nvml;
 pub mod ring;
-pub mod size;
 pub mod virtio_gpu;
 pub mod wire;
 

@@ -7,9 +7,7 @@ use std::sync::{Arc, Mutex};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, put};
 use axum::{Json, Router};
-use serde_json::json;
 
 use crate::devices::i8042::I8042;
 use crate::vm::{Control, ExitReason, VmInfo};
@@ -28,16 +26,55 @@ pub struct ApiState {
     pub keyboard: Arc<Mutex<I8042>>,
 }
 
-fn error(code: StatusCode, msg: impl Into<String>) -> Response {
-    (code, Json(json!({ "error": msg.into() }))).into_response()
+/// A refusal: what every error answer holds.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[schema(as = Error)]
+struct ErrorBody {
+    error: String,
 }
 
+fn error(code: StatusCode, msg: impl Into<String>) -> Response {
+    (code, Json(ErrorBody { error: msg.into() })).into_response()
+}
+
+#[derive(utoipa::OpenApi)]
+#[openapi(info(
+    title = "vgpu-vmm API",
+    version = "1",
+    description = "One VM's control API, served as HTTP/1.1 over the unix socket given with --api-socket (mode 0600). `vgpuctl vmm --socket PATH ...` is its client. \
+Errors are JSON objects with one `error` string. This document is generated from the VMM's types and routes."
+))]
+struct Doc;
+
+/// The routes and, from the same handlers, the API's OpenAPI document.
+fn routes() -> (Router<ApiState>, utoipa::openapi::OpenApi) {
+    use utoipa::OpenApi as _;
+    use utoipa_axum::routes;
+    utoipa_axum::router::OpenApiRouter::with_openapi(Doc::openapi())
+        .routes(routes!(vm_info))
+        .routes(routes!(pause))
+        .routes(routes!(resume))
+        .routes(routes!(shutdown))
+        .routes(routes!(kill))
+        .split_for_parts()
+}
+
+/// The API's OpenAPI document as YAML (docs/api/vmm.yaml; a test keeps the
+/// two the same).
+pub fn openapi_yaml() -> String {
+    vgpu_api::openapi::to_yaml(&routes().1)
+}
+
+/// The VM's state and description.
+#[utoipa::path(get, path = "/vm", responses((status = 200, description = "The VM", body = VmInfo)))]
 async fn vm_info(State(s): State<ApiState>) -> Json<VmInfo> {
     let mut info = s.info.clone();
     info.state = s.control.state();
     Json(info)
 }
 
+/// Stop every vCPU; returns once all have stopped.
+#[utoipa::path(put, path = "/vm/pause", responses((status = 204, description = "Paused (or already paused)"), (status = 409, description = "Refused", body = ErrorBody), (status = 500, description = "Refused", body = ErrorBody)))]
 async fn pause(State(s): State<ApiState>) -> Response {
     match tokio::task::spawn_blocking(move || s.control.pause()).await {
         Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
@@ -46,6 +83,8 @@ async fn pause(State(s): State<ApiState>) -> Response {
     }
 }
 
+/// Let the vCPUs run again.
+#[utoipa::path(put, path = "/vm/resume", responses((status = 204, description = "Running"), (status = 409, description = "Refused", body = ErrorBody)))]
 async fn resume(State(s): State<ApiState>) -> Response {
     match s.control.resume() {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
@@ -53,6 +92,8 @@ async fn resume(State(s): State<ApiState>) -> Response {
     }
 }
 
+/// Ask the guest to shut down (Ctrl-Alt-Del on the i8042).
+#[utoipa::path(put, path = "/vm/shutdown", responses((status = 202, description = "Asked; the VMM exits 0 when the guest resets"), (status = 409, description = "Refused", body = ErrorBody)))]
 async fn shutdown(State(s): State<ApiState>) -> Response {
     if s.control.state() != crate::vm::RunState::Running {
         return error(StatusCode::CONFLICT, "the VM is not running; resume it before asking the guest to shut down");
@@ -61,13 +102,18 @@ async fn shutdown(State(s): State<ApiState>) -> Response {
     StatusCode::ACCEPTED.into_response()
 }
 
+/// End the VM at once (the VMM exits with status 4).
+#[utoipa::path(put, path = "/vm/kill", responses((status = 204, description = "Ending")))]
 async fn kill(State(s): State<ApiState>) -> Response {
     s.control.request_exit(ExitReason::Killed);
     StatusCode::NO_CONTENT.into_response()
 }
 
+/// Every answer is JSON, an unknown path's and a wrong method's included.
 pub fn router(s: ApiState) -> Router {
-    Router::new().route("/vm", get(vm_info)).route("/vm/pause", put(pause)).route("/vm/resume", put(resume)).route("/vm/shutdown", put(shutdown)).route("/vm/kill", put(kill)).with_state(s)
+    let no_such_path = |method: axum::http::Method, uri: axum::http::Uri| async move { error(StatusCode::NOT_FOUND, format!("no such path: {method} {}", uri.path())) };
+    let not_allowed = |method: axum::http::Method, uri: axum::http::Uri| async move { error(StatusCode::METHOD_NOT_ALLOWED, format!("{method} is not allowed on {}", uri.path())) };
+    routes().0.method_not_allowed_fallback(not_allowed).fallback(no_such_path).with_state(s)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -129,4 +175,14 @@ pub fn serve(listener: std::os::unix::net::UnixListener, s: ApiState) -> Result<
         })
         .map_err(ApiError::Thread)?;
     ready_rx.recv().map_err(|_| ApiError::Start("the API thread died while starting".into()))?
+}
+
+#[cfg(test)]
+mod document {
+    /// docs/api/vmm.yaml is what the types and routes generate; with
+    /// VGPU_WRITE_API_DOCS=1 (scripts/api-docs.sh) the test writes it.
+    #[test]
+    fn the_committed_document_is_the_generated_one() {
+        vgpu_api::openapi::check_committed(&super::openapi_yaml(), concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/api/vmm.yaml"));
+    }
 }

@@ -1,395 +1,25 @@
-//! The VM description: what `--config FILE.json` holds, what `GET /vm`
-//! returns under `config`, and what the command-line flags fill in.
+//! The VM description (`vgpu_api::vmm`: what `--config FILE.json` holds,
+//! what `GET /vm` returns under `config`, and what the command-line flags
+//! fill in) and the checks of it that need this host: files, memory,
+//! devices.
 
-use std::path::PathBuf;
-
-use serde::{Deserialize, Deserializer, Serialize};
-use virtio_gpu_compute::size::{number_or_text, Size};
-
-/// Most vCPUs one VM may have (the MP table and the APIC ids fit in 8 bits).
-pub const MAX_VCPUS: u32 = 64;
-/// Smallest guest: enough for the boot structures and a tiny kernel.
-pub const MIN_MEMORY_MIB: u64 = 8;
-
-/// Guest memory backing page size (the API's type).
-pub use vgpu_api::vm::Hugepages;
-
-/// Where the serial console goes.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum SerialOut {
-    #[default]
-    Stdout,
-    File(PathBuf),
-}
-
-impl std::str::FromStr for SerialOut {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "" => Err("empty serial destination: use stdout or a file path".into()),
-            "stdout" => Ok(SerialOut::Stdout),
-            p => Ok(SerialOut::File(PathBuf::from(p))),
-        }
-    }
-}
-
-impl Serialize for SerialOut {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            SerialOut::Stdout => s.serialize_str("stdout"),
-            SerialOut::File(p) => s.serialize_str(&p.to_string_lossy()),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for SerialOut {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-/// Guest memory size. A plain number means MiB (as Firecracker's
-/// `mem_size_mib`); a string may carry a suffix ("2GiB").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct MemMiB(pub u64);
-
-impl std::str::FromStr for MemMiB {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let t = s.trim();
-        if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
-            return t.parse().map(MemMiB).map_err(|_| format!("invalid memory size '{s}'"));
-        }
-        let b: Size = t.parse().map_err(|e: virtio_gpu_compute::size::SizeError| e.to_string())?;
-        if !b.0.is_multiple_of(1 << 20) {
-            return Err(format!("memory size '{s}' is not a whole number of MiB"));
-        }
-        Ok(MemMiB(b.0 >> 20))
-    }
-}
-
-impl<'de> Deserialize<'de> for MemMiB {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        number_or_text(d, "a memory size: MiB, or a string such as \"2GiB\"", |n| Ok(MemMiB(n)), str::parse)
-    }
-}
-
-fn default_vcpus() -> u32 {
-    1
-}
-fn default_memory() -> MemMiB {
-    MemMiB(256)
-}
-
-/// The VM description shared by the JSON config file and the API.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VmConfig {
-    pub kernel: PathBuf,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub initramfs: Option<PathBuf>,
-    #[serde(default)]
-    pub cmdline: String,
-    #[serde(default = "default_vcpus")]
-    pub vcpus: u32,
-    #[serde(default = "default_memory")]
-    pub memory_mib: MemMiB,
-    #[serde(default)]
-    pub hugepages: Hugepages,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub numa_node: Option<u32>,
-    #[serde(default)]
-    pub serial: SerialOut,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub api_socket: Option<PathBuf>,
-    /// Offer a virtio-rng device backed by the host's getrandom.
-    #[serde(default = "yes")]
-    pub rng: bool,
-    /// A virtio-gpu compute device served by the mediator over vhost-user.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vgpu: Option<VgpuConfig>,
-    /// virtio-blk disks, in PCI slot order (the guest's vda, vdb, ...).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub disks: Vec<DiskConfig>,
-    /// virtio-net interfaces over taps, in PCI slot order (after the disks).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub nets: Vec<NetConfig>,
-    /// Host PCI functions passed through whole with VFIO (`DDDD:BB:DD.F`,
-    /// bound to vfio-pci), in PCI slot order after every virtio device.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub vfio: Vec<PciAddress>,
-}
-
-pub use crate::devices::vfio::PciAddress;
-
-/// Most passthrough devices one VM may have.
-pub const MAX_VFIO: usize = 8;
-
-/// Most disks one VM may have.
-pub const MAX_DISKS: usize = 16;
-
-/// A token bucket: `size` units, refilled completely every `refill_ms`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BucketConfig {
-    pub size: u64,
-    pub refill_ms: u64,
-}
-
-impl BucketConfig {
-    /// `SIZE/MS`, SIZE a number or a size such as 10MiB.
-    fn parse(s: &str, what: &str) -> Result<BucketConfig, String> {
-        let bad = || format!("invalid {what} '{s}': use AMOUNT/MILLISECONDS, e.g. 10MiB/1000");
-        let (a, ms) = s.split_once('/').ok_or_else(bad)?;
-        let size = a.parse::<Size>().map_err(|_| bad())?.0;
-        let refill_ms = ms.parse::<u64>().map_err(|_| bad())?;
-        if size == 0 || refill_ms == 0 || refill_ms > 3_600_000 {
-            return Err(bad());
-        }
-        Ok(BucketConfig { size, refill_ms })
-    }
-
-    pub fn bucket(self) -> crate::devices::virtio::rate_limit::Bucket {
-        crate::devices::virtio::rate_limit::Bucket { size: self.size, refill: std::time::Duration::from_millis(self.refill_ms) }
-    }
-
-    /// What `parse` enforces, for buckets from a config file.
-    fn check(&self, what: &str) -> Result<(), String> {
-        if self.size == 0 || self.refill_ms == 0 || self.refill_ms > 3_600_000 {
-            return Err(format!("{what}: a bucket needs a size above 0 and a refill_ms of 1 to 3600000"));
-        }
-        Ok(())
-    }
-}
+use vgpu_api::size::Size;
+pub use vgpu_api::vmm::*;
 
 /// Both buckets of a rate limit, as the devices take them.
 fn rate_limit(bandwidth: Option<BucketConfig>, ops: Option<BucketConfig>) -> crate::devices::virtio::rate_limit::RateLimit {
-    crate::devices::virtio::rate_limit::RateLimit { bandwidth: bandwidth.map(|b| b.bucket()), ops: ops.map(|b| b.bucket()) }
+    let bucket = |b: BucketConfig| crate::devices::virtio::rate_limit::Bucket { size: b.size, refill: std::time::Duration::from_millis(b.refill_ms) };
+    crate::devices::virtio::rate_limit::RateLimit { bandwidth: bandwidth.map(bucket), ops: ops.map(bucket) }
 }
 
-/// `--disk path=PATH[,ro][,direct][,id=ID][,bw=SIZE/MS][,ops=N/MS]`: a
-/// raw image (a regular file or a block device), read-only or not, opened
-/// with O_DIRECT or not, with optional rate limits on bytes and requests.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DiskConfig {
-    pub path: PathBuf,
-    #[serde(default)]
-    pub read_only: bool,
-    #[serde(default)]
-    pub direct: bool,
-    /// What the guest reads as the disk's serial (at most 20 bytes).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bandwidth: Option<BucketConfig>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ops: Option<BucketConfig>,
+/// A disk's rate limits, as its device takes them.
+pub fn disk_limit(d: &DiskConfig) -> crate::devices::virtio::rate_limit::RateLimit {
+    rate_limit(d.bandwidth, d.ops)
 }
 
-impl std::str::FromStr for DiskConfig {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let mut d = DiskConfig { path: PathBuf::new(), read_only: false, direct: false, id: None, bandwidth: None, ops: None };
-        for part in s.split(',') {
-            match part.split_once('=') {
-                Some(("path", p)) if !p.is_empty() => d.path = PathBuf::from(p),
-                Some(("id", i)) if !i.is_empty() && i.len() <= 20 && i.is_ascii() => d.id = Some(i.into()),
-                Some(("bw", b)) => d.bandwidth = Some(BucketConfig::parse(b, "bw")?),
-                Some(("ops", o)) => d.ops = Some(BucketConfig::parse(o, "ops")?),
-                None if part == "ro" => d.read_only = true,
-                None if part == "direct" => d.direct = true,
-                _ => return Err(format!("invalid --disk part '{part}': use path=PATH[,ro][,direct][,id=ID (20 ASCII bytes at most)][,bw=SIZE/MS][,ops=N/MS]")),
-            }
-        }
-        if d.path.as_os_str().is_empty() {
-            return Err("--disk needs path=PATH".into());
-        }
-        Ok(d)
-    }
-}
-
-impl DiskConfig {
-    pub fn rate_limit(&self) -> crate::devices::virtio::rate_limit::RateLimit {
-        rate_limit(self.bandwidth, self.ops)
-    }
-}
-
-/// Most network interfaces one VM may have.
-pub const MAX_NETS: usize = 8;
-
-/// An Ethernet address, written `52:54:00:12:34:56`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MacAddr(pub [u8; 6]);
-
-impl MacAddr {
-    /// Bit 0 of the first byte clear: an address one NIC may own.
-    pub fn is_unicast(&self) -> bool {
-        self.0[0] & 1 == 0
-    }
-
-    /// The address of interface `index` over tap `tap` when none is given:
-    /// 52:54:00 (locally administered, unicast) and three bytes of an
-    /// FNV-1a hash of the name and the index, the same on every start.
-    pub fn derived(tap: &str, index: usize) -> MacAddr {
-        let h = tap.bytes().chain((index as u32).to_le_bytes()).fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193));
-        let [a, b, c, _] = h.to_le_bytes();
-        MacAddr([0x52, 0x54, 0x00, a, b, c])
-    }
-}
-
-impl std::fmt::Display for MacAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let [a, b, c, d, e, g] = self.0;
-        write!(f, "{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{g:02x}")
-    }
-}
-
-impl std::str::FromStr for MacAddr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("invalid MAC address '{s}': use six hex bytes such as 52:54:00:12:34:56");
-        let mut m = [0u8; 6];
-        let mut parts = s.split(':');
-        for b in m.iter_mut() {
-            let p = parts.next().ok_or_else(bad)?;
-            if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Err(bad());
-            }
-            *b = u8::from_str_radix(p, 16).map_err(|_| bad())?;
-        }
-        if parts.next().is_some() {
-            return Err(bad());
-        }
-        Ok(MacAddr(m))
-    }
-}
-
-impl Serialize for MacAddr {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.to_string())
-    }
-}
-
-impl<'de> Deserialize<'de> for MacAddr {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-/// `--net tap=NAME[,mac=MAC][,rx_bw=SIZE/MS][,rx_ops=N/MS][,tx_bw=SIZE/MS][,tx_ops=N/MS]`:
-/// a virtio-net interface over the tap NAME (opened when the VM starts,
-/// created if missing and the VMM may), with its MAC address (default
-/// [`MacAddr::derived`]) and optional rate limits per direction on bytes
-/// and frames.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NetConfig {
-    pub tap: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mac: Option<MacAddr>,
-    /// Frames to the guest: bytes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rx_bandwidth: Option<BucketConfig>,
-    /// Frames to the guest: count.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rx_ops: Option<BucketConfig>,
-    /// Frames from the guest: bytes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tx_bandwidth: Option<BucketConfig>,
-    /// Frames from the guest: count.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tx_ops: Option<BucketConfig>,
-}
-
-impl NetConfig {
-    /// The MAC address given, or the one derived for interface `index`.
-    pub fn mac_or_derived(&self, index: usize) -> MacAddr {
-        self.mac.unwrap_or_else(|| MacAddr::derived(&self.tap, index))
-    }
-
-    pub fn rx_limit(&self) -> crate::devices::virtio::rate_limit::RateLimit {
-        rate_limit(self.rx_bandwidth, self.rx_ops)
-    }
-
-    pub fn tx_limit(&self) -> crate::devices::virtio::rate_limit::RateLimit {
-        rate_limit(self.tx_bandwidth, self.tx_ops)
-    }
-}
-
-impl std::str::FromStr for NetConfig {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let mut n = NetConfig { tap: String::new(), mac: None, rx_bandwidth: None, rx_ops: None, tx_bandwidth: None, tx_ops: None };
-        for part in s.split(',') {
-            match part.split_once('=') {
-                Some(("tap", t)) => {
-                    crate::devices::virtio::net::check_tap_name(t).map_err(|e| e.to_string())?;
-                    n.tap = t.to_string();
-                }
-                Some(("mac", m)) => n.mac = Some(m.parse()?),
-                Some(("rx_bw", b)) => n.rx_bandwidth = Some(BucketConfig::parse(b, "rx_bw")?),
-                Some(("rx_ops", o)) => n.rx_ops = Some(BucketConfig::parse(o, "rx_ops")?),
-                Some(("tx_bw", b)) => n.tx_bandwidth = Some(BucketConfig::parse(b, "tx_bw")?),
-                Some(("tx_ops", o)) => n.tx_ops = Some(BucketConfig::parse(o, "tx_ops")?),
-                _ => return Err(format!("invalid --net part '{part}': use tap=NAME[,mac=52:54:00:xx:xx:xx][,rx_bw=SIZE/MS][,rx_ops=N/MS][,tx_bw=SIZE/MS][,tx_ops=N/MS]")),
-            }
-        }
-        if n.tap.is_empty() {
-            return Err("--net needs tap=NAME".into());
-        }
-        Ok(n)
-    }
-}
-
-/// `--vgpu socket=PATH[,headless][,reconnect=SECONDS]`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VgpuConfig {
-    /// The VM tenant's vhost-user socket (`vgpuctl tenant create NAME --vm`).
-    pub socket: PathBuf,
-    /// Report no scanout (guests with Linux 6.4 or later accept that).
-    #[serde(default)]
-    pub headless: bool,
-    /// How long to keep reconnecting when the backend hangs up (its
-    /// executor ended and the daemon starts another) before the guest
-    /// sees a device error; 0 reports the error at once.
-    #[serde(default = "default_reconnect_s")]
-    pub reconnect_s: u32,
-}
-
-/// Seconds a VMM keeps reconnecting to a vGPU backend that hung up: longer
-/// than the daemon's longest restart delay (5 s) several times over.
-pub const VGPU_RECONNECT_DEFAULT_S: u32 = 30;
-/// The longest reconnection window accepted.
-pub const VGPU_RECONNECT_MAX_S: u32 = 3600;
-
-fn default_reconnect_s() -> u32 {
-    VGPU_RECONNECT_DEFAULT_S
-}
-
-impl std::str::FromStr for VgpuConfig {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let mut socket = None;
-        let mut headless = false;
-        let mut reconnect_s = VGPU_RECONNECT_DEFAULT_S;
-        for part in s.split(',') {
-            match part.split_once('=') {
-                Some(("socket", p)) if !p.is_empty() => socket = Some(PathBuf::from(p)),
-                Some(("reconnect", n)) => {
-                    reconnect_s = n.parse().ok().filter(|&n| n <= VGPU_RECONNECT_MAX_S).ok_or_else(|| format!("invalid --vgpu reconnect={n}: give whole seconds, 0 to {VGPU_RECONNECT_MAX_S}"))?;
-                }
-                None if part == "headless" => headless = true,
-                _ => return Err(format!("invalid --vgpu part '{part}': use socket=PATH[,headless][,reconnect=SECONDS]")),
-            }
-        }
-        Ok(VgpuConfig { socket: socket.ok_or("--vgpu needs socket=PATH")?, headless, reconnect_s })
-    }
-}
-
-fn yes() -> bool {
-    true
+/// A network interface's rate limits towards the guest and from it.
+pub fn net_limits(n: &NetConfig) -> (crate::devices::virtio::rate_limit::RateLimit, crate::devices::virtio::rate_limit::RateLimit) {
+    (rate_limit(n.rx_bandwidth, n.rx_ops), rate_limit(n.tx_bandwidth, n.tx_ops))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -407,38 +37,21 @@ pub enum ConfigError {
     File(#[from] crate::safe_open::SafeOpenError),
 }
 
-impl VmConfig {
-    pub fn new(kernel: PathBuf) -> VmConfig {
-        VmConfig {
-            kernel,
-            initramfs: None,
-            cmdline: String::new(),
-            vcpus: default_vcpus(),
-            memory_mib: default_memory(),
-            hugepages: Hugepages::None,
-            numa_node: None,
-            serial: SerialOut::Stdout,
-            api_socket: None,
-            rng: true,
-            vgpu: None,
-            disks: Vec::new(),
-            nets: Vec::new(),
-            vfio: Vec::new(),
-        }
-    }
+/// Reads a JSON description (`--config FILE`).
+pub fn from_json_file(path: &std::path::Path) -> Result<VmConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.display().to_string(), err })?;
+    serde_json::from_str(&text).map_err(|e| ConfigError::Parse { path: path.display().to_string(), err: e.to_string() })
+}
 
-    pub fn from_json_file(path: &std::path::Path) -> Result<VmConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.display().to_string(), err })?;
-        serde_json::from_str(&text).map_err(|e| ConfigError::Parse { path: path.display().to_string(), err: e.to_string() })
-    }
-
-    pub fn memory_bytes(&self) -> u64 {
-        self.memory_mib.0 << 20
-    }
-
+/// The checks of a description that need this host.
+pub trait Validate {
     /// Checks everything that can be checked before touching KVM: counts,
     /// sizes against the host, files that must exist.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    fn validate(&self) -> Result<(), ConfigError>;
+}
+
+impl Validate for VmConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             return bad(format!("vcpus must be 1..={MAX_VCPUS}, not {}", self.vcpus));
@@ -539,6 +152,7 @@ pub fn meminfo_field(text: &str, name: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     #[test]
     fn memory_is_mib_when_plain_and_accepts_suffixes() {

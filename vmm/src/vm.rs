@@ -15,7 +15,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::boot;
 use crate::bus::Bus;
-use crate::config::{SerialOut, VmConfig};
+use crate::config::{SerialOut, Validate, VmConfig};
 use crate::devices::i8042::{self, I8042};
 use crate::devices::pci::{IrqRouting, PciRoot, CONFIG_ADDRESS_PORT};
 use crate::devices::serial::{SerialConsole, COM1_IRQ, COM1_PORT};
@@ -97,7 +97,7 @@ fn kvm_err(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VmError {
     move |e| VmError::KvmSetup(format!("{what}: {e}"))
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum RunState {
     Running,
@@ -216,14 +216,16 @@ impl Control {
 }
 
 /// Everything about a running VM that the API reports.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 pub struct VmInfo {
     pub state: RunState,
     pub config: VmConfig,
     pub vcpus: u32,
     pub memory_bytes: u64,
+    /// `memfd`, `memfd-hugetlb-2M` or `memfd-hugetlb-1G`.
     pub memory_backing: &'static str,
     pub numa_node: Option<u32>,
+    /// CPUs the vCPU threads are pinned to.
     pub vcpu_cpus: Option<Vec<usize>>,
     pub pid: u32,
 }
@@ -452,7 +454,7 @@ impl Vm {
             }
             let f = crate::safe_open::open("disk", &d.path, crate::safe_open::Kind::FileOrBlockDevice, flags, 0)?;
             let id = d.id.clone().unwrap_or_else(|| format!("vgpu-disk{i}"));
-            let blk = crate::devices::virtio::block::Block::new(f, d.read_only, &id, d.rate_limit()).map_err(|e| dev_err(format!("disk {}: {e}", d.path.display())))?;
+            let blk = crate::devices::virtio::block::Block::new(f, d.read_only, &id, crate::config::disk_limit(d)).map_err(|e| dev_err(format!("disk {}: {e}", d.path.display())))?;
             let dev = Arc::new(Mutex::new(VirtioPci::new(Box::new(blk), ram.mem.clone(), routing.clone()).map_err(dev_err)?));
             pci.add(dev.clone()).map_err(dev_err)?;
             devices.push(dev);
@@ -469,7 +471,8 @@ impl Vm {
             // GET /vm shows the address the guest got.
             let mac = n.mac_or_derived(i);
             n.mac = Some(mac);
-            let net = crate::devices::virtio::net::Net::new(tap, mac.0, n.rx_limit(), n.tx_limit());
+            let (rx, tx) = crate::config::net_limits(n);
+            let net = crate::devices::virtio::net::Net::new(tap, mac.0, rx, tx);
             let dev = Arc::new(Mutex::new(VirtioPci::new(Box::new(net), ram.mem.clone(), routing.clone()).map_err(dev_err)?));
             pci.add(dev.clone()).map_err(dev_err)?;
             devices.push(dev);

@@ -10,7 +10,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
-use serde_json::json;
 
 use super::{Control, ControlError, TenantRecord};
 use crate::config::TenantSpec;
@@ -31,64 +30,124 @@ impl IntoResponse for ControlError {
             ControlError::Timeout(..) => StatusCode::GATEWAY_TIMEOUT,
             ControlError::Worker(_) | ControlError::Internal(_) | ControlError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        (code, Json(json!({ "error": self.to_string() }))).into_response()
+        (code, Json(ErrorBody { error: self.to_string() })).into_response()
     }
 }
 
-/// The API's OpenAPI document, as committed (docs/api/mediator.yaml).
-const SPEC: &str = include_str!("../../../docs/api/mediator.yaml");
+/// A refusal: what every error answer holds.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Error)]
+pub struct ErrorBody {
+    pub error: String,
+}
 
+#[derive(utoipa::OpenApi)]
+#[openapi(info(
+    title = "vgpu-mediatord API",
+    version = "1",
+    description = "The mediator's control API, served as HTTP/1.1 over the unix socket RUN_DIR/api.sock (mode 0600). `vgpuctl` is its client. \
+Errors are JSON objects with one `error` string, unknown paths (404) and wrong methods (405) included. \
+Sizes in requests are whole bytes or a string with a unit: KiB, MiB, GiB, TiB (also Ki/K...), or decimal KB, MB, GB, TB, with a fraction where the result is whole bytes (\"256MiB\", \"1.5GiB\", \"512MB\"); sizes in responses are bytes. \
+Every path is served under /v1, the API's version (GET /v1/tenants), and at the root as listed here, for clients made before the API had a version. \
+This document is generated from the daemon's types and routes; GET /openapi.yaml serves it."
+))]
+struct Doc;
+
+/// The routes and, from the same handlers, the API's OpenAPI document: a
+/// route cannot be served undocumented.
+fn routes() -> (Router<Arc<Control>>, utoipa::openapi::OpenApi) {
+    use utoipa::OpenApi as _;
+    use utoipa_axum::routes;
+    utoipa_axum::router::OpenApiRouter::with_openapi(Doc::openapi())
+        .routes(routes!(devices))
+        .routes(routes!(show_device))
+        .routes(routes!(scrub_device))
+        .routes(routes!(list_tenants, create_tenant))
+        .routes(routes!(show_tenant, delete_tenant, set_tenant))
+        .routes(routes!(list_pools, create_pool))
+        .routes(routes!(show_pool, delete_pool, set_pool))
+        .routes(routes!(usage))
+        .routes(routes!(metrics))
+        .routes(routes!(version))
+        .routes(routes!(spec))
+        .routes(routes!(healthz))
+        .routes(routes!(list_vms, create_vm))
+        .routes(routes!(show_vm, delete_vm))
+        .routes(routes!(start_vm))
+        .routes(routes!(stop_vm))
+        .routes(routes!(reboot_vm))
+        .routes(routes!(vm_console))
+        .routes(routes!(vm_logs))
+        .split_for_parts()
+}
+
+/// The API's OpenAPI document as YAML: what `GET /openapi.yaml` serves and
+/// docs/api/mediator.yaml holds (a test keeps the two the same).
+pub fn openapi_yaml() -> String {
+    vgpu_api::openapi::to_yaml(&routes().1)
+}
+
+/// The document, made once.
+static SPEC: std::sync::LazyLock<String> = std::sync::LazyLock::new(openapi_yaml);
+
+/// This document.
+#[utoipa::path(get, path = "/openapi.yaml", responses((status = 200, description = "The OpenAPI document of this API", body = serde_json::Value, content_type = "application/yaml")))]
 async fn spec() -> Response {
-    ([(axum::http::header::CONTENT_TYPE, "application/yaml")], SPEC).into_response()
+    ([(axum::http::header::CONTENT_TYPE, "application/yaml")], SPEC.as_str()).into_response()
 }
 
 /// Every path is served under `/v1` (the API's version) and, for clients
 /// made before it had one, at the root.
 pub fn router(c: Arc<Control>) -> Router {
-    let api = Router::new()
-        .route("/devices", get(devices))
-        .route("/devices/{name}", get(show_device))
-        .route("/devices/{name}/scrub", axum::routing::post(scrub_device))
-        .route("/tenants", get(list_tenants).post(create_tenant))
-        .route("/tenants/{name}", get(show_tenant).delete(delete_tenant).patch(set_tenant))
-        .route("/pools", get(list_pools).post(create_pool))
-        .route("/pools/{name}", get(show_pool).delete(delete_pool).patch(set_pool))
-        .route("/metrics", get(metrics))
-        .route("/usage", get(usage))
-        .route("/vms", get(list_vms).post(create_vm))
-        .route("/vms/{name}", get(show_vm).delete(delete_vm))
-        .route("/vms/{name}/start", axum::routing::post(start_vm))
-        .route("/vms/{name}/stop", axum::routing::post(stop_vm))
-        .route("/vms/{name}/reboot", axum::routing::post(reboot_vm))
-        .route("/vms/{name}/console", get(vm_console))
-        .route("/vms/{name}/logs", get(vm_logs))
-        .route("/version", get(version))
-        .route("/healthz", get(healthz))
-        .route("/openapi.yaml", get(spec))
-        .method_not_allowed_fallback(method_not_allowed);
+    let api = routes().0.method_not_allowed_fallback(method_not_allowed);
     Router::new().nest("/v1", api.clone()).merge(api).fallback(no_such_path).with_state(c)
 }
 
 /// Every answer is JSON, an unknown path's and a wrong method's included.
 async fn no_such_path(method: axum::http::Method, uri: axum::http::Uri) -> Response {
-    (StatusCode::NOT_FOUND, Json(json!({ "error": format!("no such path: {method} {}", uri.path()) }))).into_response()
+    (StatusCode::NOT_FOUND, Json(ErrorBody { error: format!("no such path: {method} {}", uri.path()) })).into_response()
 }
 
 async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
-    (StatusCode::METHOD_NOT_ALLOWED, Json(json!({ "error": format!("{method} is not allowed on {}", uri.path()) }))).into_response()
+    (StatusCode::METHOD_NOT_ALLOWED, Json(ErrorBody { error: format!("{method} is not allowed on {}", uri.path()) })).into_response()
 }
 
-async fn version() -> Json<serde_json::Value> {
-    Json(json!({ "name": "vgpu-mediatord", "version": env!("CARGO_PKG_VERSION") }))
+/// The daemon's name and version.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Version)]
+struct VersionBody {
+    name: &'static str,
+    version: &'static str,
 }
 
+/// Whether every device's worker is up.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Health)]
+struct HealthBody {
+    /// `ok`, or `degraded` while a worker is down.
+    status: &'static str,
+    devices_up: usize,
+    /// The devices whose workers are down.
+    devices_down: Vec<String>,
+}
+
+/// The daemon's name and version.
+#[utoipa::path(get, path = "/version", responses((status = 200, description = "Name and version", body = VersionBody)))]
+async fn version() -> Json<VersionBody> {
+    Json(VersionBody { name: "vgpu-mediatord", version: env!("CARGO_PKG_VERSION") })
+}
+
+/// Health, for probes and load balancers.
+///
 /// 200 while every device's worker is up; 503, naming those that are not,
-/// while one restarts.
+/// while one restarts. Unknown paths answer 404 and wrong methods 405,
+/// each with an Error body, like every other refusal.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "Every device's worker is up", body = HealthBody), (status = 503, description = "A device's worker is down", body = HealthBody)))]
 async fn healthz(State(c): St) -> Response {
     let down: Vec<String> = c.devices.iter().filter(|d| !d.is_up()).map(|d| d.spec.name.clone()).collect();
     let up = c.devices.len() - down.len();
     let (code, status) = if down.is_empty() { (StatusCode::OK, "ok") } else { (StatusCode::SERVICE_UNAVAILABLE, "degraded") };
-    (code, Json(json!({ "status": status, "devices_up": up, "devices_down": down }))).into_response()
+    (code, Json(HealthBody { status, devices_up: up, devices_down: down })).into_response()
 }
 
 /// Only `GET /metrics`, for a TCP listener Prometheus scrapes.
@@ -96,16 +155,23 @@ pub fn metrics_router(c: Arc<Control>) -> Router {
     Router::new().route("/metrics", get(metrics)).with_state(c)
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct UsageQuery {
     /// UNIX seconds: records whose interval ends after it.
     #[serde(default)]
+    #[param(default = 0)]
     since: f64,
+    /// Only this tenant's records (device records are left out).
     tenant: Option<String>,
+    /// Most records to answer with.
+    #[param(minimum = 1, maximum = 100000, default = 10000)]
     limit: Option<usize>,
 }
 
+/// Usage records (docs/metering.md).
+#[utoipa::path(get, path = "/usage", params(UsageQuery), responses((status = 200, description = "Records, oldest first", body = Vec<super::meter::Record>), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn usage(State(c): St, q: Result<axum::extract::Query<UsageQuery>, axum::extract::rejection::QueryRejection>) -> Result<Json<Vec<super::meter::Record>>, ControlError> {
     let axum::extract::Query(q) = q.map_err(|e| ControlError::BadRequest(format!("bad usage query: {e}")))?;
     if !q.since.is_finite() {
@@ -124,14 +190,19 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     tokio::task::spawn_blocking(f).await.map_err(|e| ControlError::Worker(e.to_string()))
 }
 
-#[derive(Serialize)]
+/// A device tenants share, with its worker.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Device)]
 struct DeviceView {
     name: String,
+    /// `cpu` or `cuda`.
     kind: String,
     memory_total: u64,
+    /// Sum of the quotas placed here.
     memory_reserved: u64,
     memory_allocated: u64,
     tenants: usize,
+    #[schema(value_type = DeviceState)]
     state: &'static str,
     worker_pid: u32,
     worker_restarts: u64,
@@ -144,8 +215,9 @@ struct DeviceView {
     numa_node: i32,
     /// Quotas the device may hold: its memory times its pool's overcommit.
     memory_capacity: u64,
-    /// Bytes of allocations spilled to host RAM, and the spill budget.
+    /// Bytes of allocations spilled to host RAM.
     memory_spilled: u64,
+    /// Host RAM the device's allocations may spill to.
     spill_budget: u64,
     /// How the device's tenants are kept apart: "process" (an executor
     /// each; `worker_pid` is the device's arbiter) or "shared".
@@ -154,8 +226,20 @@ struct DeviceView {
     executors: Vec<ExecutorView>,
 }
 
+/// Where a shared device's worker is (the schema of `Device.state`).
+#[derive(utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+#[allow(dead_code)]
+enum DeviceState {
+    Running,
+    Restarting,
+    /// A scrub failed verification: the device hands out no memory.
+    Quarantined,
+}
+
 /// A tenant's executor process.
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Executor)]
 struct ExecutorView {
     tenant: String,
     pid: u32,
@@ -213,7 +297,7 @@ fn utilization(d: &DeviceStats) -> f64 {
 
 /// A device as `GET /devices` lists it: one a worker shares among
 /// tenants, or one lent whole to VMs.
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
 #[serde(untagged)]
 enum AnyDevice {
     Shared(DeviceView),
@@ -232,10 +316,14 @@ fn pass_views(c: &Control) -> Vec<super::passthrough::PassView> {
         .collect()
 }
 
+/// List devices: those tenants share (with their workers) and those lent whole to VMs.
+#[utoipa::path(get, path = "/devices", responses((status = 200, description = "Every device", body = Vec<AnyDevice>)))]
 async fn devices(State(c): St) -> Result<Json<Vec<AnyDevice>>, ControlError> {
     Ok(Json(blocking(move || device_views(&c).into_iter().map(AnyDevice::Shared).chain(pass_views(&c).into_iter().map(AnyDevice::Passthrough)).collect()).await?))
 }
 
+/// One device; a passthrough device with its state and scrub records.
+#[utoipa::path(get, path = "/devices/{name}", params(("name" = String, Path, example = "cpu0")), responses((status = 200, description = "The device", body = AnyDevice), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn show_device(State(c): St, Path(name): Path<String>) -> Result<Json<AnyDevice>, ControlError> {
     blocking(move || {
         if let Some(v) = pass_views(&c).into_iter().find(|v| v.name == name) {
@@ -247,8 +335,10 @@ async fn show_device(State(c): St, Path(name): Path<String>) -> Result<Json<AnyD
     .map(Json)
 }
 
-/// Resets, rebinds and scrubs a passthrough device that is not lent (one
-/// quarantined after a failed scrub, once its cause is fixed).
+/// Reset, rebind and scrub a passthrough device that is not lent; free again if it passes, quarantined if not.
+///
+/// For a device quarantined after a failed scrub, once its cause is fixed.
+#[utoipa::path(post, path = "/devices/{name}/scrub", params(("name" = String, Path, example = "cpu0")), responses((status = 200, description = "The scrub's record (its `ok` says whether it passed)", body = super::passthrough::ScrubRecord), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 500, description = "The request was refused", body = ErrorBody)))]
 async fn scrub_device(State(c): St, Path(name): Path<String>) -> Result<Json<super::passthrough::ScrubRecord>, ControlError> {
     blocking(move || {
         if c.slot(&name).is_some() {
@@ -261,17 +351,24 @@ async fn scrub_device(State(c): St, Path(name): Path<String>) -> Result<Json<sup
     .map(Json)
 }
 
+/// List tenants.
+#[utoipa::path(get, path = "/tenants", responses((status = 200, description = "Every tenant", body = Vec<TenantRecord>)))]
 async fn list_tenants(State(c): St) -> Json<Vec<TenantRecord>> {
     Json(c.tenants())
 }
 
-#[derive(Serialize)]
+/// A tenant with its live usage.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = TenantWithUsage)]
 struct TenantView {
     #[serde(flatten)]
     record: TenantRecord,
+    /// Null while its worker restarts.
     usage: Option<TenantStats>,
 }
 
+/// One tenant with its live usage.
+#[utoipa::path(get, path = "/tenants/{name}", params(("name" = String, Path, example = "web")), responses((status = 200, description = "The tenant; `usage` is null while its worker restarts", body = TenantView), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn show_tenant(State(c): St, Path(name): Path<String>) -> Result<Json<TenantView>, ControlError> {
     let record = c.tenant(&name).ok_or_else(|| ControlError::NotFound(format!("no tenant {name}")))?;
     let dev = record.device.clone();
@@ -279,20 +376,33 @@ async fn show_tenant(State(c): St, Path(name): Path<String>) -> Result<Json<Tena
     Ok(Json(TenantView { record, usage }))
 }
 
+/// Create a tenant and its socket.
+#[utoipa::path(post, path = "/tenants", request_body = TenantSpec, responses((status = 201, description = "Created; `socket` is the tenant's capability", body = TenantRecord), (status = 400, description = "The request was refused", body = ErrorBody), (status = 403, description = "The pool (named, or the named device's) is private and the tenant is not on its allow-list", body = ErrorBody), (status = 404, description = "No such pool or device", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 503, description = "The request was refused", body = ErrorBody), (status = 507, description = "The quota is more than any device of the pool can hold, or no device of the pool has that much unreserved capacity now", body = ErrorBody)))]
 async fn create_tenant(State(c): St, body: axum::body::Bytes) -> Result<(StatusCode, Json<TenantRecord>), ControlError> {
     let spec: TenantSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad tenant description: {e}")))?;
     let rec = blocking(move || c.create_tenant(&spec)).await??;
     Ok((StatusCode::CREATED, Json(rec)))
 }
 
-/// A pool with what its devices hold now.
-#[derive(Serialize)]
+/// A pool as PoolSpec describes it (`allow` absent when empty), with what
+/// its devices hold now.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Pool)]
 struct PoolView {
-    #[serde(flatten)]
-    spec: super::pool::PoolSpec,
+    // The description's fields one by one, not flattened: PoolSpec refuses
+    // unknown fields, which its schema says, and a response that adds to
+    // it must not be held to that.
+    name: String,
+    devices: Vec<String>,
+    access: super::pool::Access,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    allow: Vec<String>,
+    placement: super::pool::Placement,
+    overcommit: f64,
     memory_total: u64,
     /// Quotas its devices may hold (memory × overcommit).
     memory_capacity: u64,
+    /// Sum of the quotas placed on its devices.
     memory_reserved: u64,
     tenants: Vec<String>,
 }
@@ -305,43 +415,71 @@ fn pool_view(c: &Control, spec: super::pool::PoolSpec) -> PoolView {
         memory_capacity: slots.iter().map(|s| spec.capacity(s.spec.memory)).sum(),
         memory_reserved: tenants.iter().map(|t| t.memory).sum(),
         tenants: tenants.into_iter().map(|t| t.name).collect(),
-        spec,
+        name: spec.name,
+        devices: spec.devices,
+        access: spec.access,
+        allow: spec.allow,
+        placement: spec.placement,
+        overcommit: spec.overcommit,
     }
 }
 
+/// List pools, the default one first.
+#[utoipa::path(get, path = "/pools", responses((status = 200, description = "Every pool", body = Vec<PoolView>)))]
 async fn list_pools(State(c): St) -> Json<Vec<PoolView>> {
     Json(c.pools().into_iter().map(|p| pool_view(&c, p)).collect())
 }
 
+/// One pool.
+#[utoipa::path(get, path = "/pools/{name}", params(("name" = String, Path, example = "pool-a")), responses((status = 200, description = "The pool", body = PoolView), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn show_pool(State(c): St, Path(name): Path<String>) -> Result<Json<PoolView>, ControlError> {
     let p = c.pool(&name).ok_or_else(|| ControlError::NotFound(format!("no pool {name}")))?;
     Ok(Json(pool_view(&c, p)))
 }
 
+/// Create a pool of devices that are in the default pool and hold no tenants.
+#[utoipa::path(post, path = "/pools", request_body = super::pool::PoolSpec, responses((status = 201, description = "Created", body = PoolView), (status = 400, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody)))]
 async fn create_pool(State(c): St, body: axum::body::Bytes) -> Result<(StatusCode, Json<PoolView>), ControlError> {
     let spec: super::pool::PoolSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad pool description: {e}")))?;
     let p = c.create_pool(&spec)?;
     Ok((StatusCode::CREATED, Json(pool_view(&c, p))))
 }
 
+/// Change a pool's access, allow-list, placement or overcommit; tenants placed stay where they are.
+#[utoipa::path(patch, path = "/pools/{name}", params(("name" = String, Path, example = "pool-a")), request_body = super::pool::PoolChange, responses((status = 200, description = "The changed pool", body = PoolView), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "A lower overcommit would not cover the quotas placed on a device", body = ErrorBody)))]
 async fn set_pool(State(c): St, Path(name): Path<String>, body: axum::body::Bytes) -> Result<Json<PoolView>, ControlError> {
     let change: super::pool::PoolChange = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad pool change: {e}")))?;
     let p = c.set_pool(&name, &change)?;
     Ok(Json(pool_view(&c, p)))
 }
 
+/// Delete a pool without tenants; its devices return to the default pool.
+#[utoipa::path(delete, path = "/pools/{name}", params(("name" = String, Path, example = "pool-a")), responses((status = 204, description = "Deleted"), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody)))]
 async fn delete_pool(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
     c.delete_pool(&name)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Change a tenant's weight, cap, priority class or memory quota live.
+///
+/// Absent fields stay as they are. The worker applies the new share at
+/// once (running work is re-ordered at its next checkpoint). A larger
+/// quota must fit the device's unreserved capacity (409 or 507
+/// otherwise); a smaller one must still cover what the tenant has
+/// allocated (409 otherwise), so the memory it gives back is free.
+#[utoipa::path(patch, path = "/tenants/{name}", params(("name" = String, Path, example = "web")), request_body = super::TenantChange, responses((status = 200, description = "The tenant as changed", body = TenantRecord), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 507, description = "The request was refused", body = ErrorBody)))]
 async fn set_tenant(State(c): St, Path(name): Path<String>, body: axum::body::Bytes) -> Result<Json<TenantRecord>, ControlError> {
     let change: super::TenantChange = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad tenant change: {e}")))?;
     Ok(Json(blocking(move || c.set_tenant(&name, &change)).await??))
 }
 
-/// 204 once the tenant is gone and its memory released; 202 while its
-/// worker is still releasing it (it is revoked either way).
+/// Delete a tenant.
+///
+/// The tenant is revoked at once: every request on every connection and
+/// VM context fails from then on, and its connections are closed. Its
+/// worker then frees its memory; the quota stays reserved (state
+/// `deleting`) until that is done: 204 once it is, 202 before.
+#[utoipa::path(delete, path = "/tenants/{name}", params(("name" = String, Path, example = "web")), responses((status = 204, description = "Deleted, its memory released and its quota free"), (status = 202, description = "Revoked; its memory is still being released (state deleting)"), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody)))]
 async fn delete_tenant(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
     if c.vms.get().is_some_and(|v| v.owns_tenant(&name)) {
         return Err(ControlError::Conflict(format!("tenant {name} is VM {name}'s vGPU: delete the VM")));
@@ -350,6 +488,19 @@ async fn delete_tenant(State(c): St, Path(name): Path<String>) -> Result<StatusC
     Ok(if done { StatusCode::NO_CONTENT } else { StatusCode::ACCEPTED })
 }
 
+/// Prometheus text exposition.
+///
+/// Device families (labels device, uuid, model): vgpu_device_up,
+/// vgpu_device_worker_restarts_total, vgpu_device_memory_bytes,
+/// vgpu_device_memory_allocated_bytes, vgpu_device_scrubbed_bytes_total,
+/// vgpu_device_quarantined, vgpu_device_busy_seconds_total,
+/// vgpu_device_utilization and more; tenant families (labels tenant and the
+/// device's): vgpu_tenant_memory_quota_bytes, vgpu_tenant_memory_used_bytes,
+/// vgpu_tenant_kernels_total, vgpu_tenant_device_seconds_total,
+/// vgpu_tenant_scrubbed_bytes_total, vgpu_tenant_connections,
+/// vgpu_tenant_host_memory_bytes, vgpu_tenant_host_memory_limit_bytes and
+/// more; passthrough families (labels device, address).
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Metrics", body = String, content_type = "text/plain")))]
 async fn metrics(State(c): St) -> Result<Response, ControlError> {
     let text = blocking(move || render_metrics(&c)).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
@@ -450,50 +601,76 @@ fn vms(c: &Control) -> Result<&super::vms::Vms, ControlError> {
     c.vms.get().ok_or_else(|| ControlError::NotFound("this daemon manages no VMs".into()))
 }
 
+/// List managed VMs (docs/vms.md).
+#[utoipa::path(get, path = "/vms", responses((status = 200, description = "Every VM", body = Vec<VmView>), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn list_vms(State(c): St) -> Result<Json<Vec<VmView>>, ControlError> {
     Ok(Json(blocking(move || vms(&c).map(|v| v.list(&c))).await??))
 }
 
+/// Create a VM (with its vGPU and passthrough devices, if it asks for them) and start it.
+///
+/// Creates the VM's vGPU tenant (kind vm, the VM's name), placed by its
+/// pool's policy, and lends it a device from each passthrough pool it
+/// names (bound to vfio-pci); the VM runs on the vGPU's NUMA node (else
+/// its first device's). Returns once the VMM is up. Any failure leaves
+/// nothing behind: no tenant, VMM, socket, hugepage reservation or state
+/// file; a device already lent is returned (reset, rebound, scrubbed) as
+/// on a delete.
+#[utoipa::path(post, path = "/vms", request_body = vgpu_api::vm::VmSpec, responses((status = 201, description = "Created and running", body = VmView), (status = 400, description = "The request was refused", body = ErrorBody), (status = 403, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 500, description = "The request was refused", body = ErrorBody), (status = 503, description = "The request was refused", body = ErrorBody), (status = 507, description = "The vGPU does not fit the pool, or the VM's hugepages are not free on its node", body = ErrorBody)))]
 async fn create_vm(State(c): St, body: axum::body::Bytes) -> Result<(StatusCode, Json<VmView>), ControlError> {
     let spec: vgpu_api::vm::VmSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad VM description: {e}")))?;
     let v = blocking(move || vms(&c).and_then(|v| v.create(&c, spec))).await??;
     Ok((StatusCode::CREATED, Json(v)))
 }
 
+/// One VM.
+#[utoipa::path(get, path = "/vms/{name}", params(("name" = String, Path, example = "vm1")), responses((status = 200, description = "The VM", body = VmView), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn show_vm(State(c): St, Path(name): Path<String>) -> Result<Json<VmView>, ControlError> {
     Ok(Json(blocking(move || vms(&c).and_then(|v| v.show(&c, &name))).await??))
 }
 
+/// Delete a VM, its VMM, its vGPU (memory scrubbed), its state and logs; its passthrough devices are reset, rebound and scrubbed back into their pools.
+#[utoipa::path(delete, path = "/vms/{name}", params(("name" = String, Path, example = "vm1")), responses((status = 204, description = "Deleted, and the vGPU's memory released"), (status = 202, description = "Deleted; the vGPU's memory is still being released"), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn delete_vm(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
     let done = blocking(move || vms(&c).and_then(|v| v.delete(&c, &name))).await??;
     Ok(if done { StatusCode::NO_CONTENT } else { StatusCode::ACCEPTED })
 }
 
+/// Start a stopped VM (it stays running across daemon restarts).
+#[utoipa::path(post, path = "/vms/{name}/start", params(("name" = String, Path, example = "vm1")), responses((status = 200, description = "Running", body = VmView), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The VM is being deleted", body = ErrorBody), (status = 500, description = "The request was refused", body = ErrorBody)))]
 async fn start_vm(State(c): St, Path(name): Path<String>) -> Result<Json<VmView>, ControlError> {
     Ok(Json(blocking(move || vms(&c).and_then(|v| v.start(&c, &name))).await??))
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct StopQuery {
-    /// Seconds to wait for the guest before the VMM is killed (0: at once).
+    /// Seconds to wait for the guest before the VMM is killed (0: at once;
+    /// default vms.stop_timeout_s; at most 3600).
     timeout: Option<u64>,
 }
 
+/// Ask the guest to shut down, and kill the VMM after the timeout; the VM stays stopped.
+#[utoipa::path(post, path = "/vms/{name}/stop", params(("name" = String, Path, example = "vm1"), StopQuery), responses((status = 200, description = "Stopped", body = VmView), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The VM is being deleted", body = ErrorBody)))]
 async fn stop_vm(State(c): St, Path(name): Path<String>, q: Result<axum::extract::Query<StopQuery>, axum::extract::rejection::QueryRejection>) -> Result<Json<VmView>, ControlError> {
     let axum::extract::Query(q) = q.map_err(|e| ControlError::BadRequest(format!("bad stop query: {e}")))?;
     let timeout = q.timeout.map(|s| std::time::Duration::from_secs(s.min(3600)));
     Ok(Json(blocking(move || vms(&c).and_then(|v| v.stop(&c, &name, timeout))).await??))
 }
 
+/// Reset a running VM (its VMM is killed and started again).
+#[utoipa::path(post, path = "/vms/{name}/reboot", params(("name" = String, Path, example = "vm1")), responses((status = 200, description = "Running again", body = VmView), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody)))]
 async fn reboot_vm(State(c): St, Path(name): Path<String>) -> Result<Json<VmView>, ControlError> {
     Ok(Json(blocking(move || vms(&c).and_then(|v| v.reboot(&c, &name))).await??))
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct TailQuery {
-    /// The last this many bytes (default 64 KiB).
+    /// The last this many bytes (at most 2 MiB are kept).
+    #[param(default = 65536)]
     bytes: Option<u64>,
 }
 
@@ -504,10 +681,24 @@ async fn log_tail(c: Arc<Control>, name: String, q: Result<axum::extract::Query<
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
 }
 
+/// The guest's serial console output.
+#[utoipa::path(get, path = "/vms/{name}/console", params(("name" = String, Path, example = "vm1"), TailQuery), responses((status = 200, description = "Console text", body = String, content_type = "text/plain"), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn vm_console(State(c): St, Path(name): Path<String>, q: Result<axum::extract::Query<TailQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response, ControlError> {
     log_tail(c, name, q, true).await
 }
 
+/// The VM's VMM log.
+#[utoipa::path(get, path = "/vms/{name}/logs", params(("name" = String, Path, example = "vm1"), TailQuery), responses((status = 200, description = "Log text", body = String, content_type = "text/plain"), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn vm_logs(State(c): St, Path(name): Path<String>, q: Result<axum::extract::Query<TailQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response, ControlError> {
     log_tail(c, name, q, false).await
+}
+
+#[cfg(test)]
+mod document {
+    /// docs/api/mediator.yaml is what the types and routes generate; with
+    /// VGPU_WRITE_API_DOCS=1 (scripts/api-docs.sh) the test writes it.
+    #[test]
+    fn the_committed_document_is_the_generated_one() {
+        vgpu_api::openapi::check_committed(&super::openapi_yaml(), concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/api/mediator.yaml"));
+    }
 }

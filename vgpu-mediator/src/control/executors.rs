@@ -35,7 +35,7 @@ const CGROUP_BASE: &str = "vgpu-mediatord";
 /// What the kernel bounds an executor to, so that no bug in it lets a
 /// tenant grow host resources without end (the executor's own accounting
 /// comes first: quotas, `host_memory`, `max_connections`).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct ExecBounds {
     /// Open descriptors (RLIMIT_NOFILE): its sockets, rings and buffers.
     pub fds: u64,

@@ -30,7 +30,7 @@ pub const SAMPLE: Duration = Duration::from_secs(1);
 pub const MAX_RECORDS: usize = 100_000;
 
 /// Usage of one tenant on one device.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Usage {
     pub device_seconds: f64,
     pub memory_byte_seconds: f64,
@@ -55,9 +55,11 @@ impl Usage {
     }
 }
 
-/// One line of the usage file.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One line of the usage file: a tenant's usage or a device's busy time
+/// over an interval.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "lowercase")]
+#[schema(as = UsageRecord)]
 pub enum Record {
     /// A tenant's usage on a device over `[start, end)` (UNIX seconds).
     Tenant {

@@ -217,7 +217,7 @@ impl DeviceSlot {
 }
 
 /// Where a tenant is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum TenantPhase {
     /// Placed (its memory is reserved); the worker is setting it up.
@@ -228,10 +228,14 @@ pub enum TenantPhase {
     Deleting,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// A tenant, as the API reports it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[schema(as = Tenant)]
 pub struct TenantRecord {
     pub name: String,
+    #[schema(value_type = crate::config::TenantKind)]
     pub kind: &'static str,
+    /// Memory quota, bytes.
     pub memory: u64,
     pub weight: u32,
     /// Hard cap, percent of the device's time.
@@ -243,14 +247,16 @@ pub struct TenantRecord {
     pub pool: String,
     /// The NUMA node of the tenant's device (-1: unknown).
     pub numa_node: i32,
+    /// Path of the tenant socket, or the VM tenant's vhost-user socket.
+    #[schema(value_type = String)]
     pub socket: PathBuf,
     pub state: TenantPhase,
     /// Owner of the tenant's socket; root when unset.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub owner: Option<Owner>,
-    /// Mode of the tenant's socket.
+    /// Mode of the tenant's socket, octal.
     pub mode: String,
-    /// Host memory the tenant's objects may keep in its worker.
+    /// Host memory the tenant's objects may keep in its worker, bytes.
     pub host_memory: u64,
     /// Most client connections the tenant may hold at once.
     pub max_connections: u32,
@@ -296,14 +302,15 @@ impl TenantRecord {
 }
 
 /// What `PATCH /tenants/NAME` may change; absent fields stay as they are.
-/// (Serialize is for checking docs/api/mediator.yaml against it.)
-#[derive(Debug, Clone, Default, serde::Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TenantChange {
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 10000)]
     pub weight: Option<u32>,
     /// Percent of the device; 100 removes the cap.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 100)]
     pub cap: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub priority: Option<crate::sched::Priority>,

@@ -103,6 +103,7 @@ pub enum PassError {
 /// How a returned device was scrubbed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[derive(utoipa::ToSchema)]
 pub enum ScrubMethod {
     /// Every allocatable byte of GPU memory zeroed and read back.
     ZeroAndVerify,
@@ -111,7 +112,7 @@ pub enum ScrubMethod {
 }
 
 /// What one return did, as `vgpuctl device show` and the metrics report.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ScrubRecord {
     pub device: String,
     pub address: String,
@@ -216,8 +217,21 @@ pub struct PassDevice {
     inner: Mutex<Saved>,
 }
 
-/// A device as the API reports it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The states a passthrough device may be in, as the API names them (its
+/// schema; `PassState::name`).
+#[derive(utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+#[allow(dead_code)]
+pub enum PassStateName {
+    Free,
+    Lent,
+    Returning,
+    Quarantined,
+}
+
+/// A device lent whole to VMs, as the API reports it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = PassthroughDevice)]
 pub struct PassView {
     pub name: String,
     /// `passthrough`.
@@ -225,6 +239,7 @@ pub struct PassView {
     pub address: String,
     pub gpu: bool,
     pub numa_node: i32,
+    #[schema(value_type = PassStateName)]
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lent_to: Option<String>,

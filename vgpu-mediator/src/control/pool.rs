@@ -13,7 +13,7 @@ pub const DEFAULT_POOL: &str = "default";
 /// The largest overcommit ratio a pool may have.
 pub const MAX_OVERCOMMIT: f64 = 16.0;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Access {
     /// Any tenant may be placed in the pool.
@@ -23,7 +23,7 @@ pub enum Access {
     Private,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Placement {
     /// Fill the fullest device that still fits, leaving whole devices free.
@@ -34,23 +34,31 @@ pub enum Placement {
 }
 
 /// A pool, as the config file (`[[pools]]`) and `POST /pools` describe it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PoolSpec {
+    #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$", example = "pool-a")]
     pub name: String,
     /// Device names (`cpu0`, a GPU's or MIG instance's name).
+    #[schema(min_items = 1)]
     pub devices: Vec<String>,
+    /// Who may be placed in the pool.
     #[serde(default)]
+    #[schema(default = "public")]
     pub access: Access,
-    /// Tenant names a private pool admits.
+    /// Tenant names a private pool admits (at most 4096).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schema(max_items = 4096)]
     pub allow: Vec<String>,
+    /// pack: the fullest device that fits; spread: the freest.
     #[serde(default)]
+    #[schema(default = "spread")]
     pub placement: Placement,
     /// Quotas placed on each device may add up to this times its memory
     /// (1: no overcommit). What does not fit in device memory spills to
     /// the device's host spill budget.
     #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 16, default = 1)]
     pub overcommit: f64,
 }
 
@@ -58,9 +66,8 @@ fn one() -> f64 {
     1.0
 }
 
-/// What `PATCH /pools/NAME` may change; absent fields stay. (Serialize is
-/// for checking docs/api/mediator.yaml against it.)
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+/// What `PATCH /pools/NAME` may change; absent fields stay.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PoolChange {
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -71,6 +78,7 @@ pub struct PoolChange {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 16)]
     pub overcommit: Option<f64>,
 }
 

@@ -987,61 +987,45 @@ fn remove_taps(spec: &VmSpec) {
     }
 }
 
+/// What the VMM runs: the VM's description as `vgpu-vmm --config` takes it
+/// (one type, `vgpu_api::vmm::VmConfig`, for the file, the VMM's API and
+/// its flags).
+fn vmm_config(s: &VmSpec, api_socket: &Path, t: Option<&TenantRecord>, node: i32, vfio: &[String]) -> Result<vgpu_api::vmm::VmConfig, String> {
+    use vgpu_api::vmm::{BucketConfig, DiskConfig, MemMiB, NetConfig, VgpuConfig, VmConfig};
+    let bucket = |r: Option<vgpu_api::vm::RateSpec>| r.map(|r| BucketConfig { size: r.size.0, refill_ms: r.refill_ms });
+    let mut c = VmConfig::new(s.kernel.clone().ok_or("the VM has no kernel to boot")?);
+    c.initramfs = s.initramfs.clone();
+    c.cmdline = s.cmdline.clone().unwrap_or_default();
+    c.vcpus = s.vcpus;
+    c.memory_mib = MemMiB(s.memory.0 >> 20);
+    c.hugepages = s.hugepages.unwrap_or_default();
+    c.numa_node = u32::try_from(node).ok();
+    c.api_socket = Some(api_socket.to_path_buf());
+    c.vgpu = t.map(|t| VgpuConfig { socket: t.socket.clone(), headless: false, reconnect_s: vgpu_api::vmm::VGPU_RECONNECT_DEFAULT_S });
+    // The guest sees the disks as vda, vdb, ... in this order.
+    c.disks = s.disks.iter().map(|d| DiskConfig { path: d.path.clone(), read_only: d.read_only, direct: false, id: None, bandwidth: bucket(d.bandwidth), ops: bucket(d.ops) }).collect();
+    c.nets = s
+        .nets
+        .iter()
+        .zip(tap_names(s))
+        .map(|(n, tap)| {
+            let mac = n.mac.as_deref().map(str::parse).transpose()?;
+            Ok(NetConfig { tap, mac, rx_bandwidth: bucket(n.rx_bandwidth), rx_ops: bucket(n.rx_ops), tx_bandwidth: bucket(n.tx_bandwidth), tx_ops: bucket(n.tx_ops) })
+        })
+        .collect::<Result<_, String>>()?;
+    c.vfio = vfio.iter().map(|a| a.parse().map_err(|e| format!("passthrough device {a}: {e}"))).collect::<Result<_, String>>()?;
+    Ok(c)
+}
+
 fn spawn_vmm(cfg: &VmsConfig, vm: &Vm, t: Option<&TenantRecord>, node: i32, vfio: &[String]) -> std::io::Result<Child> {
     let s = &vm.spec;
     let _ = std::fs::remove_file(&vm.api_socket);
+    let config = vmm_config(s, &vm.api_socket, t, node, vfio).map_err(std::io::Error::other)?;
+    let path = vm.dir.join("vmm.json");
+    let json = serde_json::to_vec_pretty(&config).map_err(std::io::Error::other)?;
+    super::store::write_atomically(&path, &json)?;
     let mut cmd = Command::new(&cfg.vmm);
-    if let Some(k) = &s.kernel {
-        cmd.arg("--kernel").arg(k);
-    }
-    if let Some(i) = &s.initramfs {
-        cmd.arg("--initramfs").arg(i);
-    }
-    if let Some(l) = &s.cmdline {
-        cmd.arg("--cmdline").arg(l);
-    }
-    cmd.arg("--vcpus").arg(s.vcpus.to_string()).arg("--memory").arg((s.memory.0 >> 20).to_string());
-    if let Some(h) = s.hugepages.filter(|h| *h != Hugepages::None) {
-        cmd.arg("--hugepages").arg(h.as_str());
-    }
-    if node >= 0 {
-        cmd.arg("--numa-node").arg(node.to_string());
-    }
-    for a in vfio {
-        cmd.arg("--vfio").arg(a);
-    }
-    for d in &s.disks {
-        // The guest sees them as vda, vdb, ... in this order.
-        let mut arg = std::ffi::OsString::from("path=");
-        arg.push(&d.path);
-        if d.read_only {
-            arg.push(",ro");
-        }
-        for (k, r) in [("bw", d.bandwidth), ("ops", d.ops)] {
-            if let Some(r) = r {
-                arg.push(format!(",{k}={r}"));
-            }
-        }
-        cmd.arg("--disk").arg(arg);
-    }
-    for (n, tap) in s.nets.iter().zip(tap_names(s)) {
-        let mut arg = format!("tap={tap}");
-        if let Some(m) = &n.mac {
-            arg += &format!(",mac={m}");
-        }
-        for (k, r) in [("rx_bw", n.rx_bandwidth), ("rx_ops", n.rx_ops), ("tx_bw", n.tx_bandwidth), ("tx_ops", n.tx_ops)] {
-            if let Some(r) = r {
-                arg += &format!(",{k}={r}");
-            }
-        }
-        cmd.arg("--net").arg(arg);
-    }
-    if let Some(t) = t {
-        let mut vgpu = std::ffi::OsString::from("socket=");
-        vgpu.push(&t.socket);
-        cmd.arg("--vgpu").arg(vgpu);
-    }
-    cmd.arg("--serial").arg("stdout").arg("--api-socket").arg(&vm.api_socket);
+    cmd.arg("--config").arg(&path);
     if let Some(j) = cfg.jail {
         // The jail's root is a tmpfs mounted over this empty directory in
         // the VMM's own mount namespace.
@@ -1268,6 +1252,28 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_vmm_gets_the_vm_as_its_own_config_type() {
+        let spec: VmSpec = serde_json::from_str(
+            r#"{"name":"a","memory":"512MiB","vcpus":2,"kernel":"/k","cmdline":"console=ttyS0","hugepages":"2M",
+                "disks":[{"path":"/d","read_only":true,"bandwidth":{"size":"10MiB","refill_ms":1000}}],
+                "nets":[{"tap":"t0","mac":"52:54:00:aa:bb:cc","rx_ops":{"size":100,"refill_ms":10}},{"bridge":"br0"}]}"#,
+        )
+        .unwrap();
+        let c = vmm_config(&spec, Path::new("/run/a.sock"), None, 1, &["0000:01:00.0".into()]).unwrap();
+        // What the VMM reads back is what was meant, in its own terms.
+        let back: vgpu_api::vmm::VmConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        assert_eq!((c.vcpus, c.memory_mib.0, c.hugepages, c.numa_node, c.cmdline.as_str()), (2, 512, Hugepages::TwoMiB, Some(1), "console=ttyS0"));
+        assert_eq!((c.disks[0].read_only, c.disks[0].bandwidth.map(|b| (b.size, b.refill_ms))), (true, Some((10 << 20, 1000))));
+        assert_eq!((c.nets[0].tap.as_str(), c.nets[0].mac.map(|m| m.to_string()), c.nets[0].rx_ops.map(|b| b.size)), ("t0", Some("52:54:00:aa:bb:cc".into()), Some(100)));
+        assert_eq!(c.nets[1].tap, tap_names(&spec)[1], "a bridge= interface gets the tap the daemon makes");
+        assert_eq!((c.vgpu, c.vfio.len(), c.api_socket.as_deref()), (None, 1, Some(Path::new("/run/a.sock"))));
+        assert!(vmm_config(&spec, Path::new("/s"), None, -1, &[]).unwrap().numa_node.is_none(), "no node when it is unknown");
+        let e = vmm_config(&spec, Path::new("/s"), None, -1, &["nonsense".into()]).unwrap_err();
+        assert!(e.contains("passthrough device nonsense"), "{e}");
+    }
 
     #[test]
     fn jailed_vmms_get_cgroup_limits_only_where_cgroup_v2_offers_them() {

@@ -7,8 +7,8 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use virtio_gpu_compute::size::Size;
-use vmm::config::{Hugepages, MemMiB, SerialOut, VmConfig};
+use vgpu_api::size::Size;
+use vmm::config::{Hugepages, MemMiB, SerialOut, Validate, VmConfig};
 use vmm::seccomp::ThreadKind;
 use vmm::vm::Vm;
 
@@ -144,7 +144,7 @@ fn seccomp_check(thread: &str, syscall: &str) -> anyhow::Result<i32> {
 
 fn build_config(cli: Cli) -> anyhow::Result<VmConfig> {
     let mut cfg = match (&cli.config, &cli.kernel) {
-        (Some(p), _) => VmConfig::from_json_file(p)?,
+        (Some(p), _) => vmm::config::from_json_file(p)?,
         (None, Some(k)) => VmConfig::new(k.clone()),
         (None, None) => anyhow::bail!("--kernel (or --config with a kernel) is required"),
     };

@@ -75,20 +75,11 @@ pub enum NetError {
 /// 1 to 15 bytes, printable ASCII without '/', ':', '%' or spaces, and not
 /// "." or "..". ('%' would let the kernel pick the name.)
 pub fn check_tap_name(name: &str) -> Result<(), NetError> {
-    let bad = |why| Err(NetError::BadName { name: name.to_string(), why });
-    if name.is_empty() {
-        return bad("is empty");
+    const _: () = assert!(vgpu_api::vmm::MAX_TAP_NAME < IFNAMSIZ);
+    match vgpu_api::vmm::tap_name_problem(name) {
+        Some(why) => Err(NetError::BadName { name: name.to_string(), why }),
+        None => Ok(()),
     }
-    if name.len() >= IFNAMSIZ {
-        return bad("is too long: an interface name has at most 15 bytes");
-    }
-    if name == "." || name == ".." {
-        return bad("is not an interface name");
-    }
-    if !name.bytes().all(|b| b.is_ascii_graphic() && !matches!(b, b'/' | b':' | b'%')) {
-        return bad("may hold only printable ASCII without '/', ':', '%' or whitespace");
-    }
-    Ok(())
 }
 
 /// `struct ifreq` as TUNSETIFF reads it: the name and the flags (the rest

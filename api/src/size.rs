@@ -124,6 +124,27 @@ impl<'de> Deserialize<'de> for Size {
     }
 }
 
+/// Its OpenAPI schema: a whole number of bytes, or a string in the
+/// grammar above.
+impl utoipa::PartialSchema for Size {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        number_or_text_schema(0, "256MiB", "Bytes, as a whole number or a string with a unit (KiB, MiB, GiB, TiB, Ki..., K...; KB, MB, GB, TB), such as \"1.5GiB\"")
+    }
+}
+
+/// The schema of a value written as a whole number (at least `min`) or as
+/// text such as `example` ([`number_or_text`]).
+pub fn number_or_text_schema(min: u64, example: &str, description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, Type};
+    OneOfBuilder::new()
+        .item(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(min as f64)))
+        .item(ObjectBuilder::new().schema_type(Type::String).examples([example]))
+        .description(Some(description))
+        .into()
+}
+
+impl utoipa::ToSchema for Size {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
