@@ -4,8 +4,10 @@
 
 pub mod http;
 pub mod openapi;
+pub mod pool;
 #[cfg(feature = "server")]
 pub mod serve;
+pub mod tenant;
 pub mod vm;
 pub mod vmm;
 

@@ -89,7 +89,7 @@ pub struct RateSpec {
 impl RateSpec {
     pub fn check(&self) -> Result<(), String> {
         if self.size.0 == 0 || self.refill_ms == 0 || self.refill_ms > 3_600_000 {
-            return Err(format!("invalid rate limit {self}: the size must be positive and the refill 1 to 3600000 ms"));
+            return Err(format!("invalid rate limit {self}: the amount must be positive and the refill 1 to 3600000 ms (AMOUNT/MILLISECONDS, e.g. 50MiB/1000)"));
         }
         Ok(())
     }
@@ -112,15 +112,29 @@ impl std::str::FromStr for RateSpec {
     }
 }
 
-/// A disk: `PATH[,ro][,bw=SIZE/MS][,ops=N/MS]` on the command line.
+/// A virtio-blk disk: a raw image (a regular file or a block device),
+/// read-only or not, opened with O_DIRECT or not, with optional rate
+/// limits on bytes and requests. On the command line (`vgpuctl vm create
+/// --disk`, `vgpu-vmm --disk`): `[path=]PATH[,ro][,direct][,id=ID]
+/// [,bw=SIZE/MS][,ops=N/MS]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DiskSpec {
+    /// A raw image: a regular file or a block device.
     #[schema(value_type = String)]
     pub path: PathBuf,
     #[serde(default)]
     #[schema(default = false)]
     pub read_only: bool,
+    /// Open the image with O_DIRECT (no host page cache).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[schema(default = false)]
+    pub direct: bool,
+    /// What the guest reads as the disk's serial (at most 20 ASCII bytes;
+    /// default vgpu-diskN).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 20)]
+    pub id: Option<String>,
     /// Bytes per time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bandwidth: Option<RateSpec>,
@@ -129,22 +143,35 @@ pub struct DiskSpec {
     pub ops: Option<RateSpec>,
 }
 
+/// The command-line grammar of a disk.
+pub const DISK_GRAMMAR: &str = "[path=]PATH[,ro][,direct][,id=ID (20 ASCII bytes at most)][,bw=SIZE/MS][,ops=N/MS]";
+
+impl DiskSpec {
+    /// A disk at `path`, writable, with no limits.
+    pub fn new(path: PathBuf) -> DiskSpec {
+        DiskSpec { path, read_only: false, direct: false, id: None, bandwidth: None, ops: None }
+    }
+}
+
 impl std::str::FromStr for DiskSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let mut parts = s.split(',');
-        let path = parts.next().unwrap_or_default();
-        if path.is_empty() {
-            return Err(format!("invalid disk '{s}': use PATH[,ro][,bw=SIZE/MS][,ops=N/MS]"));
-        }
-        let mut d = DiskSpec { path: PathBuf::from(path), read_only: false, bandwidth: None, ops: None };
-        for part in parts {
+        let mut d = DiskSpec::new(PathBuf::new());
+        for (i, part) in s.split(',').enumerate() {
             match part.split_once('=') {
-                None if part == "ro" => d.read_only = true,
+                Some(("path", p)) if !p.is_empty() => d.path = PathBuf::from(p),
+                Some(("id", v)) if !v.is_empty() && v.len() <= 20 && v.is_ascii() => d.id = Some(v.into()),
                 Some(("bw", r)) => d.bandwidth = Some(r.parse()?),
                 Some(("ops", r)) => d.ops = Some(r.parse()?),
-                _ => return Err(format!("invalid disk option '{part}': use ro, bw=SIZE/MS or ops=N/MS")),
+                None if part == "ro" => d.read_only = true,
+                None if part == "direct" => d.direct = true,
+                // The first part may be the path itself.
+                None if i == 0 && !part.is_empty() => d.path = PathBuf::from(part),
+                _ => return Err(format!("invalid --disk part '{part}': use {DISK_GRAMMAR}")),
             }
+        }
+        if d.path.as_os_str().is_empty() {
+            return Err(format!("invalid disk '{s}': a disk needs path=PATH (or PATH first): use {DISK_GRAMMAR}"));
         }
         Ok(d)
     }
@@ -308,8 +335,9 @@ pub struct VmSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<String>)]
     pub boot_disk: Option<PathBuf>,
-    /// A disk (PATH[,ro][,bw=SIZE/MS][,ops=N/MS]); repeat for more.
-    #[arg(long = "disk", value_name = "PATH[,ro][,bw=SIZE/MS][,ops=N/MS]")]
+    /// A disk ([path=]PATH[,ro][,direct][,id=ID][,bw=SIZE/MS][,ops=N/MS]);
+    /// repeat for more.
+    #[arg(long = "disk", value_name = "PATH[,ro][,direct][,id=ID][,bw=SIZE/MS][,ops=N/MS]")]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schema(max_items = 16)]
     pub disks: Vec<DiskSpec>,
@@ -428,12 +456,16 @@ mod tests {
 
     #[test]
     fn command_line_forms_parse_and_bad_ones_say_what_to_use() {
-        assert_eq!("/img,ro".parse::<DiskSpec>().unwrap(), DiskSpec { path: "/img".into(), read_only: true, bandwidth: None, ops: None });
-        assert_eq!("/img".parse::<DiskSpec>().unwrap(), DiskSpec { path: "/img".into(), read_only: false, bandwidth: None, ops: None });
+        assert_eq!("/img,ro".parse::<DiskSpec>().unwrap(), DiskSpec { read_only: true, ..DiskSpec::new("/img".into()) });
+        assert_eq!("/img".parse::<DiskSpec>().unwrap(), DiskSpec::new("/img".into()));
+        // The VMM's form is the same disk.
+        assert_eq!("path=/img,ro,direct,id=root".parse::<DiskSpec>().unwrap(), DiskSpec { read_only: true, direct: true, id: Some("root".into()), ..DiskSpec::new("/img".into()) });
+        assert!("ro".parse::<DiskSpec>().unwrap_err().contains("needs path=PATH"));
+        assert!("/img,id=twenty-one-bytes-long".parse::<DiskSpec>().unwrap_err().contains("20 ASCII bytes"));
         let d = "/img,bw=10MiB/1000,ops=500/100".parse::<DiskSpec>().unwrap();
         assert_eq!((d.bandwidth.map(|r| r.to_string()), d.ops.map(|r| r.to_string())), (Some("10485760/1000".into()), Some("500/100".into())));
         assert!(",ro".parse::<DiskSpec>().unwrap_err().contains("PATH[,ro]"));
-        assert!("/img,fast".parse::<DiskSpec>().unwrap_err().contains("ro, bw=SIZE/MS or ops=N/MS"));
+        assert!("/img,fast".parse::<DiskSpec>().unwrap_err().contains("invalid --disk part 'fast'"));
         assert!("/img,bw=0/1000".parse::<DiskSpec>().unwrap_err().contains("positive"));
         assert!("/img,bw=1MiB".parse::<DiskSpec>().unwrap_err().contains("AMOUNT/MILLISECONDS"));
         assert_eq!("bridge=br0".parse::<NetSpec>().unwrap(), NetSpec { bridge: Some("br0".into()), ..NetSpec::default() });

@@ -140,7 +140,7 @@ pub struct VmConfig {
     /// virtio-blk disks, in PCI slot order (the guest's vda, vdb, ...).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schema(max_items = 16)]
-    pub disks: Vec<DiskConfig>,
+    pub disks: Vec<DiskSpec>,
     /// virtio-net interfaces over taps, in PCI slot order (after the disks).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schema(max_items = 8)]
@@ -162,87 +162,9 @@ pub const MAX_VFIO: usize = 8;
 /// Most disks one VM may have.
 pub const MAX_DISKS: usize = 16;
 
-/// A token bucket: `size` units, refilled completely every `refill_ms`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-#[schema(as = Bucket)]
-pub struct BucketConfig {
-    #[schema(minimum = 1)]
-    pub size: u64,
-    #[schema(minimum = 1, maximum = 3600000)]
-    pub refill_ms: u64,
-}
-
-impl BucketConfig {
-    /// `SIZE/MS`, SIZE a number or a size such as 10MiB.
-    fn parse(s: &str, what: &str) -> Result<BucketConfig, String> {
-        let bad = || format!("invalid {what} '{s}': use AMOUNT/MILLISECONDS, e.g. 10MiB/1000");
-        let (a, ms) = s.split_once('/').ok_or_else(bad)?;
-        let size = a.parse::<Size>().map_err(|_| bad())?.0;
-        let refill_ms = ms.parse::<u64>().map_err(|_| bad())?;
-        if size == 0 || refill_ms == 0 || refill_ms > 3_600_000 {
-            return Err(bad());
-        }
-        Ok(BucketConfig { size, refill_ms })
-    }
-
-    /// What `parse` enforces, for buckets from a config file.
-    pub fn check(&self, what: &str) -> Result<(), String> {
-        if self.size == 0 || self.refill_ms == 0 || self.refill_ms > 3_600_000 {
-            return Err(format!("{what}: a bucket needs a size above 0 and a refill_ms of 1 to 3600000"));
-        }
-        Ok(())
-    }
-}
-
-/// `--disk path=PATH[,ro][,direct][,id=ID][,bw=SIZE/MS][,ops=N/MS]`: a
-/// raw image (a regular file or a block device), read-only or not, opened
-/// with O_DIRECT or not, with optional rate limits on bytes and requests.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DiskConfig {
-    /// A raw image: a regular file or a block device.
-    #[schema(value_type = String)]
-    pub path: PathBuf,
-    #[serde(default)]
-    #[schema(default = false)]
-    pub read_only: bool,
-    /// Open the image with O_DIRECT.
-    #[serde(default)]
-    #[schema(default = false)]
-    pub direct: bool,
-    /// What the guest reads as the disk's serial (at most 20 bytes;
-    /// default vgpu-diskN).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(max_length = 20)]
-    pub id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bandwidth: Option<BucketConfig>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ops: Option<BucketConfig>,
-}
-
-impl std::str::FromStr for DiskConfig {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let mut d = DiskConfig { path: PathBuf::new(), read_only: false, direct: false, id: None, bandwidth: None, ops: None };
-        for part in s.split(',') {
-            match part.split_once('=') {
-                Some(("path", p)) if !p.is_empty() => d.path = PathBuf::from(p),
-                Some(("id", i)) if !i.is_empty() && i.len() <= 20 && i.is_ascii() => d.id = Some(i.into()),
-                Some(("bw", b)) => d.bandwidth = Some(BucketConfig::parse(b, "bw")?),
-                Some(("ops", o)) => d.ops = Some(BucketConfig::parse(o, "ops")?),
-                None if part == "ro" => d.read_only = true,
-                None if part == "direct" => d.direct = true,
-                _ => return Err(format!("invalid --disk part '{part}': use path=PATH[,ro][,direct][,id=ID (20 ASCII bytes at most)][,bw=SIZE/MS][,ops=N/MS]")),
-            }
-        }
-        if d.path.as_os_str().is_empty() {
-            return Err("--disk needs path=PATH".into());
-        }
-        Ok(d)
-    }
-}
+/// Rate limits and disks are the managed VM's types: one grammar and one
+/// schema for the mediator's API, `vgpuctl vm create` and `vgpu-vmm`.
+pub use crate::vm::{DiskSpec, RateSpec};
 
 /// Most network interfaces one VM may have.
 pub const MAX_NETS: usize = 8;
@@ -326,16 +248,16 @@ pub struct NetConfig {
     pub mac: Option<MacAddr>,
     /// Frames to the guest: bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rx_bandwidth: Option<BucketConfig>,
+    pub rx_bandwidth: Option<RateSpec>,
     /// Frames to the guest: count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rx_ops: Option<BucketConfig>,
+    pub rx_ops: Option<RateSpec>,
     /// Frames from the guest: bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tx_bandwidth: Option<BucketConfig>,
+    pub tx_bandwidth: Option<RateSpec>,
     /// Frames from the guest: count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tx_ops: Option<BucketConfig>,
+    pub tx_ops: Option<RateSpec>,
 }
 
 impl NetConfig {
@@ -380,10 +302,10 @@ impl std::str::FromStr for NetConfig {
                     n.tap = t.to_string();
                 }
                 Some(("mac", m)) => n.mac = Some(m.parse()?),
-                Some(("rx_bw", b)) => n.rx_bandwidth = Some(BucketConfig::parse(b, "rx_bw")?),
-                Some(("rx_ops", o)) => n.rx_ops = Some(BucketConfig::parse(o, "rx_ops")?),
-                Some(("tx_bw", b)) => n.tx_bandwidth = Some(BucketConfig::parse(b, "tx_bw")?),
-                Some(("tx_ops", o)) => n.tx_ops = Some(BucketConfig::parse(o, "tx_ops")?),
+                Some(("rx_bw", b)) => n.rx_bandwidth = Some(b.parse()?),
+                Some(("rx_ops", o)) => n.rx_ops = Some(o.parse()?),
+                Some(("tx_bw", b)) => n.tx_bandwidth = Some(b.parse()?),
+                Some(("tx_ops", o)) => n.tx_ops = Some(o.parse()?),
                 _ => return Err(format!("invalid --net part '{part}': use tap=NAME[,mac=52:54:00:xx:xx:xx][,rx_bw=SIZE/MS][,rx_ops=N/MS][,tx_bw=SIZE/MS][,tx_ops=N/MS]")),
             }
         }

@@ -137,46 +137,4 @@ impl TenantCmd {
     }
 }
 
-/// A socket owner or process identity: `UID:GID`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Owner {
-    pub uid: u32,
-    pub gid: u32,
-}
-
-impl std::str::FromStr for Owner {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Owner, String> {
-        let (u, g) = s.split_once(':').ok_or_else(|| format!("owner {s:?} is not UID:GID"))?;
-        let num = |v: &str| v.parse::<u32>().ok().filter(|n| *n != u32::MAX).ok_or_else(|| format!("owner {s:?}: {v:?} is not a numeric id"));
-        Ok(Owner { uid: num(u)?, gid: num(g)? })
-    }
-}
-
-impl std::fmt::Display for Owner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}", self.uid, self.gid)
-    }
-}
-
-impl Serialize for Owner {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-/// Its OpenAPI schema: the string `UID:GID`.
-impl utoipa::PartialSchema for Owner {
-    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-        use utoipa::openapi::schema::{ObjectBuilder, Type};
-        ObjectBuilder::new().schema_type(Type::String).pattern(Some("^[0-9]+:[0-9]+$")).examples(["1000:1000"]).into()
-    }
-}
-
-impl utoipa::ToSchema for Owner {}
-
-impl<'de> Deserialize<'de> for Owner {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Owner, D::Error> {
-        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
-    }
-}
+pub use vgpu_api::tenant::Owner;

@@ -23,42 +23,24 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-/// A tenant's priority class: latency-sensitive work goes first within its
-/// share, batch work last.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Priority {
-    Latency,
-    #[default]
-    Normal,
-    Batch,
+pub use vgpu_api::tenant::Priority;
+
+/// Which class goes first: the higher rank.
+fn rank(p: Priority) -> u8 {
+    match p {
+        Priority::Latency => 2,
+        Priority::Normal => 1,
+        Priority::Batch => 0,
+    }
 }
 
-impl Priority {
-    fn rank(self) -> u8 {
-        match self {
-            Priority::Latency => 2,
-            Priority::Normal => 1,
-            Priority::Batch => 0,
-        }
-    }
-
-    /// How far ahead of the others, in virtual time, the class may run
-    /// before it stops going first.
-    fn lead(self) -> f64 {
-        match self {
-            Priority::Latency => CLASS_LEAD,
-            Priority::Normal => 0.0,
-            Priority::Batch => -CLASS_LEAD,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::Latency => "latency",
-            Priority::Normal => "normal",
-            Priority::Batch => "batch",
-        }
+/// How far ahead of the others, in virtual time, the class may run
+/// before it stops going first.
+fn lead(p: Priority) -> f64 {
+    match p {
+        Priority::Latency => CLASS_LEAD,
+        Priority::Normal => 0.0,
+        Priority::Batch => -CLASS_LEAD,
     }
 }
 
@@ -261,8 +243,8 @@ impl WeightedFair {
         let mut g = lock(&self.state);
         let now = g.now();
         match g.tenants.get(tenant) {
-            Some(a) if a.active > 0 => a.pass - a.share.priority.lead(),
-            Some(a) => a.pass.max(now - IDLE_SLACK) - a.share.priority.lead(),
+            Some(a) if a.active > 0 => a.pass - lead(a.share.priority),
+            Some(a) => a.pass.max(now - IDLE_SLACK) - lead(a.share.priority),
             None => now - IDLE_SLACK,
         }
     }
@@ -292,7 +274,7 @@ impl Policy for WeightedFair {
                         wait = wait.min(d);
                         continue;
                     }
-                    a.pass - a.share.priority.lead()
+                    a.pass - lead(a.share.priority)
                 }
                 None => now,
             };
@@ -350,8 +332,8 @@ impl Policy for WeightedFair {
 
     fn urgent(&self, waiting: &str, running: &str) -> bool {
         let g = lock(&self.state);
-        let rank = |t: &str| g.tenants.get(t).map(|a| a.share.priority).unwrap_or_default().rank();
-        rank(waiting) > rank(running)
+        let rank_of = |t: &str| rank(g.tenants.get(t).map(|a| a.share.priority).unwrap_or_default());
+        rank_of(waiting) > rank_of(running)
     }
 
     fn configure(&self, tenant: &str, share: Share) {

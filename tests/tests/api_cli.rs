@@ -114,6 +114,24 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     let mut c = m.vgpuctl();
     c.args(["tenant", "create", "odd", "--memory", "12XB"]);
     assert_eq!(c.output().expect("vgpuctl").status.code(), Some(2));
+    // vgpuctl builds the API's own request types and runs the daemon's own
+    // checks on them: a bad request is a usage error (exit 2), in the
+    // daemon's words, and never sent.
+    for (args, want) in [
+        (vec!["tenant", "create", "capped", "--memory", "1MiB", "--cap", "0"], "cap must be a percentage"),
+        (vec!["tenant", "create", "own", "--memory", "1MiB", "--owner", "alice"], "is not UID:GID"),
+        (vec!["tenant", "create", "mod", "--memory", "1MiB", "--mode", "0066"], "must be octal permission bits"),
+        (vec!["tenant", "create", "b@d", "--memory", "1MiB"], "invalid tenant name"),
+        (vec!["tenant", "set", "web", "--weight", "0"], "weight must be 1..=10000"),
+        (vec!["pool", "create", "p", "--device", "cpu0", "--device", "cpu0"], "listed twice"),
+        (vec!["pool", "set", "p", "--overcommit", "17"], "overcommit must be a ratio"),
+    ] {
+        let mut c = m.vgpuctl();
+        c.args(&args);
+        let o = c.output().expect("vgpuctl");
+        let text = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.code() == Some(2) && text.contains(want), "{args:?}: exit {:?}: {text}", o.status.code());
+    }
     for (size, bytes) in [("1.5MiB", 3u64 << 19), ("2MB", 2_000_000), ("3Mi", 3 << 20)] {
         let name = format!("sz{bytes}");
         let mut c = m.vgpuctl();

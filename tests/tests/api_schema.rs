@@ -234,7 +234,7 @@ fn mediator_request_schemas_match_the_api_types() {
         initramfs: Some("/boot/initrd".into()),
         cmdline: Some("console=ttyS0".into()),
         boot_disk: Some("/var/lib/vgpu/boot.img".into()),
-        disks: vec![DiskSpec { path: "/var/lib/vgpu/data.img".into(), read_only: true, bandwidth: Some(rate), ops: Some(rate) }],
+        disks: vec![DiskSpec { path: "/var/lib/vgpu/data.img".into(), read_only: true, direct: true, id: Some("data".into()), bandwidth: Some(rate), ops: Some(rate) }],
         // Both tap and bridge, so every field is there: serde takes it, the
         // daemon refuses it (exactly one of them).
         nets: vec![NetSpec {
@@ -494,12 +494,13 @@ fn mediator_served_bodies_have_the_documented_fields() {
 
 #[test]
 fn vmm_schemas_match_the_vmm_types() {
-    use vmm::config::{BucketConfig, DiskConfig, Hugepages, MacAddr, MemMiB, NetConfig, SerialOut, VgpuConfig, VmConfig};
+    use vgpu_mediator::size::Size;
+    use vmm::config::{DiskSpec, Hugepages, MacAddr, MemMiB, NetConfig, RateSpec, SerialOut, VgpuConfig, VmConfig};
     use vmm::vm::{RunState, VmInfo};
 
     let doc = load("vmm.yaml");
-    let bucket = BucketConfig { size: 10 << 20, refill_ms: 1000 };
-    let disk = DiskConfig { path: "/var/lib/vgpu/root.img".into(), read_only: true, direct: true, id: Some("root".into()), bandwidth: Some(bucket), ops: Some(bucket) };
+    let bucket = RateSpec { size: Size(10 << 20), refill_ms: 1000 };
+    let disk = DiskSpec { path: "/var/lib/vgpu/root.img".into(), read_only: true, direct: true, id: Some("root".into()), bandwidth: Some(bucket), ops: Some(bucket) };
     let net =
         NetConfig { tap: "tap0".into(), mac: Some(MacAddr([0x52, 0x54, 0, 0x12, 0x34, 0x56])), rx_bandwidth: Some(bucket), rx_ops: Some(bucket), tx_bandwidth: Some(bucket), tx_ops: Some(bucket) };
     let vgpu = VgpuConfig { socket: "/run/vgpu/tenants/vm1.vhost".into(), headless: true, reconnect_s: 30 };
@@ -523,7 +524,7 @@ fn vmm_schemas_match_the_vmm_types() {
     check_request(&doc, "VmConfig/properties/vgpu", &vgpu);
     check_request(&doc, "VmConfig/properties/disks/items", &disk);
     check_request(&doc, "VmConfig/properties/nets/items", &net);
-    check_request(&doc, "Bucket", &bucket);
+    check_request(&doc, "Rate", &bucket);
 
     let info = VmInfo { state: RunState::Running, config, vcpus: 2, memory_bytes: 512 << 20, memory_backing: "memfd", numa_node: Some(0), vcpu_cpus: Some(vec![0, 1]), pid: 1 };
     check_response(&doc, "VmInfo", &serde_json::to_value(&info).expect("serialize"));

@@ -103,7 +103,7 @@ fn a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted() {
         serde_json::from_str(&ok(std::process::Command::new(vgpu_tests::bin("vgpuctl")).args(["-o", "json", "vmm", "--socket", api, "info"]).output().expect("vgpuctl"))).expect("JSON");
     assert_eq!(running["config"], written, "the VMM runs what the daemon wrote");
     // Its disk, read-only and rate-limited as asked; its vGPU; its node.
-    assert_eq!(written["disks"], json!([{ "path": disk, "read_only": true, "direct": false, "bandwidth": { "size": 10 << 20, "refill_ms": 1000 } }]), "{written}");
+    assert_eq!(written["disks"], json!([{ "path": disk, "read_only": true, "bandwidth": { "size": 10 << 20, "refill_ms": 1000 } }]), "{written}");
     assert_eq!(written["vgpu"]["socket"], m.api("GET", "/tenants/web", None).1["socket"], "{written}");
     if is_root() {
         let tap = net_arg.split(',').next().and_then(|t| t.strip_prefix("tap=")).unwrap_or("");
@@ -125,8 +125,13 @@ fn a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted() {
     // The guest's console.
     assert!(wait_until(Duration::from_secs(20), || String::from_utf8_lossy(&ctl(&m, &["vm", "console", "web"]).stdout).contains("tick 3")), "no console output");
     // Stop: the guest is asked (Ctrl-Alt-Del; it resets), the VMM ends.
-    let s = json_of(&m, &["vm", "stop", "web"]);
+    // With --wait, the VM's state is printed on stderr while the daemon
+    // works (here: stopping, until the guest has reset).
+    let o = ctl(&m, &["-o", "json", "vm", "stop", "web", "--wait"]);
+    let progress = String::from_utf8_lossy(&o.stderr).into_owned();
+    let s: Value = serde_json::from_str(&ok(o)).expect("JSON");
     assert_eq!((s["state"].as_str(), s["desired"].as_str(), s["pid"].as_u64()), (Some("stopped"), Some("stopped"), Some(0)), "{s}");
+    assert!(progress.lines().next().is_some_and(|l| l.starts_with("vgpuctl: VM web: ") && l.ends_with(" s)")), "no progress on stderr: {progress:?}");
     assert!(wait_until(Duration::from_secs(5), || !alive(pid)), "the VMM did not end");
     assert_eq!(m.api("GET", "/tenants/web", None).0, 200, "a stopped VM keeps its vGPU");
     // Start again, then a reboot gives a new VMM.
@@ -142,8 +147,13 @@ fn a_vm_is_created_with_its_vgpu_listed_stopped_started_and_deleted() {
     let last = r["pid"].as_u64().expect("pid");
     assert!(!ok(ctl(&m, &["vm", "logs", "web"])).contains("panicked"));
     // Delete: everything goes, the vGPU's memory released.
-    let d = json_of(&m, &["vm", "delete", "web"]);
+    // --wait waits for the vGPU's memory to be released, saying so.
+    let o = ctl(&m, &["-o", "json", "vm", "delete", "web", "--wait"]);
+    let progress = String::from_utf8_lossy(&o.stderr).into_owned();
+    let d: Value = serde_json::from_str(&ok(o)).expect("JSON");
     assert_eq!(d["released"], true, "{d}");
+    assert!(progress.contains("vgpuctl: VM web: "), "no progress on stderr: {progress:?}");
+    assert_eq!(m.api("GET", "/tenants/web", None).0, 404, "released means its vGPU tenant is gone");
     assert_nothing_left(&m, "web", &[pid, again, last]);
     assert_eq!(m.device("cpu0")["memory_reserved"], 0);
 }

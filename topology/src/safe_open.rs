@@ -299,6 +299,29 @@ pub fn inspect(what: &str, path: &Path, kind: Kind) -> Result<(OwnedFd, std::fs:
     open_checked(what, path, kind, libc::O_PATH | libc::O_CLOEXEC, 0)
 }
 
+/// Writes `bytes` to `path` so that a crash leaves the old file or the new
+/// one: a temporary file beside it (made afresh, never through a link
+/// planted at its name), synced, renamed over it, and the directory
+/// synced. The file gets mode 0600.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    File::open(dir)?.sync_all()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,6 +13,9 @@
 
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
+use vgpu_api::pool::PoolSpec;
+use vgpu_api::tenant::TenantSpec;
+use vgpu_api::vm::VmSpec;
 use vgpu_api::{http, Size};
 
 use crate::{call, call_waiting, Cli, Usage, STOP_WAIT};
@@ -101,7 +104,19 @@ fn plan(i: usize, v: Value) -> Result<Planned, Usage> {
         (Kind::Vm, Some(s)) => return Err(at(format!("vm {name}: state must be running or stopped, not {s}"))),
         (k, Some(_)) => return Err(at(format!("{} {name}: only a vm has a state", k.word()))),
     };
-    Ok(Planned { kind, name, body: Value::Object(o), state })
+    let body = Value::Object(o);
+    // Read as the API's own types and checked as the daemon checks them,
+    // so a bad object is refused here, before anything is sent.
+    let bad = |e: String| at(format!("{} {name}: {e}", kind.word()));
+    match kind {
+        Kind::Tenant => serde_json::from_value::<TenantSpec>(body.clone()).map_err(|e| bad(e.to_string()))?.validate().map_err(bad)?,
+        Kind::Pool => serde_json::from_value::<PoolSpec>(body.clone()).map_err(|e| bad(e.to_string()))?.validate().map_err(bad)?,
+        Kind::Vm => {
+            let vm = serde_json::from_value::<VmSpec>(body.clone()).map_err(|e| bad(e.to_string()))?;
+            vgpu_api::tenant::validate_name(&vm.name).map_err(|e| bad(e.replace("tenant name", "VM name")))?;
+        }
+    }
+    Ok(Planned { kind, name, body, state })
 }
 
 /// Whether `want` (from the file) describes `live` (from the API): every
@@ -229,7 +244,18 @@ mod tests {
         assert!(plan(0, json!({ "kind": "tenant" })).is_err());
         assert!(plan(0, json!({ "kind": "tenant", "name": "x", "state": "running" })).is_err());
         assert!(plan(0, json!({ "kind": "vm", "name": "x", "state": "paused" })).is_err());
-        let p = plan(0, json!({ "kind": "VM", "name": "x", "state": "stopped", "vcpus": 1 })).expect("a vm");
-        assert!(p.kind == Kind::Vm && p.state.as_deref() == Some("stopped") && p.body == json!({ "name": "x", "vcpus": 1 }));
+        let p = plan(0, json!({ "kind": "VM", "name": "x", "state": "stopped", "vcpus": 1, "memory": "64MiB", "kernel": "/k" })).expect("a vm");
+        assert!(p.kind == Kind::Vm && p.state.as_deref() == Some("stopped") && p.body == json!({ "name": "x", "vcpus": 1, "memory": "64MiB", "kernel": "/k" }));
+        // The API's types and checks, before any request, in the user's terms.
+        let refused = |v: Value| match plan(0, v) {
+            Err(Usage(e)) => e,
+            Ok(_) => panic!("accepted"),
+        };
+        assert!(refused(json!({ "kind": "tenant", "name": "a", "memory": "lots" })).contains("invalid size 'lots'"));
+        assert!(refused(json!({ "kind": "tenant", "name": "a", "memory": "64MiB", "gpu": 1 })).contains("unknown field `gpu`"));
+        assert!(refused(json!({ "kind": "tenant", "name": "a", "memory": "64MiB", "weight": 0 })).contains("weight must be 1..=10000"));
+        assert!(refused(json!({ "kind": "pool", "name": "p", "devices": [] })).contains("at least one device"));
+        assert!(refused(json!({ "kind": "vm", "name": "bad name", "memory": "64MiB", "kernel": "/k" })).contains("invalid VM name"));
+        assert!(refused(json!({ "kind": "vm", "name": "x", "kernel": "/k" })).contains("missing field `memory`"));
     }
 }

@@ -5,6 +5,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
+use vgpu_api::pool::{Access, Placement, PoolChange, PoolSpec};
+use vgpu_api::tenant::{Owner, Priority, TenantChange, TenantKind, TenantSpec};
 use vgpu_api::{http, Size};
 
 mod apply;
@@ -115,29 +117,45 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum VmCmd {
-    /// Create a VM (with its vGPU and passthrough devices, if any) and start it.
-    Create(Box<vgpu_api::vm::VmSpec>),
+    /// Create a VM (with its vGPU and passthrough devices, if any) and start
+    /// it; the answer comes once its VMM is up.
+    Create {
+        #[command(flatten)]
+        spec: Box<vgpu_api::vm::VmSpec>,
+        #[command(flatten)]
+        wait: Wait,
+    },
     List,
     Show {
         name: String,
     },
+    /// Start a stopped VM; the answer comes once its VMM is up.
     Start {
         name: String,
+        #[command(flatten)]
+        wait: Wait,
     },
-    /// Ask the guest to shut down; kill the VMM if it has not after the timeout.
+    /// Ask the guest to shut down; kill the VMM if it has not after the
+    /// timeout. The answer comes once the VMM has ended.
     Stop {
         name: String,
         /// Seconds to wait for the guest (0: kill at once; default: the daemon's).
         #[arg(long)]
         timeout: Option<u64>,
+        #[command(flatten)]
+        wait: Wait,
     },
     /// Reset the VM (its VMM is killed and started again).
     Reboot {
         name: String,
+        #[command(flatten)]
+        wait: Wait,
     },
     /// Delete the VM and its vGPU (whose memory is scrubbed).
     Delete {
         name: String,
+        #[command(flatten)]
+        wait: Wait,
     },
     /// The guest's serial console output.
     Console {
@@ -155,6 +173,17 @@ enum VmCmd {
         #[arg(long, default_value_t = 65536)]
         bytes: u64,
     },
+}
+
+/// `--wait`: progress while the daemon works, and for a delete, the wait
+/// until the vGPU's memory is released.
+#[derive(clap::Args, Clone, Copy)]
+struct Wait {
+    /// Print the VM's state on standard error while the daemon works (when
+    /// it changes, and every 5 s); a delete also waits until the vGPU's
+    /// memory is scrubbed and released.
+    #[arg(long)]
+    wait: bool,
 }
 
 #[derive(Subcommand)]
@@ -204,7 +233,7 @@ enum TenantCmd {
         /// Owner of the tenant's socket, UID:GID: that user (or container)
         /// is the tenant. Default: root.
         #[arg(long)]
-        owner: Option<String>,
+        owner: Option<Owner>,
         /// Mode of the tenant's socket, octal (default 0600).
         #[arg(long)]
         mode: Option<String>,
@@ -241,23 +270,6 @@ enum TenantCmd {
     },
 }
 
-#[derive(Clone, Copy, PartialEq, ValueEnum)]
-enum Priority {
-    Latency,
-    Normal,
-    Batch,
-}
-
-impl Priority {
-    fn as_str(self) -> &'static str {
-        match self {
-            Priority::Latency => "latency",
-            Priority::Normal => "normal",
-            Priority::Batch => "batch",
-        }
-    }
-}
-
 #[derive(Subcommand)]
 enum DeviceCmd {
     /// Every device: those shared by tenants and those lent whole to VMs.
@@ -268,21 +280,6 @@ enum DeviceCmd {
     /// quarantined after a failed scrub, once its cause is fixed); it is
     /// free again if the scrub passes.
     Scrub { name: String },
-}
-
-#[derive(Clone, Copy, PartialEq, ValueEnum)]
-enum PlacementArg {
-    Pack,
-    Spread,
-}
-
-impl PlacementArg {
-    fn as_str(self) -> &'static str {
-        match self {
-            PlacementArg::Pack => "pack",
-            PlacementArg::Spread => "spread",
-        }
-    }
 }
 
 #[derive(Subcommand)]
@@ -300,8 +297,8 @@ enum PoolCmd {
         #[arg(long = "allow")]
         allow: Vec<String>,
         /// pack fills the fullest device that fits; spread the freest.
-        #[arg(long, value_enum, default_value_t = PlacementArg::Spread)]
-        placement: PlacementArg,
+        #[arg(long, value_enum, default_value_t = Placement::Spread)]
+        placement: Placement,
         /// Quotas on a device may add up to this times its memory.
         #[arg(long, default_value_t = 1.0)]
         overcommit: f64,
@@ -324,7 +321,7 @@ enum PoolCmd {
         #[arg(long, conflicts_with = "allow")]
         allow_none: bool,
         #[arg(long, value_enum)]
-        placement: Option<PlacementArg>,
+        placement: Option<Placement>,
         #[arg(long)]
         overcommit: Option<f64>,
     },
@@ -459,25 +456,25 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let print_data = |v: &Value| cli.output.print(v);
     match &cli.cmd {
         Cmd::Tenant(TenantCmd::Create { name, memory, weight, cap, priority, device, pool, numa_node, vm, owner, mode, host_memory, max_connections }) => {
-            let mut body = json!({ "name": name, "memory": memory.0, "weight": weight, "priority": priority.as_str(), "kind": if *vm { "vm" } else { "process" } });
-            if let Some(c) = cap {
-                body["cap"] = json!(c);
-            }
-            if let Some(n) = numa_node {
-                body["numa_node"] = json!(n);
-            }
-            for (key, v) in [("device", device), ("pool", pool), ("owner", owner), ("mode", mode)] {
-                if let Some(v) = v {
-                    body[key] = json!(v);
-                }
-            }
-            if let Some(h) = host_memory {
-                body["host_memory"] = json!(h.0);
-            }
-            if let Some(c) = max_connections {
-                body["max_connections"] = json!(c);
-            }
-            let v = call(cli, "POST", "/v1/tenants", Some(body))?;
+            let spec = TenantSpec {
+                name: name.clone(),
+                memory: *memory,
+                weight: *weight,
+                cap: *cap,
+                priority: *priority,
+                device: device.clone(),
+                pool: pool.clone(),
+                numa_node: *numa_node,
+                kind: if *vm { TenantKind::Vm } else { TenantKind::Process },
+                owner: *owner,
+                mode: mode.clone(),
+                host_memory: *host_memory,
+                max_connections: *max_connections,
+            };
+            // The daemon's own checks, here first: a bad request is a usage
+            // error, said in the same words.
+            spec.validate().map_err(Usage)?;
+            let v = call(cli, "POST", "/v1/tenants", Some(serde_json::to_value(&spec)?))?;
             if data_out {
                 print_data(&v)
             } else {
@@ -552,20 +549,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Tenant(TenantCmd::Set { name, weight, cap, priority, memory }) => {
-            let mut body = json!({});
+            let change = TenantChange { weight: *weight, cap: *cap, priority: *priority, memory: *memory };
             if let Some(w) = weight {
-                body["weight"] = json!(w);
+                vgpu_api::tenant::check_share(name, *w, *cap).map_err(Usage)?;
             }
-            if let Some(c) = cap {
-                body["cap"] = json!(c);
-            }
-            if let Some(p) = priority {
-                body["priority"] = json!(p.as_str());
-            }
-            if let Some(m) = memory {
-                body["memory"] = json!(m.0);
-            }
-            let v = patch(cli, &format!("/v1/tenants/{name}"), body, "--weight, --cap, --priority or --memory")?;
+            let v = patch(cli, &format!("/v1/tenants/{name}"), serde_json::to_value(&change)?, "--weight, --cap, --priority or --memory")?;
             if data_out {
                 print_data(&v)
             } else {
@@ -754,8 +742,16 @@ node:      {}",
             }
         }
         Cmd::Pool(PoolCmd::Create { name, devices, private, allow, placement, overcommit }) => {
-            let body = json!({ "name": name, "devices": devices, "access": if *private { "private" } else { "public" }, "allow": allow, "placement": placement.as_str(), "overcommit": overcommit });
-            let v = call(cli, "POST", "/v1/pools", Some(body))?;
+            let spec = PoolSpec {
+                name: name.clone(),
+                devices: devices.clone(),
+                access: if *private { Access::Private } else { Access::Public },
+                allow: allow.clone(),
+                placement: *placement,
+                overcommit: *overcommit,
+            };
+            spec.validate().map_err(Usage)?;
+            let v = call(cli, "POST", "/v1/pools", Some(serde_json::to_value(&spec)?))?;
             if data_out {
                 print_data(&v)
             } else {
@@ -803,23 +799,16 @@ node:      {}",
             }
         }
         Cmd::Pool(PoolCmd::Set { name, private, public, allow, allow_none, placement, overcommit }) => {
-            let mut body = json!({});
-            if *private {
-                body["access"] = json!("private");
-            }
-            if *public {
-                body["access"] = json!("public");
-            }
-            if !allow.is_empty() || *allow_none {
-                body["allow"] = json!(allow);
-            }
-            if let Some(p) = placement {
-                body["placement"] = json!(p.as_str());
-            }
+            let change = PoolChange {
+                access: (*private).then_some(Access::Private).or((*public).then_some(Access::Public)),
+                allow: (!allow.is_empty() || *allow_none).then(|| allow.clone()),
+                placement: *placement,
+                overcommit: *overcommit,
+            };
             if let Some(o) = overcommit {
-                body["overcommit"] = json!(o);
+                vgpu_api::pool::check_overcommit(name, *o).map_err(Usage)?;
             }
-            let v = patch(cli, &format!("/v1/pools/{name}"), body, "--private, --public, --allow, --allow-none, --placement or --overcommit")?;
+            let v = patch(cli, &format!("/v1/pools/{name}"), serde_json::to_value(&change)?, "--private, --public, --allow, --allow-none, --placement or --overcommit")?;
             if data_out {
                 print_data(&v)
             } else {
@@ -974,7 +963,11 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<()> {
     let print_data = |v: &Value| cli.output.print(v);
     let one = |v: &Value| if data_out { print_data(v) } else { print_vm(v) };
     match cmd {
-        VmCmd::Create(spec) => one(&call(cli, "POST", "/v1/vms", Some(serde_json::to_value(spec)?))?),
+        VmCmd::Create { spec, wait } => {
+            let api = api_of(cli);
+            let body = serde_json::to_value(spec)?;
+            one(&progress(&api, &spec.name, wait.wait, "being created", || call_waiting(&api, "POST", "/v1/vms", Some(body), STOP_WAIT))?.1)
+        }
         VmCmd::List => {
             let v = call(cli, "GET", "/v1/vms", None)?;
             if data_out {
@@ -1009,17 +1002,27 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<()> {
             }
         }
         VmCmd::Show { name } => one(&call(cli, "GET", &format!("/v1/vms/{name}"), None)?),
-        VmCmd::Start { name } => one(&call(cli, "POST", &format!("/v1/vms/{name}/start"), None)?),
-        VmCmd::Stop { name, timeout } => {
+        VmCmd::Start { name, wait } => {
+            let api = api_of(cli);
+            one(&progress(&api, name, wait.wait, "gone", || call_waiting(&api, "POST", &format!("/v1/vms/{name}/start"), None, STOP_WAIT))?.1)
+        }
+        VmCmd::Stop { name, timeout, wait: w } => {
+            let api = api_of(cli);
             let q = timeout.map(|t| format!("?timeout={t}")).unwrap_or_default();
             // The answer comes once the guest stopped or the timeout passed.
             let wait = timeout.map(|t| std::time::Duration::from_secs(t.min(3600) + 30)).unwrap_or(STOP_WAIT);
-            one(&call_waiting(&api_of(cli), "POST", &format!("/v1/vms/{name}/stop{q}"), None, wait)?.1)
+            one(&progress(&api, name, w.wait, "gone", || call_waiting(&api, "POST", &format!("/v1/vms/{name}/stop{q}"), None, wait))?.1)
         }
-        VmCmd::Reboot { name } => one(&call_waiting(&api_of(cli), "POST", &format!("/v1/vms/{name}/reboot"), None, STOP_WAIT)?.1),
-        VmCmd::Delete { name } => {
-            let (status, _) = call_waiting(&api_of(cli), "DELETE", &format!("/v1/vms/{name}"), None, STOP_WAIT)?;
-            let released = status != 202;
+        VmCmd::Reboot { name, wait } => {
+            let api = api_of(cli);
+            one(&progress(&api, name, wait.wait, "gone", || call_waiting(&api, "POST", &format!("/v1/vms/{name}/reboot"), None, STOP_WAIT))?.1)
+        }
+        VmCmd::Delete { name, wait } => {
+            let api = api_of(cli);
+            let (status, _) = progress(&api, name, wait.wait, "deleted", || call_waiting(&api, "DELETE", &format!("/v1/vms/{name}"), None, STOP_WAIT))?;
+            // Its vGPU tenant has its name; once the tenant is gone, its
+            // memory is scrubbed and released.
+            let released = status != 202 || (wait.wait && wait_released(&api, name)?);
             if data_out {
                 print_data(&json!({ "deleted": name, "released": released }))
             } else if released {
@@ -1053,6 +1056,71 @@ fn managed_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs `f`, a request the daemon answers once it is done; with `show`,
+/// prints the VM's state on standard error meanwhile: at once, when it
+/// changes and every 5 s (`missing`: what to call a VM not listed).
+fn progress<T>(api: &std::path::Path, name: &str, show: bool, missing: &'static str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    if !show {
+        return f();
+    }
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let start = std::time::Instant::now();
+            let mut last: Option<(String, u64)> = None;
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                let state = match http::request(api, "GET", &format!("/v1/vms/{name}"), None) {
+                    Ok(r) if r.status == 200 => serde_json::from_slice::<Value>(&r.body).ok().and_then(|v| v["state"].as_str().map(String::from)).unwrap_or_else(|| "?".into()),
+                    Ok(r) if r.status == 404 => missing.into(),
+                    Ok(r) => format!("unknown (HTTP {})", r.status),
+                    Err(e) => format!("unknown ({e})"),
+                };
+                let secs = start.elapsed().as_secs();
+                if last.as_ref().is_none_or(|(st, at)| *st != state || secs >= at + 5) {
+                    eprintln!("vgpuctl: VM {name}: {state} ({secs} s)");
+                    last = Some((state, secs));
+                }
+                // Poll every 0.5 s, checking for the end more often.
+                for _ in 0..5 {
+                    if done.load(std::sync::atomic::Ordering::Acquire) {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+            }
+        });
+        let r = f();
+        done.store(true, std::sync::atomic::Ordering::Release);
+        r
+    })
+}
+
+/// Longest `vm delete --wait` waits for a vGPU's memory to be released.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Waits until the VM's vGPU tenant is gone (its memory scrubbed and
+/// released), printing progress every 5 s; true once it is.
+fn wait_released(api: &std::path::Path, name: &str) -> anyhow::Result<bool> {
+    let start = std::time::Instant::now();
+    let mut said = None;
+    loop {
+        let r = http::request(api, "GET", &format!("/v1/tenants/{name}"), None)?;
+        if r.status == 404 {
+            eprintln!("vgpuctl: VM {name}: its vGPU's memory is released ({} s)", start.elapsed().as_secs());
+            return Ok(true);
+        }
+        let secs = start.elapsed().as_secs();
+        if said.is_none_or(|at| secs >= at + 5) {
+            eprintln!("vgpuctl: VM {name}: its vGPU's memory is being released ({secs} s)");
+            said = Some(secs);
+        }
+        if start.elapsed() >= RELEASE_WAIT {
+            anyhow::bail!("VM {name} is deleted, but its vGPU's memory was still being released after {} s", RELEASE_WAIT.as_secs());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 fn api_of(cli: &Cli) -> PathBuf {

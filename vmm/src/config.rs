@@ -7,13 +7,13 @@ use vgpu_api::size::Size;
 pub use vgpu_api::vmm::*;
 
 /// Both buckets of a rate limit, as the devices take them.
-fn rate_limit(bandwidth: Option<BucketConfig>, ops: Option<BucketConfig>) -> crate::devices::virtio::rate_limit::RateLimit {
-    let bucket = |b: BucketConfig| crate::devices::virtio::rate_limit::Bucket { size: b.size, refill: std::time::Duration::from_millis(b.refill_ms) };
+fn rate_limit(bandwidth: Option<RateSpec>, ops: Option<RateSpec>) -> crate::devices::virtio::rate_limit::RateLimit {
+    let bucket = |b: RateSpec| crate::devices::virtio::rate_limit::Bucket { size: b.size.0, refill: std::time::Duration::from_millis(b.refill_ms) };
     crate::devices::virtio::rate_limit::RateLimit { bandwidth: bandwidth.map(bucket), ops: ops.map(bucket) }
 }
 
 /// A disk's rate limits, as its device takes them.
-pub fn disk_limit(d: &DiskConfig) -> crate::devices::virtio::rate_limit::RateLimit {
+pub fn disk_limit(d: &DiskSpec) -> crate::devices::virtio::rate_limit::RateLimit {
     rate_limit(d.bandwidth, d.ops)
 }
 
@@ -94,7 +94,7 @@ impl Validate for VmConfig {
                 return bad(format!("disk {}: id must be at most 20 ASCII bytes", d.path.display()));
             }
             for (b, what) in [(d.bandwidth, "bandwidth"), (d.ops, "ops")] {
-                b.map_or(Ok(()), |b| b.check(&format!("disk {} {what}", d.path.display()))).map_err(ConfigError::Invalid)?;
+                b.map_or(Ok(()), |b| b.check()).map_err(|e| ConfigError::Invalid(format!("disk {} {what}: {e}", d.path.display())))?;
             }
         }
         if self.nets.len() > MAX_NETS {
@@ -111,7 +111,7 @@ impl Validate for VmConfig {
                 }
             }
             for (b, what) in [(n.rx_bandwidth, "rx_bandwidth"), (n.rx_ops, "rx_ops"), (n.tx_bandwidth, "tx_bandwidth"), (n.tx_ops, "tx_ops")] {
-                b.map_or(Ok(()), |b| b.check(&format!("net {i} {what}"))).map_err(ConfigError::Invalid)?;
+                b.map_or(Ok(()), |b| b.check()).map_err(|e| ConfigError::Invalid(format!("net {i} {what}: {e}")))?;
             }
         }
         if self.vfio.len() > MAX_VFIO {
@@ -152,7 +152,6 @@ pub fn meminfo_field(text: &str, name: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::PathBuf;
 
     #[test]
     fn memory_is_mib_when_plain_and_accepts_suffixes() {
@@ -206,7 +205,7 @@ mod tests {
             std::os::unix::fs::symlink(real.join(f), dir.join(f)).unwrap();
         }
         std::os::unix::fs::symlink(&real, dir.join("via")).unwrap();
-        let disk = |p: PathBuf| DiskConfig { path: p, read_only: false, direct: false, id: None, bandwidth: None, ops: None };
+        let disk = DiskSpec::new;
         let good = || {
             let mut c = VmConfig::new(real.join("kernel"));
             c.memory_mib = MemMiB(16);
@@ -259,8 +258,8 @@ mod tests {
         let n: NetConfig = "tap=vt0,mac=52:54:00:0a:0B:0c,rx_bw=10MiB/1000,tx_ops=100/10".parse().unwrap();
         assert_eq!(n.tap, "vt0");
         assert_eq!(n.mac, Some(MacAddr([0x52, 0x54, 0, 0x0a, 0x0b, 0x0c])));
-        assert_eq!(n.rx_bandwidth, Some(BucketConfig { size: 10 << 20, refill_ms: 1000 }));
-        assert_eq!(n.tx_ops, Some(BucketConfig { size: 100, refill_ms: 10 }));
+        assert_eq!(n.rx_bandwidth, Some(RateSpec { size: Size(10 << 20), refill_ms: 1000 }));
+        assert_eq!(n.tx_ops, Some(RateSpec { size: Size(100), refill_ms: 10 }));
         assert_eq!((n.rx_ops, n.tx_bandwidth), (None, None));
         for (arg, says) in [
             ("mac=52:54:00:00:00:01", "needs tap=NAME"),
@@ -301,8 +300,8 @@ mod tests {
         c.nets = (0..9).map(|i| net(&format!("vt{i}"), None)).collect();
         assert!(c.validate().unwrap_err().to_string().contains("the limit is 8"));
         c.nets = vec![net("vt0", None)];
-        c.nets[0].rx_ops = Some(BucketConfig { size: 0, refill_ms: 10 });
-        assert!(c.validate().unwrap_err().to_string().contains("size above 0"));
+        c.nets[0].rx_ops = Some(RateSpec { size: Size(0), refill_ms: 10 });
+        assert!(c.validate().unwrap_err().to_string().contains("amount must be positive"));
         let m = MacAddr::derived("vt0", 0);
         assert_eq!(m, MacAddr::derived("vt0", 0), "the same on every start");
         assert_ne!(m, MacAddr::derived("vt0", 1));

@@ -684,7 +684,7 @@ mod tests {
         std::fs::write(real.join("kernel"), b"k").unwrap();
         std::os::unix::fs::symlink(real.join("disk.img"), dir.join("disk.img")).unwrap();
         std::os::unix::fs::symlink(&real, dir.join("via")).unwrap();
-        let disk = |p: PathBuf| crate::config::DiskConfig { path: p, read_only: false, direct: false, id: None, bandwidth: None, ops: None };
+        let disk = crate::config::DiskSpec::new;
         let mut cfg = VmConfig::new(real.join("kernel"));
         cfg.disks = vec![disk(real.join("disk.img"))];
         absolute_paths(&mut cfg).unwrap();

@@ -301,22 +301,7 @@ impl TenantRecord {
     }
 }
 
-/// What `PATCH /tenants/NAME` may change; absent fields stay as they are.
-#[derive(Debug, Clone, Default, serde::Deserialize, Serialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct TenantChange {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 1, maximum = 10000)]
-    pub weight: Option<u32>,
-    /// Percent of the device; 100 removes the cap.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 1, maximum = 100)]
-    pub cap: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub priority: Option<crate::sched::Priority>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub memory: Option<Size>,
-}
+pub use vgpu_api::tenant::TenantChange;
 
 /// Per-tenant limits applied where a tenant's description leaves them out.
 #[derive(Debug, Clone, Copy)]

@@ -17,8 +17,7 @@
 //! and are not saved here: the config file stays their only source.
 
 use std::collections::BTreeSet;
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -71,27 +70,7 @@ struct SavedPools {
     pools: Vec<PoolSpec>,
 }
 
-/// Writes `bytes` to `path` so that a crash leaves the old file or the new
-/// one: a temporary file beside it, synced, renamed over it, and the
-/// directory synced.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    // A leftover from a crash goes; the new one is made afresh (O_EXCL:
-    // never through a link planted at its name).
-    match std::fs::remove_file(&tmp) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
-}
+pub use vgpu_topology::safe_open::write_atomically;
 
 /// Reads a state file we wrote: a regular file (not a link), not huge.
 fn read_state_file(path: &Path) -> Result<Vec<u8>, StoreError> {

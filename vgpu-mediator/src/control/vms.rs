@@ -991,8 +991,7 @@ fn remove_taps(spec: &VmSpec) {
 /// (one type, `vgpu_api::vmm::VmConfig`, for the file, the VMM's API and
 /// its flags).
 fn vmm_config(s: &VmSpec, api_socket: &Path, t: Option<&TenantRecord>, node: i32, vfio: &[String]) -> Result<vgpu_api::vmm::VmConfig, String> {
-    use vgpu_api::vmm::{BucketConfig, DiskConfig, MemMiB, NetConfig, VgpuConfig, VmConfig};
-    let bucket = |r: Option<vgpu_api::vm::RateSpec>| r.map(|r| BucketConfig { size: r.size.0, refill_ms: r.refill_ms });
+    use vgpu_api::vmm::{MemMiB, NetConfig, VgpuConfig, VmConfig};
     let mut c = VmConfig::new(s.kernel.clone().ok_or("the VM has no kernel to boot")?);
     c.initramfs = s.initramfs.clone();
     c.cmdline = s.cmdline.clone().unwrap_or_default();
@@ -1003,14 +1002,14 @@ fn vmm_config(s: &VmSpec, api_socket: &Path, t: Option<&TenantRecord>, node: i32
     c.api_socket = Some(api_socket.to_path_buf());
     c.vgpu = t.map(|t| VgpuConfig { socket: t.socket.clone(), headless: false, reconnect_s: vgpu_api::vmm::VGPU_RECONNECT_DEFAULT_S });
     // The guest sees the disks as vda, vdb, ... in this order.
-    c.disks = s.disks.iter().map(|d| DiskConfig { path: d.path.clone(), read_only: d.read_only, direct: false, id: None, bandwidth: bucket(d.bandwidth), ops: bucket(d.ops) }).collect();
+    c.disks = s.disks.clone();
     c.nets = s
         .nets
         .iter()
         .zip(tap_names(s))
         .map(|(n, tap)| {
             let mac = n.mac.as_deref().map(str::parse).transpose()?;
-            Ok(NetConfig { tap, mac, rx_bandwidth: bucket(n.rx_bandwidth), rx_ops: bucket(n.rx_ops), tx_bandwidth: bucket(n.tx_bandwidth), tx_ops: bucket(n.tx_ops) })
+            Ok(NetConfig { tap, mac, rx_bandwidth: n.rx_bandwidth, rx_ops: n.rx_ops, tx_bandwidth: n.tx_bandwidth, tx_ops: n.tx_ops })
         })
         .collect::<Result<_, String>>()?;
     c.vfio = vfio.iter().map(|a| a.parse().map_err(|e| format!("passthrough device {a}: {e}"))).collect::<Result<_, String>>()?;
@@ -1266,8 +1265,8 @@ mod tests {
         let back: vgpu_api::vmm::VmConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
         assert_eq!(back, c);
         assert_eq!((c.vcpus, c.memory_mib.0, c.hugepages, c.numa_node, c.cmdline.as_str()), (2, 512, Hugepages::TwoMiB, Some(1), "console=ttyS0"));
-        assert_eq!((c.disks[0].read_only, c.disks[0].bandwidth.map(|b| (b.size, b.refill_ms))), (true, Some((10 << 20, 1000))));
-        assert_eq!((c.nets[0].tap.as_str(), c.nets[0].mac.map(|m| m.to_string()), c.nets[0].rx_ops.map(|b| b.size)), ("t0", Some("52:54:00:aa:bb:cc".into()), Some(100)));
+        assert_eq!(c.disks, spec.disks, "the disks are the same type");
+        assert_eq!((c.nets[0].tap.as_str(), c.nets[0].mac.map(|m| m.to_string()), c.nets[0].rx_ops.map(|b| b.size.0)), ("t0", Some("52:54:00:aa:bb:cc".into()), Some(100)));
         assert_eq!(c.nets[1].tap, tap_names(&spec)[1], "a bridge= interface gets the tap the daemon makes");
         assert_eq!((c.vgpu, c.vfio.len(), c.api_socket.as_deref()), (None, 1, Some(Path::new("/run/a.sock"))));
         assert!(vmm_config(&spec, Path::new("/s"), None, -1, &[]).unwrap().numa_node.is_none(), "no node when it is unknown");

@@ -48,11 +48,11 @@ struct Cli {
     /// VM tenant's vhost-user socket from `vgpuctl tenant create NAME --vm`.
     #[arg(long)]
     vgpu: Option<vmm::config::VgpuConfig>,
-    /// A virtio-blk disk: path=PATH[,ro][,direct][,id=ID][,bw=SIZE/MS][,ops=N/MS]
+    /// A virtio-blk disk: [path=]PATH[,ro][,direct][,id=ID][,bw=SIZE/MS][,ops=N/MS]
     /// (repeatable; the guest sees vda, vdb, ... in this order). bw and ops
     /// are token buckets: that many bytes (or requests) per that many ms.
     #[arg(long = "disk")]
-    disks: Vec<vmm::config::DiskConfig>,
+    disks: Vec<vmm::config::DiskSpec>,
     /// A virtio-net interface over a tap:
     /// tap=NAME[,mac=52:54:00:xx:xx:xx][,rx_bw=SIZE/MS][,rx_ops=N/MS][,tx_bw=SIZE/MS][,tx_ops=N/MS]
     /// (repeatable, at most 8). An existing tap owned by this uid needs no
