@@ -11,7 +11,7 @@ if [ "$(cargo deb --version 2>/dev/null)" != "cargo-deb $CARGO_DEB_VERSION" ]; t
     echo "package: installing cargo-deb $CARGO_DEB_VERSION" >&2
     cargo install cargo-deb --version "$CARGO_DEB_VERSION" --locked >&2
 fi
-for f in vgpu-mediatord vgpu-vmm vgpuctl vgpu-smi libcuda.so; do
+for f in vgpu-mediatord vgpu-vmm vgpuctl vgpu-smi vgpu-k8s libcuda.so; do
     if [ ! -e "target/release/$f" ]; then
         cargo build --release --workspace >&2
         break

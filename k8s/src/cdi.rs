@@ -1,0 +1,108 @@
+//! Container Device Interface specs: one per tenant, naming the device
+//! `vgpu.dev/tenant=NAME`. A CDI-enabled runtime (containerd 1.7+, CRI-O)
+//! applies its edits to the container: the tenant's socket and the vGPU
+//! driver libraries bind-mounted in, and `VGPU_SOCKET` set. The same edits
+//! are what the plugin answers with as mounts and environment for
+//! runtimes without CDI.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+/// The CDI kind: vendor `vgpu.dev`, class `tenant`.
+pub const KIND: &str = "vgpu.dev/tenant";
+/// The CDI spec version written (the oldest with every field used).
+pub const CDI_VERSION: &str = "0.6.0";
+/// Where the tenant's socket is in the container.
+pub const CONTAINER_SOCKET: &str = "/run/vgpu/vgpu.sock";
+
+/// What goes into a container for one tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Edits {
+    pub env: Vec<(String, String)>,
+    /// (host path, container path, read-only).
+    pub mounts: Vec<(PathBuf, PathBuf, bool)>,
+}
+
+/// The edits for a tenant whose socket is `socket`: the socket at
+/// [`CONTAINER_SOCKET`], and each driver library in `libs` (the shim's
+/// `libcuda.so.1`, and `libnvidia-ml.so.1` where it exists) read-only in
+/// `container_lib_dir`, where the dynamic loader finds it without any
+/// `LD_LIBRARY_PATH` (as NVIDIA's container toolkit places its own).
+pub fn edits(socket: &Path, libs: &[PathBuf], container_lib_dir: &Path) -> Edits {
+    let mut mounts = vec![(socket.to_path_buf(), PathBuf::from(CONTAINER_SOCKET), false)];
+    for l in libs {
+        if let Some(name) = l.file_name() {
+            mounts.push((l.clone(), container_lib_dir.join(name), true));
+        }
+    }
+    Edits { env: vec![("VGPU_SOCKET".into(), CONTAINER_SOCKET.into())], mounts }
+}
+
+/// The fully qualified CDI device name of a tenant.
+pub fn device_name(tenant: &str) -> String {
+    format!("{KIND}={tenant}")
+}
+
+/// The spec's file in the CDI directory.
+pub fn spec_path(cdi_dir: &Path, tenant: &str) -> PathBuf {
+    cdi_dir.join(format!("vgpu.dev-tenant-{tenant}.json"))
+}
+
+/// The CDI spec of one tenant's device.
+pub fn spec(tenant: &str, e: &Edits) -> Value {
+    let env: Vec<String> = e.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mounts: Vec<Value> = e
+        .mounts
+        .iter()
+        .map(|(host, container, ro)| {
+            let mut options = vec!["bind", "nosuid", "nodev"];
+            if *ro {
+                options.push("ro");
+            }
+            json!({ "hostPath": host, "containerPath": container, "options": options })
+        })
+        .collect();
+    json!({
+        "cdiVersion": CDI_VERSION,
+        "kind": KIND,
+        "devices": [{ "name": tenant, "containerEdits": { "env": env, "mounts": mounts } }],
+    })
+}
+
+/// Writes the spec atomically (a runtime never reads half of one), mode
+/// 0600: the runtime reads it as root, and the socket path in it is the
+/// tenant's secret.
+pub fn write(cdi_dir: &Path, tenant: &str, spec: &Value) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(cdi_dir)?;
+    let path = spec_path(cdi_dir, tenant);
+    vgpu_topology::safe_open::write_atomically(&path, serde_json::to_string_pretty(spec).map_err(std::io::Error::other)?.as_bytes())?;
+    Ok(path)
+}
+
+/// Removes a tenant's spec (gone already is fine).
+pub fn remove(cdi_dir: &Path, tenant: &str) -> std::io::Result<()> {
+    match std::fs::remove_file(spec_path(cdi_dir, tenant)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spec_mounts_the_socket_and_the_libraries_and_sets_the_socket() {
+        let e = edits(Path::new("/run/vgpu/tenants/k8s-1.sock"), &["/usr/lib/vgpu/libcuda.so.1".into()], Path::new("/usr/lib/x86_64-linux-gnu"));
+        let s = spec("k8s-1", &e);
+        assert_eq!(s["kind"], "vgpu.dev/tenant");
+        assert_eq!(s["devices"][0]["name"], "k8s-1");
+        assert_eq!(s["devices"][0]["containerEdits"]["env"], json!(["VGPU_SOCKET=/run/vgpu/vgpu.sock"]));
+        let m = &s["devices"][0]["containerEdits"]["mounts"];
+        assert_eq!(m[0]["hostPath"], "/run/vgpu/tenants/k8s-1.sock");
+        assert_eq!(m[1]["containerPath"], "/usr/lib/x86_64-linux-gnu/libcuda.so.1");
+        assert_eq!(m[1]["options"], json!(["bind", "nosuid", "nodev", "ro"]));
+        assert_eq!(device_name("k8s-1"), "vgpu.dev/tenant=k8s-1");
+    }
+}

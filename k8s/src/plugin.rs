@@ -1,0 +1,483 @@
+//! The device plugin: one gRPC server per resource on a socket in the
+//! kubelet's device-plugins directory, registered with the kubelet (again
+//! whenever the kubelet restarts, which empties that directory), and the
+//! node's allocations: tenants made at `Allocate`, deleted once no pod
+//! holds their slices.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+use vgpu_api::tenant::{TenantKind, TenantSpec};
+
+use crate::cdi;
+use crate::mediator::Mediator;
+use crate::proto::deviceplugin as dp;
+use crate::proto::podresources as pr;
+use crate::slices::{self, Resource};
+use crate::state::{Allocation, State, StateError};
+
+/// The device plugin API version this plugin speaks.
+pub const API_VERSION: &str = "v1beta1";
+/// Most slices one container may hold (a tenant's weight is its slice
+/// count, and weights go to 10000).
+pub const MAX_SLICES_PER_CONTAINER: usize = 1024;
+
+/// How the node component is set up (`vgpu-k8s device-plugin --help`).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The kubelet's directory (`device-plugins/`, `pod-resources/`).
+    pub kubelet_dir: PathBuf,
+    /// Where CDI specs go.
+    pub cdi_dir: PathBuf,
+    /// The mediator's run directory (its API socket).
+    pub run_dir: PathBuf,
+    /// Where the plugin keeps its allocations.
+    pub state_dir: PathBuf,
+    /// The driver libraries containers get (the shim's libcuda.so.1, and
+    /// libnvidia-ml.so.1 where it exists).
+    pub libs: Vec<PathBuf>,
+    /// Where they go in the container.
+    pub container_lib_dir: PathBuf,
+    pub resources: Vec<Resource>,
+    /// Answer Allocate with CDI devices (else with mounts, for runtimes
+    /// without CDI); the environment is given either way.
+    pub cdi: bool,
+    /// The names of the tenants this plugin makes start with it.
+    pub tenant_prefix: String,
+    /// How often devices are looked at and the plugin's sockets checked.
+    pub poll: Duration,
+    /// How often pods' holdings are compared with the allocations.
+    pub reconcile: Duration,
+    /// How long an allocation stands before it must show in a pod (the
+    /// kubelet allocates before it creates the container).
+    pub grace: Duration,
+}
+
+impl Config {
+    fn device_plugins(&self) -> PathBuf {
+        self.kubelet_dir.join("device-plugins")
+    }
+    fn kubelet_socket(&self) -> PathBuf {
+        self.device_plugins().join("kubelet.sock")
+    }
+    fn pod_resources_socket(&self) -> PathBuf {
+        self.kubelet_dir.join("pod-resources/kubelet.sock")
+    }
+    fn state_file(&self) -> PathBuf {
+        self.state_dir.join("state.json")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(transparent)]
+    Mediator(#[from] crate::mediator::MediatorError),
+    #[error("{0}")]
+    Request(String),
+    #[error("CDI spec for {tenant}: {err}")]
+    Cdi { tenant: String, err: std::io::Error },
+}
+
+impl From<PluginError> for Status {
+    fn from(e: PluginError) -> Status {
+        match &e {
+            PluginError::Request(_) => Status::invalid_argument(e.to_string()),
+            PluginError::Mediator(m) if matches!(m.status(), Some(507 | 409)) => Status::resource_exhausted(e.to_string()),
+            _ => Status::internal(e.to_string()),
+        }
+    }
+}
+
+/// 64 random bits from the kernel.
+fn random_u64() -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into b, which lives
+    // across the call.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(u64::from_ne_bytes(b))
+}
+
+fn now_s() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The node's side: the mediator, the allocations, and a signal that they
+/// changed (ListAndWatch streams send a new list then).
+pub struct Node {
+    pub cfg: Config,
+    mediator: Mediator,
+    state: Mutex<State>,
+    changed: watch::Sender<u64>,
+}
+
+impl Node {
+    /// Loads the allocations (a corrupt state file is refused) and deletes
+    /// the tenants with this plugin's prefix that no allocation names (made
+    /// by a plugin that died before it could record them).
+    pub fn open(cfg: Config) -> Result<Node, PluginError> {
+        std::fs::create_dir_all(&cfg.state_dir).map_err(|err| StateError::Write { path: cfg.state_dir.display().to_string(), err })?;
+        let state = State::load(&cfg.state_file())?;
+        let node = Node { mediator: Mediator::new(&cfg.run_dir), cfg, state: Mutex::new(state), changed: watch::channel(0).0 };
+        node.sweep_orphans();
+        Ok(node)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn sweep_orphans(&self) {
+        let known: BTreeSet<String> = self.lock().allocations.keys().cloned().collect();
+        match self.mediator.tenants() {
+            Ok(all) => {
+                for t in all.into_iter().filter(|t| t.starts_with(&self.cfg.tenant_prefix) && !known.contains(t)) {
+                    info!(tenant = %t, "deleting a tenant of this plugin that no allocation names");
+                    if let Err(e) = self.mediator.delete_tenant(&t) {
+                        warn!(tenant = %t, "deleting it: {e}");
+                    }
+                    let _ = cdi::remove(&self.cfg.cdi_dir, &t);
+                }
+            }
+            Err(e) => warn!("listing the daemon's tenants: {e}"),
+        }
+    }
+
+    /// The slices `r` offers now.
+    pub fn list(&self, r: &Resource) -> Result<Vec<slices::Slice>, PluginError> {
+        let devices = self.mediator.devices()?;
+        let st = self.lock();
+        Ok(slices::slices(r, &devices, &st.allocated(&r.name), &st.reserved_by_device()))
+    }
+
+    /// Makes the tenant for one container's slices: their sum of memory, a
+    /// weight of one per slice, on their device; its CDI spec; the record.
+    pub fn allocate(&self, r: &Resource, ids: &[String]) -> Result<dp::ContainerAllocateResponse, PluginError> {
+        if ids.is_empty() || ids.len() > MAX_SLICES_PER_CONTAINER {
+            return Err(PluginError::Request(format!("a container holds 1 to {MAX_SLICES_PER_CONTAINER} slices of {}, not {}", r.name, ids.len())));
+        }
+        let mut by_device: BTreeMap<&str, usize> = BTreeMap::new();
+        for id in ids {
+            let d = slices::device_of(id).ok_or_else(|| PluginError::Request(format!("{id} is not a slice of {}", r.name)))?;
+            *by_device.entry(d).or_default() += 1;
+        }
+        // One tenant lives on one device: the one holding most of them.
+        let device = by_device.iter().max_by_key(|(_, n)| **n).map(|(d, _)| d.to_string()).unwrap_or_default();
+        let devices = self.mediator.devices()?;
+        if !devices.iter().any(|d| d.name == device && d.pool == r.pool) {
+            return Err(PluginError::Request(format!("device {device} is not in pool {}", r.pool)));
+        }
+        let mut st = self.lock();
+        // Slices the kubelet hands out again are free: an allocation that
+        // still holds one is stale (its pod is gone before the reconcile
+        // noticed).
+        let stale: Vec<String> = st.allocations.iter().filter(|(_, a)| a.resource == r.name && a.ids.iter().any(|i| ids.contains(i))).map(|(t, _)| t.clone()).collect();
+        for t in stale {
+            info!(tenant = %t, "its slices were allocated again: deleting it");
+            self.release(&mut st, &t)?;
+        }
+        // The name is the socket's: a random part makes it a secret that
+        // no other user of the host can guess (the tenants' directory is
+        // not listable, the CDI spec is root's only), since the socket
+        // must be open to whatever user the container runs as.
+        let name = format!("{}{}-{:016x}", self.cfg.tenant_prefix, st.next, random_u64().map_err(|err| PluginError::Cdi { tenant: "(new)".into(), err })?);
+        st.next += 1;
+        st.save(&self.cfg.state_file())?;
+        let memory = r.slice.0.saturating_mul(ids.len() as u64);
+        let spec = TenantSpec {
+            name: name.clone(),
+            memory: vgpu_api::Size(memory),
+            weight: ids.len() as u32,
+            cap: None,
+            priority: Default::default(),
+            device: Some(device.clone()),
+            pool: Some(r.pool.clone()),
+            numa_node: None,
+            kind: TenantKind::Process,
+            owner: None,
+            // The container's user is not known here: the socket is open
+            // to any user that can name it, and its name is a secret.
+            mode: Some("0666".into()),
+            host_memory: None,
+            max_connections: None,
+        };
+        let socket = self.mediator.create_tenant(&spec)?;
+        let edits = cdi::edits(&socket, &self.cfg.libs, &self.cfg.container_lib_dir);
+        if let Err(err) = cdi::write(&self.cfg.cdi_dir, &name, &cdi::spec(&name, &edits)) {
+            let _ = self.mediator.delete_tenant(&name);
+            return Err(PluginError::Cdi { tenant: name, err });
+        }
+        st.allocations.insert(name.clone(), Allocation { resource: r.name.clone(), device, ids: ids.to_vec(), memory, socket, created: now_s() });
+        st.save(&self.cfg.state_file())?;
+        drop(st);
+        self.changed.send_modify(|n| *n += 1);
+        info!(tenant = %name, slices = ids.len(), "allocated");
+        let envs = edits.env.iter().cloned().collect();
+        Ok(if self.cfg.cdi {
+            dp::ContainerAllocateResponse { envs, cdi_devices: vec![dp::CdiDevice { name: cdi::device_name(&name) }], ..Default::default() }
+        } else {
+            let mounts = edits.mounts.iter().map(|(h, c, ro)| dp::Mount { host_path: h.display().to_string(), container_path: c.display().to_string(), read_only: *ro }).collect();
+            dp::ContainerAllocateResponse { envs, mounts, ..Default::default() }
+        })
+    }
+
+    /// Deletes a tenant of this node, its spec and its record.
+    fn release(&self, st: &mut State, tenant: &str) -> Result<(), PluginError> {
+        self.mediator.delete_tenant(tenant)?;
+        cdi::remove(&self.cfg.cdi_dir, tenant).map_err(|err| PluginError::Cdi { tenant: tenant.into(), err })?;
+        st.allocations.remove(tenant);
+        st.save(&self.cfg.state_file())?;
+        Ok(())
+    }
+
+    /// Deletes the allocations no pod holds any more: `in_use` is each
+    /// resource's slice ids the kubelet's pods hold. One younger than the
+    /// grace period stands (its container may not exist yet).
+    pub fn reconcile(&self, in_use: &BTreeSet<(String, String)>) -> Vec<String> {
+        let now = now_s();
+        let mut st = self.lock();
+        let gone: Vec<String> = st
+            .allocations
+            .iter()
+            .filter(|(_, a)| now.saturating_sub(a.created) >= self.cfg.grace.as_secs() && !a.ids.iter().any(|i| in_use.contains(&(a.resource.clone(), i.clone()))))
+            .map(|(t, _)| t.clone())
+            .collect();
+        let mut released = Vec::new();
+        for t in gone {
+            match self.release(&mut st, &t) {
+                Ok(()) => {
+                    info!(tenant = %t, "no pod holds its slices: deleted");
+                    released.push(t);
+                }
+                Err(e) => warn!(tenant = %t, "deleting it: {e}"),
+            }
+        }
+        drop(st);
+        if !released.is_empty() {
+            self.changed.send_modify(|n| *n += 1);
+        }
+        released
+    }
+
+    /// The allocations, by tenant.
+    pub fn allocations(&self) -> BTreeMap<String, Allocation> {
+        self.lock().allocations.clone()
+    }
+}
+
+/// One resource's DevicePlugin service.
+struct SlicePlugin {
+    node: Arc<Node>,
+    resource: Resource,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, PluginError> + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(Status::from)
+}
+
+fn to_devices(slices: Vec<slices::Slice>) -> Vec<dp::Device> {
+    slices
+        .into_iter()
+        .map(|s| dp::Device { id: s.id, health: if s.healthy { "Healthy" } else { "Unhealthy" }.into(), topology: s.numa_node.map(|n| dp::TopologyInfo { nodes: vec![dp::NumaNode { id: n }] }) })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl dp::device_plugin_server::DevicePlugin for SlicePlugin {
+    async fn get_device_plugin_options(&self, _: Request<dp::Empty>) -> Result<Response<dp::DevicePluginOptions>, Status> {
+        Ok(Response::new(dp::DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }))
+    }
+
+    type ListAndWatchStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<dp::ListAndWatchResponse, Status>> + Send>>;
+
+    async fn list_and_watch(&self, _: Request<dp::Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let (node, r) = (self.node.clone(), self.resource.clone());
+        let mut changed = node.changed.subscribe();
+        tokio::spawn(async move {
+            let mut last: Option<Vec<dp::Device>> = None;
+            loop {
+                let (n, rr) = (node.clone(), r.clone());
+                match blocking(move || n.list(&rr)).await {
+                    Ok(s) => {
+                        let devices = to_devices(s);
+                        if last.as_ref() != Some(&devices) {
+                            if tx.send(Ok(dp::ListAndWatchResponse { devices: devices.clone() })).await.is_err() {
+                                return;
+                            }
+                            last = Some(devices);
+                        }
+                    }
+                    Err(e) => warn!(resource = %r.name, "listing slices: {}", e.message()),
+                }
+                tokio::select! {
+                    _ = changed.changed() => {}
+                    _ = tokio::time::sleep(node.cfg.poll) => {}
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_preferred_allocation(&self, req: Request<dp::PreferredAllocationRequest>) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
+        let container_responses = req
+            .into_inner()
+            .container_requests
+            .into_iter()
+            .map(|c| dp::ContainerPreferredAllocationResponse { device_i_ds: slices::preferred(&c.available_device_i_ds, &c.must_include_device_i_ds, c.allocation_size.max(0) as usize) })
+            .collect();
+        Ok(Response::new(dp::PreferredAllocationResponse { container_responses }))
+    }
+
+    async fn allocate(&self, req: Request<dp::AllocateRequest>) -> Result<Response<dp::AllocateResponse>, Status> {
+        let mut container_responses = Vec::new();
+        for c in req.into_inner().container_requests {
+            let (n, r) = (self.node.clone(), self.resource.clone());
+            container_responses.push(blocking(move || n.allocate(&r, &c.devices_ids)).await?);
+        }
+        Ok(Response::new(dp::AllocateResponse { container_responses }))
+    }
+
+    async fn pre_start_container(&self, _: Request<dp::PreStartContainerRequest>) -> Result<Response<dp::PreStartContainerResponse>, Status> {
+        Ok(Response::new(dp::PreStartContainerResponse {}))
+    }
+}
+
+/// Registers `r`'s socket with the kubelet.
+async fn register(cfg: &Config, r: &Resource) -> Result<(), String> {
+    let ch = crate::uds::channel(&cfg.kubelet_socket()).await.map_err(|e| format!("connecting to {}: {e}", cfg.kubelet_socket().display()))?;
+    let req = dp::RegisterRequest {
+        version: API_VERSION.into(),
+        endpoint: r.socket_name(),
+        resource_name: r.name.clone(),
+        options: Some(dp::DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }),
+    };
+    dp::registration_client::RegistrationClient::new(ch).register(req).await.map_err(|s| format!("the kubelet refused {}: {}", r.name, s.message()))?;
+    Ok(())
+}
+
+/// Serves `r` for as long as the process runs: binds its socket, registers
+/// it, and does both again whenever the socket goes (the kubelet removes
+/// every plugin socket when it starts).
+pub async fn serve_resource(node: Arc<Node>, r: Resource) {
+    let sock = node.cfg.device_plugins().join(r.socket_name());
+    loop {
+        let _ = std::fs::remove_file(&sock);
+        let listener = match tokio::net::UnixListener::bind(&sock) {
+            Ok(l) => l,
+            Err(e) => {
+                warn!(resource = %r.name, "binding {}: {e}; trying again", sock.display());
+                tokio::time::sleep(node.cfg.poll).await;
+                continue;
+            }
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let svc = dp::device_plugin_server::DevicePluginServer::new(SlicePlugin { node: node.clone(), resource: r.clone() });
+        let server = tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async {
+            let _ = stopped.await;
+        }));
+        let mut registered = false;
+        loop {
+            if !registered {
+                match register(&node.cfg, &r).await {
+                    Ok(()) => {
+                        info!(resource = %r.name, socket = %sock.display(), "registered with the kubelet");
+                        registered = true;
+                    }
+                    Err(e) => warn!(resource = %r.name, "registering: {e}; trying again"),
+                }
+            }
+            tokio::time::sleep(node.cfg.poll).await;
+            if !sock.exists() {
+                info!(resource = %r.name, "the plugin's socket is gone (the kubelet restarted): serving and registering again");
+                break;
+            }
+            if server.is_finished() {
+                warn!(resource = %r.name, "the plugin's server ended: starting it again");
+                break;
+            }
+        }
+        // A graceful stop waits for open ListAndWatch streams, which a
+        // kubelet that went away never ends: a second, then they are cut.
+        let _ = stop.send(());
+        let mut server = server;
+        if tokio::time::timeout(Duration::from_secs(1), &mut server).await.is_err() {
+            server.abort();
+        }
+    }
+}
+
+/// What the kubelet's pods hold: (resource, slice id) pairs, from its pod
+/// resources API; None where it cannot be asked.
+async fn pods_hold(cfg: &Config) -> Result<BTreeSet<(String, String)>, String> {
+    let path = cfg.pod_resources_socket();
+    let ch = crate::uds::channel(&path).await.map_err(|e| format!("connecting to {}: {e}", path.display()))?;
+    let list = pr::pod_resources_lister_client::PodResourcesListerClient::new(ch).list(pr::ListPodResourcesRequest {}).await.map_err(|s| format!("listing pod resources: {}", s.message()))?;
+    let mut held = BTreeSet::new();
+    for pod in list.into_inner().pod_resources {
+        for c in pod.containers {
+            for d in c.devices {
+                for id in d.device_ids {
+                    held.insert((d.resource_name.clone(), id));
+                }
+            }
+        }
+    }
+    Ok(held)
+}
+
+/// Deletes, every `reconcile` period, the allocations no pod holds. When
+/// the kubelet cannot be asked, nothing is deleted.
+pub async fn reconcile_loop(node: Arc<Node>) {
+    loop {
+        tokio::time::sleep(node.cfg.reconcile).await;
+        match pods_hold(&node.cfg).await {
+            Ok(held) => {
+                let n = node.clone();
+                let _ = tokio::task::spawn_blocking(move || n.reconcile(&held)).await;
+            }
+            Err(e) => warn!("not reconciling allocations with pods: {e}"),
+        }
+    }
+}
+
+/// Runs the plugin: every resource served and registered, allocations
+/// reconciled with pods, until the process is stopped.
+pub async fn run(cfg: Config) -> Result<(), PluginError> {
+    for r in &cfg.resources {
+        info!(resource = %r.name, pool = %r.pool, slice = %r.slice, "offering");
+    }
+    let resources = cfg.resources.clone();
+    let node = Arc::new(tokio::task::spawn_blocking(move || Node::open(cfg)).await.map_err(|e| PluginError::Request(e.to_string()))??);
+    let mut tasks = Vec::new();
+    for r in resources {
+        tasks.push(tokio::spawn(serve_resource(node.clone(), r)));
+    }
+    tasks.push(tokio::spawn(reconcile_loop(node)));
+    for t in tasks {
+        let _ = t.await;
+    }
+    Ok(())
+}
+
+/// The libraries a container gets from `dir`: `libcuda.so.1`, and
+/// `libnvidia-ml.so.1` where it is there.
+pub fn driver_libs(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let cuda = dir.join("libcuda.so.1");
+    if !cuda.exists() {
+        return Err(format!("{} is missing: give --lib-dir, the directory of the vGPU's libcuda.so.1", cuda.display()));
+    }
+    Ok([cuda, dir.join("libnvidia-ml.so.1")].into_iter().filter(|p| p.exists()).collect())
+}
