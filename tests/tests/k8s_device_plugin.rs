@@ -226,7 +226,8 @@ fn run_with_cdi(spec: &Value) -> std::process::Output {
 
 #[test]
 fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods() {
-    let m = Mediator::start(&["--cpu-devices", "2", "--device-memory", "64MiB"]);
+    let args = ["--cpu-devices", "2", "--device-memory", "64MiB"];
+    let mut m = Mediator::start(&args);
     let root = m.run_dir.join("k8s");
     let mut k = Kubelet::start(&root.join("kubelet"));
     let mut plugin = Plugin::start(&m, &k, &root);
@@ -296,6 +297,14 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     let again = k.wait_registration();
     assert_eq!(again.resource_name, RESOURCE);
     assert_eq!(tenants(&m), std::slice::from_ref(&tenant), "a kubelet restart keeps the allocations");
+
+    // The daemon is killed and started again: the pod's tenant is still
+    // there (the daemon keeps its tenants), and the plugin still answers.
+    m.kill_and_restart(&args);
+    assert_eq!(tenants(&m), std::slice::from_ref(&tenant), "a daemon restart keeps the pods' tenants");
+    let mut after = k.plugin(&again.endpoint);
+    let listed = k.rt.block_on(async { after.list_and_watch(dp::Empty {}).await.expect("ListAndWatch").into_inner().message().await }).expect("a list").expect("a list");
+    assert!(chosen.iter().all(|id| listed.devices.iter().any(|d| &d.id == id)), "{listed:?}");
 
     // The plugin is killed and started again: its allocations are kept,
     // it registers again, and a tenant with its prefix that no allocation
