@@ -424,7 +424,7 @@ impl Shim {
 
     fn create_ctx(&self, flags: c_uint, dev: CUdevice) -> CallResult<u32> {
         self.device(dev)?;
-        let req = || Request::CtxCreate(CtxCreateReq { flags, reserved: 0 });
+        let req = || Request::CtxCreate(CtxCreateReq { flags, pid: std::process::id() });
         let idle = || self.st().ctxs.is_empty();
         let client = self.client();
         if client.is_lost() && idle() {

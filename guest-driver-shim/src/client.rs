@@ -579,6 +579,15 @@ impl Client {
         }
     }
 
+    /// The tenant's processes holding contexts on the device, with the
+    /// memory each holds (the pid each gave when it made its contexts).
+    pub fn processes(&self) -> CallResult<Vec<ProcessInfo>> {
+        match self.call(Request::GetProcesses)? {
+            Reply::Processes(v) => Ok(v),
+            r => Err(unexpected(r)),
+        }
+    }
+
     /// What this connection cost: transport messages, ring entries, kicks.
     pub fn conn_stats(&self) -> CallResult<ConnStats> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed).wrapping_add(1);

@@ -8,10 +8,11 @@
 //! tenant's quota (total), what it holds (used) and the rest (free);
 //! utilization as the tenant's share of the device's time since the
 //! previous query. What a vGPU has no value for (temperature, power, fans,
-//! clocks, PCI address, the processes of other tenants) answers
-//! `NVML_ERROR_NOT_SUPPORTED`, as NVML does on NVIDIA's own vGPUs. The
-//! tenant's own processes are not known to the device, so the process
-//! lists are empty.
+//! clocks, PCI address) answers `NVML_ERROR_NOT_SUPPORTED`, as NVML does
+//! on NVIDIA's own vGPUs. The running-process lists hold the tenant's own
+//! processes that have contexts on the device (each gave its pid, as this
+//! system numbers it, when it made them) and the device memory each
+//! holds; other tenants' processes are never listed.
 
 // These are C entry points: their callers hold NVML's contract for every
 // pointer they pass, as with NVIDIA's library, so they are not `unsafe fn`
@@ -23,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use virtio_gpu_compute::nvml::*;
-use virtio_gpu_compute::{name_str, uuid_text, DeviceInfo, TenantInfo};
+use virtio_gpu_compute::{name_str, uuid_text, DeviceInfo, ProcessInfo, TenantInfo};
 
 use crate::client::Client;
 
@@ -265,29 +266,73 @@ pub extern "C" fn nvmlDeviceGetUtilizationRates(h: *mut c_void, u: *mut Utilizat
     })
 }
 
-/// The tenant's processes are not known to the device: an empty list.
-fn no_processes(h: *mut c_void, count: *mut c_uint) -> NvmlReturn {
-    entry(|| device(h).and_then(|_| put(count, 0)))
+/// The tenant's processes holding contexts on the device, each with the
+/// device memory its contexts hold (an executor too old to list them
+/// answers none).
+fn processes(h: *mut c_void) -> Result<Vec<ProcessInfo>, NvmlReturn> {
+    device(h)?;
+    match client()?.processes() {
+        Ok(v) => Ok(v),
+        Err(e) if e.code == virtio_gpu_compute::CuResult::CUDA_ERROR_INVALID_VALUE => Ok(Vec::new()),
+        Err(_) => Err(UNKNOWN),
+    }
+}
+
+fn compute_processes_v2(h: *mut c_void, count: *mut c_uint, infos: *mut ProcessInfoV2) -> NvmlReturn {
+    entry(|| {
+        let list: Vec<ProcessInfoV2> = processes(h)?.iter().map(|p| ProcessInfoV2 { pid: p.pid, used_gpu_memory: p.used, gpu_instance_id: NO_INSTANCE, compute_instance_id: NO_INSTANCE }).collect();
+        put_list(count, infos, &list)
+    })
 }
 
 #[no_mangle]
-pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(h: *mut c_void, count: *mut c_uint, _infos: *mut c_void) -> NvmlReturn {
-    no_processes(h, count)
+pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(h: *mut c_void, count: *mut c_uint, infos: *mut ProcessInfoV2) -> NvmlReturn {
+    compute_processes_v2(h, count, infos)
 }
 
 #[no_mangle]
-pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(h: *mut c_void, count: *mut c_uint, _infos: *mut c_void) -> NvmlReturn {
-    no_processes(h, count)
+pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(h: *mut c_void, count: *mut c_uint, infos: *mut ProcessInfoV2) -> NvmlReturn {
+    compute_processes_v2(h, count, infos)
 }
 
 #[no_mangle]
-pub extern "C" fn nvmlDeviceGetComputeRunningProcesses(h: *mut c_void, count: *mut c_uint, _infos: *mut c_void) -> NvmlReturn {
-    no_processes(h, count)
+pub extern "C" fn nvmlDeviceGetComputeRunningProcesses(h: *mut c_void, count: *mut c_uint, infos: *mut ProcessInfoV1) -> NvmlReturn {
+    entry(|| {
+        let list: Vec<ProcessInfoV1> = processes(h)?.iter().map(|p| ProcessInfoV1 { pid: p.pid, used_gpu_memory: p.used }).collect();
+        put_list(count, infos, &list)
+    })
 }
 
+/// A compute device runs no graphics: an empty list.
 #[no_mangle]
-pub extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(h: *mut c_void, count: *mut c_uint, _infos: *mut c_void) -> NvmlReturn {
-    no_processes(h, count)
+pub extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(h: *mut c_void, count: *mut c_uint, infos: *mut ProcessInfoV2) -> NvmlReturn {
+    entry(|| device(h).and_then(|_| put_list(count, infos, &[])))
+}
+
+/// A process's name, from this system's /proc (where the pids the running
+/// process lists give live): its executable's path as it was started,
+/// else its command name.
+#[no_mangle]
+pub extern "C" fn nvmlSystemGetProcessName(pid: c_uint, name: *mut c_char, length: c_uint) -> NvmlReturn {
+    entry(|| {
+        session(|_| Ok(()))?;
+        let text = process_name(pid).ok_or(NOT_FOUND)?;
+        put_text(name, length, &text)
+    })
+}
+
+/// `/proc/PID/cmdline`'s first word, else `/proc/PID/comm`.
+pub fn process_name(pid: u32) -> Option<String> {
+    if pid == 0 {
+        return None;
+    }
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let first = cmd.split(|b| *b == 0).next().unwrap_or_default();
+    if !first.is_empty() {
+        return Some(String::from_utf8_lossy(first).into_owned());
+    }
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    Some(comm.trim_end().to_string())
 }
 
 /// Queries a vGPU has no value for.

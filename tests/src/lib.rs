@@ -715,7 +715,7 @@ impl Raw {
     }
 
     pub fn ctx(&mut self) -> u32 {
-        Self::handle(self.call(Request::CtxCreate(virtio_gpu_compute::CtxCreateReq { flags: 0, reserved: 0 })))
+        Self::handle(self.call(Request::CtxCreate(virtio_gpu_compute::CtxCreateReq { flags: 0, pid: 0 })))
     }
 
     pub fn load(&mut self, ctx: u32, ptx: &str) -> Reply {
@@ -853,7 +853,7 @@ pub mod shares {
     /// A new context on `c` with `ptx` loaded, and the handle of its
     /// kernel `name`.
     pub fn context_with_kernel(c: &Client, ptx: &str, name: &str) -> (u32, u32) {
-        let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+        let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })).expect("ctx");
         let img = ptx.as_bytes().to_vec();
         let m = c.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("load");
         match c.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: name.len() as u32, reserved: 0 }, name.into())).expect("function") {

@@ -298,8 +298,23 @@ fn pynvml_sees_the_tenants_gpu_with_its_quota_and_the_metrics_uuid() {
     let m = Mediator::start(&["--device-memory", "512MiB"]);
     let sock = m.tenant("nvml", "192MiB");
     run_ok(sample("vectorAdd", &sock));
+    // Another tenant's process holds memory meanwhile: it is never listed.
+    let other = m.tenant("nvml-other", "64MiB");
+    let probe = workspace().join("tests/stacks/nvml_probe.py");
+    let mut holder = Command::new(pyenv().join("bin/python"))
+        .arg(&probe)
+        .args(["hold", "16"])
+        .env("VGPU_SOCKET", &other)
+        .env("LD_LIBRARY_PATH", lib_dir())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the other tenant's holder");
+    let mut ready = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(holder.stdout.as_mut().expect("stdout")), &mut ready).expect("holder output");
+    assert_eq!(ready.trim(), "ready", "the other tenant's holder did not start");
     let mut c = Command::new(pyenv().join("bin/python"));
-    c.arg(workspace().join("tests/stacks/nvml_probe.py")).env("VGPU_SOCKET", &sock).env("LD_LIBRARY_PATH", lib_dir());
+    c.arg(&probe).env("VGPU_SOCKET", &sock).env("LD_LIBRARY_PATH", lib_dir());
     let out = run_ok(c);
     let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {out}"));
     let metrics = m.metrics();
@@ -307,7 +322,42 @@ fn pynvml_sees_the_tenants_gpu_with_its_quota_and_the_metrics_uuid() {
     assert_eq!((v["count"].as_u64(), v["uuid"].as_str(), v["total"].as_u64()), (Some(1), Some(uuid), Some(QUOTA)), "{v}");
     assert_eq!(v["used"].as_u64().zip(v["free"].as_u64()).map(|(u, f)| u + f), Some(QUOTA), "{v}");
     assert!(v["util"].as_u64().is_some_and(|u| u <= 100), "{v}");
-    assert_eq!((v["by_uuid"].as_bool(), v["temperature"].as_str(), v["second"].as_str(), v["processes"].as_u64()), (Some(true), Some("not supported"), Some("invalid argument"), Some(0)), "{v}");
+    assert_eq!(
+        (v["by_uuid"].as_bool(), v["temperature"].as_str(), v["second"].as_str(), v["processes_before"].as_u64()),
+        (Some(true), Some("not supported"), Some("invalid argument"), Some(0)),
+        "{v}"
+    );
+    // Its own process, once it holds a context: its pid, the 4 MiB it
+    // allocated, its name from /proc; the other tenant's holder is not there.
+    let procs = v["processes"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(procs.len(), 1, "only the probe's own process: {v}");
+    assert_eq!((procs[0]["pid"].as_u64(), procs[0]["used"].as_u64()), (v["self"].as_u64(), Some(4 << 20)), "{v}");
+    assert!(procs[0]["name"].as_str().is_some_and(|n| n.contains("python")), "{v}");
+    assert_eq!(v["graphics"].as_u64(), Some(0), "{v}");
+    // vgpu-smi lists the other tenant's holder to that tenant, as
+    // nvidia-smi --query-compute-apps does.
+    let mut c = Command::new(bin("vgpu-smi"));
+    c.args(["--query-compute-apps=pid,process_name,used_memory", "--format=csv"]).arg("--socket").arg(&other);
+    let out = run_ok(c);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.first().copied(), Some("pid, process_name, used_gpu_memory [MiB]"), "{out}");
+    assert_eq!(lines.len(), 2, "{out}");
+    let cols: Vec<&str> = lines[1].split(", ").collect();
+    assert_eq!((cols[0], cols[2]), (holder.id().to_string().as_str(), "16 MiB"), "{out}");
+    assert!(cols[1].contains("python"), "{out}");
+    drop(holder.stdin.take());
+    assert!(holder.wait().expect("holder").success());
+    // Its process gone (its connection closed), the tenant lists none.
+    let listed = || {
+        let mut c = Command::new(bin("vgpu-smi"));
+        c.args(["--query-compute-apps=pid", "--format=csv,noheader"]).arg("--socket").arg(&other);
+        run_ok(c).trim().to_string()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !listed().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(listed(), "", "the holder exited");
     assert!(v["name"].as_str().is_some_and(|n| !n.is_empty()) && v["cuda"].as_i64().is_some_and(|c| c >= 12000), "{v}");
     // Without a vGPU, nvmlInit says so instead of crashing.
     let mut c = Command::new(pyenv().join("bin/python"));

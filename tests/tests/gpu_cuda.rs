@@ -263,7 +263,7 @@ fn gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant() {
     let sock = m.tenant_on("victim", "64MiB", "gpu0");
     use virtio_gpu_compute::*;
     let mut raw = Raw::connect(&sock);
-    let ctx = match raw.call(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })) {
+    let ctx = match raw.call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })) {
         Reply::Handle(h) => h,
         r => panic!("{r:?}"),
     };

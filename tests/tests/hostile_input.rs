@@ -90,7 +90,7 @@ fn hostile_client_gets_errors_while_the_other_tenant_is_served() {
 
     // Bad handles of every kind.
     expect_error(r.call(Request::MemFree(MemFreeReq { ctx: 77, reserved: 0, dptr: 0x7000_0000_0000 })), CuResult::CUDA_ERROR_INVALID_CONTEXT);
-    let ctx = match r.call(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })) {
+    let ctx = match r.call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })) {
         Reply::Handle(h) => h,
         o => panic!("{o:?}"),
     };

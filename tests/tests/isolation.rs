@@ -26,7 +26,7 @@ fn kernel_fault_poisons_only_the_faulting_context() {
     // CUDA_ERROR_ILLEGAL_ADDRESS...
     let mut raw = Raw::connect(&a);
     use virtio_gpu_compute::*;
-    let ctx = match raw.call(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })) {
+    let ctx = match raw.call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })) {
         Reply::Handle(h) => h,
         r => panic!("{r:?}"),
     };
@@ -54,7 +54,7 @@ fn kernel_fault_poisons_only_the_faulting_context() {
     // ...the context stays unusable, as on a GPU...
     assert!(matches!(raw.call(Request::CtxSynchronize(CtxReq { ctx, reserved: 0 })), Reply::Error(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, _)));
     // ...while a new context of the same tenant and another tenant work.
-    assert!(matches!(raw.call(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })), Reply::Handle(_)));
+    assert!(matches!(raw.call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })), Reply::Handle(_)));
     assert!(run_ok(sample("vectorAdd", &b)).contains("PASSED"));
 }
 

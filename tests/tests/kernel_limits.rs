@@ -40,7 +40,7 @@ fn cubins_and_fatbins_without_ptx_have_no_binary_for_the_cpu_device() {
     let m = Mediator::start(&[]);
     let a = m.tenant("bin", "16MiB");
     let mut r = Raw::connect(&a);
-    let ctx = match r.call(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })) {
+    let ctx = match r.call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })) {
         Reply::Handle(h) => h,
         o => panic!("{o:?}"),
     };

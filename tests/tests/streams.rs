@@ -567,7 +567,7 @@ fn a_tenants_long_kernels_do_not_stop_another_tenants_ring() {
     let b_sock = m.tenant("neighbour", "16MiB");
     let a = Client::connect_unix(a_sock.to_str().expect("utf8")).expect("connect");
     assert!(a.ring().is_some());
-    let ctx = a.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+    let ctx = a.handle(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })).expect("ctx");
     let img = BUSY.as_bytes().to_vec();
     let module = a.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("module");
     let func = match a.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: 4, reserved: 0 }, "busy".into())).expect("function") {
@@ -586,7 +586,7 @@ fn a_tenants_long_kernels_do_not_stop_another_tenants_ring() {
     for _ in 0..100 {
         assert_eq!(b.call(Request::Ping).expect("ping"), Reply::Empty);
     }
-    let bctx = b.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+    let bctx = b.handle(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })).expect("ctx");
     assert!(matches!(b.call(Request::MemAlloc(MemAllocReq { ctx: bctx, reserved: 0, size: 4096 })), Ok(Reply::Ptr(_))));
     assert!(last.iter().all(|s| !a.is_done(*s)), "the neighbour was served before any of the flooder's kernels ended");
     for s in last {

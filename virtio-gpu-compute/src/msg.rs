@@ -24,6 +24,9 @@ pub const MAX_PARAM_BYTES: u32 = 4096;
 pub const MAX_PARAMS: u32 = 512;
 /// Longest error text in a reply.
 pub const MAX_ERROR_TEXT: usize = 1024;
+/// Most contexts one tenant holds on a device, so most processes a
+/// `GetProcesses` reply lists.
+pub const MAX_CONTEXTS: usize = 256;
 /// The default (legacy) stream handle.
 pub const DEFAULT_STREAM: u32 = 0;
 
@@ -122,6 +125,7 @@ opcodes! {
     GetConnStats = 31,
     RingKick = 32,
     GetDeviceAttributes = 33,
+    GetProcesses = 34,
 }
 
 /// Where a copy's host-side bytes live.
@@ -161,7 +165,12 @@ impl ImageFormat {
     }
 }
 
-wire_struct! { pub struct CtxCreateReq { pub flags: u32, pub reserved: u32 } }
+wire_struct! {
+    /// `pid` is the creating process's id as it knows itself (in its own
+    /// PID namespace: the guest's, the container's), 0 when not given;
+    /// the device only reports it back, in `GetProcesses`.
+    pub struct CtxCreateReq { pub flags: u32, pub pid: u32 }
+}
 wire_struct! { pub struct CtxReq { pub ctx: u32, pub reserved: u32 } }
 wire_struct! {
     /// Creates a stream or event in a context.
@@ -262,6 +271,17 @@ wire_struct! {
     }
 }
 
+wire_struct! {
+    /// One process of the tenant that holds contexts on the device: what
+    /// NVML's running-process lists report.
+    pub struct ProcessInfo {
+        pub pid: u32,
+        pub contexts: u32,
+        /// Device memory its contexts' allocations hold.
+        pub used: u64,
+    }
+}
+
 wire_struct! { pub struct HandleReply { pub handle: u32, pub reserved: u32 } }
 wire_struct! { pub struct PtrReply { pub dptr: u64 } }
 wire_struct! { pub struct MemInfoReply { pub free: u64, pub total: u64 } }
@@ -312,6 +332,8 @@ pub enum Request {
     RingKick,
     /// Every `CUdevice_attribute` value of the device, as the tenant sees it.
     GetDeviceAttributes,
+    /// The tenant's processes holding contexts on the device.
+    GetProcesses,
 }
 
 fn zero(v: u32, what: &'static str) -> Result<(), WireError> {
@@ -409,6 +431,7 @@ impl Request {
             Request::GetConnStats => Opcode::GetConnStats,
             Request::RingKick => Opcode::RingKick,
             Request::GetDeviceAttributes => Opcode::GetDeviceAttributes,
+            Request::GetProcesses => Opcode::GetProcesses,
         }
     }
 
@@ -416,7 +439,14 @@ impl Request {
     pub fn encode(&self, seq: u32) -> Vec<u8> {
         let mut p = Vec::new();
         match self {
-            Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick | Request::GetDeviceAttributes => {}
+            Request::Ping
+            | Request::GetDeviceInfo
+            | Request::GetTenantInfo
+            | Request::MemGetInfo
+            | Request::GetConnStats
+            | Request::RingKick
+            | Request::GetDeviceAttributes
+            | Request::GetProcesses => {}
             Request::CtxCreate(b) => b.put(&mut p),
             Request::StreamCreate(b) | Request::EventCreate(b) => b.put(&mut p),
             Request::CtxDestroy(b) | Request::CtxSynchronize(b) => b.put(&mut p),
@@ -481,6 +511,7 @@ impl Request {
             Opcode::GetConnStats => Request::GetConnStats,
             Opcode::RingKick => Request::RingKick,
             Opcode::GetDeviceAttributes => Request::GetDeviceAttributes,
+            Opcode::GetProcesses => Request::GetProcesses,
             Opcode::AttachRing => {
                 let b = AttachRingReq::get(r)?;
                 zero(b.flags, "ring.flags")?;
@@ -496,11 +527,7 @@ impl Request {
                 Request::UnregisterShm(b)
             }
             Opcode::StreamWait => Request::StreamWait(StreamWaitReq::get(r)?),
-            Opcode::CtxCreate => {
-                let b = CtxCreateReq::get(r)?;
-                zero(b.reserved, "create.reserved")?;
-                Request::CtxCreate(b)
-            }
+            Opcode::CtxCreate => Request::CtxCreate(CtxCreateReq::get(r)?),
             Opcode::StreamCreate => Request::StreamCreate(ObjCreateReq::get(r)?),
             Opcode::EventCreate => Request::EventCreate(ObjCreateReq::get(r)?),
             Opcode::CtxDestroy | Opcode::CtxSynchronize => {
@@ -653,6 +680,8 @@ pub enum Reply {
     /// `CUdevice_attribute` values by attribute number
     /// ([`crate::attrs::UNSUPPORTED`] where the device has none).
     Attributes(Vec<i32>),
+    /// At most [`MAX_CONTEXTS`] entries.
+    Processes(Vec<ProcessInfo>),
     Error(CuResult, String),
 }
 
@@ -685,6 +714,11 @@ impl Reply {
             Reply::Attributes(v) => {
                 for a in v.iter().take(crate::attrs::COUNT) {
                     p.extend_from_slice(&a.to_le_bytes());
+                }
+            }
+            Reply::Processes(v) => {
+                for e in v.iter().take(MAX_CONTEXTS) {
+                    e.put(&mut p);
                 }
             }
             Reply::Error(code, msg) => {
@@ -757,6 +791,15 @@ impl Reply {
                     return Err(WireError::BadField { what: "device attributes length", value: rest.len() as u64 });
                 }
                 Reply::Attributes(rest.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            }
+            Opcode::GetProcesses => {
+                let n = r.remaining() / ProcessInfo::SIZE;
+                bounded("processes", n as u64, MAX_CONTEXTS as u64)?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(ProcessInfo::get(&mut r)?);
+                }
+                Reply::Processes(v)
             }
             _ => Reply::Empty,
         };

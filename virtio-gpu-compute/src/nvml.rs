@@ -55,6 +55,54 @@ pub struct Utilization {
     pub memory: c_uint,
 }
 
+/// `nvmlProcessInfo_v1_t`: what the unversioned running-process queries fill.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ProcessInfoV1 {
+    pub pid: c_uint,
+    pub used_gpu_memory: u64,
+}
+
+/// `nvmlProcessInfo_v2_t` (also `nvmlProcessInfo_t`): what the `_v2` and
+/// `_v3` running-process queries fill.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ProcessInfoV2 {
+    pub pid: c_uint,
+    pub used_gpu_memory: u64,
+    /// [`NO_INSTANCE`] outside MIG.
+    pub gpu_instance_id: c_uint,
+    pub compute_instance_id: c_uint,
+}
+
+/// The instance ids of a process not on a MIG instance.
+pub const NO_INSTANCE: c_uint = u32::MAX;
+
+/// Fills a caller's array as NVML's list queries do: `*count` says how many
+/// entries `infos` holds; a list that does not fit (or a null `infos` when
+/// the list is not empty) returns INSUFFICIENT_SIZE with the length needed
+/// in `*count`; otherwise the entries are written and `*count` is their
+/// number (for C entry points, as [`put`]).
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub fn put_list<T: Copy>(count: *mut c_uint, infos: *mut T, list: &[T]) -> Result<(), NvmlReturn> {
+    if count.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null, and NVML's contract makes it a valid c_uint.
+    let room = unsafe { count.read() } as usize;
+    let n = list.len() as c_uint;
+    if list.len() > room || (infos.is_null() && !list.is_empty()) {
+        put(count, n)?;
+        return Err(INSUFFICIENT_SIZE);
+    }
+    for (i, v) in list.iter().enumerate() {
+        // SAFETY: non-null (checked when the list is not empty) and the
+        // caller said it holds `room` >= list.len() entries.
+        unsafe { infos.add(i).write(*v) };
+    }
+    put(count, n)
+}
+
 /// Runs an entry point's body: its error code, and UNKNOWN for a panic,
 /// which must not unwind into C.
 pub fn entry(f: impl FnOnce() -> Result<(), NvmlReturn>) -> NvmlReturn {

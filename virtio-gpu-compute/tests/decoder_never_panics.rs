@@ -63,7 +63,17 @@ fn every_opcode_rejects_truncated_body() {
         let m = header(*op as u16, 0);
         match Request::decode(&m) {
             Ok((_, r)) => assert!(
-                matches!(r, Request::Ping | Request::GetDeviceInfo | Request::GetTenantInfo | Request::MemGetInfo | Request::GetConnStats | Request::RingKick | Request::GetDeviceAttributes),
+                matches!(
+                    r,
+                    Request::Ping
+                        | Request::GetDeviceInfo
+                        | Request::GetTenantInfo
+                        | Request::MemGetInfo
+                        | Request::GetConnStats
+                        | Request::RingKick
+                        | Request::GetDeviceAttributes
+                        | Request::GetProcesses
+                ),
                 "{op:?} accepted an empty body"
             ),
             Err(e) => assert!(matches!(e, WireError::Truncated), "{op:?}: {e}"),
@@ -125,4 +135,18 @@ fn device_attributes_round_trip_and_are_bounded() {
     let too_long = vec![0u8; virtio_gpu_compute::attrs::COUNT * 4 + 4];
     assert!(Reply::decode_payload(Opcode::GetDeviceAttributes, 0, &too_long).is_err());
     assert!(Reply::decode_payload(Opcode::GetDeviceAttributes, 0, &[1, 2, 3]).is_err());
+}
+
+#[test]
+fn process_lists_round_trip_and_are_bounded() {
+    let list: Vec<ProcessInfo> = (1..=3).map(|i| ProcessInfo { pid: 100 + i, contexts: i, used: (i as u64) << 20 }).collect();
+    let bytes = Reply::Processes(list.clone()).encode(Opcode::GetProcesses, 7);
+    let h = MsgHeader::decode(&bytes).unwrap();
+    let back = Reply::decode_payload(Opcode::GetProcesses, h.status, &bytes[MsgHeader::SIZE..]).unwrap();
+    assert_eq!(back, Reply::Processes(list));
+    assert_eq!(Reply::decode_payload(Opcode::GetProcesses, 0, &[]).unwrap(), Reply::Processes(vec![]));
+    // Past the most contexts a tenant may hold, and a torn entry.
+    let too_many = vec![0u8; (virtio_gpu_compute::MAX_CONTEXTS + 1) * 16];
+    assert!(Reply::decode_payload(Opcode::GetProcesses, 0, &too_many).is_err());
+    assert!(Reply::decode_payload(Opcode::GetProcesses, 0, &[0u8; 20]).is_err());
 }

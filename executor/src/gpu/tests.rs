@@ -169,7 +169,7 @@ fn vector_add_runs_through_blobs_and_fences_signal() {
     let (mut dev, mem, t) = device_on(&svc, "vm", 32 << 20);
     ready(&mut dev);
     let n = 1000usize;
-    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
     let bytes = (n * 4) as u64;
     let (a, b, c) = (0u64, 0x4000u64, 0x9000u64); // b straddles the blob's two pieces
     let da = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: bytes })));
@@ -220,7 +220,7 @@ fn over_quota_allocation_in_a_vm_context_is_out_of_memory() {
     let svc = service();
     let (mut dev, mem, _) = device_on(&svc, "small", 1 << 20);
     ready(&mut dev);
-    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
     match call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 2 << 20 })) {
         Reply::Error(c, _) => assert_eq!(c, CuResult::CUDA_ERROR_OUT_OF_MEMORY),
         o => panic!("{o:?}"),
@@ -229,6 +229,32 @@ fn over_quota_allocation_in_a_vm_context_is_out_of_memory() {
         Reply::MemInfo(i) => assert_eq!(i.total, 1 << 20),
         o => panic!("{o:?}"),
     }
+}
+
+#[test]
+fn a_guests_processes_are_listed_by_the_pid_each_gave_with_their_memory() {
+    let svc = service();
+    let (mut dev, mem, _) = device_on(&svc, "procs", 8 << 20);
+    ready(&mut dev);
+    let processes = |dev: &mut GpuDevice| match call(dev, &mem, Request::GetProcesses) {
+        Reply::Processes(v) => v.into_iter().map(|p| (p.pid, p.contexts, p.used)).collect::<Vec<_>>(),
+        o => panic!("{o:?}"),
+    };
+    assert_eq!(processes(&mut dev), vec![]);
+    // Process 41 holds two contexts, 77 one; a context made without a pid
+    // (an older shim) is not listed.
+    let a1 = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 41 })));
+    let a2 = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 41 })));
+    let b = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 77 })));
+    let anon = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
+    for (ctx, size) in [(a1, 1u64 << 20), (a2, 1 << 20), (b, 2 << 20), (anon, 1 << 20)] {
+        ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size })));
+    }
+    let freed = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx: b, reserved: 0, size: 1 << 20 })));
+    assert_eq!(processes(&mut dev), vec![(41, 2, 2 << 20), (77, 1, 3 << 20)]);
+    assert_eq!(call(&mut dev, &mem, Request::MemFree(MemFreeReq { ctx: b, reserved: 0, dptr: freed })), Reply::Empty);
+    assert_eq!(call(&mut dev, &mem, Request::CtxDestroy(CtxReq { ctx: a1, reserved: 0 })), Reply::Empty);
+    assert_eq!(processes(&mut dev), vec![(41, 1, 1 << 20), (77, 1, 2 << 20)]);
 }
 
 #[test]
@@ -247,7 +273,7 @@ fn blobs_outside_guest_ram_or_unattached_are_refused() {
 
     // A blob that exists but is not attached to the context cannot be used.
     assert_eq!(create_blob(&mut dev, 21, &[(0x50_0000, 0x1000)]), ty::RESP_OK_NODATA);
-    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
     let d = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })));
     match call(&mut dev, &mem, Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: d, size: 4096, loc: DataLoc::Blob as u32, blob: 21, shm_offset: 0 })) {
         Reply::Error(c, m) => assert!(c == CuResult::CUDA_ERROR_INVALID_VALUE && m.contains("not attached"), "{m}"),
@@ -316,7 +342,7 @@ fn hostile_commands_get_error_responses_and_the_device_keeps_serving() {
     // The same device still serves this tenant, and the other tenant on
     // the worker is unaffected.
     assert_eq!(call(&mut dev, &mem, Request::Ping), Reply::Empty);
-    let ctx = handle(call(&mut other, &other_mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let ctx = handle(call(&mut other, &other_mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
     let d = ptr(call(&mut other, &other_mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })));
     assert!(d != 0);
 }
@@ -329,7 +355,7 @@ fn fresh_allocation_in_a_vm_never_shows_another_tenants_bytes() {
     ready(&mut a);
     ready(&mut b);
     let size = 0x8000u64;
-    let ca = handle(call(&mut a, &mem_a, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let ca = handle(call(&mut a, &mem_a, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
     let pa = ptr(call(&mut a, &mem_a, Request::MemAlloc(MemAllocReq { ctx: ca, reserved: 0, size })));
     for off in (0..size).step_by(4) {
         mem_a.write_obj(0xdead_beefu32, GuestAddress(data_gpa(off))).unwrap();
@@ -339,7 +365,7 @@ fn fresh_allocation_in_a_vm_never_shows_another_tenants_bytes() {
     // A's context goes away (as its process would): its memory is freed.
     assert_eq!(resp_type(&a.process(&hdr(ty::CTX_DESTROY, CTX, 0, 0))), ty::RESP_OK_NODATA);
 
-    let cb = handle(call(&mut b, &mem_b, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let cb = handle(call(&mut b, &mem_b, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
     let pb = ptr(call(&mut b, &mem_b, Request::MemAlloc(MemAllocReq { ctx: cb, reserved: 0, size })));
     // B's allocation takes A's freed granules (first fit), at an address
     // of B's own window.
@@ -381,7 +407,7 @@ fn a_deleted_vm_tenant_can_neither_compute_nor_create_contexts() {
     let svc = service();
     let (mut dev, mem, t) = device_on(&svc, "vm2", 8 << 20);
     ready(&mut dev);
-    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
     ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 1 << 20 })));
     assert!(svc.remove_tenant("vm2").is_some());
     assert!(t.is_revoked());
@@ -426,7 +452,7 @@ fn a_vm_context_ring_in_scattered_guest_pages_serves_entries_after_one_kick() {
     assert_eq!(call(&mut dev, &mem, attach_req.clone()), Reply::Empty);
     assert!(matches!(call(&mut dev, &mem, attach_req), Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, _)), "one ring per context");
     // 300 entries (crossing from the first run into the second), one kick.
-    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })));
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
     let mut tail = 0u64;
     let n = 300u64;
     for i in 0..n {

@@ -151,6 +151,8 @@ struct Ctx {
     events: HashMap<u32, Option<(u64, Instant)>>,
     /// Set by a kernel fault; every later call on the context returns it.
     sticky: Option<(CuResult, String)>,
+    /// The process that made it, as it gave its pid (0: not given).
+    pid: u32,
 }
 
 impl Tenant {
@@ -617,6 +619,23 @@ impl DeviceService {
     /// Takes `size` bytes of device memory from the tenant's quota for
     /// context `ctx`; `read_only` ranges are readable but not writable by
     /// kernels (modules' constant memory).
+    /// The processes holding the tenant's contexts, by the pid each gave,
+    /// with what their contexts' allocations hold (module variables
+    /// included); contexts made without a pid are left out.
+    fn processes(st: &TenantState) -> Vec<ProcessInfo> {
+        let mut by_pid: std::collections::BTreeMap<u32, ProcessInfo> = std::collections::BTreeMap::new();
+        for c in st.ctxs.values().filter(|c| c.pid != 0) {
+            by_pid.entry(c.pid).or_insert(ProcessInfo { pid: c.pid, contexts: 0, used: 0 }).contexts += 1;
+        }
+        for (addr, ctx) in &st.alloc_ctx {
+            let pid = st.ctxs.get(ctx).map_or(0, |c| c.pid);
+            if let (Some(p), Some(len)) = (by_pid.get_mut(&pid), st.owned.0.get(addr)) {
+                p.used += len;
+            }
+        }
+        by_pid.into_values().collect()
+    }
+
     fn alloc_for(&self, t: &Tenant, st: &mut TenantState, ctx: u32, size: u64, read_only: bool) -> R<u64> {
         // Checked as the device will round it, so an allocation over the
         // quota never takes device memory, even for a moment.
@@ -965,6 +984,7 @@ impl DeviceService {
                 weight: t.share().weight,
                 reserved: 0,
             }),
+            Request::GetProcesses => Reply::Processes(Self::processes(st)),
             Request::MemGetInfo => Reply::MemInfo(MemInfoReply { free: self.free_for(t, st.used), total: t.quota() }),
             Request::RegisterShm(_) => return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm must carry a memfd")),
             Request::CtxCreate(b) => {
@@ -981,7 +1001,7 @@ impl DeviceService {
                 }
                 t.host.reserve(host_cost::CONTEXT, "a context")?;
                 let id = st.handle();
-                st.ctxs.insert(id, Ctx { charged: host_cost::CONTEXT, ..Ctx::default() });
+                st.ctxs.insert(id, Ctx { charged: host_cost::CONTEXT, pid: b.pid, ..Ctx::default() });
                 conn.ctxs.push(id);
                 Reply::Handle(id)
             }

@@ -1,9 +1,10 @@
 //! vgpu-smi: shows this tenant's vGPU, its memory against the quota, and
 //! its kernels and device time, as the device reports them. It answers the
 //! nvidia-smi forms monitoring scripts use (`-L`, `--query-gpu=...
-//! --format=csv[,noheader,nounits]`, `-l SECONDS`, `-q`, `--version`), for
-//! the one GPU a tenant sees: memory is its quota, utilization its share
-//! of the device's time.
+//! --format=csv[,noheader,nounits]`, `--query-compute-apps=...`, `-l
+//! SECONDS`, `-q`, `--version`), for the one GPU a tenant sees: memory is
+//! its quota, utilization its share of the device's time, and the
+//! processes are the tenant's own that hold contexts on it.
 //!
 //! The socket is `--socket`, else `$VGPU_SOCKET`, else the virtio-gpu
 //! render node inside a VM.
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use cuda::client::Client;
-use virtio_gpu_compute::{name_str, uuid_text, DeviceInfo, TenantInfo};
+use virtio_gpu_compute::{name_str, uuid_text, DeviceInfo, ProcessInfo, TenantInfo};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Output {
@@ -35,10 +36,15 @@ struct Cli {
     /// Comma-separated fields, as nvidia-smi --query-gpu: index, name, uuid,
     /// driver_version, compute_cap, memory.total, memory.used,
     /// memory.free, utilization.gpu, pci.bus_id.
-    #[arg(long = "query-gpu", value_name = "FIELDS")]
+    #[arg(long = "query-gpu", value_name = "FIELDS", conflicts_with = "query_apps")]
     query_gpu: Option<String>,
-    /// With --query-gpu: csv, optionally with noheader and nounits
-    /// (e.g. csv,noheader,nounits).
+    /// Comma-separated fields of each process with contexts on the GPU, as
+    /// nvidia-smi --query-compute-apps: pid, process_name (or name),
+    /// used_memory (or used_gpu_memory), gpu_uuid, gpu_name.
+    #[arg(long = "query-compute-apps", value_name = "FIELDS")]
+    query_apps: Option<String>,
+    /// With --query-gpu or --query-compute-apps: csv, optionally with
+    /// noheader and nounits (e.g. csv,noheader,nounits).
     #[arg(long, value_name = "FORMAT")]
     format: Option<String>,
     /// Prints again every SECONDS until interrupted.
@@ -86,12 +92,65 @@ const FIELDS: &[(&str, &str)] = &[
     ("pci.bus_id", ""),
 ];
 
+/// The fields --query-compute-apps knows: the name each prints in the
+/// header, its units, and the other names it is asked by.
+const APP_FIELDS: &[(&str, &str, &[&str])] = &[("pid", "", &[]), ("process_name", "", &["name"]), ("used_gpu_memory", "MiB", &["used_memory"]), ("gpu_uuid", "", &[]), ("gpu_name", "", &[])];
+
+/// A csv query: its fields (by the names they print), whether the header
+/// is printed, and whether values carry units.
+struct Query {
+    fields: Vec<(String, &'static str)>,
+    header: bool,
+    units: bool,
+}
+
+impl Query {
+    /// Checks `--OPTION=FIELDS --format=...` against the fields `known`
+    /// (name, units, aliases), before anything connects.
+    fn parse(option: &str, fields: &str, format: Option<&str>, known: &[(&'static str, &'static str, &[&str])]) -> Query {
+        let asked: Vec<&str> = fields.split(',').map(str::trim).filter(|f| !f.is_empty()).collect();
+        if asked.is_empty() {
+            fail(2, format!("--{option} needs at least one field"));
+        }
+        let fields = asked
+            .iter()
+            .map(|f| match known.iter().find(|(n, _, aka)| n == f || aka.contains(f)) {
+                Some((n, u, _)) => (n.to_string(), *u),
+                None => {
+                    let names: Vec<&str> = known.iter().map(|(n, _, _)| *n).collect();
+                    fail(2, format!("field \"{f}\" is not a valid field to query; known: {}", names.join(", ")))
+                }
+            })
+            .collect();
+        let format = format.unwrap_or_else(|| fail(2, format!("--{option} needs --format=csv[,noheader][,nounits]")));
+        let mut parts = format.split(',').map(str::trim);
+        if parts.next() != Some("csv") {
+            fail(2, format!("--format {format}: only csv is supported"));
+        }
+        let (mut header, mut units) = (true, true);
+        for p in parts {
+            match p {
+                "noheader" => header = false,
+                "nounits" => units = false,
+                other => fail(2, format!("--format: unknown option {other} (noheader, nounits)")),
+            }
+        }
+        Query { fields, header, units }
+    }
+
+    fn header(&self) -> String {
+        let names: Vec<String> = self.fields.iter().map(|(f, u)| if !u.is_empty() && self.units { format!("{f} [{u}]") } else { f.clone() }).collect();
+        names.join(", ")
+    }
+}
+
 /// One look at the device and the tenant, and the tenant's share of the
 /// device's time since the look before (or over a short window).
 struct Sample {
     d: DeviceInfo,
     t: TenantInfo,
     utilization: f64,
+    processes: Vec<ProcessInfo>,
 }
 
 struct Probe {
@@ -120,12 +179,13 @@ impl Probe {
         let wall = now.duration_since(t0).as_nanos().max(1) as f64;
         let utilization = (100.0 * t.device_ns.saturating_sub(ns0) as f64 / wall).min(100.0);
         self.last = Some((now, t.device_ns));
-        Sample { d, t, utilization }
+        let processes = self.c.processes().unwrap_or_else(|e| fail(1, e));
+        Sample { d, t, utilization, processes }
     }
 }
 
 fn field(s: &Sample, name: &str, units: bool) -> String {
-    let mib = |b: u64| if units { format!("{} MiB", b >> 20) } else { (b >> 20).to_string() };
+    let mib = |b: u64| mib(b, units);
     match name {
         "index" => "0".into(),
         "name" => name_str(&s.d.name),
@@ -148,6 +208,31 @@ fn field(s: &Sample, name: &str, units: bool) -> String {
     }
 }
 
+fn mib(b: u64, units: bool) -> String {
+    if units {
+        format!("{} MiB", b >> 20)
+    } else {
+        (b >> 20).to_string()
+    }
+}
+
+fn app_field(s: &Sample, p: &ProcessInfo, name: &str, units: bool) -> String {
+    match name {
+        "pid" => p.pid.to_string(),
+        "process_name" => process_name(p.pid),
+        "used_gpu_memory" => mib(p.used, units),
+        "gpu_uuid" => uuid_text(&s.d.uuid),
+        "gpu_name" => name_str(&s.d.name),
+        _ => "[N/A]".into(),
+    }
+}
+
+/// A process's name as this system's /proc shows it; a pid from another
+/// PID namespace (a tenant's socket used from elsewhere) has none here.
+fn process_name(pid: u32) -> String {
+    cuda::nvml::process_name(pid).unwrap_or_else(|| "[N/A]".into())
+}
+
 fn table(s: &Sample) {
     let (d, t) = (&s.d, &s.t);
     let pct = if t.quota == 0 { 0.0 } else { 100.0 * t.used as f64 / t.quota as f64 };
@@ -156,12 +241,21 @@ fn table(s: &Sample) {
     println!("Tenant     {}   weight {}", name_str(&t.name), t.weight);
     println!("Memory     {} used / {} quota ({pct:.1}%)", human(t.used), human(t.quota));
     println!("Kernels    {}   device time {:.3} s   scrubbed {}   utilization {:.0} %", t.kernels, t.device_ns as f64 / 1e9, human(t.bytes_scrubbed), s.utilization);
+    if s.processes.is_empty() {
+        println!("Processes  none");
+    } else {
+        println!("Processes  {:>8}  {:>10}  {:>8}  NAME", "PID", "MEMORY", "CONTEXTS");
+        for p in &s.processes {
+            println!("           {:>8}  {:>10}  {:>8}  {}", p.pid, human(p.used), p.contexts, process_name(p.pid));
+        }
+    }
 }
 
 fn json(s: &Sample) {
     let (d, t) = (&s.d, &s.t);
+    let processes: Vec<String> = s.processes.iter().map(|p| format!("{{\"pid\":{},\"name\":{:?},\"used\":{},\"contexts\":{}}}", p.pid, process_name(p.pid), p.used, p.contexts)).collect();
     println!(
-        "{{\"device\":{{\"name\":{:?},\"uuid\":\"{}\",\"compute_capability\":\"{}.{}\",\"instruction_budget\":{}}},\"tenant\":{{\"name\":{:?},\"quota\":{},\"used\":{},\"kernels\":{},\"device_seconds\":{:.6},\"bytes_scrubbed\":{},\"weight\":{},\"utilization\":{:.1}}}}}",
+        "{{\"device\":{{\"name\":{:?},\"uuid\":\"{}\",\"compute_capability\":\"{}.{}\",\"instruction_budget\":{}}},\"tenant\":{{\"name\":{:?},\"quota\":{},\"used\":{},\"kernels\":{},\"device_seconds\":{:.6},\"bytes_scrubbed\":{},\"weight\":{},\"utilization\":{:.1}}},\"processes\":[{}]}}",
         name_str(&d.name),
         uuid_text(&d.uuid),
         d.cc_major,
@@ -174,7 +268,8 @@ fn json(s: &Sample) {
         t.device_ns as f64 / 1e9,
         t.bytes_scrubbed,
         t.weight,
-        s.utilization
+        s.utilization,
+        processes.join(",")
     );
 }
 
@@ -196,6 +291,17 @@ fn report(s: &Sample) {
     println!("        Gpu                       : {:.0} %", s.utilization);
     println!("    Kernels                       : {}", t.kernels);
     println!("    Device Time                   : {:.3} s", t.device_ns as f64 / 1e9);
+    if s.processes.is_empty() {
+        println!("    Processes                     : None");
+    } else {
+        println!("    Processes");
+        for p in &s.processes {
+            println!("        Process ID                : {}", p.pid);
+            println!("            Type                  : C");
+            println!("            Name                  : {}", process_name(p.pid));
+            println!("            Used GPU Memory       : {} MiB", p.used >> 20);
+        }
+    }
 }
 
 fn main() {
@@ -207,32 +313,11 @@ fn main() {
         fail(2, format!("no GPU {}: a tenant sees one, index 0", cli.id.as_deref().unwrap_or_default()));
     }
     // The query's fields and format are checked before anything connects.
-    let query: Option<(Vec<String>, bool, bool)> = cli.query_gpu.as_deref().map(|q| {
-        let fields: Vec<String> = q.split(',').map(|f| f.trim().to_string()).filter(|f| !f.is_empty()).collect();
-        if fields.is_empty() {
-            fail(2, "--query-gpu needs at least one field");
-        }
-        if let Some(f) = fields.iter().find(|f| !FIELDS.iter().any(|(n, _)| n == f)) {
-            let known: Vec<&str> = FIELDS.iter().map(|(n, _)| *n).collect();
-            fail(2, format!("field \"{f}\" is not a valid field to query; known: {}", known.join(", ")));
-        }
-        let format = cli.format.as_deref().unwrap_or_else(|| fail(2, "--query-gpu needs --format=csv[,noheader][,nounits]"));
-        let mut parts = format.split(',').map(str::trim);
-        if parts.next() != Some("csv") {
-            fail(2, format!("--format {format}: only csv is supported"));
-        }
-        let (mut header, mut units) = (true, true);
-        for p in parts {
-            match p {
-                "noheader" => header = false,
-                "nounits" => units = false,
-                other => fail(2, format!("--format: unknown option {other} (noheader, nounits)")),
-            }
-        }
-        (fields, header, units)
-    });
-    if cli.format.is_some() && query.is_none() {
-        fail(2, "--format goes with --query-gpu");
+    let gpu_fields: Vec<(&'static str, &'static str, &[&str])> = FIELDS.iter().map(|(n, u)| (*n, *u, &[][..])).collect();
+    let query = cli.query_gpu.as_deref().map(|q| Query::parse("query-gpu", q, cli.format.as_deref(), &gpu_fields));
+    let apps = cli.query_apps.as_deref().map(|q| Query::parse("query-compute-apps", q, cli.format.as_deref(), APP_FIELDS));
+    if cli.format.is_some() && query.is_none() && apps.is_none() {
+        fail(2, "--format goes with --query-gpu or --query-compute-apps");
     }
     let client = match &cli.socket {
         Some(path) => Client::connect_unix(path),
@@ -244,19 +329,20 @@ fn main() {
         let s = probe.sample();
         if cli.list_gpus {
             println!("GPU 0: {} (UUID: {})", name_str(&s.d.name), uuid_text(&s.d.uuid));
-        } else if let Some((fields, header, units)) = &query {
-            if *header && first {
-                let names: Vec<String> = fields
-                    .iter()
-                    .map(|f| match FIELDS.iter().find(|(n, _)| n == f) {
-                        Some((_, u)) if !u.is_empty() && *units => format!("{f} [{u}]"),
-                        _ => f.clone(),
-                    })
-                    .collect();
-                println!("{}", names.join(", "));
+        } else if let Some(q) = &query {
+            if q.header && first {
+                println!("{}", q.header());
             }
-            let values: Vec<String> = fields.iter().map(|f| field(&s, f, *units)).collect();
+            let values: Vec<String> = q.fields.iter().map(|(f, _)| field(&s, f, q.units)).collect();
             println!("{}", values.join(", "));
+        } else if let Some(q) = &apps {
+            if q.header && first {
+                println!("{}", q.header());
+            }
+            for p in &s.processes {
+                let values: Vec<String> = q.fields.iter().map(|(f, _)| app_field(&s, p, f, q.units)).collect();
+                println!("{}", values.join(", "));
+            }
         } else if cli.query {
             report(&s);
         } else if cli.output == Output::Json {

@@ -193,7 +193,7 @@ fn socket_launches(sock: &str, n: usize) -> f64 {
     let c = Client::connect_unix(sock).expect("connect");
     std::env::remove_var("VGPU_RING");
     assert!(c.ring().is_none());
-    let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, reserved: 0 })).expect("ctx");
+    let ctx = c.handle(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })).expect("ctx");
     let img = NOP.as_bytes().to_vec();
     let m = c.handle(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)).expect("module");
     let f = match c.call(Request::ModuleGetFunction(GetFunctionReq { ctx, module: m, name_len: 3, reserved: 0 }, "nop".into())).expect("function") {
