@@ -48,12 +48,16 @@ pub fn lib_dir() -> PathBuf {
     d
 }
 
-/// Compiles the C programs in samples/ once per test binary.
+/// Compiles the C programs in samples/ once per test binary, into one
+/// directory all test binaries share: each program is built under a name
+/// of this process's and renamed over the last build, so a test binary
+/// never runs another's half-written file and no directory is left per run.
 pub fn samples() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let out = bin_dir().join(format!("samples-{}", std::process::id()));
+        let out = bin_dir().join("samples");
         std::fs::create_dir_all(&out).expect("samples dir");
+        let tmp = |p: &str| out.join(format!(".{p}.{}", std::process::id()));
         let ws = workspace();
         let lib = lib_dir();
         for p in ["vectorAdd", "matrixMul", "reduction", "tenant_probe"] {
@@ -62,7 +66,7 @@ pub fn samples() -> &'static Path {
                 .arg(ws.join("guest-driver-shim/include"))
                 .arg(format!("-DKERNEL_DIR=\"{}\"", ws.join("samples/kernels").display()))
                 .arg("-o")
-                .arg(out.join(p))
+                .arg(tmp(p))
                 .arg(ws.join(format!("samples/{p}.c")))
                 .arg("-L")
                 .arg(&lib)
@@ -70,6 +74,7 @@ pub fn samples() -> &'static Path {
                 .status()
                 .expect("running cc (install gcc)");
             assert!(st.success(), "compiling samples/{p}.c failed");
+            std::fs::rename(tmp(p), out.join(p)).expect("placing a compiled sample");
         }
         out
     })
