@@ -419,7 +419,7 @@ unsafe extern "C" fn context_number(ctx: H, id: *mut u64) -> CUresult {
 /// and the last (whether the caller asked for the per-thread stream, which
 /// the handle says too) are not needed.
 unsafe extern "C" fn resolve_stream(_thread: *mut c_void, stream: H, resolved: *mut H) -> CUresult {
-    with("cuStreamResolve", |s| {
+    with("cuGetExportTable stream table: resolve a stream", |s| {
         let v = stream as usize;
         let r = if v == 0 || v == 1 {
             s.target(stream, super::Default::Legacy)?;
