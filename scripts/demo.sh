@@ -90,21 +90,31 @@ MED=""
 echo
 echo "== now VMs: two stock Debian kernel guests, made with vgpuctl vm create, share one device with a host process"
 echo "   (they run in the nested test host: QEMU TCG boots an L1 Linux whose KVM runs our VMM; about a minute)"
+source "$ROOT/images/nested/watchdog.sh"
 nested_demo() {
-    rm -f "$RUN/vm-demo.qemu.log"
-    NESTED_QEMU_LOG="$RUN/vm-demo.qemu.log" bash "$ROOT/images/nested/run.sh" demo 900 | tr -d '\r' | sed 's/\x1b\[[0-9;?]*[A-Za-z]//g' \
+    rm -f "$RUN/vm-demo.qemu.log" "$RUN/vm-demo.raw" "$RUN/vm-demo.raw.l1-state"
+    # The VMs print as they go: five minutes without a line is L1 stuck.
+    l1_watchdog "$RUN/vm-demo.raw" "$RUN/l1.monitor" 300 &
+    local watch=$!
+    NESTED_MONITOR="$RUN/l1.monitor" NESTED_QEMU_LOG="$RUN/vm-demo.qemu.log" bash "$ROOT/images/nested/run.sh" demo 900 | tee "$RUN/vm-demo.raw" \
+        | tr -d '\r' | sed 's/\x1b\[[0-9;?]*[A-Za-z]//g' \
         | grep -vE '^\s*$|SeaBIOS|Booting from|WARN|reboot: Power down|^L1: ' | tee "$RUN/vm-demo.log"
+    kill "$watch" 2>/dev/null || true
 }
 # L1 dying is the emulated CPU under the test host failing, as it does now
 # and then with QEMU -enable-kvm as L1's VMM too (docs/vmm.md): its kernel
 # dies (a bare kernel timestamp, then BUG or a panic), or its CPU
 # triple-faults, which QEMU's CPU-reset log shows (-no-reboot makes that a
-# silent exit). Then the VMs run once more, up to twice.
+# silent exit), or it stops making progress (the watchdog above; seen with
+# one emulated CPU). Then the VMs run once more, up to twice.
 l1_died() {
     if grep -qE '^\[ *[0-9]+\.[0-9]+\] (BUG: |Kernel panic|general protection fault|Oops:)' "$RUN/vm-demo.log"; then
         echo "L1's kernel died"
     elif grep -qE '^\s*Triple fault\s*$' "$RUN/vm-demo.qemu.log" 2>/dev/null; then
         echo "L1's CPU triple-faulted"
+    elif [ -s "$RUN/vm-demo.raw.l1-state" ]; then
+        echo "L1 stopped making progress; its CPU state:"
+        grep -E '^CPU#|HLT=|^LVTT|^Timer|^IRR|^ISR' "$RUN/vm-demo.raw.l1-state"
     else
         return 1
     fi

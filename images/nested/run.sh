@@ -8,7 +8,10 @@
 # NESTED_CPU replaces L1's CPU model; NESTED_ACCEL replaces the TCG options
 # (default thread=multi: one host thread per L1 CPU); NESTED_QEMU_LOG
 # names a file for QEMU's CPU-reset log, where an L1 triple fault (which
-# `-no-reboot` turns into a silent exit) shows as "Triple fault".
+# `-no-reboot` turns into a silent exit) shows as "Triple fault";
+# NESTED_MONITOR names a unix socket for QEMU's human monitor, through
+# which scripts/l1-state.sh reads L1's CPU and local APIC when it stops
+# making progress.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="$ROOT/target/nested"
@@ -16,6 +19,7 @@ SCENARIO="$1"
 TIMEOUT="${2:-600}"
 LOG=()
 [ -n "${NESTED_QEMU_LOG:-}" ] && LOG=(-d cpu_reset -D "$NESTED_QEMU_LOG")
+[ -n "${NESTED_MONITOR:-}" ] && LOG+=(-monitor "unix:$NESTED_MONITOR,server,nowait")
 exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
     -accel "tcg,${NESTED_ACCEL:-thread=multi}" -cpu "${NESTED_CPU:-max,svm=on}" -smp "${NESTED_SMP:-2}" -m 2048 \
     -machine q35 -nographic -no-reboot -nodefaults -serial stdio \
