@@ -310,18 +310,26 @@ pub extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(h: *mut c_void, count
 }
 
 /// A process's name, from this system's /proc (where the pids the running
-/// process lists give live): its executable's path as it was started,
-/// else its command name.
+/// process lists give live, when the caller shares their PID namespace):
+/// its argv[0], else its command name; cropped to `length` bytes with
+/// its NUL, as NVML does.
 #[no_mangle]
 pub extern "C" fn nvmlSystemGetProcessName(pid: c_uint, name: *mut c_char, length: c_uint) -> NvmlReturn {
     entry(|| {
         session(|_| Ok(()))?;
+        if length == 0 {
+            return Err(INVALID_ARGUMENT);
+        }
         let text = process_name(pid).ok_or(NOT_FOUND)?;
-        put_text(name, length, &text)
+        let mut end = text.len().min(length as usize - 1);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        put_text(name, length, &text[..end])
     })
 }
 
-/// `/proc/PID/cmdline`'s first word, else `/proc/PID/comm`.
+/// `/proc/PID/cmdline`'s argv[0], else `/proc/PID/comm`.
 pub fn process_name(pid: u32) -> Option<String> {
     if pid == 0 {
         return None;

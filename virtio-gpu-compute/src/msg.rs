@@ -24,8 +24,8 @@ pub const MAX_PARAM_BYTES: u32 = 4096;
 pub const MAX_PARAMS: u32 = 512;
 /// Longest error text in a reply.
 pub const MAX_ERROR_TEXT: usize = 1024;
-/// Most contexts one tenant holds on a device, so most processes a
-/// `GetProcesses` reply lists.
+/// Most contexts one tenant holds on a device (the executor refuses more),
+/// so most processes a `GetProcesses` reply lists.
 pub const MAX_CONTEXTS: usize = 256;
 /// The default (legacy) stream handle.
 pub const DEFAULT_STREAM: u32 = 0;
@@ -717,6 +717,7 @@ impl Reply {
                 }
             }
             Reply::Processes(v) => {
+                debug_assert!(v.len() <= MAX_CONTEXTS, "more processes than contexts");
                 for e in v.iter().take(MAX_CONTEXTS) {
                     e.put(&mut p);
                 }

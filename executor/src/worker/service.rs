@@ -153,6 +153,8 @@ struct Ctx {
     sticky: Option<(CuResult, String)>,
     /// The process that made it, as it gave its pid (0: not given).
     pid: u32,
+    /// Device memory its allocations hold.
+    used: u64,
 }
 
 impl Tenant {
@@ -598,7 +600,10 @@ impl DeviceService {
         let owned = Arc::make_mut(&mut st.owned);
         let Some(len) = owned.0.remove(&addr) else { return false };
         owned.1.remove(&addr);
-        st.alloc_ctx.remove(&addr);
+        // (A context being destroyed is out of the map already.)
+        if let Some(c) = st.alloc_ctx.remove(&addr).and_then(|ctx| st.ctxs.get_mut(&ctx)) {
+            c.used = c.used.saturating_sub(len);
+        }
         let busy = {
             // The flag is raised under the count's lock: the last work to
             // end takes that lock after, and so sees it.
@@ -616,26 +621,23 @@ impl DeviceService {
         true
     }
 
-    /// Takes `size` bytes of device memory from the tenant's quota for
-    /// context `ctx`; `read_only` ranges are readable but not writable by
-    /// kernels (modules' constant memory).
     /// The processes holding the tenant's contexts, by the pid each gave,
     /// with what their contexts' allocations hold (module variables
-    /// included); contexts made without a pid are left out.
+    /// included); contexts made without a pid are left out. One pass over
+    /// the contexts (at most [`MAX_CONTEXTS`]).
     fn processes(st: &TenantState) -> Vec<ProcessInfo> {
         let mut by_pid: std::collections::BTreeMap<u32, ProcessInfo> = std::collections::BTreeMap::new();
         for c in st.ctxs.values().filter(|c| c.pid != 0) {
-            by_pid.entry(c.pid).or_insert(ProcessInfo { pid: c.pid, contexts: 0, used: 0 }).contexts += 1;
-        }
-        for (addr, ctx) in &st.alloc_ctx {
-            let pid = st.ctxs.get(ctx).map_or(0, |c| c.pid);
-            if let (Some(p), Some(len)) = (by_pid.get_mut(&pid), st.owned.0.get(addr)) {
-                p.used += len;
-            }
+            let p = by_pid.entry(c.pid).or_insert(ProcessInfo { pid: c.pid, contexts: 0, used: 0 });
+            p.contexts += 1;
+            p.used += c.used;
         }
         by_pid.into_values().collect()
     }
 
+    /// Takes `size` bytes of device memory from the tenant's quota for
+    /// context `ctx`; `read_only` ranges are readable but not writable by
+    /// kernels (modules' constant memory).
     fn alloc_for(&self, t: &Tenant, st: &mut TenantState, ctx: u32, size: u64, read_only: bool) -> R<u64> {
         // Checked as the device will round it, so an allocation over the
         // quota never takes device memory, even for a moment.
@@ -664,6 +666,9 @@ impl DeviceService {
             owned.1.insert(addr, len);
         }
         st.alloc_ctx.insert(addr, ctx);
+        if let Some(c) = st.ctxs.get_mut(&ctx) {
+            c.used += len;
+        }
         st.used += len;
         t.used.store(st.used, Ordering::Relaxed);
         Ok(addr)
@@ -991,7 +996,7 @@ impl DeviceService {
                 if b.flags & !0x1f != 0 {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("unsupported context flags {:#x}", b.flags)));
                 }
-                if st.ctxs.len() >= 256 {
+                if st.ctxs.len() >= MAX_CONTEXTS {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many contexts"));
                 }
                 if vgpu_arbiter::fatal::marked() {

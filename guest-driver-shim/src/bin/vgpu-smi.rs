@@ -179,8 +179,12 @@ impl Probe {
         let wall = now.duration_since(t0).as_nanos().max(1) as f64;
         let utilization = (100.0 * t.device_ns.saturating_sub(ns0) as f64 / wall).min(100.0);
         self.last = Some((now, t.device_ns));
-        let processes = self.c.processes().unwrap_or_else(|e| fail(1, e));
-        Sample { d, t, utilization, processes }
+        Sample { d, t, utilization, processes: Vec::new() }
+    }
+
+    /// The tenant's processes with contexts on the device.
+    fn processes(&self) -> Vec<ProcessInfo> {
+        self.c.processes().unwrap_or_else(|e| fail(1, e))
     }
 }
 
@@ -253,24 +257,27 @@ fn table(s: &Sample) {
 
 fn json(s: &Sample) {
     let (d, t) = (&s.d, &s.t);
-    let processes: Vec<String> = s.processes.iter().map(|p| format!("{{\"pid\":{},\"name\":{:?},\"used\":{},\"contexts\":{}}}", p.pid, process_name(p.pid), p.used, p.contexts)).collect();
-    println!(
-        "{{\"device\":{{\"name\":{:?},\"uuid\":\"{}\",\"compute_capability\":\"{}.{}\",\"instruction_budget\":{}}},\"tenant\":{{\"name\":{:?},\"quota\":{},\"used\":{},\"kernels\":{},\"device_seconds\":{:.6},\"bytes_scrubbed\":{},\"weight\":{},\"utilization\":{:.1}}},\"processes\":[{}]}}",
-        name_str(&d.name),
-        uuid_text(&d.uuid),
-        d.cc_major,
-        d.cc_minor,
-        d.instruction_budget,
-        name_str(&t.name),
-        t.quota,
-        t.used,
-        t.kernels,
-        t.device_ns as f64 / 1e9,
-        t.bytes_scrubbed,
-        t.weight,
-        s.utilization,
-        processes.join(",")
-    );
+    let processes: Vec<serde_json::Value> = s.processes.iter().map(|p| serde_json::json!({"pid": p.pid, "name": process_name(p.pid), "used": p.used, "contexts": p.contexts})).collect();
+    let v = serde_json::json!({
+        "device": {
+            "name": name_str(&d.name),
+            "uuid": uuid_text(&d.uuid),
+            "compute_capability": format!("{}.{}", d.cc_major, d.cc_minor),
+            "instruction_budget": d.instruction_budget,
+        },
+        "tenant": {
+            "name": name_str(&t.name),
+            "quota": t.quota,
+            "used": t.used,
+            "kernels": t.kernels,
+            "device_seconds": t.device_ns as f64 / 1e9,
+            "bytes_scrubbed": t.bytes_scrubbed,
+            "weight": t.weight,
+            "utilization": (s.utilization * 10.0).round() / 10.0,
+        },
+        "processes": processes,
+    });
+    println!("{v}");
 }
 
 fn report(s: &Sample) {
@@ -325,8 +332,13 @@ fn main() {
     };
     let mut probe = Probe { c: client.unwrap_or_else(|e| fail(1, e)), last: None };
     let mut first = true;
+    // Only the views that show processes ask for them.
+    let wants_processes = !cli.list_gpus && query.is_none();
     loop {
-        let s = probe.sample();
+        let mut s = probe.sample();
+        if wants_processes {
+            s.processes = probe.processes();
+        }
         if cli.list_gpus {
             println!("GPU 0: {} (UUID: {})", name_str(&s.d.name), uuid_text(&s.d.uuid));
         } else if let Some(q) = &query {
