@@ -30,6 +30,21 @@ pub enum Placement {
     Spread,
 }
 
+/// How the tenants of a pool share each of its GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum, utoipa::ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Sharing {
+    /// One tenant's executor on the GPU at a time, granted by weight: a
+    /// fault or a runaway kernel ends only its own tenant's work.
+    #[default]
+    TimeSliced,
+    /// NVIDIA's Multi-Process Service, for tenants that trust each other:
+    /// their kernels run on the GPU at once, each on at most its share of
+    /// the SMs, but one tenant's fatal fault fails every tenant's work on
+    /// that GPU. GPUs (and MIG instances) only.
+    Mps,
+}
+
 /// A pool, as the config file (`[[pools]]`) and `POST /pools` describe it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -57,6 +72,12 @@ pub struct PoolSpec {
     #[serde(default = "one")]
     #[schema(minimum = 1, maximum = 16, default = 1)]
     pub overcommit: f64,
+    /// time-sliced: tenants take turns on each GPU and are isolated from
+    /// each other's faults; mps: they run at once under NVIDIA's MPS and
+    /// share its fate (trusted tenants only). Set when the pool is made.
+    #[serde(default)]
+    #[schema(default = "time-sliced")]
+    pub sharing: Sharing,
 }
 
 fn one() -> f64 {

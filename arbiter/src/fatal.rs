@@ -48,6 +48,7 @@ pub fn mark(why: &str) -> bool {
     }
     if !MARKED.swap(true, Ordering::AcqRel) {
         tracing::error!("{why}: this executor's device state cannot be recovered; it ends once the tenant has the error, and the tenant gets a new executor");
+        tell(why);
         let spawned = std::thread::Builder::new().name("fatal".into()).spawn(|| {
             std::thread::sleep(GRACE);
             end();
@@ -57,6 +58,20 @@ pub fn mark(why: &str) -> bool {
         }
     }
     true
+}
+
+/// Tells the control plane, on the executor's stdout, before the end: on
+/// a GPU shared under MPS the fault reaches every executor of the GPU,
+/// which the control plane then ends too (vgpu-mediator control/mps.rs).
+fn tell(why: &str) {
+    use std::io::Write;
+    let msg = crate::ipc::MsgLine { id: 0, msg: crate::ipc::WorkerMsg::Fatal { why: why.to_string() } };
+    if let Ok(line) = serde_json::to_string(&msg) {
+        // One write under stdout's lock, as every reply is written.
+        let mut o = std::io::stdout().lock();
+        let _ = o.write_all(format!("{line}\n").as_bytes());
+        let _ = o.flush();
+    }
 }
 
 /// A reply with status `code` was handed to the tenant: if it carries the

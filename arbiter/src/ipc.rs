@@ -71,6 +71,11 @@ pub enum WorkerMsg {
     Removed {
         name: String,
     },
+    /// Event: an executor met an error its device state cannot recover
+    /// from and is about to end (crate::fatal).
+    Fatal {
+        why: String,
+    },
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

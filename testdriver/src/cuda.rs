@@ -278,6 +278,8 @@ pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
         if d.gpus.is_err() || d.visible.is_empty() {
             return Err(E::CUDA_ERROR_NO_DEVICE);
         }
+        // The driver looks for an MPS control daemon at initialisation.
+        crate::mps::join(crate::driver())?;
         d.inited.store(true, std::sync::atomic::Ordering::Release);
         Ok(())
     })

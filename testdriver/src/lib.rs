@@ -17,7 +17,10 @@
 //!   only the process's end stops it;
 //! - launches, memsets and device-to-device copies run in order on each
 //!   stream's own thread, after the call returned; copies to and from host
-//!   memory wait for the stream first.
+//!   memory wait for the stream first;
+//! - **MPS** as NVIDIA documents it: a process pointed at a control
+//!   daemon's pipe directory is a client of its server, and one client's
+//!   fault reaches every client ([`mps`]).
 //!
 //! Kernels run on the PTX interpreter (`vgpu-ptx`), so images must carry
 //! PTX (PTX text, or a fatbin with a PTX entry); cubins are refused with
@@ -31,6 +34,7 @@ use std::sync::{Mutex, OnceLock};
 pub mod config;
 pub mod cuda;
 pub mod mem;
+pub mod mps;
 pub mod nvml;
 mod stream;
 
@@ -77,6 +81,14 @@ impl Driver {
     /// Records a fault; the first one stays.
     pub fn poison(&self, code: u32) {
         let _ = self.sticky.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// A fault of this process's own work: it poisons the process and,
+    /// for an MPS client, every other client of its server ([`mps`]).
+    pub fn fault(&self, code: u32) {
+        if self.sticky.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            mps::report_fault(code);
+        }
     }
 
     pub fn state(&self) -> std::sync::MutexGuard<'_, cuda::State> {

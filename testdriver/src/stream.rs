@@ -99,7 +99,7 @@ impl Stream {
             // After a fault nothing more runs in this process.
             if d.sticky() == 0 {
                 if let Err(code) = execute(op) {
-                    d.poison(code as u32);
+                    d.fault(code as u32);
                 }
             }
             let mut q = self.lock();

@@ -217,7 +217,7 @@ fn the_documents_read_the_same_with_pyyaml() {
 fn mediator_request_schemas_match_the_api_types() {
     use vgpu_api::vm::{DiskSpec, Hugepages, NetSpec, RateSpec, RestartPolicy, VgpuSpec, VmSpec};
     use vgpu_mediator::config::{Owner, TenantKind, TenantSpec};
-    use vgpu_mediator::control::pool::{Access, Placement, PoolChange, PoolSpec};
+    use vgpu_mediator::control::pool::{Access, Placement, PoolChange, PoolSpec, Sharing};
     use vgpu_mediator::control::TenantChange;
     use vgpu_mediator::sched::Priority;
     use vgpu_mediator::size::Size;
@@ -294,9 +294,10 @@ fn mediator_request_schemas_match_the_api_types() {
     check_request(&doc, "TenantChange", &change);
     check_enum(&doc, "TenantChange/properties/priority", values::<Priority>());
 
-    let pool = PoolSpec { name: "gpu-a".into(), devices: vec!["cpu1".into()], access: Access::Private, allow: vec!["web".into()], placement: Placement::Pack, overcommit: 2.0 };
+    let pool = PoolSpec { name: "gpu-a".into(), devices: vec!["cpu1".into()], access: Access::Private, allow: vec!["web".into()], placement: Placement::Pack, overcommit: 2.0, sharing: Sharing::Mps };
     check_request(&doc, "PoolSpec", &pool);
     check_enum(&doc, "PoolSpec/properties/access", values::<Access>());
+    check_enum(&doc, "PoolSpec/properties/sharing", values::<Sharing>());
     check_enum(&doc, "PoolSpec/properties/placement", values::<Placement>());
     let change = PoolChange { access: Some(Access::Public), allow: Some(vec!["web".into()]), placement: Some(Placement::Spread), overcommit: Some(1.5) };
     check_request(&doc, "PoolChange", &change);

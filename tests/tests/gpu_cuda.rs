@@ -290,3 +290,98 @@ fn gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant() {
     assert_eq!(m.device("gpu0")["state"], "quarantined");
     assert_eq!(m.metric("vgpu_device_quarantined", "device=\"gpu0\""), Some(1.0));
 }
+
+/// The SM share an executor was started with, from its environment
+/// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), and its MPS pipe directory.
+fn mps_env(pid: u32) -> (Option<u32>, Option<String>) {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let mut out = (None, None);
+    for kv in env.split(|b| *b == 0).map(String::from_utf8_lossy) {
+        if let Some(v) = kv.strip_prefix("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=") {
+            out.0 = v.parse().ok();
+        } else if let Some(v) = kv.strip_prefix("CUDA_MPS_PIPE_DIRECTORY=") {
+            out.1 = Some(v.to_string());
+        }
+    }
+    out
+}
+
+/// Waits until `f` holds, up to `secs` seconds.
+fn within(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !f() {
+        assert!(std::time::Instant::now() < deadline, "{what}: not within {secs} s");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// A pool whose sharing is `mps`: its GPU's executors are clients of one
+/// MPS server under one uid, each with its weight's share of the SMs
+/// (kept in step as tenants come), all running at once (the arbiter has a
+/// lane for each); and, the trade-off the pool's owner chose, one
+/// tenant's fault fails every tenant's work on the GPU, after which each
+/// tenant is served afresh. Deleting the pool stops MPS. On the test
+/// double, MPS is its model of NVIDIA's documented behaviour
+/// (`vgpu-testdriver-mps`); on a GPU, NVIDIA's own control daemon.
+#[test]
+fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
+    let test = "gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault";
+    let control = if discover_gpus().is_ok() {
+        let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvidia-cuda-mps-control").exists()));
+        if !on_path {
+            report_skip(test, "a GPU is here but NVIDIA's nvidia-cuda-mps-control is not on PATH");
+            return;
+        }
+        "nvidia-cuda-mps-control".to_string()
+    } else {
+        bin("vgpu-testdriver-mps").display().to_string()
+    };
+    let cfg = std::env::temp_dir().join(format!("vgpu-gpu-mps-{}.toml", std::process::id()));
+    std::fs::write(&cfg, format!("[devices]\ncpu = 0\ncuda = \"required\"\nmps_control = \"{control}\"\n")).expect("config");
+    let Some((m, gpu)) = gpu_mediator(test, &["--config", cfg.to_str().expect("utf8")]) else { return };
+    assert_eq!(m.device(&gpu)["lanes"], 1, "time-sliced: one executor on the GPU at a time");
+    let (st, v) = m.api("POST", "/pools", Some(serde_json::json!({ "name": "trusted", "devices": [gpu], "sharing": "mps" })));
+    assert_eq!(st, 201, "{v}");
+    assert_eq!(v["sharing"], "mps", "{v}");
+    assert_eq!(m.device(&gpu)["lanes"], 48, "under MPS every executor runs at once");
+    m.tenant_with(serde_json::json!({ "name": "light", "memory": "256MiB", "device": gpu, "weight": 1 }));
+    m.tenant_with(serde_json::json!({ "name": "heavy", "memory": "256MiB", "device": gpu, "weight": 3 }));
+    let (a, b) = (m.run_dir.join("tenants/light.sock"), m.run_dir.join("tenants/heavy.sock"));
+    // Shares of the SMs from the weights: the first tenant's idle executor
+    // was replaced when the second came (it had started with all of them).
+    let (pa, pb) = (m.serving_pid(&gpu, "light"), m.serving_pid(&gpu, "heavy"));
+    let (ea, eb) = (mps_env(pa), mps_env(pb));
+    assert_eq!((ea.0, eb.0), (Some(25), Some(75)), "light {ea:?}, heavy {eb:?}");
+    assert!(ea.1.is_some() && ea.1 == eb.1, "one MPS server's pipe directory: {ea:?} {eb:?}");
+    let pipe = std::path::PathBuf::from(ea.1.clone().expect("pipe"));
+    let dev = m.device(&gpu);
+    let shown: Vec<_> = dev["executors"].as_array().expect("executors").iter().map(|e| (e["tenant"].clone(), e["bounds"]["sm_percent"].clone())).collect();
+    assert!(shown.contains(&("light".into(), 25.into())) && shown.contains(&("heavy".into(), 75.into())), "{dev}");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let (ua, ub) = (proc_stats(pa).uid, proc_stats(pb).uid);
+        assert!(ua == ub && ua != 0, "an MPS server serves one uid: light {ua}, heavy {ub}");
+    }
+    checks::samples_concurrently(&[&a, &b], "1000000", matrix(&m));
+
+    // One tenant's fault fails the other's open context too; each is then
+    // served afresh.
+    let relive = Relive::start(&b);
+    let mut c = sample("tenant_probe", &a);
+    c.args(["fault", "1099511627776"]);
+    let out = run_ok(c);
+    assert!(out.contains("sync=CUDA_ERROR_ILLEGAL_ADDRESS"), "{out}");
+    within(30, "the other tenant's executor ends with the fault", || m.device(&gpu)["executors"].as_array().is_some_and(|e| e.iter().any(|x| x["tenant"] == "heavy" && x["pid"] != pb)));
+    relive.finish();
+    for sock in [&a, &b] {
+        assert!(run_ok(sample("vectorAdd", sock)).contains("PASSED"), "served afresh after the fault");
+    }
+    // Deleting the tenants and then the pool stops MPS.
+    for t in ["light", "heavy"] {
+        assert_eq!(m.api("DELETE", &format!("/tenants/{t}"), None).0, 204);
+    }
+    within(30, "the tenants are gone", || m.api("DELETE", "/pools/trusted", None).0 == 204);
+    assert!(!pipe.exists(), "the MPS directories are removed with the pool: {}", pipe.display());
+    assert_eq!(m.device(&gpu)["lanes"], 1, "back to one executor at a time");
+    let _ = std::fs::remove_file(&cfg);
+}

@@ -112,6 +112,14 @@ fn pools_admit_by_allow_list_place_by_policy_and_prefer_the_tenants_numa_node() 
     assert_eq!(m.device("cpu3")["pool"], "default");
     let (st, _) = m.api("DELETE", "/pools/default", None);
     assert_eq!(st, 400);
+    // MPS is NVIDIA's: a pool of CPU devices cannot share by it.
+    let (st, v) = m.api("POST", "/pools", Some(serde_json::json!({ "name": "mps", "devices": ["cpu3"], "sharing": "mps" })));
+    assert_eq!(st, 400, "{v}");
+    assert!(v.to_string().contains("cpu3 is a CPU device"), "{v}");
+    let out = m.vgpuctl().args(["pool", "create", "spatial", "--device", "cpu3", "--sharing", "mps"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("CPU device"), "{out:?}");
+    let out = m.vgpuctl().args(["pool", "show", "default"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("sharing:    time-sliced"), "{out:?}");
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -256,6 +256,10 @@ pub struct DevicesConfig {
     /// executor (used when the daemon runs as root).
     #[serde(default = "default_executor_uids")]
     pub executor_uids: String,
+    /// NVIDIA's MPS control daemon, started for each GPU of a pool whose
+    /// sharing is "mps" (a command on PATH, or a path).
+    #[serde(default = "default_mps_control")]
+    pub mps_control: String,
     /// PCI devices (GPUs above all) lent whole to managed VMs from their
     /// pools and scrubbed on return (docs/passthrough.md). A GPU listed
     /// here gets no worker.
@@ -292,6 +296,10 @@ impl DevicesConfig {
     pub fn gpu_isolation(&self) -> Isolation {
         self.isolation.unwrap_or(Isolation::Process)
     }
+}
+
+fn default_mps_control() -> String {
+    "nvidia-cuda-mps-control".into()
 }
 
 fn default_executor_uids() -> String {
@@ -421,6 +429,7 @@ impl Default for DevicesConfig {
             pin_lanes: true,
             isolation: None,
             executor_uids: default_executor_uids(),
+            mps_control: default_mps_control(),
             passthrough: Vec::new(),
         }
     }

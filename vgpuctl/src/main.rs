@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
-use vgpu_api::pool::{Access, Placement, PoolChange, PoolSpec};
+use vgpu_api::pool::{Access, Placement, PoolChange, PoolSpec, Sharing};
 use vgpu_api::tenant::{Owner, Priority, TenantChange, TenantKind, TenantSpec};
 use vgpu_api::{http, Size};
 
@@ -302,6 +302,12 @@ enum PoolCmd {
         /// Quotas on a device may add up to this times its memory.
         #[arg(long, default_value_t = 1.0)]
         overcommit: f64,
+        /// time-sliced: tenants take turns on each GPU, each isolated from
+        /// the others' faults; mps: NVIDIA's MPS runs their kernels at
+        /// once, and one tenant's fault fails them all (trusted tenants
+        /// only; GPUs only).
+        #[arg(long, value_enum, default_value_t = Sharing::TimeSliced)]
+        sharing: Sharing,
     },
     List,
     Show {
@@ -334,12 +340,13 @@ enum PoolCmd {
 fn print_pool(v: &Value) {
     let list = |k: &str| v.get(k).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default();
     println!(
-        "name:       {}\naccess:     {}\nallow:      {}\nplacement:  {}\novercommit: {}\ndevices:    {}\nmemory:     {} (capacity {}, reserved {})\ntenants:    {}",
+        "name:       {}\naccess:     {}\nallow:      {}\nplacement:  {}\novercommit: {}\nsharing:    {}\ndevices:    {}\nmemory:     {} (capacity {}, reserved {})\ntenants:    {}",
         s(v, "name"),
         s(v, "access"),
         if s(v, "access") == "private" { list("allow") } else { "anyone".into() },
         s(v, "placement"),
         v.get("overcommit").and_then(Value::as_f64).unwrap_or(1.0),
+        v.get("sharing").and_then(Value::as_str).unwrap_or("time-sliced"),
         list("devices"),
         human(u(v, "memory_total")),
         human(u(v, "memory_capacity")),
@@ -741,7 +748,7 @@ node:      {}",
                 anyhow::bail!("{name} failed its scrub and stays quarantined");
             }
         }
-        Cmd::Pool(PoolCmd::Create { name, devices, private, allow, placement, overcommit }) => {
+        Cmd::Pool(PoolCmd::Create { name, devices, private, allow, placement, overcommit, sharing }) => {
             let spec = PoolSpec {
                 name: name.clone(),
                 devices: devices.clone(),
@@ -749,6 +756,7 @@ node:      {}",
                 allow: allow.clone(),
                 placement: *placement,
                 overcommit: *overcommit,
+                sharing: *sharing,
             };
             spec.validate().map_err(Usage)?;
             let v = call(cli, "POST", "/v1/pools", Some(serde_json::to_value(&spec)?))?;
@@ -765,7 +773,7 @@ node:      {}",
             } else {
                 let mut head = ["NAME", "ACCESS", "PLACEMENT", "OVERCOMMIT", "DEVICES", "MEMORY", "RESERVED", "TENANTS"].map(String::from).to_vec();
                 if wide {
-                    head.extend(["CAPACITY", "DEVICE-NAMES", "TENANT-NAMES"].map(String::from));
+                    head.extend(["SHARING", "CAPACITY", "DEVICE-NAMES", "TENANT-NAMES"].map(String::from));
                 }
                 let mut rows = vec![head];
                 for p in v.as_array().into_iter().flatten() {
@@ -783,7 +791,7 @@ node:      {}",
                         n("tenants").to_string(),
                     ];
                     if wide {
-                        row.extend([human(u(p, "memory_capacity")), names("devices"), names("tenants")]);
+                        row.extend([p.get("sharing").and_then(Value::as_str).unwrap_or("time-sliced").to_string(), human(u(p, "memory_capacity")), names("devices"), names("tenants")]);
                     }
                     rows.push(row);
                 }

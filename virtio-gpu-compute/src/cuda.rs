@@ -79,6 +79,12 @@ cuda_results! {
     CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720, "too many blocks in cooperative launch";
     CUDA_ERROR_NOT_PERMITTED = 800, "operation not permitted";
     CUDA_ERROR_NOT_SUPPORTED = 801, "operation not supported";
+    CUDA_ERROR_MPS_CONNECTION_FAILED = 805, "MPS client failed to connect to the MPS control daemon or the MPS server";
+    CUDA_ERROR_MPS_RPC_FAILURE = 806, "the remote procedural call between the MPS server and the MPS client failed";
+    CUDA_ERROR_MPS_SERVER_NOT_READY = 807, "MPS server is not ready to accept new MPS client requests";
+    CUDA_ERROR_MPS_MAX_CLIENTS_REACHED = 808, "the hardware resources required to create MPS client have been exhausted";
+    CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED = 809, "the hardware resources required to support device connections have been exhausted";
+    CUDA_ERROR_MPS_CLIENT_TERMINATED = 810, "the MPS client has been terminated by the server";
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900, "operation not permitted when stream is capturing";
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901, "operation failed due to a previous error during capture";
     CUDA_ERROR_STREAM_CAPTURE_UNMATCHED = 903, "capture was not ended in the same stream as it began";

@@ -161,7 +161,12 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         // A kernel fault or a runaway ends a GPU executor (vgpu_arbiter::fatal).
         vgpu_arbiter::fatal::enable();
     }
-    let backend = open_backend(&opts, launch_threads)?;
+    // An MPS client (an executor of a GPU shared under MPS) meets the MPS
+    // control daemon when the driver initialises, and the daemon serves
+    // the uid it sees then: such an executor opens its device after it
+    // has dropped to its uid; every other one before.
+    let mps_client = opts.backend == BackendKind::Cuda && opts.grant_fd.is_some() && std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_some();
+    let early = if mps_client { None } else { Some(open_backend(&opts, launch_threads)?) };
     let seccomp = opts.seccomp;
     // Before privileges go: a thread's way back from a lowered nice value
     // is RLIMIT_NICE raised, which takes privilege, or else CAP_SYS_NICE
@@ -184,6 +189,10 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
         let caps = if keep_nice { "CAP_SYS_NICE alone (fenced by seccomp)" } else { "no capabilities" };
         info!(uid = u.uid, gid = u.gid, "device worker confined: unprivileged, {caps}, no_new_privs, own mount namespace");
     }
+    let backend = match early {
+        Some(b) => b,
+        None => open_backend(&opts, launch_threads)?,
+    };
     // Lane threads set their own time slice with sched_setattr, which
     // with CAP_SYS_NICE could also ask for a real-time policy: only where
     // the worker does not hold it, its limits fenced (vgpu_arbiter::nice).

@@ -399,6 +399,7 @@ struct PoolView {
     allow: Vec<String>,
     placement: super::pool::Placement,
     overcommit: f64,
+    sharing: super::pool::Sharing,
     memory_total: u64,
     /// Quotas its devices may hold (memory × overcommit).
     memory_capacity: u64,
@@ -421,6 +422,7 @@ fn pool_view(c: &Control, spec: super::pool::PoolSpec) -> PoolView {
         allow: spec.allow,
         placement: spec.placement,
         overcommit: spec.overcommit,
+        sharing: spec.sharing,
     }
 }
 

@@ -49,6 +49,10 @@ pub struct ExecBounds {
     /// Its cgroup, under the cgroup v2 root (none without cgroup v2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<String>,
+    /// On a GPU shared under MPS: the share of the GPU's SMs its kernels
+    /// may use (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), from its weight.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sm_percent: Option<u32>,
 }
 
 /// The bounds of `t`'s executor on a device like `spec`, on a host with
@@ -94,6 +98,9 @@ pub struct Exec {
     pub pid: u32,
     /// The uid it runs as (None: it kept the daemon's).
     pub uid: Option<u32>,
+    /// That uid is its GPU's MPS uid, shared by the GPU's executors (not
+    /// its own, so not given back when it ends).
+    shared_uid: bool,
     /// Its tenant's address window on the device: no other live
     /// executor of the device has it.
     window: u64,
@@ -111,7 +118,7 @@ pub struct Exec {
 }
 
 impl Exec {
-    fn call(&self, cmd: WorkerCmd, timeout: Duration) -> Result<WorkerMsg, ControlError> {
+    pub(super) fn call(&self, cmd: WorkerCmd, timeout: Duration) -> Result<WorkerMsg, ControlError> {
         call_link(Some(&self.link), &format!("executor of {}", self.tenant), cmd, timeout)
     }
 
@@ -119,6 +126,12 @@ impl Exec {
     /// hold it); it is not restarted.
     pub fn kill(&self) {
         self.retired.store(true, Ordering::Release);
+        self.signal_kill();
+    }
+
+    /// Ends it as a crash would (its MPS server failed it): the tenant
+    /// gets a new executor.
+    pub(super) fn end_for_restart(&self) {
         self.signal_kill();
     }
 
@@ -193,20 +206,20 @@ impl UidRange {
         UidRange { first, count, used: Mutex::new(BTreeSet::new()) }
     }
 
-    fn take(&self) -> Option<u32> {
+    pub(super) fn take(&self) -> Option<u32> {
         let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
         let uid = (self.first..self.first.saturating_add(self.count)).find(|u| !used.contains(u))?;
         used.insert(uid);
         Some(uid)
     }
 
-    fn put(&self, uid: u32) {
+    pub(super) fn put(&self, uid: u32) {
         self.used.lock().unwrap_or_else(|e| e.into_inner()).remove(&uid);
     }
 }
 
 impl DeviceSlot {
-    fn exec(&self, tenant: &str) -> Option<Arc<Exec>> {
+    pub(super) fn exec(&self, tenant: &str) -> Option<Arc<Exec>> {
         self.execs.lock().unwrap_or_else(|e| e.into_inner()).get(tenant).cloned()
     }
 
@@ -307,6 +320,13 @@ impl Control {
     /// Starts (or replaces) `t`'s executor on `slot` and has it serve the
     /// tenant's socket.
     pub(super) fn start_executor(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord) -> Result<(), ControlError> {
+        self.start_executor_with(slot, t, true)
+    }
+
+    /// As `start_executor`; with `rebalance`, on a GPU shared under MPS the
+    /// other executors' shares of the SMs are brought in step afterwards
+    /// (control/mps.rs `rebalance_mps`).
+    pub(super) fn start_executor_with(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord, rebalance: bool) -> Result<(), ControlError> {
         // One start at a time on the device: two for one tenant (a crash's
         // restart beside the supervisor's) would leave one orphaned.
         let _one = slot.starting.lock().unwrap_or_else(|e| e.into_inner());
@@ -326,16 +346,34 @@ impl Control {
         let fail = |what: &str, e: std::io::Error| ControlError::Internal(format!("starting the executor of {}: {what}: {e}", t.name));
         let (arbiter_end, executor_end) = crate::grant::Channel::pair().map_err(|e| fail("grant channel", e))?;
         let listener = slot.socket_for(t).map_err(|(what, e)| fail(&what, e))?;
-        let uid = match (&self.exec_uids, self.worker_user) {
-            (Some(r), Some(_)) => Some(r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for {} (devices.executor_uids)", t.name)))?),
+        // On a GPU shared under MPS the executor is a client of the GPU's
+        // MPS server: it runs as the server's uid, with its share of the SMs.
+        let mps = match self.sharing_of(&slot.spec.name) {
+            super::pool::Sharing::Mps => {
+                let d = self.mps_daemon(slot)?;
+                let total: u64 = self
+                    .registry()
+                    .values()
+                    .filter(|x| x.device == slot.spec.name && x.name != t.name && matches!(x.state, TenantPhase::Creating | TenantPhase::Ready))
+                    .map(|x| u64::from(x.weight))
+                    .sum();
+                let percent = super::mps::thread_percent(t.weight, total + u64::from(t.weight), t.cap);
+                Some((d, percent))
+            }
+            super::pool::Sharing::TimeSliced => None,
+        };
+        let uid = match (&mps, &self.exec_uids, self.worker_user) {
+            (Some((d, _)), _, _) => d.owner.filter(|_| d.ranged).map(|o| o.uid),
+            (None, Some(r), Some(_)) => Some(r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for {} (devices.executor_uids)", t.name)))?),
             _ => None,
         };
+        let shared_uid = mps.is_some() && uid.is_some();
         let user = match uid {
             Some(u) => Some(Owner { uid: u, gid: u }),
             None => self.worker_user,
         };
         let give_back = || {
-            if let (Some(u), Some(r)) = (uid, &self.exec_uids) {
+            if let (Some(u), Some(r), false) = (uid, &self.exec_uids, shared_uid) {
                 r.put(u);
             }
         };
@@ -378,13 +416,22 @@ impl Control {
             tasks: if cgroup.is_some() || uid.is_some() { Some(tasks) } else { None },
             memory: cgroup.as_ref().map(|_| memory),
             cgroup: cgroup.as_ref().map(|(cg, _)| cg.dir().display().to_string()),
+            sm_percent: mps.as_ref().map(|(_, p)| *p),
         };
         let (cgroup, procs) = match cgroup {
             Some((cg, fd)) => (Some(cg), Some(fd)),
             None => (None, None),
         };
-        let spawn_bounds = SpawnBounds { fds, nproc: if procs.is_none() && uid.is_some() { Some(tasks) } else { None }, cgroup_procs: procs };
-        let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window, bounds: spawn_bounds };
+        // RLIMIT_NPROC counts every process of the uid: a shared MPS uid
+        // has room for every client the GPU's server takes.
+        let nproc = match (procs.is_none(), uid.is_some(), shared_uid) {
+            (true, true, false) => Some(tasks),
+            (true, true, true) => Some(tasks.saturating_mul(u64::from(super::mps::MPS_LANES))),
+            _ => None,
+        };
+        let spawn_bounds = SpawnBounds { fds, nproc, cgroup_procs: procs };
+        let env = mps.as_ref().map(|(d, p)| d.client_env(*p).to_vec()).unwrap_or_default();
+        let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window, bounds: spawn_bounds, env };
         let (mut child, stdin, stdout, _) = match spawn_worker(&self.exe, &slot.spec, user, role) {
             Ok(c) => c,
             Err(e) => {
@@ -416,6 +463,7 @@ impl Control {
             tenant: t.name.clone(),
             pid,
             uid,
+            shared_uid,
             window,
             link: link.clone(),
             reaped: Mutex::new(false),
@@ -426,12 +474,19 @@ impl Control {
         });
         slot.execs.lock().unwrap_or_else(|e| e.into_inner()).insert(t.name.clone(), exec.clone());
         let who = format!("{}/{}", slot.spec.name, t.name);
-        let (me, e2) = (self.clone(), exec.clone());
+        let (me, e2, s2) = (self.clone(), exec.clone(), slot.clone());
         let reader = std::thread::Builder::new().name(format!("replies-{}", t.name)).spawn(move || {
-            me.read_replies_then(&who, stdout, &e2.link, Some(&e2.tenant), |_| {
-                // Released: the executor has nothing left to serve.
-                e2.retire();
-            });
+            me.read_replies_then(
+                &who,
+                stdout,
+                &e2.link,
+                Some(&e2.tenant),
+                |_| {
+                    // Released: the executor has nothing left to serve.
+                    e2.retire();
+                },
+                |why| me.executor_fatal(&s2, &e2.tenant, why),
+            );
             // Its output ended (or broke the rules): it is not listened to
             // any more, so it goes (and, unless retired, is replaced).
             e2.signal_kill();
@@ -443,7 +498,7 @@ impl Control {
             wait_exited(e2.pid);
             *e2.reaped.lock().unwrap_or_else(|e| e.into_inner()) = true;
             let status = child.wait();
-            if let (Some(u), Some(r)) = (e2.uid, &me.exec_uids) {
+            if let (Some(u), Some(r), false) = (e2.uid, &me.exec_uids, e2.shared_uid) {
                 r.put(u);
             }
             s2.windows.lock().unwrap_or_else(|e| e.into_inner()).remove(&e2.window);
@@ -480,7 +535,11 @@ impl Control {
             slot.forget_socket(&t.name);
             return Err(ControlError::Conflict(format!("tenant {} was deleted while its executor started", t.name)));
         }
-        info!(tenant = %t.name, device = %slot.spec.name, pid, uid, "tenant executor started");
+        info!(tenant = %t.name, device = %slot.spec.name, pid, uid, sm_percent = ?exec.bounds.sm_percent, "tenant executor started");
+        drop(_one);
+        if rebalance && exec.bounds.sm_percent.is_some() {
+            self.rebalance_mps(slot);
+        }
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod executors;
 pub mod meter;
+pub mod mps;
 pub mod passthrough;
 pub mod pool;
 
@@ -156,6 +157,12 @@ pub struct DeviceSlot {
     /// Bumped at every worker start: a tenant added to an older worker
     /// must be added again.
     generation: AtomicU64,
+    /// The MPS control daemon, while the device is in a pool whose
+    /// sharing is `mps` and has had an executor (control/mps.rs).
+    mps: Mutex<Option<Arc<mps::MpsDaemon>>>,
+    /// Set while its arbiter is restarted on purpose (its pool's sharing
+    /// changed its lanes): not a crash.
+    relaunching: AtomicBool,
 }
 
 impl DeviceSlot {
@@ -343,6 +350,8 @@ pub struct Control {
     pub passthrough: std::sync::OnceLock<Arc<passthrough::Passthrough>>,
     /// Where tenants and pools are saved, once the daemon set it up.
     pub store: std::sync::OnceLock<store::Store>,
+    /// NVIDIA's MPS control daemon command (`devices.mps_control`).
+    pub mps_control: std::sync::OnceLock<String>,
 }
 
 impl Control {
@@ -366,6 +375,8 @@ impl Control {
                         pid: AtomicU32::new(0),
                         restarts: AtomicU64::new(0),
                         generation: AtomicU64::new(0),
+                        mps: Mutex::new(None),
+                        relaunching: AtomicBool::new(false),
                     })
                 })
                 .collect(),
@@ -383,6 +394,7 @@ impl Control {
             vms: std::sync::OnceLock::new(),
             passthrough: std::sync::OnceLock::new(),
             store: std::sync::OnceLock::new(),
+            mps_control: std::sync::OnceLock::new(),
         })
     }
 
@@ -410,6 +422,7 @@ impl Control {
             allow: Vec::new(),
             placement: pool::Placement::Spread,
             overcommit: self.default_overcommit,
+            sharing: pool::Sharing::TimeSliced,
         }
     }
 
@@ -441,6 +454,9 @@ impl Control {
     pub fn create_pool(&self, spec: &pool::PoolSpec) -> Result<pool::PoolSpec, ControlError> {
         spec.validate().map_err(ControlError::BadRequest)?;
         self.overcommit_allowed(spec)?;
+        if spec.sharing == pool::Sharing::Mps {
+            self.mps_allowed(spec)?;
+        }
         let mut named = self.pool_map();
         if spec.name == pool::DEFAULT_POOL || named.contains_key(&spec.name) {
             return Err(ControlError::Conflict(format!("pool {} already exists", spec.name)));
@@ -464,7 +480,12 @@ impl Control {
             named.remove(&spec.name);
             return Err(e);
         }
-        info!(pool = %spec.name, devices = ?spec.devices, access = ?spec.access, placement = ?spec.placement, overcommit = spec.overcommit, "pool created");
+        drop(named);
+        info!(pool = %spec.name, devices = ?spec.devices, access = ?spec.access, placement = ?spec.placement, overcommit = spec.overcommit, sharing = ?spec.sharing, "pool created");
+        if spec.sharing == pool::Sharing::Mps {
+            // Their arbiters let every executor run at once from now on.
+            self.relaunch_arbiters(&spec.devices)?;
+        }
         Ok(spec.clone())
     }
 
@@ -528,7 +549,15 @@ impl Control {
             named.extend(gone.map(|p| (name.to_string(), p)));
             return Err(e);
         }
+        drop(named);
         info!(pool = %name, "pool deleted");
+        if let Some(p) = gone.filter(|p| p.sharing == pool::Sharing::Mps) {
+            for slot in p.devices.iter().filter_map(|d| self.slot(d)) {
+                self.stop_mps(slot);
+            }
+            // Back to one executor on the GPU at a time.
+            self.relaunch_arbiters(&p.devices)?;
+        }
         Ok(())
     }
 
@@ -625,7 +654,9 @@ impl Control {
         let role = if slot.spec.executors {
             let (ours, theirs) = std::os::unix::net::UnixDatagram::pair()?;
             *slot.intake.lock().unwrap_or_else(|e| e.into_inner()) = Some(ours);
-            Role::Arbiter(theirs.into())
+            // Under MPS every executor of the GPU runs at once.
+            let lanes = if self.sharing_of(&slot.spec.name) == pool::Sharing::Mps { mps::MPS_LANES } else { slot.spec.lanes };
+            Role::Arbiter(theirs.into(), lanes)
         } else {
             Role::Worker
         };
@@ -640,12 +671,14 @@ impl Control {
     }
 
     fn read_replies(&self, device: &str, stdout: BufReader<ChildStdout>, link: &WorkerLink) {
-        self.read_replies_then(device, stdout, link, None, |_| {})
+        self.read_replies_then(device, stdout, link, None, |_| {}, |_| {})
     }
 
-    /// As `read_replies`, calling `removed` after a tenant's removal. With
-    /// `only` (an executor), events about any other tenant are ignored.
-    fn read_replies_then(&self, device: &str, mut stdout: BufReader<ChildStdout>, link: &WorkerLink, only: Option<&str>, removed: impl Fn(&str)) {
+    /// As `read_replies`, calling `removed` after a tenant's removal and
+    /// `fatal` when the process says it ends on an unrecoverable error.
+    /// With `only` (an executor), events about any other tenant are
+    /// ignored.
+    fn read_replies_then(&self, device: &str, mut stdout: BufReader<ChildStdout>, link: &WorkerLink, only: Option<&str>, removed: impl Fn(&str), fatal: impl Fn(&str)) {
         loop {
             let line = match read_line_bounded(&mut stdout, MAX_REPLY_LINE) {
                 Ok(Some(l)) => l,
@@ -674,6 +707,7 @@ impl Control {
                     removed(&name);
                 }
                 WorkerMsg::Removed { name } => warn!(device, "an executor reported another tenant ({name}) removed; ignored"),
+                WorkerMsg::Fatal { why } => fatal(&why),
                 WorkerMsg::Err(e) => warn!(device, "worker: {e}"),
                 other => warn!(device, "unexpected worker event {other:?}"),
             }
@@ -691,8 +725,12 @@ impl Control {
             if self.stopping.load(Ordering::Acquire) {
                 return;
             }
-            warn!(device = %slot.spec.name, ?status, "device worker exited; its tenants lost their connections; restarting");
-            slot.restarts.fetch_add(1, Ordering::Relaxed);
+            if slot.relaunching.swap(false, Ordering::AcqRel) {
+                info!(device = %slot.spec.name, "device arbiter restarting for its pool's sharing");
+            } else {
+                warn!(device = %slot.spec.name, ?status, "device worker exited; its tenants lost their connections; restarting");
+                slot.restarts.fetch_add(1, Ordering::Relaxed);
+            }
             // A tenant that was being deleted is gone with the process.
             let gone: Vec<String> = self.registry().values().filter(|t| t.device == slot.spec.name && t.state == TenantPhase::Deleting).map(|t| t.name.clone()).collect();
             for name in gone {
@@ -733,6 +771,7 @@ impl Control {
                 // SAFETY: kill only sends a signal to our own child process.
                 unsafe { libc::kill(pid as i32, libc::SIGTERM) };
             }
+            self.stop_mps(slot);
         }
         for t in self.registry().values() {
             let _ = std::fs::remove_file(&t.socket);
@@ -954,6 +993,12 @@ impl Control {
             }
         }
         info!(tenant = %name, weight = after.weight, cap = ?after.cap, priority = after.priority.as_str(), memory = after.memory, "tenant changed");
+        if (after.weight, after.cap) != (before.weight, before.cap) {
+            // Under MPS the shares of the SMs follow the weights.
+            if let Some(me) = self.me.upgrade() {
+                me.rebalance_mps(&slot);
+            }
+        }
         // The change is live; said plainly when a restart would undo it.
         // Saved under the registry's lock, only while the tenant is still
         // there: a delete that ran meanwhile is not undone.
@@ -1035,10 +1080,12 @@ impl Control {
     /// The worker released a deleted tenant: its record and quota go.
     fn finish_delete(&self, name: &str) {
         let mut tenants = self.registry();
+        let mut left = None;
         if tenants.get(name).is_some_and(|t| t.state == TenantPhase::Deleting) {
             if let Some(t) = tenants.remove(name) {
                 if let Some(slot) = self.slot(&t.device) {
                     slot.forget_socket(name);
+                    left = Some(slot.clone());
                 }
                 let _ = std::fs::remove_file(&t.socket);
             }
@@ -1046,6 +1093,13 @@ impl Control {
         }
         drop(tenants);
         self.removed.notify_all();
+        if let (Some(slot), Some(me)) = (left, self.me.upgrade()) {
+            // Under MPS the others' shares of the SMs grow; not on the
+            // thread that reads the leaving executor's replies.
+            if me.sharing_of(&slot.spec.name) == pool::Sharing::Mps {
+                let _ = std::thread::Builder::new().name("mps-rebalance".into()).spawn(move || me.rebalance_mps(&slot));
+            }
+        }
     }
 
     fn add_on_worker(&self, slot: &Arc<DeviceSlot>, t: &TenantRecord) -> Result<(), ControlError> {
@@ -1122,11 +1176,13 @@ fn write_before(w: &ChildStdin, mut buf: &[u8], deadline: Instant) -> std::io::R
 enum Role {
     /// Every tenant of the device in one process.
     Worker,
-    /// The device's arbiter, taking grant channels on this datagram socket.
-    Arbiter(std::os::fd::OwnedFd),
+    /// The device's arbiter, taking grant channels on this datagram socket,
+    /// with this many lanes.
+    Arbiter(std::os::fd::OwnedFd, u32),
     /// One tenant's executor: its grant channel, its listening socket, its
-    /// address window and what the kernel bounds it to.
-    Executor { grant: std::os::fd::OwnedFd, listen: std::os::fd::OwnedFd, window: u64, bounds: executors::SpawnBounds },
+    /// address window, what the kernel bounds it to, and what it adds to
+    /// its environment (an MPS client's settings).
+    Executor { grant: std::os::fd::OwnedFd, listen: std::os::fd::OwnedFd, window: u64, bounds: executors::SpawnBounds, env: Vec<(&'static str, String)> },
 }
 
 /// Applies an executor's bounds between fork and exec: it joins its
@@ -1162,6 +1218,10 @@ fn bound_child(cmd: &mut Command, b: executors::SpawnBounds) {
 
 fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) -> std::io::Result<(Child, ChildStdin, BufReader<ChildStdout>, u32)> {
     let mut cmd = Command::new(exe);
+    let lanes = match &role {
+        Role::Arbiter(_, lanes) => *lanes,
+        _ => spec.lanes,
+    };
     cmd.arg("worker")
         .arg("--ordinal")
         .arg(spec.ordinal.to_string())
@@ -1170,7 +1230,7 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
         .arg("--budget")
         .arg(spec.budget.to_string())
         .arg("--lanes")
-        .arg(spec.lanes.to_string())
+        .arg(lanes.to_string())
         .arg("--launch-timeout-ms")
         .arg(spec.launch_timeout_ms.to_string());
     cmd.args(["--numa-node", &spec.numa_node.to_string()]);
@@ -1199,12 +1259,13 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
     let mut bounded = None;
     let pass: Vec<std::os::fd::OwnedFd> = match role {
         Role::Worker => Vec::new(),
-        Role::Arbiter(intake) => {
+        Role::Arbiter(intake, _) => {
             cmd.arg("--arbiter");
             vec![intake]
         }
-        Role::Executor { grant, listen, window, bounds } => {
+        Role::Executor { grant, listen, window, bounds, env } => {
             cmd.args(["--grant-fd", "3", "--listen-fd", "4", "--window", &window.to_string()]);
+            cmd.envs(env);
             bounded = Some(bounds);
             vec![grant, listen]
         }

@@ -10,7 +10,7 @@
 pub const DEFAULT_POOL: &str = "default";
 pub use vgpu_api::pool::MAX_OVERCOMMIT;
 
-pub use vgpu_api::pool::{check_overcommit, Access, Placement, PoolChange, PoolSpec};
+pub use vgpu_api::pool::{check_overcommit, Access, Placement, PoolChange, PoolSpec, Sharing};
 
 /// One device of a pool as placement sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -137,6 +137,7 @@ mod tests {
             allow: allow.iter().map(|s| s.to_string()).collect(),
             placement: Placement::Pack,
             overcommit: over,
+            sharing: Default::default(),
         };
         p(Access::Private, &["alice"], 2.0).validate().unwrap();
         assert!(p(Access::Public, &["alice"], 1.0).validate().unwrap_err().contains("only applies to a private pool"));

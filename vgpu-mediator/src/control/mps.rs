@@ -1,0 +1,386 @@
+//! NVIDIA's Multi-Process Service for the GPUs of pools whose sharing is
+//! `mps`: spatial sharing for tenants that trust each other.
+//!
+//! Without MPS two processes' kernels never run on a GPU at once (the GPU
+//! time-slices between them, at equal shares), so the arbiter grants the
+//! GPU to one executor at a time. Under MPS the executors of a GPU are
+//! clients of one MPS server: their kernels run at once, each on at most
+//! its share of the SMs (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, from its
+//! weight), and the arbiter lets them all run. What is given up, as
+//! NVIDIA's MPS documentation says: a fatal fault in one client reaches
+//! every client of the server, and the server takes no new client until
+//! all of those have exited; and the clients share one uid (a server
+//! serves one user). So when one executor of an MPS GPU meets a fatal
+//! error, the control plane ends every executor of that GPU at once, and
+//! each tenant gets a fresh one as soon as the server takes clients again.
+//!
+//! One control daemon (`devices.mps_control`, NVIDIA's
+//! `nvidia-cuda-mps-control`) runs per GPU or MIG instance of such a pool,
+//! started with the GPU's first executor, under the uid its executors
+//! share, with its pipe and log directories in
+//! `RUN_DIR/mps/DEVICE/{pipe,log}`; it is stopped (`quit`) when the pool
+//! is deleted and when the daemon stops.
+
+use std::io::Write;
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use super::pool::{PoolSpec, Sharing};
+use super::{Control, ControlError, DeviceSlot, TenantPhase, TenantRecord, STATS_TIMEOUT};
+use crate::config::Owner;
+use crate::ipc::{WorkerCmd, WorkerMsg};
+
+/// The arbiter's lanes on an MPS GPU: as many executors as MPS serves
+/// clients on one device (48 on Volta and later), all running at once.
+pub const MPS_LANES: u32 = 48;
+/// How long the control daemon's start or stop may take.
+const COMMAND_WAIT: Duration = Duration::from_secs(15);
+
+#[derive(Debug, thiserror::Error)]
+pub enum MpsError {
+    #[error("preparing {path}")]
+    Dir {
+        path: String,
+        #[source]
+        err: std::io::Error,
+    },
+    #[error("running the MPS control daemon {control} (devices.mps_control)")]
+    Run {
+        control: String,
+        #[source]
+        err: std::io::Error,
+    },
+    #[error("the MPS control daemon {control} did not start ({status}): {stderr}")]
+    Start { control: String, status: String, stderr: String },
+    #[error("the MPS control daemon {control} did not answer within {0:?}", COMMAND_WAIT)]
+    Hung { control: String },
+}
+
+/// The MPS control daemon of one GPU or MIG instance.
+#[derive(Debug)]
+pub struct MpsDaemon {
+    control: String,
+    dir: PathBuf,
+    pipe: PathBuf,
+    /// The uid it and the GPU's executors run as (None: the daemon's own).
+    pub owner: Option<Owner>,
+    /// That uid was taken from the executor range for it, and goes back
+    /// when it stops.
+    pub ranged: bool,
+}
+
+/// Creates `dir` (mode `mode`) if it is missing, owned by `owner`.
+fn make_dir(dir: &Path, mode: u32, owner: Option<Owner>) -> Result<(), MpsError> {
+    let err = |err| MpsError::Dir { path: dir.display().to_string(), err };
+    match std::fs::DirBuilder::new().mode(mode).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err(e)),
+    }
+    if let Some(o) = owner {
+        std::os::unix::fs::lchown(dir, Some(o.uid), Some(o.gid)).map_err(err)?;
+    }
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode)).map_err(err)
+}
+
+/// Runs `cmd` to its end within [`COMMAND_WAIT`], with `input` on its stdin.
+fn run(control: &str, mut cmd: Command, input: &str) -> Result<(std::process::ExitStatus, String), MpsError> {
+    let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().map_err(|err| MpsError::Run { control: control.into(), err })?;
+    if let Some(mut i) = child.stdin.take() {
+        let _ = i.write_all(input.as_bytes());
+    }
+    let deadline = Instant::now() + COMMAND_WAIT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                let mut stderr = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut std::io::Read::take(&mut e, 4096), &mut stderr);
+                }
+                return Ok((status, stderr.trim().to_string()));
+            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(MpsError::Hung { control: control.into() });
+            }
+            Err(err) => return Err(MpsError::Run { control: control.into(), err }),
+        }
+    }
+}
+
+impl MpsDaemon {
+    /// Starts the control daemon of device `device` (`visible`: its
+    /// `CUDA_VISIBLE_DEVICES`) under `owner`.
+    pub fn start(control: &str, run_dir: &Path, device: &str, visible: &str, owner: Option<Owner>) -> Result<MpsDaemon, MpsError> {
+        let top = run_dir.join("mps");
+        make_dir(&top, 0o711, None)?;
+        let dir = top.join(device);
+        make_dir(&dir, 0o700, owner)?;
+        let (pipe, log) = (dir.join("pipe"), dir.join("log"));
+        make_dir(&pipe, 0o700, owner)?;
+        make_dir(&log, 0o700, owner)?;
+        let d = MpsDaemon { control: control.into(), dir, pipe, owner, ranged: false };
+        let mut cmd = d.command();
+        cmd.arg("-d").env("CUDA_VISIBLE_DEVICES", visible).env("CUDA_MPS_LOG_DIRECTORY", &log);
+        let (status, stderr) = run(control, cmd, "")?;
+        if !status.success() {
+            return Err(MpsError::Start { control: control.into(), status: status.to_string(), stderr });
+        }
+        Ok(d)
+    }
+
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.control);
+        cmd.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe);
+        if let Some(o) = self.owner {
+            // std drops the supplementary groups with the uid.
+            cmd.uid(o.uid).gid(o.gid);
+        }
+        cmd
+    }
+
+    /// What a client (an executor of this GPU) needs in its environment:
+    /// the server's pipe directory and its share of the SMs.
+    pub fn client_env(&self, percent: u32) -> [(&'static str, String); 2] {
+        [("CUDA_MPS_PIPE_DIRECTORY", self.pipe.display().to_string()), ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", percent.to_string())]
+    }
+
+    /// Whether the daemon still answers (its `get_server_list` command).
+    pub fn alive(&self) -> bool {
+        run(&self.control, self.command(), "get_server_list\n").is_ok_and(|(status, _)| status.success())
+    }
+
+    /// Stops the daemon (and with it the server) and removes its
+    /// directories.
+    pub fn stop(&self) -> Result<(), MpsError> {
+        let r =
+            run(&self.control, self.command(), "quit\n").and_then(
+                |(status, stderr)| {
+                    if status.success() {
+                        Ok(())
+                    } else {
+                        Err(MpsError::Start { control: self.control.clone(), status: status.to_string(), stderr })
+                    }
+                },
+            );
+        let _ = std::fs::remove_dir_all(&self.dir);
+        r
+    }
+}
+
+/// Whether `cmd` names an executable file: a path, or a name on PATH.
+fn executable(cmd: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let is_exe = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    if cmd.contains('/') {
+        return is_exe(Path::new(cmd));
+    }
+    std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|d| is_exe(&d.join(cmd))))
+}
+
+impl Control {
+    /// How tenants share `device`: its pool's sharing.
+    pub(super) fn sharing_of(&self, device: &str) -> Sharing {
+        let named = self.pool_map();
+        self.pool_of(&named, device).sharing
+    }
+
+    fn control_command(&self) -> String {
+        self.mps_control.get().cloned().unwrap_or_else(|| "nvidia-cuda-mps-control".into())
+    }
+
+    /// Whether every device of `spec` can be shared under MPS: GPUs (or
+    /// MIG instances) whose tenants have executors, with NVIDIA's control
+    /// daemon at hand.
+    pub(super) fn mps_allowed(&self, spec: &PoolSpec) -> Result<(), ControlError> {
+        let bad = |why: String| Err(ControlError::BadRequest(format!("pool {}: sharing \"mps\" {why}", spec.name)));
+        for d in &spec.devices {
+            match self.slot(d) {
+                None if self.pass_device(d).is_some() => return bad(format!("shares GPUs between tenants; {d} is lent whole to VMs")),
+                None => {}
+                Some(s) if s.spec.cuda.is_none() => return bad(format!("is for GPUs and MIG instances; {d} is a CPU device")),
+                Some(s) if !s.spec.executors => return bad(format!("needs an executor per tenant on {d} (devices.isolation = \"process\")")),
+                Some(_) => {}
+            }
+        }
+        let control = self.control_command();
+        if !executable(&control) {
+            return bad(format!("needs NVIDIA's MPS control daemon: {control} (devices.mps_control) is not an executable file{}", if control.contains('/') { "" } else { " on PATH" }));
+        }
+        Ok(())
+    }
+
+    /// The running MPS control daemon of `slot`, started if it is not.
+    pub(super) fn mps_daemon(&self, slot: &DeviceSlot) -> Result<Arc<MpsDaemon>, ControlError> {
+        let mut g = slot.mps.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = g.as_ref() {
+            if d.alive() {
+                return Ok(d.clone());
+            }
+            warn!(device = %slot.spec.name, "the MPS control daemon stopped answering; starting it again");
+            if let Some(d) = g.take() {
+                self.forget_mps(&d);
+            }
+        }
+        // The server serves one uid: every executor of the GPU runs as it.
+        let (owner, ranged) = match (&self.exec_uids, self.worker_user) {
+            (Some(r), Some(_)) => {
+                let u = r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for the MPS clients of {} (devices.executor_uids)", slot.spec.name)))?;
+                (Some(Owner { uid: u, gid: u }), true)
+            }
+            _ => (self.worker_user, false),
+        };
+        let visible = slot.spec.cuda.as_ref().map(|c| c.visible_devices.clone()).unwrap_or_default();
+        match MpsDaemon::start(&self.control_command(), &self.run_dir, &slot.spec.name, &visible, owner) {
+            Ok(mut d) => {
+                d.ranged = ranged;
+                info!(device = %slot.spec.name, uid = ?owner.map(|o| o.uid), "MPS control daemon started");
+                let d = Arc::new(d);
+                *g = Some(d.clone());
+                Ok(d)
+            }
+            Err(e) => {
+                if let (true, Some(o), Some(r)) = (ranged, owner, &self.exec_uids) {
+                    r.put(o.uid);
+                }
+                Err(ControlError::Internal(format!("starting MPS on {}: {}", slot.spec.name, super::passthrough::chain(&e))))
+            }
+        }
+    }
+
+    /// Gives back what a daemon that is gone held.
+    fn forget_mps(&self, d: &MpsDaemon) {
+        if let (true, Some(o), Some(r)) = (d.ranged, d.owner, &self.exec_uids) {
+            r.put(o.uid);
+        }
+    }
+
+    /// Stops `slot`'s MPS control daemon, if it runs.
+    pub(super) fn stop_mps(&self, slot: &DeviceSlot) {
+        let d = slot.mps.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(d) = d {
+            match d.stop() {
+                Ok(()) => info!(device = %slot.spec.name, "MPS control daemon stopped"),
+                Err(e) => warn!(device = %slot.spec.name, "stopping the MPS control daemon: {}", super::passthrough::chain(&e)),
+            }
+            self.forget_mps(&d);
+        }
+    }
+
+    /// Restarts the arbiters of `devices` (which hold no tenants), so that
+    /// they take their lanes from their pool's sharing; returns once each
+    /// is up again.
+    pub(super) fn relaunch_arbiters(&self, devices: &[String]) -> Result<(), ControlError> {
+        for slot in devices.iter().filter_map(|d| self.slot(d)) {
+            let pid = slot.pid.load(Ordering::Acquire);
+            if pid == 0 || !slot.spec.executors {
+                // Not started yet: it starts with the right lanes.
+                continue;
+            }
+            let before = slot.generation.load(Ordering::Acquire);
+            slot.relaunching.store(true, Ordering::Release);
+            // SAFETY: a signal to our own child, the device's arbiter.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + COMMAND_WAIT;
+            while !(slot.generation.load(Ordering::Acquire) != before && slot.is_up()) {
+                if Instant::now() > deadline {
+                    return Err(ControlError::WorkerDown(format!("{} (its arbiter did not come back after a restart for its pool's sharing)", slot.spec.name)));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps the shares of the SMs of a GPU's executors in step with the
+    /// weights of the tenants on it. MPS fixes a client's share when it
+    /// starts, so an executor whose share changed is replaced if it serves
+    /// no connection when asked (no context or allocation is lost); one
+    /// that serves connections keeps its share until its next start.
+    pub(super) fn rebalance_mps(self: &Arc<Self>, slot: &Arc<DeviceSlot>) {
+        if self.sharing_of(&slot.spec.name) != Sharing::Mps {
+            return;
+        }
+        let tenants: Vec<TenantRecord> = self.registry().values().filter(|t| t.device == slot.spec.name && matches!(t.state, TenantPhase::Creating | TenantPhase::Ready)).cloned().collect();
+        let total: u64 = tenants.iter().map(|t| u64::from(t.weight)).sum();
+        for t in tenants.iter().filter(|t| t.state == TenantPhase::Ready) {
+            let Some(e) = slot.exec(&t.name) else { continue };
+            let want = thread_percent(t.weight, total, t.cap);
+            if e.bounds.sm_percent == Some(want) {
+                continue;
+            }
+            let idle = matches!(e.call(WorkerCmd::Stats, STATS_TIMEOUT), Ok(WorkerMsg::Stats(s)) if s.tenants.iter().any(|x| x.name == t.name && x.connections == 0));
+            if !idle {
+                info!(tenant = %t.name, device = %slot.spec.name, now = ?e.bounds.sm_percent, want, "the executor serves connections: it keeps its share of the SMs until its next start");
+                continue;
+            }
+            match self.start_executor_with(slot, t, false) {
+                Ok(()) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
+                // A tenant deleted meanwhile needs no new share.
+                Err(err) if self.registry().get(&t.name).is_some_and(|r| r.state == TenantPhase::Ready) => {
+                    warn!(tenant = %t.name, device = %slot.spec.name, "replacing the executor for its new share of the SMs failed: {err}")
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// An executor of `slot` ends on an error its device state cannot
+    /// recover from. Under MPS the fault reached every client of the GPU's
+    /// server, which takes no new client until all of them have exited:
+    /// every executor of the GPU ends now, and each tenant gets a fresh
+    /// one (restarted with backoff while the server recovers).
+    pub(super) fn executor_fatal(&self, slot: &DeviceSlot, tenant: &str, why: &str) {
+        if self.sharing_of(&slot.spec.name) != Sharing::Mps {
+            info!(device = %slot.spec.name, tenant, "the executor ends on an unrecoverable error ({why}); only its tenant is affected");
+            return;
+        }
+        let others: Vec<_> = slot.executors().into_iter().filter(|e| e.tenant != tenant).collect();
+        warn!(
+            device = %slot.spec.name,
+            tenant,
+            others = ?others.iter().map(|e| e.tenant.as_str()).collect::<Vec<_>>(),
+            "a fatal error under MPS ({why}) fails every client of the GPU: ending all of its executors; each tenant gets a new one once the MPS server takes clients again"
+        );
+        for e in others {
+            e.end_for_restart();
+        }
+    }
+}
+
+/// A tenant's share of the SMs under MPS, in percent: its weight's share
+/// of the weights of the tenants on the GPU (its own included), rounded
+/// up, never above its cap, and at least 1.
+pub fn thread_percent(weight: u32, total_weight: u64, cap: Option<u32>) -> u32 {
+    let total = total_weight.max(u64::from(weight)).max(1);
+    let share = (u64::from(weight) * 100).div_ceil(total).clamp(1, 100) as u32;
+    cap.map_or(share, |c| share.min(c.max(1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_of_the_sms_follow_weights_and_caps() {
+        assert_eq!(thread_percent(1, 4, None), 25);
+        assert_eq!(thread_percent(3, 4, None), 75);
+        assert_eq!(thread_percent(1, 3, None), 34);
+        assert_eq!(thread_percent(5, 5, None), 100);
+        assert_eq!(thread_percent(5, 5, Some(40)), 40);
+        assert_eq!(thread_percent(1, 1000, None), 1);
+        // A total that somehow leaves the tenant out still counts it.
+        assert_eq!(thread_percent(2, 0, None), 100);
+        assert_eq!(thread_percent(2, 4, Some(0)), 1);
+    }
+}
