@@ -64,14 +64,8 @@ pub fn mark(why: &str) -> bool {
 /// a GPU shared under MPS the fault reaches every executor of the GPU,
 /// which the control plane then ends too (vgpu-mediator control/mps.rs).
 fn tell(why: &str) {
-    use std::io::Write;
-    let msg = crate::ipc::MsgLine { id: 0, msg: crate::ipc::WorkerMsg::Fatal { why: why.to_string() } };
-    if let Ok(line) = serde_json::to_string(&msg) {
-        // One write under stdout's lock, as every reply is written.
-        let mut o = std::io::stdout().lock();
-        let _ = o.write_all(format!("{line}\n").as_bytes());
-        let _ = o.flush();
-    }
+    // One write under the channel's lock, as every reply is written.
+    let _ = crate::ipc::send(0, crate::ipc::WorkerMsg::Fatal { why: why.to_string() });
 }
 
 /// A reply with status `code` was handed to the tenant: if it carries the

@@ -143,3 +143,44 @@ impl TenantCmd {
 }
 
 pub use vgpu_api::tenant::Owner;
+
+/// Where a device process writes its replies and events. A worker or
+/// executor moves the channel off descriptor 1 at its start
+/// ([`take_stdout`]), so nothing else that writes to stdout in it (NVIDIA's
+/// driver prints a kernel's `printf` there, and a tenant writes the
+/// kernel) can pass for a message of its own.
+static CHANNEL: std::sync::OnceLock<std::sync::Mutex<std::fs::File>> = std::sync::OnceLock::new();
+
+/// Moves the control plane's channel from descriptor 1 to a descriptor of
+/// its own; descriptor 1 then goes to stderr.
+pub fn take_stdout() -> std::io::Result<()> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: duplicates descriptor 1, open since the process started,
+    // onto the lowest free descriptor at 3 or above, close-on-exec.
+    let fd = unsafe { libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 3) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just made by fcntl and is owned by nothing else.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    // SAFETY: dup2 of two open descriptors; 1 now writes where 2 does.
+    if unsafe { libc::dup2(2, 1) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    CHANNEL.set(std::sync::Mutex::new(file)).map_err(|_| std::io::Error::other("the channel was already taken"))
+}
+
+/// Writes one message to the control plane, whole, on the channel (or on
+/// stdout in a process that did not take it).
+pub fn send(id: u64, msg: WorkerMsg) -> std::io::Result<()> {
+    use std::io::Write;
+    let line = serde_json::to_string(&MsgLine { id, msg }).map_err(std::io::Error::other)? + "\n";
+    match CHANNEL.get() {
+        Some(f) => f.lock().unwrap_or_else(|e| e.into_inner()).write_all(line.as_bytes()),
+        None => {
+            let mut o = std::io::stdout().lock();
+            o.write_all(line.as_bytes())?;
+            o.flush()
+        }
+    }
+}

@@ -15,19 +15,19 @@ pub mod service;
 pub mod shm;
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tracing::{info, warn};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use service::{DeviceService, Tenant};
-use vgpu_arbiter::ipc::{CmdLine, MsgLine, TenantCmd, WorkerCmd, WorkerMsg};
+use vgpu_arbiter::ipc::{CmdLine, TenantCmd, WorkerCmd, WorkerMsg};
 use vgpu_arbiter::sched::{Scheduler, WeightedFair};
 
 pub struct WorkerOptions {
@@ -130,18 +130,15 @@ struct Listening {
     vhost: Option<UnixListener>,
 }
 
-/// Writes replies and events to the control plane, one JSON line each;
+/// Writes replies and events to the control plane, one JSON line each,
+/// whole (`vgpu_arbiter::ipc::send`, on the channel taken off stdout);
 /// removal threads report through it too.
-#[derive(Clone)]
-struct Out(Arc<Mutex<std::io::Stdout>>);
+#[derive(Clone, Copy)]
+struct Out;
 
 impl Out {
     fn send(&self, id: u64, msg: WorkerMsg) -> std::io::Result<()> {
-        let line = serde_json::to_string(&MsgLine { id, msg }).map_err(std::io::Error::other)? + "\n";
-        let g = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let mut o = g.lock();
-        o.write_all(line.as_bytes())?;
-        o.flush()
+        vgpu_arbiter::ipc::send(id, msg)
     }
 }
 
@@ -157,6 +154,9 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     if opts.arbiter {
         return arbiter(&opts);
     }
+    // Tenant code runs in this process from here on: what it (or a driver
+    // on its behalf) prints must not reach the control plane's channel.
+    vgpu_arbiter::ipc::take_stdout().map_err(|e| anyhow::anyhow!("moving the control plane's channel off stdout: {e}"))?;
     if opts.grant_fd.is_some() && opts.backend == BackendKind::Cuda {
         // A kernel fault or a runaway ends a GPU executor (vgpu_arbiter::fatal).
         vgpu_arbiter::fatal::enable();
@@ -261,7 +261,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
     let mut listening: HashMap<String, Listening> = HashMap::new();
     // SAFETY: as the grant channel: passed to this process alone.
     let mut handed: Option<UnixListener> = opts.listen_fd.map(|fd| unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) });
-    let out = Out(Arc::new(Mutex::new(std::io::stdout())));
+    let out = Out;
     out.send(0, WorkerMsg::Ready { pid: std::process::id() })?;
     info!(ordinal = opts.ordinal, memory = opts.memory, "device worker ready");
     for line in std::io::stdin().lock().lines() {
@@ -305,7 +305,7 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
                     // runs off this loop and reports when it is done.
                     svc.revoke(&name);
                     stop_listening(&l, &pool);
-                    let (svc2, out2, n2) = (svc.clone(), out.clone(), name.clone());
+                    let (svc2, out2, n2) = (svc.clone(), out, name.clone());
                     let teardown = move || {
                         svc2.remove_tenant(&n2);
                         info!(tenant = %n2, "tenant removed; its memory is released");

@@ -443,7 +443,9 @@ async fn show_pool(State(c): St, Path(name): Path<String>) -> Result<Json<PoolVi
 #[utoipa::path(post, path = "/pools", request_body = super::pool::PoolSpec, responses((status = 201, description = "Created", body = PoolView), (status = 400, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody)))]
 async fn create_pool(State(c): St, body: axum::body::Bytes) -> Result<(StatusCode, Json<PoolView>), ControlError> {
     let spec: super::pool::PoolSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad pool description: {e}")))?;
-    let p = c.create_pool(&spec)?;
+    // It may restart the devices' arbiters (MPS): not on an async worker.
+    let c2 = c.clone();
+    let p = blocking(move || c2.create_pool(&spec)).await??;
     Ok((StatusCode::CREATED, Json(pool_view(&c, p))))
 }
 
@@ -458,7 +460,8 @@ async fn set_pool(State(c): St, Path(name): Path<String>, body: axum::body::Byte
 /// Delete a pool without tenants; its devices return to the default pool.
 #[utoipa::path(delete, path = "/pools/{name}", params(("name" = String, Path, example = "pool-a")), responses((status = 204, description = "Deleted"), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody)))]
 async fn delete_pool(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
-    c.delete_pool(&name)?;
+    // It may stop MPS and restart the devices' arbiters.
+    blocking(move || c.delete_pool(&name)).await??;
     Ok(StatusCode::NO_CONTENT)
 }
 

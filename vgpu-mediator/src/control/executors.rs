@@ -413,7 +413,11 @@ impl Control {
         };
         let bounds = ExecBounds {
             fds,
-            tasks: if cgroup.is_some() || uid.is_some() { Some(tasks) } else { None },
+            tasks: match (cgroup.is_some(), uid.is_some(), shared_uid) {
+                (false, true, true) => Some(tasks.saturating_mul(u64::from(super::mps::MPS_LANES))),
+                (c, u, _) if c || u => Some(tasks),
+                _ => None,
+            },
             memory: cgroup.as_ref().map(|_| memory),
             cgroup: cgroup.as_ref().map(|(cg, _)| cg.dir().display().to_string()),
             sm_percent: mps.as_ref().map(|(_, p)| *p),
@@ -485,7 +489,7 @@ impl Control {
                     // Released: the executor has nothing left to serve.
                     e2.retire();
                 },
-                |why| me.executor_fatal(&s2, &e2.tenant, why),
+                |why| me.executor_fatal(&s2, &e2, why),
             );
             // Its output ended (or broke the rules): it is not listened to
             // any more, so it goes (and, unless retired, is replaced).
@@ -570,24 +574,38 @@ impl Control {
             *n = if e.started.elapsed() < QUICK_END { n.saturating_add(1) } else { 0 };
             *n
         };
-        let mut delay = restart_delay(quick.saturating_sub(1));
+        let delay = restart_delay(quick.saturating_sub(1));
         warn!(tenant = %e.tenant, device = %slot.spec.name, ?status, ?delay, "tenant executor exited; the tenant lost its connections; starting a new one");
-        // Until one starts (clients wait in the socket's backlog meanwhile)
-        // or the tenant or its device goes.
+        self.starting_until_up(slot, &e.tenant, delay);
+    }
+
+    /// Starts `tenant` an executor on a thread of its own, again and again
+    /// with backoff, until one runs (a start that failed must not leave a
+    /// Ready tenant without one).
+    pub(super) fn keep_starting(self: Arc<Self>, slot: Arc<DeviceSlot>, tenant: String) {
+        let spawned = std::thread::Builder::new().name(format!("restart-{tenant}")).spawn(move || self.starting_until_up(&slot, &tenant, RESTART_FIRST));
+        if let Err(e) = spawned {
+            warn!("no thread to restart an executor: {e}");
+        }
+    }
+
+    /// Until one starts (clients wait in the socket's backlog meanwhile)
+    /// or the tenant or its device goes.
+    fn starting_until_up(self: &Arc<Self>, slot: &Arc<DeviceSlot>, tenant: &str, mut delay: Duration) {
         loop {
             std::thread::sleep(delay);
-            let rec = match self.registry().get(&e.tenant) {
+            let rec = match self.registry().get(tenant) {
                 Some(r) if r.state == TenantPhase::Ready => r.clone(),
                 _ => return,
             };
-            if !slot.is_up() || self.stopping.load(Ordering::Acquire) || slot.exec(&e.tenant).is_some() {
+            if !slot.is_up() || self.stopping.load(Ordering::Acquire) || slot.exec(tenant).is_some() {
                 // The device's supervisor re-creates it with the arbiter,
                 // or another start got there first.
                 return;
             }
             match self.start_executor(slot, &rec) {
                 Ok(()) => return,
-                Err(err) => warn!(tenant = %e.tenant, "a new executor failed to start: {err}; trying again"),
+                Err(err) => warn!(tenant, "a new executor failed to start: {err}; trying again"),
             }
             delay = (delay * 2).min(RESTART_MAX);
         }

@@ -160,6 +160,9 @@ pub struct DeviceSlot {
     /// The MPS control daemon, while the device is in a pool whose
     /// sharing is `mps` and has had an executor (control/mps.rs).
     mps: Mutex<Option<Arc<mps::MpsDaemon>>>,
+    /// The uid its MPS daemon and clients run as, once one was taken from
+    /// the executor range: kept for the mediator's life.
+    mps_uid: Mutex<Option<u32>>,
     /// Set while its arbiter is restarted on purpose (its pool's sharing
     /// changed its lanes): not a crash.
     relaunching: AtomicBool,
@@ -376,6 +379,7 @@ impl Control {
                         restarts: AtomicU64::new(0),
                         generation: AtomicU64::new(0),
                         mps: Mutex::new(None),
+                        mps_uid: Mutex::new(None),
                         relaunching: AtomicBool::new(false),
                     })
                 })
@@ -484,7 +488,7 @@ impl Control {
         info!(pool = %spec.name, devices = ?spec.devices, access = ?spec.access, placement = ?spec.placement, overcommit = spec.overcommit, sharing = ?spec.sharing, "pool created");
         if spec.sharing == pool::Sharing::Mps {
             // Their arbiters let every executor run at once from now on.
-            self.relaunch_arbiters(&spec.devices)?;
+            self.relaunch_arbiters(&spec.devices);
         }
         Ok(spec.clone())
     }
@@ -556,7 +560,7 @@ impl Control {
                 self.stop_mps(slot);
             }
             // Back to one executor on the GPU at a time.
-            self.relaunch_arbiters(&p.devices)?;
+            self.relaunch_arbiters(&p.devices);
         }
         Ok(())
     }
@@ -748,6 +752,10 @@ impl Control {
                         for t in &again {
                             if let Err(e) = self.add_on_worker(&slot, t) {
                                 error!(device = %slot.spec.name, tenant = %t.name, "re-creating tenant after restart failed: {e}");
+                                if slot.spec.executors {
+                                    // Its executor is started again, with backoff.
+                                    self.clone().keep_starting(slot.clone(), t.name.clone());
+                                }
                             }
                         }
                         info!(device = %slot.spec.name, pid = slot.pid.load(Ordering::Relaxed), "device worker restarted");
@@ -993,10 +1001,12 @@ impl Control {
             }
         }
         info!(tenant = %name, weight = after.weight, cap = ?after.cap, priority = after.priority.as_str(), memory = after.memory, "tenant changed");
-        if (after.weight, after.cap) != (before.weight, before.cap) {
-            // Under MPS the shares of the SMs follow the weights.
+        if (after.weight, after.cap) != (before.weight, before.cap) && self.sharing_of(&slot.spec.name) == pool::Sharing::Mps {
+            // Under MPS the shares of the SMs follow the weights; not
+            // while every tenant change waits on this one.
             if let Some(me) = self.me.upgrade() {
-                me.rebalance_mps(&slot);
+                let s2 = slot.clone();
+                let _ = std::thread::Builder::new().name("mps-rebalance".into()).spawn(move || me.rebalance_mps(&s2));
             }
         }
         // The change is live; said plainly when a restart would undo it.
@@ -1257,6 +1267,11 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
     // Descriptors the child gets at fixed numbers (3, and 4), duplicated
     // between fork and exec; ours stay close-on-exec.
     let mut bounded = None;
+    // An MPS client only where its GPU is shared under MPS (an executor's
+    // `env`), never through settings the daemon's own environment carries.
+    for v in ["CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] {
+        cmd.env_remove(v);
+    }
     let pass: Vec<std::os::fd::OwnedFd> = match role {
         Role::Worker => Vec::new(),
         Role::Arbiter(intake, _) => {

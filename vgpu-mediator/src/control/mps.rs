@@ -77,23 +77,30 @@ pub struct MpsDaemon {
     pub ranged: bool,
 }
 
-/// Creates `dir` (mode `mode`) if it is missing, owned by `owner`.
+/// Creates `dir` (mode `mode`) if it is missing, owned by `owner`. Its
+/// owner and mode are set through a descriptor opened without following a
+/// link: the uid that owns the parent cannot redirect them.
 fn make_dir(dir: &Path, mode: u32, owner: Option<Owner>) -> Result<(), MpsError> {
+    use std::os::unix::fs::OpenOptionsExt;
     let err = |err| MpsError::Dir { path: dir.display().to_string(), err };
     match std::fs::DirBuilder::new().mode(mode).create(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(err(e)),
     }
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW).open(dir).map_err(err)?;
     if let Some(o) = owner {
-        std::os::unix::fs::lchown(dir, Some(o.uid), Some(o.gid)).map_err(err)?;
+        std::os::unix::fs::fchown(&f, Some(o.uid), Some(o.gid)).map_err(err)?;
     }
-    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode)).map_err(err)
+    f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode)).map_err(err)
 }
 
-/// Runs `cmd` to its end within [`COMMAND_WAIT`], with `input` on its stdin.
-fn run(control: &str, mut cmd: Command, input: &str) -> Result<(std::process::ExitStatus, String), MpsError> {
-    let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().map_err(|err| MpsError::Run { control: control.into(), err })?;
+/// Runs `cmd` to its end within [`COMMAND_WAIT`], with `input` on its
+/// stdin. Its stderr goes to the file `errors` (a pipe could be held open
+/// by the daemon it starts) and the first 4 KiB of it come back.
+fn run(control: &str, mut cmd: Command, input: &str, errors: &Path) -> Result<(std::process::ExitStatus, String), MpsError> {
+    let sink = std::fs::File::create(errors).map_err(|err| MpsError::Dir { path: errors.display().to_string(), err })?;
+    let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::null()).stderr(sink).spawn().map_err(|err| MpsError::Run { control: control.into(), err })?;
     if let Some(mut i) = child.stdin.take() {
         let _ = i.write_all(input.as_bytes());
     }
@@ -102,8 +109,8 @@ fn run(control: &str, mut cmd: Command, input: &str) -> Result<(std::process::Ex
         match child.try_wait() {
             Ok(Some(status)) => {
                 let mut stderr = String::new();
-                if let Some(mut e) = child.stderr.take() {
-                    let _ = std::io::Read::read_to_string(&mut std::io::Read::take(&mut e, 4096), &mut stderr);
+                if let Ok(f) = std::fs::File::open(errors) {
+                    let _ = std::io::Read::read_to_string(&mut std::io::Read::take(f, 4096), &mut stderr);
                 }
                 return Ok((status, stderr.trim().to_string()));
             }
@@ -132,11 +139,26 @@ impl MpsDaemon {
         let d = MpsDaemon { control: control.into(), dir, pipe, owner, ranged: false };
         let mut cmd = d.command();
         cmd.arg("-d").env("CUDA_VISIBLE_DEVICES", visible).env("CUDA_MPS_LOG_DIRECTORY", &log);
-        let (status, stderr) = run(control, cmd, "")?;
+        let (status, stderr) = run(control, cmd, "", &d.errors())?;
         if !status.success() {
             return Err(MpsError::Start { control: control.into(), status: status.to_string(), stderr });
         }
+        // `-d` may return before the daemon listens, and a client that
+        // finds no daemon runs without MPS: wait until it answers.
+        let deadline = Instant::now() + COMMAND_WAIT;
+        while !d.alive() {
+            if Instant::now() > deadline {
+                let _ = d.stop();
+                return Err(MpsError::Hung { control: control.into() });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         Ok(d)
+    }
+
+    /// Where its commands' stderr goes.
+    fn errors(&self) -> PathBuf {
+        self.dir.join("command.err")
     }
 
     fn command(&self) -> Command {
@@ -157,22 +179,19 @@ impl MpsDaemon {
 
     /// Whether the daemon still answers (its `get_server_list` command).
     pub fn alive(&self) -> bool {
-        run(&self.control, self.command(), "get_server_list\n").is_ok_and(|(status, _)| status.success())
+        run(&self.control, self.command(), "get_server_list\n", &self.errors()).is_ok_and(|(status, _)| status.success())
     }
 
     /// Stops the daemon (and with it the server) and removes its
     /// directories.
     pub fn stop(&self) -> Result<(), MpsError> {
-        let r =
-            run(&self.control, self.command(), "quit\n").and_then(
-                |(status, stderr)| {
-                    if status.success() {
-                        Ok(())
-                    } else {
-                        Err(MpsError::Start { control: self.control.clone(), status: status.to_string(), stderr })
-                    }
-                },
-            );
+        let r = run(&self.control, self.command(), "quit\n", &self.errors()).and_then(|(status, stderr)| {
+            if status.success() {
+                Ok(())
+            } else {
+                Err(MpsError::Start { control: self.control.clone(), status: status.to_string(), stderr })
+            }
+        });
         let _ = std::fs::remove_dir_all(&self.dir);
         r
     }
@@ -229,13 +248,22 @@ impl Control {
             }
             warn!(device = %slot.spec.name, "the MPS control daemon stopped answering; starting it again");
             if let Some(d) = g.take() {
-                self.forget_mps(&d);
+                // Told to go, in case it only answered late.
+                let _ = d.stop();
             }
         }
         // The server serves one uid: every executor of the GPU runs as it.
+        // The GPU keeps that uid for the mediator's life: it never goes to
+        // another tenant while a process of an old daemon or of its clients
+        // may still run as it.
         let (owner, ranged) = match (&self.exec_uids, self.worker_user) {
             (Some(r), Some(_)) => {
-                let u = r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for the MPS clients of {} (devices.executor_uids)", slot.spec.name)))?;
+                let mut kept = slot.mps_uid.lock().unwrap_or_else(|e| e.into_inner());
+                let u = match *kept {
+                    Some(u) => u,
+                    None => r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for the MPS clients of {} (devices.executor_uids)", slot.spec.name)))?,
+                };
+                *kept = Some(u);
                 (Some(Owner { uid: u, gid: u }), true)
             }
             _ => (self.worker_user, false),
@@ -249,19 +277,7 @@ impl Control {
                 *g = Some(d.clone());
                 Ok(d)
             }
-            Err(e) => {
-                if let (true, Some(o), Some(r)) = (ranged, owner, &self.exec_uids) {
-                    r.put(o.uid);
-                }
-                Err(ControlError::Internal(format!("starting MPS on {}: {}", slot.spec.name, super::passthrough::chain(&e))))
-            }
-        }
-    }
-
-    /// Gives back what a daemon that is gone held.
-    fn forget_mps(&self, d: &MpsDaemon) {
-        if let (true, Some(o), Some(r)) = (d.ranged, d.owner, &self.exec_uids) {
-            r.put(o.uid);
+            Err(e) => Err(ControlError::Internal(format!("starting MPS on {}: {}", slot.spec.name, super::passthrough::chain(&e)))),
         }
     }
 
@@ -273,14 +289,15 @@ impl Control {
                 Ok(()) => info!(device = %slot.spec.name, "MPS control daemon stopped"),
                 Err(e) => warn!(device = %slot.spec.name, "stopping the MPS control daemon: {}", super::passthrough::chain(&e)),
             }
-            self.forget_mps(&d);
         }
     }
 
     /// Restarts the arbiters of `devices` (which hold no tenants), so that
     /// they take their lanes from their pool's sharing; returns once each
-    /// is up again.
-    pub(super) fn relaunch_arbiters(&self, devices: &[String]) -> Result<(), ControlError> {
+    /// is up again. One that does not come back is said, not returned: the
+    /// pool's change is made, and an arbiter takes its lanes from it at
+    /// every start.
+    pub(super) fn relaunch_arbiters(&self, devices: &[String]) {
         for slot in devices.iter().filter_map(|d| self.slot(d)) {
             let pid = slot.pid.load(Ordering::Acquire);
             if pid == 0 || !slot.spec.executors {
@@ -294,12 +311,12 @@ impl Control {
             let deadline = Instant::now() + COMMAND_WAIT;
             while !(slot.generation.load(Ordering::Acquire) != before && slot.is_up()) {
                 if Instant::now() > deadline {
-                    return Err(ControlError::WorkerDown(format!("{} (its arbiter did not come back after a restart for its pool's sharing)", slot.spec.name)));
+                    warn!(device = %slot.spec.name, "its arbiter did not come back within {COMMAND_WAIT:?} of a restart for its pool's sharing; its supervisor keeps trying");
+                    break;
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
-        Ok(())
     }
 
     /// Keeps the shares of the SMs of a GPU's executors in step with the
@@ -313,7 +330,9 @@ impl Control {
         }
         let tenants: Vec<TenantRecord> = self.registry().values().filter(|t| t.device == slot.spec.name && matches!(t.state, TenantPhase::Creating | TenantPhase::Ready)).cloned().collect();
         let total: u64 = tenants.iter().map(|t| u64::from(t.weight)).sum();
-        for t in tenants.iter().filter(|t| t.state == TenantPhase::Ready) {
+        // A VM's guest state lives in its executor whether or not a
+        // process connection is counted: VM tenants keep their share.
+        for t in tenants.iter().filter(|t| t.state == TenantPhase::Ready && t.kind != "vm") {
             let Some(e) = slot.exec(&t.name) else { continue };
             let want = thread_percent(t.weight, total, t.cap);
             if e.bounds.sm_percent == Some(want) {
@@ -324,13 +343,19 @@ impl Control {
                 info!(tenant = %t.name, device = %slot.spec.name, now = ?e.bounds.sm_percent, want, "the executor serves connections: it keeps its share of the SMs until its next start");
                 continue;
             }
-            match self.start_executor_with(slot, t, false) {
+            // Its current record (a change may have come since), and only
+            // if the executor asked is still the one serving it.
+            let Some(rec) = self.registry().get(&t.name).filter(|r| r.state == TenantPhase::Ready).cloned() else { continue };
+            if !slot.exec(&t.name).is_some_and(|cur| Arc::ptr_eq(&cur, &e)) {
+                continue;
+            }
+            match self.start_executor_with(slot, &rec, false) {
                 Ok(()) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
-                // A tenant deleted meanwhile needs no new share.
-                Err(err) if self.registry().get(&t.name).is_some_and(|r| r.state == TenantPhase::Ready) => {
-                    warn!(tenant = %t.name, device = %slot.spec.name, "replacing the executor for its new share of the SMs failed: {err}")
+                Err(err) => {
+                    // The old one is gone: the tenant must not stay without one.
+                    warn!(tenant = %t.name, device = %slot.spec.name, "replacing the executor for its new share of the SMs failed: {err}; starting one again");
+                    self.clone().keep_starting(slot.clone(), t.name.clone());
                 }
-                Err(_) => {}
             }
         }
     }
@@ -340,7 +365,12 @@ impl Control {
     /// server, which takes no new client until all of them have exited:
     /// every executor of the GPU ends now, and each tenant gets a fresh
     /// one (restarted with backoff while the server recovers).
-    pub(super) fn executor_fatal(&self, slot: &DeviceSlot, tenant: &str, why: &str) {
+    pub(super) fn executor_fatal(&self, slot: &DeviceSlot, exec: &Arc<super::executors::Exec>, why: &str) {
+        let tenant = exec.tenant.as_str();
+        if !slot.exec(tenant).is_some_and(|cur| Arc::ptr_eq(&cur, exec)) {
+            // Already replaced: its fault was acted on.
+            return;
+        }
         if self.sharing_of(&slot.spec.name) != Sharing::Mps {
             info!(device = %slot.spec.name, tenant, "the executor ends on an unrecoverable error ({why}); only its tenant is affected");
             return;
