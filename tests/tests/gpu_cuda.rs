@@ -337,15 +337,18 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
         bin("vgpu-testdriver-mps").display().to_string()
     };
     let cfg = std::env::temp_dir().join(format!("vgpu-gpu-mps-{}.toml", std::process::id()));
-    std::fs::write(&cfg, format!("[devices]\ncpu = 0\ncuda = \"required\"\nmps_control = \"{control}\"\n")).expect("config");
+    std::fs::write(&cfg, format!("[devices]\ncpu = 0\ncuda = \"required\"\nmps_control = \"{control}\"\nmps_max_clients = 2\n")).expect("config");
     let Some((m, gpu)) = gpu_mediator(test, &["--config", cfg.to_str().expect("utf8")]) else { return };
     assert_eq!(m.device(&gpu)["lanes"], 1, "time-sliced: one executor on the GPU at a time");
     let (st, v) = m.api("POST", "/pools", Some(serde_json::json!({ "name": "trusted", "devices": [gpu], "sharing": "mps" })));
     assert_eq!(st, 201, "{v}");
     assert_eq!(v["sharing"], "mps", "{v}");
-    assert_eq!(m.device(&gpu)["lanes"], 48, "under MPS every executor runs at once");
+    assert_eq!(m.device(&gpu)["lanes"], 2, "under MPS every executor (at most mps_max_clients) runs at once");
     m.tenant_with(serde_json::json!({ "name": "light", "memory": "256MiB", "device": gpu, "weight": 1 }));
     m.tenant_with(serde_json::json!({ "name": "heavy", "memory": "256MiB", "device": gpu, "weight": 3 }));
+    let (st, v) = m.api("POST", "/tenants", Some(serde_json::json!({ "name": "third", "memory": "64MiB", "device": gpu })));
+    assert_eq!(st, 409, "a GPU under MPS serves at most mps_max_clients tenants: {v}");
+    assert!(v.to_string().contains("mps_max_clients"), "{v}");
     let (a, b) = (m.run_dir.join("tenants/light.sock"), m.run_dir.join("tenants/heavy.sock"));
     // Shares of the SMs from the weights: the first tenant's idle executor
     // was replaced when the second came (it had started with all of them).

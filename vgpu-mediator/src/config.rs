@@ -260,6 +260,10 @@ pub struct DevicesConfig {
     /// sharing is "mps" (a command on PATH, or a path).
     #[serde(default = "default_mps_control")]
     pub mps_control: String,
+    /// The most tenants one GPU of an "mps" pool serves (MPS clients; at
+    /// most 48, what MPS takes per device from Volta on).
+    #[serde(default = "default_mps_max_clients")]
+    pub mps_max_clients: u32,
     /// PCI devices (GPUs above all) lent whole to managed VMs from their
     /// pools and scrubbed on return (docs/passthrough.md). A GPU listed
     /// here gets no worker.
@@ -296,6 +300,10 @@ impl DevicesConfig {
     pub fn gpu_isolation(&self) -> Isolation {
         self.isolation.unwrap_or(Isolation::Process)
     }
+}
+
+fn default_mps_max_clients() -> u32 {
+    crate::control::mps::MPS_LANES
 }
 
 fn default_mps_control() -> String {
@@ -430,6 +438,7 @@ impl Default for DevicesConfig {
             isolation: None,
             executor_uids: default_executor_uids(),
             mps_control: default_mps_control(),
+            mps_max_clients: default_mps_max_clients(),
             passthrough: Vec::new(),
         }
     }
@@ -456,6 +465,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.devices.cpu > 64 || (self.devices.cpu == 0 && self.devices.cuda == CudaMode::Off) {
             return Err(ConfigError::Invalid(format!("devices.cpu must be 1..=64 (0 only with GPUs), not {}", self.devices.cpu)));
+        }
+        if !(1..=crate::control::mps::MPS_LANES).contains(&self.devices.mps_max_clients) {
+            return Err(ConfigError::Invalid(format!("devices.mps_max_clients must be 1..={}, not {}", crate::control::mps::MPS_LANES, self.devices.mps_max_clients)));
         }
         if self.devices.cuda_launch_timeout_ms == 0 || self.devices.cuda_launch_timeout_ms > 3_600_000 {
             return Err(ConfigError::Invalid(format!("devices.cuda_launch_timeout_ms must be 1..=3600000, not {}", self.devices.cuda_launch_timeout_ms)));

@@ -414,7 +414,7 @@ impl Control {
         let bounds = ExecBounds {
             fds,
             tasks: match (cgroup.is_some(), uid.is_some(), shared_uid) {
-                (false, true, true) => Some(tasks.saturating_mul(u64::from(super::mps::MPS_LANES))),
+                (false, true, true) => Some(tasks.saturating_mul(u64::from(self.mps_clients()))),
                 (c, u, _) if c || u => Some(tasks),
                 _ => None,
             },
@@ -430,7 +430,7 @@ impl Control {
         // has room for every client the GPU's server takes.
         let nproc = match (procs.is_none(), uid.is_some(), shared_uid) {
             (true, true, false) => Some(tasks),
-            (true, true, true) => Some(tasks.saturating_mul(u64::from(super::mps::MPS_LANES))),
+            (true, true, true) => Some(tasks.saturating_mul(u64::from(self.mps_clients()))),
             _ => None,
         };
         let spawn_bounds = SpawnBounds { fds, nproc, cgroup_procs: procs };

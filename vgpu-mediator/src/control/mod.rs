@@ -355,6 +355,8 @@ pub struct Control {
     pub store: std::sync::OnceLock<store::Store>,
     /// NVIDIA's MPS control daemon command (`devices.mps_control`).
     pub mps_control: std::sync::OnceLock<String>,
+    /// The most tenants a GPU of an MPS pool serves (`devices.mps_max_clients`).
+    pub mps_max_clients: std::sync::OnceLock<u32>,
 }
 
 impl Control {
@@ -399,6 +401,7 @@ impl Control {
             passthrough: std::sync::OnceLock::new(),
             store: std::sync::OnceLock::new(),
             mps_control: std::sync::OnceLock::new(),
+            mps_max_clients: std::sync::OnceLock::new(),
         })
     }
 
@@ -659,7 +662,7 @@ impl Control {
             let (ours, theirs) = std::os::unix::net::UnixDatagram::pair()?;
             *slot.intake.lock().unwrap_or_else(|e| e.into_inner()) = Some(ours);
             // Under MPS every executor of the GPU runs at once.
-            let lanes = if self.sharing_of(&slot.spec.name) == pool::Sharing::Mps { mps::MPS_LANES } else { slot.spec.lanes };
+            let lanes = if self.sharing_of(&slot.spec.name) == pool::Sharing::Mps { self.mps_clients() } else { slot.spec.lanes };
             Role::Arbiter(theirs.into(), lanes)
         } else {
             Role::Worker
@@ -852,6 +855,20 @@ impl Control {
                     vec![s]
                 }
                 None => pool.devices.iter().filter_map(|d| self.slot(d)).collect(),
+            };
+            // A GPU shared under MPS serves at most so many clients.
+            let slots = if pool.sharing == pool::Sharing::Mps {
+                let most = self.mps_clients() as usize;
+                let open: Vec<&Arc<DeviceSlot>> = slots.into_iter().filter(|s| tenants.values().filter(|t| t.device == s.spec.name).count() < most).collect();
+                if open.is_empty() {
+                    return Err(ControlError::Conflict(format!(
+                        "pool {}: every GPU it could use already serves {most} tenants, the most one GPU shared under MPS serves here (devices.mps_max_clients)",
+                        pool.name
+                    )));
+                }
+                open
+            } else {
+                slots
             };
             let cands: Vec<pool::Candidate> = slots.iter().map(|s| self.candidate(&tenants, &pool, s)).collect();
             let i = pool::choose(&pool.name, &cands, spec.memory.0, spec.numa_node, pool.placement).map_err(|e| ControlError::InsufficientMemory(e.to_string()))?;

@@ -38,8 +38,9 @@ use super::{Control, ControlError, DeviceSlot, TenantPhase, TenantRecord, STATS_
 use crate::config::Owner;
 use crate::ipc::{WorkerCmd, WorkerMsg};
 
-/// The arbiter's lanes on an MPS GPU: as many executors as MPS serves
-/// clients on one device (48 on Volta and later), all running at once.
+/// The most clients MPS serves on one device (Volta and later), and so
+/// the most `devices.mps_max_clients` may be. The arbiter of an MPS GPU
+/// has a lane per client it may serve: they all run at once.
 pub const MPS_LANES: u32 = 48;
 /// How long the control daemon's start or stop may take.
 const COMMAND_WAIT: Duration = Duration::from_secs(15);
@@ -212,6 +213,11 @@ impl Control {
     pub(super) fn sharing_of(&self, device: &str) -> Sharing {
         let named = self.pool_map();
         self.pool_of(&named, device).sharing
+    }
+
+    /// The most tenants one GPU of an MPS pool serves.
+    pub(super) fn mps_clients(&self) -> u32 {
+        self.mps_max_clients.get().copied().unwrap_or(MPS_LANES)
     }
 
     fn control_command(&self) -> String {
