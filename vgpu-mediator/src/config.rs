@@ -307,7 +307,7 @@ fn default_mps_max_clients() -> u32 {
 }
 
 fn default_mps_control() -> String {
-    "nvidia-cuda-mps-control".into()
+    crate::control::mps::DEFAULT_CONTROL.into()
 }
 
 fn default_executor_uids() -> String {

@@ -129,14 +129,8 @@ impl Exec {
         self.signal_kill();
     }
 
-    /// Ends it as a crash would (its MPS server failed it): the tenant
-    /// gets a new executor.
-    pub(super) fn end_for_restart(&self) {
-        self.signal_kill();
-    }
-
     /// SIGKILL, as a crash would: the tenant gets a new executor.
-    fn signal_kill(&self) {
+    pub(super) fn signal_kill(&self) {
         let reaped = self.reaped.lock().unwrap_or_else(|e| e.into_inner());
         if !*reaped {
             // SAFETY: kill sends a signal to our own child, which has not
@@ -411,13 +405,13 @@ impl Control {
                 None
             }
         };
+        // Without a cgroup, RLIMIT_NPROC bounds tasks, and it counts every
+        // process of the uid: a shared MPS uid has room for every client
+        // the GPU's server takes.
+        let uid_tasks = if shared_uid { tasks.saturating_mul(u64::from(self.mps_clients())) } else { tasks };
         let bounds = ExecBounds {
             fds,
-            tasks: match (cgroup.is_some(), uid.is_some(), shared_uid) {
-                (false, true, true) => Some(tasks.saturating_mul(u64::from(self.mps_clients()))),
-                (c, u, _) if c || u => Some(tasks),
-                _ => None,
-            },
+            tasks: if cgroup.is_some() { Some(tasks) } else { uid.map(|_| uid_tasks) },
             memory: cgroup.as_ref().map(|_| memory),
             cgroup: cgroup.as_ref().map(|(cg, _)| cg.dir().display().to_string()),
             sm_percent: mps.as_ref().map(|(_, p)| *p),
@@ -426,13 +420,7 @@ impl Control {
             Some((cg, fd)) => (Some(cg), Some(fd)),
             None => (None, None),
         };
-        // RLIMIT_NPROC counts every process of the uid: a shared MPS uid
-        // has room for every client the GPU's server takes.
-        let nproc = match (procs.is_none(), uid.is_some(), shared_uid) {
-            (true, true, false) => Some(tasks),
-            (true, true, true) => Some(tasks.saturating_mul(u64::from(self.mps_clients()))),
-            _ => None,
-        };
+        let nproc = if procs.is_none() { uid.map(|_| uid_tasks) } else { None };
         let spawn_bounds = SpawnBounds { fds, nproc, cgroup_procs: procs };
         let env = mps.as_ref().map(|(d, p)| d.client_env(*p).to_vec()).unwrap_or_default();
         let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window, bounds: spawn_bounds, env };

@@ -26,10 +26,9 @@ use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
@@ -42,6 +41,8 @@ use crate::ipc::{WorkerCmd, WorkerMsg};
 /// the most `devices.mps_max_clients` may be. The arbiter of an MPS GPU
 /// has a lane per client it may serve: they all run at once.
 pub const MPS_LANES: u32 = 48;
+/// NVIDIA's control daemon, the default of `devices.mps_control`.
+pub const DEFAULT_CONTROL: &str = "nvidia-cuda-mps-control";
 /// How long the control daemon's start or stop may take.
 const COMMAND_WAIT: Duration = Duration::from_secs(15);
 
@@ -59,8 +60,8 @@ pub enum MpsError {
         #[source]
         err: std::io::Error,
     },
-    #[error("the MPS control daemon {control} did not start ({status}): {stderr}")]
-    Start { control: String, status: String, stderr: String },
+    #[error("the MPS control daemon {control} failed to {what} ({status}): {stderr}")]
+    Failed { control: String, what: &'static str, status: String, stderr: String },
     #[error("the MPS control daemon {control} did not answer within {0:?}", COMMAND_WAIT)]
     Hung { control: String },
 }
@@ -71,10 +72,13 @@ pub struct MpsDaemon {
     control: String,
     dir: PathBuf,
     pipe: PathBuf,
+    /// Where its commands' stderr goes: beside its directory, in one only
+    /// root writes, so its uid cannot plant a link there.
+    errors: PathBuf,
     /// The uid it and the GPU's executors run as (None: the daemon's own).
     pub owner: Option<Owner>,
-    /// That uid was taken from the executor range for it, and goes back
-    /// when it stops.
+    /// That uid was taken from the executor range for the GPU (which keeps
+    /// it), not the daemon's own.
     pub ranged: bool,
 }
 
@@ -100,7 +104,15 @@ fn make_dir(dir: &Path, mode: u32, owner: Option<Owner>) -> Result<(), MpsError>
 /// stdin. Its stderr goes to the file `errors` (a pipe could be held open
 /// by the daemon it starts) and the first 4 KiB of it come back.
 fn run(control: &str, mut cmd: Command, input: &str, errors: &Path) -> Result<(std::process::ExitStatus, String), MpsError> {
-    let sink = std::fs::File::create(errors).map_err(|err| MpsError::Dir { path: errors.display().to_string(), err })?;
+    use std::os::unix::fs::OpenOptionsExt;
+    let sink = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(errors)
+        .map_err(|err| MpsError::Dir { path: errors.display().to_string(), err })?;
     let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::null()).stderr(sink).spawn().map_err(|err| MpsError::Run { control: control.into(), err })?;
     if let Some(mut i) = child.stdin.take() {
         let _ = i.write_all(input.as_bytes());
@@ -137,12 +149,13 @@ impl MpsDaemon {
         let (pipe, log) = (dir.join("pipe"), dir.join("log"));
         make_dir(&pipe, 0o700, owner)?;
         make_dir(&log, 0o700, owner)?;
-        let d = MpsDaemon { control: control.into(), dir, pipe, owner, ranged: false };
+        let errors = top.join(format!("{device}.err"));
+        let d = MpsDaemon { control: control.into(), dir, pipe, errors, owner, ranged: false };
         let mut cmd = d.command();
         cmd.arg("-d").env("CUDA_VISIBLE_DEVICES", visible).env("CUDA_MPS_LOG_DIRECTORY", &log);
-        let (status, stderr) = run(control, cmd, "", &d.errors())?;
+        let (status, stderr) = run(control, cmd, "", &d.errors)?;
         if !status.success() {
-            return Err(MpsError::Start { control: control.into(), status: status.to_string(), stderr });
+            return Err(MpsError::Failed { control: control.into(), what: "start", status: status.to_string(), stderr });
         }
         // `-d` may return before the daemon listens, and a client that
         // finds no daemon runs without MPS: wait until it answers.
@@ -155,11 +168,6 @@ impl MpsDaemon {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(d)
-    }
-
-    /// Where its commands' stderr goes.
-    fn errors(&self) -> PathBuf {
-        self.dir.join("command.err")
     }
 
     fn command(&self) -> Command {
@@ -180,20 +188,21 @@ impl MpsDaemon {
 
     /// Whether the daemon still answers (its `get_server_list` command).
     pub fn alive(&self) -> bool {
-        run(&self.control, self.command(), "get_server_list\n", &self.errors()).is_ok_and(|(status, _)| status.success())
+        run(&self.control, self.command(), "get_server_list\n", &self.errors).is_ok_and(|(status, _)| status.success())
     }
 
     /// Stops the daemon (and with it the server) and removes its
     /// directories.
     pub fn stop(&self) -> Result<(), MpsError> {
-        let r = run(&self.control, self.command(), "quit\n", &self.errors()).and_then(|(status, stderr)| {
+        let r = run(&self.control, self.command(), "quit\n", &self.errors).and_then(|(status, stderr)| {
             if status.success() {
                 Ok(())
             } else {
-                Err(MpsError::Start { control: self.control.clone(), status: status.to_string(), stderr })
+                Err(MpsError::Failed { control: self.control.clone(), what: "quit", status: status.to_string(), stderr })
             }
         });
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.errors);
         r
     }
 }
@@ -221,7 +230,7 @@ impl Control {
     }
 
     fn control_command(&self) -> String {
-        self.mps_control.get().cloned().unwrap_or_else(|| "nvidia-cuda-mps-control".into())
+        self.mps_control.get().cloned().unwrap_or_else(|| DEFAULT_CONTROL.into())
     }
 
     /// Whether every device of `spec` can be shared under MPS: GPUs (or
@@ -389,7 +398,8 @@ impl Control {
             "a fatal error under MPS ({why}) fails every client of the GPU: ending all of its executors; each tenant gets a new one once the MPS server takes clients again"
         );
         for e in others {
-            e.end_for_restart();
+            // As a crash would: the tenant gets a new executor.
+            e.signal_kill();
         }
     }
 }
