@@ -31,7 +31,8 @@ for f in usr/bin/vgpu-mediatord usr/bin/vgpu-vmm usr/bin/vgpuctl usr/bin/vgpu-sm
     usr/lib/systemd/system/vgpu-mediatord.service usr/lib/sysusers.d/vgpu.conf usr/lib/tmpfiles.d/vgpu.conf \
     etc/vgpu/mediator.toml usr/share/man/man1/vgpuctl.1.gz usr/share/man/man1/vgpuctl-tenant-create.1.gz \
     usr/share/bash-completion/completions/vgpuctl \
-    usr/share/doc/vgpu/install.md usr/share/doc/vgpu/kubernetes.md usr/share/doc/vgpu/k8s/device-plugin.yaml usr/share/doc/vgpu/api/mediator.yaml; do
+    usr/share/doc/vgpu/install.md usr/share/doc/vgpu/kubernetes.md usr/share/doc/vgpu/k8s/device-plugin.yaml usr/share/doc/vgpu/k8s/dra-driver.yaml \
+    usr/share/doc/vgpu/k8s/examples/dra-claim.yaml usr/share/doc/vgpu/api/mediator.yaml; do
     [ -f "$root/$f" ] || fail "/$f is not in the package"
 done
 for l in libcuda.so.1 libnvidia-ml.so.1; do

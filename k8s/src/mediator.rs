@@ -62,6 +62,8 @@ impl Mediator {
             .map(|d| Device {
                 name: d["name"].as_str().unwrap_or_default().into(),
                 pool: d["pool"].as_str().unwrap_or_default().into(),
+                kind: d["kind"].as_str().unwrap_or_default().into(),
+                isolation: d["isolation"].as_str().unwrap_or_default().into(),
                 numa_node: d["numa_node"].as_i64().and_then(|n| i32::try_from(n).ok()).unwrap_or(-1),
                 capacity: d["memory_capacity"].as_u64().unwrap_or(0),
                 reserved: d["memory_reserved"].as_u64().unwrap_or(0),

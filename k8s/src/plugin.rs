@@ -29,22 +29,29 @@ pub const API_VERSION: &str = "v1beta1";
 /// count, and weights go to 10000).
 pub const MAX_SLICES_PER_CONTAINER: usize = 1024;
 
-/// How the node component is set up (`vgpu-k8s device-plugin --help`).
+/// What both node components (device plugin and DRA driver) use on the
+/// host: the mediator, the driver libraries, their record, CDI specs.
 #[derive(Debug, Clone)]
-pub struct Config {
-    /// The kubelet's directory (`device-plugins/`, `pod-resources/`).
-    pub kubelet_dir: PathBuf,
+pub struct Host {
     /// Where CDI specs go.
     pub cdi_dir: PathBuf,
     /// The mediator's run directory (its API socket).
     pub run_dir: PathBuf,
-    /// Where the plugin keeps its allocations.
+    /// Where the component keeps its record.
     pub state_dir: PathBuf,
     /// The driver libraries containers get (the shim's libcuda.so.1, and
     /// libnvidia-ml.so.1 where it exists).
     pub libs: Vec<PathBuf>,
     /// Where they go in the container.
     pub container_lib_dir: PathBuf,
+}
+
+/// How the node component is set up (`vgpu-k8s device-plugin --help`).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The kubelet's directory (`device-plugins/`, `pod-resources/`).
+    pub kubelet_dir: PathBuf,
+    pub host: Host,
     pub resources: Vec<Resource>,
     /// Answer Allocate with CDI devices (else with mounts, for runtimes
     /// without CDI); the environment is given either way.
@@ -71,7 +78,7 @@ impl Config {
         self.kubelet_dir.join("pod-resources/kubelet.sock")
     }
     fn state_file(&self) -> PathBuf {
-        self.state_dir.join("state.json")
+        self.host.state_dir.join("state.json")
     }
 }
 
@@ -98,7 +105,7 @@ impl From<PluginError> for Status {
 }
 
 /// 64 random bits from the kernel.
-fn random_u64() -> std::io::Result<u64> {
+pub(crate) fn random_u64() -> std::io::Result<u64> {
     let mut b = [0u8; 8];
     // SAFETY: getrandom writes at most b.len() bytes into b, which lives
     // across the call.
@@ -109,7 +116,7 @@ fn random_u64() -> std::io::Result<u64> {
     Ok(u64::from_ne_bytes(b))
 }
 
-fn now_s() -> u64 {
+pub(crate) fn now_s() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
@@ -127,9 +134,9 @@ impl Node {
     /// the tenants with this plugin's prefix that no allocation names (made
     /// by a plugin that died before it could record them).
     pub fn open(cfg: Config) -> Result<Node, PluginError> {
-        std::fs::create_dir_all(&cfg.state_dir).map_err(|err| StateError::Write { path: cfg.state_dir.display().to_string(), err })?;
+        std::fs::create_dir_all(&cfg.host.state_dir).map_err(|err| StateError::Write { path: cfg.host.state_dir.display().to_string(), err })?;
         let state = State::load(&cfg.state_file())?;
-        let node = Node { mediator: Mediator::new(&cfg.run_dir), cfg, state: Mutex::new(state), changed: watch::channel(0).0 };
+        let node = Node { mediator: Mediator::new(&cfg.host.run_dir), cfg, state: Mutex::new(state), changed: watch::channel(0).0 };
         node.sweep_orphans();
         Ok(node)
     }
@@ -140,18 +147,7 @@ impl Node {
 
     fn sweep_orphans(&self) {
         let known: BTreeSet<String> = self.lock().allocations.keys().cloned().collect();
-        match self.mediator.tenants() {
-            Ok(all) => {
-                for t in all.into_iter().filter(|t| t.starts_with(&self.cfg.tenant_prefix) && !known.contains(t)) {
-                    info!(tenant = %t, "deleting a tenant of this plugin that no allocation names");
-                    if let Err(e) = self.mediator.delete_tenant(&t) {
-                        warn!(tenant = %t, "deleting it: {e}");
-                    }
-                    let _ = cdi::remove(&self.cfg.cdi_dir, &t);
-                }
-            }
-            Err(e) => warn!("listing the daemon's tenants: {e}"),
-        }
+        sweep_orphans(&self.mediator, &self.cfg.tenant_prefix, &known, &self.cfg.host.cdi_dir);
     }
 
     /// The slices `r` offers now.
@@ -187,37 +183,12 @@ impl Node {
             info!(tenant = %t, "its slices were allocated again: deleting it");
             self.release(&mut st, &t)?;
         }
-        // The name is the socket's: a random part makes it a secret that
-        // no other user of the host can guess (the tenants' directory is
-        // not listable, the CDI spec is root's only), since the socket
-        // must be open to whatever user the container runs as.
-        let name = format!("{}{}-{:016x}", self.cfg.tenant_prefix, st.next, random_u64().map_err(|err| PluginError::Cdi { tenant: "(new)".into(), err })?);
+        let name = tenant_name(&self.cfg.tenant_prefix, st.next)?;
         st.next += 1;
         st.save(&self.cfg.state_file())?;
         let memory = r.slice.0.saturating_mul(ids.len() as u64);
-        let spec = TenantSpec {
-            name: name.clone(),
-            memory: vgpu_api::Size(memory),
-            weight: ids.len() as u32,
-            cap: None,
-            priority: Default::default(),
-            device: Some(device.clone()),
-            pool: Some(r.pool.clone()),
-            numa_node: None,
-            kind: TenantKind::Process,
-            owner: None,
-            // The container's user is not known here: the socket is open
-            // to any user that can name it, and its name is a secret.
-            mode: Some("0666".into()),
-            host_memory: None,
-            max_connections: None,
-        };
-        let socket = self.mediator.create_tenant(&spec)?;
-        let edits = cdi::edits(&socket, &self.cfg.libs, &self.cfg.container_lib_dir);
-        if let Err(err) = cdi::write(&self.cfg.cdi_dir, &name, &cdi::spec(&name, &edits)) {
-            let _ = self.mediator.delete_tenant(&name);
-            return Err(PluginError::Cdi { tenant: name, err });
-        }
+        let spec = TenantSpec { pool: Some(r.pool.clone()), ..container_tenant(&name, memory, ids.len() as u32, &device) };
+        let (socket, edits) = create_handed_over(&self.mediator, &spec, &self.cfg.host)?;
         st.allocations.insert(name.clone(), Allocation { resource: r.name.clone(), device, ids: ids.to_vec(), memory, socket, created: now_s() });
         st.save(&self.cfg.state_file())?;
         drop(st);
@@ -235,7 +206,7 @@ impl Node {
     /// Deletes a tenant of this node, its spec and its record.
     fn release(&self, st: &mut State, tenant: &str) -> Result<(), PluginError> {
         self.mediator.delete_tenant(tenant)?;
-        cdi::remove(&self.cfg.cdi_dir, tenant).map_err(|err| PluginError::Cdi { tenant: tenant.into(), err })?;
+        cdi::remove(&self.cfg.host.cdi_dir, tenant).map_err(|err| PluginError::Cdi { tenant: tenant.into(), err })?;
         st.allocations.remove(tenant);
         st.save(&self.cfg.state_file())?;
         Ok(())
@@ -274,6 +245,65 @@ impl Node {
     pub fn allocations(&self) -> BTreeMap<String, Allocation> {
         self.lock().allocations.clone()
     }
+}
+
+/// Deletes the tenants whose names start with `prefix` that `known` does
+/// not name (made by a node component that died before it recorded them),
+/// and their CDI specs.
+pub(crate) fn sweep_orphans(mediator: &Mediator, prefix: &str, known: &BTreeSet<String>, cdi_dir: &Path) {
+    match mediator.tenants() {
+        Ok(all) => {
+            for t in all.into_iter().filter(|t| t.starts_with(prefix) && !known.contains(t)) {
+                info!(tenant = %t, "deleting a tenant of this node component that it has no record of");
+                if let Err(e) = mediator.delete_tenant(&t) {
+                    warn!(tenant = %t, "deleting it: {e}");
+                }
+                let _ = cdi::remove(cdi_dir, &t);
+            }
+        }
+        Err(e) => warn!("listing the daemon's tenants: {e}"),
+    }
+}
+
+/// A fresh tenant name: `PREFIX` `N` `-` 64 random bits. The name is the
+/// socket's: the random part makes it a secret that no other user of the
+/// host can guess (the tenants' directory is not listable, the CDI spec is
+/// root's only), since the socket must be open to whatever user the
+/// container runs as.
+pub(crate) fn tenant_name(prefix: &str, n: u64) -> Result<String, PluginError> {
+    Ok(format!("{prefix}{n}-{:016x}", random_u64().map_err(|err| PluginError::Cdi { tenant: "(new)".into(), err })?))
+}
+
+/// The spec of a process tenant made for a container: open to any user
+/// that can name its socket (the container's user is not known here).
+pub(crate) fn container_tenant(name: &str, memory: u64, weight: u32, device: &str) -> TenantSpec {
+    TenantSpec {
+        name: name.into(),
+        memory: vgpu_api::Size(memory),
+        weight,
+        cap: None,
+        priority: Default::default(),
+        device: Some(device.into()),
+        pool: None,
+        numa_node: None,
+        kind: TenantKind::Process,
+        owner: None,
+        mode: Some("0666".into()),
+        host_memory: None,
+        max_connections: None,
+    }
+}
+
+/// Makes the tenant and writes its CDI spec (a tenant whose spec cannot be
+/// written is deleted again): its socket and the container edits.
+pub(crate) fn create_handed_over(mediator: &Mediator, spec: &TenantSpec, host: &Host) -> Result<(PathBuf, cdi::Edits), PluginError> {
+    let socket = mediator.create_tenant(spec)?;
+    let edits = cdi::edits(&socket, &host.libs, &host.container_lib_dir);
+    if let Err(err) = cdi::write(&host.cdi_dir, &spec.name, &cdi::spec(&spec.name, &edits)) {
+        let _ = mediator.delete_tenant(&spec.name);
+        return Err(PluginError::Cdi { tenant: spec.name.clone(), err });
+    }
+    Ok((socket, edits))
 }
 
 /// One resource's DevicePlugin service.

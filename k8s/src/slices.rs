@@ -69,6 +69,10 @@ impl Resource {
 pub struct Device {
     pub name: String,
     pub pool: String,
+    /// `cpu` or `cuda`.
+    pub kind: String,
+    /// How its tenants are kept apart (`process`: an executor each).
+    pub isolation: String,
     pub numa_node: i32,
     /// Quotas it may hold (memory × its pool's overcommit).
     pub capacity: u64,
@@ -150,7 +154,7 @@ mod tests {
     use super::*;
 
     fn dev(name: &str, pool: &str, capacity: u64, reserved: u64) -> Device {
-        Device { name: name.into(), pool: pool.into(), numa_node: 0, capacity, reserved, running: true }
+        Device { name: name.into(), pool: pool.into(), kind: "cpu".into(), isolation: "process".into(), numa_node: 0, capacity, reserved, running: true }
     }
 
     #[test]

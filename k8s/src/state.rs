@@ -47,26 +47,101 @@ pub struct State {
     pub allocations: BTreeMap<String, Allocation>,
 }
 
+/// Reads a state file of format [`VERSION`]: `empty` where there is none
+/// yet; a file that does not parse, or of another version, is refused.
+fn load<T: serde::de::DeserializeOwned>(path: &Path, empty: T, version: impl Fn(&T) -> u32) -> Result<T, StateError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(empty),
+        Err(err) => return Err(StateError::Read { path: path.display().to_string(), err }),
+    };
+    let s: T = serde_json::from_str(&text).map_err(|e| StateError::Corrupt { path: path.display().to_string(), err: e.to_string() })?;
+    if version(&s) != VERSION {
+        return Err(StateError::Corrupt { path: path.display().to_string(), err: format!("format version {}, not {VERSION}", version(&s)) });
+    }
+    Ok(s)
+}
+
+/// Writes a state file so that a crash leaves the old file or the new one.
+fn save<T: Serialize>(path: &Path, value: &T) -> Result<(), StateError> {
+    let err = |err| StateError::Write { path: path.display().to_string(), err };
+    let text = serde_json::to_vec_pretty(value).map_err(|e| err(std::io::Error::other(e)))?;
+    vgpu_topology::safe_open::write_atomically(path, &text).map_err(err)
+}
+
+/// One tenant a prepared claim holds: one device of its allocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimTenant {
+    pub tenant: String,
+    /// The claim's request it answers (`gpu`, `gpu/small`).
+    pub request: String,
+    /// The mediator's device, and its name in the ResourceSlice.
+    pub device: String,
+    pub device_label: String,
+    pub memory: u64,
+    pub socket: PathBuf,
+    pub share_id: Option<String>,
+}
+
+/// A ResourceClaim prepared on this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PreparedClaim {
+    pub namespace: String,
+    pub name: String,
+    pub tenants: Vec<ClaimTenant>,
+    /// UNIX seconds.
+    pub created: u64,
+}
+
+/// What the DRA driver remembers across its restarts and the daemon's:
+/// the claims it prepared (by uid) and the tenants each holds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimState {
+    pub version: u32,
+    /// The number the next tenant's name takes.
+    pub next: u64,
+    /// The ResourceSlices' pool generation last published.
+    pub generation: i64,
+    pub claims: BTreeMap<String, PreparedClaim>,
+}
+
+impl ClaimState {
+    /// The state in `path`; none yet is an empty one.
+    pub fn load(path: &Path) -> Result<ClaimState, StateError> {
+        load(path, ClaimState { version: VERSION, ..ClaimState::default() }, |s| s.version)
+    }
+
+    pub fn save(&self, path: &Path) -> Result<(), StateError> {
+        save(path, self)
+    }
+
+    /// Every tenant the claims hold.
+    pub fn tenants(&self) -> impl Iterator<Item = &ClaimTenant> {
+        self.claims.values().flat_map(|c| c.tenants.iter())
+    }
+
+    /// The quotas the claims hold on each device.
+    pub fn reserved_by_device(&self) -> BTreeMap<String, u64> {
+        let mut m = BTreeMap::new();
+        for t in self.tenants() {
+            *m.entry(t.device.clone()).or_insert(0) += t.memory;
+        }
+        m
+    }
+}
+
 impl State {
     /// The state in `path`; none yet is an empty one.
     pub fn load(path: &Path) -> Result<State, StateError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(State { version: VERSION, ..State::default() }),
-            Err(err) => return Err(StateError::Read { path: path.display().to_string(), err }),
-        };
-        let s: State = serde_json::from_str(&text).map_err(|e| StateError::Corrupt { path: path.display().to_string(), err: e.to_string() })?;
-        if s.version != VERSION {
-            return Err(StateError::Corrupt { path: path.display().to_string(), err: format!("format version {}, not {VERSION}", s.version) });
-        }
-        Ok(s)
+        load(path, State { version: VERSION, ..State::default() }, |s| s.version)
     }
 
     /// Writes it so that a crash leaves the old file or the new one.
     pub fn save(&self, path: &Path) -> Result<(), StateError> {
-        let err = |err| StateError::Write { path: path.display().to_string(), err };
-        let text = serde_json::to_vec_pretty(self).map_err(|e| err(std::io::Error::other(e)))?;
-        vgpu_topology::safe_open::write_atomically(path, &text).map_err(err)
+        save(path, self)
     }
 
     /// The slice ids allocated for `resource`.

@@ -444,6 +444,7 @@ pub fn fake_numa_host(root: &Path, nodes: u32) {
     }
 }
 
+pub mod k8s;
 pub mod nested;
 pub mod vmm_harness;
 

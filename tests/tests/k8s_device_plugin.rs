@@ -8,17 +8,16 @@
 //! restarts of the kubelet and of the plugin, and a tenant left by a
 //! plugin that died.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use tonic::{Request, Response, Status};
 use vgpu_k8s::proto::deviceplugin as dp;
 use vgpu_k8s::proto::podresources as pr;
-use vgpu_tests::{bin, lib_dir, sample, Mediator};
+use vgpu_tests::k8s::{run_with_cdi, tenants, wait_until, NodeComponent};
+use vgpu_tests::Mediator;
 
 const RESOURCE: &str = "vgpu.dev/slice-16m";
 
@@ -145,83 +144,8 @@ impl Kubelet {
     }
 }
 
-struct Plugin(Child);
-
-impl Plugin {
-    fn start(m: &Mediator, k: &Kubelet, root: &Path) -> Plugin {
-        let child = Command::new(bin("vgpu-k8s"))
-            .args(["device-plugin", "--resource", &format!("{RESOURCE}=default:16MiB"), "--poll-s", "1", "--reconcile-s", "1", "--grace-s", "2"])
-            .arg("--kubelet-dir")
-            .arg(&k.dir)
-            .arg("--cdi-dir")
-            .arg(root.join("cdi"))
-            .arg("--run-dir")
-            .arg(&m.run_dir)
-            .arg("--state-dir")
-            .arg(root.join("state"))
-            .arg("--lib-dir")
-            .arg(lib_dir())
-            .env("VGPU_LOG", "info")
-            .spawn()
-            .expect("vgpu-k8s");
-        Plugin(child)
-    }
-
-    fn kill(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for Plugin {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn tenants(m: &Mediator) -> Vec<String> {
-    let (_, v) = m.api("GET", "/v1/tenants", None);
-    let mut names: Vec<String> = v.as_array().unwrap().iter().filter_map(|t| t["name"].as_str().map(String::from)).collect();
-    names.sort();
-    names
-}
-
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + limit;
-    while !f() {
-        assert!(Instant::now() < end, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-/// Runs vectorAdd with a CDI device's edits applied as a runtime would:
-/// each mount's host path is what its container path names (the socket in
-/// VGPU_SOCKET; the libraries where the loader looks).
-fn run_with_cdi(spec: &Value) -> std::process::Output {
-    let edits = &spec["devices"][0]["containerEdits"];
-    let mounts: BTreeMap<String, String> =
-        edits["mounts"].as_array().unwrap().iter().map(|m| (m["containerPath"].as_str().unwrap().to_string(), m["hostPath"].as_str().unwrap().to_string())).collect();
-    let libs = std::env::temp_dir().join(format!("vgpu-cdi-libs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&libs);
-    std::fs::create_dir_all(&libs).unwrap();
-    let mut socket = None;
-    for e in edits["env"].as_array().unwrap() {
-        let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
-        if k == "VGPU_SOCKET" {
-            socket = Some(mounts.get(v).unwrap_or_else(|| panic!("VGPU_SOCKET={v} is not mounted: {spec}")).clone());
-        }
-    }
-    for (c, h) in &mounts {
-        if c.ends_with(".so.1") {
-            std::os::unix::fs::symlink(h, libs.join(Path::new(c).file_name().unwrap())).unwrap();
-        }
-    }
-    let socket = socket.expect("the spec sets VGPU_SOCKET");
-    let mut c = sample("vectorAdd", Path::new(&socket));
-    c.env("LD_LIBRARY_PATH", &libs);
-    let o = c.output().expect("vectorAdd");
-    let _ = std::fs::remove_dir_all(&libs);
-    o
+fn start_plugin(m: &Mediator, k: &Kubelet, root: &Path) -> NodeComponent {
+    NodeComponent::start(&["device-plugin", "--resource", &format!("{RESOURCE}=default:16MiB"), "--poll-s", "1", "--reconcile-s", "1", "--grace-s", "2"], m, &k.dir, root)
 }
 
 #[test]
@@ -230,7 +154,7 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     let mut m = Mediator::start(&args);
     let root = m.run_dir.join("k8s");
     let mut k = Kubelet::start(&root.join("kubelet"));
-    let mut plugin = Plugin::start(&m, &k, &root);
+    let mut plugin = start_plugin(&m, &k, &root);
 
     // Registration: the API version, the resource, its socket, options.
     let reg = k.wait_registration();
@@ -312,7 +236,7 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     plugin.kill();
     let (st, v) = m.api("POST", "/v1/tenants", Some(serde_json::json!({ "name": "k8s-99", "memory": "1MiB" })));
     assert_eq!(st, 201, "{v}");
-    let _plugin = Plugin::start(&m, &k, &root);
+    let _plugin = start_plugin(&m, &k, &root);
     let reg = k.wait_registration();
     wait_until("the orphan k8s-99 is deleted", Duration::from_secs(20), || tenants(&m) == std::slice::from_ref(&tenant));
     let mut client = k.plugin(&reg.endpoint);

@@ -9,42 +9,42 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::Value;
+use vgpu_tests::k8s::round_trip;
 use vgpu_tests::{bin, workspace};
-
-/// Values equal once the nulls and empty objects a writer leaves out are
-/// gone on both sides.
-fn normal(v: &Value) -> Value {
-    match v {
-        Value::Object(m) => Value::Object(m.iter().filter(|(_, x)| !x.is_null()).map(|(k, x)| (k.clone(), normal(x))).collect()),
-        Value::Array(a) => Value::Array(a.iter().map(normal).collect()),
-        x => x.clone(),
-    }
-}
-
-/// Reads `doc` as `T` and writes it back: the same document, or why not.
-fn round_trip<T: DeserializeOwned + Serialize>(doc: &Value) -> Result<(), String> {
-    let typed: T = serde_json::from_value(doc.clone()).map_err(|e| format!("does not read as the API's type: {e}"))?;
-    let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
-    if normal(&back) != normal(doc) {
-        return Err(format!("is not the same written back (a field the API does not have?):\n  file: {doc}\n  API:  {back}"));
-    }
-    Ok(())
-}
 
 fn check(doc: &Value) -> Result<(), String> {
     match (doc["apiVersion"].as_str(), doc["kind"].as_str()) {
-        (Some("apps/v1"), Some("DaemonSet")) => round_trip::<k8s_openapi::api::apps::v1::DaemonSet>(doc),
+        (Some("apps/v1"), Some("DaemonSet")) => round_trip::<k8s_openapi::api::apps::v1::DaemonSet>(doc).map(drop),
+        (Some("v1"), Some("ServiceAccount")) => round_trip::<k8s_openapi::api::core::v1::ServiceAccount>(doc).map(drop),
+        (Some("v1"), Some("Pod")) => round_trip::<k8s_openapi::api::core::v1::Pod>(doc).map(drop),
+        (Some("rbac.authorization.k8s.io/v1"), Some("ClusterRole")) => round_trip::<k8s_openapi::api::rbac::v1::ClusterRole>(doc).map(drop),
+        (Some("rbac.authorization.k8s.io/v1"), Some("ClusterRoleBinding")) => round_trip::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>(doc).map(drop),
+        (Some("resource.k8s.io/v1"), Some("DeviceClass")) => round_trip::<k8s_openapi::api::resource::v1::DeviceClass>(doc).map(drop),
+        (Some("resource.k8s.io/v1"), Some("ResourceClaim")) => round_trip::<k8s_openapi::api::resource::v1::ResourceClaim>(doc).map(drop),
+        (Some("resource.k8s.io/v1"), Some("ResourceClaimTemplate")) => round_trip::<k8s_openapi::api::resource::v1::ResourceClaimTemplate>(doc).map(drop),
         (v, k) => Err(format!("no check for apiVersion {v:?} kind {k:?}")),
     }
 }
 
+/// The YAML files under `dir`, at any depth.
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e.expect("entry").path();
+        if p.is_dir() {
+            yaml_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "yaml") {
+            out.push(p);
+        }
+    }
+}
+
+/// Every document of every manifest and example in k8s/deploy.
 fn manifests() -> Vec<(PathBuf, Value)> {
-    let dir = workspace().join("k8s/deploy");
     let mut out = Vec::new();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir).expect("k8s/deploy").map(|e| e.expect("entry").path()).filter(|p| p.extension().is_some_and(|x| x == "yaml")).collect();
+    let mut files = Vec::new();
+    yaml_files(&workspace().join("k8s/deploy"), &mut files);
     files.sort();
     for f in files {
         let text = std::fs::read_to_string(&f).expect("read");
@@ -80,31 +80,92 @@ fn the_shipped_manifests_are_kubernetes_objects_as_the_api_types_define_them() {
 }
 
 #[test]
-fn the_daemonset_runs_vgpu_k8s_with_flags_it_has_and_mounts_what_they_name() {
+fn each_daemonset_runs_vgpu_k8s_with_flags_it_has_and_mounts_what_they_name() {
     let docs = manifests();
-    let (_, ds) = docs.iter().find(|(_, d)| d["kind"] == "DaemonSet").expect("a DaemonSet");
-    let pod = &ds["spec"]["template"]["spec"];
-    let c = &pod["containers"][0];
-    let args: Vec<&str> = c["args"].as_array().expect("args").iter().map(|a| a.as_str().expect("string")).collect();
-    assert_eq!(args.first(), Some(&"device-plugin"));
-    let help = std::process::Command::new(bin("vgpu-k8s")).args(["device-plugin", "--help"]).output().expect("vgpu-k8s --help");
-    let help = String::from_utf8_lossy(&help.stdout);
-    let mounts: Vec<(&str, &str)> = c["volumeMounts"].as_array().expect("mounts").iter().map(|m| (m["name"].as_str().expect("name"), m["mountPath"].as_str().expect("path"))).collect();
-    let volumes: Vec<&str> = pod["volumes"].as_array().expect("volumes").iter().map(|v| v["name"].as_str().expect("name")).collect();
-    for (name, _) in &mounts {
-        assert!(volumes.contains(name), "volume mount {name} names no volume");
-    }
-    for a in &args[1..] {
-        let (flag, value) = a.split_once('=').unwrap_or((a, ""));
-        assert!(help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")), "{flag} is not a flag of vgpu-k8s device-plugin:\n{help}");
-        // Every directory a flag names is mounted in the container.
-        if flag.ends_with("-dir") {
-            assert!(mounts.iter().any(|(_, p)| Path::new(value).starts_with(p) || Path::new(p).starts_with(value)), "{flag}={value} is not mounted: {mounts:?}");
+    let daemonsets: Vec<&Value> = docs.iter().map(|(_, d)| d).filter(|d| d["kind"] == "DaemonSet").collect();
+    let commands: Vec<&str> = daemonsets.iter().map(|d| d["spec"]["template"]["spec"]["containers"][0]["args"][0].as_str().expect("a subcommand")).collect();
+    assert_eq!(commands, ["device-plugin", "dra-driver"], "a DaemonSet for each of the node component's jobs");
+    for ds in daemonsets {
+        let pod = &ds["spec"]["template"]["spec"];
+        let c = &pod["containers"][0];
+        let args: Vec<&str> = c["args"].as_array().expect("args").iter().map(|a| a.as_str().expect("string")).collect();
+        let help = std::process::Command::new(bin("vgpu-k8s")).args([args[0], "--help"]).output().expect("vgpu-k8s --help");
+        let help = String::from_utf8_lossy(&help.stdout);
+        let mounts: Vec<(&str, &str)> = c["volumeMounts"].as_array().expect("mounts").iter().map(|m| (m["name"].as_str().expect("name"), m["mountPath"].as_str().expect("path"))).collect();
+        let volumes: Vec<&str> = pod["volumes"].as_array().expect("volumes").iter().map(|v| v["name"].as_str().expect("name")).collect();
+        for (name, _) in &mounts {
+            assert!(volumes.contains(name), "volume mount {name} names no volume");
+        }
+        for a in &args[1..] {
+            let (flag, value) = a.split_once('=').unwrap_or((a, ""));
+            assert!(help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")), "{flag} is not a flag of vgpu-k8s {}:\n{help}", args[0]);
+            // Every directory a flag names is mounted in the container.
+            if flag.ends_with("-dir") {
+                assert!(mounts.iter().any(|(_, p)| Path::new(value).starts_with(p) || Path::new(p).starts_with(value)), "{flag}={value} is not mounted: {mounts:?}");
+            }
+        }
+        // The resources parse as the plugin parses them.
+        for r in args.iter().filter_map(|a| a.strip_prefix("--resource=")) {
+            r.parse::<vgpu_k8s::slices::Resource>().unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert_eq!(c["command"][0], "/host/usr/bin/vgpu-k8s");
+        if args[0] == "dra-driver" {
+            // The kubelet's DRA directories are mounted where the driver
+            // puts its sockets, and the node's name comes from the pod.
+            for dir in ["/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins"] {
+                assert!(mounts.iter().any(|(_, p)| *p == dir), "{dir} is not mounted: {mounts:?}");
+            }
+            let env = c["env"].as_array().expect("env");
+            assert!(env.iter().any(|e| e["name"] == "NODE_NAME" && e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"), "NODE_NAME from spec.nodeName: {env:?}");
+            assert!(!pod["serviceAccountName"].is_null(), "the driver runs as its service account");
         }
     }
-    // The resources parse as the plugin parses them.
-    for r in args.iter().filter_map(|a| a.strip_prefix("--resource=")) {
-        r.parse::<vgpu_k8s::slices::Resource>().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn the_dra_driver_can_do_what_it_does_and_its_class_and_examples_name_it() {
+    let docs = manifests();
+    let find = |kind: &str| docs.iter().map(|(_, d)| d).filter(|d| d["kind"] == kind).collect::<Vec<_>>();
+    let ds = find("DaemonSet").into_iter().find(|d| d["spec"]["template"]["spec"]["containers"][0]["args"][0] == "dra-driver").expect("the DRA DaemonSet");
+    let args: Vec<&str> = ds["spec"]["template"]["spec"]["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let driver = args.iter().find_map(|a| a.strip_prefix("--driver-name=")).unwrap_or("vgpu.dev");
+    // Its service account's role allows every call the driver makes.
+    let sa = ds["spec"]["template"]["spec"]["serviceAccountName"].as_str().unwrap();
+    let binding = find("ClusterRoleBinding")
+        .into_iter()
+        .find(|b| b["subjects"].as_array().unwrap().iter().any(|s| s["name"] == sa && s["namespace"] == ds["metadata"]["namespace"]))
+        .expect("a binding of the service account");
+    let role = find("ClusterRole").into_iter().find(|r| r["metadata"]["name"] == binding["roleRef"]["name"]).expect("the bound role");
+    let allowed = |group: &str, resource: &str, verb: &str| {
+        role["rules"].as_array().unwrap().iter().any(|r| {
+            let has = |k: &str, v: &str| r[k].as_array().unwrap().iter().any(|x| x == v || x == "*");
+            has("apiGroups", group) && has("resources", resource) && has("verbs", verb)
+        })
+    };
+    for verb in ["get", "list", "create", "update", "delete"] {
+        assert!(allowed("resource.k8s.io", "resourceslices", verb), "resourceslices {verb}");
     }
-    assert_eq!(c["command"][0], "/host/usr/bin/vgpu-k8s");
+    assert!(allowed("resource.k8s.io", "resourceclaims", "get") && allowed("", "nodes", "get"));
+    assert!(!allowed("resource.k8s.io", "resourceclaims", "update") && !allowed("", "secrets", "get"), "no more than it needs");
+    // The class selects the driver's devices.
+    let classes = find("DeviceClass");
+    let [class] = &classes[..] else { panic!("one DeviceClass: {classes:?}") };
+    assert_eq!(class["spec"]["selectors"][0]["cel"]["expression"], format!("device.driver == \"{driver}\""));
+    // The examples ask for that class, and their configuration is what the
+    // driver reads.
+    let claims: Vec<&Value> = find("ResourceClaim").into_iter().map(|c| &c["spec"]).chain(find("ResourceClaimTemplate").into_iter().map(|t| &t["spec"]["spec"])).collect();
+    assert!(claims.len() >= 2, "example claims");
+    for spec in claims {
+        for r in spec["devices"]["requests"].as_array().unwrap() {
+            assert_eq!(r["exactly"]["deviceClassName"], class["metadata"]["name"], "{r}");
+        }
+        for c in spec["devices"]["config"].as_array().unwrap() {
+            assert_eq!(c["opaque"]["driver"], driver);
+            let t: vgpu_k8s::claims::TenantConfig = serde_json::from_value(c["opaque"]["parameters"].clone()).unwrap_or_else(|e| panic!("{e}: {c}"));
+            assert_eq!((t.api_version.as_str(), t.kind.as_str()), (vgpu_k8s::claims::CONFIG_API_VERSION, vgpu_k8s::claims::CONFIG_KIND));
+            if let Some(m) = &t.memory {
+                vgpu_k8s::quantity::parse(m).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
 }

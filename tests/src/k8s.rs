@@ -1,0 +1,120 @@
+//! What the Kubernetes tests share: the daemon's tenants, a CUDA sample run
+//! through a CDI spec's edits (as a container runtime applies them), and
+//! reading a document as the Kubernetes API's own type.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::{bin, lib_dir, sample, Mediator};
+
+/// A running `vgpu-k8s` (device plugin or DRA driver), killed when dropped.
+pub struct NodeComponent(std::process::Child);
+
+impl NodeComponent {
+    /// Starts `vgpu-k8s ARGS` for the daemon `m`, with the kubelet's
+    /// directory `kubelet` and its CDI specs and state under `root`.
+    pub fn start(args: &[&str], m: &Mediator, kubelet: &Path, root: &Path) -> NodeComponent {
+        let child = std::process::Command::new(bin("vgpu-k8s"))
+            .args(args)
+            .arg("--kubelet-dir")
+            .arg(kubelet)
+            .arg("--cdi-dir")
+            .arg(root.join("cdi"))
+            .arg("--run-dir")
+            .arg(&m.run_dir)
+            .arg("--state-dir")
+            .arg(root.join("state"))
+            .arg("--lib-dir")
+            .arg(lib_dir())
+            .env("VGPU_LOG", "info")
+            .spawn()
+            .expect("vgpu-k8s");
+        NodeComponent(child)
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for NodeComponent {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The daemon's tenants' names, sorted.
+pub fn tenants(m: &Mediator) -> Vec<String> {
+    let (_, v) = m.api("GET", "/v1/tenants", None);
+    let mut names: Vec<String> = v.as_array().expect("a list").iter().filter_map(|t| t["name"].as_str().map(String::from)).collect();
+    names.sort();
+    names
+}
+
+/// Waits for `f` to hold, failing with `what` after `limit`.
+pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < end, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Runs vectorAdd with a CDI device's edits applied as a runtime would:
+/// each mount's host path is what its container path names (the socket in
+/// VGPU_SOCKET; the libraries where the loader looks).
+pub fn run_with_cdi(spec: &Value) -> std::process::Output {
+    let edits = &spec["devices"][0]["containerEdits"];
+    let mounts: BTreeMap<String, String> =
+        edits["mounts"].as_array().expect("mounts").iter().map(|m| (m["containerPath"].as_str().expect("path").to_string(), m["hostPath"].as_str().expect("path").to_string())).collect();
+    let libs = std::env::temp_dir().join(format!("vgpu-cdi-libs-{}-{:?}", std::process::id(), std::thread::current().id()));
+    let _ = std::fs::remove_dir_all(&libs);
+    std::fs::create_dir_all(&libs).expect("mkdir");
+    let mut socket = None;
+    for e in edits["env"].as_array().expect("env") {
+        let (k, v) = e.as_str().expect("string").split_once('=').expect("K=V");
+        if k == "VGPU_SOCKET" {
+            socket = Some(mounts.get(v).unwrap_or_else(|| panic!("VGPU_SOCKET={v} is not mounted: {spec}")).clone());
+        }
+    }
+    for (c, h) in &mounts {
+        if c.ends_with(".so.1") {
+            std::os::unix::fs::symlink(h, libs.join(Path::new(c).file_name().expect("name"))).expect("symlink");
+        }
+    }
+    let socket = socket.expect("the spec sets VGPU_SOCKET");
+    let mut c = sample("vectorAdd", Path::new(&socket));
+    c.env("LD_LIBRARY_PATH", &libs);
+    let o = c.output().expect("vectorAdd");
+    let _ = std::fs::remove_dir_all(&libs);
+    o
+}
+
+/// Values equal once the nulls a writer leaves out are gone on both sides.
+pub fn normal(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => Value::Object(m.iter().filter(|(_, x)| !x.is_null()).map(|(k, x)| (k.clone(), normal(x))).collect()),
+        Value::Array(a) => Value::Array(a.iter().map(normal).collect()),
+        x => x.clone(),
+    }
+}
+
+/// Reads `doc` as `T` (a type generated from the Kubernetes OpenAPI
+/// document) and writes it back: the same document, or why not. So no
+/// field is one the API does not have (a lenient API server drops a
+/// misspelled field without a word), no value has the wrong type, and no
+/// required field is missing.
+pub fn round_trip<T: DeserializeOwned + Serialize>(doc: &Value) -> Result<T, String> {
+    let typed: T = serde_json::from_value(doc.clone()).map_err(|e| format!("does not read as the API's type: {e}"))?;
+    let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+    if normal(&back) != normal(doc) {
+        return Err(format!("is not the same written back (a field the API does not have?):\n  file: {doc}\n  API:  {back}"));
+    }
+    Ok(typed)
+}
