@@ -19,7 +19,7 @@ pub const MAX_DEVICES_PER_SLICE: usize = 128;
 /// The opaque configuration's apiVersion and kind.
 pub const CONFIG_API_VERSION: &str = "vgpu.dev/v1";
 pub const CONFIG_KIND: &str = "TenantConfig";
-/// The smallest share of a shared device's memory, and its step.
+/// The step of a shared device's memory shares (and the least `min`).
 pub const SHARE_STEP: u64 = 1 << 20;
 /// The taint a device whose worker is down carries.
 pub const UNAVAILABLE_TAINT: &str = "vgpu.dev/unavailable";
@@ -32,8 +32,9 @@ pub enum Sharing {
     Exclusive,
     /// Claims share a device, each taking the memory it requests from the
     /// device's `memory` capacity (Kubernetes' consumable capacity;
-    /// `default` is what a request that names no amount takes).
-    Shared { default: u64 },
+    /// `default` is what a request that names no amount takes, `min` the
+    /// least one may take, which bounds how many tenants one device has).
+    Shared { default: u64, min: u64 },
 }
 
 /// A device's name in a ResourceSlice: a DNS label (lower case letters,
@@ -80,8 +81,10 @@ impl Publisher {
     }
 
     /// One device as a DRA device: attributes from the mediator, its memory
-    /// as capacity, tainted while its worker is down.
-    fn device(&self, d: &Device, ours: u64) -> res::Device {
+    /// as capacity, tainted while its worker is down. None where a shared
+    /// device has less than a share left to offer (an API server refuses a
+    /// request policy whose least request exceeds the capacity).
+    fn device(&self, d: &Device, ours: u64) -> Option<res::Device> {
         let mut attributes = BTreeMap::from([
             ("type".to_string(), attr_string(&d.kind)),
             ("pool".to_string(), attr_string(&d.pool)),
@@ -94,12 +97,19 @@ impl Publisher {
         let offer = offered(d, ours);
         let (value, policy, multiple) = match self.sharing {
             Sharing::Exclusive => (offer, None, None),
-            Sharing::Shared { default } => {
+            Sharing::Shared { default, min } => {
+                let min = min.max(SHARE_STEP) / SHARE_STEP * SHARE_STEP;
                 let value = offer / SHARE_STEP * SHARE_STEP;
-                let default = default.min(value).max(SHARE_STEP) / SHARE_STEP * SHARE_STEP;
+                if value < min {
+                    return None;
+                }
+                // A default is min plus whole steps, within the value;
+                // min plus a step must fit too, or no step is given.
+                let default = (default.clamp(min, value) - min) / SHARE_STEP * SHARE_STEP + min;
+                let step = (min + SHARE_STEP <= value).then(|| Quantity(quantity::format(SHARE_STEP)));
                 let policy = res::CapacityRequestPolicy {
                     default: Some(Quantity(quantity::format(default))),
-                    valid_range: Some(res::CapacityRequestPolicyRange { min: Quantity(quantity::format(SHARE_STEP)), step: Some(Quantity(quantity::format(SHARE_STEP))), max: None }),
+                    valid_range: Some(res::CapacityRequestPolicyRange { min: Quantity(quantity::format(min)), step, max: None }),
                     valid_values: None,
                 };
                 (value, Some(policy), Some(true))
@@ -107,7 +117,7 @@ impl Publisher {
         };
         let capacity = BTreeMap::from([("memory".to_string(), res::DeviceCapacity { value: Quantity(quantity::format(value)), request_policy: policy })]);
         let taints = (!d.running).then(|| vec![res::DeviceTaint { key: UNAVAILABLE_TAINT.into(), value: None, effect: "NoSchedule".into(), time_added: None }]);
-        res::Device { name: device_label(&d.name), attributes: Some(attributes), capacity: Some(capacity), allow_multiple_allocations: multiple, taints, ..Default::default() }
+        Some(res::Device { name: device_label(&d.name), attributes: Some(attributes), capacity: Some(capacity), allow_multiple_allocations: multiple, taints, ..Default::default() })
     }
 
     /// The node's slices: one pool named after the node, its devices in
@@ -115,7 +125,7 @@ impl Publisher {
     /// `ours` is the memory this node's claims hold on each device.
     pub fn slices(&self, devices: &[Device], ours: &BTreeMap<String, u64>, generation: i64) -> Vec<res::ResourceSlice> {
         let mut seen = std::collections::BTreeSet::new();
-        let devs: Vec<res::Device> = devices.iter().filter(|d| seen.insert(device_label(&d.name))).map(|d| self.device(d, ours.get(&d.name).copied().unwrap_or(0))).collect();
+        let devs: Vec<res::Device> = devices.iter().filter(|d| seen.insert(device_label(&d.name))).filter_map(|d| self.device(d, ours.get(&d.name).copied().unwrap_or(0))).collect();
         let chunks: Vec<&[res::Device]> = if devs.is_empty() { vec![&[]] } else { devs.chunks(MAX_DEVICES_PER_SLICE).collect() };
         let count = chunks.len() as i64;
         chunks
@@ -191,12 +201,15 @@ pub enum ClaimError {
 }
 
 /// What a claim's own configuration may ask, beyond which it is refused.
-/// A DeviceClass's configuration (the admin's) is not bounded: an admin
-/// offers more weight or the latency class through a class of its own.
+/// A DeviceClass's configuration is the admin's: what it sets is not
+/// bounded by these, and it bounds the claim's in turn (a claim may lower
+/// the class's weight or cap, or lower its priority, never raise them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClaimLimits {
+    /// Most weight a claim may ask where its class sets none.
     pub max_weight: u32,
-    /// Whether a claim may ask for the latency class itself.
+    /// Whether a claim may ask for the latency class where its class does
+    /// not give it.
     pub latency: bool,
 }
 
@@ -204,6 +217,37 @@ impl Default for ClaimLimits {
     fn default() -> ClaimLimits {
         ClaimLimits { max_weight: 100, latency: false }
     }
+}
+
+/// A priority class's rank: latency first.
+fn rank(p: Priority) -> u8 {
+    match p {
+        Priority::Latency => 2,
+        Priority::Normal => 1,
+        Priority::Batch => 0,
+    }
+}
+
+/// Checks a claim's own configuration against its class's and the limits.
+fn within(class: &TenantConfig, claim: &TenantConfig, limits: ClaimLimits) -> Result<(), String> {
+    if let Some(w) = claim.weight {
+        let most = class.weight.unwrap_or(limits.max_weight);
+        if w > most {
+            return Err(format!("weight {w} is more than a claim may ask ({most}); a DeviceClass of the admin's may give more"));
+        }
+    }
+    if let (Some(c), Some(most)) = (claim.cap, class.cap) {
+        if c > most {
+            return Err(format!("cap {c} is more than the class allows ({most})"));
+        }
+    }
+    if let Some(p) = claim.priority {
+        let most = class.priority.unwrap_or(if limits.latency { Priority::Latency } else { Priority::Normal });
+        if rank(p) > rank(most) {
+            return Err(format!("priority {} is above what a claim may ask ({}); a DeviceClass of the admin's may give it", p.as_str(), most.as_str()));
+        }
+    }
+    Ok(())
 }
 
 /// Most devices of this driver one claim may hold here.
@@ -252,7 +296,13 @@ pub fn plan(claim: &res::ResourceClaim, driver: &str, node: &str, devices: &[Dev
             return Err(ClaimError::NotHere { claim: name, pool: r.pool.clone(), device: r.device.clone(), node: node.into() });
         }
         let d = devices.iter().find(|d| device_label(&d.name) == r.device).ok_or_else(|| ClaimError::NoDevice { claim: name.clone(), device: r.device.clone() })?;
-        let mut cfg = TenantConfig::default();
+        if r.admin_access == Some(true) {
+            return Err(ClaimError::Limit { claim: name.clone(), why: "admin access to a vGPU device is not supported (a tenant sees only its own work)".into() });
+        }
+        // The class's configurations first (the admin's), then the claim's,
+        // which stay within the class's.
+        let mut class_cfg = TenantConfig::default();
+        let mut claim_cfg = TenantConfig::default();
         for c in alloc.config.iter().flatten().filter(|c| applies(&c.requests, &r.request)) {
             let Some(o) = c.opaque.as_ref().filter(|o| o.driver == driver) else { continue };
             let bad = |why: String| ClaimError::Config { claim: name.clone(), request: r.request.clone(), why };
@@ -260,19 +310,32 @@ pub fn plan(claim: &res::ResourceClaim, driver: &str, node: &str, devices: &[Dev
             if t.api_version != CONFIG_API_VERSION || t.kind != CONFIG_KIND {
                 return Err(bad(format!("apiVersion {:?} kind {:?}", t.api_version, t.kind)));
             }
-            if c.source != "FromClass" {
-                if let Some(w) = t.weight.filter(|w| *w > limits.max_weight) {
-                    return Err(ClaimError::Limit { claim: name.clone(), why: format!("weight {w} is more than a claim may ask ({}); a DeviceClass of the admin's may give more", limits.max_weight) });
-                }
-                if t.priority == Some(Priority::Latency) && !limits.latency {
-                    return Err(ClaimError::Limit { claim: name.clone(), why: "the latency class is not for a claim to ask; a DeviceClass of the admin's may give it".into() });
-                }
+            if c.source == "FromClass" {
+                class_cfg.merge(t);
+            } else {
+                claim_cfg.merge(t);
             }
-            cfg.merge(t);
         }
+        within(&class_cfg, &claim_cfg, limits).map_err(|why| ClaimError::Limit { claim: name.clone(), why })?;
+        let claim_memory = claim_cfg.memory.clone();
+        let mut cfg = class_cfg;
+        cfg.merge(claim_cfg);
         let mem_err = |why: String| ClaimError::Memory { claim: name.clone(), request: r.request.clone(), why };
         let memory = if let Some(q) = r.consumed_capacity.as_ref().and_then(|c| c.get("memory")) {
-            quantity::parse(&q.0).map_err(|e| mem_err(format!("consumed capacity: {e}")))?
+            let consumed = quantity::parse(&q.0).map_err(|e| mem_err(format!("consumed capacity: {e}")))?;
+            // On a shared device the scheduler counted what the claim
+            // consumed: a quota the claim configures that differs would be
+            // memory the scheduler does not know of. (A class's memory is
+            // for whole devices.)
+            if let Some(m) = &claim_memory {
+                if quantity::parse(m).ok() != Some(consumed) {
+                    return Err(mem_err(format!(
+                        "the configuration asks for memory {m} but the device is shared and the claim was given {}: ask for it as the request's capacity (capacity.requests.memory)",
+                        q.0
+                    )));
+                }
+            }
+            consumed
         } else if let Some(q) = &cfg.memory {
             quantity::parse(q).map_err(|e| mem_err(format!("configured memory: {e}")))?
         } else {
@@ -322,7 +385,7 @@ mod tests {
 
     #[test]
     fn slices_offer_what_others_leave_shared_or_whole_and_split_at_the_limit() {
-        let p = Publisher { driver: "vgpu.dev".into(), node: "n1".into(), node_uid: Some("nu".into()), sharing: Sharing::Shared { default: 1 << 30 } };
+        let p = Publisher { driver: "vgpu.dev".into(), node: "n1".into(), node_uid: Some("nu".into()), sharing: Sharing::Shared { default: 1 << 30, min: 1 << 20 } };
         // Others hold 16 MiB of gpu0 (48 reserved, 32 of them ours): 48 MiB
         // offered; a default above the value is cut to it.
         let s = p.slices(&[dev("gpu0", 64 << 20, 48 << 20, true), dev("MIG.1g/0", 8 << 20, 0, false)], &BTreeMap::from([("gpu0".into(), 32 << 20)]), 4);
@@ -350,6 +413,19 @@ mod tests {
         assert_eq!(s.iter().map(|x| x.spec.devices.as_ref().unwrap().len()).collect::<Vec<_>>(), [128, 72]);
         assert!(s.iter().all(|x| x.spec.pool.resource_slice_count == 2));
         assert_eq!(s[1].metadata.name.as_deref(), Some("n1-vgpu.dev-1"));
+        // A shared device with less than a share left leaves the slice; one
+        // with a share but not a share and a step gets no step.
+        let s = p.slices(&[dev("gpu0", 64 << 20, (63 << 20) + (512 << 10), true), dev("gpu1", 64 << 20, 63 << 20, true)], &BTreeMap::new(), 1);
+        let devs = s[0].spec.devices.as_ref().unwrap();
+        assert_eq!(devs.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(), ["gpu1"]);
+        let pol = devs[0].capacity.as_ref().unwrap()["memory"].request_policy.clone().unwrap();
+        let range = pol.valid_range.clone().unwrap();
+        assert_eq!((pol.default.unwrap().0.as_str(), range.min.0.as_str(), range.step), ("1Mi", "1Mi", None));
+        // A larger least share: defaults are the least plus whole steps.
+        let big = Publisher { sharing: Sharing::Shared { default: (3 << 20) + 5, min: 2 << 20 }, ..p.clone() };
+        let d = &big.slices(&[dev("gpu0", 64 << 20, 0, true)], &BTreeMap::new(), 1)[0].spec.devices.clone().unwrap()[0];
+        let pol = d.capacity.as_ref().unwrap()["memory"].request_policy.clone().unwrap();
+        assert_eq!((pol.default.unwrap().0.as_str(), pol.valid_range.unwrap().min.0.as_str()), ("3Mi", "2Mi"));
         // No devices: one empty slice still says the pool is there.
         assert_eq!(p.slices(&[], &BTreeMap::new(), 1).len(), 1);
     }
@@ -363,17 +439,43 @@ mod tests {
             { "request": "c", "driver": "other.example.com", "pool": "x", "device": "y" },
         ]);
         let cfg = |p: serde_json::Value| json!({ "driver": "vgpu.dev", "parameters": p });
-        let config = json!([
-            { "source": "FromClass", "opaque": cfg(json!({ "apiVersion": "vgpu.dev/v1", "kind": "TenantConfig", "weight": 2, "memory": "4Mi" })) },
-            { "source": "FromClaim", "requests": ["b"], "opaque": cfg(json!({ "apiVersion": "vgpu.dev/v1", "kind": "TenantConfig", "weight": 5, "priority": "latency" })) },
-        ]);
+        let tc = |extra: serde_json::Value| {
+            let mut v = json!({ "apiVersion": "vgpu.dev/v1", "kind": "TenantConfig" });
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            v
+        };
+        let config = |class: serde_json::Value, claim_b: serde_json::Value| {
+            json!([
+                { "source": "FromClass", "opaque": cfg(tc(class)) },
+                { "source": "FromClaim", "requests": ["b"], "opaque": cfg(tc(claim_b)) },
+            ])
+        };
         let open = ClaimLimits { max_weight: 10, latency: true };
-        let p = plan(&claim(results.clone(), config.clone()), "vgpu.dev", "n1", &devices, open).unwrap();
+        let p = plan(&claim(results.clone(), config(json!({ "weight": 8, "memory": "4Mi" }), json!({ "weight": 5, "priority": "latency" }))), "vgpu.dev", "n1", &devices, open).unwrap();
         assert_eq!(p.len(), 2, "the other driver's device is not ours");
-        // Consumed capacity decides the memory; the class's weight applies.
-        assert_eq!((p[0].memory, p[0].weight, p[0].share_id.as_deref(), p[0].priority), (8 << 20, 2, Some("s1"), Priority::Normal));
-        // The claim's config for "b" (and so "b/small") overrides the class's.
+        // Consumed capacity decides the memory (the class's memory is for
+        // whole devices); the class's weight applies.
+        assert_eq!((p[0].memory, p[0].weight, p[0].share_id.as_deref(), p[0].priority), (8 << 20, 8, Some("s1"), Priority::Normal));
+        // The claim's config for "b" (and so "b/small") lowers the class's weight.
         assert_eq!((p[1].memory, p[1].weight, p[1].priority, p[1].device.as_str()), (4 << 20, 5, Priority::Latency, "gpu1"));
+        // A claim may not raise what its class sets, nor pass the limits
+        // where the class sets nothing; a class is not bounded.
+        let refused = |class: serde_json::Value, claim_b: serde_json::Value, limits: ClaimLimits| {
+            plan(&claim(results.clone(), config(class, claim_b)), "vgpu.dev", "n1", &devices, limits).unwrap_err().to_string()
+        };
+        assert!(refused(json!({ "weight": 8 }), json!({ "weight": 9 }), open).contains("weight 9 is more than a claim may ask (8)"));
+        assert!(refused(json!({}), json!({ "weight": 11 }), open).contains("weight 11 is more than a claim may ask (10)"));
+        assert!(refused(json!({ "cap": 50 }), json!({ "cap": 60 }), open).contains("cap 60 is more than the class allows (50)"));
+        assert!(refused(json!({ "priority": "batch" }), json!({ "priority": "normal" }), open).contains("priority normal is above what a claim may ask (batch)"));
+        assert!(refused(json!({}), json!({ "priority": "latency" }), ClaimLimits { max_weight: 10, latency: false }).contains("priority latency is above"));
+        let p = plan(&claim(results.clone(), config(json!({ "weight": 500, "priority": "latency" }), json!({}))), "vgpu.dev", "n1", &devices, ClaimLimits::default()).unwrap();
+        assert_eq!((p[1].weight, p[1].priority), (500, Priority::Latency));
+        // A claim's own memory on a shared device must be what it consumed.
+        let mem = json!([{ "source": "FromClaim", "opaque": cfg(tc(json!({ "memory": "16Mi" }))) }]);
+        assert!(plan(&claim(results.clone(), mem), "vgpu.dev", "n1", &devices, open).unwrap_err().to_string().contains("ask for it as the request's capacity"));
+        // Admin access is refused.
+        let admin = claim(json!([{ "request": "a", "driver": "vgpu.dev", "pool": "n1", "device": "gpu0", "adminAccess": true }]), json!([]));
+        assert!(plan(&admin, "vgpu.dev", "n1", &devices, open).unwrap_err().to_string().contains("admin access"));
         // Whole, unconfigured: the device's free memory.
         let whole = claim(json!([{ "request": "a", "driver": "vgpu.dev", "pool": "n1", "device": "gpu0" }]), json!([]));
         assert_eq!(plan(&whole, "vgpu.dev", "n1", &devices, open).unwrap()[0].memory, 48 << 20);
@@ -387,15 +489,6 @@ mod tests {
         assert!(plan(&bad, "vgpu.dev", "n1", &devices, open).unwrap_err().to_string().contains("cap must be a percentage"));
         let bad = claim(json!([{ "request": "a", "driver": "vgpu.dev", "pool": "n1", "device": "gpu0", "consumedCapacity": { "memory": "lots" } }]), json!([]));
         assert!(plan(&bad, "vgpu.dev", "n1", &devices, open).unwrap_err().to_string().contains("not a quantity"));
-        // A claim's own weight and latency class are bounded; a class's are not.
-        let strict = ClaimLimits { max_weight: 4, latency: false };
-        let e = plan(&claim(results.clone(), config.clone()), "vgpu.dev", "n1", &devices, strict).unwrap_err().to_string();
-        assert!(e.contains("weight 5 is more than a claim may ask (4)"), "{e}");
-        let e = plan(&claim(results.clone(), config), "vgpu.dev", "n1", &devices, ClaimLimits { max_weight: 5, latency: false }).unwrap_err().to_string();
-        assert!(e.contains("latency class"), "{e}");
-        let by_class = json!([{ "source": "FromClass", "opaque": cfg(json!({ "apiVersion": "vgpu.dev/v1", "kind": "TenantConfig", "weight": 500, "priority": "latency" })) }]);
-        let p = plan(&claim(results, by_class), "vgpu.dev", "n1", &devices, strict).unwrap();
-        assert_eq!((p[0].weight, p[0].priority), (500, Priority::Latency));
         let none = claim(json!([{ "request": "c", "driver": "other.example.com", "pool": "x", "device": "y" }]), json!([]));
         assert!(matches!(plan(&none, "vgpu.dev", "n1", &devices, open), Err(ClaimError::Nothing { .. })));
         let many: Vec<serde_json::Value> = (0..33).map(|_| json!({ "request": "a", "driver": "vgpu.dev", "pool": "n1", "device": "gpu0" })).collect();

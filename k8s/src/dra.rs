@@ -9,8 +9,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice, ResourceSliceSpec};
@@ -23,7 +23,7 @@ use vgpu_api::tenant::TenantSpec;
 use crate::cdi;
 use crate::claims::{self, ClaimLimits, Planned, Publisher, Sharing};
 use crate::mediator::Mediator;
-use crate::plugin::{container_tenant, create_handed_over, now_s, sweep_orphans, tenant_name, Host, PluginError};
+use crate::plugin::{container_tenant, create_handed_over, ensure_spec, now_s, redact, sweep_orphans, tenant_name, Host, PluginError};
 use crate::proto::dra as pb;
 use crate::proto::pluginregistration as reg;
 use crate::state::{ClaimState, ClaimTenant, PreparedClaim, StateError};
@@ -68,8 +68,10 @@ impl DraConfig {
     pub fn plugin_socket(&self) -> PathBuf {
         self.kubelet_dir.join("plugins").join(&self.driver).join("dra.sock")
     }
+    /// The record of prepared claims: one per driver name, so that two
+    /// drivers on a node keep apart.
     fn state_file(&self) -> PathBuf {
-        self.host.state_dir.join("dra.json")
+        self.host.state_dir.join(format!("dra-{}.json", self.driver))
     }
 }
 
@@ -95,6 +97,9 @@ pub enum DraError {
     Lookup { claim: String, why: String },
 }
 
+/// How long one call to the API server may take.
+pub const API_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// A client of the API server from a kubeconfig, or as a pod finds it.
 pub async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client, DraError> {
     let config = match kubeconfig {
@@ -104,42 +109,121 @@ pub async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client, DraE
         }
         None => kube::Config::infer().await.map_err(DraError::Infer)?,
     };
+    // Every call ends: a connection the API server left half-open must not
+    // stop publishing or reconciling for good.
+    let mut config = config;
+    config.connect_timeout = Some(API_TIMEOUT);
+    config.read_timeout = Some(API_TIMEOUT);
+    config.write_timeout = Some(API_TIMEOUT);
     Ok(kube::Client::try_from(config)?)
 }
 
 /// The node's side of the driver: the mediator, the prepared claims, the
 /// API server, and a signal that the claims changed (slices follow).
+///
+/// The state's lock is tokio's: async tasks wait for it without holding a
+/// runtime thread, and the blocking work (the mediator's calls, the state
+/// file) takes it with `blocking_lock` on tokio's blocking pool. Claims
+/// are prepared one at a time: a prepare holds it while it makes its
+/// tenants, so that a claim is never made twice or half-seen.
 pub struct DraNode {
     pub cfg: DraConfig,
     mediator: Mediator,
-    state: Mutex<ClaimState>,
+    state: tokio::sync::Mutex<ClaimState>,
     kube: kube::Client,
     changed: watch::Sender<u64>,
+    /// Claims unprepared lately, and when: a prepare that began before is
+    /// abandoned (the kubelet gave up on it and unprepared the claim).
+    unprepared: std::sync::Mutex<BTreeMap<String, Instant>>,
+    /// Consecutive lookups that found a prepared claim gone, by uid.
+    missing: std::sync::Mutex<BTreeMap<String, u32>>,
 }
+
+/// How long an unprepare is remembered against prepares that began before.
+const TOMBSTONE: Duration = Duration::from_secs(600);
+/// Most unprepares remembered.
+const MAX_TOMBSTONES: usize = 4096;
+/// Lookups in a row that must find a claim gone before it is unprepared.
+const MISSES: u32 = 2;
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, DraError> + Send + 'static) -> Result<T, DraError> {
     tokio::task::spawn_blocking(f).await.map_err(|e| DraError::Lookup { claim: "(task)".into(), why: e.to_string() })?
 }
 
+/// A claim, or None where the API server says that claim does not exist.
+/// A 404 that is not about this claim (the resource type is not served:
+/// an API server without resource.k8s.io/v1, a proxy) is an error: it must
+/// not read as "the claim is gone", which would delete running pods'
+/// tenants.
+async fn lookup(api: &Api<ResourceClaim>, name: &str) -> Result<Option<ResourceClaim>, kube::Error> {
+    match api.get(name).await {
+        Ok(c) => Ok(Some(c)),
+        Err(kube::Error::Api(s)) if s.code == 404 && s.details.as_ref().is_some_and(|d| d.kind == "resourceclaims" && d.name == name) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// What a claim's allocation gives this driver on this node: (request,
+/// device, share id) of each result, sorted, to compare with a record.
+fn allocated_here(claim: &ResourceClaim, driver: &str, node: &str) -> Vec<(String, String, Option<String>)> {
+    let results = claim.status.as_ref().and_then(|s| s.allocation.as_ref()).and_then(|a| a.devices.as_ref()).and_then(|d| d.results.as_ref());
+    let mut v: Vec<_> = results.into_iter().flatten().filter(|r| r.driver == driver && r.pool == node).map(|r| (r.request.clone(), r.device.clone(), r.share_id.clone())).collect();
+    v.sort();
+    v
+}
+
+fn recorded(p: &PreparedClaim) -> Vec<(String, String, Option<String>)> {
+    let mut v: Vec<_> = p.tenants.iter().map(|t| (t.request.clone(), t.device_label.clone(), t.share_id.clone())).collect();
+    v.sort();
+    v
+}
+
 impl DraNode {
-    /// Loads the prepared claims (a corrupt state file is refused) and
+    /// Loads the prepared claims (a corrupt state file is refused), drops
+    /// from them the tenants the daemon no longer has, writes the CDI specs
+    /// of the others again where they are gone (after a reboot), and
     /// deletes the tenants with the driver's prefix that no claim holds.
     pub fn open(cfg: DraConfig, kube: kube::Client) -> Result<DraNode, DraError> {
         std::fs::create_dir_all(&cfg.host.state_dir).map_err(|err| StateError::Write { path: cfg.host.state_dir.display().to_string(), err })?;
-        let state = ClaimState::load(&cfg.state_file())?;
-        let node = DraNode { mediator: Mediator::new(&cfg.host.run_dir), cfg, state: Mutex::new(state), kube, changed: watch::channel(0).0 };
-        let known: BTreeSet<String> = node.lock().tenants().map(|t| t.tenant.clone()).collect();
-        sweep_orphans(&node.mediator, &node.cfg.tenant_prefix, &known, &node.cfg.host.cdi_dir);
+        let mut state = ClaimState::load(&cfg.state_file())?;
+        let mediator = Mediator::new(&cfg.host.run_dir);
+        match mediator.tenants() {
+            Ok(live) => {
+                for (uid, p) in state.claims.iter_mut() {
+                    p.tenants.retain(|t| {
+                        let there = live.contains(&t.tenant);
+                        if !there {
+                            warn!(claim = %format!("{}/{}", p.namespace, p.name), uid = %uid, tenant = %t.tenant, "the daemon no longer has this claim's tenant: the claim will be prepared afresh");
+                        }
+                        there
+                    });
+                }
+                state.claims.retain(|_, p| !p.tenants.is_empty());
+                state.save(&cfg.state_file())?;
+            }
+            Err(e) => warn!("listing the daemon's tenants (the record is kept as it is): {e}"),
+        }
+        for t in state.tenants() {
+            if let Err(e) = ensure_spec(&cfg.host, &t.tenant, &t.socket) {
+                warn!(tenant = %t.tenant, "writing its CDI spec again: {e}");
+            }
+        }
+        let node = DraNode { mediator, cfg, state: tokio::sync::Mutex::new(state), kube, changed: watch::channel(0).0, unprepared: Default::default(), missing: Default::default() };
+        node.sweep();
         Ok(node)
     }
 
-    fn lock(&self) -> MutexGuard<'_, ClaimState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// Deletes the tenants made with the driver's prefix that no prepared
+    /// claim holds (blocking).
+    fn sweep(&self) {
+        let st = self.state.blocking_lock();
+        let known: BTreeSet<String> = st.tenants().map(|t| t.tenant.clone()).collect();
+        sweep_orphans(&self.mediator, &self.cfg.tenant_prefix, &known, &self.cfg.host.cdi_dir);
     }
 
     /// The claims prepared here, by uid.
-    pub fn prepared(&self) -> BTreeMap<String, PreparedClaim> {
-        self.lock().claims.clone()
+    pub async fn prepared(&self) -> BTreeMap<String, PreparedClaim> {
+        self.state.lock().await.claims.clone()
     }
 
     fn answer(&self, c: &PreparedClaim) -> pb::NodePrepareResourceResponse {
@@ -157,46 +241,82 @@ impl DraNode {
         pb::NodePrepareResourceResponse { devices, error: String::new() }
     }
 
-    /// Prepares one claim: its record where it was prepared before (the
-    /// kubelet asks again after restarts), else a tenant per device its
-    /// allocation gives this driver, read from the API server.
+    /// Prepares one claim, read from the API server: the recorded tenants
+    /// where the claim's allocation is what they were made for (the
+    /// kubelet asks again after restarts), else a tenant per device the
+    /// allocation gives this driver here (a stale record's tenants deleted
+    /// first). Where the API server cannot be reached, a recorded claim is
+    /// answered from the record.
     pub async fn prepare(self: &Arc<Self>, c: pb::Claim) -> pb::NodePrepareResourceResponse {
         let id = format!("{}/{}", c.namespace, c.name);
-        if let Some(p) = self.lock().claims.get(&c.uid) {
-            return self.answer(p);
-        }
+        let started = Instant::now();
         let result = async {
             if c.uid.is_empty() || c.name.is_empty() || c.namespace.is_empty() {
                 return Err(DraError::Lookup { claim: id.clone(), why: "a claim needs its namespace, name and uid".into() });
             }
             let api: Api<ResourceClaim> = Api::namespaced(self.kube.clone(), &c.namespace);
-            let claim = api.get_opt(&c.name).await?.ok_or_else(|| DraError::Lookup { claim: id.clone(), why: "not found in the API server".into() })?;
+            let claim = match lookup(&api, &c.name).await {
+                Ok(Some(claim)) => claim,
+                Ok(None) => return Err(DraError::Lookup { claim: id.clone(), why: "not found in the API server".into() }),
+                Err(e) => {
+                    let rec = self.state.lock().await.claims.get(&c.uid).cloned();
+                    return match rec {
+                        Some(p) => {
+                            warn!(claim = %id, "the API server cannot be asked ({e}): answering from the record");
+                            let node = self.clone();
+                            blocking(move || node.specs(&p).map(|()| p)).await
+                        }
+                        None => Err(e.into()),
+                    };
+                }
+            };
             if claim.metadata.uid.as_deref() != Some(c.uid.as_str()) {
                 return Err(DraError::Lookup { claim: id.clone(), why: format!("its uid is {}, not {} (deleted and made again)", claim.metadata.uid.as_deref().unwrap_or("(none)"), c.uid) });
             }
             let node = self.clone();
-            blocking(move || node.make(&c, &claim)).await
+            blocking(move || node.make(&c, &claim, started)).await
         }
         .await;
         match result {
             Ok(p) => self.answer(&p),
             Err(e) => {
-                warn!(claim = %id, "not prepared: {e}");
-                pb::NodePrepareResourceResponse { devices: Vec::new(), error: e.to_string() }
+                let why = redact(&self.cfg.tenant_prefix, &e.to_string());
+                warn!(claim = %id, "not prepared: {why}");
+                pb::NodePrepareResourceResponse { devices: Vec::new(), error: why }
             }
         }
     }
 
-    /// Makes the tenants of one claim (all or none) and records them.
-    fn make(&self, c: &pb::Claim, claim: &ResourceClaim) -> Result<PreparedClaim, DraError> {
+    /// The record's CDI specs, written again where they are gone.
+    fn specs(&self, p: &PreparedClaim) -> Result<(), DraError> {
+        for t in &p.tenants {
+            ensure_spec(&self.cfg.host, &t.tenant, &t.socket).map_err(|err| PluginError::Cdi { tenant: t.tenant.clone(), err })?;
+        }
+        Ok(())
+    }
+
+    /// Makes the tenants of one claim (all or none) and records them; a
+    /// record that matches the allocation is the answer.
+    fn make(&self, c: &pb::Claim, claim: &ResourceClaim, started: Instant) -> Result<PreparedClaim, DraError> {
+        let mut st = self.state.blocking_lock();
+        let id = format!("{}/{}", c.namespace, c.name);
+        if self.unprepared.lock().unwrap_or_else(|e| e.into_inner()).get(&c.uid).is_some_and(|t| *t > started) {
+            return Err(DraError::Lookup { claim: id, why: "the kubelet unprepared it while it was being prepared".into() });
+        }
+        if let Some(p) = st.claims.get(&c.uid).cloned() {
+            if recorded(&p) == allocated_here(claim, &self.cfg.driver, &self.cfg.node) {
+                self.specs(&p)?;
+                return Ok(p);
+            }
+            info!(claim = %id, uid = %c.uid, "its allocation is not what its tenants were made for: making them again");
+            self.unprepare_locked(&mut st, &c.uid)?;
+        }
         let devices = self.mediator.devices().map_err(PluginError::from)?;
         let planned = claims::plan(claim, &self.cfg.driver, &self.cfg.node, &devices, self.cfg.limits)?;
-        let mut st = self.lock();
-        if let Some(p) = st.claims.get(&c.uid) {
-            return Ok(p.clone());
-        }
         let mut made: Vec<ClaimTenant> = Vec::new();
         let undo = |made: &[ClaimTenant]| {
+            // A tenant that cannot be deleted now is an orphan the next
+            // sweep deletes.
             for t in made {
                 let _ = self.mediator.delete_tenant(&t.tenant);
                 let _ = cdi::remove(&self.cfg.host.cdi_dir, &t.tenant);
@@ -212,7 +332,7 @@ impl DraNode {
             };
             st.next += 1;
             // The name is recorded as used before the tenant exists: a
-            // driver that dies now leaves an orphan the next start sweeps.
+            // driver that dies now leaves an orphan the next sweep deletes.
             if let Err(e) = st.save(&self.cfg.state_file()) {
                 undo(&made);
                 return Err(e.into());
@@ -242,16 +362,33 @@ impl DraNode {
         }
         drop(st);
         self.changed.send_modify(|n| *n += 1);
-        info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, tenants = prepared.tenants.len(), "prepared");
+        info!(claim = %id, uid = %c.uid, tenants = prepared.tenants.len(), "prepared");
         Ok(prepared)
     }
 
-    /// Unprepares one claim: its tenants deleted (memory scrubbed), their
-    /// specs removed, the record dropped. One never prepared (or already
-    /// unprepared) is done. A tenant that cannot be deleted stays recorded,
-    /// for the kubelet's next try.
+    /// Unprepares one claim (blocking): its tenants deleted (memory
+    /// scrubbed), their specs removed, the record dropped. One never
+    /// prepared (or already unprepared) is done; a prepare of it that is
+    /// under way is abandoned. A tenant that cannot be deleted stays
+    /// recorded, for the kubelet's next try.
     pub fn unprepare(&self, uid: &str) -> Result<(), DraError> {
-        let mut st = self.lock();
+        {
+            let mut u = self.unprepared.lock().unwrap_or_else(|e| e.into_inner());
+            u.retain(|_, t| t.elapsed() < TOMBSTONE);
+            while u.len() >= MAX_TOMBSTONES {
+                let Some(oldest) = u.iter().min_by_key(|(_, t)| **t).map(|(k, _)| k.clone()) else { break };
+                u.remove(&oldest);
+            }
+            u.insert(uid.to_string(), Instant::now());
+        }
+        let mut st = self.state.blocking_lock();
+        self.unprepare_locked(&mut st, uid)?;
+        drop(st);
+        self.changed.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
+    fn unprepare_locked(&self, st: &mut ClaimState, uid: &str) -> Result<(), DraError> {
         let Some(mut p) = st.claims.remove(uid) else { return Ok(()) };
         let mut failed = None;
         p.tenants.retain(|t| {
@@ -273,8 +410,6 @@ impl DraNode {
             st.claims.insert(uid.to_string(), p);
         }
         st.save(&self.cfg.state_file())?;
-        drop(st);
-        self.changed.send_modify(|n| *n += 1);
         match failed {
             Some(e) => Err(e.into()),
             None => {
@@ -285,23 +420,46 @@ impl DraNode {
     }
 
     /// Unprepares the prepared claims the API server no longer has (gone,
-    /// or made again under a new uid): the kubelet could not tell a driver
-    /// that was down. When the API server cannot be asked, nothing changes.
+    /// made again under a new uid, or no longer allocated here), once two
+    /// lookups in a row say so: the kubelet could not tell a driver that
+    /// was down. When the API server cannot be asked, nothing changes.
+    /// Then sweeps the tenants no claim holds.
     pub async fn reconcile(self: &Arc<Self>) {
-        for (uid, p) in self.prepared() {
+        for (uid, p) in self.prepared().await {
+            let id = format!("{}/{}", p.namespace, p.name);
             let api: Api<ResourceClaim> = Api::namespaced(self.kube.clone(), &p.namespace);
-            match api.get_opt(&p.name).await {
-                Ok(Some(c)) if c.metadata.uid.as_deref() == Some(uid.as_str()) => {}
-                Ok(_) => {
-                    info!(claim = %format!("{}/{}", p.namespace, p.name), uid = %uid, "the claim is gone from the API server: unpreparing it");
-                    let (node, u) = (self.clone(), uid.clone());
-                    if let Err(e) = blocking(move || node.unprepare(&u)).await {
-                        warn!(uid = %uid, "unpreparing it: {e}");
-                    }
+            let gone = match lookup(&api, &p.name).await {
+                Ok(Some(c)) => c.metadata.uid.as_deref() != Some(uid.as_str()) || allocated_here(&c, &self.cfg.driver, &self.cfg.node).is_empty(),
+                Ok(None) => true,
+                Err(e) => {
+                    warn!(claim = %id, "looking it up: {e}");
+                    continue;
                 }
-                Err(e) => warn!(claim = %format!("{}/{}", p.namespace, p.name), "looking it up: {e}"),
+            };
+            let misses = {
+                let mut m = self.missing.lock().unwrap_or_else(|e| e.into_inner());
+                if gone {
+                    let n = m.entry(uid.clone()).or_insert(0);
+                    *n += 1;
+                    *n
+                } else {
+                    m.remove(&uid);
+                    0
+                }
+            };
+            if misses >= MISSES {
+                info!(claim = %id, uid = %uid, "the claim is gone from the API server, or no longer allocated here: unpreparing it");
+                let (node, u) = (self.clone(), uid.clone());
+                match blocking(move || node.unprepare(&u)).await {
+                    Ok(()) => {
+                        self.missing.lock().unwrap_or_else(|e| e.into_inner()).remove(&uid);
+                    }
+                    Err(e) => warn!(uid = %uid, "unpreparing it: {e}"),
+                }
             }
         }
+        let node = self.clone();
+        let _ = tokio::task::spawn_blocking(move || node.sweep()).await;
     }
 }
 
@@ -340,8 +498,9 @@ impl pb::dra_plugin_server::DraPlugin for Plugin {
             let error = match blocking(move || node.unprepare(&uid)).await {
                 Ok(()) => String::new(),
                 Err(e) => {
-                    warn!(claim = %format!("{}/{}", c.namespace, c.name), "not unprepared: {e}");
-                    e.to_string()
+                    let why = redact(&self.0.cfg.tenant_prefix, &e.to_string());
+                    warn!(claim = %format!("{}/{}", c.namespace, c.name), "not unprepared: {why}");
+                    why
                 }
             };
             claims.insert(c.uid, pb::NodeUnprepareResourceResponse { error });
@@ -448,39 +607,57 @@ pub async fn publish_loop(node: Arc<DraNode>) {
     let nodes: Api<Node> = Api::all(node.kube.clone());
     let mut changed = node.changed.subscribe();
     let mut publisher = Publisher { driver: node.cfg.driver.clone(), node: node.cfg.node.clone(), node_uid: None, sharing: node.cfg.sharing };
-    let mut last: Option<BTreeMap<String, ResourceSliceSpec>> = None;
-    loop {
-        if publisher.node_uid.is_none() {
+    let mut last: Option<Published> = None;
+    let mut warned = false;
+    for round in 0u64.. {
+        // The Node's uid, looked up again now and then: a Node made again
+        // under the same name owns the slices from then on.
+        if publisher.node_uid.is_none() || round % NODE_LOOKUP_EVERY == 0 {
             match nodes.get(&node.cfg.node).await {
                 Ok(n) => publisher.node_uid = n.metadata.uid,
-                Err(e) => warn!(node = %node.cfg.node, "looking up the Node (its slices will have no owner): {e}"),
+                Err(e) => warn!(node = %node.cfg.node, "looking up the Node (its slices keep the owner they had): {e}"),
             }
         }
+        // The devices and the claims' quotas are read together, so that a
+        // prepare between the two cannot show twice or not at all.
         let n = node.clone();
-        match tokio::task::spawn_blocking(move || n.mediator.devices()).await {
-            Ok(Ok(devices)) => {
-                let ours = node.lock().reserved_by_device();
+        let read = tokio::task::spawn_blocking(move || {
+            let st = n.state.blocking_lock();
+            n.mediator.devices().map(|d| (d, st.reserved_by_device(), st.generation))
+        })
+        .await;
+        match read {
+            Ok(Ok((devices, ours, generation))) => {
                 // Published again when what the devices make changed, or when
                 // the API server's slices are not the ones published (the
                 // kubelet deletes a driver's slices once it is gone a
                 // while). Their contents are not compared: an API server
                 // drops the fields of features it does not enable.
-                let want: BTreeMap<String, ResourceSliceSpec> = publisher.slices(&devices, &ours, 0).into_iter().map(|s| (s.metadata.name.unwrap_or_default(), s.spec)).collect();
+                let want: Published = publisher.slices(&devices, &ours, 0).into_iter().map(|s| (s.metadata.name.unwrap_or_default(), (s.spec, s.metadata.owner_references))).collect();
                 match current(&slices, &publisher).await {
                     Ok(have) if last.as_ref() == Some(&want) && have.keys().eq(want.keys()) => {}
                     Ok(_) => {
-                        let generation = {
-                            let mut st = node.lock();
-                            st.generation += 1;
-                            if let Err(e) = st.save(&node.cfg.state_file()) {
-                                warn!("recording the slices' generation: {e}");
-                            }
-                            st.generation
-                        };
+                        // The generation is recorded once the slices are in:
+                        // a refusal does not count up.
+                        let generation = generation + 1;
                         match apply(&slices, &publisher, publisher.slices(&devices, &ours, generation)).await {
-                            Ok(()) => {
+                            Ok(dropped) => {
                                 info!(devices = devices.len(), generation, "published the node's ResourceSlices");
+                                let n = node.clone();
+                                let saved = tokio::task::spawn_blocking(move || {
+                                    let mut st = n.state.blocking_lock();
+                                    st.generation = st.generation.max(generation);
+                                    st.save(&n.cfg.state_file())
+                                })
+                                .await;
+                                if let Ok(Err(e)) = saved {
+                                    warn!("recording the slices' generation: {e}");
+                                }
                                 last = Some(want);
+                                if dropped && !warned {
+                                    warn!("the API server dropped the devices' sharing (allowMultipleAllocations): the cluster does not enable DRAConsumableCapacity, so each device goes whole to one claim; run without --shared, or enable the feature gate");
+                                    warned = true;
+                                }
                             }
                             Err(e) => warn!("publishing ResourceSlices: {e}; trying again"),
                         }
@@ -498,6 +675,12 @@ pub async fn publish_loop(node: Arc<DraNode>) {
     }
 }
 
+/// Polls between lookups of the Node.
+const NODE_LOOKUP_EVERY: u64 = 12;
+
+/// The slices as published: by name, their spec and owners.
+type Published = BTreeMap<String, (ResourceSliceSpec, Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>)>;
+
 /// This node's slices of the driver in the API server, by name.
 async fn current(api: &Api<ResourceSlice>, p: &Publisher) -> Result<BTreeMap<String, ResourceSliceSpec>, kube::Error> {
     let list = api.list(&ListParams::default().fields(&format!("spec.nodeName={},spec.driver={}", p.node, p.driver))).await?;
@@ -505,20 +688,22 @@ async fn current(api: &Api<ResourceSlice>, p: &Publisher) -> Result<BTreeMap<Str
 }
 
 /// Creates or replaces each slice, then deletes this node's other slices
-/// of the driver.
-async fn apply(api: &Api<ResourceSlice>, p: &Publisher, want: Vec<ResourceSlice>) -> Result<(), kube::Error> {
+/// of the driver. True where the API server dropped the devices' sharing
+/// (a cluster without consumable capacity).
+async fn apply(api: &Api<ResourceSlice>, p: &Publisher, want: Vec<ResourceSlice>) -> Result<bool, kube::Error> {
     let names: BTreeSet<String> = want.iter().filter_map(|s| s.metadata.name.clone()).collect();
+    let shares = |s: &ResourceSlice| s.spec.devices.iter().flatten().filter(|d| d.allow_multiple_allocations == Some(true)).count();
+    let mut dropped = false;
     for mut s in want {
         let name = s.metadata.name.clone().unwrap_or_default();
-        match api.get_opt(&name).await? {
+        let stored = match api.get_opt(&name).await? {
             Some(old) => {
                 s.metadata.resource_version = old.metadata.resource_version;
-                api.replace(&name, &PostParams::default(), &s).await?;
+                api.replace(&name, &PostParams::default(), &s).await?
             }
-            None => {
-                api.create(&PostParams::default(), &s).await?;
-            }
-        }
+            None => api.create(&PostParams::default(), &s).await?,
+        };
+        dropped |= shares(&stored) < shares(&s);
     }
     let mine = api.list(&ListParams::default().fields(&format!("spec.nodeName={},spec.driver={}", p.node, p.driver))).await?;
     for s in mine.items {
@@ -527,7 +712,7 @@ async fn apply(api: &Api<ResourceSlice>, p: &Publisher, want: Vec<ResourceSlice>
             api.delete(&name, &DeleteParams::default()).await?;
         }
     }
-    Ok(())
+    Ok(dropped)
 }
 
 /// Unprepares, every `reconcile` period, the claims gone from the API server.

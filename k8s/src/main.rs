@@ -78,6 +78,10 @@ struct DraArgs {
     /// With --shared: the memory a request that names none takes.
     #[arg(long, default_value = "1GiB")]
     default_share: vgpu_api::Size,
+    /// With --shared: the least memory a request may take (which bounds
+    /// the tenants one device can have); requests go in 1MiB steps above.
+    #[arg(long, default_value = "256MiB")]
+    min_share: vgpu_api::Size,
     /// The most compute weight a claim's own configuration may ask (a
     /// DeviceClass's configuration, which the admin writes, may give more).
     #[arg(long, default_value_t = 100)]
@@ -248,8 +252,11 @@ fn dra_driver(a: DraArgs) -> ExitCode {
     if a.claim_max_weight == 0 || a.claim_max_weight > 10_000 {
         return usage("--claim-max-weight: 1 to 10000");
     }
-    if a.default_share.0 < vgpu_k8s::claims::SHARE_STEP {
-        return usage("--default-share: at least 1MiB");
+    if a.min_share.0 < vgpu_k8s::claims::SHARE_STEP || !a.min_share.0.is_multiple_of(vgpu_k8s::claims::SHARE_STEP) {
+        return usage("--min-share: a whole number of MiB, at least 1MiB");
+    }
+    if a.default_share.0 < a.min_share.0 {
+        return usage("--default-share: at least --min-share");
     }
     let host = match a.host.resolve() {
         Ok(h) => h,
@@ -261,7 +268,7 @@ fn dra_driver(a: DraArgs) -> ExitCode {
         kubelet_dir: a.kubelet_dir,
         host,
         tenant_prefix: a.tenant_prefix,
-        sharing: if a.shared { Sharing::Shared { default: a.default_share.0 } } else { Sharing::Exclusive },
+        sharing: if a.shared { Sharing::Shared { default: a.default_share.0, min: a.min_share.0 } } else { Sharing::Exclusive },
         limits: ClaimLimits { max_weight: a.claim_max_weight, latency: a.claim_latency },
         kubeconfig: a.kubeconfig,
         poll: Duration::from_secs(a.poll_s),

@@ -94,12 +94,14 @@ pub enum PluginError {
     Cdi { tenant: String, err: std::io::Error },
 }
 
-impl From<PluginError> for Status {
-    fn from(e: PluginError) -> Status {
-        match &e {
-            PluginError::Request(_) => Status::invalid_argument(e.to_string()),
-            PluginError::Mediator(m) if matches!(m.status(), Some(507 | 409)) => Status::resource_exhausted(e.to_string()),
-            _ => Status::internal(e.to_string()),
+impl PluginError {
+    /// As the kubelet is told: tenant names' secrets hidden.
+    pub fn to_status(&self, prefix: &str) -> Status {
+        let msg = redact(prefix, &self.to_string());
+        match self {
+            PluginError::Request(_) => Status::invalid_argument(msg),
+            PluginError::Mediator(m) if matches!(m.status(), Some(507 | 409)) => Status::resource_exhausted(msg),
+            _ => Status::internal(msg),
         }
     }
 }
@@ -130,12 +132,19 @@ pub struct Node {
 }
 
 impl Node {
-    /// Loads the allocations (a corrupt state file is refused) and deletes
-    /// the tenants with this plugin's prefix that no allocation names (made
-    /// by a plugin that died before it could record them).
+    /// Loads the allocations (a corrupt state file is refused), writes the
+    /// CDI specs of the recorded tenants again where they are gone (after a
+    /// reboot), and deletes the tenants with this plugin's prefix that no
+    /// allocation names (made by a plugin that died before it could record
+    /// them).
     pub fn open(cfg: Config) -> Result<Node, PluginError> {
         std::fs::create_dir_all(&cfg.host.state_dir).map_err(|err| StateError::Write { path: cfg.host.state_dir.display().to_string(), err })?;
         let state = State::load(&cfg.state_file())?;
+        for (t, a) in &state.allocations {
+            if let Err(e) = ensure_spec(&cfg.host, t, &a.socket) {
+                warn!(tenant = %t, "writing its CDI spec again: {e}");
+            }
+        }
         let node = Node { mediator: Mediator::new(&cfg.host.run_dir), cfg, state: Mutex::new(state), changed: watch::channel(0).0 };
         node.sweep_orphans();
         Ok(node)
@@ -247,13 +256,57 @@ impl Node {
     }
 }
 
-/// Deletes the tenants whose names start with `prefix` that `known` does
-/// not name (made by a node component that died before it recorded them),
-/// and their CDI specs.
+/// Whether `name` is one [`tenant_name`] makes with `prefix`:
+/// `PREFIX` `N` `-` 16 hex digits.
+pub(crate) fn is_made_name(prefix: &str, name: &str) -> bool {
+    name.strip_prefix(prefix)
+        .and_then(|rest| rest.split_once('-'))
+        .is_some_and(|(n, hex)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+}
+
+/// `msg` with the secret part of every tenant name made with `prefix`
+/// hidden: what the kubelet is told reaches pod events, which users of the
+/// pod's namespace read, and a tenant's name opens its socket.
+pub(crate) fn redact(prefix: &str, msg: &str) -> String {
+    if prefix.is_empty() {
+        return msg.to_string();
+    }
+    let mut out = String::with_capacity(msg.len());
+    let mut rest = msg;
+    while let Some(i) = rest.find(prefix) {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + prefix.len()..];
+        let run = after.find(|c: char| !(c.is_ascii_alphanumeric() || c == '-')).unwrap_or(after.len());
+        let word = &rest[i..i + prefix.len() + run];
+        if is_made_name(prefix, word) {
+            out.push_str(&word[..word.len() - 16]);
+            out.push_str("(secret)");
+        } else {
+            out.push_str(word);
+        }
+        rest = &after[run..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Writes a recorded tenant's CDI spec again where it is missing (the CDI
+/// directory is often a tmpfs, emptied by a reboot the record survives).
+pub(crate) fn ensure_spec(host: &Host, tenant: &str, socket: &Path) -> std::io::Result<()> {
+    if cdi::spec_path(&host.cdi_dir, tenant).exists() {
+        return Ok(());
+    }
+    let edits = cdi::edits(socket, &host.libs, &host.container_lib_dir);
+    cdi::write(&host.cdi_dir, tenant, &cdi::spec(tenant, &edits)).map(drop)
+}
+
+/// Deletes the tenants made with `prefix` (see [`is_made_name`]) that
+/// `known` does not name (made by a node component that died before it
+/// recorded them, or that it failed to delete), and their CDI specs.
 pub(crate) fn sweep_orphans(mediator: &Mediator, prefix: &str, known: &BTreeSet<String>, cdi_dir: &Path) {
     match mediator.tenants() {
         Ok(all) => {
-            for t in all.into_iter().filter(|t| t.starts_with(prefix) && !known.contains(t)) {
+            for t in all.into_iter().filter(|t| is_made_name(prefix, t) && !known.contains(t)) {
                 info!(tenant = %t, "deleting a tenant of this node component that it has no record of");
                 if let Err(e) = mediator.delete_tenant(&t) {
                     warn!(tenant = %t, "deleting it: {e}");
@@ -312,8 +365,8 @@ struct SlicePlugin {
     resource: Resource,
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, PluginError> + Send + 'static) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(Status::from)
+async fn blocking<T: Send + 'static>(prefix: &str, f: impl FnOnce() -> Result<T, PluginError> + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(|e| e.to_status(prefix))
 }
 
 fn to_devices(slices: Vec<slices::Slice>) -> Vec<dp::Device> {
@@ -339,7 +392,7 @@ impl dp::device_plugin_server::DevicePlugin for SlicePlugin {
             let mut last: Option<Vec<dp::Device>> = None;
             loop {
                 let (n, rr) = (node.clone(), r.clone());
-                match blocking(move || n.list(&rr)).await {
+                match blocking(&node.cfg.tenant_prefix, move || n.list(&rr)).await {
                     Ok(s) => {
                         let devices = to_devices(s);
                         if last.as_ref() != Some(&devices) {
@@ -375,7 +428,7 @@ impl dp::device_plugin_server::DevicePlugin for SlicePlugin {
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
             let (n, r) = (self.node.clone(), self.resource.clone());
-            container_responses.push(blocking(move || n.allocate(&r, &c.devices_ids)).await?);
+            container_responses.push(blocking(&self.node.cfg.tenant_prefix, move || n.allocate(&r, &c.devices_ids)).await?);
         }
         Ok(Response::new(dp::AllocateResponse { container_responses }))
     }
@@ -510,4 +563,22 @@ pub fn driver_libs(dir: &Path) -> Result<Vec<PathBuf>, String> {
         return Err(format!("{} is missing: give --lib-dir, the directory of the vGPU's libcuda.so.1", cuda.display()));
     }
     Ok([cuda, dir.join("libnvidia-ml.so.1")].into_iter().filter(|p| p.exists()).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn made_names_are_recognised_and_their_secrets_hidden_from_errors() {
+        assert!(is_made_name("dra-", "dra-12-0123456789abcdef"));
+        for other in ["dra-admin", "dra-12-0123456789abcde", "dra-12-0123456789ABCDEF", "dra--0123456789abcdef", "k8s-1-0123456789abcdef", "dra-1-0123456789abcdef0"] {
+            assert!(!is_made_name("dra-", other), "{other}");
+        }
+        let msg = "DELETE /v1/tenants/dra-3-00ff00ff00ff00ff: busy; CDI spec for dra-4-0123456789abcdef: denied (vgpu.dev-tenant-dra-4-0123456789abcdef.json); dra-admin stays";
+        let r = redact("dra-", msg);
+        assert_eq!(r, "DELETE /v1/tenants/dra-3-(secret): busy; CDI spec for dra-4-(secret): denied (vgpu.dev-tenant-dra-4-(secret).json); dra-admin stays");
+        assert_eq!(redact("", msg), msg);
+        assert_eq!(redact("dra-", "dra-"), "dra-");
+    }
 }

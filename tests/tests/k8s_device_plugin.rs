@@ -234,11 +234,11 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     // it registers again, and a tenant with its prefix that no allocation
     // names (a plugin that died mid-Allocate) is deleted.
     plugin.kill();
-    let (st, v) = m.api("POST", "/v1/tenants", Some(serde_json::json!({ "name": "k8s-99", "memory": "1MiB" })));
+    let (st, v) = m.api("POST", "/v1/tenants", Some(serde_json::json!({ "name": "k8s-99-0123456789abcdef", "memory": "1MiB" })));
     assert_eq!(st, 201, "{v}");
     let _plugin = start_plugin(&m, &k, &root);
     let reg = k.wait_registration();
-    wait_until("the orphan k8s-99 is deleted", Duration::from_secs(20), || tenants(&m) == std::slice::from_ref(&tenant));
+    wait_until("the orphan k8s-99-0123456789abcdef is deleted", Duration::from_secs(20), || tenants(&m) == std::slice::from_ref(&tenant));
     let mut client = k.plugin(&reg.endpoint);
     let mut stream = k.rt.block_on(client.list_and_watch(dp::Empty {})).expect("ListAndWatch").into_inner();
     let listed = k.rt.block_on(stream.message()).expect("a list").expect("a list");

@@ -186,6 +186,9 @@ fn validate_slice(v: &Value) -> Result<(), String> {
                 if def.zip(v).is_some_and(|(d, v)| d > v) || min.zip(v).is_some_and(|(m, v)| m > v) || def.zip(min).is_some_and(|(d, m)| d < m) || step == Some(0) {
                     return Err(format!("device {dn}: capacity {k}: request policy out of range of {value}: {p}"));
                 }
+                if min.zip(step).zip(v).is_some_and(|((m, s), v)| m + s > v) {
+                    return Err(format!("device {dn}: capacity {k}: min plus a step is more than the value {value}"));
+                }
                 if let (Some(d), Some(m), Some(s)) = (def, min, step) {
                     if (d - m) % s != 0 {
                         return Err(format!("device {dn}: capacity {k}: default is not min plus a whole number of steps"));
@@ -219,7 +222,11 @@ async fn get_node(UrlPath(name): UrlPath<String>) -> Answer {
 
 async fn get_claim(State(api): State<Api>, UrlPath((ns, name)): UrlPath<(String, String)>) -> Answer {
     let s = api.lock().unwrap();
-    s.claims.get(&(ns, name.clone())).cloned().map(Json).ok_or_else(|| status(StatusCode::NOT_FOUND, "NotFound", format!("resourceclaims.resource.k8s.io \"{name}\" not found")))
+    s.claims.get(&(ns, name.clone())).cloned().map(Json).ok_or_else(|| {
+        let (code, Json(mut v)) = status(StatusCode::NOT_FOUND, "NotFound", format!("resourceclaims.resource.k8s.io \"{name}\" not found"));
+        v["details"] = json!({ "name": name, "group": "resource.k8s.io", "kind": "resourceclaims" });
+        (code, Json(v))
+    })
 }
 
 async fn list_slices(State(api): State<Api>, Query(q): Query<BTreeMap<String, String>>) -> Answer {
@@ -269,6 +276,15 @@ async fn replace_slice(State(api): State<Api>, UrlPath(name): UrlPath<String>, J
     let mut s = api.lock().unwrap();
     validate_slice(&v).map_err(|why| refuse(&mut s, &name, why))?;
     let Some(old) = s.slices.get(&name) else { return Err(status(StatusCode::NOT_FOUND, "NotFound", format!("resourceslices.resource.k8s.io \"{name}\" not found"))) };
+    for f in ["nodeName", "driver"] {
+        if v["spec"][f] != old["spec"][f] {
+            let why = format!("spec.{f}: field is immutable");
+            return Err(refuse(&mut s, &name, why));
+        }
+    }
+    if v["spec"]["pool"]["name"] != old["spec"]["pool"]["name"] {
+        return Err(refuse(&mut s, &name, "spec.pool.name: field is immutable".into()));
+    }
     if v["metadata"]["resourceVersion"] != old["metadata"]["resourceVersion"] {
         return Err(status(StatusCode::CONFLICT, "Conflict", format!("Operation cannot be fulfilled on resourceslices.resource.k8s.io \"{name}\": the object has been modified")));
     }
@@ -388,7 +404,12 @@ impl Kubelet {
 
 fn start_driver(m: &Mediator, kubelet: &Path, root: &Path, kubeconfig: &Path) -> NodeComponent {
     let kc = kubeconfig.to_str().expect("a UTF-8 path");
-    NodeComponent::start(&["dra-driver", "--node-name", NODE, "--shared", "--default-share", "8MiB", "--poll-s", "1", "--reconcile-s", "1", "--kubeconfig", kc], m, kubelet, root)
+    NodeComponent::start(
+        &["dra-driver", "--node-name", NODE, "--shared", "--default-share", "8MiB", "--min-share", "1MiB", "--poll-s", "1", "--reconcile-s", "1", "--kubeconfig", kc],
+        m,
+        kubelet,
+        root,
+    )
 }
 
 fn slice_devices(api: &Api) -> BTreeMap<String, Value> {
@@ -471,9 +492,18 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     assert_eq!(tenants(&m), [tenant.clone(), "vm-tenant".into()]);
     let (_, t) = m.api("GET", &format!("/v1/tenants/{tenant}"), None);
     assert_eq!((t["memory"].as_u64(), t["weight"].as_u64(), t["cap"].as_u64(), t["priority"].as_str(), t["device"].as_str()), (Some(16 << 20), Some(3), Some(50), Some("batch"), Some("cpu1")), "{t}");
-    // The claim's memory still counts as offered to claims: cpu1 stays 64Mi.
-    std::thread::sleep(Duration::from_millis(1500));
+    // Others take the rest of cpu0: it has no share left and leaves the
+    // slice (an API server refuses a capacity below its least request);
+    // the slice published then still offers cpu1 whole, for the claim's
+    // memory counts as offered to claims. cpu0 comes back when freed.
+    let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "vm-big", "memory": "48MiB", "device": "cpu0" })));
+    assert_eq!(st, 201, "{v}");
+    wait_until("the full cpu0 leaves the slice", Duration::from_secs(20), || !slice_devices(&api).contains_key("cpu0"));
     assert_eq!(memory_of(&api, "cpu1").as_deref(), Some("64Mi"));
+    let (st, v) = m.api("DELETE", "/v1/tenants/vm-big", None);
+    assert!(st < 300, "{v}");
+    wait_until("cpu0 offers 48Mi again", Duration::from_secs(20), || memory_of(&api, "cpu0").as_deref() == Some("48Mi"));
+    assert!(api.lock().unwrap().refused.is_empty(), "slices refused: {:?}", api.lock().unwrap().refused);
 
     // A CUDA sample runs as the claim's tenant through the CDI spec.
     let spec_path = root.join(format!("cdi/vgpu.dev-tenant-{tenant}.json"));
@@ -507,8 +537,13 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     // registers, sweeps the orphan, publishes again and still knows the
     // claim.
     driver.kill();
-    let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "dra-99", "memory": "1MiB" })));
+    let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "dra-99-0123456789abcdef", "memory": "1MiB" })));
     assert_eq!(st, 201, "{v}");
+    // A tenant that only starts like the driver's is not the driver's.
+    let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "dra-admin", "memory": "1MiB" })));
+    assert_eq!(st, 201, "{v}");
+    // The CDI directory is a tmpfs: a reboot empties it.
+    std::fs::remove_file(&spec_path).expect("the spec");
     let writes_before = {
         let mut s = api.lock().unwrap();
         s.slices.clear();
@@ -517,7 +552,10 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let mut driver = start_driver(&m, &kubelet_dir, &root, &kubeconfig);
     let info = k.discover();
     let mut c = k.client(&info);
-    wait_until("the orphan is deleted", Duration::from_secs(20), || tenants(&m) == [tenant.clone(), "vm-tenant".into()]);
+    wait_until("the orphan is deleted", Duration::from_secs(20), || tenants(&m) == [tenant.clone(), "dra-admin".into(), "vm-tenant".into()]);
+    assert!(spec_path.exists(), "the recorded tenant's CDI spec is written again");
+    let (st, v) = m.api("DELETE", "/v1/tenants/dra-admin", None);
+    assert!(st < 300, "{v}");
     wait_until("the slices are published again", Duration::from_secs(20), || slice_devices(&api).len() == 2);
     assert!(api.lock().unwrap().writes > writes_before);
     assert_eq!(k.prepare(&mut c, &[("train", "uid-train")])["uid-train"], *a, "the restarted driver remembers the claim");
@@ -575,6 +613,22 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     api.lock().unwrap().claims.remove(&("team-a".to_string(), "whole".to_string()));
     wait_until("the deleted claim's tenant is deleted", Duration::from_secs(20), || !tenants(&m).contains(&whole));
     assert!(!root.join(format!("cdi/vgpu.dev-tenant-{whole}.json")).exists());
+
+    // The same claim allocated again elsewhere (deallocated and allocated
+    // anew while the kubelet was away): its old tenant goes, a new one is
+    // made where the allocation now says.
+    put_claim(&api, claim("moved", "uid-moved", NODE, "cpu1", Some("2Mi"), None));
+    let first = k.prepare(&mut c, &[("moved", "uid-moved")]);
+    let old = first["uid-moved"].devices.first().unwrap_or_else(|| panic!("{first:?}")).cdi_device_ids[0].trim_start_matches("vgpu.dev/tenant=").to_string();
+    put_claim(&api, claim("moved", "uid-moved", NODE, "cpu0", Some("2Mi"), None));
+    let second = k.prepare(&mut c, &[("moved", "uid-moved")]);
+    let d = second["uid-moved"].devices.first().unwrap_or_else(|| panic!("{second:?}"));
+    let new = d.cdi_device_ids[0].trim_start_matches("vgpu.dev/tenant=").to_string();
+    assert_eq!(d.device_name, "cpu0");
+    assert_ne!(new, old);
+    let now = tenants(&m);
+    assert!(!now.contains(&old) && now.contains(&new), "{now:?}");
+    assert_eq!(k.unprepare(&mut c, &[("moved", "uid-moved")])["uid-moved"], "");
 
     // Unprepare: the tenant is deleted (its memory scrubbed), its spec
     // removed, and the sample is refused. Unpreparing again is done.

@@ -21,6 +21,10 @@ fn check(doc: &Value) -> Result<(), String> {
         (Some("v1"), Some("Pod")) => round_trip::<k8s_openapi::api::core::v1::Pod>(doc).map(drop),
         (Some("rbac.authorization.k8s.io/v1"), Some("ClusterRole")) => round_trip::<k8s_openapi::api::rbac::v1::ClusterRole>(doc).map(drop),
         (Some("rbac.authorization.k8s.io/v1"), Some("ClusterRoleBinding")) => round_trip::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>(doc).map(drop),
+        (Some("admissionregistration.k8s.io/v1"), Some("ValidatingAdmissionPolicy")) => round_trip::<k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy>(doc).map(drop),
+        (Some("admissionregistration.k8s.io/v1"), Some("ValidatingAdmissionPolicyBinding")) => {
+            round_trip::<k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding>(doc).map(drop)
+        }
         (Some("resource.k8s.io/v1"), Some("DeviceClass")) => round_trip::<k8s_openapi::api::resource::v1::DeviceClass>(doc).map(drop),
         (Some("resource.k8s.io/v1"), Some("ResourceClaim")) => round_trip::<k8s_openapi::api::resource::v1::ResourceClaim>(doc).map(drop),
         (Some("resource.k8s.io/v1"), Some("ResourceClaimTemplate")) => round_trip::<k8s_openapi::api::resource::v1::ResourceClaimTemplate>(doc).map(drop),
@@ -146,13 +150,61 @@ fn the_dra_driver_can_do_what_it_does_and_its_class_and_examples_name_it() {
         assert!(allowed("resource.k8s.io", "resourceslices", verb), "resourceslices {verb}");
     }
     assert!(allowed("resource.k8s.io", "resourceclaims", "get") && allowed("", "nodes", "get"));
-    assert!(!allowed("resource.k8s.io", "resourceclaims", "update") && !allowed("", "secrets", "get"), "no more than it needs");
+    // And no more: exactly those rules, nothing by wildcard.
+    let granted: usize =
+        role["rules"].as_array().unwrap().iter().map(|r| r["apiGroups"].as_array().unwrap().len() * r["resources"].as_array().unwrap().len() * r["verbs"].as_array().unwrap().len()).sum();
+    assert_eq!(granted, 7, "the role grants more than the driver's seven calls: {role}");
+    assert!(!role.to_string().contains('*'), "a wildcard in the role");
+    // The admission policy holds each node's driver to its own node's
+    // slices of this driver: it matches the driver's service account, and
+    // its binding denies.
+    let policies = find("ValidatingAdmissionPolicy");
+    let [policy] = &policies[..] else { panic!("one admission policy: {policies:?}") };
+    let user = format!("system:serviceaccount:{}:{sa}", ds["metadata"]["namespace"].as_str().unwrap());
+    assert_eq!(policy["spec"]["matchConditions"][0]["expression"], format!("request.userInfo.username == \"{user}\""));
+    let rules = policy["spec"]["validations"].to_string();
+    assert!(rules.contains("authentication.kubernetes.io/node-name") || policy["spec"]["variables"].to_string().contains("authentication.kubernetes.io/node-name"));
+    assert!(rules.contains(&format!("variables.slice.spec.driver == \\\"{driver}\\\"")), "{rules}");
+    assert_eq!(policy["spec"]["failurePolicy"], "Fail");
+    let bindings = find("ValidatingAdmissionPolicyBinding");
+    assert!(bindings.iter().any(|b| b["spec"]["policyName"] == policy["metadata"]["name"] && b["spec"]["validationActions"] == serde_json::json!(["Deny"])), "{bindings:?}");
     // The class selects the driver's devices.
     let classes = find("DeviceClass");
     let [class] = &classes[..] else { panic!("one DeviceClass: {classes:?}") };
     assert_eq!(class["spec"]["selectors"][0]["cel"]["expression"], format!("device.driver == \"{driver}\""));
-    // The examples ask for that class, and their configuration is what the
-    // driver reads.
+    // The examples ask for that class, and the driver prepares them as the
+    // DaemonSet runs it, whether the cluster shares devices (the scheduler
+    // gives each request the capacity it asks, or the class's default) or
+    // gives them whole.
+    let flag = |name: &str| args.iter().find_map(|a| a.strip_prefix(&format!("--{name}=")));
+    let limits = vgpu_k8s::claims::ClaimLimits { max_weight: flag("claim-max-weight").map_or(100, |w| w.parse().unwrap()), latency: args.contains(&"--claim-latency") };
+    let default_share: vgpu_api::Size = flag("default-share").unwrap_or("1GiB").parse().unwrap();
+    let gpu = vgpu_k8s::slices::Device { name: "gpu0".into(), pool: "default".into(), kind: "cuda".into(), isolation: "process".into(), numa_node: 0, capacity: 80 << 30, reserved: 0, running: true };
+    let examples: Vec<&Value> = find("ResourceClaim").into_iter().map(|c| &c["spec"]).chain(find("ResourceClaimTemplate").into_iter().map(|t| &t["spec"]["spec"])).collect();
+    for spec in &examples {
+        for shared in [true, false] {
+            let results: Vec<Value> = spec["devices"]["requests"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    let mut res = serde_json::json!({ "request": r["name"], "driver": driver, "pool": "n1", "device": "gpu0" });
+                    if shared {
+                        let asked = r["exactly"]["capacity"]["requests"]["memory"].as_str().map(String::from).unwrap_or_else(|| vgpu_k8s::quantity::format(default_share.0));
+                        res["consumedCapacity"] = serde_json::json!({ "memory": asked });
+                    }
+                    res
+                })
+                .collect();
+            let config: Vec<Value> =
+                spec["devices"]["config"].as_array().unwrap().iter().map(|c| serde_json::json!({ "source": "FromClaim", "requests": c["requests"], "opaque": c["opaque"] })).collect();
+            let claim = serde_json::json!({ "metadata": { "name": "example", "namespace": "ns", "uid": "u" }, "spec": spec, "status": { "allocation": { "devices": { "results": results, "config": config } } } });
+            let claim: k8s_openapi::api::resource::v1::ResourceClaim = serde_json::from_value(claim).unwrap();
+            let planned = vgpu_k8s::claims::plan(&claim, driver, "n1", std::slice::from_ref(&gpu), limits).unwrap_or_else(|e| panic!("the example {spec} is refused (shared: {shared}): {e}"));
+            assert!(planned.iter().all(|p| p.memory < 80 << 30), "an example takes a whole GPU: {planned:?}");
+        }
+    }
+    // Their configuration is what the driver reads.
     let claims: Vec<&Value> = find("ResourceClaim").into_iter().map(|c| &c["spec"]).chain(find("ResourceClaimTemplate").into_iter().map(|t| &t["spec"]["spec"])).collect();
     assert!(claims.len() >= 2, "example claims");
     for spec in claims {
