@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-/// The CDI kind: vendor `vgpu.dev`, class `tenant`.
+/// The CDI kind: vendor `vgpu.dev`, class `tenant`. A tenant's device is
+/// named by its [`public_id`].
 pub const KIND: &str = "vgpu.dev/tenant";
 /// The CDI spec version written (the oldest with every field used).
 pub const CDI_VERSION: &str = "0.6.0";
@@ -39,18 +40,31 @@ pub fn edits(socket: &Path, libs: &[PathBuf], container_lib_dir: &Path) -> Edits
     Edits { env: vec![("VGPU_SOCKET".into(), CONTAINER_SOCKET.into())], mounts }
 }
 
+/// A tenant's name without its secret: `k8s-3-0123456789abcdef` is
+/// `k8s-3`. CDI device names reach places others read (the kubelet's
+/// answers and a runtime's errors end up in pod status; the CDI directory
+/// can be listed by any user of the host), so they name the tenant by this;
+/// only the spec's contents (root's alone) hold the socket's path.
+pub fn public_id(tenant: &str) -> &str {
+    match tenant.rsplit_once('-') {
+        Some((id, secret)) if secret.len() == 16 && secret.bytes().all(|b| b.is_ascii_hexdigit()) && !id.is_empty() => id,
+        _ => tenant,
+    }
+}
+
 /// The fully qualified CDI device name of a tenant.
 pub fn device_name(tenant: &str) -> String {
-    format!("{KIND}={tenant}")
+    format!("{KIND}={}", public_id(tenant))
 }
 
 /// The spec's file in the CDI directory.
 pub fn spec_path(cdi_dir: &Path, tenant: &str) -> PathBuf {
-    cdi_dir.join(format!("vgpu.dev-tenant-{tenant}.json"))
+    cdi_dir.join(format!("vgpu.dev-tenant-{}.json", public_id(tenant)))
 }
 
 /// The CDI spec of one tenant's device.
 pub fn spec(tenant: &str, e: &Edits) -> Value {
+    let tenant = public_id(tenant);
     let env: Vec<String> = e.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let mounts: Vec<Value> = e
         .mounts
@@ -104,5 +118,11 @@ mod tests {
         assert_eq!(m[1]["containerPath"], "/usr/lib/x86_64-linux-gnu/libcuda.so.1");
         assert_eq!(m[1]["options"], json!(["bind", "nosuid", "nodev", "ro"]));
         assert_eq!(device_name("k8s-1"), "vgpu.dev/tenant=k8s-1");
+        // A made tenant's secret is in none of the names.
+        let t = "k8s-7-0123456789abcdef";
+        assert_eq!(device_name(t), "vgpu.dev/tenant=k8s-7");
+        assert_eq!(spec_path(Path::new("/cdi"), t), Path::new("/cdi/vgpu.dev-tenant-k8s-7.json"));
+        assert_eq!(spec(t, &e)["devices"][0]["name"], "k8s-7");
+        assert_eq!(public_id("vm-0123456789abcdeg"), "vm-0123456789abcdeg");
     }
 }

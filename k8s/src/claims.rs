@@ -14,8 +14,10 @@ use vgpu_api::tenant::Priority;
 use crate::quantity;
 use crate::slices::Device;
 
-/// Most devices one ResourceSlice lists (resource.k8s.io/v1's limit).
-pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// Most devices one ResourceSlice lists: resource.k8s.io/v1 allows 128,
+/// and from Kubernetes 1.35 only 64 where any device has a taint (a device
+/// whose worker is down has one).
+pub const MAX_DEVICES_PER_SLICE: usize = 64;
 /// The opaque configuration's apiVersion and kind.
 pub const CONFIG_API_VERSION: &str = "vgpu.dev/v1";
 pub const CONFIG_KIND: &str = "TenantConfig";
@@ -72,12 +74,15 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    /// The slices' names: the node's and the driver's, numbered.
-    pub fn slice_name(&self, k: usize) -> String {
+    /// The start of the slices' names (`generateName`: the API server
+    /// adds a random part). No name is fixed in advance, so that no one
+    /// can take a node's slice names before its driver does; the driver
+    /// finds its slices by node and driver.
+    pub fn generate_name(&self) -> String {
         let base: String = format!("{}-{}", self.node, self.driver).chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '-' { c.to_ascii_lowercase() } else { '-' }).collect();
         let mut base = base;
-        base.truncate(240);
-        format!("{}-{k}", base.trim_end_matches(['-', '.']))
+        base.truncate(200);
+        format!("{}-", base.trim_end_matches(['-', '.']))
     }
 
     /// One device as a DRA device: attributes from the mediator, its memory
@@ -96,6 +101,9 @@ impl Publisher {
         }
         let offer = offered(d, ours);
         let (value, policy, multiple) = match self.sharing {
+            // A device others filled is not offered: a claim given it could
+            // never be prepared.
+            Sharing::Exclusive if offer < SHARE_STEP => return None,
             Sharing::Exclusive => (offer, None, None),
             Sharing::Shared { default, min } => {
                 let min = min.max(SHARE_STEP) / SHARE_STEP * SHARE_STEP;
@@ -130,10 +138,9 @@ impl Publisher {
         let count = chunks.len() as i64;
         chunks
             .into_iter()
-            .enumerate()
-            .map(|(k, chunk)| res::ResourceSlice {
+            .map(|chunk| res::ResourceSlice {
                 metadata: ObjectMeta {
-                    name: Some(self.slice_name(k)),
+                    generate_name: Some(self.generate_name()),
                     owner_references: self.node_uid.as_ref().map(|uid| {
                         vec![OwnerReference { api_version: "v1".into(), kind: "Node".into(), name: self.node.clone(), uid: uid.clone(), controller: Some(true), block_owner_deletion: None }]
                     }),
@@ -390,7 +397,7 @@ mod tests {
         // offered; a default above the value is cut to it.
         let s = p.slices(&[dev("gpu0", 64 << 20, 48 << 20, true), dev("MIG.1g/0", 8 << 20, 0, false)], &BTreeMap::from([("gpu0".into(), 32 << 20)]), 4);
         let [one] = &s[..] else { panic!("{s:?}") };
-        assert_eq!(one.metadata.name.as_deref(), Some("n1-vgpu.dev-0"));
+        assert_eq!((one.metadata.name.as_deref(), one.metadata.generate_name.as_deref()), (None, Some("n1-vgpu.dev-")));
         assert_eq!(one.metadata.owner_references.as_ref().unwrap()[0].uid, "nu");
         assert_eq!((one.spec.pool.name.as_str(), one.spec.pool.generation, one.spec.pool.resource_slice_count), ("n1", 4, 1));
         let devs = one.spec.devices.as_ref().unwrap();
@@ -406,13 +413,14 @@ mod tests {
         let whole = Publisher { sharing: Sharing::Exclusive, ..p.clone() };
         let d = &whole.slices(&[dev("gpu0", 64 << 20, 0, true)], &BTreeMap::new(), 1)[0].spec.devices.clone().unwrap()[0];
         assert_eq!((d.allow_multiple_allocations, d.capacity.as_ref().unwrap()["memory"].request_policy.is_none()), (None, true));
-        // 200 devices: two slices of one pool, both counting two.
-        let many: Vec<Device> = (0..200).map(|i| dev(&format!("cpu{i}"), 1 << 20, 0, true)).collect();
+        // 100 devices: two slices of one pool, both counting two.
+        let many: Vec<Device> = (0..100).map(|i| dev(&format!("cpu{i}"), 1 << 20, 0, true)).collect();
         let s = p.slices(&many, &BTreeMap::new(), 1);
         assert_eq!(s.len(), 2);
-        assert_eq!(s.iter().map(|x| x.spec.devices.as_ref().unwrap().len()).collect::<Vec<_>>(), [128, 72]);
+        assert_eq!(s.iter().map(|x| x.spec.devices.as_ref().unwrap().len()).collect::<Vec<_>>(), [64, 36]);
         assert!(s.iter().all(|x| x.spec.pool.resource_slice_count == 2));
-        assert_eq!(s[1].metadata.name.as_deref(), Some("n1-vgpu.dev-1"));
+        // A whole device others filled is not offered.
+        assert!(whole.slices(&[dev("gpu0", 64 << 20, 64 << 20, true)], &BTreeMap::new(), 1)[0].spec.devices.as_ref().unwrap().is_empty());
         // A shared device with less than a share left leaves the slice; one
         // with a share but not a share and a step gets no step.
         let s = p.slices(&[dev("gpu0", 64 << 20, (63 << 20) + (512 << 10), true), dev("gpu1", 64 << 20, 63 << 20, true)], &BTreeMap::new(), 1);

@@ -23,7 +23,7 @@ use vgpu_api::tenant::TenantSpec;
 use crate::cdi;
 use crate::claims::{self, ClaimLimits, Planned, Publisher, Sharing};
 use crate::mediator::Mediator;
-use crate::plugin::{container_tenant, create_handed_over, ensure_spec, now_s, redact, sweep_orphans, tenant_name, Host, PluginError};
+use crate::plugin::{container_tenant, create_handed_over, ensure_spec, now_s, redact, tenant_name, Host, PluginError};
 use crate::proto::dra as pb;
 use crate::proto::pluginregistration as reg;
 use crate::state::{ClaimState, ClaimTenant, PreparedClaim, StateError};
@@ -189,14 +189,19 @@ impl DraNode {
         let mediator = Mediator::new(&cfg.host.run_dir);
         match mediator.tenants() {
             Ok(live) => {
+                let mut lost = Vec::new();
                 for (uid, p) in state.claims.iter_mut() {
                     p.tenants.retain(|t| {
                         let there = live.contains(&t.tenant);
                         if !there {
-                            warn!(claim = %format!("{}/{}", p.namespace, p.name), uid = %uid, tenant = %t.tenant, "the daemon no longer has this claim's tenant: the claim will be prepared afresh");
+                            warn!(claim = %format!("{}/{}", p.namespace, p.name), uid = %uid, tenant = %cdi::public_id(&t.tenant), "the daemon no longer has this claim's tenant: its pods lost their vGPU, and the claim's next prepare makes it again");
+                            lost.push(t.tenant.clone());
                         }
                         there
                     });
+                }
+                for t in lost {
+                    state.issued.remove(&t);
                 }
                 state.claims.retain(|_, p| !p.tenants.is_empty());
                 state.save(&cfg.state_file())?;
@@ -213,12 +218,41 @@ impl DraNode {
         Ok(node)
     }
 
-    /// Deletes the tenants made with the driver's prefix that no prepared
-    /// claim holds (blocking).
+    /// Deletes the tenants the driver issued that no prepared claim holds
+    /// (blocking): made by a driver that died in the middle of a prepare,
+    /// or left by an undo that failed.
     fn sweep(&self) {
-        let st = self.state.blocking_lock();
-        let known: BTreeSet<String> = st.tenants().map(|t| t.tenant.clone()).collect();
-        sweep_orphans(&self.mediator, &self.cfg.tenant_prefix, &known, &self.cfg.host.cdi_dir);
+        let mut st = self.state.blocking_lock();
+        let held: BTreeSet<String> = st.tenants().map(|t| t.tenant.clone()).collect();
+        let orphans: Vec<String> = st.issued.iter().filter(|t| !held.contains(*t)).cloned().collect();
+        if orphans.is_empty() {
+            return;
+        }
+        for t in orphans {
+            match self.mediator.delete_tenant(&t) {
+                Ok(()) => {
+                    info!(tenant = %t, "deleted a tenant of this driver that no claim holds");
+                    let _ = cdi::remove(&self.cfg.host.cdi_dir, &t);
+                    st.issued.remove(&t);
+                }
+                Err(e) => warn!(tenant = %t, "deleting a tenant of this driver that no claim holds: {e}"),
+            }
+        }
+        if let Err(e) = st.save(&self.cfg.state_file()) {
+            warn!("recording the sweep: {e}");
+        }
+    }
+
+    /// Deletes tenants made for a claim that is not recorded (blocking);
+    /// one that cannot be deleted stays issued, for the next sweep.
+    fn undo(&self, st: &mut ClaimState, made: &[ClaimTenant]) {
+        for t in made {
+            if self.mediator.delete_tenant(&t.tenant).is_ok() {
+                let _ = cdi::remove(&self.cfg.host.cdi_dir, &t.tenant);
+                st.issued.remove(&t.tenant);
+            }
+        }
+        let _ = st.save(&self.cfg.state_file());
     }
 
     /// The claims prepared here, by uid.
@@ -260,6 +294,10 @@ impl DraNode {
                 Ok(None) => return Err(DraError::Lookup { claim: id.clone(), why: "not found in the API server".into() }),
                 Err(e) => {
                     let rec = self.state.lock().await.claims.get(&c.uid).cloned();
+                    // Not a record an unprepare left behind (one whose
+                    // tenants could not all be deleted).
+                    let unprepared = self.unprepared.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&c.uid);
+                    let rec = rec.filter(|_| !unprepared);
                     return match rec {
                         Some(p) => {
                             warn!(claim = %id, "the API server cannot be asked ({e}): answering from the record");
@@ -301,40 +339,35 @@ impl DraNode {
         let mut st = self.state.blocking_lock();
         let id = format!("{}/{}", c.namespace, c.name);
         if self.unprepared.lock().unwrap_or_else(|e| e.into_inner()).get(&c.uid).is_some_and(|t| *t > started) {
-            return Err(DraError::Lookup { claim: id, why: "the kubelet unprepared it while it was being prepared".into() });
+            return Err(DraError::Lookup { claim: id, why: "it was unprepared while it was being prepared; ask again".into() });
         }
         if let Some(p) = st.claims.get(&c.uid).cloned() {
-            if recorded(&p) == allocated_here(claim, &self.cfg.driver, &self.cfg.node) {
+            let live = self.mediator.tenants().map_err(PluginError::from)?;
+            if recorded(&p) == allocated_here(claim, &self.cfg.driver, &self.cfg.node) && p.tenants.iter().all(|t| live.contains(&t.tenant)) {
                 self.specs(&p)?;
                 return Ok(p);
             }
-            info!(claim = %id, uid = %c.uid, "its allocation is not what its tenants were made for: making them again");
+            info!(claim = %id, uid = %c.uid, "its allocation is not what its tenants were made for, or the daemon lost one: making them again");
             self.unprepare_locked(&mut st, &c.uid)?;
         }
         let devices = self.mediator.devices().map_err(PluginError::from)?;
         let planned = claims::plan(claim, &self.cfg.driver, &self.cfg.node, &devices, self.cfg.limits)?;
         let mut made: Vec<ClaimTenant> = Vec::new();
-        let undo = |made: &[ClaimTenant]| {
-            // A tenant that cannot be deleted now is an orphan the next
-            // sweep deletes.
-            for t in made {
-                let _ = self.mediator.delete_tenant(&t.tenant);
-                let _ = cdi::remove(&self.cfg.host.cdi_dir, &t.tenant);
-            }
-        };
         for p in &planned {
             let name = match tenant_name(&self.cfg.tenant_prefix, st.next) {
                 Ok(n) => n,
                 Err(e) => {
-                    undo(&made);
+                    self.undo(&mut st, &made);
                     return Err(e.into());
                 }
             };
             st.next += 1;
-            // The name is recorded as used before the tenant exists: a
+            // The name is recorded as issued before the tenant exists: a
             // driver that dies now leaves an orphan the next sweep deletes.
+            st.issued.insert(name.clone());
             if let Err(e) = st.save(&self.cfg.state_file()) {
-                undo(&made);
+                st.issued.remove(&name);
+                self.undo(&mut st, &made);
                 return Err(e.into());
             }
             match create_handed_over(&self.mediator, &spec_of(&name, p), &self.cfg.host) {
@@ -348,7 +381,7 @@ impl DraNode {
                     share_id: p.share_id.clone(),
                 }),
                 Err(e) => {
-                    undo(&made);
+                    self.undo(&mut st, &made);
                     return Err(e.into());
                 }
             }
@@ -357,7 +390,7 @@ impl DraNode {
         st.claims.insert(c.uid.clone(), prepared.clone());
         if let Err(e) = st.save(&self.cfg.state_file()) {
             st.claims.remove(&c.uid);
-            undo(&prepared.tenants);
+            self.undo(&mut st, &prepared.tenants);
             return Err(e.into());
         }
         drop(st);
@@ -388,9 +421,22 @@ impl DraNode {
         Ok(())
     }
 
+    /// Unprepares a claim if its record is still `seen` (blocking).
+    fn unprepare_if(&self, uid: &str, seen: &PreparedClaim) -> Result<(), DraError> {
+        let mut st = self.state.blocking_lock();
+        if st.claims.get(uid) != Some(seen) {
+            return Ok(());
+        }
+        self.unprepare_locked(&mut st, uid)?;
+        drop(st);
+        self.changed.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
     fn unprepare_locked(&self, st: &mut ClaimState, uid: &str) -> Result<(), DraError> {
         let Some(mut p) = st.claims.remove(uid) else { return Ok(()) };
         let mut failed = None;
+        let mut deleted = Vec::new();
         p.tenants.retain(|t| {
             match self
                 .mediator
@@ -398,13 +444,19 @@ impl DraNode {
                 .map_err(PluginError::from)
                 .and_then(|()| cdi::remove(&self.cfg.host.cdi_dir, &t.tenant).map_err(|err| PluginError::Cdi { tenant: t.tenant.clone(), err }))
             {
-                Ok(()) => false,
+                Ok(()) => {
+                    deleted.push(t.tenant.clone());
+                    false
+                }
                 Err(e) => {
                     failed = Some(e);
                     true
                 }
             }
         });
+        for t in deleted {
+            st.issued.remove(&t);
+        }
         let id = format!("{}/{}", p.namespace, p.name);
         if !p.tenants.is_empty() {
             st.claims.insert(uid.to_string(), p);
@@ -425,7 +477,9 @@ impl DraNode {
     /// was down. When the API server cannot be asked, nothing changes.
     /// Then sweeps the tenants no claim holds.
     pub async fn reconcile(self: &Arc<Self>) {
-        for (uid, p) in self.prepared().await {
+        let prepared = self.prepared().await;
+        self.missing.lock().unwrap_or_else(|e| e.into_inner()).retain(|uid, _| prepared.contains_key(uid));
+        for (uid, p) in prepared {
             let id = format!("{}/{}", p.namespace, p.name);
             let api: Api<ResourceClaim> = Api::namespaced(self.kube.clone(), &p.namespace);
             let gone = match lookup(&api, &p.name).await {
@@ -449,8 +503,10 @@ impl DraNode {
             };
             if misses >= MISSES {
                 info!(claim = %id, uid = %uid, "the claim is gone from the API server, or no longer allocated here: unpreparing it");
+                // Only the record that was looked up: a claim prepared again
+                // meanwhile (allocated here anew) keeps its fresh tenants.
                 let (node, u) = (self.clone(), uid.clone());
-                match blocking(move || node.unprepare(&u)).await {
+                match blocking(move || node.unprepare_if(&u, &p)).await {
                     Ok(()) => {
                         self.missing.lock().unwrap_or_else(|e| e.into_inner()).remove(&uid);
                     }
@@ -633,14 +689,14 @@ pub async fn publish_loop(node: Arc<DraNode>) {
                 // kubelet deletes a driver's slices once it is gone a
                 // while). Their contents are not compared: an API server
                 // drops the fields of features it does not enable.
-                let want: Published = publisher.slices(&devices, &ours, 0).into_iter().map(|s| (s.metadata.name.unwrap_or_default(), (s.spec, s.metadata.owner_references))).collect();
+                let want: Published = publisher.slices(&devices, &ours, 0).into_iter().map(|s| (s.spec, s.metadata.owner_references)).collect();
                 match current(&slices, &publisher).await {
-                    Ok(have) if last.as_ref() == Some(&want) && have.keys().eq(want.keys()) => {}
-                    Ok(_) => {
+                    Ok(have) if last.as_ref() == Some(&want) && have.len() == want.len() => {}
+                    Ok(have) => {
                         // The generation is recorded once the slices are in:
                         // a refusal does not count up.
                         let generation = generation + 1;
-                        match apply(&slices, &publisher, publisher.slices(&devices, &ours, generation)).await {
+                        match apply(&slices, publisher.slices(&devices, &ours, generation), have).await {
                             Ok(dropped) => {
                                 info!(devices = devices.len(), generation, "published the node's ResourceSlices");
                                 let n = node.clone();
@@ -678,37 +734,41 @@ pub async fn publish_loop(node: Arc<DraNode>) {
 /// Polls between lookups of the Node.
 const NODE_LOOKUP_EVERY: u64 = 12;
 
-/// The slices as published: by name, their spec and owners.
-type Published = BTreeMap<String, (ResourceSliceSpec, Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>)>;
+/// The slices as published: their specs and owners, in order.
+type Published = Vec<(ResourceSliceSpec, Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>)>;
 
 /// This node's slices of the driver in the API server, by name.
-async fn current(api: &Api<ResourceSlice>, p: &Publisher) -> Result<BTreeMap<String, ResourceSliceSpec>, kube::Error> {
+async fn current(api: &Api<ResourceSlice>, p: &Publisher) -> Result<Vec<ResourceSlice>, kube::Error> {
     let list = api.list(&ListParams::default().fields(&format!("spec.nodeName={},spec.driver={}", p.node, p.driver))).await?;
-    Ok(list.items.into_iter().map(|s| (s.metadata.name.unwrap_or_default(), s.spec)).collect())
+    let mut items = list.items;
+    items.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    Ok(items)
 }
 
-/// Creates or replaces each slice, then deletes this node's other slices
-/// of the driver. True where the API server dropped the devices' sharing
-/// (a cluster without consumable capacity).
-async fn apply(api: &Api<ResourceSlice>, p: &Publisher, want: Vec<ResourceSlice>) -> Result<bool, kube::Error> {
-    let names: BTreeSet<String> = want.iter().filter_map(|s| s.metadata.name.clone()).collect();
+/// Writes `want` over this node's slices `have` (in order), makes those
+/// there are not yet (named by the API server), and deletes the rest.
+/// True where the API server dropped the devices' sharing (a cluster
+/// without consumable capacity).
+async fn apply(api: &Api<ResourceSlice>, want: Vec<ResourceSlice>, have: Vec<ResourceSlice>) -> Result<bool, kube::Error> {
     let shares = |s: &ResourceSlice| s.spec.devices.iter().flatten().filter(|d| d.allow_multiple_allocations == Some(true)).count();
     let mut dropped = false;
+    let mut old = have.into_iter();
     for mut s in want {
-        let name = s.metadata.name.clone().unwrap_or_default();
-        let stored = match api.get_opt(&name).await? {
-            Some(old) => {
-                s.metadata.resource_version = old.metadata.resource_version;
+        let stored = match old.next() {
+            Some(o) => {
+                let name = o.metadata.name.clone().unwrap_or_default();
+                s.metadata.name = Some(name.clone());
+                s.metadata.generate_name = None;
+                s.metadata.resource_version = o.metadata.resource_version;
                 api.replace(&name, &PostParams::default(), &s).await?
             }
             None => api.create(&PostParams::default(), &s).await?,
         };
         dropped |= shares(&stored) < shares(&s);
     }
-    let mine = api.list(&ListParams::default().fields(&format!("spec.nodeName={},spec.driver={}", p.node, p.driver))).await?;
-    for s in mine.items {
-        if let Some(name) = s.metadata.name.filter(|n| !names.contains(n)) {
-            info!(slice = %name, "deleting a ResourceSlice of this node that is not current");
+    for o in old {
+        if let Some(name) = o.metadata.name {
+            info!(slice = %name, "deleting a ResourceSlice of this node that is no longer needed");
             api.delete(&name, &DeleteParams::default()).await?;
         }
     }

@@ -41,7 +41,7 @@ struct HostArgs {
     #[arg(long, default_value = "/run/vgpu")]
     run_dir: PathBuf,
     /// Where the component keeps its record of the tenants it made
-    /// (state.json for the device plugin, dra.json for the DRA driver).
+    /// (state.json for the device plugin, dra-DRIVER.json for the DRA driver).
     #[arg(long, default_value = "/var/lib/vgpu-k8s")]
     state_dir: PathBuf,
     /// The directory of the vGPU's libcuda.so.1 (and libnvidia-ml.so.1)

@@ -271,22 +271,31 @@ pub(crate) fn redact(prefix: &str, msg: &str) -> String {
     if prefix.is_empty() {
         return msg.to_string();
     }
+    // Every place the prefix starts, whatever precedes it: digits, '-' and
+    // 16 hex digits after it (and no more hex) are a made name's.
+    let b = msg.as_bytes();
     let mut out = String::with_capacity(msg.len());
-    let mut rest = msg;
-    while let Some(i) = rest.find(prefix) {
-        out.push_str(&rest[..i]);
-        let after = &rest[i + prefix.len()..];
-        let run = after.find(|c: char| !(c.is_ascii_alphanumeric() || c == '-')).unwrap_or(after.len());
-        let word = &rest[i..i + prefix.len() + run];
-        if is_made_name(prefix, word) {
-            out.push_str(&word[..word.len() - 16]);
-            out.push_str("(secret)");
-        } else {
-            out.push_str(word);
+    let mut copied = 0;
+    for (i, _) in msg.match_indices(prefix) {
+        if i < copied {
+            continue;
         }
-        rest = &after[run..];
+        let mut j = i + prefix.len();
+        let digits = b[j..].iter().take_while(|c| c.is_ascii_digit()).count();
+        j += digits;
+        if digits == 0 || b.get(j) != Some(&b'-') {
+            continue;
+        }
+        let hex = &b[j + 1..];
+        let n = hex.iter().take_while(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(*c)).count();
+        if n != 16 {
+            continue;
+        }
+        out.push_str(&msg[copied..j + 1]);
+        out.push_str("(secret)");
+        copied = j + 17;
     }
-    out.push_str(rest);
+    out.push_str(&msg[copied..]);
     out
 }
 
@@ -366,7 +375,7 @@ struct SlicePlugin {
 }
 
 async fn blocking<T: Send + 'static>(prefix: &str, f: impl FnOnce() -> Result<T, PluginError> + Send + 'static) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(|e| e.to_status(prefix))
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(redact(prefix, &e.to_string())))?.map_err(|e| e.to_status(prefix))
 }
 
 fn to_devices(slices: Vec<slices::Slice>) -> Vec<dp::Device> {
@@ -578,6 +587,9 @@ mod tests {
         let msg = "DELETE /v1/tenants/dra-3-00ff00ff00ff00ff: busy; CDI spec for dra-4-0123456789abcdef: denied (vgpu.dev-tenant-dra-4-0123456789abcdef.json); dra-admin stays";
         let r = redact("dra-", msg);
         assert_eq!(r, "DELETE /v1/tenants/dra-3-(secret): busy; CDI spec for dra-4-(secret): denied (vgpu.dev-tenant-dra-4-(secret).json); dra-admin stays");
+        // A prefix glued to what precedes it is still found.
+        assert_eq!(redact("dev-", "vgpu.dev-tenant-dev-4-0123456789abcdef.json"), "vgpu.dev-tenant-dev-4-(secret).json");
+        assert_eq!(redact("t-", "tenant-t-12-aaaaaaaaaaaaaaaa"), "tenant-t-12-(secret)");
         assert_eq!(redact("", msg), msg);
         assert_eq!(redact("dra-", "dra-"), "dra-");
     }

@@ -106,6 +106,12 @@ pub struct ClaimState {
     /// The ResourceSlices' pool generation last published.
     pub generation: i64,
     pub claims: BTreeMap<String, PreparedClaim>,
+    /// Every tenant name the driver issued and has not seen deleted,
+    /// recorded before the tenant is made: those no claim holds are the
+    /// driver's orphans. A tenant the driver never issued is never its to
+    /// delete, whatever its name (another driver's, an admin's).
+    #[serde(default)]
+    pub issued: BTreeSet<String>,
 }
 
 impl ClaimState {

@@ -57,6 +57,17 @@ pub fn tenants(m: &Mediator) -> Vec<String> {
     names
 }
 
+/// The daemon's tenant a CDI device id (`vgpu.dev/tenant=k8s-3`) names:
+/// the id carries no secret, the tenant's name does (`k8s-3-` and 64
+/// random bits in hex).
+pub fn tenant_of(m: &Mediator, cdi_id: &str) -> String {
+    let public = cdi_id.strip_prefix("vgpu.dev/tenant=").unwrap_or_else(|| panic!("{cdi_id} is not a vGPU tenant's CDI device"));
+    let found: Vec<String> =
+        tenants(m).into_iter().filter(|t| t.strip_prefix(public).and_then(|r| r.strip_prefix('-')).is_some_and(|secret| secret.len() == 16 && secret.bytes().all(|b| b.is_ascii_hexdigit()))).collect();
+    let [t] = &found[..] else { panic!("{cdi_id} names {found:?}, not one tenant with a secret part") };
+    t.clone()
+}
+
 /// Waits for `f` to hold, failing with `what` after `limit`.
 pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     let end = Instant::now() + limit;

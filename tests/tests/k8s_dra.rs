@@ -30,7 +30,7 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::{json, Value};
 use vgpu_k8s::proto::dra as pb;
 use vgpu_k8s::proto::pluginregistration as reg;
-use vgpu_tests::k8s::{round_trip, run_with_cdi, tenants, wait_until, NodeComponent};
+use vgpu_tests::k8s::{round_trip, run_with_cdi, tenant_of, tenants, wait_until, NodeComponent};
 use vgpu_tests::Mediator;
 
 const DRIVER: &str = "vgpu.dev";
@@ -255,6 +255,12 @@ fn refuse(s: &mut Store, name: &str, why: String) -> (StatusCode, Json<Value>) {
 
 async fn create_slice(State(api): State<Api>, Json(mut v): Json<Value>) -> Result<(StatusCode, Json<Value>), (StatusCode, Json<Value>)> {
     let mut s = api.lock().unwrap();
+    // generateName: the API server adds five characters of its own.
+    if v["metadata"]["name"].as_str().unwrap_or("").is_empty() {
+        if let Some(g) = v["metadata"]["generateName"].as_str().map(String::from) {
+            v["metadata"]["name"] = json!(format!("{g}{:05x}", (s.rv * 7919 + 12345) % 0xfffff));
+        }
+    }
     let name = v["metadata"]["name"].as_str().unwrap_or("").to_string();
     validate_slice(&v).map_err(|why| refuse(&mut s, &name, why))?;
     if s.slices.contains_key(&name) {
@@ -486,7 +492,8 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let [d] = &a.devices[..] else { panic!("one device: {a:?}") };
     assert_eq!((d.request_names.clone(), d.pool_name.as_str(), d.device_name.as_str(), d.share_id.clone()), (vec!["gpu".to_string()], NODE, "cpu1", Some("63".to_string())), "{d:?}");
     let [cdi_id] = &d.cdi_device_ids[..] else { panic!("one CDI device: {d:?}") };
-    let tenant = cdi_id.strip_prefix("vgpu.dev/tenant=").unwrap_or_else(|| panic!("{cdi_id}")).to_string();
+    assert_eq!(cdi_id, "vgpu.dev/tenant=dra-0", "the CDI device names the tenant without its secret");
+    let tenant = tenant_of(&m, cdi_id);
     let secret = tenant.strip_prefix("dra-0-").unwrap_or_else(|| panic!("{tenant}"));
     assert!(secret.len() == 16 && secret.bytes().all(|b| b.is_ascii_hexdigit()), "{tenant}");
     assert_eq!(tenants(&m), [tenant.clone(), "vm-tenant".into()]);
@@ -506,7 +513,7 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     assert!(api.lock().unwrap().refused.is_empty(), "slices refused: {:?}", api.lock().unwrap().refused);
 
     // A CUDA sample runs as the claim's tenant through the CDI spec.
-    let spec_path = root.join(format!("cdi/vgpu.dev-tenant-{tenant}.json"));
+    let spec_path = root.join("cdi/vgpu.dev-tenant-dra-0.json");
     let spec: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
     assert_eq!(spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"], t["socket"], "{spec}");
     let o = run_with_cdi(&spec);
@@ -537,11 +544,20 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     // registers, sweeps the orphan, publishes again and still knows the
     // claim.
     driver.kill();
+    // It had issued a name and made the tenant, and died before the claim
+    // was recorded: the record says the name was issued.
+    let state_file = root.join("state/dra-vgpu.dev.json");
+    let mut record: Value = serde_json::from_slice(&std::fs::read(&state_file).expect("the driver's record")).expect("JSON");
+    record["issued"].as_array_mut().expect("issued names").push(json!("dra-99-0123456789abcdef"));
+    std::fs::write(&state_file, record.to_string()).unwrap();
     let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "dra-99-0123456789abcdef", "memory": "1MiB" })));
     assert_eq!(st, 201, "{v}");
-    // A tenant that only starts like the driver's is not the driver's.
-    let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "dra-admin", "memory": "1MiB" })));
-    assert_eq!(st, 201, "{v}");
+    // Tenants it never issued are not its own, even named like its own
+    // (another driver's on this node, an admin's).
+    for name in ["dra-admin", "dra-7-fedcba9876543210"] {
+        let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": name, "memory": "1MiB" })));
+        assert_eq!(st, 201, "{v}");
+    }
     // The CDI directory is a tmpfs: a reboot empties it.
     std::fs::remove_file(&spec_path).expect("the spec");
     let writes_before = {
@@ -552,10 +568,12 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let mut driver = start_driver(&m, &kubelet_dir, &root, &kubeconfig);
     let info = k.discover();
     let mut c = k.client(&info);
-    wait_until("the orphan is deleted", Duration::from_secs(20), || tenants(&m) == [tenant.clone(), "dra-admin".into(), "vm-tenant".into()]);
+    wait_until("the orphan is deleted", Duration::from_secs(20), || tenants(&m) == [tenant.clone(), "dra-7-fedcba9876543210".into(), "dra-admin".into(), "vm-tenant".into()]);
     assert!(spec_path.exists(), "the recorded tenant's CDI spec is written again");
-    let (st, v) = m.api("DELETE", "/v1/tenants/dra-admin", None);
-    assert!(st < 300, "{v}");
+    for name in ["dra-admin", "dra-7-fedcba9876543210"] {
+        let (st, v) = m.api("DELETE", &format!("/v1/tenants/{name}"), None);
+        assert!(st < 300, "{v}");
+    }
     wait_until("the slices are published again", Duration::from_secs(20), || slice_devices(&api).len() == 2);
     assert!(api.lock().unwrap().writes > writes_before);
     assert_eq!(k.prepare(&mut c, &[("train", "uid-train")])["uid-train"], *a, "the restarted driver remembers the claim");
@@ -607,23 +625,23 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     put_claim(&api, claim("whole", "uid-whole", NODE, "cpu0", None, Some(json!({ "apiVersion": "vgpu.dev/v1", "kind": "TenantConfig", "memory": "8Mi" }))));
     let w = k.prepare(&mut c, &[("whole", "uid-whole")]);
     assert_eq!(w["uid-whole"].error, "", "{w:?}");
-    let whole = w["uid-whole"].devices[0].cdi_device_ids[0].trim_start_matches("vgpu.dev/tenant=").to_string();
+    let whole = tenant_of(&m, &w["uid-whole"].devices[0].cdi_device_ids[0]);
     let (_, t) = m.api("GET", &format!("/v1/tenants/{whole}"), None);
     assert_eq!((t["memory"].as_u64(), t["weight"].as_u64(), t["device"].as_str()), (Some(8 << 20), Some(1), Some("cpu0")), "{t}");
     api.lock().unwrap().claims.remove(&("team-a".to_string(), "whole".to_string()));
     wait_until("the deleted claim's tenant is deleted", Duration::from_secs(20), || !tenants(&m).contains(&whole));
-    assert!(!root.join(format!("cdi/vgpu.dev-tenant-{whole}.json")).exists());
+    assert!(!root.join(format!("cdi/vgpu.dev-tenant-{}.json", &whole[..whole.len() - 17])).exists());
 
     // The same claim allocated again elsewhere (deallocated and allocated
     // anew while the kubelet was away): its old tenant goes, a new one is
     // made where the allocation now says.
     put_claim(&api, claim("moved", "uid-moved", NODE, "cpu1", Some("2Mi"), None));
     let first = k.prepare(&mut c, &[("moved", "uid-moved")]);
-    let old = first["uid-moved"].devices.first().unwrap_or_else(|| panic!("{first:?}")).cdi_device_ids[0].trim_start_matches("vgpu.dev/tenant=").to_string();
+    let old = tenant_of(&m, &first["uid-moved"].devices.first().unwrap_or_else(|| panic!("{first:?}")).cdi_device_ids[0]);
     put_claim(&api, claim("moved", "uid-moved", NODE, "cpu0", Some("2Mi"), None));
     let second = k.prepare(&mut c, &[("moved", "uid-moved")]);
     let d = second["uid-moved"].devices.first().unwrap_or_else(|| panic!("{second:?}"));
-    let new = d.cdi_device_ids[0].trim_start_matches("vgpu.dev/tenant=").to_string();
+    let new = tenant_of(&m, &d.cdi_device_ids[0]);
     assert_eq!(d.device_name, "cpu0");
     assert_ne!(new, old);
     let now = tenants(&m);
@@ -642,9 +660,12 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     assert_eq!(d["memory_reserved"], 0, "{d}");
     assert_eq!(k.unprepare(&mut c, &[("train", "uid-train")])["uid-train"], "");
 
-    // Every slice the driver wrote was valid.
+    // Every slice the driver wrote was valid, and the node has one: each
+    // write after the first replaced it, named as the API server named it.
     let s = api.lock().unwrap();
     assert!(s.refused.is_empty(), "slices refused: {:?}", s.refused);
+    let names: Vec<&String> = s.slices.keys().collect();
+    assert!(names.len() == 1 && names[0].starts_with("node-a-vgpu.dev-") && names[0].len() == "node-a-vgpu.dev-".len() + 5, "{names:?}");
     drop(s);
     driver.kill();
 }

@@ -165,6 +165,7 @@ fn the_dra_driver_can_do_what_it_does_and_its_class_and_examples_name_it() {
     let rules = policy["spec"]["validations"].to_string();
     assert!(rules.contains("authentication.kubernetes.io/node-name") || policy["spec"]["variables"].to_string().contains("authentication.kubernetes.io/node-name"));
     assert!(rules.contains(&format!("variables.slice.spec.driver == \\\"{driver}\\\"")), "{rules}");
+    assert!(rules.contains("variables.slice.spec.pool.name == variables.nodeName"), "{rules}");
     assert_eq!(policy["spec"]["failurePolicy"], "Fail");
     let bindings = find("ValidatingAdmissionPolicyBinding");
     assert!(bindings.iter().any(|b| b["spec"]["policyName"] == policy["metadata"]["name"] && b["spec"]["validationActions"] == serde_json::json!(["Deny"])), "{bindings:?}");
