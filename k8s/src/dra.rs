@@ -794,3 +794,32 @@ pub async fn run(cfg: DraConfig) -> Result<(), DraError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A real cluster's API server is HTTPS: the client builds its TLS
+    /// (rustls on ring, chosen without any process-wide setup) and a call
+    /// to a server that is not there is an error, not a panic.
+    #[test]
+    fn an_https_api_server_gets_a_tls_client_and_a_dead_one_an_error() {
+        let dir = std::env::temp_dir().join(format!("vgpu-k8s-kc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let kc = dir.join("kubeconfig");
+        std::fs::write(
+            &kc,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
+        )
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let client = rt.block_on(kube_client(Some(&kc))).expect("a TLS client");
+        let api: Api<ResourceClaim> = Api::namespaced(client, "ns");
+        assert!(rt.block_on(lookup(&api, "c")).is_err(), "a dead API server answered");
+        // A kubeconfig that is not one is refused with its path.
+        std::fs::write(&kc, "clusters: 7").unwrap();
+        let e = rt.block_on(kube_client(Some(&kc))).err().expect("a bad kubeconfig was taken");
+        assert!(e.to_string().contains("kubeconfig"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
