@@ -40,8 +40,8 @@ pub fn edits(socket: &Path, libs: &[PathBuf], container_lib_dir: &Path) -> Edits
     Edits { env: vec![("VGPU_SOCKET".into(), CONTAINER_SOCKET.into())], mounts }
 }
 
-/// A tenant's name without its secret: `k8s-3-0123456789abcdef` is
-/// `k8s-3`. CDI device names reach places others read (the kubelet's
+/// A tenant's name without its secret: `k8s-3-00c0ffee-0123456789abcdef`
+/// is `k8s-3-00c0ffee`. CDI device names reach places others read (the kubelet's
 /// answers and a runtime's errors end up in pod status; the CDI directory
 /// can be listed by any user of the host), so they name the tenant by this;
 /// only the spec's contents (root's alone) hold the socket's path.
@@ -90,6 +90,14 @@ pub fn spec(tenant: &str, e: &Edits) -> Value {
 pub fn write(cdi_dir: &Path, tenant: &str, spec: &Value) -> std::io::Result<PathBuf> {
     std::fs::create_dir_all(cdi_dir)?;
     let path = spec_path(cdi_dir, tenant);
+    // A spec of the same name for another socket is another tenant's: it
+    // is never replaced (a container would get that tenant's socket).
+    let socket = |v: &Value| v["devices"][0]["containerEdits"]["mounts"][0]["hostPath"].clone();
+    if let Some(old) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()) {
+        if socket(&old) != socket(spec) {
+            return Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, format!("{} is another tenant's CDI spec", path.display())));
+        }
+    }
     vgpu_topology::safe_open::write_atomically(&path, serde_json::to_string_pretty(spec).map_err(std::io::Error::other)?.as_bytes())?;
     Ok(path)
 }
@@ -119,10 +127,18 @@ mod tests {
         assert_eq!(m[1]["options"], json!(["bind", "nosuid", "nodev", "ro"]));
         assert_eq!(device_name("k8s-1"), "vgpu.dev/tenant=k8s-1");
         // A made tenant's secret is in none of the names.
-        let t = "k8s-7-0123456789abcdef";
-        assert_eq!(device_name(t), "vgpu.dev/tenant=k8s-7");
-        assert_eq!(spec_path(Path::new("/cdi"), t), Path::new("/cdi/vgpu.dev-tenant-k8s-7.json"));
-        assert_eq!(spec(t, &e)["devices"][0]["name"], "k8s-7");
+        let t = "k8s-7-00c0ffee-0123456789abcdef";
+        assert_eq!(device_name(t), "vgpu.dev/tenant=k8s-7-00c0ffee");
+        assert_eq!(spec_path(Path::new("/cdi"), t), Path::new("/cdi/vgpu.dev-tenant-k8s-7-00c0ffee.json"));
+        assert_eq!(spec(t, &e)["devices"][0]["name"], "k8s-7-00c0ffee");
         assert_eq!(public_id("vm-0123456789abcdeg"), "vm-0123456789abcdeg");
+        // A spec is never written over another tenant's of the same name.
+        let dir = std::env::temp_dir().join(format!("vgpu-cdi-{}", std::process::id()));
+        write(&dir, t, &spec(t, &e)).unwrap();
+        write(&dir, t, &spec(t, &e)).expect("the same tenant's spec again");
+        let other = edits(Path::new("/run/vgpu/tenants/other.sock"), &[], Path::new("/usr/lib"));
+        let err = write(&dir, t, &spec(t, &other)).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -182,7 +182,7 @@ impl DraNode {
     /// Loads the prepared claims (a corrupt state file is refused), drops
     /// from them the tenants the daemon no longer has, writes the CDI specs
     /// of the others again where they are gone (after a reboot), and
-    /// deletes the tenants with the driver's prefix that no claim holds.
+    /// deletes the tenants it issued that no claim holds.
     pub fn open(cfg: DraConfig, kube: kube::Client) -> Result<DraNode, DraError> {
         std::fs::create_dir_all(&cfg.host.state_dir).map_err(|err| StateError::Write { path: cfg.host.state_dir.display().to_string(), err })?;
         let mut state = ClaimState::load(&cfg.state_file())?;
@@ -296,8 +296,9 @@ impl DraNode {
                     let rec = self.state.lock().await.claims.get(&c.uid).cloned();
                     // Not a record an unprepare left behind (one whose
                     // tenants could not all be deleted).
-                    let unprepared = self.unprepared.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&c.uid);
-                    let rec = rec.filter(|_| !unprepared);
+                    let unprepared_at =
+                        self.unprepared.lock().unwrap_or_else(|e| e.into_inner()).get(&c.uid).filter(|t| t.elapsed() < TOMBSTONE).map(|t| now_s().saturating_sub(t.elapsed().as_secs()));
+                    let rec = rec.filter(|p| unprepared_at.is_none_or(|at| at < p.created));
                     return match rec {
                         Some(p) => {
                             warn!(claim = %id, "the API server cannot be asked ({e}): answering from the record");
@@ -691,12 +692,12 @@ pub async fn publish_loop(node: Arc<DraNode>) {
                 // drops the fields of features it does not enable.
                 let want: Published = publisher.slices(&devices, &ours, 0).into_iter().map(|s| (s.spec, s.metadata.owner_references)).collect();
                 match current(&slices, &publisher).await {
-                    Ok(have) if last.as_ref() == Some(&want) && have.len() == want.len() => {}
+                    Ok(have) if last.as_ref() == Some(&want) && have.len() == want.len() && have.iter().all(|s| s.spec.pool.name == publisher.node) => {}
                     Ok(have) => {
                         // The generation is recorded once the slices are in:
                         // a refusal does not count up.
                         let generation = generation + 1;
-                        match apply(&slices, publisher.slices(&devices, &ours, generation), have).await {
+                        match apply(&slices, &publisher, publisher.slices(&devices, &ours, generation), have).await {
                             Ok(dropped) => {
                                 info!(devices = devices.len(), generation, "published the node's ResourceSlices");
                                 let n = node.clone();
@@ -749,10 +750,14 @@ async fn current(api: &Api<ResourceSlice>, p: &Publisher) -> Result<Vec<Resource
 /// there are not yet (named by the API server), and deletes the rest.
 /// True where the API server dropped the devices' sharing (a cluster
 /// without consumable capacity).
-async fn apply(api: &Api<ResourceSlice>, want: Vec<ResourceSlice>, have: Vec<ResourceSlice>) -> Result<bool, kube::Error> {
+async fn apply(api: &Api<ResourceSlice>, p: &Publisher, want: Vec<ResourceSlice>, have: Vec<ResourceSlice>) -> Result<bool, kube::Error> {
     let shares = |s: &ResourceSlice| s.spec.devices.iter().flatten().filter(|d| d.allow_multiple_allocations == Some(true)).count();
     let mut dropped = false;
-    let mut old = have.into_iter();
+    // Only slices of this node's pool are written over (a pool name cannot
+    // change); any other of this node and driver (an admin's, an old
+    // driver's) is deleted, or left with a warning where that is refused.
+    let (ours, others): (Vec<ResourceSlice>, Vec<ResourceSlice>) = have.into_iter().partition(|s| s.spec.pool.name == p.node);
+    let mut old = ours.into_iter();
     for mut s in want {
         let stored = match old.next() {
             Some(o) => {
@@ -770,6 +775,14 @@ async fn apply(api: &Api<ResourceSlice>, want: Vec<ResourceSlice>, have: Vec<Res
         if let Some(name) = o.metadata.name {
             info!(slice = %name, "deleting a ResourceSlice of this node that is no longer needed");
             api.delete(&name, &DeleteParams::default()).await?;
+        }
+    }
+    for o in others {
+        if let Some(name) = o.metadata.name {
+            match api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => info!(slice = %name, pool = %o.spec.pool.name, "deleted a ResourceSlice of this node and driver in another pool"),
+                Err(e) => warn!(slice = %name, pool = %o.spec.pool.name, "a ResourceSlice of this node and driver in another pool cannot be deleted: {e}"),
+            }
         }
     }
     Ok(dropped)

@@ -99,8 +99,8 @@ struct DraArgs {
     kubelet_dir: PathBuf,
     #[command(flatten)]
     host: HostArgs,
-    /// The prefix of the names of the tenants the driver makes; tenants
-    /// with it that no prepared claim holds are deleted at start.
+    /// The prefix of the names of the tenants the driver makes (the driver
+    /// deletes only tenants it recorded making, whatever their names).
     #[arg(long, default_value = "dra-")]
     tenant_prefix: String,
     /// Seconds between looks at the devices and the driver's sockets.
@@ -142,9 +142,11 @@ struct PluginArgs {
     grace_s: u64,
 }
 
-/// Checks a tenant name prefix: a name's start, at most 16 characters.
+/// Checks a tenant name prefix: a name's start, at most 12 characters (a
+/// made name adds the count, a tag and a secret, 26 characters or more,
+/// and tenant names have at most 48).
 fn check_prefix(prefix: &str) -> Result<(), String> {
-    vgpu_api::tenant::validate_name(prefix.trim_end_matches(['-', '_', '.'])).and_then(|()| if prefix.len() > 16 { Err("at most 16 characters".into()) } else { Ok(()) })
+    vgpu_api::tenant::validate_name(prefix.trim_end_matches(['-', '_', '.'])).and_then(|()| if prefix.len() > 12 { Err("at most 12 characters".into()) } else { Ok(()) })
 }
 
 /// A DRA driver's name: a DNS subdomain of at most 63 characters.

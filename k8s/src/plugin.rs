@@ -256,12 +256,30 @@ impl Node {
     }
 }
 
-/// Whether `name` is one [`tenant_name`] makes with `prefix`:
-/// `PREFIX` `N` `-` 16 hex digits.
+/// Lower-case hex digits.
+fn is_hex(s: &[u8]) -> bool {
+    s.iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
+}
+
+/// The length of a made name's tail after its prefix where `rest` starts
+/// with one (`N-TTTTTTTT-SSSSSSSSSSSSSSSS`), and where its secret starts.
+fn made_tail(rest: &[u8]) -> Option<(usize, usize)> {
+    let digits = rest.iter().take_while(|c| c.is_ascii_digit()).count();
+    let tag = digits + 1;
+    let secret = tag + 9;
+    let end = secret + 16;
+    let ok = digits > 0
+        && rest.get(digits) == Some(&b'-')
+        && rest.get(tag..tag + 8).is_some_and(is_hex)
+        && rest.get(tag + 8) == Some(&b'-')
+        && rest.get(secret..end).is_some_and(is_hex)
+        && !rest.get(end).is_some_and(|c| c.is_ascii_hexdigit());
+    ok.then_some((end, secret))
+}
+
+/// Whether `name` is one [`tenant_name`] makes with `prefix`.
 pub(crate) fn is_made_name(prefix: &str, name: &str) -> bool {
-    name.strip_prefix(prefix)
-        .and_then(|rest| rest.split_once('-'))
-        .is_some_and(|(n, hex)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    name.strip_prefix(prefix).and_then(|rest| made_tail(rest.as_bytes())).is_some_and(|(end, _)| end == name.len() - prefix.len())
 }
 
 /// `msg` with the secret part of every tenant name made with `prefix`
@@ -271,29 +289,18 @@ pub(crate) fn redact(prefix: &str, msg: &str) -> String {
     if prefix.is_empty() {
         return msg.to_string();
     }
-    // Every place the prefix starts, whatever precedes it: digits, '-' and
-    // 16 hex digits after it (and no more hex) are a made name's.
-    let b = msg.as_bytes();
+    // Every place the prefix starts, whatever precedes it.
     let mut out = String::with_capacity(msg.len());
     let mut copied = 0;
-    for (i, _) in msg.match_indices(prefix) {
-        if i < copied {
+    for (i, _) in msg.char_indices() {
+        if i < copied || !msg[i..].starts_with(prefix) {
             continue;
         }
-        let mut j = i + prefix.len();
-        let digits = b[j..].iter().take_while(|c| c.is_ascii_digit()).count();
-        j += digits;
-        if digits == 0 || b.get(j) != Some(&b'-') {
-            continue;
+        if let Some((end, secret)) = made_tail(&msg.as_bytes()[i + prefix.len()..]) {
+            out.push_str(&msg[copied..i + prefix.len() + secret]);
+            out.push_str("(secret)");
+            copied = i + prefix.len() + end;
         }
-        let hex = &b[j + 1..];
-        let n = hex.iter().take_while(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(*c)).count();
-        if n != 16 {
-            continue;
-        }
-        out.push_str(&msg[copied..j + 1]);
-        out.push_str("(secret)");
-        copied = j + 17;
     }
     out.push_str(&msg[copied..]);
     out
@@ -327,13 +334,17 @@ pub(crate) fn sweep_orphans(mediator: &Mediator, prefix: &str, known: &BTreeSet<
     }
 }
 
-/// A fresh tenant name: `PREFIX` `N` `-` 64 random bits. The name is the
-/// socket's: the random part makes it a secret that no other user of the
-/// host can guess (the tenants' directory is not listable, the CDI spec is
-/// root's only), since the socket must be open to whatever user the
-/// container runs as.
+/// A fresh tenant name: `PREFIX` `N` `-` a 32-bit random tag `-` 64
+/// random bits. The name is the socket's: the last part makes it a secret
+/// that no other user of the host can guess (the tenants' directory is not
+/// listable, the CDI spec is root's only), since the socket must be open
+/// to whatever user the container runs as. The rest (`PREFIX N-TAG`) is
+/// its public id (CDI names): the tag keeps public ids apart where
+/// counters meet (two drivers on a node, a record lost).
 pub(crate) fn tenant_name(prefix: &str, n: u64) -> Result<String, PluginError> {
-    Ok(format!("{prefix}{n}-{:016x}", random_u64().map_err(|err| PluginError::Cdi { tenant: "(new)".into(), err })?))
+    let r = |()| random_u64().map_err(|err| PluginError::Cdi { tenant: "(new)".into(), err });
+    let (tag, secret) = (r(())?, r(())?);
+    Ok(format!("{prefix}{n}-{:08x}-{secret:016x}", tag as u32))
 }
 
 /// The spec of a process tenant made for a container: open to any user
@@ -580,16 +591,27 @@ mod tests {
 
     #[test]
     fn made_names_are_recognised_and_their_secrets_hidden_from_errors() {
-        assert!(is_made_name("dra-", "dra-12-0123456789abcdef"));
-        for other in ["dra-admin", "dra-12-0123456789abcde", "dra-12-0123456789ABCDEF", "dra--0123456789abcdef", "k8s-1-0123456789abcdef", "dra-1-0123456789abcdef0"] {
+        let made = tenant_name("dra-", 12).unwrap();
+        assert!(is_made_name("dra-", &made), "{made}");
+        assert!(is_made_name("dra-", "dra-12-00c0ffee-0123456789abcdef"));
+        for other in [
+            "dra-admin",
+            "dra-12-00c0ffee-0123456789abcde",
+            "dra-12-00c0ffee-0123456789ABCDEF",
+            "dra--00c0ffee-0123456789abcdef",
+            "k8s-1-00c0ffee-0123456789abcdef",
+            "dra-1-00c0ffee-0123456789abcdef0",
+            "dra-1-0123456789abcdef",
+        ] {
             assert!(!is_made_name("dra-", other), "{other}");
         }
-        let msg = "DELETE /v1/tenants/dra-3-00ff00ff00ff00ff: busy; CDI spec for dra-4-0123456789abcdef: denied (vgpu.dev-tenant-dra-4-0123456789abcdef.json); dra-admin stays";
+        let msg = "DELETE /v1/tenants/dra-3-00000001-00ff00ff00ff00ff: busy; CDI spec for dra-4-00000002-0123456789abcdef: denied; dra-admin stays; é dra-5-00000003-aaaaaaaaaaaaaaaa";
         let r = redact("dra-", msg);
-        assert_eq!(r, "DELETE /v1/tenants/dra-3-(secret): busy; CDI spec for dra-4-(secret): denied (vgpu.dev-tenant-dra-4-(secret).json); dra-admin stays");
-        // A prefix glued to what precedes it is still found.
-        assert_eq!(redact("dev-", "vgpu.dev-tenant-dev-4-0123456789abcdef.json"), "vgpu.dev-tenant-dev-4-(secret).json");
-        assert_eq!(redact("t-", "tenant-t-12-aaaaaaaaaaaaaaaa"), "tenant-t-12-(secret)");
+        assert_eq!(r, "DELETE /v1/tenants/dra-3-00000001-(secret): busy; CDI spec for dra-4-00000002-(secret): denied; dra-admin stays; é dra-5-00000003-(secret)");
+        // A prefix glued to what precedes it, or overlapping itself, is
+        // still found.
+        assert_eq!(redact("dev-", "vgpu.dev-tenant-dev-4-0000000a-0123456789abcdef.json"), "vgpu.dev-tenant-dev-4-0000000a-(secret).json");
+        assert_eq!(redact("a-a-", "a-a-a-1-0000000a-0123456789abcdef"), "a-a-a-1-0000000a-(secret)");
         assert_eq!(redact("", msg), msg);
         assert_eq!(redact("dra-", "dra-"), "dra-");
     }

@@ -57,15 +57,22 @@ pub fn tenants(m: &Mediator) -> Vec<String> {
     names
 }
 
-/// The daemon's tenant a CDI device id (`vgpu.dev/tenant=k8s-3`) names:
-/// the id carries no secret, the tenant's name does (`k8s-3-` and 64
-/// random bits in hex).
+/// The daemon's tenant a CDI device id (`vgpu.dev/tenant=k8s-3-TAG`)
+/// names: the id carries no secret, the tenant's name does (the id, `-`
+/// and 64 random bits in hex).
 pub fn tenant_of(m: &Mediator, cdi_id: &str) -> String {
     let public = cdi_id.strip_prefix("vgpu.dev/tenant=").unwrap_or_else(|| panic!("{cdi_id} is not a vGPU tenant's CDI device"));
+    let tag = public.rsplit('-').next().unwrap_or("");
+    assert!(tag.len() == 8 && tag.bytes().all(|b| b.is_ascii_hexdigit()), "{cdi_id}: a public id ends in its 32-bit tag");
     let found: Vec<String> =
         tenants(m).into_iter().filter(|t| t.strip_prefix(public).and_then(|r| r.strip_prefix('-')).is_some_and(|secret| secret.len() == 16 && secret.bytes().all(|b| b.is_ascii_hexdigit()))).collect();
     let [t] = &found[..] else { panic!("{cdi_id} names {found:?}, not one tenant with a secret part") };
     t.clone()
+}
+
+/// The CDI spec file of the device `cdi_id` names, in `cdi_dir`.
+pub fn spec_file(cdi_dir: &Path, cdi_id: &str) -> std::path::PathBuf {
+    cdi_dir.join(format!("vgpu.dev-tenant-{}.json", cdi_id.trim_start_matches("vgpu.dev/tenant=")))
 }
 
 /// Waits for `f` to hold, failing with `what` after `limit`.

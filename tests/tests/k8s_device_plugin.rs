@@ -16,7 +16,7 @@ use serde_json::Value;
 use tonic::{Request, Response, Status};
 use vgpu_k8s::proto::deviceplugin as dp;
 use vgpu_k8s::proto::podresources as pr;
-use vgpu_tests::k8s::{run_with_cdi, tenant_of, tenants, wait_until, NodeComponent};
+use vgpu_tests::k8s::{run_with_cdi, spec_file, tenant_of, tenants, wait_until, NodeComponent};
 use vgpu_tests::Mediator;
 
 const RESOURCE: &str = "vgpu.dev/slice-16m";
@@ -188,16 +188,17 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     let c = &alloc.container_responses[0];
     let names: Vec<&str> = c.cdi_devices.iter().map(|d| d.name.as_str()).collect();
     let [device] = names.as_slice() else { panic!("one CDI device: {names:?}") };
-    assert_eq!(*device, "vgpu.dev/tenant=k8s-0", "the CDI device names the tenant without its secret");
+    assert!(device.starts_with("vgpu.dev/tenant=k8s-0-") && device.len() == "vgpu.dev/tenant=k8s-0-".len() + 8, "the CDI device names the tenant without its secret: {device}");
     let tenant = tenant_of(&m, device);
+    let cdi_public = device.trim_start_matches("vgpu.dev/tenant=");
     // Its name (and so its socket's) has a part no one can guess.
-    let secret = tenant.strip_prefix("k8s-0-").unwrap_or_else(|| panic!("{tenant}"));
+    let secret = tenant.strip_prefix(&format!("{}-", cdi_public)).unwrap_or_else(|| panic!("{tenant}"));
     assert!(secret.len() == 16 && secret.bytes().all(|b| b.is_ascii_hexdigit()), "{tenant}");
     assert_eq!(c.envs.get("VGPU_SOCKET").map(String::as_str), Some("/run/vgpu/vgpu.sock"));
     assert_eq!(tenants(&m), std::slice::from_ref(&tenant));
     let (_, t) = m.api("GET", &format!("/v1/tenants/{tenant}"), None);
     assert_eq!((t["memory"].as_u64(), t["weight"].as_u64(), t["device"].as_str()), (Some(32 << 20), Some(2), Some("cpu1")), "{t}");
-    let spec_path = root.join("cdi/vgpu.dev-tenant-k8s-0.json");
+    let spec_path = spec_file(&root.join("cdi"), device);
     let spec: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
     assert_eq!(std::fs::metadata(&spec_path).map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777).ok(), Some(0o600), "the spec is root's only");
     assert_eq!(spec["kind"], "vgpu.dev/tenant");
@@ -235,11 +236,11 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     // it registers again, and a tenant with its prefix that no allocation
     // names (a plugin that died mid-Allocate) is deleted.
     plugin.kill();
-    let (st, v) = m.api("POST", "/v1/tenants", Some(serde_json::json!({ "name": "k8s-99-0123456789abcdef", "memory": "1MiB" })));
+    let (st, v) = m.api("POST", "/v1/tenants", Some(serde_json::json!({ "name": "k8s-99-00c0ffee-0123456789abcdef", "memory": "1MiB" })));
     assert_eq!(st, 201, "{v}");
     let _plugin = start_plugin(&m, &k, &root);
     let reg = k.wait_registration();
-    wait_until("the orphan k8s-99-0123456789abcdef is deleted", Duration::from_secs(20), || tenants(&m) == std::slice::from_ref(&tenant));
+    wait_until("the orphan k8s-99-00c0ffee-0123456789abcdef is deleted", Duration::from_secs(20), || tenants(&m) == std::slice::from_ref(&tenant));
     let mut client = k.plugin(&reg.endpoint);
     let mut stream = k.rt.block_on(client.list_and_watch(dp::Empty {})).expect("ListAndWatch").into_inner();
     let listed = k.rt.block_on(stream.message()).expect("a list").expect("a list");
@@ -262,6 +263,6 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     let ok = k.rt.block_on(client.allocate(dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec!["cpu0-s0".into()] }] })).expect("Allocate after bad ones");
     let next = ok.into_inner().container_responses[0].cdi_devices[0].name.clone();
-    assert_eq!(next, "vgpu.dev/tenant=k8s-1");
+    assert!(next.starts_with("vgpu.dev/tenant=k8s-1-"), "{next}");
     assert_eq!(tenants(&m), [tenant_of(&m, &next)]);
 }

@@ -30,7 +30,7 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::{json, Value};
 use vgpu_k8s::proto::dra as pb;
 use vgpu_k8s::proto::pluginregistration as reg;
-use vgpu_tests::k8s::{round_trip, run_with_cdi, tenant_of, tenants, wait_until, NodeComponent};
+use vgpu_tests::k8s::{round_trip, run_with_cdi, spec_file, tenant_of, tenants, wait_until, NodeComponent};
 use vgpu_tests::Mediator;
 
 const DRIVER: &str = "vgpu.dev";
@@ -492,9 +492,10 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let [d] = &a.devices[..] else { panic!("one device: {a:?}") };
     assert_eq!((d.request_names.clone(), d.pool_name.as_str(), d.device_name.as_str(), d.share_id.clone()), (vec!["gpu".to_string()], NODE, "cpu1", Some("63".to_string())), "{d:?}");
     let [cdi_id] = &d.cdi_device_ids[..] else { panic!("one CDI device: {d:?}") };
-    assert_eq!(cdi_id, "vgpu.dev/tenant=dra-0", "the CDI device names the tenant without its secret");
+    assert!(cdi_id.starts_with("vgpu.dev/tenant=dra-0-") && cdi_id.len() == "vgpu.dev/tenant=dra-0-".len() + 8, "the CDI device names the tenant without its secret: {cdi_id}");
     let tenant = tenant_of(&m, cdi_id);
-    let secret = tenant.strip_prefix("dra-0-").unwrap_or_else(|| panic!("{tenant}"));
+    let cdi_public = cdi_id.trim_start_matches("vgpu.dev/tenant=");
+    let secret = tenant.strip_prefix(&format!("{}-", cdi_public)).unwrap_or_else(|| panic!("{tenant}"));
     assert!(secret.len() == 16 && secret.bytes().all(|b| b.is_ascii_hexdigit()), "{tenant}");
     assert_eq!(tenants(&m), [tenant.clone(), "vm-tenant".into()]);
     let (_, t) = m.api("GET", &format!("/v1/tenants/{tenant}"), None);
@@ -513,7 +514,7 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     assert!(api.lock().unwrap().refused.is_empty(), "slices refused: {:?}", api.lock().unwrap().refused);
 
     // A CUDA sample runs as the claim's tenant through the CDI spec.
-    let spec_path = root.join("cdi/vgpu.dev-tenant-dra-0.json");
+    let spec_path = spec_file(&root.join("cdi"), cdi_id);
     let spec: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
     assert_eq!(spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"], t["socket"], "{spec}");
     let o = run_with_cdi(&spec);
@@ -548,13 +549,13 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     // was recorded: the record says the name was issued.
     let state_file = root.join("state/dra-vgpu.dev.json");
     let mut record: Value = serde_json::from_slice(&std::fs::read(&state_file).expect("the driver's record")).expect("JSON");
-    record["issued"].as_array_mut().expect("issued names").push(json!("dra-99-0123456789abcdef"));
+    record["issued"].as_array_mut().expect("issued names").push(json!("dra-99-00c0ffee-0123456789abcdef"));
     std::fs::write(&state_file, record.to_string()).unwrap();
-    let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "dra-99-0123456789abcdef", "memory": "1MiB" })));
+    let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "dra-99-00c0ffee-0123456789abcdef", "memory": "1MiB" })));
     assert_eq!(st, 201, "{v}");
     // Tenants it never issued are not its own, even named like its own
     // (another driver's on this node, an admin's).
-    for name in ["dra-admin", "dra-7-fedcba9876543210"] {
+    for name in ["dra-admin", "dra-7-00c0ffee-fedcba9876543210"] {
         let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": name, "memory": "1MiB" })));
         assert_eq!(st, 201, "{v}");
     }
@@ -568,9 +569,9 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let mut driver = start_driver(&m, &kubelet_dir, &root, &kubeconfig);
     let info = k.discover();
     let mut c = k.client(&info);
-    wait_until("the orphan is deleted", Duration::from_secs(20), || tenants(&m) == [tenant.clone(), "dra-7-fedcba9876543210".into(), "dra-admin".into(), "vm-tenant".into()]);
+    wait_until("the orphan is deleted", Duration::from_secs(20), || tenants(&m) == [tenant.clone(), "dra-7-00c0ffee-fedcba9876543210".into(), "dra-admin".into(), "vm-tenant".into()]);
     assert!(spec_path.exists(), "the recorded tenant's CDI spec is written again");
-    for name in ["dra-admin", "dra-7-fedcba9876543210"] {
+    for name in ["dra-admin", "dra-7-00c0ffee-fedcba9876543210"] {
         let (st, v) = m.api("DELETE", &format!("/v1/tenants/{name}"), None);
         assert!(st < 300, "{v}");
     }
@@ -625,12 +626,13 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     put_claim(&api, claim("whole", "uid-whole", NODE, "cpu0", None, Some(json!({ "apiVersion": "vgpu.dev/v1", "kind": "TenantConfig", "memory": "8Mi" }))));
     let w = k.prepare(&mut c, &[("whole", "uid-whole")]);
     assert_eq!(w["uid-whole"].error, "", "{w:?}");
-    let whole = tenant_of(&m, &w["uid-whole"].devices[0].cdi_device_ids[0]);
+    let whole_id = w["uid-whole"].devices[0].cdi_device_ids[0].clone();
+    let whole = tenant_of(&m, &whole_id);
     let (_, t) = m.api("GET", &format!("/v1/tenants/{whole}"), None);
     assert_eq!((t["memory"].as_u64(), t["weight"].as_u64(), t["device"].as_str()), (Some(8 << 20), Some(1), Some("cpu0")), "{t}");
     api.lock().unwrap().claims.remove(&("team-a".to_string(), "whole".to_string()));
     wait_until("the deleted claim's tenant is deleted", Duration::from_secs(20), || !tenants(&m).contains(&whole));
-    assert!(!root.join(format!("cdi/vgpu.dev-tenant-{}.json", &whole[..whole.len() - 17])).exists());
+    assert!(!spec_file(&root.join("cdi"), &whole_id).exists());
 
     // The same claim allocated again elsewhere (deallocated and allocated
     // anew while the kubelet was away): its old tenant goes, a new one is
