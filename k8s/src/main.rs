@@ -151,11 +151,7 @@ fn check_prefix(prefix: &str) -> Result<(), String> {
 
 /// A DRA driver's name: a DNS subdomain of at most 63 characters.
 fn check_driver_name(name: &str) -> Result<(), String> {
-    let ok = !name.is_empty()
-        && name.len() <= 63
-        && name.contains('.')
-        && name.split('.').all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') && !l.starts_with('-') && !l.ends_with('-'));
-    if ok {
+    if name.contains('.') && vgpu_k8s::slices::is_dns_subdomain(name, 63) {
         Ok(())
     } else {
         Err(format!("{name:?} is not a driver name: a DNS subdomain of lower-case labels, at most 63 characters, such as vgpu.dev"))
@@ -164,10 +160,7 @@ fn check_driver_name(name: &str) -> Result<(), String> {
 
 /// A node's name: a DNS subdomain of at most 253 characters.
 fn check_node_name(name: &str) -> Result<(), String> {
-    let ok = !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|l| !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') && !l.starts_with('-') && !l.ends_with('-'));
-    if ok {
+    if vgpu_k8s::slices::is_dns_subdomain(name, 253) {
         Ok(())
     } else {
         Err(format!("{name:?} is not a node name (a DNS subdomain)"))

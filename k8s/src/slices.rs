@@ -35,14 +35,19 @@ impl std::str::FromStr for Resource {
     }
 }
 
+/// A DNS subdomain of at most `max` characters: dot-separated labels of
+/// lower-case letters, digits and '-' (not at either end), each at most 63.
+pub fn is_dns_subdomain(s: &str, max: usize) -> bool {
+    !s.is_empty()
+        && s.len() <= max
+        && s.split('.').all(|l| !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') && !l.starts_with('-') && !l.ends_with('-'))
+}
+
 /// An extended resource name as the kubelet takes it: `DOMAIN/NAME`, a
 /// DNS subdomain, a slash and a name of letters, digits, '-', '_' and '.'.
 fn check_resource_name(name: &str) -> Result<(), String> {
     let (domain, short) = name.split_once('/').ok_or("the name is DOMAIN/NAME (vgpu.dev/slice-16g)")?;
-    let dns = !domain.is_empty()
-        && domain.len() <= 253
-        && domain.split('.').all(|l| !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') && !l.starts_with('-') && !l.ends_with('-'));
-    if !dns || domain.ends_with("kubernetes.io") || domain.ends_with("k8s.io") {
+    if !is_dns_subdomain(domain, 253) || domain.ends_with("kubernetes.io") || domain.ends_with("k8s.io") {
         return Err(format!("{domain:?} is not a domain a device plugin may use"));
     }
     let ok = !short.is_empty()

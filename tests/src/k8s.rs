@@ -114,6 +114,18 @@ pub fn run_with_cdi(spec: &Value) -> std::process::Output {
     o
 }
 
+/// Runs vectorAdd through a CDI spec's edits ([`run_with_cdi`]) and fails
+/// unless it passes.
+pub fn assert_sample_passes_with_cdi(spec: &Value) {
+    let o = run_with_cdi(spec);
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("PASSED"),
+        "vectorAdd through the CDI spec: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 /// Values equal once the nulls a writer leaves out are gone on both sides.
 pub fn normal(v: &Value) -> Value {
     match v {

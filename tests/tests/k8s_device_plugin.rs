@@ -16,7 +16,7 @@ use serde_json::Value;
 use tonic::{Request, Response, Status};
 use vgpu_k8s::proto::deviceplugin as dp;
 use vgpu_k8s::proto::podresources as pr;
-use vgpu_tests::k8s::{run_with_cdi, spec_file, tenant_of, tenants, wait_until, NodeComponent};
+use vgpu_tests::k8s::{assert_sample_passes_with_cdi, run_with_cdi, spec_file, tenant_of, tenants, wait_until, NodeComponent};
 use vgpu_tests::Mediator;
 
 const RESOURCE: &str = "vgpu.dev/slice-16m";
@@ -206,13 +206,7 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
 
     // A CUDA sample runs as that tenant through the spec's edits.
     k.hold(vec![(RESOURCE.into(), chosen.clone())]);
-    let o = run_with_cdi(&spec);
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("PASSED"),
-        "vectorAdd through the CDI spec: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    assert_sample_passes_with_cdi(&spec);
 
     // While its pod holds the slices, the tenant stays (past the grace).
     std::thread::sleep(Duration::from_secs(4));

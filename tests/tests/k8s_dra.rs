@@ -30,7 +30,7 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::{json, Value};
 use vgpu_k8s::proto::dra as pb;
 use vgpu_k8s::proto::pluginregistration as reg;
-use vgpu_tests::k8s::{round_trip, run_with_cdi, spec_file, tenant_of, tenants, wait_until, NodeComponent};
+use vgpu_tests::k8s::{assert_sample_passes_with_cdi, round_trip, run_with_cdi, spec_file, tenant_of, tenants, wait_until, NodeComponent};
 use vgpu_tests::Mediator;
 
 const DRIVER: &str = "vgpu.dev";
@@ -517,13 +517,7 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let spec_path = spec_file(&root.join("cdi"), cdi_id);
     let spec: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
     assert_eq!(spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"], t["socket"], "{spec}");
-    let o = run_with_cdi(&spec);
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("PASSED"),
-        "vectorAdd through the CDI spec: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    assert_sample_passes_with_cdi(&spec);
 
     // Prepared again (the kubelet retries): the same answer, no new tenant.
     let again = k.prepare(&mut c, &[("train", "uid-train")]);
