@@ -383,13 +383,17 @@ fn default_compute_capability() -> String {
     "8.0".to_string()
 }
 
-/// A compute capability "MAJOR.MINOR" a CPU device can report: 7.0 to 12.1.
+/// A compute capability "MAJOR.MINOR" a CPU device can report: one of
+/// NVIDIA's architectures from 7.0 to 12.1, or a major from 13 to 99 (an
+/// architecture no library ships machine code for, so libraries that carry
+/// forward-compatible PTX, cuBLAS among them, take that path).
 pub fn parse_compute_capability(s: &str) -> Result<(u32, u32), String> {
-    let bad = || format!("compute capability must be MAJOR.MINOR from 7.0 to 12.1 (e.g. 8.0), not '{s}'");
+    let bad = || format!("compute capability must be MAJOR.MINOR, one of NVIDIA's architectures from 7.0 to 12.1 or a newer major from 13.0 to 99.9 (e.g. 8.0), not '{s}'");
     let (a, b) = s.split_once('.').ok_or_else(bad)?;
     let (a, b): (u32, u32) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
-    // NVIDIA's architectures: 7.x, 8.x, 9.0, 10.x, 11.0, 12.x.
-    if !(7..=12).contains(&a) || b > 9 || (a == 9 && b != 0) || (a == 11 && b != 0) || (a == 12 && b > 1) {
+    // NVIDIA's architectures: 7.x, 8.x, 9.0, 10.x, 11.0, 12.0 and 12.1;
+    // any minor of a major above them.
+    if !(7..=99).contains(&a) || b > 9 || (a == 9 && b != 0) || (a == 11 && b != 0) || (a == 12 && b > 1) {
         return Err(bad());
     }
     Ok((a, b))
@@ -644,6 +648,16 @@ memory = 1048576
             let c: Config = toml::from_str(&format!("[metering]\n{bad}\n")).unwrap();
             let key = bad.split(' ').next().unwrap();
             assert!(c.validate().is_err_and(|e| e.to_string().contains(key)), "{bad}");
+        }
+    }
+
+    #[test]
+    fn compute_capabilities_are_nvidia_architectures_or_newer_majors() {
+        for (text, want) in [("7.0", (7, 0)), ("8.9", (8, 9)), ("9.0", (9, 0)), ("12.1", (12, 1)), ("13.0", (13, 0)), ("99.9", (99, 9))] {
+            assert_eq!(parse_compute_capability(text), Ok(want), "{text}");
+        }
+        for bad in ["6.1", "9.1", "11.2", "12.2", "100.0", "8.10", "8", "8.x", "", "-1.0"] {
+            assert!(parse_compute_capability(bad).is_err_and(|e| e.contains(&format!("'{bad}'"))), "{bad}");
         }
     }
 }

@@ -63,7 +63,8 @@ struct Cli {
     #[arg(long, value_enum)]
     isolation: Option<vgpu_mediator::config::Isolation>,
     /// Compute capability the CPU devices report and accept PTX for
-    /// (7.0 to 12.1; default 8.0).
+    /// (7.0 to 12.1, or 13.0 to 99.9 for an architecture no library ships
+    /// machine code for; default 8.0).
     #[arg(long)]
     compute_capability: Option<String>,
     /// NVIDIA GPUs and MIG instances: auto, off or required.
