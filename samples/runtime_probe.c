@@ -20,16 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures;
+#include "runtime_check.h"
 
-#define CK(call)                                                                      \
-    do {                                                                              \
-        cudaError_t e_ = (call);                                                      \
-        if (e_ != cudaSuccess) {                                                      \
-            printf("FAIL %s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorName(e_)); \
-            exit(1);                                                                  \
-        }                                                                             \
-    } while (0)
+static int failures;
 
 static void check(int ok, const char *name, const char *why) {
     if (ok) {

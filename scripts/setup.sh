@@ -54,16 +54,21 @@ cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
 
 # The NVRTC suite (tests/nvrtc, tests/tests/nvrtc_suite.rs) and the CUDA
 # stacks (tests/stacks, tests/tests/cuda_stacks.rs): NVRTC, the CUDA runtime
-# and headers, numba-cuda and CuPy from PyPI, pinned in the two
-# requirements files, in one virtual environment (pip runs only when the
+# and headers, numba-cuda and CuPy from PyPI, pinned in the requirements
+# files, in one virtual environment (pip runs only when the
 # pins changed), then the suite's CUDA C++ kernels compiled to PTX for
 # compute_70/80/90 in target/nvrtc (only what changed is compiled again).
 PYENV="$ROOT/target/pyenv"
 REQS=("$ROOT/tests/nvrtc/requirements.txt" "$ROOT/tests/stacks/requirements.txt")
+# cuBLAS for CuPy's matmul: the test suite alone needs it (test.sh sets
+# VGPU_SETUP_FOR=tests).
+if [ "${VGPU_SETUP_FOR:-}" = tests ]; then
+    REQS+=("$ROOT/tests/stacks/requirements-cublas.txt")
+fi
 if [ ! -x "$PYENV/bin/python" ] || ! cat "${REQS[@]}" | cmp -s - "$PYENV/.requirements"; then
     echo "setup: installing the NVRTC suite's and the CUDA stacks' packages in target/pyenv" >&2
     [ -x "$PYENV/bin/python" ] || python3 -m venv "$PYENV"
-    "$PYENV/bin/pip" install --quiet --disable-pip-version-check -r "${REQS[0]}" -r "${REQS[1]}"
+    "$PYENV/bin/pip" install --quiet --disable-pip-version-check "${REQS[@]/#/--requirement=}"
     cat "${REQS[@]}" > "$PYENV/.requirements"
 fi
 # Two more environments the test suite alone needs (test.sh sets

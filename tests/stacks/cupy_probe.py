@@ -1,9 +1,16 @@
 """CuPy on the vGPU: array creation, elementwise arithmetic, sum/max
 reductions (with CuPy's default accelerators: CUB's prebuilt kernels), a
-RawKernel, .get(), and the quota as device memory.
+RawKernel, .get(), the quota as device memory, and matrix products
+through cuBLAS.
 Prints "ok <check>" per check; exits 1 if any fails.
 
-Usage: cupy_probe.py QUOTA_BYTES
+Usage: cupy_probe.py QUOTA_BYTES [--matmul | --matmul-refused]
+
+--matmul checks cuBLAS's products against NumPy's (on a CPU device that
+reports an architecture no library ships machine code for, cuBLAS runs
+its forward-compatible PTX); --matmul-refused checks that a product fails
+with cuBLAS's error where cuBLAS has only machine code for the device's
+architecture, and that the process goes on.
 """
 import importlib.metadata
 import sys
@@ -12,6 +19,8 @@ import numpy as np
 import cupy as cp
 
 quota = int(sys.argv[1])
+matmul = "--matmul" in sys.argv[2:]
+matmul_refused = "--matmul-refused" in sys.argv[2:]
 failed = []
 
 
@@ -72,6 +81,40 @@ graph.launch(stream=s)
 graph.launch(stream=s)
 s.synchronize()
 check(np.allclose(z.get(), 4 * np.arange(1000)), "CUDA graph capture and replay")
+
+
+def close(got, want, tol):
+    err = float(np.abs(np.asarray(got, dtype=np.complex128) - want).max())
+    return err <= tol, err
+
+
+rng = np.random.default_rng(7)
+ma = rng.random((127, 65), dtype=np.float32) - 0.5
+mb = rng.random((65, 93), dtype=np.float32) - 0.5
+if matmul:
+    want = ma.astype(np.float64) @ mb
+    for dt, tol in ((np.float32, 1e-5), (np.float16, 2e-2), (np.float64, 1e-12)):
+        a16, b16 = ma.astype(dt), mb.astype(dt)
+        ok, err = close((cp.asarray(a16) @ cp.asarray(b16)).get(), a16.astype(np.float64) @ b16.astype(np.float64), tol)
+        check(ok, "matmul %s 127x65 @ 65x93 (max error %.3g)" % (np.dtype(dt).name, err))
+    x, y = rng.random((3, 40, 30)), rng.random((3, 30, 20))
+    ok, err = close(cp.matmul(cp.asarray(x), cp.asarray(y)).get(), x @ y, 1e-12)
+    check(ok, "batched matmul 3 x (40x30 @ 30x20) (max error %.3g)" % err)
+    v = mb[:, 0].copy()
+    ok, err = close((cp.asarray(ma) @ cp.asarray(v)).get(), ma.astype(np.float64) @ v, 1e-5)
+    check(ok, "matrix-vector product (max error %.3g)" % err)
+    ok, err = close(float(cp.asarray(v) @ cp.asarray(v)), float(v.astype(np.float64) @ v), 1e-5)
+    check(ok, "dot product (max error %.3g)" % err)
+    ca = (ma + 0.5j * ma[::-1]).astype(np.complex64)
+    ok, err = close((cp.asarray(ca) @ cp.asarray(mb.astype(np.complex64))).get(), ca.astype(np.complex128) @ mb, 1e-4)
+    check(ok, "complex64 matmul (max error %.3g)" % err)
+elif matmul_refused:
+    try:
+        (cp.asarray(ma) @ cp.asarray(mb)).get()
+        check(False, "a matmul cuBLAS has no kernel for fails clearly")
+    except Exception as e:
+        check("CUBLAS_STATUS_" in str(e), "a matmul cuBLAS has no kernel for fails clearly (%s: %s)" % (type(e).__name__, str(e).splitlines()[0][:80]))
+    check((cp.arange(10).get() == np.arange(10)).all(), "the process goes on after the refused matmul")
 
 free, total = cp.cuda.runtime.memGetInfo()
 check(total == quota and free <= quota, "memory info is the quota (%d of %d)" % (total, quota))

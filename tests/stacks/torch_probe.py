@@ -5,9 +5,12 @@ PTX, so this device cannot run them. Everything that needs no kernel works:
 initialisation and device queries, the caching allocator within the
 tenant's quota (mem_get_info reports it; past it, OutOfMemoryError), copies
 both ways, cuBLAS's initialisation. A kernel launch and a cuBLAS matmul
-fail with a clear error, and the process goes on. Prints "ok <check>" per check; exits 1 if any fails.
+fail with a clear error, and the process goes on; with --matmul (a device
+reporting an architecture no library ships machine code for), cuBLAS's
+products run instead and are checked against the host's. Prints
+"ok <check>" per check; exits 1 if any fails.
 
-Usage: torch_probe.py QUOTA_BYTES [--cublas-refused]
+Usage: torch_probe.py QUOTA_BYTES [--cublas-refused | --matmul]
 """
 import sys
 
@@ -18,6 +21,10 @@ quota = int(sys.argv[1])
 # NVIDIA's driver refuses cubins, and cuBLAS's PTX is for compute 12.0),
 # cuBLAS cannot start: then its refusal is what is checked.
 cublas_refused = "--cublas-refused" in sys.argv[2:]
+# On a CPU device that reports an architecture no library ships machine
+# code for, cuBLAS takes its forward-compatible PTX kernels: then its
+# products run and are checked (docs/cuda-stacks.md).
+matmul = "--matmul" in sys.argv[2:]
 failed = []
 
 
@@ -62,7 +69,8 @@ except Exception as e:
 # cuBLAS starts through this driver: cublasCreate loads its kernel
 # libraries, reads its constants, resolves the driver entry points it
 # looks up by name and its private tables (docs/cuda-stacks.md). Its GEMM
-# kernels are cubins too, so a matmul is refused with cuBLAS's error.
+# kernels for the device's architecture are cubins too, so a matmul is
+# refused with cuBLAS's error (unless --matmul, above).
 if cublas_refused:
     try:
         torch.cuda.current_blas_handle()
@@ -75,14 +83,39 @@ else:
         check(torch.cuda.current_blas_handle() != 0, "cuBLAS initialises (cublasCreate)")
     except Exception as e:
         check(False, "cuBLAS initialises (cublasCreate) (%s: %s)" % (type(e).__name__, str(e).splitlines()[0]))
-a = torch.ones(32, 64).cuda()
-b = torch.ones(64, 16).cuda()
-try:
-    (a @ b).cpu()
-    check(False, "a cuBLAS matmul without PTX fails clearly")
-except Exception as e:
-    msg = str(e).splitlines()[0]
-    check("CUBLAS_STATUS_" in msg, "a cuBLAS matmul without PTX fails clearly (%s: %s)" % (type(e).__name__, msg[:100]))
+if matmul:
+    # cuBLAS's forward-compatible PTX kernels, on a device reporting an
+    # architecture no library ships machine code for: each product is
+    # checked against the same product in float64 on the host.
+    torch.manual_seed(0)
+    a, b, bias = torch.randn(40, 24), torch.randn(24, 16), torch.randn(16)
+
+    def product(name, run, want, tol):
+        try:
+            got = run().cpu().double()
+            err = (got - want).abs().max().item()
+            check(err <= tol, "%s (max error %.3g)" % (name, err))
+        except Exception as e:
+            check(False, "%s (%s: %s)" % (name, type(e).__name__, str(e).splitlines()[0][:100]))
+
+    for dt, tol in ((torch.float32, 1e-5), (torch.float16, 2e-2), (torch.bfloat16, 0.1), (torch.float64, 1e-12)):
+        ta, tb = a.to(dt), b.to(dt)
+        product("matmul %s 40x24 @ 24x16" % str(dt).split(".")[1], lambda: ta.cuda() @ tb.cuda(), ta.double() @ tb.double(), tol)
+    product("addmm with a bias (a Linear layer's forward)", lambda: torch.addmm(bias.cuda(), a.cuda(), b.cuda()), bias.double() + a.double() @ b.double(), 1e-5)
+    p, q = torch.randn(3, 10, 8), torch.randn(3, 8, 6)
+    product("bmm 3 x (10x8 @ 8x6)", lambda: torch.bmm(p.cuda(), q.cuda()), p.double() @ q.double(), 1e-5)
+    f8a, f8b = torch.randn(32, 64).to(torch.float8_e4m3fn), torch.randn(32, 64).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0)
+    product("_scaled_mm float8_e4m3fn", lambda: torch._scaled_mm(f8a.cuda(), f8b.cuda().t(), scale_a=one.cuda(), scale_b=one.cuda(), out_dtype=torch.float32), f8a.double() @ f8b.double().t(), 1e-4)
+else:
+    a = torch.ones(32, 64).cuda()
+    b = torch.ones(64, 16).cuda()
+    try:
+        (a @ b).cpu()
+        check(False, "a cuBLAS matmul without PTX fails clearly")
+    except Exception as e:
+        msg = str(e).splitlines()[0]
+        check("CUBLAS_STATUS_" in msg, "a cuBLAS matmul without PTX fails clearly (%s: %s)" % (type(e).__name__, msg[:100]))
 
 # The process is still usable after the refused launch: no crash, no hang.
 try:

@@ -1,7 +1,8 @@
 //! Real CUDA software runs unmodified on the vGPU's CPU device as a host
 //! tenant: a C program on NVIDIA's CUDA runtime (libcudart 12.9 and 13.0)
-//! that compiles its kernels with NVRTC, numba-cuda, CuPy for CUDA 12 and
-//! 13, and PyTorch as far as its cubin-only kernels allow, each from PyPI
+//! that compiles its kernels with NVRTC, a C program on cuBLAS, numba-cuda,
+//! CuPy for CUDA 12 and 13, and PyTorch as far as its cubin-only kernels
+//! allow, each from PyPI
 //! (pinned in tests/nvrtc and tests/stacks requirements, installed by
 //! scripts/setup.sh in target/pyenv, pyenv13 and pyenvtorch). Each sees
 //! its quota as the device's memory and gets out-of-memory past it.
@@ -15,15 +16,32 @@ use vgpu_tests::*;
 
 const QUOTA: u64 = 192 << 20;
 
+/// A compute capability above every architecture NVIDIA's libraries ship
+/// machine code for: a CPU device reporting it gets their
+/// forward-compatible PTX (cuBLAS's GEMMs), as a GPU newer than the
+/// libraries would (docs/cuda-stacks.md).
+const PTX_ONLY_CC: &str = "13.0";
+
 fn pyenv() -> PathBuf {
-    let p = workspace().join("target/pyenv");
+    python_env("pyenv")
+}
+
+/// target/NAME, a virtual environment scripts/setup.sh makes.
+fn python_env(name: &str) -> PathBuf {
+    let p = workspace().join("target").join(name);
     assert!(p.join("bin/python").exists(), "{} is missing: run scripts/setup.sh (it installs the CUDA stacks from PyPI)", p.display());
     p
 }
 
-/// NVIDIA's packages in the environment (nvidia/cuda_runtime, ...).
+/// NVIDIA's packages in target/pyenv (nvidia/cuda_runtime, ...).
 fn nvidia(pkg: &str) -> PathBuf {
-    let site = std::fs::read_dir(pyenv().join("lib")).expect("target/pyenv/lib").flatten().map(|e| e.path().join("site-packages")).find(|p| p.is_dir()).expect("site-packages in target/pyenv");
+    nvidia_in("pyenv", pkg)
+}
+
+/// NVIDIA's packages in the environment target/`env`.
+fn nvidia_in(env: &str, pkg: &str) -> PathBuf {
+    let lib = python_env(env).join("lib");
+    let site = std::fs::read_dir(&lib).unwrap_or_else(|e| panic!("{}: {e}", lib.display())).flatten().map(|e| e.path().join("site-packages")).find(|p| p.is_dir()).expect("site-packages");
     let d = site.join("nvidia").join(pkg);
     assert!(d.is_dir(), "{} is missing: run scripts/setup.sh", d.display());
     d
@@ -144,6 +162,64 @@ fn the_same_program_on_the_cuda_13_runtime_runs_on_the_cpu_device() {
     runtime_probe_passes(Runtime::Cuda13, "runtime 13000");
 }
 
+/// samples/cublas_probe.c, built once per test binary against cuBLAS 13.4
+/// and the CUDA 13 runtime from PyPI (target/pyenv13).
+fn cublas_probe() -> &'static PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let cu13 = nvidia_in("pyenv13", "cu13");
+        let out = bin_dir().join(format!("cublas_probe-{}", std::process::id()));
+        let st = Command::new("cc")
+            .args(["-O2", "-Wall", "-Werror", "-I"])
+            .arg(cu13.join("include"))
+            .arg("-o")
+            .arg(&out)
+            .arg(workspace().join("samples/cublas_probe.c"))
+            .arg("-L")
+            .arg(cu13.join("lib"))
+            .args(["-l:libcublasLt.so.13", "-l:libcublas.so.13", "-l:libcudart.so.13", "-lm"])
+            .status()
+            .expect("running cc");
+        assert!(st.success(), "compiling samples/cublas_probe.c against cuBLAS 13 failed");
+        out
+    })
+}
+
+/// The cuBLAS probe as a tenant of a fresh daemon whose device reports `cc`.
+fn cublas_probe_passes(cc: &str, args: &[&str]) -> String {
+    let m = Mediator::start(&["--device-memory", "512MiB", "--compute-capability", cc]);
+    let sock = m.tenant("blas", "192MiB");
+    let mut c = Command::new(cublas_probe());
+    c.args(args).env("VGPU_SOCKET", &sock).env("LD_LIBRARY_PATH", format!("{}:{}", lib_dir().display(), nvidia_in("pyenv13", "cu13").join("lib").display()));
+    let text = run(c, "cublas_probe", "cublas probe: all passed");
+    assert!(text.contains(&format!("compute {cc}")), "{text}");
+    text
+}
+
+/// A C program on cuBLAS and cuBLASLt: on a device reporting an
+/// architecture newer than cuBLAS knows, cuBLAS runs its
+/// forward-compatible PTX (tensor-core GEMMs with `mma.sync`, `ldmatrix`,
+/// `cp.async`) on the interpreter, and SGEMM (every transpose), DGEMM,
+/// GemmEx with FP16 and BF16 operands, FP16 accumulation and TF32,
+/// strided batches, and cuBLASLt's FP8 (E4M3) and BF16-with-bias-and-ReLU
+/// products match a host reference.
+#[test]
+fn cublas_gemms_match_a_host_reference_on_a_ptx_only_architecture() {
+    let text = cublas_probe_passes(PTX_ONLY_CC, &[]);
+    for check in ["sgemm nn", "sgemm tt", "dgemm nt", "gemmex f16 in", "gemmex bf16 in", "hgemm nn", "gemmex tf32", "sgemm strided batched", "cublasLt fp8 e4m3", "cublasLt bf16 with bias and relu"] {
+        assert!(text.contains(&format!("ok {check}")), "no passed '{check}' check:\n{text}");
+    }
+}
+
+/// On the default device (compute 8.0), cuBLAS's GEMMs for it are
+/// machine code: cublasCreate works, a GEMM fails with cuBLAS's status and
+/// the program goes on.
+#[test]
+fn cublas_gemms_fail_clearly_where_cublas_has_only_machine_code() {
+    let text = cublas_probe_passes("8.0", &["--expect-refused"]);
+    assert!(text.contains("ok sgemm refused (CUBLAS_STATUS_") && text.contains("ok the process goes on"), "{text}");
+}
+
 fn numba_probe_passes(python: PathBuf) -> String {
     let m = Mediator::start(&["--device-memory", "512MiB"]);
     let sock = m.tenant("numba", "192MiB");
@@ -167,13 +243,15 @@ fn numba_cuda_on_cuda_bindings_13_runs_on_the_cpu_device() {
 }
 
 /// The CuPy probe with `python` (its environment's CuPy build) as a
-/// tenant of a fresh daemon.
-fn cupy_probe_passes(python: PathBuf, tag: &str) -> String {
-    let m = Mediator::start(&["--device-memory", "512MiB"]);
+/// tenant of a fresh daemon whose device reports `cc`, checking matrix
+/// products as `matmul` says (`--matmul` or `--matmul-refused`).
+fn cupy_probe_passes(python: PathBuf, tag: &str, cc: &str, matmul: &str) -> String {
+    let m = Mediator::start(&["--device-memory", "512MiB", "--compute-capability", cc]);
     let sock = m.tenant("cupy", "192MiB");
     let mut c = Command::new(python);
     c.arg(workspace().join("tests/stacks/cupy_probe.py"))
         .arg(QUOTA.to_string())
+        .arg(matmul)
         .env("VGPU_SOCKET", &sock)
         .env("LD_LIBRARY_PATH", lib_dir())
         // The CPU device runs PTX: CuPy is told to compile its kernels to
@@ -188,19 +266,31 @@ fn cupy_probe_passes(python: PathBuf, tag: &str) -> String {
     text
 }
 
+/// On the default device (compute 8.0, for which cuBLAS ships machine
+/// code only), a matrix product fails with cuBLAS's error and CuPy goes on.
 #[test]
 fn cupy_arrays_reductions_and_raw_kernels_run_on_the_cpu_device() {
-    cupy_probe_passes(pyenv().join("bin/python"), "12");
+    let text = cupy_probe_passes(pyenv().join("bin/python"), "12", "8.0", "--matmul-refused");
+    assert!(text.contains("ok a matmul cuBLAS has no kernel for fails clearly"), "{text}");
 }
 
-/// CuPy's CUDA 13 build: NVIDIA's CUDA 13.0 runtime inside it, and CUB's
-/// kernels as zstd-compressed compute_120 PTX.
+/// CuPy for CUDA 12 with cuBLAS 12.9: on a device reporting an
+/// architecture newer than cuBLAS knows, its products (FP32, FP16, FP64,
+/// batched, matrix-vector, dot, complex) run its forward-compatible PTX
+/// kernels and match NumPy's.
+#[test]
+fn cupy_matmul_runs_cublas_ptx_kernels_on_a_ptx_only_architecture() {
+    let text = cupy_probe_passes(pyenv().join("bin/python"), "12-ptx", PTX_ONLY_CC, "--matmul");
+    assert!(text.contains("ok matmul float32") && text.contains("ok complex64 matmul"), "{text}");
+}
+
+/// CuPy's CUDA 13 build: NVIDIA's CUDA 13.0 runtime inside it, CUB's
+/// kernels as zstd-compressed compute_120 PTX, and cuBLAS 13.4's products.
 #[test]
 fn cupy_for_cuda_13_runs_on_the_cpu_device() {
-    let py = workspace().join("target/pyenv13/bin/python");
-    assert!(py.exists(), "{} is missing: run scripts/setup.sh (it installs CuPy for CUDA 13)", py.display());
-    let text = cupy_probe_passes(py, "13");
+    let text = cupy_probe_passes(python_env("pyenv13").join("bin/python"), "13", PTX_ONLY_CC, "--matmul");
     assert!(text.contains("cupy-cuda13x"), "the probe did not run CuPy's CUDA 13 build:\n{text}");
+    assert!(text.contains("ok matmul float16") && text.contains("ok batched matmul"), "{text}");
 }
 
 /// PyTorch (PyPI's default wheel, CUDA 13.2) as far as its binaries allow
@@ -232,6 +322,18 @@ fn pytorch_on_the_cuda_backend_initialises_allocates_and_copies() {
     // GPU cannot run: there cublasCreate is refused, clearly. A real GPU
     // runs the cubin.
     torch_probe_passes_with(v["socket"].as_str().expect("socket"), &["--cublas-refused"]);
+}
+
+/// PyTorch's products through cuBLAS on a device reporting an
+/// architecture newer than cuBLAS knows: matmuls in FP32, FP16, BF16 and
+/// FP64, addmm with a bias (a Linear layer's forward), bmm and an FP8
+/// `_scaled_mm` run cuBLAS's forward-compatible PTX and match the host's;
+/// PyTorch's own kernels (cubins) are still refused clearly.
+#[test]
+fn pytorch_matmuls_run_cublas_ptx_kernels_on_a_ptx_only_architecture() {
+    let m = Mediator::start(&["--device-memory", "512MiB", "--compute-capability", PTX_ONLY_CC]);
+    let sock = m.tenant("torch", "192MiB");
+    torch_probe_passes_with(&sock, &["--matmul"]);
 }
 
 fn torch_probe_passes(sock: impl AsRef<std::ffi::OsStr>) {
