@@ -528,11 +528,32 @@ pub fn gpu_mediator(test: &str, extra: &[&str]) -> Option<(Mediator, String)> {
         }
     };
     let name = v["devices"][0]["name"].as_str().expect("device name").to_string();
-    // Every tenant in an executor of its own: on NVIDIA's driver the
-    // process is what isolates address spaces and faults.
+    Some((Mediator::start_with_env(&gpu_args(extra), env), name))
+}
+
+/// A [`gpu_mediator`]'s flags. Every tenant in an executor of its own: on
+/// NVIDIA's driver the process is what isolates address spaces and faults.
+fn gpu_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["--cuda", "required", "--cpu-devices", "0", "--isolation", "process"];
     args.extend_from_slice(extra);
-    Some((Mediator::start_with_env(&args, env), name))
+    args
+}
+
+impl Mediator {
+    /// Kills a [`gpu_mediator`] (SIGKILL: no clean shutdown) and starts a
+    /// new one on its run directory, with `extra` flags, on the same GPUs
+    /// or test double.
+    pub fn kill_and_restart_gpu(&mut self, extra: &[&str]) {
+        let env = if self.on_test_driver { test_driver_dir().map(|d| test_driver_env(&d)).unwrap_or_default() } else { Vec::new() };
+        self.stop_with(libc::SIGKILL);
+        let _ = std::fs::remove_file(self.api_path());
+        let on_test_driver = self.on_test_driver;
+        let mut fresh = Self::spawn_in(self.run_dir.clone(), &gpu_args(extra), Spawn { env, ..Spawn::default() });
+        fresh.on_test_driver = on_test_driver;
+        // The old handle must not clean the run directory up.
+        let old = std::mem::replace(self, fresh);
+        std::mem::forget(old);
+    }
 }
 
 /// The value of the series `name` whose labels start with `labels` in a

@@ -291,6 +291,21 @@ fn gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant() {
     assert_eq!(m.metric("vgpu_device_quarantined", "device=\"gpu0\""), Some(1.0));
 }
 
+/// The MPS control command a test drives: NVIDIA's on a GPU (None, with
+/// the skip reported, where it is not on PATH), the test double's
+/// otherwise.
+fn mps_control_for(test: &str) -> Option<String> {
+    if discover_gpus().is_err() {
+        return Some(bin("vgpu-testdriver-mps").display().to_string());
+    }
+    let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvidia-cuda-mps-control").exists()));
+    if !on_path {
+        report_skip(test, "a GPU is here but NVIDIA's nvidia-cuda-mps-control is not on PATH");
+        return None;
+    }
+    Some("nvidia-cuda-mps-control".to_string())
+}
+
 /// The SM share an executor was started with, from its environment
 /// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), and its MPS pipe directory.
 fn mps_env(pid: u32) -> (Option<u32>, Option<String>) {
@@ -326,16 +341,7 @@ fn within(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
     let test = "gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault";
-    let control = if discover_gpus().is_ok() {
-        let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvidia-cuda-mps-control").exists()));
-        if !on_path {
-            report_skip(test, "a GPU is here but NVIDIA's nvidia-cuda-mps-control is not on PATH");
-            return;
-        }
-        "nvidia-cuda-mps-control".to_string()
-    } else {
-        bin("vgpu-testdriver-mps").display().to_string()
-    };
+    let Some(control) = mps_control_for(test) else { return };
     let cfg = std::env::temp_dir().join(format!("vgpu-gpu-mps-{}.toml", std::process::id()));
     std::fs::write(&cfg, format!("[devices]\ncpu = 0\ncuda = \"required\"\nmps_control = \"{control}\"\nmps_max_clients = 2\n")).expect("config");
     let Some((m, gpu)) = gpu_mediator(test, &["--config", cfg.to_str().expect("utf8")]) else { return };
@@ -379,6 +385,19 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
     for sock in [&a, &b] {
         assert!(run_ok(sample("vectorAdd", sock)).contains("PASSED"), "served afresh after the fault");
     }
+    // An executor that ends without a word (killed, as by the OOM killer)
+    // may have left the server failed too: its co-client is ended with
+    // it, once, and both are served afresh.
+    let pid_of = |t: &str| m.device(&gpu)["executors"].as_array().and_then(|e| e.iter().find(|x| x["tenant"] == t).and_then(|x| x["pid"].as_u64()));
+    let (la, hb) = (pid_of("light").expect("light's executor"), pid_of("heavy").expect("heavy's executor"));
+    // SAFETY: signals the light tenant's executor, a live child of the mediator.
+    unsafe { libc::kill(la as i32, libc::SIGKILL) };
+    within(30, "the co-client's executor ends with the killed one", || pid_of("heavy").is_some_and(|p| p != hb) && pid_of("light").is_some_and(|p| p != la));
+    let (la2, hb2) = (pid_of("light"), pid_of("heavy"));
+    for sock in [&a, &b] {
+        assert!(run_ok(sample("vectorAdd", sock)).contains("PASSED"), "served afresh after the kill");
+    }
+    assert_eq!((pid_of("light"), pid_of("heavy")), (la2, hb2), "one failure ended the executors once, not the fresh ones");
     // Deleting the tenants and then the pool stops MPS.
     for t in ["light", "heavy"] {
         assert_eq!(m.api("DELETE", &format!("/tenants/{t}"), None).0, 204);
@@ -386,5 +405,47 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
     within(30, "the tenants are gone", || m.api("DELETE", "/pools/trusted", None).0 == 204);
     assert!(!pipe.exists(), "the MPS directories are removed with the pool: {}", pipe.display());
     assert_eq!(m.device(&gpu)["lanes"], 1, "back to one executor at a time");
+    let _ = std::fs::remove_file(&cfg);
+}
+
+/// A mediator killed outside systemd (SIGKILL: it stops nothing) leaves its
+/// MPS control daemon running; the next start on its run directory stops
+/// that daemon before it starts a GPU's executors, so the restored tenant
+/// is served by a new server.
+#[test]
+fn gpu_an_mps_daemon_a_killed_mediator_left_is_stopped_at_the_next_start() {
+    let test = "gpu_an_mps_daemon_a_killed_mediator_left_is_stopped_at_the_next_start";
+    let Some(control) = mps_control_for(test) else { return };
+    let cfg = std::env::temp_dir().join(format!("vgpu-gpu-mps-stale-{}.toml", std::process::id()));
+    std::fs::write(&cfg, format!("[devices]\ncpu = 0\ncuda = \"required\"\nmps_control = \"{control}\"\n")).expect("config");
+    let flags = ["--config", cfg.to_str().expect("path")];
+    let Some((mut m, gpu)) = gpu_mediator(test, &flags) else { return };
+    let (st, v) = m.api("POST", "/pools", Some(serde_json::json!({ "name": "trusted", "devices": [gpu], "sharing": "mps" })));
+    assert_eq!(st, 201, "{v}");
+    let v = m.tenant_with(serde_json::json!({ "name": "solo", "memory": "64MiB", "device": gpu }));
+    let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
+    assert!(run_ok(sample("vectorAdd", &sock)).contains("PASSED"));
+    let pipe = mps_env(m.serving_pid(&gpu, "solo")).1.expect("the executor's MPS pipe directory");
+    // The server's pid, as the control daemon reports it to a client
+    // (the executor is connected).
+    let server = || {
+        let mut c = std::process::Command::new(&control);
+        c.env("CUDA_MPS_PIPE_DIRECTORY", &pipe).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null());
+        let mut child = c.spawn().expect("the MPS control command");
+        use std::io::Write;
+        let _ = child.stdin.take().expect("stdin").write_all(b"get_server_list\n");
+        let out = child.wait_with_output().expect("its answer");
+        // One server pid a line (NVIDIA's lists each server).
+        String::from_utf8_lossy(&out.stdout).lines().next().and_then(|l| l.trim().parse::<u32>().ok())
+    };
+    let old = server().expect("the MPS server of the pool's GPU");
+    let running = |p: u32| std::fs::read_to_string(format!("/proc/{p}/status")).is_ok_and(|s| !s.contains("State:\tZ"));
+    m.kill_and_restart_gpu(&flags);
+    within(30, "the daemon the killed mediator left is stopped", || !running(old));
+    // The restored tenant gets an executor under a new server.
+    within(30, "the restored tenant has an executor", || m.device(&gpu)["executors"].as_array().is_some_and(|e| e.len() == 1));
+    assert!(run_ok(sample("vectorAdd", &sock)).contains("PASSED"), "served under a new MPS server");
+    assert_eq!(m.api("DELETE", "/tenants/solo", None).0, 204);
+    within(30, "the tenant is gone", || m.api("DELETE", "/pools/trusted", None).0 == 204);
     let _ = std::fs::remove_file(&cfg);
 }

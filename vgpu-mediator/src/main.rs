@@ -420,6 +420,7 @@ fn run() -> anyhow::Result<()> {
     let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit, Some(exec_uids));
     let _ = control.mps_control.set(cfg.devices.mps_control.clone());
     let _ = control.mps_max_clients.set(cfg.devices.mps_max_clients);
+    control.stop_stale_mps();
     let state_dir = cli.state_dir.or(cfg.vms.state_dir.clone()).unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu") } else { run_dir.join("state") });
     let pass =
         Passthrough::new(&cfg.devices.passthrough, vgpu_topology::sysfs_root(), &state_dir, Arc::new(passthrough::sysfs_write), passthrough::gpu_scrubber(exe.clone())).map_err(anyhow::Error::msg)?;

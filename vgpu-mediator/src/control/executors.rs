@@ -111,6 +111,9 @@ pub struct Exec {
     started: std::time::Instant,
     /// Replaced or retired on purpose: its exit is not a crash.
     retired: AtomicBool,
+    /// Its end was already passed on to the other clients of its MPS
+    /// server (or it was ended as one of them): its exit fails no one else.
+    pub(super) peers_ended: AtomicBool,
     /// What the kernel bounds it to, and its cgroup (removed once it is
     /// reaped).
     pub bounds: ExecBounds,
@@ -461,6 +464,7 @@ impl Control {
             reaped: Mutex::new(false),
             started: std::time::Instant::now(),
             retired: AtomicBool::new(false),
+            peers_ended: AtomicBool::new(false),
             bounds,
             cgroup,
         });
@@ -564,6 +568,12 @@ impl Control {
         };
         let delay = restart_delay(quick.saturating_sub(1));
         warn!(tenant = %e.tenant, device = %slot.spec.name, ?status, ?delay, "tenant executor exited; the tenant lost its connections; starting a new one");
+        // An MPS client that ended without saying why (a crash in the
+        // driver, an OOM kill) may have left its server failed for every
+        // client, as a fatal fault does.
+        if self.sharing_of(&slot.spec.name) == super::pool::Sharing::Mps {
+            self.end_mps_peers(slot, e, &format!("its executor exited unexpectedly ({status:?})"));
+        }
         self.starting_until_up(slot, &e.tenant, delay);
     }
 

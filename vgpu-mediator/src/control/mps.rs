@@ -11,8 +11,9 @@
 //! every client of the server, and the server takes no new client until
 //! all of those have exited; and the clients share one uid (a server
 //! serves one user). So when one executor of an MPS GPU meets a fatal
-//! error, the control plane ends every executor of that GPU at once, and
-//! each tenant gets a fresh one as soon as the server takes clients again.
+//! error, or ends without saying why (a crash, an OOM kill), the control
+//! plane ends every executor of that GPU at once, and each tenant gets a
+//! fresh one as soon as the server takes clients again.
 //!
 //! One control daemon (`devices.mps_control`, NVIDIA's
 //! `nvidia-cuda-mps-control`) runs per GPU or MIG instance of such a pool,
@@ -233,6 +234,36 @@ impl Control {
         self.mps_control.get().cloned().unwrap_or_else(|| DEFAULT_CONTROL.into())
     }
 
+    /// Stops the MPS control daemons an earlier run on this run directory
+    /// left behind (it was killed, so it could not): each is told to quit,
+    /// as the uid that owns its directory, and its directories go. A new
+    /// daemon for the GPU would otherwise meet the old one's pipe.
+    pub fn stop_stale_mps(&self) {
+        use std::os::unix::fs::MetadataExt;
+        let top = self.run_dir.join("mps");
+        let Ok(entries) = std::fs::read_dir(&top) else { return };
+        for e in entries.flatten() {
+            let dir = e.path();
+            // Directories only (not links, not the commands' stderr files).
+            let Ok(md) = std::fs::symlink_metadata(&dir) else { continue };
+            if !md.is_dir() {
+                continue;
+            }
+            let device = e.file_name().to_string_lossy().into_owned();
+            // SAFETY: geteuid has no preconditions.
+            let me = unsafe { libc::geteuid() };
+            let owner = (md.uid() != me).then(|| Owner { uid: md.uid(), gid: md.gid() });
+            let d = MpsDaemon { control: self.control_command(), pipe: dir.join("pipe"), dir, errors: top.join(format!("{device}.err")), owner, ranged: false };
+            let alive = d.alive();
+            match d.stop() {
+                Ok(()) => warn!(device = %device, uid = ?owner.map(|o| o.uid), "stopped the MPS control daemon an earlier run left behind"),
+                Err(e) if alive => warn!(device = %device, error = %super::passthrough::chain(&e), "an MPS control daemon an earlier run left behind did not quit; its directories are removed"),
+                // No daemon listened: only its directories were left.
+                Err(_) => {}
+            }
+        }
+    }
+
     /// Whether every device of `spec` can be shared under MPS: GPUs (or
     /// MIG instances) whose tenants have executors, with NVIDIA's control
     /// daemon at hand.
@@ -390,14 +421,30 @@ impl Control {
             info!(device = %slot.spec.name, tenant, "the executor ends on an unrecoverable error ({why}); only its tenant is affected");
             return;
         }
+        self.end_mps_peers(slot, exec, why);
+    }
+
+    /// `exec`, a client of the GPU's MPS server, failed (`why`): every
+    /// other executor of the GPU ends now, once per failure. Those ended
+    /// here pass nothing on when they exit, so one failure never ends the
+    /// fresh executors started after it.
+    pub(super) fn end_mps_peers(&self, slot: &DeviceSlot, exec: &super::executors::Exec, why: &str) {
+        if exec.peers_ended.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let tenant = exec.tenant.as_str();
         let others: Vec<_> = slot.executors().into_iter().filter(|e| e.tenant != tenant).collect();
+        if others.is_empty() {
+            return;
+        }
         warn!(
             device = %slot.spec.name,
             tenant,
             others = ?others.iter().map(|e| e.tenant.as_str()).collect::<Vec<_>>(),
-            "a fatal error under MPS ({why}) fails every client of the GPU: ending all of its executors; each tenant gets a new one once the MPS server takes clients again"
+            "a failed client under MPS ({why}) fails every client of the GPU: ending all of its executors; each tenant gets a new one once the MPS server takes clients again"
         );
         for e in others {
+            e.peers_ended.store(true, Ordering::Release);
             // As a crash would: the tenant gets a new executor.
             e.signal_kill();
         }
