@@ -195,6 +195,39 @@ fn deleting_a_tenant_ends_its_executor_and_frees_its_uid() {
     assert_eq!(executors(&m).len(), 1);
 }
 
+/// Two mediators on one host with the same executor uid range (the
+/// default) never run two executors as one uid: each uid is claimed
+/// host-wide while it is in use, and a mediator that is killed leaves no
+/// claim behind.
+#[test]
+fn two_mediators_on_one_host_never_share_an_executor_uid() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return report_skip("two_mediators_on_one_host_never_share_an_executor_uid", "the test is not root: executors keep the test's uid");
+    }
+    let uids = |m: &Mediator| -> Vec<u64> { executors(m).iter().map(|e| e.2.expect("an executor uid")).collect() };
+    let first = process_mediator();
+    first.tenant("a1", "16MiB");
+    first.tenant("a2", "16MiB");
+    let mut second = process_mediator();
+    second.tenant("b1", "16MiB");
+    second.tenant("b2", "16MiB");
+    let (ua, ub) = (uids(&first), uids(&second));
+    assert_eq!((ua.len(), ub.len()), (2, 2), "{ua:?} {ub:?}");
+    assert!(ua.iter().all(|u| !ub.contains(u)), "two mediators gave out one uid: first {ua:?}, second {ub:?}");
+    for u in ua.iter().chain(&ub) {
+        let claim = std::path::Path::new("/run/vgpu-executor-uids").join(u.to_string());
+        assert!(claim.exists(), "no claim {} for a live executor's uid", claim.display());
+    }
+    // Killed, the second mediator's claims go with it; a mediator started
+    // after it gives out neither the first's uids nor any its own
+    // executors may still run as.
+    second.kill_and_restart(&["--isolation", "process", "--device-memory", "256MiB"]);
+    second.tenant("c", "16MiB");
+    let uc = uids(&second);
+    assert!(!uc.is_empty() && uc.iter().all(|u| !ua.contains(u)), "the restarted mediator took a uid the first still uses: first {ua:?}, restarted {uc:?}");
+}
+
 #[test]
 fn process_isolation_refuses_overcommit_it_cannot_honour() {
     let out = std::process::Command::new(bin("vgpu-mediatord"))

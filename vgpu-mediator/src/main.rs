@@ -417,6 +417,15 @@ fn run() -> anyhow::Result<()> {
         );
     }
     let exec_uids = config::parse_uid_range(&cfg.devices.executor_uids).map_err(|e| anyhow::anyhow!("devices.executor_uids: {e}"))?;
+    // Run as root, executors get uids of their own, claimed host-wide so a
+    // second mediator on this host never gives out the same ones.
+    let exec_uids = match worker_user {
+        Some(_) => {
+            let dir = std::path::Path::new(vgpu_mediator::control::executors::HOST_CLAIMS);
+            vgpu_mediator::control::executors::UidRange::claimed_in(exec_uids.0, exec_uids.1, dir).context("preparing the host-wide executor uid claims")?
+        }
+        None => vgpu_mediator::control::executors::UidRange::new(exec_uids.0, exec_uids.1),
+    };
     let control = Control::new(&run_dir, exe.clone(), devices, defaults, worker_user, cfg.devices.overcommit, Some(exec_uids));
     let _ = control.mps_control.set(cfg.devices.mps_control.clone());
     let _ = control.mps_max_clients.set(cfg.devices.mps_max_clients);

@@ -28,7 +28,8 @@ impl IntoResponse for ControlError {
             ControlError::InsufficientMemory(_) => StatusCode::INSUFFICIENT_STORAGE,
             ControlError::WorkerDown(_) => StatusCode::SERVICE_UNAVAILABLE,
             ControlError::Timeout(..) => StatusCode::GATEWAY_TIMEOUT,
-            ControlError::Worker(_) | ControlError::Internal(_) | ControlError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ControlError::Uid { err: super::executors::UidError::Exhausted { .. }, .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ControlError::Worker(_) | ControlError::Internal(_) | ControlError::Store(_) | ControlError::Uid { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         };
         (code, Json(ErrorBody { error: self.to_string() })).into_response()
     }

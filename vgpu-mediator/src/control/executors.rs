@@ -11,8 +11,9 @@
 //! executors (their grant channels close); the device's supervisor starts
 //! a new arbiter and new executors.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -186,11 +187,14 @@ fn restart_delay(quick: u32) -> Duration {
 }
 
 /// The uids executors run as: a range of the host's that no user owns,
-/// given one per live executor.
+/// given one per live executor. With a claims directory, each uid given
+/// out is also claimed host-wide (see [`HOST_CLAIMS`]).
 pub struct UidRange {
     first: u32,
     count: u32,
-    used: Mutex<BTreeSet<u32>>,
+    /// The uids given out, each with its claim (its lock file, held).
+    used: Mutex<BTreeMap<u32, Option<std::fs::File>>>,
+    claims: Option<PathBuf>,
 }
 
 /// The default executor uid range (`devices.executor_uids`): above the
@@ -198,20 +202,100 @@ pub struct UidRange {
 /// and below 2^31, which some tools print as negative.
 pub const DEFAULT_UIDS: (u32, u32) = (1_900_000_000, 65_536);
 
+/// Where a mediator running as root claims the executor uids it gives
+/// out: one file per uid, locked (`flock`) while the uid is in use, so two
+/// mediators on one host, whatever their ranges, never give one uid to
+/// two live executors. The lock goes with the mediator's descriptor, so a
+/// mediator that dies leaves no stale claim; a uid a process still runs
+/// as (an executor of that mediator, not yet gone) is skipped as well. In
+/// `/run`, where only root creates files.
+pub const HOST_CLAIMS: &str = "/run/vgpu-executor-uids";
+
+/// Why no executor uid could be given out.
+#[derive(Debug, thiserror::Error)]
+pub enum UidError {
+    #[error("every uid of devices.executor_uids ({first}-{last}) is in use, by this mediator or another on this host")]
+    Exhausted { first: u32, last: u32 },
+    #[error("claiming executor uid {uid} in {dir}")]
+    Claim {
+        uid: u32,
+        dir: String,
+        #[source]
+        err: std::io::Error,
+    },
+}
+
 impl UidRange {
+    /// A range whose uids this process alone gives out.
     pub fn new(first: u32, count: u32) -> UidRange {
-        UidRange { first, count, used: Mutex::new(BTreeSet::new()) }
+        UidRange { first, count, used: Mutex::new(BTreeMap::new()), claims: None }
     }
 
-    pub(super) fn take(&self) -> Option<u32> {
+    /// A range whose uids are also claimed host-wide in `dir` (created,
+    /// or checked to be ours and private).
+    pub fn claimed_in(first: u32, count: u32, dir: &Path) -> Result<UidRange, super::rundir::RunDirError> {
+        super::rundir::private_dir_in_place(dir)?;
+        Ok(UidRange { claims: Some(dir.to_path_buf()), ..UidRange::new(first, count) })
+    }
+
+    pub(super) fn take(&self) -> Result<u32, UidError> {
         let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
-        let uid = (self.first..self.first.saturating_add(self.count)).find(|u| !used.contains(u))?;
-        used.insert(uid);
-        Some(uid)
+        // A uid some process still runs as (an executor of a mediator that
+        // was killed, not yet gone) is not free either.
+        let running = if self.claims.is_some() { uids_running(self.first, self.count) } else { BTreeSet::new() };
+        for uid in self.first..self.first.saturating_add(self.count) {
+            if used.contains_key(&uid) || running.contains(&uid) {
+                continue;
+            }
+            let claim = match &self.claims {
+                None => None,
+                Some(dir) => match claim(dir, uid) {
+                    Ok(Some(f)) => Some(f),
+                    // Another mediator's executor runs as it.
+                    Ok(None) => continue,
+                    Err(err) => return Err(UidError::Claim { uid, dir: dir.display().to_string(), err }),
+                },
+            };
+            used.insert(uid, claim);
+            return Ok(uid);
+        }
+        Err(UidError::Exhausted { first: self.first, last: self.first.saturating_add(self.count - 1) })
     }
 
+    /// Gives `uid` back (its claim, if any, is released).
     pub(super) fn put(&self, uid: u32) {
         self.used.lock().unwrap_or_else(|e| e.into_inner()).remove(&uid);
+    }
+}
+
+/// The uids of `first..first+count` any process on the host runs as
+/// (real, effective, saved or filesystem uid), read from /proc.
+fn uids_running(first: u32, count: u32) -> BTreeSet<u32> {
+    let range = first..first.saturating_add(count);
+    let mut out = BTreeSet::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
+    for e in dir.flatten() {
+        if !e.file_name().as_encoded_bytes().iter().all(u8::is_ascii_digit) {
+            continue;
+        }
+        // A process that ended meanwhile has no status any more.
+        let Ok(status) = std::fs::read_to_string(e.path().join("status")) else { continue };
+        let uids = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap_or("");
+        out.extend(uids.split_whitespace().filter_map(|u| u.parse::<u32>().ok()).filter(|u| range.contains(u)));
+    }
+    out
+}
+
+/// Claims `uid` in `dir`: its lock file, locked without waiting. None when
+/// another process holds it. The file is never removed (removing a locked
+/// file would let a second claimer lock a new file of the same name).
+fn claim(dir: &Path, uid: u32) -> std::io::Result<Option<std::fs::File>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(dir.join(uid.to_string()))?;
+    match f.try_lock() {
+        Ok(()) => Ok(Some(f)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
     }
 }
 
@@ -361,7 +445,7 @@ impl Control {
         };
         let uid = match (&mps, &self.exec_uids, self.worker_user) {
             (Some((d, _)), _, _) => d.owner.filter(|_| d.ranged).map(|o| o.uid),
-            (None, Some(r), Some(_)) => Some(r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for {} (devices.executor_uids)", t.name)))?),
+            (None, Some(r), Some(_)) => Some(r.take().map_err(|err| ControlError::Uid { who: t.name.clone(), err })?),
             _ => None,
         };
         let shared_uid = mps.is_some() && uid.is_some();
@@ -613,6 +697,27 @@ impl Control {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two ranges claiming in one directory (two mediators) never give out
+    /// one uid twice; a uid given back may be taken by the other.
+    #[test]
+    fn uids_claimed_in_one_directory_are_never_given_twice() {
+        let dir = std::env::temp_dir().join(format!("vgpu-uid-claims-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (a, b) = (UidRange::claimed_in(4_000_000_000, 3, &dir).expect("claims"), UidRange::claimed_in(4_000_000_000, 3, &dir).expect("claims"));
+        let (a1, b1, a2) = (a.take().expect("a uid"), b.take().expect("a uid"), a.take().expect("a uid"));
+        assert_eq!([a1, b1, a2], [4_000_000_000, 4_000_000_001, 4_000_000_002]);
+        assert!(matches!(b.take(), Err(UidError::Exhausted { first: 4_000_000_000, last: 4_000_000_002 })));
+        a.put(a1);
+        assert_eq!(b.take().expect("the uid a gave back"), a1);
+        // A link planted in place of the directory is refused.
+        let link = std::env::temp_dir().join(format!("vgpu-uid-claims-link-{}", std::process::id()));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&dir, &link).expect("symlink");
+        assert!(UidRange::claimed_in(4_000_000_000, 3, &link).is_err());
+        let _ = std::fs::remove_file(&link);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn restarts_back_off_from_50_ms_to_5_s() {

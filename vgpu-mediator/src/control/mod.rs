@@ -61,6 +61,13 @@ pub enum ControlError {
     /// The state directory could not record a change.
     #[error("saving to the state directory: {0}")]
     Store(#[from] store::StoreError),
+    /// No executor uid could be given out for `who`.
+    #[error("no executor uid for {who}: {err}")]
+    Uid {
+        who: String,
+        #[source]
+        err: executors::UidError,
+    },
 }
 
 pub struct DeviceSpec {
@@ -360,7 +367,15 @@ pub struct Control {
 }
 
 impl Control {
-    pub fn new(run_dir: &Path, exe: PathBuf, devices: Vec<DeviceSpec>, defaults: TenantDefaults, worker_user: Option<Owner>, default_overcommit: f64, exec_uids: Option<(u32, u32)>) -> Arc<Control> {
+    pub fn new(
+        run_dir: &Path,
+        exe: PathBuf,
+        devices: Vec<DeviceSpec>,
+        defaults: TenantDefaults,
+        worker_user: Option<Owner>,
+        default_overcommit: f64,
+        exec_uids: Option<executors::UidRange>,
+    ) -> Arc<Control> {
         Arc::new_cyclic(|me| Control {
             me: me.clone(),
             run_dir: run_dir.to_path_buf(),
@@ -391,7 +406,7 @@ impl Control {
             stopping: AtomicBool::new(false),
             defaults,
             worker_user,
-            exec_uids: exec_uids.map(|(first, count)| executors::UidRange::new(first, count)),
+            exec_uids,
             exec_seq: std::sync::atomic::AtomicU64::new(0),
             meter: std::sync::OnceLock::new(),
             setting: Mutex::new(()),

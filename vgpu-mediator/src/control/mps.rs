@@ -307,7 +307,7 @@ impl Control {
                 let mut kept = slot.mps_uid.lock().unwrap_or_else(|e| e.into_inner());
                 let u = match *kept {
                     Some(u) => u,
-                    None => r.take().ok_or_else(|| ControlError::Internal(format!("no executor uid left for the MPS clients of {} (devices.executor_uids)", slot.spec.name)))?,
+                    None => r.take().map_err(|err| ControlError::Uid { who: format!("the MPS clients of {}", slot.spec.name), err })?,
                 };
                 *kept = Some(u);
                 (Some(Owner { uid: u, gid: u }), true)

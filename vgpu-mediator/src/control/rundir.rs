@@ -110,6 +110,16 @@ pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<(), RunDirError
     }
 }
 
+/// Creates `dir` (mode 0700; its parents as needed), or checks that the
+/// existing one is a real directory this daemon owns and nobody else can
+/// write.
+pub fn private_dir_in_place(dir: &Path) -> Result<(), RunDirError> {
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+    }
+    own_dir(dir, 0o700, None)
+}
+
 /// Gives the socket at `path` its tenant's owner and mode. The path is
 /// opened without following links and checked to be a socket, so a
 /// planted symlink cannot redirect the change.
