@@ -216,8 +216,10 @@ fn two_mediators_on_one_host_never_share_an_executor_uid() {
     assert_eq!((ua.len(), ub.len()), (2, 2), "{ua:?} {ub:?}");
     assert!(ua.iter().all(|u| !ub.contains(u)), "two mediators gave out one uid: first {ua:?}, second {ub:?}");
     for u in ua.iter().chain(&ub) {
+        // Held: a third claimer's lock would block.
         let claim = std::path::Path::new("/run/vgpu-executor-uids").join(u.to_string());
-        assert!(claim.exists(), "no claim {} for a live executor's uid", claim.display());
+        let f = std::fs::File::open(&claim).unwrap_or_else(|e| panic!("no claim {} for a live executor's uid: {e}", claim.display()));
+        assert!(matches!(f.try_lock_shared(), Err(std::fs::TryLockError::WouldBlock)), "the claim {} of a live executor's uid is not held", claim.display());
     }
     // Killed, the second mediator's claims go with it; a mediator started
     // after it gives out neither the first's uids nor any its own

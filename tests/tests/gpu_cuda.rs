@@ -398,6 +398,14 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
         assert!(run_ok(sample("vectorAdd", sock)).contains("PASSED"), "served afresh after the kill");
     }
     assert_eq!((pid_of("light"), pid_of("heavy")), (la2, hb2), "one failure ended the executors once, not the fresh ones");
+    // Killed again soon after, it does not end its co-client again: a
+    // tenant whose executor keeps dying cannot keep ending its peers' work.
+    let la2 = la2.expect("light's executor");
+    // SAFETY: as above, the light tenant's live executor.
+    unsafe { libc::kill(la2 as i32, libc::SIGKILL) };
+    within(30, "the killed executor is replaced", || pid_of("light").is_some_and(|p| p != la2));
+    assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"));
+    assert_eq!(pid_of("heavy"), hb2, "a second kill within the cascade interval left the co-client running");
     // Deleting the tenants and then the pool stops MPS.
     for t in ["light", "heavy"] {
         assert_eq!(m.api("DELETE", &format!("/tenants/{t}"), None).0, 204);

@@ -242,7 +242,10 @@ impl UidRange {
         let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
         // A uid some process still runs as (an executor of a mediator that
         // was killed, not yet gone) is not free either.
-        let running = if self.claims.is_some() { uids_running(self.first, self.count) } else { BTreeSet::new() };
+        let running = match &self.claims {
+            Some(dir) => uids_running(self.first, self.count).map_err(|err| UidError::Claim { uid: self.first, dir: dir.display().to_string(), err })?,
+            None => BTreeSet::new(),
+        };
         for uid in self.first..self.first.saturating_add(self.count) {
             if used.contains_key(&uid) || running.contains(&uid) {
                 continue;
@@ -259,7 +262,7 @@ impl UidRange {
             used.insert(uid, claim);
             return Ok(uid);
         }
-        Err(UidError::Exhausted { first: self.first, last: self.first.saturating_add(self.count - 1) })
+        Err(UidError::Exhausted { first: self.first, last: self.first.saturating_add(self.count.saturating_sub(1)) })
     }
 
     /// Gives `uid` back (its claim, if any, is released).
@@ -269,21 +272,26 @@ impl UidRange {
 }
 
 /// The uids of `first..first+count` any process on the host runs as
-/// (real, effective, saved or filesystem uid), read from /proc.
-fn uids_running(first: u32, count: u32) -> BTreeSet<u32> {
+/// (real, effective, saved or filesystem uid), read from /proc. Fails
+/// when /proc cannot be read: a free uid is never guessed.
+pub(super) fn uids_running(first: u32, count: u32) -> std::io::Result<BTreeSet<u32>> {
     let range = first..first.saturating_add(count);
     let mut out = BTreeSet::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
-    for e in dir.flatten() {
+    for e in std::fs::read_dir("/proc")? {
+        let e = e?;
         if !e.file_name().as_encoded_bytes().iter().all(u8::is_ascii_digit) {
             continue;
         }
         // A process that ended meanwhile has no status any more.
         let Ok(status) = std::fs::read_to_string(e.path().join("status")) else { continue };
-        let uids = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap_or("");
-        out.extend(uids.split_whitespace().filter_map(|u| u.parse::<u32>().ok()).filter(|u| range.contains(u)));
+        out.extend(status_uids(&status).into_iter().filter(|u| range.contains(u)));
     }
-    out
+    Ok(out)
+}
+
+/// The uids on the `Uid:` line of a /proc/PID/status text.
+fn status_uids(status: &str) -> Vec<u32> {
+    status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap_or("").split_whitespace().filter_map(|u| u.parse().ok()).collect()
 }
 
 /// Claims `uid` in `dir`: its lock file, locked without waiting. None when
@@ -475,15 +483,20 @@ impl Control {
         let fds = fds.min(own_hard_nofile());
         let seq = self.exec_seq.fetch_add(1, Ordering::Relaxed);
         let limits = vgpu_topology::cgroup::Limits { memory_max: Some(memory), pids_max: Some(tasks) };
-        let cgroup = match vgpu_topology::cgroup::Cgroup::create(std::path::Path::new(vgpu_topology::cgroup::CGROUP_ROOT), CGROUP_BASE, &format!("{}.{}.{seq}", slot.spec.name, t.name), &limits)
-            .and_then(|cg| match cg.procs_fd() {
-                Ok(fd) => Ok((cg, fd)),
-                Err(e) => {
-                    // Made but not joinable: it goes now, not later.
-                    cg.remove();
-                    Err(e)
-                }
-            }) {
+        let cgroup = match vgpu_topology::cgroup::Cgroup::create(
+            std::path::Path::new(vgpu_topology::cgroup::CGROUP_ROOT),
+            CGROUP_BASE,
+            &format!("{}.{}.{seq}.{}", slot.spec.name, t.name, std::process::id()),
+            &limits,
+        )
+        .and_then(|cg| match cg.procs_fd() {
+            Ok(fd) => Ok((cg, fd)),
+            Err(e) => {
+                // Made but not joinable: it goes now, not later.
+                cg.remove();
+                Err(e)
+            }
+        }) {
             Ok(c) => Some(c),
             Err(e) => {
                 if !NO_CGROUP_SAID.swap(true, Ordering::Relaxed) {
@@ -652,11 +665,30 @@ impl Control {
         };
         let delay = restart_delay(quick.saturating_sub(1));
         warn!(tenant = %e.tenant, device = %slot.spec.name, ?status, ?delay, "tenant executor exited; the tenant lost its connections; starting a new one");
-        // An MPS client that ended without saying why (a crash in the
-        // driver, an OOM kill) may have left its server failed for every
-        // client, as a fatal fault does.
-        if self.sharing_of(&slot.spec.name) == super::pool::Sharing::Mps {
-            self.end_mps_peers(slot, e, &format!("its executor exited unexpectedly ({status:?})"));
+        // An MPS client killed by a signal without saying why (a crash in
+        // the driver, an OOM kill) may have left its server failed for
+        // every client, as a fatal fault does. At most once a GPU per
+        // MPS_CASCADE_EVERY: a tenant whose executor keeps crashing does
+        // not end its co-clients' work again and again (if the server did
+        // fail, their next call fails and they say so).
+        let signalled = status.as_ref().ok().and_then(std::os::unix::process::ExitStatusExt::signal);
+        // (One whose end was already passed on, or that was ended as a
+        // co-client, counts for nothing here.)
+        let handled = e.peers_ended.load(Ordering::Acquire);
+        if let (Some(sig), super::pool::Sharing::Mps, false) = (signalled, self.sharing_of(&slot.spec.name), handled) {
+            let due = {
+                let mut at = slot.mps_cascade_at.lock().unwrap_or_else(|x| x.into_inner());
+                let due = at.is_none_or(|t| t.elapsed() >= super::mps::MPS_CASCADE_EVERY);
+                if due {
+                    *at = Some(std::time::Instant::now());
+                }
+                due
+            };
+            if due {
+                self.end_mps_peers(slot, e, &format!("its executor was killed by signal {sig}"));
+            } else {
+                warn!(tenant = %e.tenant, device = %slot.spec.name, signal = sig, "an MPS client was killed again within {:?} of the last one that ended its co-clients: they are left running", super::mps::MPS_CASCADE_EVERY);
+            }
         }
         self.starting_until_up(slot, &e.tenant, delay);
     }
@@ -697,6 +729,13 @@ impl Control {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_text_gives_its_four_uids() {
+        let text = "Name:\tvgpu-mediatord\nUmask:\t0022\nState:\tS (sleeping)\nUid:\t1900000003\t1900000004\t1900000005\t1900000006\nGid:\t7\t7\t7\t7\n";
+        assert_eq!(status_uids(text), [1_900_000_003, 1_900_000_004, 1_900_000_005, 1_900_000_006]);
+        assert!(status_uids("Name:\tx\n").is_empty());
+    }
 
     /// Two ranges claiming in one directory (two mediators) never give out
     /// one uid twice; a uid given back may be taken by the other.

@@ -170,6 +170,8 @@ pub struct DeviceSlot {
     /// The uid its MPS daemon and clients run as, once one was taken from
     /// the executor range: kept for the mediator's life.
     mps_uid: Mutex<Option<u32>>,
+    /// When an MPS client's unexplained end last ended its co-clients.
+    mps_cascade_at: Mutex<Option<std::time::Instant>>,
     /// Set while its arbiter is restarted on purpose (its pool's sharing
     /// changed its lanes): not a crash.
     relaunching: AtomicBool,
@@ -397,6 +399,7 @@ impl Control {
                         generation: AtomicU64::new(0),
                         mps: Mutex::new(None),
                         mps_uid: Mutex::new(None),
+                        mps_cascade_at: Mutex::new(None),
                         relaunching: AtomicBool::new(false),
                     })
                 })
@@ -1367,7 +1370,12 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
     }
     let mut stdout = BufReader::new(child.stdout.take().ok_or_else(|| std::io::Error::other("no worker stdout"))?);
     let mut line = String::new();
-    stdout.read_line(&mut line)?;
+    if let Err(e) = stdout.read_line(&mut line) {
+        // Not left running as a uid that is given back.
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
+    }
     match serde_json::from_str::<MsgLine>(&line) {
         Ok(MsgLine { msg: WorkerMsg::Ready { pid }, .. }) => Ok((child, stdin, stdout, pid)),
         _ => {

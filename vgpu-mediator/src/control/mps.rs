@@ -46,6 +46,9 @@ pub const MPS_LANES: u32 = 48;
 pub const DEFAULT_CONTROL: &str = "nvidia-cuda-mps-control";
 /// How long the control daemon's start or stop may take.
 const COMMAND_WAIT: Duration = Duration::from_secs(15);
+/// The least time between two ends of a GPU's MPS clients for a client
+/// killed without a word.
+pub const MPS_CASCADE_EVERY: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum MpsError {
@@ -146,10 +149,20 @@ impl MpsDaemon {
         let top = run_dir.join("mps");
         make_dir(&top, 0o711, None)?;
         let dir = top.join(device);
+        // Fresh directories: nothing an earlier daemon's uid left in them
+        // reaches this daemon's clients.
+        let _ = std::fs::remove_dir_all(&dir);
         make_dir(&dir, 0o700, owner)?;
         let (pipe, log) = (dir.join("pipe"), dir.join("log"));
         make_dir(&pipe, 0o700, owner)?;
         make_dir(&log, 0o700, owner)?;
+        for d in [&dir, &pipe, &log] {
+            let left = std::fs::read_dir(d).map_err(|err| MpsError::Dir { path: d.display().to_string(), err })?.count();
+            let expected = if d == &dir { 2 } else { 0 };
+            if left != expected {
+                return Err(MpsError::Dir { path: d.display().to_string(), err: std::io::Error::other("not empty after it was removed: a process of its uid still writes there") });
+            }
+        }
         let errors = top.join(format!("{device}.err"));
         let d = MpsDaemon { control: control.into(), dir, pipe, errors, owner, ranged: false };
         let mut cmd = d.command();
@@ -254,12 +267,20 @@ impl Control {
             let me = unsafe { libc::geteuid() };
             let owner = (md.uid() != me).then(|| Owner { uid: md.uid(), gid: md.gid() });
             let d = MpsDaemon { control: self.control_command(), pipe: dir.join("pipe"), dir, errors: top.join(format!("{device}.err")), owner, ranged: false };
-            let alive = d.alive();
+            // A daemon of its own uid that no process runs as any more is
+            // gone: only its directories are left (and no command is run
+            // as that uid). Unknown (/proc unreadable): told to quit.
+            let gone = owner.is_some_and(|o| super::executors::uids_running(o.uid, 1).is_ok_and(|r| r.is_empty()));
+            if gone {
+                let _ = std::fs::remove_dir_all(&d.dir);
+                let _ = std::fs::remove_file(&d.errors);
+                continue;
+            }
             match d.stop() {
                 Ok(()) => warn!(device = %device, uid = ?owner.map(|o| o.uid), "stopped the MPS control daemon an earlier run left behind"),
-                Err(e) if alive => warn!(device = %device, error = %super::passthrough::chain(&e), "an MPS control daemon an earlier run left behind did not quit; its directories are removed"),
-                // No daemon listened: only its directories were left.
-                Err(_) => {}
+                Err(e) => {
+                    warn!(device = %device, error = %super::passthrough::chain(&e), "an MPS control daemon an earlier run left behind did not quit (or none listened); its directories are removed")
+                }
             }
         }
     }

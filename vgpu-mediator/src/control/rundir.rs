@@ -44,12 +44,19 @@ fn io(path: &Path, err: std::io::Error) -> RunDirError {
 /// mode. Never follows a symlink at `dir` itself.
 fn own_dir(dir: &Path, mode: u32, gid: Option<u32>) -> Result<(), RunDirError> {
     let p = dir.display().to_string();
-    match std::fs::symlink_metadata(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| io(dir, e))?;
-        }
+    let found = match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => None,
+            // Made by another process meanwhile: checked as found.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Some(std::fs::symlink_metadata(dir).map_err(|e| io(dir, e))?),
+            Err(e) => return Err(io(dir, e)),
+        },
         Err(e) => return Err(io(dir, e)),
-        Ok(m) => {
+        Ok(m) => Some(m),
+    };
+    match found {
+        None => {}
+        Some(m) => {
             if m.file_type().is_symlink() {
                 return Err(RunDirError::Symlink { path: p });
             }
