@@ -153,16 +153,13 @@ impl MpsDaemon {
         // reaches this daemon's clients.
         let _ = std::fs::remove_dir_all(&dir);
         make_dir(&dir, 0o700, owner)?;
+        let left = std::fs::read_dir(&dir).map_err(|err| MpsError::Dir { path: dir.display().to_string(), err })?.count();
+        if left != 0 {
+            return Err(MpsError::Dir { path: dir.display().to_string(), err: std::io::Error::other("not empty after it was removed: a process of its uid still writes there") });
+        }
         let (pipe, log) = (dir.join("pipe"), dir.join("log"));
         make_dir(&pipe, 0o700, owner)?;
         make_dir(&log, 0o700, owner)?;
-        for d in [&dir, &pipe, &log] {
-            let left = std::fs::read_dir(d).map_err(|err| MpsError::Dir { path: d.display().to_string(), err })?.count();
-            let expected = if d == &dir { 2 } else { 0 };
-            if left != expected {
-                return Err(MpsError::Dir { path: d.display().to_string(), err: std::io::Error::other("not empty after it was removed: a process of its uid still writes there") });
-            }
-        }
         let errors = top.join(format!("{device}.err"));
         let d = MpsDaemon { control: control.into(), dir, pipe, errors, owner, ranged: false };
         let mut cmd = d.command();
@@ -215,9 +212,14 @@ impl MpsDaemon {
                 Err(MpsError::Failed { control: self.control.clone(), what: "quit", status: status.to_string(), stderr })
             }
         });
+        self.remove_dirs();
+        r
+    }
+
+    /// Removes its directories and its commands' stderr file.
+    fn remove_dirs(&self) {
         let _ = std::fs::remove_dir_all(&self.dir);
         let _ = std::fs::remove_file(&self.errors);
-        r
     }
 }
 
@@ -272,8 +274,7 @@ impl Control {
             // as that uid). Unknown (/proc unreadable): told to quit.
             let gone = owner.is_some_and(|o| super::executors::uids_running(o.uid, 1).is_ok_and(|r| r.is_empty()));
             if gone {
-                let _ = std::fs::remove_dir_all(&d.dir);
-                let _ = std::fs::remove_file(&d.errors);
+                d.remove_dirs();
                 continue;
             }
             match d.stop() {
