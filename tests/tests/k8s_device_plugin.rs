@@ -244,7 +244,8 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     // memory scrubbed), its spec removed, and its socket refuses the sample.
     k.hold(Vec::new());
     wait_until("the pod's tenant is deleted", Duration::from_secs(20), || tenants(&m).is_empty());
-    assert!(!spec_path.exists(), "the CDI spec is removed with the tenant");
+    // The plugin deletes the tenant first and its spec after: wait for both.
+    wait_until("the CDI spec is removed with the tenant", Duration::from_secs(20), || !spec_path.exists());
     let o = run_with_cdi(&spec);
     assert!(!o.status.success(), "the sample ran after its tenant was deleted");
     let (_, d) = m.api("GET", "/v1/devices/cpu1", None);

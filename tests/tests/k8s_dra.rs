@@ -626,7 +626,9 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     assert_eq!((t["memory"].as_u64(), t["weight"].as_u64(), t["device"].as_str()), (Some(8 << 20), Some(1), Some("cpu0")), "{t}");
     api.lock().unwrap().claims.remove(&("team-a".to_string(), "whole".to_string()));
     wait_until("the deleted claim's tenant is deleted", Duration::from_secs(20), || !tenants(&m).contains(&whole));
-    assert!(!spec_file(&root.join("cdi"), &whole_id).exists());
+    // The driver deletes the tenant first and its spec after: wait for both.
+    let whole_spec = spec_file(&root.join("cdi"), &whole_id);
+    wait_until("the deleted claim's CDI spec is removed", Duration::from_secs(20), || !whole_spec.exists());
 
     // The same claim allocated again elsewhere (deallocated and allocated
     // anew while the kubelet was away): its old tenant goes, a new one is
