@@ -253,7 +253,15 @@ fn config_file_creates_tenants_and_bad_config_is_refused() {
     // A second mediator on the same run dir refuses to start.
     let o = std::process::Command::new(bin("vgpu-mediatord")).arg("--run-dir").arg(&m.run_dir).output().expect("run");
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("another mediator"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let pid = format!("another mediator (pid {})", m.pid());
+    assert!(!o.status.success() && err.contains(&pid) && err.contains("run directory"), "{err}");
+    // So does one with a run dir of its own but the first's state dir,
+    // whose saved tenants and usage records they would both write.
+    let o = std::process::Command::new(bin("vgpu-mediatord")).arg("--run-dir").arg(dir.join("rd2")).arg("--state-dir").arg(m.run_dir.join("state")).output().expect("run");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains(&pid) && err.contains("state directory"), "{err}");
+    assert!(m.api("GET", "/tenants/fromfile", None).0 == 200, "the first mediator keeps serving");
 
     for (name, text, want) in [
         ("unknown.toml", "[devices]\ncpus = 2\n", "unknown field"),

@@ -1,6 +1,7 @@
 //! `vgpu-mediatord`: serves vGPU tenants on NVIDIA GPUs, MIG instances and
 //! CPU reference devices.
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -354,6 +355,10 @@ fn run() -> anyhow::Result<()> {
         None
     };
     rundir::prepare(&run_dir, worker_user).context("preparing the run directory")?;
+    // Held until this process ends: a second mediator on this run
+    // directory stops here, before it touches a socket, a device or an
+    // MPS daemon of this one.
+    let _run_dir_held = rundir::hold(&run_dir).context("holding the run directory")?;
     let api_path = run_dir.join("api.sock");
     if api_path.exists() {
         if std::os::unix::net::UnixStream::connect(&api_path).is_ok() {
@@ -431,6 +436,10 @@ fn run() -> anyhow::Result<()> {
     let _ = control.mps_max_clients.set(cfg.devices.mps_max_clients);
     control.stop_stale_mps();
     let state_dir = cli.state_dir.or(cfg.vms.state_dir.clone()).unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu") } else { run_dir.join("state") });
+    // Two mediators on one state directory would overwrite each other's
+    // saved tenants, VMs and usage records.
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
+    let _state_dir_held = rundir::hold(&state_dir).context("holding the state directory")?;
     let pass =
         Passthrough::new(&cfg.devices.passthrough, vgpu_topology::sysfs_root(), &state_dir, Arc::new(passthrough::sysfs_write), passthrough::gpu_scrubber(exe.clone())).map_err(anyhow::Error::msg)?;
     if let Some(d) = pass.devices.iter().find(|d| control.slot(&d.name).is_some()) {

@@ -33,6 +33,8 @@ pub enum RunDirError {
     Writable { path: String, mode: u32 },
     #[error("{path} is not a socket")]
     NotSocket { path: String },
+    #[error("another mediator{} holds {path}: two daemons cannot share a run or state directory; stop it, or give this one directories of its own", .pid.map(|p| format!(" (pid {p})")).unwrap_or_default())]
+    Held { path: String, pid: Option<u32> },
 }
 
 fn io(path: &Path, err: std::io::Error) -> RunDirError {
@@ -127,6 +129,46 @@ pub fn private_dir_in_place(dir: &Path) -> Result<(), RunDirError> {
     own_dir(dir, 0o700, None)
 }
 
+/// The lock file a running mediator holds in its run and state
+/// directories.
+pub const LOCK_FILE: &str = "mediator.lock";
+
+/// A directory held by this daemon while it runs (see [`hold`]).
+#[derive(Debug)]
+pub struct Held {
+    _file: std::fs::File,
+}
+
+/// Holds `dir` (which must exist) for this daemon: `dir/mediator.lock`,
+/// created if need be (never through a symlink), locked with `flock`
+/// without waiting, with this process's pid written in it for whoever
+/// is refused. The lock lives as long as the returned value, and at most
+/// as long as this process: the kernel drops it when the daemon dies,
+/// however it dies, and its children never inherit it (close-on-exec),
+/// so no stale lock outlives a killed daemon.
+pub fn hold(dir: &Path) -> Result<Held, RunDirError> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(LOCK_FILE);
+    let mut f = match std::fs::OpenOptions::new().read(true).write(true).create(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&path) {
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(RunDirError::Symlink { path: path.display().to_string() }),
+        r => r.map_err(|e| io(&path, e))?,
+    };
+    match f.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            // The holder writes its pid once it has the lock: an empty or
+            // partial file only loses the pid from the message.
+            let mut text = String::new();
+            let pid = f.read_to_string(&mut text).ok().and_then(|_| text.trim().parse().ok());
+            return Err(RunDirError::Held { path: path.display().to_string(), pid });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io(&path, e)),
+    }
+    f.set_len(0).and_then(|()| f.rewind()).and_then(|()| writeln!(f, "{}", std::process::id())).map_err(|e| io(&path, e))?;
+    Ok(Held { _file: f })
+}
+
 /// Gives the socket at `path` its tenant's owner and mode. The path is
 /// opened without following links and checked to be a socket, so a
 /// planted symlink cannot redirect the change.
@@ -183,6 +225,28 @@ mod tests {
         std::fs::remove_dir(d.join("tenants")).unwrap();
         std::os::unix::fs::symlink("/tmp", d.join("tenants")).unwrap();
         assert!(matches!(prepare(&d, None), Err(RunDirError::Symlink { .. })), "a symlinked tenants dir must be refused");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_held_directory_refuses_a_second_holder_until_the_first_lets_go() {
+        let d = tmp("held");
+        prepare(&d, None).unwrap();
+        let first = hold(&d).unwrap();
+        assert_eq!(std::fs::read_to_string(d.join(LOCK_FILE)).unwrap().trim(), std::process::id().to_string());
+        // flock conflicts between two open files, even in one process.
+        match hold(&d) {
+            Err(e @ RunDirError::Held { pid: Some(p), .. }) if p == std::process::id() => assert!(e.to_string().contains(&format!("another mediator (pid {p}) holds")), "{e}"),
+            other => panic!("a second holder got {other:?}"),
+        }
+        drop(first);
+        let again = hold(&d).unwrap();
+        drop(again);
+        // A planted symlink is not followed.
+        std::fs::remove_file(d.join(LOCK_FILE)).unwrap();
+        std::os::unix::fs::symlink(d.join("elsewhere"), d.join(LOCK_FILE)).unwrap();
+        assert!(matches!(hold(&d), Err(RunDirError::Symlink { .. })));
+        assert!(!d.join("elsewhere").exists());
         std::fs::remove_dir_all(&d).unwrap();
     }
 
