@@ -73,11 +73,15 @@ echo "== usage records for billing (vgpuctl usage; the file is $RUN/usage.jsonl)
 echo "== Python CUDA stacks from PyPI, unmodified: numba-cuda as alice, CuPy as bob"
 PY="$ROOT/target/pyenv/bin/python"
 VGPU_SOCKET="$SOCK_A" LD_LIBRARY_PATH="$BIN" "$PY" "$ROOT/tests/stacks/numba_probe.py" $((256 << 20)) 2>&1 | sed "s/^/[alice numba] /" || fail=1
-# The CPU device runs PTX: CuPy compiles its kernels to PTX; CUB, its
-# default reduction accelerator, runs from its prebuilt fatbin's PTX
-# (docs/cuda-stacks.md).
-CUPY_COMPILE_WITH_PTX=1 CUPY_CACHE_DIR="$RUN/cupy-cache" VGPU_SOCKET="$SOCK_B" LD_LIBRARY_PATH="$BIN" \
-    "$PY" "$ROOT/tests/stacks/cupy_probe.py" $((64 << 20)) 2>&1 | sed "s/^/[bob cupy] /" || fail=1
+# The CPU device runs PTX: the tenant's environment (vgpuctl tenant env)
+# has CuPy compile its kernels to PTX; CUB, its default reduction
+# accelerator, runs from its prebuilt fatbin's PTX (docs/cuda-stacks.md).
+echo "bob's environment (vgpuctl tenant env bob):"
+"${CTL[@]}" tenant env bob | sed 's/^/  /'
+(
+    eval "$("${CTL[@]}" tenant env bob)"
+    CUPY_CACHE_DIR="$RUN/cupy-cache" LD_LIBRARY_PATH="$BIN" "$PY" "$ROOT/tests/stacks/cupy_probe.py" $((64 << 20))
+) 2>&1 | sed "s/^/[bob cupy] /" || fail=1
 
 if [ "$fail" -ne 0 ]; then
     echo "demo: FAILED (a program did not pass)" >&2

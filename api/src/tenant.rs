@@ -198,6 +198,13 @@ impl TenantSpec {
     }
 }
 
+/// Whether `k` may name a variable in a tenant's `env` (and so in a
+/// shell's `export` or a CDI spec): a letter or `_`, then letters, digits
+/// and `_`.
+pub fn is_env_name(k: &str) -> bool {
+    k.bytes().next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_') && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
 /// Tenant names become socket file names: keep them short and plain.
 pub fn validate_name(name: &str) -> Result<(), String> {
     let ok = !name.is_empty() && name.len() <= 48 && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());

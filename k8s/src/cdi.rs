@@ -5,6 +5,7 @@
 //! are what the plugin answers with as mounts and environment for
 //! runtimes without CDI.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
@@ -30,14 +31,20 @@ pub struct Edits {
 /// `libcuda.so.1`, and `libnvidia-ml.so.1` where it exists) read-only in
 /// `container_lib_dir`, where the dynamic loader finds it without any
 /// `LD_LIBRARY_PATH` (as NVIDIA's container toolkit places its own).
-pub fn edits(socket: &Path, libs: &[PathBuf], container_lib_dir: &Path) -> Edits {
+/// The environment is `VGPU_SOCKET` and `env`, the settings the daemon
+/// says programs need on the tenant's device, so that nobody has to set
+/// them in the pod (a name no shell takes, or `VGPU_SOCKET` itself, is
+/// left out).
+pub fn edits(socket: &Path, env: &BTreeMap<String, String>, libs: &[PathBuf], container_lib_dir: &Path) -> Edits {
     let mut mounts = vec![(socket.to_path_buf(), PathBuf::from(CONTAINER_SOCKET), false)];
     for l in libs {
         if let Some(name) = l.file_name() {
             mounts.push((l.clone(), container_lib_dir.join(name), true));
         }
     }
-    Edits { env: vec![("VGPU_SOCKET".into(), CONTAINER_SOCKET.into())], mounts }
+    let mut all = vec![("VGPU_SOCKET".to_string(), CONTAINER_SOCKET.to_string())];
+    all.extend(env.iter().filter(|(k, _)| vgpu_api::tenant::is_env_name(k) && *k != "VGPU_SOCKET").map(|(k, v)| (k.clone(), v.clone())));
+    Edits { env: all, mounts }
 }
 
 /// A tenant's name without its secret: `k8s-3-00c0ffee-0123456789abcdef`
@@ -116,7 +123,7 @@ mod tests {
 
     #[test]
     fn a_spec_mounts_the_socket_and_the_libraries_and_sets_the_socket() {
-        let e = edits(Path::new("/run/vgpu/tenants/k8s-1.sock"), &["/usr/lib/vgpu/libcuda.so.1".into()], Path::new("/usr/lib/x86_64-linux-gnu"));
+        let e = edits(Path::new("/run/vgpu/tenants/k8s-1.sock"), &BTreeMap::new(), &["/usr/lib/vgpu/libcuda.so.1".into()], Path::new("/usr/lib/x86_64-linux-gnu"));
         let s = spec("k8s-1", &e);
         assert_eq!(s["kind"], "vgpu.dev/tenant");
         assert_eq!(s["devices"][0]["name"], "k8s-1");
@@ -136,9 +143,24 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("vgpu-cdi-{}", std::process::id()));
         write(&dir, t, &spec(t, &e)).unwrap();
         write(&dir, t, &spec(t, &e)).expect("the same tenant's spec again");
-        let other = edits(Path::new("/run/vgpu/tenants/other.sock"), &[], Path::new("/usr/lib"));
+        let other = edits(Path::new("/run/vgpu/tenants/other.sock"), &BTreeMap::new(), &[], Path::new("/usr/lib"));
         let err = write(&dir, t, &spec(t, &other)).unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The settings a tenant's device needs follow the socket; a name no
+    /// shell takes, or one that would move the socket, is left out.
+    #[test]
+    fn a_spec_sets_what_the_tenants_device_needs() {
+        let env = BTreeMap::from([
+            ("CUPY_COMPILE_WITH_PTX".to_string(), "1".to_string()),
+            ("VGPU_SOCKET".to_string(), "/elsewhere".to_string()),
+            ("A=B".to_string(), "x".to_string()),
+            ("".to_string(), "x".to_string()),
+            ("1X".to_string(), "x".to_string()),
+        ]);
+        let e = edits(Path::new("/run/vgpu/tenants/t.sock"), &env, &[], Path::new("/usr/lib"));
+        assert_eq!(spec("t", &e)["devices"][0]["containerEdits"]["env"], json!(["VGPU_SOCKET=/run/vgpu/vgpu.sock", "CUPY_COMPILE_WITH_PTX=1"]));
     }
 }

@@ -23,7 +23,7 @@ use vgpu_api::tenant::TenantSpec;
 use crate::cdi;
 use crate::claims::{self, ClaimLimits, Planned, Publisher, Sharing};
 use crate::mediator::Mediator;
-use crate::plugin::{container_tenant, create_handed_over, ensure_spec, now_s, redact, tenant_name, Host, PluginError};
+use crate::plugin::{container_tenant, create_handed_over, ensure_spec, now_s, redact, tenant_name, Handed, Host, PluginError};
 use crate::proto::dra as pb;
 use crate::proto::pluginregistration as reg;
 use crate::state::{ClaimState, ClaimTenant, PreparedClaim, StateError};
@@ -209,7 +209,7 @@ impl DraNode {
             Err(e) => warn!("listing the daemon's tenants (the record is kept as it is): {e}"),
         }
         for t in state.tenants() {
-            if let Err(e) = ensure_spec(&cfg.host, &t.tenant, &t.socket) {
+            if let Err(e) = ensure_spec(&cfg.host, &t.tenant, &t.socket, &t.env) {
                 warn!(tenant = %t.tenant, "writing its CDI spec again: {e}");
             }
         }
@@ -329,7 +329,7 @@ impl DraNode {
     /// The record's CDI specs, written again where they are gone.
     fn specs(&self, p: &PreparedClaim) -> Result<(), DraError> {
         for t in &p.tenants {
-            ensure_spec(&self.cfg.host, &t.tenant, &t.socket).map_err(|err| PluginError::Cdi { tenant: t.tenant.clone(), err })?;
+            ensure_spec(&self.cfg.host, &t.tenant, &t.socket, &t.env).map_err(|err| PluginError::Cdi { tenant: t.tenant.clone(), err })?;
         }
         Ok(())
     }
@@ -372,7 +372,7 @@ impl DraNode {
                 return Err(e.into());
             }
             match create_handed_over(&self.mediator, &spec_of(&name, p), &self.cfg.host) {
-                Ok((socket, _)) => made.push(ClaimTenant {
+                Ok(Handed { socket, env, .. }) => made.push(ClaimTenant {
                     tenant: name,
                     request: p.request.clone(),
                     device: p.device.clone(),
@@ -380,6 +380,7 @@ impl DraNode {
                     memory: p.memory,
                     socket,
                     share_id: p.share_id.clone(),
+                    env,
                 }),
                 Err(e) => {
                     self.undo(&mut st, &made);

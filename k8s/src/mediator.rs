@@ -1,6 +1,7 @@
 //! The local `vgpu-mediatord`'s API, as the plugin uses it (blocking calls
 //! over its unix socket; the plugin makes them on tokio's blocking pool).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -72,11 +73,19 @@ impl Mediator {
             .collect())
     }
 
-    /// Creates the tenant; returns its socket.
-    pub fn create_tenant(&self, spec: &TenantSpec) -> Result<PathBuf, MediatorError> {
+    /// Creates the tenant; returns its socket and the settings its
+    /// programs need in their environment on its device (the tenant's
+    /// `env`, without `VGPU_SOCKET`).
+    pub fn create_tenant(&self, spec: &TenantSpec) -> Result<(PathBuf, BTreeMap<String, String>), MediatorError> {
         let body = serde_json::to_value(spec).map_err(|e| MediatorError::Answer { method: "POST", path: "/v1/tenants".into(), why: e.to_string() })?;
         let (_, v) = self.call("POST", "/v1/tenants", Some(&body))?;
-        v["socket"].as_str().map(PathBuf::from).ok_or_else(|| MediatorError::Answer { method: "POST", path: "/v1/tenants".into(), why: "no socket".into() })
+        let answer = |why: &str| MediatorError::Answer { method: "POST", path: "/v1/tenants".into(), why: why.into() };
+        let socket = v["socket"].as_str().map(PathBuf::from).ok_or_else(|| answer("no socket"))?;
+        let env = match v.get("env") {
+            None | Some(Value::Null) => BTreeMap::new(),
+            Some(e) => serde_json::from_value(e.clone()).map_err(|e| answer(&format!("env: {e}")))?,
+        };
+        Ok((socket, env))
     }
 
     /// Deletes the tenant (revoked at once; its memory is scrubbed before

@@ -141,7 +141,7 @@ impl Node {
         std::fs::create_dir_all(&cfg.host.state_dir).map_err(|err| StateError::Write { path: cfg.host.state_dir.display().to_string(), err })?;
         let state = State::load(&cfg.state_file())?;
         for (t, a) in &state.allocations {
-            if let Err(e) = ensure_spec(&cfg.host, t, &a.socket) {
+            if let Err(e) = ensure_spec(&cfg.host, t, &a.socket, &a.env) {
                 warn!(tenant = %t, "writing its CDI spec again: {e}");
             }
         }
@@ -197,8 +197,8 @@ impl Node {
         st.save(&self.cfg.state_file())?;
         let memory = r.slice.0.saturating_mul(ids.len() as u64);
         let spec = TenantSpec { pool: Some(r.pool.clone()), ..container_tenant(&name, memory, ids.len() as u32, &device) };
-        let (socket, edits) = create_handed_over(&self.mediator, &spec, &self.cfg.host)?;
-        st.allocations.insert(name.clone(), Allocation { resource: r.name.clone(), device, ids: ids.to_vec(), memory, socket, created: now_s() });
+        let Handed { socket, env, edits } = create_handed_over(&self.mediator, &spec, &self.cfg.host)?;
+        st.allocations.insert(name.clone(), Allocation { resource: r.name.clone(), device, ids: ids.to_vec(), memory, socket, env, created: now_s() });
         st.save(&self.cfg.state_file())?;
         drop(st);
         self.changed.send_modify(|n| *n += 1);
@@ -308,11 +308,11 @@ pub(crate) fn redact(prefix: &str, msg: &str) -> String {
 
 /// Writes a recorded tenant's CDI spec again where it is missing (the CDI
 /// directory is often a tmpfs, emptied by a reboot the record survives).
-pub(crate) fn ensure_spec(host: &Host, tenant: &str, socket: &Path) -> std::io::Result<()> {
+pub(crate) fn ensure_spec(host: &Host, tenant: &str, socket: &Path, env: &BTreeMap<String, String>) -> std::io::Result<()> {
     if cdi::spec_path(&host.cdi_dir, tenant).exists() {
         return Ok(());
     }
-    let edits = cdi::edits(socket, &host.libs, &host.container_lib_dir);
+    let edits = cdi::edits(socket, env, &host.libs, &host.container_lib_dir);
     cdi::write(&host.cdi_dir, tenant, &cdi::spec(tenant, &edits)).map(drop)
 }
 
@@ -367,16 +367,25 @@ pub(crate) fn container_tenant(name: &str, memory: u64, weight: u32, device: &st
     }
 }
 
+/// A tenant made for a container and handed over through CDI.
+pub(crate) struct Handed {
+    pub socket: PathBuf,
+    /// What its device needs in a program's environment (recorded, so a
+    /// spec written again says the same).
+    pub env: BTreeMap<String, String>,
+    pub edits: cdi::Edits,
+}
+
 /// Makes the tenant and writes its CDI spec (a tenant whose spec cannot be
-/// written is deleted again): its socket and the container edits.
-pub(crate) fn create_handed_over(mediator: &Mediator, spec: &TenantSpec, host: &Host) -> Result<(PathBuf, cdi::Edits), PluginError> {
-    let socket = mediator.create_tenant(spec)?;
-    let edits = cdi::edits(&socket, &host.libs, &host.container_lib_dir);
+/// written is deleted again).
+pub(crate) fn create_handed_over(mediator: &Mediator, spec: &TenantSpec, host: &Host) -> Result<Handed, PluginError> {
+    let (socket, env) = mediator.create_tenant(spec)?;
+    let edits = cdi::edits(&socket, &env, &host.libs, &host.container_lib_dir);
     if let Err(err) = cdi::write(&host.cdi_dir, &spec.name, &cdi::spec(&spec.name, &edits)) {
         let _ = mediator.delete_tenant(&spec.name);
         return Err(PluginError::Cdi { tenant: spec.name.clone(), err });
     }
-    Ok((socket, edits))
+    Ok(Handed { socket, env, edits })
 }
 
 /// One resource's DevicePlugin service.

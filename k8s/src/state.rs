@@ -33,6 +33,10 @@ pub struct Allocation {
     /// The tenant's quota: the slices' sum.
     pub memory: u64,
     pub socket: PathBuf,
+    /// What the tenant's programs need in their environment on its
+    /// device (the daemon's answer when the tenant was made).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
     /// UNIX seconds.
     pub created: u64,
 }
@@ -82,6 +86,9 @@ pub struct ClaimTenant {
     pub memory: u64,
     pub socket: PathBuf,
     pub share_id: Option<String>,
+    /// As [`Allocation::env`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
 }
 
 /// A ResourceClaim prepared on this node.
@@ -177,8 +184,18 @@ mod tests {
         let mut s = State::load(&path).unwrap();
         assert!(s.allocations.is_empty());
         s.next = 3;
-        s.allocations
-            .insert("k8s-2".into(), Allocation { resource: "vgpu.dev/s".into(), device: "cpu0".into(), ids: vec!["cpu0-s0".into()], memory: 1 << 20, socket: "/run/t.sock".into(), created: 1 });
+        s.allocations.insert(
+            "k8s-2".into(),
+            Allocation {
+                resource: "vgpu.dev/s".into(),
+                device: "cpu0".into(),
+                ids: vec!["cpu0-s0".into()],
+                memory: 1 << 20,
+                socket: "/run/t.sock".into(),
+                env: BTreeMap::from([("CUPY_COMPILE_WITH_PTX".into(), "1".into())]),
+                created: 1,
+            },
+        );
         s.save(&path).unwrap();
         assert_eq!(State::load(&path).unwrap(), s);
         assert_eq!(s.allocated("vgpu.dev/s"), BTreeSet::from(["cpu0-s0".to_string()]));

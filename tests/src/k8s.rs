@@ -4,13 +4,14 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::{bin, lib_dir, sample, Mediator};
+use crate::{bin, lib_dir, samples, Mediator};
 
 /// A running `vgpu-k8s` (device plugin or DRA driver), killed when dropped.
 pub struct NodeComponent(std::process::Child);
@@ -84,38 +85,50 @@ pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// Runs vectorAdd with a CDI device's edits applied as a runtime would:
-/// each mount's host path is what its container path names (the socket in
-/// VGPU_SOCKET; the libraries where the loader looks).
-pub fn run_with_cdi(spec: &Value) -> std::process::Output {
+/// Runs `c` as a container the spec's edits make would: with the
+/// spec's environment only as far as CUDA goes (every variable it sets;
+/// `VGPU_SOCKET` pointed at the host side of the socket's mount, and none
+/// of the caller's CuPy settings), and the driver libraries it mounts
+/// where the dynamic loader finds them.
+pub fn run_in_cdi(spec: &Value, mut c: Command) -> std::process::Output {
     let edits = &spec["devices"][0]["containerEdits"];
     let mounts: BTreeMap<String, String> =
         edits["mounts"].as_array().expect("mounts").iter().map(|m| (m["containerPath"].as_str().expect("path").to_string(), m["hostPath"].as_str().expect("path").to_string())).collect();
     let libs = std::env::temp_dir().join(format!("vgpu-cdi-libs-{}-{:?}", std::process::id(), std::thread::current().id()));
     let _ = std::fs::remove_dir_all(&libs);
     std::fs::create_dir_all(&libs).expect("mkdir");
-    let mut socket = None;
+    let given: Vec<std::ffi::OsString> = c.get_envs().map(|(k, _)| k.to_owned()).collect();
+    for (k, _) in std::env::vars().filter(|(k, _)| (k.starts_with("CUPY_") || k == "VGPU_SOCKET") && !given.iter().any(|g| g == k.as_str())) {
+        c.env_remove(k);
+    }
+    let mut socket = false;
     for e in edits["env"].as_array().expect("env") {
         let (k, v) = e.as_str().expect("string").split_once('=').expect("K=V");
         if k == "VGPU_SOCKET" {
-            socket = Some(mounts.get(v).unwrap_or_else(|| panic!("VGPU_SOCKET={v} is not mounted: {spec}")).clone());
+            c.env(k, mounts.get(v).unwrap_or_else(|| panic!("VGPU_SOCKET={v} is not mounted: {spec}")));
+            socket = true;
+        } else {
+            c.env(k, v);
         }
     }
+    assert!(socket, "the spec sets VGPU_SOCKET: {spec}");
     for (c, h) in &mounts {
         if c.ends_with(".so.1") {
             std::os::unix::fs::symlink(h, libs.join(Path::new(c).file_name().expect("name"))).expect("symlink");
         }
     }
-    let socket = socket.expect("the spec sets VGPU_SOCKET");
-    let mut c = sample("vectorAdd", Path::new(&socket));
     c.env("LD_LIBRARY_PATH", &libs);
-    let o = c.output().expect("vectorAdd");
+    let o = c.output().unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let _ = std::fs::remove_dir_all(&libs);
     o
 }
 
-/// Runs vectorAdd through a CDI spec's edits ([`run_with_cdi`]) and fails
-/// unless it passes.
+/// The vectorAdd sample run through the spec's edits ([`run_in_cdi`]).
+pub fn run_with_cdi(spec: &Value) -> std::process::Output {
+    run_in_cdi(spec, Command::new(samples().join("vectorAdd")))
+}
+
+/// vectorAdd through the spec's edits passes.
 pub fn assert_sample_passes_with_cdi(spec: &Value) {
     let o = run_with_cdi(spec);
     assert!(
@@ -124,6 +137,20 @@ pub fn assert_sample_passes_with_cdi(spec: &Value) {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
+}
+
+/// Runs a CuPy program through the spec's edits ([`run_in_cdi`]) with no
+/// CuPy setting of the caller's: elementwise kernels CuPy compiles and a
+/// reduction, checked; what the CPU device needs comes from the spec.
+pub fn assert_cupy_passes_with_cdi(spec: &Value) {
+    let py = crate::workspace().join("target/pyenv/bin/python");
+    assert!(py.exists(), "{} is missing: run scripts/setup.sh (it installs CuPy from PyPI)", py.display());
+    let mut c = Command::new(py);
+    c.args(["-c", "import cupy as cp\na = cp.arange(1000, dtype=cp.float32)\nb = cp.sqrt(a * a + 1)\nassert float((a * 2).sum()) == 999000.0\nassert abs(float(b[999]) - 999.0005) < 1e-3\nprint('cupy through the CDI spec: PASSED')"]);
+    c.env("CUPY_CACHE_DIR", crate::bin_dir().join(format!("cupy-cache-cdi-{}", std::process::id())));
+    let o = run_in_cdi(spec, c);
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success() && text.contains("PASSED"), "CuPy through the CDI spec:\n{text}");
 }
 
 /// Values equal once the nulls a writer leaves out are gone on both sides.

@@ -50,6 +50,26 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     assert_eq!(v["weight"], 3);
     assert_eq!(v["usage"]["quota"], 64u64 << 20);
 
+    // What a program needs to run as the tenant, for a shell's eval: the
+    // socket and, on a CPU device, CuPy's setting to compile to PTX.
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "env", "web"]);
+    let (ok, text) = out(c);
+    assert!(ok, "{text}");
+    assert_eq!(text, format!("export VGPU_SOCKET={}\nexport CUPY_COMPILE_WITH_PTX=1\n", sock.display()));
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "show", "web"]);
+    let (ok, text) = out(c);
+    assert!(ok && text.contains("env:       CUPY_COMPILE_WITH_PTX=1"), "{text}");
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "create", "guest", "--memory", "8MiB", "--vm"]);
+    assert!(out(c).0);
+    let mut c = m.vgpuctl();
+    c.args(["tenant", "env", "guest"]);
+    let (ok, text) = out(c);
+    assert!(!ok && text.contains("is a VM's vGPU"), "{text}");
+    assert!(m.api("DELETE", "/tenants/guest", None).0 < 300);
+
     // Live changes: share, cap, class and quota, seen by the worker too.
     let mut c = m.vgpuctl();
     c.args(["tenant", "set", "web", "--weight", "5", "--cap", "40", "--priority", "latency", "--memory", "32MiB"]);

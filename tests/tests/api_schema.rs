@@ -422,6 +422,7 @@ fn mediator_response_schemas_match_the_api_types() {
         mode: "0600".into(),
         host_memory: 1 << 28,
         max_connections: 64,
+        env: [("CUPY_COMPILE_WITH_PTX".to_string(), "1".to_string())].into(),
     };
     check_response(&doc, "Tenant", &serde_json::to_value(&tenant).expect("serialize"));
     let phases = [TenantPhase::Creating, TenantPhase::Ready, TenantPhase::Deleting];

@@ -247,19 +247,20 @@ fn numba_cuda_on_cuda_bindings_13_runs_on_the_cpu_device() {
 /// products as `matmul` says (`--matmul` or `--matmul-refused`).
 fn cupy_probe_passes(python: PathBuf, tag: &str, cc: &str, matmul: &str) -> String {
     let m = Mediator::start(&["--device-memory", "512MiB", "--compute-capability", cc]);
-    let sock = m.tenant("cupy", "192MiB");
+    m.tenant("cupy", "192MiB");
     let mut c = Command::new(python);
-    c.arg(workspace().join("tests/stacks/cupy_probe.py"))
-        .arg(QUOTA.to_string())
-        .arg(matmul)
-        .env("VGPU_SOCKET", &sock)
-        .env("LD_LIBRARY_PATH", lib_dir())
-        // The CPU device runs PTX: CuPy is told to compile its kernels to
-        // PTX (docs/cuda-stacks.md). Its default accelerator, CUB, runs
-        // from the PTX in CuPy's prebuilt fatbin.
-        .env("CUPY_COMPILE_WITH_PTX", "1")
-        .env_remove("CUPY_ACCELERATORS")
-        .env("CUPY_CACHE_DIR", bin_dir().join(format!("cupy-cache-{tag}-{}", std::process::id())));
+    c.arg(workspace().join("tests/stacks/cupy_probe.py")).arg(QUOTA.to_string()).arg(matmul).env("LD_LIBRARY_PATH", lib_dir()).env_remove("CUPY_COMPILE_WITH_PTX");
+    // The environment is what `vgpuctl tenant env` gives a tenant's user:
+    // its socket and, as the CPU device runs PTX, CuPy's setting to compile
+    // its kernels to PTX (docs/cuda-stacks.md). CuPy's default
+    // accelerator, CUB, runs from the PTX in its prebuilt fatbin.
+    let env = run_ok(m.vgpuctl().args(["tenant", "env", "cupy"]));
+    assert!(env.contains("export CUPY_COMPILE_WITH_PTX=1\n"), "{env}");
+    for line in env.lines() {
+        let (k, v) = line.strip_prefix("export ").and_then(|l| l.split_once('=')).unwrap_or_else(|| panic!("not an export line: {line}"));
+        c.env(k, v.trim_matches('\''));
+    }
+    c.env_remove("CUPY_ACCELERATORS").env("CUPY_CACHE_DIR", bin_dir().join(format!("cupy-cache-{tag}-{}", std::process::id())));
     let text = run(c, "cupy_probe.py", "cupy probe: all passed");
     assert!(text.contains("accelerators: [1]"), "CuPy's default reduction accelerator (CUB) was in use:\n{text}");
     assert!(text.contains("ok multi-block reductions"), "{text}");

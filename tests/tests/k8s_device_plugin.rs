@@ -16,7 +16,7 @@ use serde_json::Value;
 use tonic::{Request, Response, Status};
 use vgpu_k8s::proto::deviceplugin as dp;
 use vgpu_k8s::proto::podresources as pr;
-use vgpu_tests::k8s::{assert_sample_passes_with_cdi, run_with_cdi, spec_file, tenant_of, tenants, wait_until, NodeComponent};
+use vgpu_tests::k8s::{assert_cupy_passes_with_cdi, assert_sample_passes_with_cdi, run_with_cdi, spec_file, tenant_of, tenants, wait_until, NodeComponent};
 use vgpu_tests::Mediator;
 
 const RESOURCE: &str = "vgpu.dev/slice-16m";
@@ -195,6 +195,9 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     let secret = tenant.strip_prefix(&format!("{}-", cdi_public)).unwrap_or_else(|| panic!("{tenant}"));
     assert!(secret.len() == 16 && secret.bytes().all(|b| b.is_ascii_hexdigit()), "{tenant}");
     assert_eq!(c.envs.get("VGPU_SOCKET").map(String::as_str), Some("/run/vgpu/vgpu.sock"));
+    // A CPU device runs PTX: the container is told so for CuPy, as the
+    // daemon says programs on that device need.
+    assert_eq!(c.envs.get("CUPY_COMPILE_WITH_PTX").map(String::as_str), Some("1"), "{:?}", c.envs);
     assert_eq!(tenants(&m), std::slice::from_ref(&tenant));
     let (_, t) = m.api("GET", &format!("/v1/tenants/{tenant}"), None);
     assert_eq!((t["memory"].as_u64(), t["weight"].as_u64(), t["device"].as_str()), (Some(32 << 20), Some(2), Some("cpu1")), "{t}");
@@ -207,6 +210,9 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     // A CUDA sample runs as that tenant through the spec's edits.
     k.hold(vec![(RESOURCE.into(), chosen.clone())]);
     assert_sample_passes_with_cdi(&spec);
+    // And CuPy, with no setting of the pod's own.
+    assert_eq!(t["env"], serde_json::json!({ "CUPY_COMPILE_WITH_PTX": "1" }), "{t}");
+    assert_cupy_passes_with_cdi(&spec);
 
     // While its pod holds the slices, the tenant stays (past the grace).
     std::thread::sleep(Duration::from_secs(4));

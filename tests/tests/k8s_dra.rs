@@ -517,6 +517,8 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let spec_path = spec_file(&root.join("cdi"), cdi_id);
     let spec: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
     assert_eq!(spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"], t["socket"], "{spec}");
+    // The CPU device's setting for CuPy is in the spec, as the daemon says.
+    assert_eq!(spec["devices"][0]["containerEdits"]["env"], json!(["VGPU_SOCKET=/run/vgpu/vgpu.sock", "CUPY_COMPILE_WITH_PTX=1"]), "{spec}");
     assert_sample_passes_with_cdi(&spec);
 
     // Prepared again (the kubelet retries): the same answer, no new tenant.
@@ -565,6 +567,8 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let mut c = k.client(&info);
     wait_until("the orphan is deleted", Duration::from_secs(20), || tenants(&m) == [tenant.clone(), "dra-7-00c0ffee-fedcba9876543210".into(), "dra-admin".into(), "vm-tenant".into()]);
     assert!(spec_path.exists(), "the recorded tenant's CDI spec is written again");
+    let again: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
+    assert_eq!(again, spec, "the spec written again from the record is the one written first");
     for name in ["dra-admin", "dra-7-00c0ffee-fedcba9876543210"] {
         let (st, v) = m.api("DELETE", &format!("/v1/tenants/{name}"), None);
         assert!(st < 300, "{v}");

@@ -250,6 +250,13 @@ enum TenantCmd {
     Show {
         name: String,
     },
+    /// Print what a program needs in its environment to run as this
+    /// tenant, as shell lines: `eval "$(vgpuctl tenant env NAME)"`. That
+    /// is its socket (`VGPU_SOCKET`) and the settings its device needs
+    /// (on a CPU reference device, CuPy's to compile to PTX).
+    Env {
+        name: String,
+    },
     /// Change a tenant's share, cap, class or memory quota while it runs.
     Set {
         name: String,
@@ -540,6 +547,9 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                     human(u(&v, "host_memory")),
                     u(&v, "max_connections")
                 );
+                if let Some(env) = v.get("env").and_then(Value::as_object).filter(|e| !e.is_empty()) {
+                    println!("env:       {}", env.iter().map(|(k, x)| format!("{k}={}", x.as_str().unwrap_or_default())).collect::<Vec<_>>().join(" "));
+                }
                 match v.get("usage").filter(|x| !x.is_null()) {
                     Some(us) => println!(
                         "used:      {} ({} spilled to host RAM)\nhost used: {}\nkernels:   {}\ndevice-s:  {:.3}\nscrubbed:  {}\nclients:   {}",
@@ -552,6 +562,24 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                         u(us, "connections")
                     ),
                     None => println!("usage:     unavailable (device worker restarting)"),
+                }
+            }
+        }
+        Cmd::Tenant(TenantCmd::Env { name }) => {
+            let v = call(cli, "GET", &format!("/v1/tenants/{name}"), None)?;
+            if s(&v, "kind") == "vm" {
+                anyhow::bail!("tenant {name} is a VM's vGPU: its programs run in the guest, which reaches the device through /dev/dri");
+            }
+            let mut env = vec![("VGPU_SOCKET".to_string(), s(&v, "socket").to_string())];
+            env.extend(v.get("env").and_then(Value::as_object).into_iter().flatten().map(|(k, x)| (k.clone(), x.as_str().unwrap_or_default().to_string())));
+            if data_out {
+                print_data(&Value::Object(env.into_iter().map(|(k, x)| (k, Value::String(x))).collect()));
+            } else {
+                for (k, x) in env {
+                    // The daemon's names and values, checked and quoted
+                    // all the same: this text goes to `eval`.
+                    anyhow::ensure!(vgpu_api::tenant::is_env_name(&k), "the daemon answered an environment variable name no shell takes: {k:?}");
+                    println!("export {k}={}", shlex::try_quote(&x)?);
                 }
             }
         }

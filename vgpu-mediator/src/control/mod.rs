@@ -279,6 +279,23 @@ pub struct TenantRecord {
     pub host_memory: u64,
     /// Most client connections the tenant may hold at once.
     pub max_connections: u32,
+    /// Settings unmodified CUDA software needs in its environment on this
+    /// tenant's device, besides `VGPU_SOCKET` (none on a GPU). On a CPU
+    /// reference device: `CUPY_COMPILE_WITH_PTX=1`, since CuPy otherwise
+    /// compiles its kernels to machine code the device cannot run.
+    /// `vgpuctl tenant env` prints them with the socket; the Kubernetes
+    /// node component puts them in the tenant's CDI spec.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+}
+
+/// The environment programs need on a device of this kind (see
+/// [`TenantRecord::env`]).
+fn program_env(device: &DeviceSpec) -> BTreeMap<String, String> {
+    match device.cuda {
+        Some(_) => BTreeMap::new(),
+        None => BTreeMap::from([("CUPY_COMPILE_WITH_PTX".to_string(), "1".to_string())]),
+    }
 }
 
 impl TenantRecord {
@@ -907,6 +924,7 @@ impl Control {
                 mode: format!("{:04o}", spec.mode_bits()),
                 host_memory: spec.host_memory.map(|s| s.0).unwrap_or(self.defaults.host_memory),
                 max_connections: spec.max_connections.unwrap_or(self.defaults.max_connections),
+                env: program_env(&slot.spec),
             };
             tenants.insert(rec.name.clone(), rec.clone());
             (slot, rec)
