@@ -13,7 +13,18 @@
 //! followed by its payload at `header_size`. Flag 0x2000 marks an LZ4
 //! block-compressed payload, 0x8000 a zstd frame (CUDA 13 compresses so);
 //! the old 0x1000 is recognised and refused. A compressed payload is
-//! `compressed_size` bytes long.
+//! `compressed_size` bytes long. Flag 0x100000 marks architecture-specific
+//! code (`sm_90a`, `compute_90a`) and 0x200000 family-specific code
+//! (`sm_100f`): read from cuBLASLt 13.4's fatbins, whose `sm_90a`,
+//! `sm_100a`, `sm_100f`, `sm_103f` and `sm_120f` cubins carry them and
+//! name themselves so inside.
+//!
+//! Which entry a device runs follows NVIDIA's compatibility rules: a
+//! generic cubin runs on its architecture and later minor versions of the
+//! same major (sm_80 on 8.6), a family-specific one likewise (sm_100f on
+//! 10.3), an architecture-specific one only on its own; generic PTX is
+//! compiled for any later architecture, architecture-specific PTX only
+//! for its own, family-specific PTX for its family.
 
 use thiserror::Error;
 
@@ -25,6 +36,8 @@ const KIND_ELF: u16 = 2;
 const FLAG_LZ4: u64 = 0x2000;
 const FLAG_ZSTD: u64 = 0x8000;
 const FLAG_OTHER_COMPRESSION: u64 = 0x1000;
+const FLAG_ARCH_SPECIFIC: u64 = 0x10_0000;
+const FLAG_FAMILY_SPECIFIC: u64 = 0x20_0000;
 const ENTRY_MIN_HEADER: usize = 64;
 /// No entry decompresses to more than this; callers pass a tighter
 /// limit where a budget applies (the device worker: the tenant's host
@@ -55,6 +68,17 @@ pub enum Kind {
     Other(u16),
 }
 
+/// Which devices an entry's code is for (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Variant {
+    /// `sm_XY`, `compute_XY`.
+    Generic,
+    /// `sm_XYf`, `compute_XYf`: the architecture's family.
+    Family,
+    /// `sm_XYa`, `compute_XYa`: that architecture alone.
+    Specific,
+}
+
 /// One entry of a fatbin, borrowing its payload.
 #[derive(Debug, Clone)]
 pub struct Entry<'a> {
@@ -72,6 +96,28 @@ pub struct Entry<'a> {
 impl Entry<'_> {
     pub fn compressed(&self) -> bool {
         self.flags & (FLAG_LZ4 | FLAG_ZSTD) != 0
+    }
+
+    pub fn variant(&self) -> Variant {
+        if self.flags & FLAG_ARCH_SPECIFIC != 0 {
+            Variant::Specific
+        } else if self.flags & FLAG_FAMILY_SPECIFIC != 0 {
+            Variant::Family
+        } else {
+            Variant::Generic
+        }
+    }
+
+    /// Whether a GPU of architecture `dev` (10 × major + minor) runs this
+    /// entry: a cubin as it is, PTX once NVIDIA's driver compiles it.
+    pub fn runs_on(&self, dev: u32) -> bool {
+        let later_in_major = self.arch / 10 == dev / 10 && dev >= self.arch;
+        match (self.kind, self.variant()) {
+            (Kind::Other(_), _) => false,
+            (_, Variant::Specific) => dev == self.arch,
+            (_, Variant::Family) | (Kind::Elf, Variant::Generic) => later_in_major,
+            (Kind::Ptx, Variant::Generic) => dev >= self.arch,
+        }
     }
 
     /// The entry's contents, decompressed; PTX loses its trailing NULs.
@@ -177,8 +223,9 @@ pub fn entries(image: &[u8]) -> Result<Vec<Entry<'_>>, FatbinError> {
     Ok(out)
 }
 
-/// The best PTX a device of virtual architecture `arch` can run: the
-/// highest one not above `arch`. `Ok(None)` if the fatbin carries none.
+/// The best PTX a device of architecture `arch` runs: the newest one it
+/// can compile (see [`Entry::runs_on`]), generic before specific at one
+/// architecture. `Ok(None)` if the fatbin carries none it runs.
 pub fn best_ptx(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
     best_ptx_within(image, arch, MAX_UNCOMPRESSED)
 }
@@ -186,12 +233,18 @@ pub fn best_ptx(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError>
 /// [`best_ptx`], decompressing at most `limit` bytes.
 pub fn best_ptx_within(image: &[u8], arch: u32, limit: u64) -> Result<Option<Vec<u8>>, FatbinError> {
     let es = entries(image)?;
-    let best = es.iter().filter(|e| e.kind == Kind::Ptx && e.arch <= arch).max_by_key(|e| e.arch);
-    best.map(|e| e.contents_within(limit)).transpose()
+    runnable_ptx(&es, arch).map(|e| e.contents_within(limit)).transpose()
 }
 
-/// The PTX an interpreting device of architecture `arch` runs: the best
-/// one not above `arch`, else the oldest newer one (an interpreter does not
+fn runnable_ptx<'e, 'a>(es: &'e [Entry<'a>], arch: u32) -> Option<&'e Entry<'a>> {
+    // At one architecture the generic PTX goes first: it uses nothing an
+    // interpreter may lack (wgmma, tcgen05) and compiles the same.
+    es.iter().filter(|e| e.kind == Kind::Ptx && e.runs_on(arch)).max_by_key(|e| (e.arch, std::cmp::Reverse(e.variant())))
+}
+
+/// The PTX an interpreting device of architecture `arch` runs: the one a
+/// GPU of that architecture would ([`best_ptx`]), else the oldest newer
+/// generic one, else the nearest of any other (an interpreter does not
 /// depend on the architecture a PTX names; what it cannot run it names in
 /// its error). The flag says whether the PTX is newer than `arch`.
 pub fn ptx_for_interpreter(image: &[u8], arch: u32, limit: u64) -> Result<Option<(Vec<u8>, bool)>, FatbinError> {
@@ -202,18 +255,21 @@ pub fn ptx_for_interpreter(image: &[u8], arch: u32, limit: u64) -> Result<Option
 /// The PTX entry [`ptx_for_interpreter`] and [`select`] choose.
 fn interpreter_ptx<'e, 'a>(es: &'e [Entry<'a>], arch: u32) -> Option<&'e Entry<'a>> {
     let ptx = || es.iter().filter(|e| e.kind == Kind::Ptx);
-    ptx().filter(|e| e.arch <= arch).max_by_key(|e| e.arch).or_else(|| ptx().filter(|e| e.arch > arch).min_by_key(|e| e.arch))
+    runnable_ptx(es, arch).or_else(|| ptx().filter(|e| e.arch > arch && e.variant() == Variant::Generic).min_by_key(|e| e.arch)).or_else(|| ptx().min_by_key(|e| (e.arch.abs_diff(arch), e.variant())))
 }
 
 /// A fatbin holding only what a device of architecture `arch` can use:
-/// the cubins built for exactly `arch` and the best PTX (the highest not
-/// above `arch`, else the oldest newer one, which only an interpreting
-/// device may run). Entries are copied as they are (still compressed).
-/// `Ok(None)` if nothing in the image suits the device.
+/// the cubins of the newest architecture it runs (see [`Entry::runs_on`];
+/// NVIDIA's driver picks among them) and the PTX an interpreter would take
+/// ([`ptx_for_interpreter`]: on a GPU, the PTX it compiles where it has
+/// one). Entries are copied as they are (still compressed). `Ok(None)` if
+/// nothing in the image suits the device.
 pub fn select(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
     let es = entries(image)?;
     let ptx = interpreter_ptx(&es, arch).map(|e| e.index);
-    let keep: Vec<&Entry<'_>> = es.iter().filter(|e| (e.kind == Kind::Elf && e.arch == arch) || Some(e.index) == ptx).collect();
+    let cubins = || es.iter().filter(|e| e.kind == Kind::Elf && e.runs_on(arch));
+    let newest = cubins().map(|e| e.arch).max();
+    let keep: Vec<&Entry<'_>> = es.iter().filter(|e| (e.kind == Kind::Elf && e.runs_on(arch) && Some(e.arch) == newest) || Some(e.index) == ptx).collect();
     if keep.is_empty() {
         return Ok(None);
     }
@@ -389,6 +445,47 @@ mod tests {
         assert_eq!(ptx_for_interpreter(&f, 85, MAX_UNCOMPRESSED).unwrap().unwrap(), (b"abcabcabcabc!".to_vec(), false));
         let cubin_only = fatbin(&[entry(KIND_ELF, 90, 0x11, b"\x7fELF", 0)]);
         assert_eq!(select(&cubin_only, 80).unwrap(), None);
+    }
+
+    /// The flags and rules of architecture- and family-specific code, as
+    /// cuBLASLt 13.4's fatbins carry it (`sm_90a` 0x108011, `sm_100f`
+    /// 0x1208011, generic 0x8011 and 0x1008011), less the zstd bit 0x8000.
+    #[test]
+    fn specific_code_goes_only_where_it_runs() {
+        let (a, f, g, g10) = (0x10_0011, 0x120_0011, 0x11, 0x100_0011);
+        let kinds = |img: &[u8]| entries(img).unwrap().iter().map(|e| (e.kind, e.arch, e.variant())).collect::<Vec<_>>();
+        let f1 = fatbin(&[
+            entry(KIND_ELF, 80, g, b"sm_80", 0),
+            entry(KIND_ELF, 90, a, b"sm_90a", 0),
+            entry(KIND_ELF, 90, g, b"sm_90", 0),
+            entry(KIND_ELF, 100, f, b"sm_100f", 0),
+            entry(KIND_ELF, 100, g10, b"sm_100", 0),
+            entry(KIND_PTX, 80, g, b"compute_80", 0),
+            entry(KIND_PTX, 90, a, b"compute_90a", 0),
+        ]);
+        // A 9.0 GPU: both sm_90 cubins; the generic PTX goes before the
+        // specific one only at one architecture, so compute_90a wins.
+        assert_eq!(kinds(&select(&f1, 90).unwrap().unwrap()), [(Kind::Elf, 90, Variant::Specific), (Kind::Elf, 90, Variant::Generic), (Kind::Ptx, 90, Variant::Specific)]);
+        // 8.6: sm_80 runs there (a later minor of its major); 8.9 too.
+        assert_eq!(kinds(&select(&f1, 86).unwrap().unwrap()), [(Kind::Elf, 80, Variant::Generic), (Kind::Ptx, 80, Variant::Generic)]);
+        // 10.3: sm_100f and sm_100 run there, sm_90a does not; nor does
+        // compute_90a, so the PTX is compute_80, which NVIDIA's driver
+        // compiles for it (the old rule kept compute_90a: no code at all).
+        assert_eq!(kinds(&select(&f1, 103).unwrap().unwrap()), [(Kind::Elf, 100, Variant::Family), (Kind::Elf, 100, Variant::Generic), (Kind::Ptx, 80, Variant::Generic)]);
+        assert_eq!(best_ptx(&f1, 103).unwrap().unwrap(), b"compute_80");
+        assert_eq!(best_ptx(&f1, 90).unwrap().unwrap(), b"compute_90a");
+        // 12.0: no cubin of its major; generic PTX only.
+        assert_eq!(kinds(&select(&f1, 120).unwrap().unwrap()), [(Kind::Ptx, 80, Variant::Generic)]);
+        // An interpreter at 8.0 given only specific or newer PTX still
+        // gets the nearest, generic first.
+        let f2 = fatbin(&[entry(KIND_PTX, 90, a, b"compute_90a", 0), entry(KIND_PTX, 120, g, b"compute_120", 0)]);
+        assert_eq!(ptx_for_interpreter(&f2, 80, MAX_UNCOMPRESSED).unwrap().unwrap(), (b"compute_120".to_vec(), true));
+        assert_eq!(best_ptx(&f2, 100).unwrap(), None, "compute_90a is for 9.0 alone; compute_120 is newer");
+        let f3 = fatbin(&[entry(KIND_PTX, 90, a, b"compute_90a", 0)]);
+        assert_eq!(ptx_for_interpreter(&f3, 100, MAX_UNCOMPRESSED).unwrap().unwrap(), (b"compute_90a".to_vec(), false));
+        // Family PTX: its major, this minor or later.
+        let f4 = fatbin(&[entry(KIND_PTX, 100, f, b"compute_100f", 0)]);
+        assert!(best_ptx(&f4, 103).unwrap().is_some() && best_ptx(&f4, 120).unwrap().is_none() && best_ptx(&f4, 90).unwrap().is_none());
     }
 
     #[test]
