@@ -130,7 +130,8 @@ pub struct MeteringConfig {
     /// Seconds each usage record covers (default 60).
     #[serde(default)]
     pub interval_s: Option<u64>,
-    /// The usage file (JSON lines). Default: /var/lib/vgpu/usage.jsonl when
+    /// The usage file (JSON lines). Default: STATE_DIR/usage.jsonl
+    /// (/var/lib/vgpu/usage.jsonl unless the state directory is moved) when
     /// the run directory is under /run (a tmpfs), RUN_DIR/usage.jsonl
     /// otherwise.
     #[serde(default)]

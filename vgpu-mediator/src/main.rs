@@ -1,7 +1,6 @@
 //! `vgpu-mediatord`: serves vGPU tenants on NVIDIA GPUs, MIG instances and
 //! CPU reference devices.
 
-use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -74,8 +73,9 @@ struct Cli {
     /// Seconds each usage record covers (default 60).
     #[arg(long)]
     usage_interval: Option<u64>,
-    /// The usage records file, JSON lines (default /var/lib/vgpu/usage.jsonl
-    /// when the run directory is under /run, a tmpfs; RUN_DIR/usage.jsonl
+    /// The usage records file, JSON lines (default STATE_DIR/usage.jsonl,
+    /// /var/lib/vgpu/usage.jsonl unless the state directory is moved, when
+    /// the run directory is under /run, a tmpfs; RUN_DIR/usage.jsonl
     /// otherwise).
     #[arg(long)]
     usage_file: Option<PathBuf>,
@@ -354,11 +354,10 @@ fn run() -> anyhow::Result<()> {
         tracing::info!("not running as root: device workers keep this user's identity");
         None
     };
-    rundir::prepare(&run_dir, worker_user).context("preparing the run directory")?;
     // Held until this process ends: a second mediator on this run
-    // directory stops here, before it touches a socket, a device or an
-    // MPS daemon of this one.
-    let _run_dir_held = rundir::hold(&run_dir).context("holding the run directory")?;
+    // directory stops here, before it touches a directory, a socket, a
+    // device or an MPS daemon of this one.
+    let run_dir_held = rundir::prepare(&run_dir, worker_user).context("preparing the run directory")?;
     let api_path = run_dir.join("api.sock");
     if api_path.exists() {
         if std::os::unix::net::UnixStream::connect(&api_path).is_ok() {
@@ -437,9 +436,8 @@ fn run() -> anyhow::Result<()> {
     control.stop_stale_mps();
     let state_dir = cli.state_dir.or(cfg.vms.state_dir.clone()).unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu") } else { run_dir.join("state") });
     // Two mediators on one state directory would overwrite each other's
-    // saved tenants, VMs and usage records.
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
-    let _state_dir_held = rundir::hold(&state_dir).context("holding the state directory")?;
+    // saved tenants, pools, VMs and (by default) usage records.
+    let _state_dir_held = rundir::prepare_state(&state_dir, &run_dir_held).context("preparing the state directory")?;
     let pass =
         Passthrough::new(&cfg.devices.passthrough, vgpu_topology::sysfs_root(), &state_dir, Arc::new(passthrough::sysfs_write), passthrough::gpu_scrubber(exe.clone())).map_err(anyhow::Error::msg)?;
     if let Some(d) = pass.devices.iter().find(|d| control.slot(&d.name).is_some()) {
@@ -456,7 +454,9 @@ fn run() -> anyhow::Result<()> {
         control.create_pool(p).with_context(|| format!("creating pool {} from the config file", p.name))?;
     }
     control.restore_pools(&saved.pools).map_err(anyhow::Error::msg)?;
-    let usage_file = cfg.metering.usage_file.clone().unwrap_or_else(|| if run_dir.starts_with("/run") { PathBuf::from("/var/lib/vgpu/usage.jsonl") } else { run_dir.join("usage.jsonl") });
+    // By default in a directory this daemon holds: the state directory
+    // when the run directory is a tmpfs, else the run directory.
+    let usage_file = cfg.metering.usage_file.clone().unwrap_or_else(|| if run_dir.starts_with("/run") { state_dir.join("usage.jsonl") } else { run_dir.join("usage.jsonl") });
     let meter = Meter::open(&usage_file, std::time::Duration::from_secs(cfg.metering.interval_s.unwrap_or(60)))?;
     let _ = control.meter.set(meter.clone());
     control.start().map_err(anyhow::Error::msg)?;

@@ -33,6 +33,8 @@ pub enum RunDirError {
     Writable { path: String, mode: u32 },
     #[error("{path} is not a socket")]
     NotSocket { path: String },
+    #[error("{path} is not a regular file of this daemon's own with a single link; refusing to use it as a lock")]
+    LockFile { path: String },
     #[error("another mediator{} holds {path}: two daemons cannot share a run or state directory; stop it, or give this one directories of its own", .pid.map(|p| format!(" (pid {p})")).unwrap_or_default())]
     Held { path: String, pid: Option<u32> },
 }
@@ -41,10 +43,10 @@ fn io(path: &Path, err: std::io::Error) -> RunDirError {
     RunDirError::Io { path: path.display().to_string(), err }
 }
 
-/// Creates `dir` with `mode`, or checks that the existing one is a real
+/// Creates `dir` (mode 0700), or checks that the existing one is a real
 /// directory we own that nobody else can write; then sets its group and
-/// mode. Never follows a symlink at `dir` itself.
-fn own_dir(dir: &Path, mode: u32, gid: Option<u32>) -> Result<(), RunDirError> {
+/// its mode, where given. Never follows a symlink at `dir` itself.
+fn own_dir(dir: &Path, mode: Option<u32>, gid: Option<u32>) -> Result<(), RunDirError> {
     let p = dir.display().to_string();
     let found = match std::fs::symlink_metadata(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::DirBuilder::new().mode(0o700).create(dir) {
@@ -86,9 +88,11 @@ fn own_dir(dir: &Path, mode: u32, gid: Option<u32>) -> Result<(), RunDirError> {
             return Err(io(dir, std::io::Error::last_os_error()));
         }
     }
-    // SAFETY: fd is an open directory we own.
-    if unsafe { libc::fchmod(fd.as_raw_fd(), mode) } != 0 {
-        return Err(io(dir, std::io::Error::last_os_error()));
+    if let Some(mode) = mode {
+        // SAFETY: fd is an open directory we own.
+        if unsafe { libc::fchmod(fd.as_raw_fd(), mode) } != 0 {
+            return Err(io(dir, std::io::Error::last_os_error()));
+        }
     }
     Ok(())
 }
@@ -105,18 +109,39 @@ fn open_nofollow(path: &Path, flags: i32) -> Result<OwnedFd, RunDirError> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Prepares `run_dir` and `run_dir/tenants` (see the module doc). With
-/// `workers` set, the workers' group may create sockets in `tenants`.
-pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<(), RunDirError> {
+/// Prepares `run_dir` and `run_dir/tenants` (see the module doc) and
+/// holds `run_dir` for this daemon ([`hold`]) before it changes anything
+/// inside: a second daemon on the directory stops there. With `workers`
+/// set, the workers' group may create sockets in `tenants`.
+pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<Held, RunDirError> {
     if let Some(parent) = run_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
     }
-    own_dir(run_dir, 0o711, None)?;
+    own_dir(run_dir, Some(0o711), None)?;
+    let held = hold(run_dir)?;
     let tenants = run_dir.join("tenants");
     match workers {
-        Some(w) => own_dir(&tenants, 0o731, Some(w.gid)),
-        None => own_dir(&tenants, 0o711, None),
+        Some(w) => own_dir(&tenants, Some(0o731), Some(w.gid))?,
+        None => own_dir(&tenants, Some(0o711), None)?,
     }
+    Ok(held)
+}
+
+/// Prepares the state directory `dir`: created (0700; its parents as
+/// needed), or checked to be a real directory this daemon owns and nobody
+/// else can write (its mode otherwise left as the operator set it); then
+/// held for this daemon ([`hold`]) unless it is the run directory `run`
+/// already holds (`None` then).
+pub fn prepare_state(dir: &Path, run: &Held) -> Result<Option<Held>, RunDirError> {
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+    }
+    own_dir(dir, None, None)?;
+    let m = std::fs::metadata(dir).map_err(|e| io(dir, e))?;
+    if (m.dev(), m.ino()) == run.dir {
+        return Ok(None);
+    }
+    hold(dir).map(Some)
 }
 
 /// Creates `dir` (mode 0700; its parents as needed), or checks that the
@@ -126,7 +151,7 @@ pub fn private_dir_in_place(dir: &Path) -> Result<(), RunDirError> {
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
     }
-    own_dir(dir, 0o700, None)
+    own_dir(dir, Some(0o700), None)
 }
 
 /// The lock file a running mediator holds in its run and state
@@ -137,6 +162,8 @@ pub const LOCK_FILE: &str = "mediator.lock";
 #[derive(Debug)]
 pub struct Held {
     _file: std::fs::File,
+    /// The held directory's device and inode.
+    dir: (u64, u64),
 }
 
 /// Holds `dir` (which must exist) for this daemon: `dir/mediator.lock`,
@@ -145,15 +172,24 @@ pub struct Held {
 /// is refused. The lock lives as long as the returned value, and at most
 /// as long as this process: the kernel drops it when the daemon dies,
 /// however it dies, and its children never inherit it (close-on-exec),
-/// so no stale lock outlives a killed daemon.
+/// so no stale lock outlives a killed daemon. A lock file that is not a
+/// regular file of this daemon's uid with one link (a FIFO, a hard link to
+/// some other file) is refused before it is read or written.
 pub fn hold(dir: &Path) -> Result<Held, RunDirError> {
     use std::io::{Read, Seek, Write};
     use std::os::unix::fs::OpenOptionsExt;
     let path = dir.join(LOCK_FILE);
-    let mut f = match std::fs::OpenOptions::new().read(true).write(true).create(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&path) {
+    // O_NONBLOCK: opening a planted FIFO never waits for a writer.
+    let mut f = match std::fs::OpenOptions::new().read(true).write(true).create(true).mode(0o600).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(&path) {
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(RunDirError::Symlink { path: path.display().to_string() }),
         r => r.map_err(|e| io(&path, e))?,
     };
+    let m = f.metadata().map_err(|e| io(&path, e))?;
+    // SAFETY: geteuid has no preconditions.
+    if !m.is_file() || m.uid() != unsafe { libc::geteuid() } || m.nlink() != 1 {
+        return Err(RunDirError::LockFile { path: path.display().to_string() });
+    }
+    let d = std::fs::metadata(dir).map_err(|e| io(dir, e))?;
     match f.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
@@ -166,7 +202,7 @@ pub fn hold(dir: &Path) -> Result<Held, RunDirError> {
         Err(std::fs::TryLockError::Error(e)) => return Err(io(&path, e)),
     }
     f.set_len(0).and_then(|()| f.rewind()).and_then(|()| writeln!(f, "{}", std::process::id())).map_err(|e| io(&path, e))?;
-    Ok(Held { _file: f })
+    Ok(Held { _file: f, dir: (d.dev(), d.ino()) })
 }
 
 /// Gives the socket at `path` its tenant's owner and mode. The path is
@@ -210,7 +246,7 @@ mod tests {
     #[test]
     fn run_dir_is_created_with_restrictive_modes() {
         let d = tmp("fresh");
-        prepare(&d, None).unwrap();
+        drop(prepare(&d, None).unwrap());
         assert_eq!(std::fs::metadata(&d).unwrap().mode() & 0o7777, 0o711);
         assert_eq!(std::fs::metadata(d.join("tenants")).unwrap().mode() & 0o7777, 0o711);
         std::fs::remove_dir_all(&d).unwrap();
@@ -231,14 +267,26 @@ mod tests {
     #[test]
     fn a_held_directory_refuses_a_second_holder_until_the_first_lets_go() {
         let d = tmp("held");
-        prepare(&d, None).unwrap();
-        let first = hold(&d).unwrap();
+        let first = prepare(&d, None).unwrap();
         assert_eq!(std::fs::read_to_string(d.join(LOCK_FILE)).unwrap().trim(), std::process::id().to_string());
-        // flock conflicts between two open files, even in one process.
-        match hold(&d) {
+        let group = |d: &Path| std::fs::metadata(d.join("tenants")).unwrap().gid();
+        let before = group(&d);
+        // flock conflicts between two open files, even in one process. A
+        // second daemon whose workers have another group stops before it
+        // gives them the first one's tenants directory.
+        match prepare(&d, Some(Owner { uid: 4242, gid: before + 4343 })) {
             Err(e @ RunDirError::Held { pid: Some(p), .. }) if p == std::process::id() => assert!(e.to_string().contains(&format!("another mediator (pid {p}) holds")), "{e}"),
             other => panic!("a second holder got {other:?}"),
         }
+        assert_eq!(group(&d), before);
+        // The state directory: held apart from the run directory, unless
+        // it is the run directory itself, which is held already.
+        let state = d.join("state");
+        let held_state = prepare_state(&state, &first).unwrap();
+        assert!(held_state.is_some());
+        assert!(matches!(hold(&state), Err(RunDirError::Held { .. })));
+        assert!(prepare_state(&d, &first).unwrap().is_none());
+        drop(held_state);
         drop(first);
         let again = hold(&d).unwrap();
         drop(again);
@@ -247,6 +295,18 @@ mod tests {
         std::os::unix::fs::symlink(d.join("elsewhere"), d.join(LOCK_FILE)).unwrap();
         assert!(matches!(hold(&d), Err(RunDirError::Symlink { .. })));
         assert!(!d.join("elsewhere").exists());
+        // Nor is a FIFO (read, it would block for ever) or a second link
+        // to another file (truncated, it would lose that file).
+        std::fs::remove_file(d.join(LOCK_FILE)).unwrap();
+        let fifo = std::ffi::CString::new(d.join(LOCK_FILE).as_os_str().as_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        assert!(matches!(hold(&d), Err(RunDirError::LockFile { .. })));
+        std::fs::remove_file(d.join(LOCK_FILE)).unwrap();
+        std::fs::write(d.join("precious"), b"keep me").unwrap();
+        std::fs::hard_link(d.join("precious"), d.join(LOCK_FILE)).unwrap();
+        assert!(matches!(hold(&d), Err(RunDirError::LockFile { .. })));
+        assert_eq!(std::fs::read(d.join("precious")).unwrap(), b"keep me");
         std::fs::remove_dir_all(&d).unwrap();
     }
 
