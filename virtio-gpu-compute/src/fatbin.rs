@@ -242,11 +242,15 @@ fn runnable_ptx<'e, 'a>(es: &'e [Entry<'a>], arch: u32) -> Option<&'e Entry<'a>>
     es.iter().filter(|e| e.kind == Kind::Ptx && e.runs_on(arch)).max_by_key(|e| (e.arch, std::cmp::Reverse(e.variant())))
 }
 
-/// The PTX an interpreting device of architecture `arch` runs: the one a
-/// GPU of that architecture would ([`best_ptx`]), else the oldest newer
-/// generic one, else the nearest of any other (an interpreter does not
-/// depend on the architecture a PTX names; what it cannot run it names in
-/// its error). The flag says whether the PTX is newer than `arch`.
+/// The PTX an interpreting device of architecture `arch` runs: the newest
+/// generic one a GPU of that architecture could compile, else the
+/// architecture- or family-specific one it would ([`best_ptx`]), else the
+/// oldest newer generic one, else the nearest of any other (an interpreter
+/// does not depend on the architecture a PTX names; what it cannot run it
+/// names in its error). Generic code goes first because it uses nothing an
+/// interpreter may lack (wgmma, tcgen05): given `compute_80` and
+/// `compute_90a`, a 9.0 device interprets the `compute_80`. The flag says
+/// whether the PTX is newer than `arch`.
 pub fn ptx_for_interpreter(image: &[u8], arch: u32, limit: u64) -> Result<Option<(Vec<u8>, bool)>, FatbinError> {
     let es = entries(image)?;
     interpreter_ptx(&es, arch).map(|e| e.contents_within(limit).map(|c| (c, e.arch > arch))).transpose()
@@ -255,21 +259,28 @@ pub fn ptx_for_interpreter(image: &[u8], arch: u32, limit: u64) -> Result<Option
 /// The PTX entry [`ptx_for_interpreter`] and [`select`] choose.
 fn interpreter_ptx<'e, 'a>(es: &'e [Entry<'a>], arch: u32) -> Option<&'e Entry<'a>> {
     let ptx = || es.iter().filter(|e| e.kind == Kind::Ptx);
-    runnable_ptx(es, arch).or_else(|| ptx().filter(|e| e.arch > arch && e.variant() == Variant::Generic).min_by_key(|e| e.arch)).or_else(|| ptx().min_by_key(|e| (e.arch.abs_diff(arch), e.variant())))
+    let generic = || ptx().filter(|e| e.variant() == Variant::Generic);
+    generic()
+        .filter(|e| e.runs_on(arch))
+        .max_by_key(|e| e.arch)
+        .or_else(|| runnable_ptx(es, arch))
+        .or_else(|| generic().filter(|e| e.arch > arch).min_by_key(|e| e.arch))
+        .or_else(|| ptx().min_by_key(|e| (e.arch.abs_diff(arch), e.variant())))
 }
 
 /// A fatbin holding only what a device of architecture `arch` can use:
 /// the cubins of the newest architecture it runs (see [`Entry::runs_on`];
-/// NVIDIA's driver picks among them) and the PTX an interpreter would take
-/// ([`ptx_for_interpreter`]: on a GPU, the PTX it compiles where it has
-/// one). Entries are copied as they are (still compressed). `Ok(None)` if
-/// nothing in the image suits the device.
+/// NVIDIA's driver picks among them), the PTX a GPU of that architecture
+/// compiles ([`best_ptx`]) and the PTX an interpreter takes
+/// ([`ptx_for_interpreter`]; mostly the same entry). Entries are copied as
+/// they are (still compressed). `Ok(None)` if nothing in the image suits
+/// the device.
 pub fn select(image: &[u8], arch: u32) -> Result<Option<Vec<u8>>, FatbinError> {
     let es = entries(image)?;
-    let ptx = interpreter_ptx(&es, arch).map(|e| e.index);
+    let ptx = [runnable_ptx(&es, arch), interpreter_ptx(&es, arch)].map(|e| e.map(|e| e.index));
     let cubins = || es.iter().filter(|e| e.kind == Kind::Elf && e.runs_on(arch));
     let newest = cubins().map(|e| e.arch).max();
-    let keep: Vec<&Entry<'_>> = es.iter().filter(|e| (e.kind == Kind::Elf && e.runs_on(arch) && Some(e.arch) == newest) || Some(e.index) == ptx).collect();
+    let keep: Vec<&Entry<'_>> = es.iter().filter(|e| (e.kind == Kind::Elf && e.runs_on(arch) && Some(e.arch) == newest) || ptx.contains(&Some(e.index))).collect();
     if keep.is_empty() {
         return Ok(None);
     }
@@ -463,9 +474,14 @@ mod tests {
             entry(KIND_PTX, 80, g, b"compute_80", 0),
             entry(KIND_PTX, 90, a, b"compute_90a", 0),
         ]);
-        // A 9.0 GPU: both sm_90 cubins; the generic PTX goes before the
-        // specific one only at one architecture, so compute_90a wins.
-        assert_eq!(kinds(&select(&f1, 90).unwrap().unwrap()), [(Kind::Elf, 90, Variant::Specific), (Kind::Elf, 90, Variant::Generic), (Kind::Ptx, 90, Variant::Specific)]);
+        // A 9.0 device: both sm_90 cubins, the compute_90a a GPU compiles
+        // (the newest it runs) and the compute_80 an interpreter takes
+        // (generic code first: it needs no wgmma).
+        assert_eq!(
+            kinds(&select(&f1, 90).unwrap().unwrap()),
+            [(Kind::Elf, 90, Variant::Specific), (Kind::Elf, 90, Variant::Generic), (Kind::Ptx, 80, Variant::Generic), (Kind::Ptx, 90, Variant::Specific)]
+        );
+        assert_eq!(ptx_for_interpreter(&f1, 90, MAX_UNCOMPRESSED).unwrap().unwrap(), (b"compute_80".to_vec(), false));
         // 8.6: sm_80 runs there (a later minor of its major); 8.9 too.
         assert_eq!(kinds(&select(&f1, 86).unwrap().unwrap()), [(Kind::Elf, 80, Variant::Generic), (Kind::Ptx, 80, Variant::Generic)]);
         // 10.3: sm_100f and sm_100 run there, sm_90a does not; nor does
