@@ -67,7 +67,7 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     let mut c = m.vgpuctl();
     c.args(["tenant", "env", "guest"]);
     let (ok, text) = out(c);
-    assert!(!ok && text.contains("is a VM's vGPU"), "{text}");
+    assert!(!ok && text.contains("is a VM's vGPU") && text.contains("set CUPY_COMPILE_WITH_PTX=1 in the guest"), "{text}");
     assert!(m.api("DELETE", "/tenants/guest", None).0 < 300);
 
     // Live changes: share, cap, class and quota, seen by the worker too.

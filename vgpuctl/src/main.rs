@@ -567,11 +567,22 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Cmd::Tenant(TenantCmd::Env { name }) => {
             let v = call(cli, "GET", &format!("/v1/tenants/{name}"), None)?;
-            if s(&v, "kind") == "vm" {
-                anyhow::bail!("tenant {name} is a VM's vGPU: its programs run in the guest, which reaches the device through /dev/dri");
+            // The device's own settings, strings only; the socket is the
+            // daemon's `socket` field, never one of these.
+            let mut settings = Vec::new();
+            for (k, x) in v.get("env").and_then(Value::as_object).into_iter().flatten() {
+                let x = x.as_str().ok_or_else(|| anyhow::anyhow!("the daemon answered a non-string value for the environment variable {k}: {x}"))?;
+                if k != "VGPU_SOCKET" {
+                    settings.push((k.clone(), x.to_string()));
+                }
             }
-            let mut env = vec![("VGPU_SOCKET".to_string(), s(&v, "socket").to_string())];
-            env.extend(v.get("env").and_then(Value::as_object).into_iter().flatten().map(|(k, x)| (k.clone(), x.as_str().unwrap_or_default().to_string())));
+            if s(&v, "kind") == "vm" {
+                let needs = if settings.is_empty() { String::new() } else { format!("; set {} in the guest", settings.iter().map(|(k, x)| format!("{k}={x}")).collect::<Vec<_>>().join(" ")) };
+                anyhow::bail!("tenant {name} is a VM's vGPU: its programs run in the guest, which reaches the device through /dev/dri{needs}");
+            }
+            let socket = v.get("socket").and_then(Value::as_str).filter(|p| !p.is_empty()).ok_or_else(|| anyhow::anyhow!("the daemon's answer for tenant {name} has no socket"))?;
+            let mut env = vec![("VGPU_SOCKET".to_string(), socket.to_string())];
+            env.extend(settings);
             if data_out {
                 print_data(&Value::Object(env.into_iter().map(|(k, x)| (k, Value::String(x))).collect()));
             } else {
