@@ -23,7 +23,7 @@ use vgpu_api::tenant::TenantSpec;
 use crate::cdi;
 use crate::claims::{self, ClaimLimits, Planned, Publisher, Sharing};
 use crate::mediator::Mediator;
-use crate::plugin::{container_tenant, create_handed_over, ensure_spec, now_s, redact, tenant_name, Handed, Host, PluginError};
+use crate::plugin::{container_tenant, create_handed_over, ensure_spec, now_s, redact, refresh_env, tenant_name, Handed, Host, PluginError};
 use crate::proto::dra as pb;
 use crate::proto::pluginregistration as reg;
 use crate::state::{ClaimState, ClaimTenant, PreparedClaim, StateError};
@@ -207,6 +207,13 @@ impl DraNode {
                 state.save(&cfg.state_file())?;
             }
             Err(e) => warn!("listing the daemon's tenants (the record is kept as it is): {e}"),
+        }
+        let mut refreshed = false;
+        for t in state.claims.values_mut().flat_map(|p| p.tenants.iter_mut()) {
+            refreshed |= refresh_env(&mediator, &cfg.host, &cfg.tenant_prefix, &t.tenant, &t.socket, &mut t.env);
+        }
+        if refreshed {
+            state.save(&cfg.state_file())?;
         }
         for t in state.tenants() {
             if let Err(e) = ensure_spec(&cfg.host, &t.tenant, &t.socket, &t.env) {

@@ -79,13 +79,28 @@ impl Mediator {
     pub fn create_tenant(&self, spec: &TenantSpec) -> Result<(PathBuf, BTreeMap<String, String>), MediatorError> {
         let body = serde_json::to_value(spec).map_err(|e| MediatorError::Answer { method: "POST", path: "/v1/tenants".into(), why: e.to_string() })?;
         let (_, v) = self.call("POST", "/v1/tenants", Some(&body))?;
-        let answer = |why: &str| MediatorError::Answer { method: "POST", path: "/v1/tenants".into(), why: why.into() };
-        let socket = v["socket"].as_str().map(PathBuf::from).ok_or_else(|| answer("no socket"))?;
-        let env = match v.get("env") {
-            None | Some(Value::Null) => BTreeMap::new(),
-            Some(e) => serde_json::from_value(e.clone()).map_err(|e| answer(&format!("env: {e}")))?,
+        let read = || {
+            let answer = |why: &str| MediatorError::Answer { method: "POST", path: "/v1/tenants".into(), why: why.into() };
+            let socket = v["socket"].as_str().map(PathBuf::from).ok_or_else(|| answer("no socket"))?;
+            Ok((socket, tenant_env(&v).map_err(|e| answer(&e))?))
         };
-        Ok((socket, env))
+        let got = read();
+        if got.is_err() {
+            // Made, but not usable as answered: not left behind.
+            let _ = self.delete_tenant(&spec.name);
+        }
+        got
+    }
+
+    /// The settings the tenant's programs need on its device (see
+    /// [`Mediator::create_tenant`]); `None` if there is no such tenant.
+    pub fn tenant_env(&self, name: &str) -> Result<Option<BTreeMap<String, String>>, MediatorError> {
+        let path = format!("/v1/tenants/{name}");
+        match self.call("GET", &path, None) {
+            Err(e) if e.status() == Some(404) => Ok(None),
+            Err(e) => Err(e),
+            Ok((_, v)) => tenant_env(&v).map(Some).map_err(|why| MediatorError::Answer { method: "GET", path, why }),
+        }
     }
 
     /// Deletes the tenant (revoked at once; its memory is scrubbed before
@@ -101,5 +116,13 @@ impl Mediator {
     pub fn tenants(&self) -> Result<Vec<String>, MediatorError> {
         let (_, v) = self.call("GET", "/v1/tenants", None)?;
         Ok(v.as_array().into_iter().flatten().filter_map(|t| t["name"].as_str().map(String::from)).collect())
+    }
+}
+
+/// A tenant description's `env` (absent or null: none).
+fn tenant_env(v: &Value) -> Result<BTreeMap<String, String>, String> {
+    match v.get("env") {
+        None | Some(Value::Null) => Ok(BTreeMap::new()),
+        Some(e) => serde_json::from_value(e.clone()).map_err(|e| format!("env: {e}")),
     }
 }

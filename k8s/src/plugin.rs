@@ -139,13 +139,21 @@ impl Node {
     /// them).
     pub fn open(cfg: Config) -> Result<Node, PluginError> {
         std::fs::create_dir_all(&cfg.host.state_dir).map_err(|err| StateError::Write { path: cfg.host.state_dir.display().to_string(), err })?;
-        let state = State::load(&cfg.state_file())?;
+        let mut state = State::load(&cfg.state_file())?;
+        let mediator = Mediator::new(&cfg.host.run_dir);
+        let mut refreshed = false;
+        for (t, a) in state.allocations.iter_mut() {
+            refreshed |= refresh_env(&mediator, &cfg.host, &cfg.tenant_prefix, t, &a.socket, &mut a.env);
+        }
+        if refreshed {
+            state.save(&cfg.state_file())?;
+        }
         for (t, a) in &state.allocations {
             if let Err(e) = ensure_spec(&cfg.host, t, &a.socket, &a.env) {
                 warn!(tenant = %t, "writing its CDI spec again: {e}");
             }
         }
-        let node = Node { mediator: Mediator::new(&cfg.host.run_dir), cfg, state: Mutex::new(state), changed: watch::channel(0).0 };
+        let node = Node { mediator, cfg, state: Mutex::new(state), changed: watch::channel(0).0 };
         node.sweep_orphans();
         Ok(node)
     }
@@ -314,6 +322,30 @@ pub(crate) fn ensure_spec(host: &Host, tenant: &str, socket: &Path, env: &BTreeM
     }
     let edits = cdi::edits(socket, env, &host.libs, &host.container_lib_dir);
     cdi::write(&host.cdi_dir, tenant, &cdi::spec(tenant, &edits)).map(drop)
+}
+
+/// Brings a recorded tenant's settings (`env`) up to what the daemon now
+/// gives it, and writes its CDI spec again if they changed: a record made
+/// before tenants carried settings has none, and a tenant's device decides
+/// them. Returns whether the record changed. The daemon's errors are
+/// logged and leave the record as it is.
+pub(crate) fn refresh_env(mediator: &Mediator, host: &Host, prefix: &str, tenant: &str, socket: &Path, env: &mut BTreeMap<String, String>) -> bool {
+    match mediator.tenant_env(tenant) {
+        Ok(Some(now)) if now != *env => {
+            info!(tenant = %cdi::public_id(tenant), "the daemon gives the tenant other settings than its record has: recording them and writing its CDI spec again");
+            *env = now;
+            let edits = cdi::edits(socket, env, &host.libs, &host.container_lib_dir);
+            if let Err(e) = cdi::write(&host.cdi_dir, tenant, &cdi::spec(tenant, &edits)) {
+                warn!(tenant = %cdi::public_id(tenant), "writing its CDI spec again: {e}");
+            }
+            true
+        }
+        Ok(_) => false,
+        Err(e) => {
+            warn!(tenant = %cdi::public_id(tenant), "reading its settings from the daemon (its record is kept as it is): {}", redact(prefix, &e.to_string()));
+            false
+        }
+    }
 }
 
 /// Deletes the tenants made with `prefix` (see [`is_made_name`]) that

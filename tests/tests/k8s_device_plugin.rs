@@ -238,6 +238,15 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     plugin.kill();
     let (st, v) = m.api("POST", "/v1/tenants", Some(serde_json::json!({ "name": "k8s-99-00c0ffee-0123456789abcdef", "memory": "1MiB" })));
     assert_eq!(st, 201, "{v}");
+    // Its record and the tenant's spec are from before tenants carried
+    // settings (no `env`): it takes them from the daemon again.
+    let state_file = root.join("state/state.json");
+    let mut record: Value = serde_json::from_slice(&std::fs::read(&state_file).expect("the plugin's record")).expect("JSON");
+    assert!(record["allocations"][&tenant].as_object_mut().expect("the tenant's allocation").remove("env").is_some(), "{record}");
+    std::fs::write(&state_file, record.to_string()).unwrap();
+    let mut old_spec = spec.clone();
+    old_spec["devices"][0]["containerEdits"]["env"] = serde_json::json!(["VGPU_SOCKET=/run/vgpu/vgpu.sock"]);
+    std::fs::write(&spec_path, old_spec.to_string()).unwrap();
     let _plugin = start_plugin(&m, &k, &root);
     let reg = k.wait_registration();
     wait_until("the orphan k8s-99-00c0ffee-0123456789abcdef is deleted", Duration::from_secs(20), || tenants(&m) == std::slice::from_ref(&tenant));
@@ -245,6 +254,10 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     let mut stream = k.rt.block_on(client.list_and_watch(dp::Empty {})).expect("ListAndWatch").into_inner();
     let listed = k.rt.block_on(stream.message()).expect("a list").expect("a list");
     assert!(chosen.iter().all(|id| listed.devices.iter().any(|d| &d.id == id)), "allocated slices stay listed: {listed:?}");
+    let record: Value = serde_json::from_slice(&std::fs::read(&state_file).expect("the plugin's record")).expect("JSON");
+    assert_eq!(record["allocations"][&tenant]["env"], serde_json::json!({ "CUPY_COMPILE_WITH_PTX": "1" }), "{record}");
+    let now: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
+    assert_eq!(now, spec, "the spec is written again with the daemon's settings");
 
     // The pod goes: once the grace has passed, the tenant is deleted (its
     // memory scrubbed), its spec removed, and its socket refuses the sample.

@@ -546,6 +546,17 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let state_file = root.join("state/dra-vgpu.dev.json");
     let mut record: Value = serde_json::from_slice(&std::fs::read(&state_file).expect("the driver's record")).expect("JSON");
     record["issued"].as_array_mut().expect("issued names").push(json!("dra-99-00c0ffee-0123456789abcdef"));
+    // And a record from before tenants carried settings: no `env`.
+    let without_env = |record: &mut Value| {
+        let mut n = 0;
+        for p in record["claims"].as_object_mut().expect("claims").values_mut() {
+            for t in p["tenants"].as_array_mut().expect("tenants") {
+                n += usize::from(t.as_object_mut().expect("tenant").remove("env").is_some());
+            }
+        }
+        n
+    };
+    assert!(without_env(&mut record) > 0, "{record}");
     std::fs::write(&state_file, record.to_string()).unwrap();
     let (st, v) = m.api("POST", "/v1/tenants", Some(json!({ "name": "dra-99-00c0ffee-0123456789abcdef", "memory": "1MiB" })));
     assert_eq!(st, 201, "{v}");
@@ -568,7 +579,10 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     wait_until("the orphan is deleted", Duration::from_secs(20), || tenants(&m) == [tenant.clone(), "dra-7-00c0ffee-fedcba9876543210".into(), "dra-admin".into(), "vm-tenant".into()]);
     assert!(spec_path.exists(), "the recorded tenant's CDI spec is written again");
     let again: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
-    assert_eq!(again, spec, "the spec written again from the record is the one written first");
+    assert_eq!(again, spec, "the spec written again from the record (its settings from the daemon) is the one written first");
+    let record: Value = serde_json::from_slice(&std::fs::read(&state_file).expect("the driver's record")).expect("JSON");
+    let envs: Vec<Value> = record["claims"].as_object().expect("claims").values().flat_map(|p| p["tenants"].as_array().cloned().unwrap_or_default()).map(|t| t["env"].clone()).collect();
+    assert!(!envs.is_empty() && envs.iter().all(|e| *e == json!({ "CUPY_COMPILE_WITH_PTX": "1" })), "the record has the daemon's settings again: {envs:?}");
     for name in ["dra-admin", "dra-7-00c0ffee-fedcba9876543210"] {
         let (st, v) = m.api("DELETE", &format!("/v1/tenants/{name}"), None);
         assert!(st < 300, "{v}");
