@@ -5,6 +5,17 @@
 # and the fuzz smoke (scripts/fuzz-smoke.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Disk: a first run on a fresh clone took about 17 GiB on 2026-11-29 (the
+# Python environments 9, PyTorch's 5.4 of them; the build 4.7; the fuzz
+# build 0.9; the nested test host's images 1) and a run after it much
+# less. Too little shows up late and obscurely ("No space left on device",
+# a linker's "Bus error"), so it is said here first.
+need_gib=18
+[ -x "$ROOT/target/pyenvtorch/bin/python" ] && need_gib=6
+free_gib=$(df -Pk "$ROOT" | awk 'NR == 2 { print int($4 / 1048576) }')
+if [ "${free_gib:-0}" -lt "$need_gib" ]; then
+    echo "*** test: only ${free_gib} GiB free on the disk that holds $ROOT; this run needs about ${need_gib} GiB. Expect build and test failures such as 'No space left on device' or ld's 'Bus error' (df -h $ROOT)." >&2
+fi
 # The suite's own Python environments too (CuPy for CUDA 13, PyTorch).
 export VGPU_SETUP_FOR=tests
 source "$ROOT/scripts/setup.sh"
