@@ -147,7 +147,7 @@ pub fn assert_cupy_passes_with_cdi(spec: &Value) {
     assert!(py.exists(), "{} is missing: run scripts/setup.sh (it installs CuPy from PyPI)", py.display());
     let mut c = Command::new(py);
     c.args(["-c", "import cupy as cp\na = cp.arange(1000, dtype=cp.float32)\nb = cp.sqrt(a * a + 1)\nassert float((a * 2).sum()) == 999000.0\nassert abs(float(b[999]) - 999.0005) < 1e-3\nprint('cupy through the CDI spec: PASSED')"]);
-    c.env("CUPY_CACHE_DIR", crate::bin_dir().join(format!("cupy-cache-cdi-{}", std::process::id())));
+    c.env("CUPY_CACHE_DIR", crate::per_process("cupy-cache-cdi"));
     let o = run_in_cdi(spec, c);
     let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success() && text.contains("PASSED"), "CuPy through the CDI spec:\n{text}");

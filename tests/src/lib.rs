@@ -24,6 +24,26 @@ pub fn bin_dir() -> PathBuf {
     d
 }
 
+/// `bin_dir()/NAME-PID`: a file or directory of this test process's own
+/// (a compiled probe, a CuPy cache). Those that processes now gone left
+/// under the same name are removed first, so repeated runs do not pile
+/// them up in target/release.
+pub fn per_process(name: &str) -> PathBuf {
+    let dir = bin_dir();
+    let me = std::process::id();
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            let file = e.file_name();
+            let Some(pid) = file.to_str().and_then(|f| f.strip_prefix(name)).and_then(|r| r.strip_prefix('-')).and_then(|p| p.parse::<u32>().ok()) else { continue };
+            if pid != me && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                let p = e.path();
+                let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+            }
+        }
+    }
+    dir.join(format!("{name}-{me}"))
+}
+
 pub fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace").to_path_buf()
 }

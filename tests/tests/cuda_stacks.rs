@@ -81,7 +81,7 @@ fn runtime_probe(runtime: Runtime) -> &'static PathBuf {
         Runtime::Cuda13 => (&BIN13, "-l:libcudart.so.13", 13),
     };
     cell.get_or_init(|| {
-        let out = bin_dir().join(format!("runtime_probe{tag}-{}", std::process::id()));
+        let out = vgpu_tests::per_process(&format!("runtime_probe{tag}"));
         let mut cc = Command::new("cc");
         cc.args(["-O2", "-Wall", "-Werror"]).arg("-I").arg(runtime.dir().join("include"));
         if runtime == Runtime::Cuda12 {
@@ -168,7 +168,7 @@ fn cublas_probe() -> &'static PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
         let cu13 = nvidia_in("pyenv13", "cu13");
-        let out = bin_dir().join(format!("cublas_probe-{}", std::process::id()));
+        let out = vgpu_tests::per_process("cublas_probe");
         let st = Command::new("cc")
             .args(["-O2", "-Wall", "-Werror", "-I"])
             .arg(cu13.join("include"))
@@ -260,7 +260,7 @@ fn cupy_probe_passes(python: PathBuf, tag: &str, cc: &str, matmul: &str) -> Stri
         let (k, v) = line.strip_prefix("export ").and_then(|l| l.split_once('=')).unwrap_or_else(|| panic!("not an export line: {line}"));
         c.env(k, v.trim_matches('\''));
     }
-    c.env_remove("CUPY_ACCELERATORS").env("CUPY_CACHE_DIR", bin_dir().join(format!("cupy-cache-{tag}-{}", std::process::id())));
+    c.env_remove("CUPY_ACCELERATORS").env("CUPY_CACHE_DIR", vgpu_tests::per_process(&format!("cupy-cache-{tag}")));
     let text = run(c, "cupy_probe.py", "cupy probe: all passed");
     assert!(text.contains("accelerators: [1]"), "CuPy's default reduction accelerator (CUB) was in use:\n{text}");
     assert!(text.contains("ok multi-block reductions"), "{text}");
@@ -363,7 +363,7 @@ fn cubins_are_refused_with_no_binary_for_gpu() {
         .env("VGPU_SOCKET", &sock)
         .env("LD_LIBRARY_PATH", lib_dir())
         .env("VGPU_LOG", "1")
-        .env("CUPY_CACHE_DIR", bin_dir().join(format!("cupy-cache-cubin-{}", std::process::id())))
+        .env("CUPY_CACHE_DIR", vgpu_tests::per_process("cupy-cache-cubin"))
         .output()
         .expect("python");
     let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
