@@ -5,12 +5,12 @@
 # and the fuzz smoke (scripts/fuzz-smoke.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# Disk: a first run on a fresh clone took about 17 GiB on 2026-11-29 (the
-# Python environments 9, PyTorch's 5.4 of them; the build 4.7; the fuzz
-# build 0.9; the nested test host's images 1) and a run after it much
-# less. Too little shows up late and obscurely ("No space left on device",
+# Disk: a first run on a fresh clone took about 13 GiB on 2026-11-29 (the
+# Python environments 9, PyTorch's 5.4 of them; the build 1.4; the fuzz
+# build 0.9; the nested test host's images 1; pip's and cargo's caches)
+# and a run after it much less. Too little shows up late and obscurely ("No space left on device",
 # a linker's "Bus error"), so it is said here first.
-need_gib=18
+need_gib=15
 [ -x "$ROOT/target/pyenvtorch/bin/python" ] && need_gib=6
 free_gib=$(df -Pk "$ROOT" | awk 'NR == 2 { print int($4 / 1048576) }')
 if [ "${free_gib:-0}" -lt "$need_gib" ]; then
