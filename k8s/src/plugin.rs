@@ -320,8 +320,14 @@ pub(crate) fn ensure_spec(host: &Host, tenant: &str, socket: &Path, env: &BTreeM
     if cdi::spec_path(&host.cdi_dir, tenant).exists() {
         return Ok(());
     }
+    write_spec(host, tenant, socket, env).map(drop)
+}
+
+/// Writes the tenant's CDI spec; returns its container edits.
+fn write_spec(host: &Host, tenant: &str, socket: &Path, env: &BTreeMap<String, String>) -> std::io::Result<cdi::Edits> {
     let edits = cdi::edits(socket, env, &host.libs, &host.container_lib_dir);
-    cdi::write(&host.cdi_dir, tenant, &cdi::spec(tenant, &edits)).map(drop)
+    cdi::write(&host.cdi_dir, tenant, &cdi::spec(tenant, &edits))?;
+    Ok(edits)
 }
 
 /// Brings a recorded tenant's settings (`env`) up to what the daemon now
@@ -334,8 +340,7 @@ pub(crate) fn refresh_env(mediator: &Mediator, host: &Host, prefix: &str, tenant
         Ok(Some(now)) if now != *env => {
             info!(tenant = %cdi::public_id(tenant), "the daemon gives the tenant other settings than its record has: recording them and writing its CDI spec again");
             *env = now;
-            let edits = cdi::edits(socket, env, &host.libs, &host.container_lib_dir);
-            if let Err(e) = cdi::write(&host.cdi_dir, tenant, &cdi::spec(tenant, &edits)) {
+            if let Err(e) = write_spec(host, tenant, socket, env) {
                 warn!(tenant = %cdi::public_id(tenant), "writing its CDI spec again: {e}");
             }
             true
@@ -412,12 +417,13 @@ pub(crate) struct Handed {
 /// written is deleted again).
 pub(crate) fn create_handed_over(mediator: &Mediator, spec: &TenantSpec, host: &Host) -> Result<Handed, PluginError> {
     let (socket, env) = mediator.create_tenant(spec)?;
-    let edits = cdi::edits(&socket, &env, &host.libs, &host.container_lib_dir);
-    if let Err(err) = cdi::write(&host.cdi_dir, &spec.name, &cdi::spec(&spec.name, &edits)) {
-        let _ = mediator.delete_tenant(&spec.name);
-        return Err(PluginError::Cdi { tenant: spec.name.clone(), err });
+    match write_spec(host, &spec.name, &socket, &env) {
+        Ok(edits) => Ok(Handed { socket, env, edits }),
+        Err(err) => {
+            let _ = mediator.delete_tenant(&spec.name);
+            Err(PluginError::Cdi { tenant: spec.name.clone(), err })
+        }
     }
-    Ok(Handed { socket, env, edits })
 }
 
 /// One resource's DevicePlugin service.

@@ -97,6 +97,14 @@ fn own_dir(dir: &Path, mode: Option<u32>, gid: Option<u32>) -> Result<(), RunDir
     Ok(())
 }
 
+/// Creates `dir`'s parent directories where they are missing.
+fn parents(dir: &Path) -> Result<(), RunDirError> {
+    match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => std::fs::create_dir_all(parent).map_err(|e| io(parent, e)),
+        None => Ok(()),
+    }
+}
+
 fn open_nofollow(path: &Path, flags: i32) -> Result<OwnedFd, RunDirError> {
     let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| io(path, std::io::ErrorKind::InvalidInput.into()))?;
     // SAFETY: a NUL-terminated path; the result is checked.
@@ -114,9 +122,7 @@ fn open_nofollow(path: &Path, flags: i32) -> Result<OwnedFd, RunDirError> {
 /// inside: a second daemon on the directory stops there. With `workers`
 /// set, the workers' group may create sockets in `tenants`.
 pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<Held, RunDirError> {
-    if let Some(parent) = run_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
-    }
+    parents(run_dir)?;
     own_dir(run_dir, Some(0o711), None)?;
     let held = hold(run_dir)?;
     let tenants = run_dir.join("tenants");
@@ -133,9 +139,7 @@ pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<Held, RunDirErr
 /// held for this daemon ([`hold`]) unless it is the run directory `run`
 /// already holds (`None` then).
 pub fn prepare_state(dir: &Path, run: &Held) -> Result<Option<Held>, RunDirError> {
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
-    }
+    parents(dir)?;
     own_dir(dir, None, None)?;
     let m = std::fs::metadata(dir).map_err(|e| io(dir, e))?;
     if (m.dev(), m.ino()) == run.dir {
@@ -148,9 +152,7 @@ pub fn prepare_state(dir: &Path, run: &Held) -> Result<Option<Held>, RunDirError
 /// existing one is a real directory this daemon owns and nobody else can
 /// write.
 pub fn private_dir_in_place(dir: &Path) -> Result<(), RunDirError> {
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
-    }
+    parents(dir)?;
     own_dir(dir, Some(0o700), None)
 }
 
