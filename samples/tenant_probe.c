@@ -20,6 +20,10 @@
  *   storm N             N launches of a kernel that adds 1 to a counter, then one
  *                       cuCtxSynchronize; prints the counter and what the
  *                       connection cost the transport (vgpuGetConnectionStats)
+ *   reuse N             N rounds of: allocate the whole quota, a kernel on it,
+ *                       cuCtxSynchronize, free; after each free cuMemGetInfo must
+ *                       report the whole quota free again (the next round's
+ *                       allocation needs it); prints the rounds that saw less
  */
 #include "common.h"
 
@@ -31,6 +35,14 @@ static void init(void) {
     CHECK(cuDeviceGet(&dev, 0));
     CHECK(cuCtxCreate(&ctx, NULL, 0, dev));
 }
+
+/* A kernel that adds 1 to the u32 its parameter points at. */
+static const char bump_ptx[] =
+    ".version 7.0\n.target sm_70\n.address_size 64\n"
+    ".visible .entry bump(.param .u64 p)\n{\n"
+    "    .reg .u64 %rd<1>;\n    .reg .u32 %r<2>;\n"
+    "    ld.param.u64 %rd0, [p];\n    ld.global.u32 %r0, [%rd0];\n"
+    "    add.u32 %r1, %r0, 1;\n    st.global.u32 [%rd0], %r1;\n    ret;\n}\n";
 
 static const char *name_of(CUresult r) {
     const char *s = "?";
@@ -64,13 +76,34 @@ int main(int argc, char **argv) {
         printf("after_free=%s\n", name_of(again));
         return r == CUDA_ERROR_OUT_OF_MEMORY && again == CUDA_SUCCESS && free_b == 0 ? 0 : 1;
     }
+    if (!strcmp(mode, "reuse")) {
+        int n = atoi(argv[2]), stale = 0, failed = 0;
+        CUmodule mod;
+        CUfunction bump;
+        CHECK(cuModuleLoadData(&mod, bump_ptx));
+        CHECK(cuModuleGetFunction(&bump, mod, "bump"));
+        size_t free_b = 0, total = 0;
+        CHECK(cuMemGetInfo(&free_b, &total));
+        for (int i = 0; i < n; i++) {
+            CUdeviceptr all;
+            CUresult r = cuMemAlloc(&all, free_b);
+            if (r != CUDA_SUCCESS) {
+                printf("round %d: allocating %zu bytes: %s\n", i, free_b, name_of(r));
+                failed++;
+                continue;
+            }
+            void *args[] = {&all};
+            CHECK(cuLaunchKernel(bump, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL));
+            CHECK(cuCtxSynchronize());
+            CHECK(cuMemFree(all));
+            size_t now = 0;
+            CHECK(cuMemGetInfo(&now, &total));
+            stale += now != free_b;
+        }
+        printf("reuse rounds=%d stale=%d failed=%d\n", n, stale, failed);
+        return stale || failed ? 1 : 0;
+    }
     if (!strcmp(mode, "storm")) {
-        static const char bump_ptx[] =
-            ".version 7.0\n.target sm_70\n.address_size 64\n"
-            ".visible .entry bump(.param .u64 p)\n{\n"
-            "    .reg .u64 %rd<1>;\n    .reg .u32 %r<2>;\n"
-            "    ld.param.u64 %rd0, [p];\n    ld.global.u32 %r0, [%rd0];\n"
-            "    add.u32 %r1, %r0, 1;\n    st.global.u32 [%rd0], %r1;\n    ret;\n}\n";
         int n = atoi(argv[2]);
         CUmodule mod;
         CUfunction bump;

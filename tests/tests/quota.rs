@@ -34,3 +34,17 @@ fn quotas_are_admitted_only_within_device_memory() {
     assert!(v["error"].as_str().unwrap_or("").contains("unreserved"), "{v}");
     m.tenant("b", "16MiB");
 }
+
+/// Memory freed right after a synchronize is back in the quota at once:
+/// the tenant's next allocation of the whole quota succeeds and
+/// cuMemGetInfo reports it free, round after round (a kernel's work in
+/// flight ends before its completion is visible to the tenant).
+#[test]
+fn memory_freed_after_a_synchronize_is_free_at_once() {
+    let m = Mediator::start(&["--device-memory", "64MiB"]);
+    let t = m.tenant("reuse", "8MiB");
+    let mut c = sample("tenant_probe", &t);
+    c.args(["reuse", "400"]);
+    let out = run_ok(c);
+    assert!(out.contains("reuse rounds=400 stale=0 failed=0"), "{out}");
+}

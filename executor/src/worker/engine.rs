@@ -738,15 +738,23 @@ impl Ring {
         // Work waiting for the lane this item gives back is woken once the
         // item's completion is out: the tenant waiting for it goes first.
         let _wake_later = vgpu_arbiter::sched::WakeLater::new();
-        let res = match &item.work.kind {
+        let Item { seq, work, _inflight: inflight, _charge: charge } = item;
+        let res = match &work.kind {
             WorkKind::Wait { .. } => Ok(()),
-            _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.svc.execute(&self.tenant, &item.work).map(|_| ())))
+            _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.svc.execute(&self.tenant, &work).map(|_| ())))
                 .unwrap_or_else(|_| Err(BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error"))),
         };
         if let Err(e) = &res {
-            self.report_backend(item.seq, item.work.ctx, e);
+            self.report_backend(seq, work.ctx, e);
         }
-        self.complete(engine, item.seq);
+        // The work is over before the tenant can see it complete: memory
+        // it freed meanwhile is back in its quota (and its host charge
+        // released) by the time a synchronize returns, so a cuMemGetInfo
+        // or cuMemAlloc right after sees it, as on CUDA.
+        drop(work);
+        drop(inflight);
+        drop(charge);
+        self.complete(engine, seq);
         if let Err(e) = &res {
             vgpu_arbiter::fatal::replied(e.code as u32);
         }
