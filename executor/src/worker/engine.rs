@@ -675,6 +675,9 @@ impl Ring {
         // Queued work is charged to the tenant's host budget until it ran.
         if let Err(r) = self.tenant.host.reserve(cost, "queued stream work") {
             drop(q);
+            // Not in flight once the tenant sees the entry done.
+            drop(inflight);
+            drop(work);
             return self.finish(engine, seq, reply, Err(r), op);
         }
         let item = Item { seq, work, _inflight: inflight, _charge: Charge(self.tenant.clone(), cost) };
