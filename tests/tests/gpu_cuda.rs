@@ -53,6 +53,11 @@ fn gpu_samples_run_for_two_tenants_with_their_own_quotas() {
     c.args(["-o", "json", "--socket"]).arg(&a);
     let v: serde_json::Value = serde_json::from_str(&run_ok(c)).expect("json");
     assert!(v["device"]["name"].as_str().unwrap_or("").contains("NVIDIA"), "{v}");
+    // A GPU runs what CUDA software builds by default: no settings.
+    assert_eq!(v["device"]["interprets_ptx"], false, "{v}");
+    let mut c = std::process::Command::new(bin("vgpu-smi"));
+    c.args(["--env", "--socket"]).arg(&a);
+    assert_eq!(run_ok(c), "", "no settings on a GPU");
 }
 
 #[test]

@@ -30,6 +30,9 @@ fn guest_runs_the_cuda_samples_through_dev_dri() {
     }
     let smi = lines(out, "L2-SMI: ").join("\n");
     assert!(smi.contains("Tenant     vm1") && smi.contains("32.0 MiB quota"), "vgpu-smi in the guest:\n{smi}");
+    // The guest learns from its device the settings its CUDA software
+    // needs there (for a profile: eval "$(vgpu-smi --env)").
+    assert_eq!(lines(out, "L2-ENV: "), ["export CUPY_COMPILE_WITH_PTX=1"], "vgpu-smi --env in the guest:\n{out}");
     assert_eq!(nested::value(out, "VMM-EXIT"), Some("0"), "{out}");
 }
 

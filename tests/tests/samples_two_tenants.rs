@@ -71,8 +71,15 @@ fn vgpu_smi_shows_quota_and_usage() {
     assert!(o.status.success() && text(&o).contains(&format!("GPU UUID                      : {uuid}")) && text(&o).contains("Total                     : 96 MiB"), "{}", text(&o));
     let o = smi(&["--version"]);
     assert!(o.status.success() && text(&o).starts_with("vgpu-smi "), "{}", text(&o));
+    // The settings CUDA software needs on this device, for a profile: on
+    // the CPU device, CuPy's PTX setting (what the daemon hands host
+    // tenants; a VM's guest asks its device this way).
+    let o = smi(&["--env"]);
+    assert!(o.status.success() && o.stdout == b"export CUPY_COMPILE_WITH_PTX=1\n", "{}", text(&o));
+    assert_eq!(v["device"]["interprets_ptx"], true, "{v}");
+    assert_eq!(v["env"], serde_json::json!({ "CUPY_COMPILE_WITH_PTX": "1" }), "{v}");
     // What it cannot answer is refused as a usage error, never a table.
-    for bad in [&["-o", "xml"][..], &["--query-gpu=temperature.gpu", "--format=csv"], &["--query-gpu=name"], &["--query-gpu=name", "--format=xml"], &["-i", "1"]] {
+    for bad in [&["-o", "xml"][..], &["--query-gpu=temperature.gpu", "--format=csv"], &["--query-gpu=name"], &["--query-gpu=name", "--format=xml"], &["-i", "1"], &["--env", "-L"]] {
         let o = smi(bad);
         assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", text(&o));
         assert!(o.stdout.is_empty(), "{bad:?}: {}", text(&o));

@@ -577,7 +577,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 }
             }
             if s(&v, "kind") == "vm" {
-                let needs = if settings.is_empty() { String::new() } else { format!("; set {} in the guest", settings.iter().map(|(k, x)| format!("{k}={x}")).collect::<Vec<_>>().join(" ")) };
+                let needs = if settings.is_empty() {
+                    String::new()
+                } else {
+                    format!("; set {} in the guest (`eval \"$(vgpu-smi --env)\"` there prints them)", settings.iter().map(|(k, x)| format!("{k}={x}")).collect::<Vec<_>>().join(" "))
+                };
                 anyhow::bail!("tenant {name} is a VM's vGPU: its programs run in the guest, which reaches the device through /dev/dri{needs}");
             }
             let socket = v.get("socket").and_then(Value::as_str).filter(|p| !p.is_empty()).ok_or_else(|| anyhow::anyhow!("the daemon's answer for tenant {name} has no socket"))?;

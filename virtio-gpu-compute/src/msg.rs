@@ -267,7 +267,40 @@ wire_struct! {
         pub quota: u64, pub used: u64,
         pub kernels: u64, pub device_ns: u64,
         pub bytes_scrubbed: u64,
-        pub weight: u32, pub reserved: u32,
+        pub weight: u32,
+        /// `TENANT_*` bits about the device; 0 from hosts that predate
+        /// them (no [`TENANT_FLAGS_SET`]).
+        pub flags: u32,
+    }
+}
+
+/// [`TenantInfo::flags`]: the device runs PTX on an interpreter (a CPU
+/// reference device), not machine code for a real GPU.
+pub const TENANT_INTERPRETS_PTX: u32 = 1;
+/// [`TenantInfo::flags`]: set by every host that fills the flags, so a
+/// client tells "a GPU" from "a host too old to say".
+pub const TENANT_FLAGS_SET: u32 = 1 << 31;
+
+impl TenantInfo {
+    /// Whether the tenant's device interprets PTX ([`TENANT_INTERPRETS_PTX`]);
+    /// `None` from a host too old to say.
+    pub fn interprets_ptx(&self) -> Option<bool> {
+        (self.flags & TENANT_FLAGS_SET != 0).then_some(self.flags & TENANT_INTERPRETS_PTX != 0)
+    }
+}
+
+/// The settings unmodified CUDA software needs in its environment on a
+/// device, besides how it reaches the device: none on a GPU; on a device
+/// that interprets PTX, `CUPY_COMPILE_WITH_PTX=1`, since CuPy otherwise
+/// compiles its kernels to machine code for a real GPU (a cubin), which no
+/// interpreter runs, and reads only that variable, at import, to choose
+/// PTX. The daemon hands these out with host tenants; `vgpu-smi --env`
+/// prints them inside a VM.
+pub fn program_env(interprets_ptx: bool) -> &'static [(&'static str, &'static str)] {
+    if interprets_ptx {
+        &[("CUPY_COMPILE_WITH_PTX", "1")]
+    } else {
+        &[]
     }
 }
 

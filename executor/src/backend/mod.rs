@@ -48,6 +48,14 @@ pub struct DeviceDesc {
     pub attributes: Option<Vec<i32>>,
 }
 
+impl DeviceDesc {
+    /// Whether the device runs PTX on the interpreter (the CPU reference
+    /// device) rather than machine code on a GPU.
+    pub fn interprets_ptx(&self) -> bool {
+        self.kind == "cpu"
+    }
+}
+
 /// One tenant's live allocations: start address -> length. Kernel and copy
 /// accesses must fall entirely inside one of them. The second map holds the
 /// allocations kernels may read but not write (modules' `.const` segments).

@@ -987,7 +987,7 @@ impl DeviceService {
                 device_ns: self.sched.device_time(&t.name, Duration::from_nanos(t.device_ns.load(Ordering::Relaxed))).as_nanos() as u64,
                 bytes_scrubbed: t.scrubbed.load(Ordering::Relaxed),
                 weight: t.share().weight,
-                reserved: 0,
+                flags: virtio_gpu_compute::msg::TENANT_FLAGS_SET | if self.backend.desc().interprets_ptx() { virtio_gpu_compute::msg::TENANT_INTERPRETS_PTX } else { 0 },
             }),
             Request::GetProcesses => Reply::Processes(Self::processes(st)),
             Request::MemGetInfo => Reply::MemInfo(MemInfoReply { free: self.free_for(t, st.used), total: t.quota() }),

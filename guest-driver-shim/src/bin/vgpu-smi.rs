@@ -4,7 +4,9 @@
 //! --format=csv[,noheader,nounits]`, `--query-compute-apps=...`, `-l
 //! SECONDS`, `-q`, `--version`), for the one GPU a tenant sees: memory is
 //! its quota, utilization its share of the device's time, and the
-//! processes are the tenant's own that hold contexts on it.
+//! processes are the tenant's own that hold contexts on it. `--env`
+//! prints the settings CUDA software needs on the device, for a guest's
+//! shell profile.
 //!
 //! The socket is `--socket`, else `$VGPU_SOCKET`, else the virtio-gpu
 //! render node inside a VM.
@@ -53,6 +55,12 @@ struct Cli {
     /// A detailed report, as nvidia-smi -q.
     #[arg(short, long)]
     query: bool,
+    /// Prints the settings CUDA software needs in its environment on this
+    /// vGPU's device, as `export` lines for a shell profile (`eval
+    /// "$(vgpu-smi --env)"`): on a CPU reference device
+    /// CUPY_COMPILE_WITH_PTX=1, on a GPU nothing.
+    #[arg(long, conflicts_with_all = ["query_gpu", "query_apps", "list_gpus", "query", "every", "format"])]
+    env: bool,
     /// The GPU to show: a tenant sees one, index 0.
     #[arg(short = 'i', long = "id")]
     id: Option<String>,
@@ -264,6 +272,7 @@ fn json(s: &Sample) {
             "uuid": uuid_text(&d.uuid),
             "compute_capability": format!("{}.{}", d.cc_major, d.cc_minor),
             "instruction_budget": d.instruction_budget,
+            "interprets_ptx": t.interprets_ptx(),
         },
         "tenant": {
             "name": name_str(&t.name),
@@ -276,6 +285,7 @@ fn json(s: &Sample) {
             "utilization": (s.utilization * 10.0).round() / 10.0,
         },
         "processes": processes,
+        "env": t.interprets_ptx().map(|i| virtio_gpu_compute::msg::program_env(i).iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(*v))).collect::<serde_json::Map<_, _>>()),
     });
     println!("{v}");
 }
@@ -331,6 +341,15 @@ fn main() {
         None => Client::from_env(),
     };
     let mut probe = Probe { c: client.unwrap_or_else(|e| fail(1, e)), last: None };
+    if cli.env {
+        let Some(interprets) = probe.tenant().interprets_ptx() else {
+            fail(1, "the host's device service is too old to say what its device runs; no settings printed");
+        };
+        for (k, v) in virtio_gpu_compute::msg::program_env(interprets) {
+            println!("export {k}={v}");
+        }
+        return;
+    }
     let mut first = true;
     // Only the views that show processes ask for them.
     let wants_processes = !cli.list_gpus && query.is_none();

@@ -292,10 +292,7 @@ pub struct TenantRecord {
 /// The environment programs need on a device of this kind (see
 /// [`TenantRecord::env`]).
 fn program_env(device: &DeviceSpec) -> BTreeMap<String, String> {
-    match device.cuda {
-        Some(_) => BTreeMap::new(),
-        None => BTreeMap::from([("CUPY_COMPILE_WITH_PTX".to_string(), "1".to_string())]),
-    }
+    virtio_gpu_compute::msg::program_env(device.cuda.is_none()).iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
 impl TenantRecord {
