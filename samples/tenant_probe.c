@@ -20,6 +20,9 @@
  *   storm N             N launches of a kernel that adds 1 to a counter, then one
  *                       cuCtxSynchronize; prints the counter and what the
  *                       connection cost the transport (vgpuGetConnectionStats)
+ *   link FILE           link FILE (a fatbin) with cuLink*, load the result and
+ *                       launch its bump kernel (adds 1 to a u32); prints what
+ *                       each step returned and the counter
  *   reuse N             N rounds of: allocate the whole quota, a kernel on it,
  *                       cuCtxSynchronize, free; after each free cuMemGetInfo must
  *                       report the whole quota free again (the next round's
@@ -75,6 +78,34 @@ int main(int argc, char **argv) {
         CUresult again = cuMemAlloc(&over, quota / 2);
         printf("after_free=%s\n", name_of(again));
         return r == CUDA_ERROR_OUT_OF_MEMORY && again == CUDA_SUCCESS && free_b == 0 ? 0 : 1;
+    }
+    if (!strcmp(mode, "link")) {
+        CUlinkState link;
+        CHECK(cuLinkCreate(0, NULL, NULL, &link));
+        CUresult r = cuLinkAddFile(link, CU_JIT_INPUT_FATBINARY, argv[2], 0, NULL, NULL);
+        printf("add=%s\n", name_of(r));
+        void *image = NULL;
+        size_t size = 0;
+        if (r == CUDA_SUCCESS) {
+            r = cuLinkComplete(link, &image, &size);
+            printf("complete=%s\n", name_of(r));
+        }
+        if (r == CUDA_SUCCESS) {
+            CUmodule mod;
+            CUfunction bump;
+            CUdeviceptr counter;
+            CHECK(cuModuleLoadData(&mod, image));
+            CHECK(cuModuleGetFunction(&bump, mod, "bump"));
+            CHECK(cuMemAlloc(&counter, 4));
+            CHECK(cuMemsetD32(counter, 41, 1));
+            void *args[] = {&counter};
+            CHECK(cuLaunchKernel(bump, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL));
+            unsigned int got = 0;
+            CHECK(cuMemcpyDtoH(&got, counter, 4));
+            printf("counter=%u\n", got);
+        }
+        CHECK(cuLinkDestroy(link));
+        return 0;
     }
     if (!strcmp(mode, "reuse")) {
         int n = atoi(argv[2]), stale = 0, failed = 0;

@@ -27,6 +27,7 @@ typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUlinkState_st *CUlinkState;
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
 
 typedef enum cudaError_enum {
@@ -108,6 +109,12 @@ typedef enum CUjit_option_enum {
     CU_JIT_ERROR_LOG_BUFFER = 5,
     CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6
 } CUjit_option;
+
+typedef enum CUjitInputType_enum {
+    CU_JIT_INPUT_CUBIN = 0,
+    CU_JIT_INPUT_PTX = 1,
+    CU_JIT_INPUT_FATBINARY = 2
+} CUjitInputType;
 
 typedef enum CUdriverProcAddressQueryResult_enum {
     CU_GET_PROC_ADDRESS_SUCCESS = 0,
@@ -207,6 +214,18 @@ CUresult cuModuleLoadData(CUmodule *module, const void *image);
 CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options, void **optionValues);
 CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name);
 CUresult cuModuleUnload(CUmodule hmod);
+/* The linker merges PTX (given as PTX or inside fatbins); what
+   cuLinkComplete returns is a module image for cuModuleLoadData. */
+#define cuLinkCreate cuLinkCreate_v2
+#define cuLinkAddData cuLinkAddData_v2
+#define cuLinkAddFile cuLinkAddFile_v2
+CUresult cuLinkCreate_v2(unsigned int numOptions, CUjit_option *options, void **optionValues, CUlinkState *stateOut);
+CUresult cuLinkAddData_v2(CUlinkState state, CUjitInputType type, void *data, size_t size, const char *name,
+                          unsigned int numOptions, CUjit_option *options, void **optionValues);
+CUresult cuLinkAddFile_v2(CUlinkState state, CUjitInputType type, const char *path,
+                          unsigned int numOptions, CUjit_option *options, void **optionValues);
+CUresult cuLinkComplete(CUlinkState state, void **cubinOut, size_t *sizeOut);
+CUresult cuLinkDestroy(CUlinkState state);
 CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
                         unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
                         unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra);

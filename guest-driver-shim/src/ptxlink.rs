@@ -108,7 +108,16 @@ fn version(line: &str) -> (u32, u32) {
 
 /// The highest `sm_XY` a `.target` line names (0 if none).
 pub(crate) fn target_arch(line: &str) -> u32 {
-    line.split(|c: char| c.is_whitespace() || c == ',').filter_map(|w| w.strip_prefix("sm_")).filter_map(|w| w.trim_end_matches(|c: char| c.is_alphabetic()).parse().ok()).max().unwrap_or(0)
+    target_word(line).map_or(0, |(a, _)| a)
+}
+
+/// The `.target` line's highest architecture and how it is written
+/// (`sm_90a` keeps its suffix: architecture- and family-specific code
+/// compiles only for what the suffix names).
+fn target_word(line: &str) -> Option<(u32, &str)> {
+    line.split(|c: char| c.is_whitespace() || c == ',')
+        .filter_map(|w| Some((w.strip_prefix("sm_")?.trim_end_matches(|c: char| c.is_alphabetic()).parse().ok()?, w)))
+        .max_by_key(|(a, w): &(u32, &str)| (*a, w.len()))
 }
 
 /// Merges PTX modules into one. The result uses the newest PTX version
@@ -146,8 +155,10 @@ pub fn link(inputs: &[Vec<u8>]) -> Result<Vec<u8>, String> {
     }
     let headers: Vec<&str> = parsed.iter().flat_map(|(h, _)| h.iter().copied()).collect();
     let ver = headers.iter().filter(|l| l.starts_with(".version")).map(|l| version(l)).max().unwrap_or((7, 0));
-    let arch = headers.iter().filter(|l| l.starts_with(".target")).map(|l| target_arch(l)).max().unwrap_or(52);
-    let mut out = format!(".version {}.{}\n.target sm_{arch}\n.address_size 64\n\n", ver.0, ver.1);
+    // The newest target, its suffix kept (at one architecture a suffixed
+    // input wins: the merged code holds its specific instructions).
+    let target = headers.iter().filter(|l| l.starts_with(".target")).filter_map(|l| target_word(l)).max_by_key(|(a, w)| (*a, w.len())).map_or("sm_52", |(_, w)| w);
+    let mut out = format!(".version {}.{}\n.target {target}\n.address_size 64\n\n", ver.0, ver.1);
     let mut declared = std::collections::HashSet::new();
     for (m, (_, its)) in parsed.iter().enumerate() {
         for (k, it) in its.iter().enumerate() {
@@ -200,6 +211,16 @@ mod tests {
         assert_eq!(out.matches("func_retval0) twice(").count(), 1, "{out}");
         assert!(out.contains(".visible .func (.param .b32 func_retval0) twice("), "{out}");
         assert!(!out.contains(".weak"), "{out}");
+    }
+
+    #[test]
+    fn the_newest_target_keeps_its_suffix() {
+        let specific = LIB.replace(".target sm_80", ".target sm_90a");
+        let out = String::from_utf8(link(&[MAIN.as_bytes().to_vec(), specific.into_bytes()]).unwrap()).unwrap();
+        assert!(out.contains("\n.target sm_90a\n"), "{out}");
+        assert_eq!(target_arch(".target sm_90a"), 90);
+        assert_eq!(target_arch(".target sm_100f, debug"), 100);
+        assert_eq!(target_arch(".target compute_80"), 0);
     }
 
     #[test]

@@ -113,3 +113,33 @@ fn a_fatbin_runs_through_its_compressed_ptx_on_the_cpu_device() {
     }
     assert!(r.ping(), "the worker still serves the tenant");
 }
+
+/// The linker (`cuLinkAddFile` with a fatbin) takes the PTX the device's
+/// own loader would: on an interpreting 9.0 device that is the generic
+/// `compute_80` code before the `compute_90a` code (architecture-specific
+/// PTX may use what an interpreter lacks, as wgmma), and the `compute_100`
+/// code of a fatbin that has nothing older, as `cuModuleLoadData` given
+/// the fatbin would. Each entry's kernel adds a different amount, so the
+/// counter tells which one ran.
+#[test]
+fn the_linker_takes_a_fatbins_ptx_as_the_device_would() {
+    let m = Mediator::start(&["--compute-capability", "9.0"]);
+    let a = m.tenant("linker", "16MiB");
+    let bump = |target: &str, add: u32| {
+        format!(
+            ".version 7.8\n.target {target}\n.address_size 64\n.visible .entry bump(.param .u64 p)\n{{\n .reg .u64 %rd<1>;\n .reg .u32 %r<2>;\n ld.param.u64 %rd0, [p];\n ld.global.u32 %r0, [%rd0];\n add.u32 %r1, %r0, {add};\n st.global.u32 [%rd0], %r1;\n ret;\n}}\n\0"
+        )
+    };
+    let generic_first = build::image(&[build::entry(1, 80, 0x11, bump("sm_80", 1).as_bytes(), 0), build::entry(1, 90, 0x11 | 0x10_0000, bump("sm_90a", 100).as_bytes(), 0)]);
+    let only_newer = build::image(&[build::entry(1, 100, 0x11, bump("sm_100", 1000).as_bytes(), 0)]);
+    for (fatbin, want, what) in [(generic_first, 42, "the compute_80 code (41 + 1), not the compute_90a code"), (only_newer, 1041, "the compute_100 code (41 + 1000)")] {
+        let file = vgpu_tests::per_process("linker-fatbin");
+        std::fs::write(&file, &fatbin).expect("writing the fatbin");
+        let mut c = sample("tenant_probe", &a);
+        c.arg("link").arg(&file);
+        let out = run_ok(c);
+        let _ = std::fs::remove_file(&file);
+        assert!(out.contains("add=CUDA_SUCCESS") && out.contains("complete=CUDA_SUCCESS"), "{out}");
+        assert!(out.contains(&format!("counter={want}")), "{what} should have run:\n{out}");
+    }
+}

@@ -31,8 +31,11 @@ use thiserror::Error;
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
 pub const WRAPPER_MAGIC: u32 = 0x4662_43B1;
 
-const KIND_PTX: u16 = 1;
-const KIND_ELF: u16 = 2;
+pub const KIND_PTX: u16 = 1;
+pub const KIND_ELF: u16 = 2;
+/// The flags NVIDIA's tools give every entry for a 64-bit Linux host
+/// (entries this crate writes carry them).
+pub const FLAGS_HOST_64: u64 = 0x11;
 const FLAG_LZ4: u64 = 0x2000;
 const FLAG_ZSTD: u64 = 0x8000;
 const FLAG_OTHER_COMPRESSION: u64 = 0x1000;
@@ -372,7 +375,7 @@ pub fn lz4_block(src: &[u8], size: usize) -> Result<Vec<u8>, &'static str> {
 }
 
 /// Writing fatbins in the layout [`entries`] reads: for tests and fuzz
-/// seeds.
+/// seeds, and the shim's linker (code it must hand on as a fatbin's).
 pub mod build {
     use super::FATBIN_MAGIC;
 

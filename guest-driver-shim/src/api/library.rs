@@ -687,6 +687,9 @@ pub unsafe extern "C" fn cuOccupancyAvailableDynamicSMemPerBlock(size: *mut usiz
 /// A link in progress: its PTX inputs, then its output.
 struct Link {
     ptx: Vec<Vec<u8>>,
+    /// An input is a fatbin's PTX newer than the device, which only an
+    /// interpreting device takes, and only from a fatbin.
+    newer: bool,
     output: Vec<u8>,
 }
 
@@ -709,16 +712,36 @@ pub unsafe extern "C" fn cuLinkCreate_v2(_n: c_uint, _opts: *mut c_int, _vals: *
             return Err(CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many links in progress"));
         }
         let id = l.iter().map(|(i, _)| *i).max().unwrap_or(0) + 1;
-        l.push((id, Link { ptx: Vec::new(), output: Vec::new() }));
+        l.push((id, Link { ptx: Vec::new(), newer: false, output: Vec::new() }));
         out(state, enc(TAG_LINK, id))
     })
 }
 
-fn add_input(state: H, kind: c_int, data: &[u8], name: &str) -> CallResult<()> {
+/// The PTX of a fatbin the device takes, chosen as the device's own loader
+/// would: the PTX a GPU of its architecture compiles, or on a device that
+/// interprets PTX the one the interpreter prefers (generic code first, and
+/// newer code where nothing older is there; see `fatbin::ptx_for_interpreter`),
+/// with whether it is newer than the device.
+fn fatbin_ptx(s: &Shim, data: &[u8]) -> Result<Option<(Vec<u8>, bool)>, fatbin::FatbinError> {
+    static INTERPRETS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let arch = s.info.cc_major * 10 + s.info.cc_minor;
+    let interprets = match INTERPRETS.get() {
+        Some(i) => *i,
+        // A host too old to say serves the GPU rule, as before it could.
+        None => *INTERPRETS.get_or_init(|| s.client().tenant_info().ok().and_then(|t| t.interprets_ptx()).unwrap_or(false)),
+    };
+    if interprets {
+        fatbin::ptx_for_interpreter(data, arch, fatbin::MAX_UNCOMPRESSED)
+    } else {
+        fatbin::best_ptx(data, arch).map(|p| p.map(|p| (p, false)))
+    }
+}
+
+fn add_input(s: &Shim, state: H, kind: c_int, data: &[u8], name: &str) -> CallResult<()> {
     let id = dec(TAG_LINK, state).ok_or_else(|| invalid_handle("link state"))?;
-    let ptx = match kind {
-        JIT_INPUT_PTX => data.strip_suffix(&[0]).unwrap_or(data).to_vec(),
-        JIT_INPUT_FATBINARY => match fatbin::best_ptx(data, super::READY.get().map_or(u32::MAX, |s| s.info.cc_major * 10 + s.info.cc_minor)) {
+    let (ptx, newer) = match kind {
+        JIT_INPUT_PTX => (data.strip_suffix(&[0]).unwrap_or(data).to_vec(), false),
+        JIT_INPUT_FATBINARY => match fatbin_ptx(s, data) {
             Ok(Some(p)) => p,
             Ok(None) => return Err(CallError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("{name}: the fatbin carries no PTX"))),
             Err(e) => return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("{name}: {e}"))),
@@ -732,27 +755,28 @@ fn add_input(state: H, kind: c_int, data: &[u8], name: &str) -> CallResult<()> {
         return Err(CallError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "link inputs exceed 256 MiB"));
     }
     link.ptx.push(ptx);
+    link.newer |= newer;
     Ok(())
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuLinkAddData_v2(state: H, kind: c_int, data: *mut c_void, size: usize, name: *const c_char, _n: c_uint, _o: *mut c_int, _v: *mut *mut c_void) -> CUresult {
-    with("cuLinkAddData", |_| {
+    with("cuLinkAddData", |s| {
         if data.is_null() || size == 0 {
             return Err(bad("null or empty input"));
         }
         let n = if name.is_null() { String::from("input") } else { c_name(name)? };
         // SAFETY: the caller provides `size` readable bytes at `data`.
         let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), size) };
-        add_input(state, kind, bytes, &n)
+        add_input(s, state, kind, bytes, &n)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuLinkAddFile_v2(state: H, kind: c_int, path: *const c_char, _n: c_uint, _o: *mut c_int, _v: *mut *mut c_void) -> CUresult {
-    with("cuLinkAddFile", |_| {
+    with("cuLinkAddFile", |s| {
         let data = read_file(path)?;
-        add_input(state, kind, &data, &c_name(path)?)
+        add_input(s, state, kind, &data, &c_name(path)?)
     })
 }
 
@@ -766,7 +790,15 @@ pub unsafe extern "C" fn cuLinkComplete(state: H, cubin: *mut *mut c_void, size:
         let link = l.iter_mut().find(|(i, _)| *i == id).map(|(_, l)| l).ok_or_else(|| invalid_handle("link state"))?;
         let mut text = crate::ptxlink::link(&link.ptx).map_err(|e| CallError::new(CuResult::CUDA_ERROR_INVALID_PTX, e))?;
         text.push(0);
-        link.output = text;
+        link.output = if link.newer {
+            // Code newer than the device goes out as a fatbin's PTX, the
+            // way it came in: an interpreting device runs that, and
+            // refuses the same code as a plain PTX (as a GPU would).
+            let head = String::from_utf8_lossy(&text[..text.len().min(4096)]).lines().find(|l| l.trim_start().starts_with(".target")).map_or(0, crate::ptxlink::target_arch);
+            fatbin::build::image(&[fatbin::build::entry(fatbin::KIND_PTX, head, fatbin::FLAGS_HOST_64, &text, 0)])
+        } else {
+            text
+        };
         out(cubin, link.output.as_mut_ptr().cast())?;
         if !size.is_null() {
             out(size, link.output.len())?;
