@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::sched::{PauseHook, Scheduler};
 
@@ -231,10 +231,12 @@ impl Proxy {
     /// Sends to the executor without waiting; one that does not read its
     /// channel loses it.
     fn tell(&self, m: Msg) -> bool {
-        if self.chan.send_now(m).is_ok() {
-            return true;
+        match self.chan.send_now(m) {
+            Ok(()) => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => warn!(id = self.id, "the executor does not read its grant channel; it loses it"),
+            // An executor that ended (a restart replaced it) closed its end.
+            Err(e) => debug!(id = self.id, error = %e, "the executor's grant channel is closed"),
         }
-        warn!(id = self.id, "the executor does not read its grant channel; it loses it");
         self.chan.shutdown();
         false
     }

@@ -75,6 +75,11 @@ pub fn emulator_fault(text: &str) -> Option<String> {
     if let Some(l) = text.lines().find(|l| l1_oops(l)) {
         return Some(format!("L1's kernel died: {}", l.trim()));
     }
+    // QEMU's own assertions (seen: its IOMMU translation cache under TCG,
+    // `iotlb_to_section`) abort the emulator; no guest can cause one.
+    if let Some(l) = text.lines().find(|l| l.starts_with("qemu-system-") && l.contains("Assertion") && l.contains("failed")) {
+        return Some(format!("QEMU aborted on its own assertion: {}", l.trim()));
+    }
     text.lines().find(|l| l.contains("guest triple fault")).map(|l| format!("an L2 guest triple-faulted: {}", l.trim()))
 }
 
@@ -171,6 +176,8 @@ mod tests {
         assert!(emulator_fault(l2).is_some_and(|w| w.starts_with("an L2 guest")));
         let reset = format!("L1: up, running scenario cudadouble\nARBITER=117\n{L1_TRIPLE_FAULT} (QEMU's CPU-reset log)\n");
         assert!(emulator_fault(&reset).is_some_and(|w| w.starts_with(L1_TRIPLE_FAULT)));
+        let qemu = "VFIO-NODES=1 vfio \nqemu-system-x86_64: system/physmem.c:2678: iotlb_to_section: Assertion `section_index < d->map.sections_nb' failed.\n";
+        assert!(emulator_fault(qemu).is_some_and(|w| w.starts_with("QEMU aborted") && w.contains("iotlb_to_section")));
         // An L2 console's kernel messages are prefixed; ordinary L1 lines are not faults.
         for fine in ["CONSOLE: [    1.000000] BUG: something in L2", "[    2.5] virtio_blk virtio0: [vda] 196608 512-byte", "[vm-a] matrixMul: PASSED"] {
             assert_eq!(emulator_fault(fine), None, "{fine}");

@@ -45,6 +45,14 @@ fn usage_records_add_up_and_survive_a_worker_kill() {
         assert!(Instant::now() < deadline, "the worker did not come back");
         std::thread::sleep(Duration::from_millis(50));
     }
+    // The tenants' executors come back after the worker (each a short
+    // delay after it): the load below starts once both serve a launch.
+    for s in &socks {
+        while std::panic::catch_unwind(|| shares::Spinner::new(s, 1).timed(1)).is_err() {
+            assert!(Instant::now() < deadline, "tenant socket {s} does not serve again");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
     // The counters go on from where they were, not from zero.
     let after_kill = m.metric("vgpu_tenant_device_seconds_total", "tenant=\"payg\",device=\"cpu0\"").expect("metric");
     assert!(after_kill >= before, "the counter went back from {before} to {after_kill}");
