@@ -47,6 +47,23 @@ static const char bump_ptx[] =
     "    ld.param.u64 %rd0, [p];\n    ld.global.u32 %r0, [%rd0];\n"
     "    add.u32 %r1, %r0, 1;\n    st.global.u32 [%rd0], %r1;\n    ret;\n}\n";
 
+/* The bump kernel of a module image. */
+static CUfunction bump_in(const void *image) {
+    CUmodule mod;
+    CUfunction bump;
+    CHECK(cuModuleLoadData(&mod, image));
+    CHECK(cuModuleGetFunction(&bump, mod, "bump"));
+    return bump;
+}
+
+/* A device u32 holding `value`. */
+static CUdeviceptr counter_of(unsigned int value) {
+    CUdeviceptr counter;
+    CHECK(cuMemAlloc(&counter, 4));
+    CHECK(cuMemsetD32(counter, value, 1));
+    return counter;
+}
+
 static const char *name_of(CUresult r) {
     const char *s = "?";
     cuGetErrorName(r, &s);
@@ -91,13 +108,8 @@ int main(int argc, char **argv) {
             printf("complete=%s\n", name_of(r));
         }
         if (r == CUDA_SUCCESS) {
-            CUmodule mod;
-            CUfunction bump;
-            CUdeviceptr counter;
-            CHECK(cuModuleLoadData(&mod, image));
-            CHECK(cuModuleGetFunction(&bump, mod, "bump"));
-            CHECK(cuMemAlloc(&counter, 4));
-            CHECK(cuMemsetD32(counter, 41, 1));
+            CUfunction bump = bump_in(image);
+            CUdeviceptr counter = counter_of(41);
             void *args[] = {&counter};
             CHECK(cuLaunchKernel(bump, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL));
             unsigned int got = 0;
@@ -109,10 +121,7 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(mode, "reuse")) {
         int n = atoi(argv[2]), stale = 0, failed = 0;
-        CUmodule mod;
-        CUfunction bump;
-        CHECK(cuModuleLoadData(&mod, bump_ptx));
-        CHECK(cuModuleGetFunction(&bump, mod, "bump"));
+        CUfunction bump = bump_in(bump_ptx);
         size_t free_b = 0, total = 0;
         CHECK(cuMemGetInfo(&free_b, &total));
         for (int i = 0; i < n; i++) {
@@ -136,13 +145,8 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(mode, "storm")) {
         int n = atoi(argv[2]);
-        CUmodule mod;
-        CUfunction bump;
-        CUdeviceptr counter;
-        CHECK(cuModuleLoadData(&mod, bump_ptx));
-        CHECK(cuModuleGetFunction(&bump, mod, "bump"));
-        CHECK(cuMemAlloc(&counter, 4));
-        CHECK(cuMemsetD32(counter, 0, 1));
+        CUfunction bump = bump_in(bump_ptx);
+        CUdeviceptr counter = counter_of(0);
         cuuint64_t m0, e0, k0, m1, e1, k1;
         CHECK(vgpuGetConnectionStats(&m0, &e0, &k0));
         void *args[] = {&counter};
