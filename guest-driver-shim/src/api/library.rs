@@ -725,11 +725,8 @@ pub unsafe extern "C" fn cuLinkCreate_v2(_n: c_uint, _opts: *mut c_int, _vals: *
 fn fatbin_ptx(s: &Shim, data: &[u8]) -> Result<Option<(Vec<u8>, bool)>, fatbin::FatbinError> {
     static INTERPRETS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let arch = s.info.cc_major * 10 + s.info.cc_minor;
-    let interprets = match INTERPRETS.get() {
-        Some(i) => *i,
-        // A host too old to say serves the GPU rule, as before it could.
-        None => *INTERPRETS.get_or_init(|| s.client().tenant_info().ok().and_then(|t| t.interprets_ptx()).unwrap_or(false)),
-    };
+    // Asked once; a host too old to say gets the GPU rule, as before.
+    let interprets = *INTERPRETS.get_or_init(|| s.client().tenant_info().ok().and_then(|t| t.interprets_ptx()).unwrap_or(false));
     if interprets {
         fatbin::ptx_for_interpreter(data, arch, fatbin::MAX_UNCOMPRESSED)
     } else {
