@@ -549,6 +549,23 @@ pub extern "C" fn cuEventRecord(e: Handle, s: Handle) -> CUresult {
 }
 
 #[no_mangle]
+pub extern "C" fn cuEventQuery(e: Handle) -> CUresult {
+    entry(|d| {
+        usable(d)?;
+        let rec = d.state().events.get(&k(e)).cloned().ok_or(E::CUDA_ERROR_INVALID_HANDLE)?;
+        // An event never recorded counts as complete, as on CUDA.
+        let ended = rec.is_none_or(|(s, seq)| s.finished(seq));
+        // A fault of this process is seen on the query, before the result.
+        usable(d)?;
+        if ended {
+            Ok(())
+        } else {
+            Err(E::CUDA_ERROR_NOT_READY)
+        }
+    })
+}
+
+#[no_mangle]
 pub extern "C" fn cuEventSynchronize(e: Handle) -> CUresult {
     entry(|d| {
         usable(d)?;
