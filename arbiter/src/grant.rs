@@ -830,6 +830,13 @@ pub fn with_current<R>(f: impl FnOnce(Option<&Working>) -> R) -> R {
     f(unsafe { p.as_ref() })
 }
 
+/// Whether the arbiter asked for the lane that the calling thread's work
+/// holds (false for a thread that runs no granted work): work that cannot
+/// stop midway (a GPU's queued kernels) takes no more, and ends.
+pub fn yield_asked() -> bool {
+    with_current(|w| w.is_some_and(|w| w.slot.asked()))
+}
+
 /// Calls `f` with whatever the calling thread's work stops at to be
 /// preempted: a lane of this process's scheduler, or one granted by the
 /// device's arbiter.
