@@ -37,6 +37,9 @@ pub const STAGE_BYTES: usize = 4 << 20;
 const SAMPLE_BYTES: usize = 256;
 /// Sample points per scrubbed allocation: both ends plus random ones.
 const SAMPLES: usize = 6;
+/// Kernels of one tenant queued without waiting, at most (each holds an
+/// event until it is seen to end).
+const MAX_QUEUED: usize = 64;
 
 /// Every driver entry point this backend calls. cudarc resolves a symbol
 /// on first use and panics if it is missing, so [`probe`] checks them all
@@ -62,6 +65,7 @@ const REQUIRED: &[&str] = &[
     "cuEventDestroy_v2",
     "cuEventRecord",
     "cuEventSynchronize",
+    "cuEventQuery",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemAllocHost_v2",
@@ -192,6 +196,12 @@ struct TenantCtx {
     /// Bumped when the context is rebuilt; modules of older generations
     /// died with their context.
     generation: u64,
+    /// Kernels queued without waiting (`launch_queued`) and not yet seen
+    /// to end: ticket -> the event recorded behind the kernel.
+    queued: HashMap<u64, cu::CUevent>,
+    /// Events of ended launches, for the next ones.
+    spare: Vec<cu::CUevent>,
+    tickets: u64,
 }
 
 // SAFETY: CUDA handles may be used from any thread once their context is
@@ -212,7 +222,7 @@ impl TenantCtx {
             unsafe { cu::cuCtxDestroy_v2(ctx) };
             return Err(e);
         }
-        Ok(TenantCtx { ctx, stream, stage: None, check_buf: None, pending_check: None, poisoned: false, alive: true, generation })
+        Ok(TenantCtx { ctx, stream, stage: None, check_buf: None, pending_check: None, poisoned: false, alive: true, generation, queued: HashMap::new(), spare: Vec::new(), tickets: 0 })
     }
 
     fn current(&self) -> Result<(), BackendError> {
@@ -298,6 +308,9 @@ impl TenantCtx {
                 }
             }
             self.pending_check = None;
+            for ev in self.queued.drain().map(|(_, e)| e).chain(self.spare.drain(..)) {
+                cu::cuEventDestroy_v2(ev);
+            }
             if let Some((buf, ev)) = self.check_buf.take() {
                 drop(buf);
                 cu::cuEventDestroy_v2(ev);
@@ -539,8 +552,7 @@ impl CudaBackend {
 
     /// Waits for the tenant's kernel: spinning briefly (short kernels are
     /// the common case), then sleeping. A kernel still running at the
-    /// deadline is stopped the only way CUDA allows, by destroying its
-    /// context; the tenant's contexts then fail until it destroys them.
+    /// deadline is stopped ([`Self::timed_out`]).
     fn wait_kernel(&self, t: &mut TenantCtx) -> Result<(), BackendError> {
         let start = Instant::now();
         let mut nap = Duration::from_micros(20);
@@ -552,17 +564,7 @@ impl CudaBackend {
             }
             let waited = start.elapsed();
             if waited >= self.launch_timeout {
-                let err = BackendError::new(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, format!("kernel ran past the {:?} launch timeout and was stopped", self.launch_timeout));
-                // An executor never destroys a context with a running
-                // kernel (cuCtxDestroy waits for it): it ends, and the
-                // driver stops the kernel with the process.
-                if vgpu_arbiter::fatal::mark(&err.msg) {
-                    t.poisoned = true;
-                    return Err(err);
-                }
-                tracing::warn!(device = %self.desc.name, ?waited, "kernel exceeded the launch timeout; destroying its tenant's context");
-                t.destroy();
-                return Err(err);
+                return Err(self.timed_out(t, waited));
             }
             if waited < Duration::from_micros(200) {
                 std::hint::spin_loop();
@@ -571,6 +573,92 @@ impl CudaBackend {
                 nap = (nap * 2).min(Duration::from_millis(2));
             }
         }
+    }
+
+    /// A kernel ran past the launch timeout: an executor ends (the driver
+    /// stops the kernel with the process; it never destroys a context
+    /// with a running kernel, which would wait for it); a shared worker
+    /// destroys the tenant's context, and the tenant's contexts then fail
+    /// until it destroys them.
+    fn timed_out(&self, t: &mut TenantCtx, waited: Duration) -> BackendError {
+        let err = BackendError::new(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, format!("kernel ran past the {:?} launch timeout and was stopped", self.launch_timeout));
+        if vgpu_arbiter::fatal::mark(&err.msg) {
+            t.poisoned = true;
+            return err;
+        }
+        tracing::warn!(device = %self.desc.name, ?waited, "kernel exceeded the launch timeout; destroying its tenant's context");
+        t.destroy();
+        err
+    }
+
+    /// The function `func` of `m` and one pointer per declared parameter
+    /// into `params` (the driver reads each parameter through its own).
+    fn kernel_args(m: &CudaModule, func: usize, params: &[u8]) -> Result<(cu::CUfunction, Vec<*mut c_void>), BackendError> {
+        let (f, layout) = m.funcs.lock().unwrap_or_else(|e| e.into_inner()).get(func).cloned().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "no such function"))?;
+        let mut args: Vec<*mut c_void> = Vec::with_capacity(layout.len());
+        for p in &layout {
+            let end = p.offset as usize + p.size as usize;
+            if end > params.len() {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, format!("parameter at {}+{} lies past the {} bytes given", p.offset, p.size, params.len())));
+            }
+            // The driver only reads through these pointers.
+            args.push(params[p.offset as usize..].as_ptr() as *mut c_void);
+        }
+        Ok((f, args))
+    }
+
+    /// Puts a kernel on the tenant's stream, once the last scrub was
+    /// checked; returns without waiting for it.
+    fn submit(&self, t: &mut TenantCtx, m: &CudaModule, f: cu::CUfunction, args: &mut [*mut c_void], l: &Launch) -> Result<(), BackendError> {
+        if t.generation != m.generation {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to a context that no longer exists"));
+        }
+        // A kernel can copy device bytes into the tenant's registered
+        // host memory: none runs before the last scrub was checked.
+        self.settle_check(t)?;
+        // SAFETY: f is live in the current context (same generation);
+        // `args` holds one pointer per declared parameter, each to at
+        // least its declared size of bytes inside the caller's parameter
+        // block, which outlives the call (the driver copies the values).
+        // The driver checks the launch dimensions.
+        let r = unsafe {
+            cu::cuLaunchKernel(
+                f,
+                l.grid[0],
+                l.grid[1],
+                l.grid[2],
+                l.block[0],
+                l.block[1],
+                l.block[2],
+                l.shared_bytes,
+                t.stream,
+                if args.is_empty() { std::ptr::null_mut() } else { args.as_mut_ptr() },
+                std::ptr::null_mut(),
+            )
+        };
+        t.note(check(r, "cuLaunchKernel"))
+    }
+
+    /// An event recorded on the tenant's stream now (behind the kernel
+    /// just queued), or None where none can be had.
+    fn mark_queued(t: &mut TenantCtx) -> Option<cu::CUevent> {
+        let ev = match t.spare.pop() {
+            Some(e) => e,
+            None => {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: the tenant's context is current; valid out-pointer.
+                if unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) } != cu::CUresult::CUDA_SUCCESS {
+                    return None;
+                }
+                e
+            }
+        };
+        // SAFETY: event and stream belong to the current context.
+        if unsafe { cu::cuEventRecord(ev, t.stream) } != cu::CUresult::CUDA_SUCCESS {
+            t.spare.push(ev);
+            return None;
+        }
+        Some(ev)
     }
 
     /// Whether cuFuncGetParamInfo was found in the driver.
@@ -1007,46 +1095,55 @@ impl Backend for CudaBackend {
 
     fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<u64, BackendError> {
         let m = module.as_any().downcast_ref::<CudaModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
-        let (f, layout) = m.funcs.lock().unwrap_or_else(|e| e.into_inner()).get(func).cloned().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "no such function"))?;
-        // The driver reads each parameter through its own pointer.
-        let mut args: Vec<*mut c_void> = Vec::with_capacity(layout.len());
-        for p in &layout {
-            let end = p.offset as usize + p.size as usize;
-            if end > params.len() {
-                return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, format!("parameter at {}+{} lies past the {} bytes given", p.offset, p.size, params.len())));
-            }
-            // The driver only reads through these pointers.
-            args.push(params[p.offset as usize..].as_ptr() as *mut c_void);
-        }
+        let (f, mut args) = Self::kernel_args(m, func, params)?;
         self.with(slot, |t| {
-            if t.generation != m.generation {
-                return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to a context that no longer exists"));
-            }
-            // A kernel can copy device bytes into the tenant's registered
-            // host memory: none runs before the last scrub was checked.
-            self.settle_check(t)?;
-            // SAFETY: f is live in the current context (same generation);
-            // `args` holds one pointer per declared parameter, each to at
-            // least its declared size of bytes inside `params`, which
-            // outlives the call. The driver checks the launch dimensions.
-            let r = unsafe {
-                cu::cuLaunchKernel(
-                    f,
-                    l.grid[0],
-                    l.grid[1],
-                    l.grid[2],
-                    l.block[0],
-                    l.block[1],
-                    l.block[2],
-                    l.shared_bytes,
-                    t.stream,
-                    if args.is_empty() { std::ptr::null_mut() } else { args.as_mut_ptr() },
-                    std::ptr::null_mut(),
-                )
-            };
-            t.note(check(r, "cuLaunchKernel"))?;
+            self.submit(t, m, f, &mut args, l)?;
             self.wait_kernel(t)?;
             Ok(0)
+        })
+    }
+
+    fn queues_launches(&self) -> bool {
+        true
+    }
+
+    fn launch_queued(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<Option<u64>, BackendError> {
+        let m = module.as_any().downcast_ref::<CudaModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
+        let (f, mut args) = Self::kernel_args(m, func, params)?;
+        self.with(slot, |t| {
+            self.submit(t, m, f, &mut args, l)?;
+            // At most MAX_QUEUED events per tenant: past that (or without
+            // an event) the kernel is waited for here.
+            let ev = if t.queued.len() < MAX_QUEUED { Self::mark_queued(t) } else { None };
+            let Some(ev) = ev else {
+                self.wait_kernel(t)?;
+                return Ok(None);
+            };
+            t.tickets += 1;
+            t.queued.insert(t.tickets, ev);
+            Ok(Some(t.tickets))
+        })
+    }
+
+    fn launch_finished(&self, slot: TenantSlot, ticket: u64, since: Instant) -> Result<bool, BackendError> {
+        self.with(slot, |t| {
+            let Some(&ev) = t.queued.get(&ticket) else {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_LAUNCH_FAILED, "the kernel's context was destroyed before it ended"));
+            };
+            // SAFETY: the event belongs to the current context.
+            let r = unsafe { cu::cuEventQuery(ev) };
+            if r == cu::CUresult::CUDA_ERROR_NOT_READY {
+                let waited = since.elapsed();
+                if waited >= self.launch_timeout {
+                    t.queued.remove(&ticket);
+                    t.spare.push(ev);
+                    return Err(self.timed_out(t, waited));
+                }
+                return Ok(false);
+            }
+            t.queued.remove(&ticket);
+            t.spare.push(ev);
+            t.note(check(r, "kernel")).map(|_| true)
         })
     }
 

@@ -180,6 +180,25 @@ pub trait Backend: Send + Sync {
     /// checked against `owned`, on a GPU the tenant's own context confines
     /// it. Returns instructions executed (0 where the backend cannot count).
     fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError>;
+    /// Whether [`Backend::launch_queued`] queues kernels without waiting
+    /// for them (a GPU): the executor then keeps several in flight
+    /// (`worker::pipeline`).
+    fn queues_launches(&self) -> bool {
+        false
+    }
+    /// Queues a kernel on the tenant's stream and returns without waiting
+    /// for it: `Some(ticket)`, to be followed with
+    /// [`Backend::launch_finished`] until it ends; `None`: it ran to
+    /// completion, as [`Backend::launch`] runs it (the default).
+    fn launch_queued(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<Option<u64>, BackendError> {
+        self.launch(slot, module, func, l, params, owned).map(|_| None)
+    }
+    /// Whether the kernel of `ticket` ended: `Ok(false)` while it runs. An
+    /// error (its fault, an earlier kernel's, or its launch timeout, which
+    /// counts from `since`) ends the ticket too.
+    fn launch_finished(&self, _slot: TenantSlot, _ticket: u64, _since: std::time::Instant) -> Result<bool, BackendError> {
+        Ok(true)
+    }
     /// Host memory that copies will come from again and again (a tenant's
     /// shared buffer, a VM's RAM). A GPU backend page-locks it so the copy
     /// engines reach it directly; the default does nothing.

@@ -237,6 +237,12 @@ struct Item {
     _charge: Charge,
 }
 
+impl AsRef<Work> for Item {
+    fn as_ref(&self) -> &Work {
+        &self.work
+    }
+}
+
 /// Host bytes one queued item costs besides its message.
 const QUEUED_ITEM_BYTES: u64 = 256;
 
@@ -714,8 +720,30 @@ impl Ring {
             q.items.pop_front()
         };
         let Some(item) = item else { return };
-        self.run_item(engine, item);
+        if matches!(item.work.kind, WorkKind::Launch { .. }) && self.svc.pipelines() {
+            self.run_launches(engine, &stream, item);
+        } else {
+            self.run_item(engine, item);
+        }
         self.reschedule(engine, stream, true);
+    }
+
+    /// Runs `first` and the launches queued behind it on its stream as
+    /// one batch on a device that runs kernels on its own
+    /// (`super::pipeline`): each is queued while the last runs, and each
+    /// entry completes when its kernel ended.
+    fn run_launches(self: &Arc<Self>, engine: &Engine, stream: &Arc<Stream>, first: Item) {
+        // As for one item: waiting work is woken once completions are out.
+        let _wake_later = vgpu_arbiter::sched::WakeLater::new();
+        let next = || {
+            let mut q = lock(&stream.q);
+            if q.items.front().is_some_and(|i| matches!(i.work.kind, WorkKind::Launch { .. })) {
+                q.items.pop_front()
+            } else {
+                None
+            }
+        };
+        self.svc.launch_batch(&self.tenant, first, next, |item, res| self.finish_item(engine, item, res));
     }
 
     /// After an item of a scheduled stream ran: queue the stream again if
@@ -741,12 +769,17 @@ impl Ring {
         // Work waiting for the lane this item gives back is woken once the
         // item's completion is out: the tenant waiting for it goes first.
         let _wake_later = vgpu_arbiter::sched::WakeLater::new();
-        let Item { seq, work, _inflight: inflight, _charge: charge } = item;
-        let res = match &work.kind {
+        let res = match &item.work.kind {
             WorkKind::Wait { .. } => Ok(()),
-            _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.svc.execute(&self.tenant, &work).map(|_| ())))
+            _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.svc.execute(&self.tenant, &item.work).map(|_| ())))
                 .unwrap_or_else(|_| Err(BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error"))),
         };
+        self.finish_item(engine, item, res);
+    }
+
+    /// Reports how an item ended and completes its entry.
+    fn finish_item(self: &Arc<Self>, engine: &Engine, item: Item, res: Result<(), BackendError>) {
+        let Item { seq, work, _inflight: inflight, _charge: charge } = item;
         if let Err(e) = &res {
             self.report_backend(seq, work.ctx, e);
         }

@@ -10,6 +10,7 @@
 pub mod confine;
 pub mod conn;
 pub mod engine;
+pub mod pipeline;
 pub mod seccomp;
 pub mod service;
 pub mod shm;

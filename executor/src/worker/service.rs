@@ -101,6 +101,9 @@ pub struct Tenant {
     /// in flight is done.
     needs_recovery: AtomicBool,
     kernels: AtomicU64,
+    /// How long the tenant's recent kernels took (ns, 0: none seen yet):
+    /// how far ahead a batch of launches queues (`super::pipeline`).
+    launch_ns: AtomicU64,
     /// Bytes moved by the tenant's copies (either way, and on the device).
     copied: AtomicU64,
     device_ns: AtomicU64,
@@ -384,6 +387,45 @@ pub enum Prepared {
     Work(Work),
 }
 
+/// A batch of one tenant's launches on the device (`super::pipeline`).
+struct Batch<'a> {
+    svc: &'a DeviceService,
+    t: &'a Tenant,
+}
+
+/// A bug in the backend costs the launch, never the executor's thread.
+fn guarded<T>(f: impl FnOnce() -> Result<T, BackendError>) -> Result<T, BackendError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| Err(BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error")))
+}
+
+impl<I: AsRef<Work>> super::pipeline::Queue<I> for Batch<'_> {
+    fn queue(&mut self, item: &I) -> Result<Option<u64>, BackendError> {
+        let w = item.as_ref();
+        let WorkKind::Launch { module, index, launch, params } = &w.kind else {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error: a batch of launches was given other work"));
+        };
+        let owned = DeviceService::runnable(self.t, w.ctx)?;
+        self.t.kernels.fetch_add(1, Ordering::Relaxed);
+        let r = guarded(|| self.svc.backend.launch_queued(self.t.slot, &**module, *index, launch, params, &owned));
+        if let Err(e) = &r {
+            DeviceService::faulted(self.t, w.ctx, e);
+        }
+        r
+    }
+
+    fn finished(&mut self, item: &I, ticket: u64, since: Instant) -> Result<bool, BackendError> {
+        let r = guarded(|| self.svc.backend.launch_finished(self.t.slot, ticket, since));
+        if let Err(e) = &r {
+            DeviceService::faulted(self.t, item.as_ref().ctx, e);
+        }
+        r
+    }
+
+    fn may_take(&self) -> bool {
+        !vgpu_arbiter::grant::yield_asked()
+    }
+}
+
 pub use virtio_gpu_compute::uuid_text;
 
 pub struct DeviceService {
@@ -420,6 +462,7 @@ impl DeviceService {
             has_deferred: AtomicBool::new(false),
             needs_recovery: AtomicBool::new(false),
             kernels: AtomicU64::new(0),
+            launch_ns: AtomicU64::new(0),
             copied: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             scrubbed: AtomicU64::new(0),
@@ -796,17 +839,7 @@ impl DeviceService {
     /// unusable (CUDA's sticky errors). Device-to-host copies into the
     /// reply return their bytes.
     pub fn execute(&self, t: &Tenant, w: &Work) -> Result<Option<Vec<u8>>, BackendError> {
-        let owned = {
-            let st = t.state.lock();
-            if t.revoked.load(Ordering::Acquire) {
-                return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("tenant {} was deleted", t.name)));
-            }
-            let c = st.ctxs.get(&w.ctx).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("context {} was destroyed", w.ctx)))?;
-            if let Some((code, msg)) = &c.sticky {
-                return Err(BackendError::new(*code, format!("context is unusable after an earlier fault: {msg}")));
-            }
-            st.owned.clone()
-        };
+        let owned = Self::runnable(t, w.ctx)?;
         // The ranges were checked at submission; an allocation freed since
         // is gone from the table, and its memory is not reused before this
         // work ends (the tenant has work in flight).
@@ -823,13 +856,7 @@ impl DeviceService {
                 let res = self.timed(t, || b.launch(slot, &**module, *index, launch, params, &owned));
                 t.kernels.fetch_add(1, Ordering::Relaxed);
                 if let Err(e) = &res {
-                    if e.code.is_sticky() {
-                        let mut st = t.state.lock();
-                        st.faulted = true;
-                        if let Some(c) = st.ctxs.get_mut(&w.ctx) {
-                            c.sticky = Some((e.code, e.msg.clone()));
-                        }
-                    }
+                    Self::faulted(t, w.ctx, e);
                 }
                 res.map(|_| None)
             }
@@ -895,6 +922,61 @@ impl DeviceService {
                 Ok(None)
             }
             WorkKind::Wait { .. } => Err(BackendError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "stream waits need a command ring")),
+        }
+    }
+
+    /// Whether work of context `ctx` may run now: the tenant is live and
+    /// the context usable. Returns the tenant's allocations.
+    fn runnable(t: &Tenant, ctx: u32) -> Result<Arc<AllocTable>, BackendError> {
+        let st = t.state.lock();
+        if t.revoked.load(Ordering::Acquire) {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("tenant {} was deleted", t.name)));
+        }
+        let c = st.ctxs.get(&ctx).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("context {ctx} was destroyed")))?;
+        if let Some((code, msg)) = &c.sticky {
+            return Err(BackendError::new(*code, format!("context is unusable after an earlier fault: {msg}")));
+        }
+        Ok(st.owned.clone())
+    }
+
+    /// A launch of context `ctx` failed with `e`: a sticky error makes the
+    /// context unusable, as on CUDA.
+    fn faulted(t: &Tenant, ctx: u32, e: &BackendError) {
+        if e.code.is_sticky() {
+            let mut st = t.state.lock();
+            st.faulted = true;
+            if let Some(c) = st.ctxs.get_mut(&ctx) {
+                c.sticky = Some((e.code, e.msg.clone()));
+            }
+        }
+    }
+
+    /// Whether launches run in batches ([`Self::launch_batch`]): on a
+    /// backend that queues kernels without waiting for them.
+    pub fn pipelines(&self) -> bool {
+        self.backend.queues_launches()
+    }
+
+    /// Runs the launch `first` carries and those `next` hands out behind
+    /// it as one batch under one lane (`super::pipeline`), reporting each
+    /// to `done` once its kernel ended. The tenant is charged the time the
+    /// lane was held.
+    pub fn launch_batch<I: AsRef<Work>>(&self, t: &Tenant, first: I, mut next: impl FnMut() -> Option<I>, mut done: impl FnMut(I, Result<(), BackendError>)) {
+        let mut first = Some(first);
+        let ran = self.sched.run(&t.name, || {
+            let Some(item) = first.take() else { return };
+            let mut q = Batch { svc: self, t };
+            super::pipeline::run(&mut q, item, &mut next, &mut done, &t.launch_ns);
+        });
+        match ran {
+            Ok(((), dt)) => {
+                t.device_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
+            }
+            Err(e) => {
+                if let Some(item) = first.take() {
+                    done(item, Err(BackendError::new(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("no lane: {e}"))));
+                }
+            }
         }
     }
 
