@@ -60,6 +60,28 @@ fn gpu_samples_run_for_two_tenants_with_their_own_quotas() {
     assert_eq!(run_ok(c), "", "no settings on a GPU");
 }
 
+/// Launches are kept in flight on the GPU (docs/cuda.md): thousands of
+/// them, queued without a synchronize between, each read-modify-write of
+/// one counter, all run once and in order; memory freed after a
+/// synchronize is free at once (no launch is still counted in flight
+/// once the tenant saw it end).
+#[test]
+fn gpu_launches_kept_in_flight_all_run_in_order_and_free_at_once() {
+    let Some((m, gpu)) = gpu_mediator("gpu_launches_kept_in_flight_all_run_in_order_and_free_at_once", &[]) else { return };
+    let a = m.tenant_on("stormer", "8MiB", &gpu);
+    let n = if m.on_test_driver { 3000 } else { 100_000 };
+    let mut c = sample("tenant_probe", &a);
+    c.args(["storm", &n.to_string()]);
+    let out = run_ok(c);
+    assert!(out.contains(&format!("launches={n} counter={n} ")), "{out}");
+    let labels = format!("tenant=\"stormer\",device=\"{gpu}\"");
+    assert!(m.metric("vgpu_tenant_kernels_total", &labels).expect("kernels") >= n as f64);
+    let mut c = sample("tenant_probe", &a);
+    c.args(["reuse", "100"]);
+    let out = run_ok(c);
+    assert!(out.contains("reuse rounds=100 stale=0 failed=0"), "{out}");
+}
+
 #[test]
 fn gpu_fresh_allocations_never_show_another_tenants_pattern() {
     let Some((m, gpu)) = gpu_mediator("gpu_fresh_allocations_never_show_another_tenants_pattern", &[]) else { return };
