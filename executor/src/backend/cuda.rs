@@ -197,8 +197,9 @@ struct TenantCtx {
     /// died with their context.
     generation: u64,
     /// Kernels queued without waiting (`launch_queued`) and not yet seen
-    /// to end: ticket -> the event recorded behind the kernel.
-    queued: HashMap<u64, cu::CUevent>,
+    /// to end: ticket -> the event recorded behind the kernel, in the
+    /// order they were queued (tickets only grow, across rebuilds too).
+    queued: BTreeMap<u64, cu::CUevent>,
     /// Events of ended launches, for the next ones.
     spare: Vec<cu::CUevent>,
     tickets: u64,
@@ -222,7 +223,7 @@ impl TenantCtx {
             unsafe { cu::cuCtxDestroy_v2(ctx) };
             return Err(e);
         }
-        Ok(TenantCtx { ctx, stream, stage: None, check_buf: None, pending_check: None, poisoned: false, alive: true, generation, queued: HashMap::new(), spare: Vec::new(), tickets: 0 })
+        Ok(TenantCtx { ctx, stream, stage: None, check_buf: None, pending_check: None, poisoned: false, alive: true, generation, queued: BTreeMap::new(), spare: Vec::new(), tickets: 0 })
     }
 
     fn current(&self) -> Result<(), BackendError> {
@@ -247,6 +248,39 @@ impl TenantCtx {
             }
         }
         r
+    }
+
+    /// Waits until every kernel queued without waiting has ended (their
+    /// tickets stay, for `launch_finished` to see them end), giving each
+    /// `timeout` from the end of the one before. Nothing else runs on the
+    /// tenant's stream meanwhile: the caller holds the tenant's lock.
+    fn wait_queued(&mut self, timeout: Duration) -> Result<(), Unsettled> {
+        let events: Vec<cu::CUevent> = self.queued.values().copied().collect();
+        let mut since = Instant::now();
+        for ev in events {
+            let mut nap = Duration::from_micros(20);
+            loop {
+                // SAFETY: the event is live (it is in `queued`, which only
+                // `destroy` empties) and belongs to the current context.
+                let r = unsafe { cu::cuEventQuery(ev) };
+                if r != cu::CUresult::CUDA_ERROR_NOT_READY {
+                    self.note(check(r, "kernel")).map_err(Unsettled::Failed)?;
+                    since = Instant::now();
+                    break;
+                }
+                let waited = since.elapsed();
+                if waited >= timeout {
+                    return Err(Unsettled::TimedOut(waited));
+                }
+                if waited < Duration::from_micros(200) {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(nap);
+                    nap = (nap * 2).min(Duration::from_millis(2));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn sync(&mut self, what: &str) -> Result<(), BackendError> {
@@ -308,7 +342,7 @@ impl TenantCtx {
                 }
             }
             self.pending_check = None;
-            for ev in self.queued.drain().map(|(_, e)| e).chain(self.spare.drain(..)) {
+            for ev in std::mem::take(&mut self.queued).into_values().chain(self.spare.drain(..)) {
                 cu::cuEventDestroy_v2(ev);
             }
             if let Some((buf, ev)) = self.check_buf.take() {
@@ -319,6 +353,13 @@ impl TenantCtx {
             cu::cuCtxDestroy_v2(self.ctx);
         }
     }
+}
+
+/// Why kernels queued without waiting did not all end.
+enum Unsettled {
+    Failed(BackendError),
+    /// One ran this long past the end of the one before it.
+    TimedOut(Duration),
 }
 
 type TenantRef = Arc<Mutex<TenantCtx>>;
@@ -336,6 +377,9 @@ struct CudaModule {
     funcs: Mutex<Vec<(cu::CUfunction, Vec<ParamDesc>)>>,
     /// Host bytes charged to the tenant for this module.
     host_bytes: u64,
+    /// The device's launch timeout, for the kernels it waits for before
+    /// it unloads.
+    launch_timeout: Duration,
 }
 
 // SAFETY: the module and function handles are only used with their
@@ -415,8 +459,10 @@ impl DeviceModule for CudaModule {
 
 impl Drop for CudaModule {
     fn drop(&mut self) {
-        let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
-        if owner.generation == self.generation && owner.current().is_ok() {
+        let mut owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
+        // Never unloaded under a queued kernel: once they ended (or, if one
+        // runs away, never: the executor is ending, or the context goes).
+        if owner.generation == self.generation && owner.current().is_ok() && owner.wait_queued(self.launch_timeout).is_ok() {
             // SAFETY: the module is live in the current context.
             unsafe { cu::cuModuleUnload(self.module) };
         }
@@ -670,12 +716,37 @@ impl CudaBackend {
         self.tenants.lock().unwrap_or_else(|e| e.into_inner()).get(&slot).cloned().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "no device context for this tenant"))
     }
 
-    /// Runs `f` with the tenant's context current.
+    /// Runs `f` with the tenant's context current, once every kernel
+    /// queued without waiting has ended: what `f` does (an allocation, a
+    /// copy, a free) never runs beside a tenant's kernel, as when each
+    /// launch was waited for.
     fn with<T>(&self, slot: TenantSlot, f: impl FnOnce(&mut TenantCtx) -> Result<T, BackendError>) -> Result<T, BackendError> {
+        self.with_queued(slot, |t| {
+            self.quiesce(t)?;
+            f(t)
+        })
+    }
+
+    /// As [`Self::with`], with kernels still queued: for queueing more and
+    /// looking at them.
+    fn with_queued<T>(&self, slot: TenantSlot, f: impl FnOnce(&mut TenantCtx) -> Result<T, BackendError>) -> Result<T, BackendError> {
         let t = self.tenant(slot)?;
         let mut g = t.lock().unwrap_or_else(|e| e.into_inner());
         g.current()?;
         f(&mut g)
+    }
+
+    /// Waits for the kernels queued without waiting ([`TenantCtx::wait_queued`]);
+    /// one past the launch timeout is stopped ([`Self::timed_out`]).
+    fn quiesce(&self, t: &mut TenantCtx) -> Result<(), BackendError> {
+        if t.queued.is_empty() {
+            return Ok(());
+        }
+        match t.wait_queued(self.launch_timeout) {
+            Ok(()) => Ok(()),
+            Err(Unsettled::Failed(e)) => Err(e),
+            Err(Unsettled::TimedOut(waited)) => Err(self.timed_out(t, waited)),
+        }
     }
 
     fn is_registered(&self, ptr: *const u8, len: usize) -> bool {
@@ -934,7 +1005,9 @@ impl Backend for CudaBackend {
         g.destroy();
         let next = TenantCtx::new(self.dev, g.generation + 1);
         match next {
-            Ok(n) => {
+            Ok(mut n) => {
+                // Tickets are never given twice.
+                n.tickets = g.tickets;
                 *g = n;
                 Ok(())
             }
@@ -1082,15 +1155,16 @@ impl Backend for CudaBackend {
         } else {
             image
         };
-        let g = owner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = owner.lock().unwrap_or_else(|e| e.into_inner());
         g.current()?;
+        self.quiesce(&mut g)?;
         let mut module: cu::CUmodule = std::ptr::null_mut();
         // SAFETY: the image is a complete PTX (NUL-terminated), cubin or
         // fatbin buffer that outlives the call; the driver validates it.
         check(unsafe { cu::cuModuleLoadData(&mut module, image.as_ptr().cast()) }, "cuModuleLoadData")?;
         let generation = g.generation;
         drop(g);
-        Ok(Arc::new(CudaModule { owner, generation, module, ptx_params, param_info: self.param_info, funcs: Mutex::new(Vec::new()), host_bytes }))
+        Ok(Arc::new(CudaModule { owner, generation, module, ptx_params, param_info: self.param_info, funcs: Mutex::new(Vec::new()), host_bytes, launch_timeout: self.launch_timeout }))
     }
 
     fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<u64, BackendError> {
@@ -1110,12 +1184,13 @@ impl Backend for CudaBackend {
     fn launch_queued(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<Option<u64>, BackendError> {
         let m = module.as_any().downcast_ref::<CudaModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
         let (f, mut args) = Self::kernel_args(m, func, params)?;
-        self.with(slot, |t| {
+        self.with_queued(slot, |t| {
             self.submit(t, m, f, &mut args, l)?;
             // At most MAX_QUEUED events per tenant: past that (or without
-            // an event) the kernel is waited for here.
+            // an event) the kernel is waited for here, after those before it.
             let ev = if t.queued.len() < MAX_QUEUED { Self::mark_queued(t) } else { None };
             let Some(ev) = ev else {
+                self.quiesce(t)?;
                 self.wait_kernel(t)?;
                 return Ok(None);
             };
@@ -1126,11 +1201,12 @@ impl Backend for CudaBackend {
     }
 
     fn launch_finished(&self, slot: TenantSlot, ticket: u64, since: Instant) -> Result<bool, BackendError> {
-        self.with(slot, |t| {
+        self.with_queued(slot, |t| {
             let Some(&ev) = t.queued.get(&ticket) else {
                 return Err(BackendError::new(CuResult::CUDA_ERROR_LAUNCH_FAILED, "the kernel's context was destroyed before it ended"));
             };
-            // SAFETY: the event belongs to the current context.
+            // SAFETY: the event is live (it is in `queued`, which only
+            // `destroy` empties) and belongs to the current context.
             let r = unsafe { cu::cuEventQuery(ev) };
             if r == cu::CUresult::CUDA_ERROR_NOT_READY {
                 let waited = since.elapsed();
@@ -1142,7 +1218,13 @@ impl Backend for CudaBackend {
                 return Ok(false);
             }
             t.queued.remove(&ticket);
-            t.spare.push(ev);
+            if r == cu::CUresult::CUDA_SUCCESS {
+                t.spare.push(ev);
+            } else {
+                // SAFETY: the event belongs to the current context and is
+                // in no list any more.
+                unsafe { cu::cuEventDestroy_v2(ev) };
+            }
             t.note(check(r, "kernel")).map(|_| true)
         })
     }

@@ -70,6 +70,19 @@ pub fn depth(est_ns: u64) -> usize {
     ((AHEAD.as_nanos() as u64 / est_ns) as usize).clamp(1, MAX_DEPTH)
 }
 
+/// The estimate after a kernel that took `took_ns`: up at once to a
+/// longer kernel, down by an eighth of the gap per shorter one, so a
+/// tenant whose kernels grow queues fewer at once, and one whose kernels
+/// shrink queues more only as they keep being short.
+pub fn next_estimate(old_ns: u64, took_ns: u64) -> u64 {
+    let took = took_ns.max(1);
+    if took >= old_ns {
+        took
+    } else {
+        old_ns - (old_ns - took) / 8
+    }
+}
+
 /// Runs `first` and the launches `next` hands out, in order, reporting
 /// each to `done` once it ended. `est` carries the tenant's recent kernel
 /// time (ns) from batch to batch.
@@ -138,8 +151,7 @@ pub fn run<I>(q: &mut impl Queue<I>, first: I, mut next: impl FnMut() -> Option<
                 wait = (None, FIRST_NAP);
                 if r.is_ok() {
                     let took = now.duration_since(since).as_nanos() as u64;
-                    let old = est.load(Ordering::Relaxed);
-                    est.store(if old == 0 { took.max(1) } else { (old * 3 + took) / 4 }.max(1), Ordering::Relaxed);
+                    est.store(next_estimate(est.load(Ordering::Relaxed), took), Ordering::Relaxed);
                 }
                 head_since = now;
                 if let Some((item, _, _)) = flight.pop_front() {
@@ -298,6 +310,20 @@ mod tests {
         assert!(b.deepest <= MAX_DEPTH);
         assert_eq!(queued_while_long, 0, "launches taken while a long kernel ran");
         assert!(est.load(Ordering::Relaxed) > 10_000);
+    }
+
+    #[test]
+    fn the_estimate_rises_at_once_and_falls_slowly() {
+        assert_eq!(next_estimate(0, 5_000), 5_000);
+        assert_eq!(next_estimate(10_000, 2_000_000), 2_000_000);
+        assert_eq!(next_estimate(2_000_000, 10_000), 2_000_000 - 1_990_000 / 8);
+        let mut e = 2_000_000;
+        for _ in 0..10 {
+            e = next_estimate(e, 10_000);
+        }
+        // Ten short kernels later, still more than half way up.
+        assert!(e > 500_000 && depth(e) <= 2, "{e}");
+        assert_eq!(next_estimate(7, 0), 7);
     }
 
     #[test]

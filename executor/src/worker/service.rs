@@ -104,6 +104,8 @@ pub struct Tenant {
     /// How long the tenant's recent kernels took (ns, 0: none seen yet):
     /// how far ahead a batch of launches queues (`super::pipeline`).
     launch_ns: AtomicU64,
+    /// Held by the tenant's batch of launches in flight, if any.
+    batching: Mutex<()>,
     /// Bytes moved by the tenant's copies (either way, and on the device).
     copied: AtomicU64,
     device_ns: AtomicU64,
@@ -463,6 +465,7 @@ impl DeviceService {
             needs_recovery: AtomicBool::new(false),
             kernels: AtomicU64::new(0),
             launch_ns: AtomicU64::new(0),
+            batching: Mutex::new(()),
             copied: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             scrubbed: AtomicU64::new(0),
@@ -524,7 +527,8 @@ impl DeviceService {
         let t = self.tenants.write().unwrap_or_else(|e| e.into_inner()).remove(name)?;
         self.sched.forget(name);
         // Queued work of a revoked tenant is dropped, not run; what runs
-        // now is bounded by the launch timeout.
+        // now is bounded by the launch timeout (on a GPU, for each kernel
+        // still queued on the device, at most pipeline::MAX_DEPTH).
         if !t.wait_idle(Duration::from_secs(120)) {
             tracing::error!(tenant = %name, "work of the removed tenant is still running after 120 s; its memory is freed once it ends");
         }
@@ -952,9 +956,13 @@ impl DeviceService {
     }
 
     /// Whether launches run in batches ([`Self::launch_batch`]): on a
-    /// backend that queues kernels without waiting for them.
+    /// backend that queues kernels without waiting for them, in a
+    /// tenant's executor, whose arbiter can ask for its lane back at any
+    /// time (`yield_asked`). A shared worker's own scheduler preempts only
+    /// at checkpoints, which a GPU's kernels do not reach: there each
+    /// launch is waited for, as before.
     pub fn pipelines(&self) -> bool {
-        self.backend.queues_launches()
+        self.backend.queues_launches() && matches!(self.sched, vgpu_arbiter::grant::Lanes::Granted(_))
     }
 
     /// Runs the launch `first` carries and those `next` hands out behind
@@ -962,6 +970,10 @@ impl DeviceService {
     /// to `done` once its kernel ended. The tenant is charged the time the
     /// lane was held.
     pub fn launch_batch<I: AsRef<Work>>(&self, t: &Tenant, first: I, mut next: impl FnMut() -> Option<I>, mut done: impl FnMut(I, Result<(), BackendError>)) {
+        // One batch of the tenant at a time (its streams share one queue on
+        // the device): each launch's timeout then counts from the end of
+        // the kernel before it. Taken before the lane, never while holding it.
+        let _one = t.batching.lock().unwrap_or_else(|e| e.into_inner());
         let mut first = Some(first);
         let ran = self.sched.run(&t.name, || {
             let Some(item) = first.take() else { return };
