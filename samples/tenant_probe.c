@@ -27,6 +27,9 @@
  *                       cuCtxSynchronize, free; after each free cuMemGetInfo must
  *                       report the whole quota free again (the next round's
  *                       allocation needs it); prints the rounds that saw less
+ *   streams N           N launches of the bump kernel on each of two streams,
+ *                       and between them allocations whose bytes must read
+ *                       back zero; then each counter must be N
  */
 #include "common.h"
 
@@ -142,6 +145,34 @@ int main(int argc, char **argv) {
         }
         printf("reuse rounds=%d stale=%d failed=%d\n", n, stale, failed);
         return stale || failed ? 1 : 0;
+    }
+    if (!strcmp(mode, "streams")) {
+        int n = atoi(argv[2]), dirty = 0;
+        CUfunction bump = bump_in(bump_ptx);
+        CUdeviceptr c[2] = {counter_of(0), counter_of(0)};
+        CUstream s[2];
+        for (int k = 0; k < 2; k++) CHECK(cuStreamCreate(&s[k], CU_STREAM_NON_BLOCKING));
+        for (int i = 0; i < n; i++) {
+            for (int k = 0; k < 2; k++) {
+                void *args[] = {&c[k]};
+                CHECK(cuLaunchKernel(bump, 1, 1, 1, 1, 1, 1, 0, s[k], args, NULL));
+            }
+            if (i % (n / 4 + 1) == 0) {
+                /* Allocated while both streams have kernels queued. */
+                unsigned char buf[4096];
+                CUdeviceptr p;
+                CHECK(cuMemAlloc(&p, sizeof buf));
+                CHECK(cuMemcpyDtoH(buf, p, sizeof buf));
+                for (size_t b = 0; b < sizeof buf; b++) dirty += buf[b] != 0;
+                CHECK(cuMemsetD8(p, 0x5A, sizeof buf));
+                CHECK(cuMemFree(p));
+            }
+        }
+        for (int k = 0; k < 2; k++) CHECK(cuStreamSynchronize(s[k]));
+        unsigned int got[2] = {0, 0};
+        for (int k = 0; k < 2; k++) CHECK(cuMemcpyDtoH(&got[k], c[k], 4));
+        printf("streams launches=%d counters=%u,%u dirty=%d\n", n, got[0], got[1], dirty);
+        return got[0] == (unsigned int)n && got[1] == (unsigned int)n && !dirty ? 0 : 1;
     }
     if (!strcmp(mode, "storm")) {
         int n = atoi(argv[2]);

@@ -64,7 +64,8 @@ fn gpu_samples_run_for_two_tenants_with_their_own_quotas() {
 /// them, queued without a synchronize between, each read-modify-write of
 /// one counter, all run once and in order; memory freed after a
 /// synchronize is free at once (no launch is still counted in flight
-/// once the tenant saw it end).
+/// once the tenant saw it end); two streams' launches with allocations
+/// between them all run, and every allocation reads back zero.
 #[test]
 fn gpu_launches_kept_in_flight_all_run_in_order_and_free_at_once() {
     let Some((m, gpu)) = gpu_mediator("gpu_launches_kept_in_flight_all_run_in_order_and_free_at_once", &[]) else { return };
@@ -80,6 +81,13 @@ fn gpu_launches_kept_in_flight_all_run_in_order_and_free_at_once() {
     c.args(["reuse", "100"]);
     let out = run_ok(c);
     assert!(out.contains("reuse rounds=100 stale=0 failed=0"), "{out}");
+    // Two streams' launches at once, and allocations (zeroed, then
+    // written) while both have kernels queued.
+    let n = if m.on_test_driver { 500 } else { 20_000 };
+    let mut c = sample("tenant_probe", &a);
+    c.args(["streams", &n.to_string()]);
+    let out = run_ok(c);
+    assert!(out.contains(&format!("streams launches={n} counters={n},{n} dirty=0")), "{out}");
 }
 
 #[test]
