@@ -198,8 +198,13 @@ struct TenantCtx {
     generation: u64,
     /// Kernels queued without waiting (`launch_queued`) and not yet seen
     /// to end: ticket -> the event recorded behind the kernel, in the
-    /// order they were queued (tickets only grow, across rebuilds too).
-    queued: BTreeMap<u64, cu::CUevent>,
+    /// order they were queued (tickets only grow, across rebuilds too),
+    /// and when each was queued. An entry leaves before its event is
+    /// destroyed, so every event here is live.
+    queued: BTreeMap<u64, (cu::CUevent, Instant)>,
+    /// When a queued kernel was last seen to end: the next one's launch
+    /// timeout counts from then (or from when it was queued, if later).
+    last_end: Instant,
     /// Events of ended launches, for the next ones.
     spare: Vec<cu::CUevent>,
     tickets: u64,
@@ -223,7 +228,20 @@ impl TenantCtx {
             unsafe { cu::cuCtxDestroy_v2(ctx) };
             return Err(e);
         }
-        Ok(TenantCtx { ctx, stream, stage: None, check_buf: None, pending_check: None, poisoned: false, alive: true, generation, queued: BTreeMap::new(), spare: Vec::new(), tickets: 0 })
+        Ok(TenantCtx {
+            ctx,
+            stream,
+            stage: None,
+            check_buf: None,
+            pending_check: None,
+            poisoned: false,
+            alive: true,
+            generation,
+            queued: BTreeMap::new(),
+            last_end: Instant::now(),
+            spare: Vec::new(),
+            tickets: 0,
+        })
     }
 
     fn current(&self) -> Result<(), BackendError> {
@@ -255,17 +273,19 @@ impl TenantCtx {
     /// `timeout` from the end of the one before. Nothing else runs on the
     /// tenant's stream meanwhile: the caller holds the tenant's lock.
     fn wait_queued(&mut self, timeout: Duration) -> Result<(), Unsettled> {
-        let events: Vec<cu::CUevent> = self.queued.values().copied().collect();
-        let mut since = Instant::now();
-        for ev in events {
+        let events: Vec<(cu::CUevent, Instant)> = self.queued.values().copied().collect();
+        for (ev, queued_at) in events {
+            let since = self.last_end.max(queued_at);
             let mut nap = Duration::from_micros(20);
             loop {
-                // SAFETY: the event is live (it is in `queued`, which only
-                // `destroy` empties) and belongs to the current context.
+                // SAFETY: the event is live (every event in `queued` is:
+                // entries leave before their events are destroyed, under
+                // the tenant's lock, which the caller holds) and belongs
+                // to the current context.
                 let r = unsafe { cu::cuEventQuery(ev) };
                 if r != cu::CUresult::CUDA_ERROR_NOT_READY {
                     self.note(check(r, "kernel")).map_err(Unsettled::Failed)?;
-                    since = Instant::now();
+                    self.last_end = Instant::now();
                     break;
                 }
                 let waited = since.elapsed();
@@ -342,7 +362,7 @@ impl TenantCtx {
                 }
             }
             self.pending_check = None;
-            for ev in std::mem::take(&mut self.queued).into_values().chain(self.spare.drain(..)) {
+            for ev in std::mem::take(&mut self.queued).into_values().map(|(e, _)| e).chain(self.spare.drain(..)) {
                 cu::cuEventDestroy_v2(ev);
             }
             if let Some((buf, ev)) = self.check_buf.take() {
@@ -414,8 +434,11 @@ impl CudaModule {
 impl DeviceModule for CudaModule {
     fn function(&self, name: &str) -> Option<FunctionDesc> {
         let cname = CString::new(name).ok()?;
-        let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
-        if owner.generation != self.generation || owner.current().is_err() {
+        let mut owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
+        // A lazily loaded kernel may make the driver wait for the context:
+        // never behind queued kernels, where the launch timeout cannot
+        // reach it.
+        if owner.generation != self.generation || owner.current().is_err() || owner.wait_queued(self.launch_timeout).is_err() {
             return None;
         }
         let mut f: cu::CUfunction = std::ptr::null_mut();
@@ -439,8 +462,9 @@ impl DeviceModule for CudaModule {
 
     fn global(&self, name: &str) -> Option<(u64, u64)> {
         let cname = CString::new(name).ok()?;
-        let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
-        if owner.generation != self.generation || owner.current().is_err() {
+        let mut owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
+        // As for functions.
+        if owner.generation != self.generation || owner.current().is_err() || owner.wait_queued(self.launch_timeout).is_err() {
             return None;
         }
         let (mut dptr, mut bytes): (cu::CUdeviceptr, usize) = (0, 0);
@@ -1195,18 +1219,18 @@ impl Backend for CudaBackend {
                 return Ok(None);
             };
             t.tickets += 1;
-            t.queued.insert(t.tickets, ev);
+            t.queued.insert(t.tickets, (ev, Instant::now()));
             Ok(Some(t.tickets))
         })
     }
 
     fn launch_finished(&self, slot: TenantSlot, ticket: u64, since: Instant) -> Result<bool, BackendError> {
         self.with_queued(slot, |t| {
-            let Some(&ev) = t.queued.get(&ticket) else {
+            let Some(&(ev, _)) = t.queued.get(&ticket) else {
                 return Err(BackendError::new(CuResult::CUDA_ERROR_LAUNCH_FAILED, "the kernel's context was destroyed before it ended"));
             };
-            // SAFETY: the event is live (it is in `queued`, which only
-            // `destroy` empties) and belongs to the current context.
+            // SAFETY: the event is live (every event in `queued` is, and
+            // we hold the tenant's lock) and belongs to the current context.
             let r = unsafe { cu::cuEventQuery(ev) };
             if r == cu::CUresult::CUDA_ERROR_NOT_READY {
                 let waited = since.elapsed();
@@ -1218,6 +1242,7 @@ impl Backend for CudaBackend {
                 return Ok(false);
             }
             t.queued.remove(&ticket);
+            t.last_end = Instant::now();
             if r == cu::CUresult::CUDA_SUCCESS {
                 t.spare.push(ev);
             } else {
