@@ -3,8 +3,9 @@
 # on a machine with an NVIDIA GPU: the facts a seccomp allow-list for GPU
 # executors is made from. strace (bundled by scripts/gpu-bundle.sh) attaches
 # to one tenant's executor, with every thread, while the tenant runs the
-# samples, a ring storm, quota and scrub probes, a kernel fault and a
-# runaway kernel. strace follows the daemon from its start (a running
+# samples, a ring storm (launches kept in flight: cuEventQuery), two
+# streams with allocations between their launches, quota and scrub
+# probes, a kernel fault and a runaway kernel. strace follows the daemon from its start (a running
 # executor, under its own uid, cannot be attached to), so
 # $OUT/syscalls-trace.log.gz holds every process's calls but the hot waits
 # and plain reads and writes, with arguments; $OUT/executors.txt names the
@@ -41,6 +42,7 @@ t "$tmp/reduction"
 t "$tmp/tenant_probe" quota 2147483648
 t "$tmp/tenant_probe" check 268435456
 t "$tmp/tenant_probe" storm 20000
+t "$tmp/tenant_probe" streams 20000
 t "$tmp/tenant_probe" ptx faults.ptx spin
 t "$tmp/tenant_probe" fault 1099511627776
 sleep 1
