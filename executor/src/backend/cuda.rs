@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
-use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot};
+use super::{AllocTable, Backend, BackendError, Backoff, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot};
 
 /// The oldest driver this backend runs on (CUDA 12.2): the level the
 /// cudarc bindings are pinned to.
@@ -276,7 +276,7 @@ impl TenantCtx {
         let events: Vec<(cu::CUevent, Instant)> = self.queued.values().copied().collect();
         for (ev, queued_at) in events {
             let since = self.last_end.max(queued_at);
-            let mut nap = Duration::from_micros(20);
+            let mut wait = Backoff::new(Duration::from_millis(2));
             loop {
                 // SAFETY: the event is live (every event in `queued` is:
                 // entries leave before their events are destroyed, under
@@ -292,12 +292,7 @@ impl TenantCtx {
                 if waited >= timeout {
                     return Err(Unsettled::TimedOut(waited));
                 }
-                if waited < Duration::from_micros(200) {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::sleep(nap);
-                    nap = (nap * 2).min(Duration::from_millis(2));
-                }
+                wait.pause();
             }
         }
         Ok(())
@@ -625,7 +620,7 @@ impl CudaBackend {
     /// deadline is stopped ([`Self::timed_out`]).
     fn wait_kernel(&self, t: &mut TenantCtx) -> Result<(), BackendError> {
         let start = Instant::now();
-        let mut nap = Duration::from_micros(20);
+        let mut wait = Backoff::new(Duration::from_millis(2));
         loop {
             // SAFETY: the stream belongs to the current context.
             let r = unsafe { cu::cuStreamQuery(t.stream) };
@@ -636,12 +631,7 @@ impl CudaBackend {
             if waited >= self.launch_timeout {
                 return Err(self.timed_out(t, waited));
             }
-            if waited < Duration::from_micros(200) {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep(nap);
-                nap = (nap * 2).min(Duration::from_millis(2));
-            }
+            wait.pause();
         }
     }
 
@@ -661,9 +651,11 @@ impl CudaBackend {
         err
     }
 
-    /// The function `func` of `m` and one pointer per declared parameter
-    /// into `params` (the driver reads each parameter through its own).
-    fn kernel_args(m: &CudaModule, func: usize, params: &[u8]) -> Result<(cu::CUfunction, Vec<*mut c_void>), BackendError> {
+    /// The module as this backend's, its function `func`, and one pointer
+    /// per declared parameter into `params` (the driver reads each
+    /// parameter through its own).
+    fn kernel_args<'m>(module: &'m dyn DeviceModule, func: usize, params: &[u8]) -> Result<(&'m CudaModule, cu::CUfunction, Vec<*mut c_void>), BackendError> {
+        let m = module.as_any().downcast_ref::<CudaModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
         let (f, layout) = m.funcs.lock().unwrap_or_else(|e| e.into_inner()).get(func).cloned().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "no such function"))?;
         let mut args: Vec<*mut c_void> = Vec::with_capacity(layout.len());
         for p in &layout {
@@ -674,7 +666,7 @@ impl CudaBackend {
             // The driver only reads through these pointers.
             args.push(params[p.offset as usize..].as_ptr() as *mut c_void);
         }
-        Ok((f, args))
+        Ok((m, f, args))
     }
 
     /// Puts a kernel on the tenant's stream, once the last scrub was
@@ -1192,8 +1184,7 @@ impl Backend for CudaBackend {
     }
 
     fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<u64, BackendError> {
-        let m = module.as_any().downcast_ref::<CudaModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
-        let (f, mut args) = Self::kernel_args(m, func, params)?;
+        let (m, f, mut args) = Self::kernel_args(module, func, params)?;
         self.with(slot, |t| {
             self.submit(t, m, f, &mut args, l)?;
             self.wait_kernel(t)?;
@@ -1206,8 +1197,7 @@ impl Backend for CudaBackend {
     }
 
     fn launch_queued(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<Option<u64>, BackendError> {
-        let m = module.as_any().downcast_ref::<CudaModule>().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to another backend"))?;
-        let (f, mut args) = Self::kernel_args(m, func, params)?;
+        let (m, f, mut args) = Self::kernel_args(module, func, params)?;
         self.with_queued(slot, |t| {
             self.submit(t, m, f, &mut args, l)?;
             // At most MAX_QUEUED events per tenant: past that (or without

@@ -107,6 +107,33 @@ pub trait DeviceModule: Send + Sync {
     fn as_any(&self) -> &dyn Any;
 }
 
+/// Waiting for the device: spinning briefly (short work is the common
+/// case), then sleeping, each nap twice the last, up to `max`.
+pub struct Backoff {
+    from: std::time::Instant,
+    nap: std::time::Duration,
+    max: std::time::Duration,
+}
+
+impl Backoff {
+    /// How long a wait spins before it sleeps.
+    const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
+    pub fn new(max: std::time::Duration) -> Backoff {
+        Backoff { from: std::time::Instant::now(), nap: std::time::Duration::from_micros(20), max }
+    }
+
+    /// One pause between two looks at the device.
+    pub fn pause(&mut self) {
+        if self.from.elapsed() < Self::SPIN {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(self.nap);
+            self.nap = (self.nap * 2).min(self.max);
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct Launch {
     pub grid: [u32; 3],

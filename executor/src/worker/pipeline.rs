@@ -25,7 +25,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::backend::BackendError;
+use crate::backend::{BackendError, Backoff};
 
 /// A batch takes no more launches after running this long: the lane goes
 /// back to the scheduler, which may give it straight back.
@@ -34,9 +34,7 @@ pub const SLICE: Duration = Duration::from_millis(4);
 pub const AHEAD: Duration = Duration::from_millis(1);
 /// Launches in flight in one batch, at most.
 pub const MAX_DEPTH: usize = 32;
-/// How long the batch spins on an unfinished kernel before it sleeps.
-const SPIN: Duration = Duration::from_micros(200);
-const FIRST_NAP: Duration = Duration::from_micros(20);
+/// The longest nap between two looks at an unfinished kernel.
 const LAST_NAP: Duration = Duration::from_millis(1);
 /// A kernel seen to end after the batch was held up this long (between
 /// two looks, or in one) is not timed: the time is not the kernel's.
@@ -99,7 +97,7 @@ pub fn run<I>(q: &mut impl Queue<I>, first: I, mut next: impl FnMut() -> Option<
     let mut held: Option<(I, Result<(), BackendError>)> = None;
     // When the kernel at the head could start: when the one before ended.
     let mut head_since = began;
-    let mut wait = (None::<Instant>, FIRST_NAP);
+    let mut wait: Option<Backoff> = None;
     // When the batch last looked at a kernel.
     let mut looked = began;
     loop {
@@ -144,20 +142,10 @@ pub fn run<I>(q: &mut impl Queue<I>, first: I, mut next: impl FnMut() -> Option<
         let stalled = asked.duration_since(looked) > STALL || asked.elapsed() > STALL;
         looked = Instant::now();
         match r {
-            Ok(false) => {
-                let now = Instant::now();
-                let (from, nap) = &mut wait;
-                let from = *from.get_or_insert(now);
-                if now.duration_since(from) < SPIN {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::sleep(*nap);
-                    *nap = (*nap * 2).min(LAST_NAP);
-                }
-            }
+            Ok(false) => wait.get_or_insert_with(|| Backoff::new(LAST_NAP)).pause(),
             r => {
                 let now = Instant::now();
-                wait = (None, FIRST_NAP);
+                wait = None;
                 if r.is_ok() && !stalled {
                     let took = now.duration_since(since).as_nanos() as u64;
                     est.store(next_estimate(est.load(Ordering::Relaxed), took), Ordering::Relaxed);
