@@ -735,9 +735,9 @@ impl Ring {
     fn run_launches(self: &Arc<Self>, engine: &Engine, stream: &Arc<Stream>, first: Item) {
         // As for one item: waiting work is woken once completions are out.
         let _wake_later = vgpu_arbiter::sched::WakeLater::new();
-        let next = || {
+        let next = |fits: &dyn Fn(&Item) -> bool| {
             let mut q = lock(&stream.q);
-            if q.items.front().is_some_and(|i| matches!(i.work.kind, WorkKind::Launch { .. })) {
+            if q.items.front().is_some_and(|i| matches!(i.work.kind, WorkKind::Launch { .. }) && fits(i)) {
                 q.items.pop_front()
             } else {
                 None

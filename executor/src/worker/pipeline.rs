@@ -14,15 +14,16 @@
 //!
 //! What a device runs cannot be taken back once queued: only the end of
 //! the executor stops it. So the batch keeps little ahead of the kernel
-//! that runs: about [`AHEAD`] of device time, judged from how long the
-//! tenant's recent kernels took, and nothing behind a kernel that has run
-//! for longer than that. A lane asked back is free after the running
-//! kernel and at most that much more; until the first kernel's time is
-//! known, one launch is queued at a time. Each kernel's launch timeout
-//! counts from when the kernel before it ended.
+//! that runs: about [`AHEAD`] of device time, judged from how long each
+//! kernel took the last times it ran with the same grid (a tenant's short
+//! element-wise kernels and its long matrix products are judged apart),
+//! and nothing behind a kernel that has run for longer than that. A
+//! launch whose time is not known yet is queued only when nothing else is
+//! in flight. A lane asked back is free after the running kernel and at
+//! most that much more. Each kernel's launch timeout counts from when the
+//! kernel before it ended.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::backend::{BackendError, Backoff};
@@ -34,6 +35,8 @@ pub const SLICE: Duration = Duration::from_millis(4);
 pub const AHEAD: Duration = Duration::from_millis(1);
 /// Launches in flight in one batch, at most.
 pub const MAX_DEPTH: usize = 32;
+/// Kernels (with their grids) a tenant's estimates remember, at most.
+pub const MAX_KERNELS: usize = 4096;
 /// The longest nap between two looks at an unfinished kernel.
 const LAST_NAP: Duration = Duration::from_millis(1);
 /// A kernel seen to end after the batch was held up this long (between
@@ -52,6 +55,43 @@ pub trait Queue<I> {
     /// Whether another launch may be taken (false once the lane is asked
     /// back).
     fn may_take(&self) -> bool;
+    /// Which kernel `item` launches, with its grid: the key of its time
+    /// estimate.
+    fn kernel(&self, item: &I) -> u64;
+}
+
+/// How long a tenant's kernels took, by kernel and grid (ns), kept from
+/// batch to batch. Bounded: past [`MAX_KERNELS`] keys, one is forgotten
+/// for each new one (a forgotten kernel is queued alone again, once).
+#[derive(Debug, Default)]
+pub struct Estimates {
+    by_kernel: HashMap<u64, u64>,
+}
+
+impl Estimates {
+    /// The estimate for `kernel` (0: not known).
+    pub fn get(&self, kernel: u64) -> u64 {
+        self.by_kernel.get(&kernel).copied().unwrap_or(0)
+    }
+
+    /// Notes that `kernel` took `took_ns` ([`next_estimate`]).
+    pub fn note(&mut self, kernel: u64, took_ns: u64) {
+        if !self.by_kernel.contains_key(&kernel) && self.by_kernel.len() >= MAX_KERNELS {
+            if let Some(&k) = self.by_kernel.keys().next() {
+                self.by_kernel.remove(&k);
+            }
+        }
+        let e = self.by_kernel.entry(kernel).or_insert(0);
+        *e = next_estimate(*e, took_ns);
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_kernel.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_kernel.is_empty()
+    }
 }
 
 /// What one batch did.
@@ -62,13 +102,10 @@ pub struct Batch {
     pub deepest: usize,
 }
 
-/// How many launches may be in flight when the tenant's kernels take
-/// `est_ns` each (0: not known yet).
-pub fn depth(est_ns: u64) -> usize {
-    if est_ns == 0 {
-        return 1;
-    }
-    ((AHEAD.as_nanos() as u64 / est_ns) as usize).clamp(1, MAX_DEPTH)
+/// Whether a launch of a kernel estimated at `est_ns` (0: not known) may
+/// go behind launches estimated at `ahead_ns` in all, `in_flight` of them.
+pub fn fits(est_ns: u64, ahead_ns: u64, in_flight: usize) -> bool {
+    in_flight == 0 || (in_flight < MAX_DEPTH && est_ns != 0 && ahead_ns.saturating_add(est_ns) <= AHEAD.as_nanos() as u64)
 }
 
 /// The estimate after a kernel that took `took_ns`: up at once to a
@@ -85,12 +122,16 @@ pub fn next_estimate(old_ns: u64, took_ns: u64) -> u64 {
 }
 
 /// Runs `first` and the launches `next` hands out, in order, reporting
-/// each to `done` once it ended. `est` carries the tenant's recent kernel
-/// time (ns) from batch to batch.
-pub fn run<I>(q: &mut impl Queue<I>, first: I, mut next: impl FnMut() -> Option<I>, mut done: impl FnMut(I, Result<(), BackendError>), est: &AtomicU64) -> Batch {
+/// each to `done` once it ended. `next` takes the front launch only if
+/// the test it is given holds for it (it fits behind those in flight).
+/// `est` carries the tenant's kernel times from batch to batch.
+pub fn run<I>(q: &mut impl Queue<I>, first: I, mut next: impl FnMut(&dyn Fn(&I) -> bool) -> Option<I>, mut done: impl FnMut(I, Result<(), BackendError>), est: &mut Estimates) -> Batch {
     let began = Instant::now();
     let mut stats = Batch::default();
-    let mut flight: VecDeque<(I, u64, Instant)> = VecDeque::new();
+    // (launch, ticket, when queued, kernel, its estimate)
+    let mut flight: VecDeque<(I, u64, Instant, u64, u64)> = VecDeque::new();
+    // The estimates of the launches in flight, added up.
+    let mut ahead = 0u64;
     let mut first = Some(first);
     // A launch that ran to completion or was refused, reported once all
     // before it are: the tenant sees its entries end in order.
@@ -101,34 +142,41 @@ pub fn run<I>(q: &mut impl Queue<I>, first: I, mut next: impl FnMut() -> Option<
     // When the batch last looked at a kernel.
     let mut looked = began;
     loop {
-        while held.is_none() && flight.len() < depth(est.load(Ordering::Relaxed)) {
+        while held.is_none() && flight.len() < MAX_DEPTH {
             // Nothing goes behind a kernel that has run long.
             if !flight.is_empty() && head_since.elapsed() > AHEAD {
                 break;
             }
             let item = match first.take() {
                 Some(i) => i,
-                None if began.elapsed() < SLICE && q.may_take() => match next() {
-                    Some(i) => i,
-                    None => break,
-                },
+                None if began.elapsed() < SLICE && q.may_take() => {
+                    let (queue, table, n) = (&*q, &*est, flight.len());
+                    let fit = |i: &I| fits(table.get(queue.kernel(i)), ahead, n);
+                    match next(&fit) {
+                        Some(i) => i,
+                        None => break,
+                    }
+                }
                 None => break,
             };
             stats.launches += 1;
+            let kernel = q.kernel(&item);
             match q.queue(&item) {
                 Ok(Some(ticket)) => {
                     let now = Instant::now();
                     if flight.is_empty() {
                         head_since = now;
                     }
-                    flight.push_back((item, ticket, now));
+                    let e = est.get(kernel);
+                    ahead = ahead.saturating_add(e);
+                    flight.push_back((item, ticket, now, kernel, e));
                     stats.deepest = stats.deepest.max(flight.len());
                 }
                 Ok(None) => held = Some((item, Ok(()))),
                 Err(e) => held = Some((item, Err(e))),
             }
         }
-        let Some((item, ticket, queued)) = flight.front() else {
+        let Some((item, ticket, queued, _, _)) = flight.front() else {
             if let Some((item, r)) = held.take() {
                 head_since = Instant::now();
                 done(item, r);
@@ -146,12 +194,12 @@ pub fn run<I>(q: &mut impl Queue<I>, first: I, mut next: impl FnMut() -> Option<
             r => {
                 let now = Instant::now();
                 wait = None;
-                if r.is_ok() && !stalled {
-                    let took = now.duration_since(since).as_nanos() as u64;
-                    est.store(next_estimate(est.load(Ordering::Relaxed), took), Ordering::Relaxed);
-                }
                 head_since = now;
-                if let Some((item, _, _)) = flight.pop_front() {
+                if let Some((item, _, _, kernel, e)) = flight.pop_front() {
+                    ahead = ahead.saturating_sub(e);
+                    if r.is_ok() && !stalled {
+                        est.note(kernel, now.duration_since(since).as_nanos() as u64);
+                    }
                     done(item, r.map(|_| ()));
                 }
             }
@@ -180,12 +228,15 @@ mod tests {
         refuse: Option<u32>,
         tickets: u64,
         take: bool,
+        kernel: fn(u32) -> u64,
+        /// Each launch queued, with how many were in flight before it.
+        queued_behind: Vec<(u32, usize)>,
     }
 
     impl Sim {
         fn new(len: fn(u32) -> Duration) -> Sim {
             let now = Instant::now();
-            Sim { ends: HashMap::new(), last_end: now, len, fault_at: None, faulted: false, sync_at: None, refuse: None, tickets: 0, take: true }
+            Sim { ends: HashMap::new(), last_end: now, len, fault_at: None, faulted: false, sync_at: None, refuse: None, tickets: 0, take: true, kernel: |_| 0, queued_behind: Vec::new() }
         }
     }
 
@@ -194,6 +245,7 @@ mod tests {
             if self.refuse == Some(*item) {
                 return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "refused"));
             }
+            self.queued_behind.push((*item, self.ends.len()));
             let end = self.last_end.max(Instant::now()) + (self.len)(*item);
             self.last_end = end;
             if self.sync_at == Some(*item) {
@@ -223,16 +275,27 @@ mod tests {
         fn may_take(&self) -> bool {
             self.take
         }
+
+        fn kernel(&self, item: &u32) -> u64 {
+            (self.kernel)(*item)
+        }
     }
 
-    fn batch(sim: &mut Sim, n: u32, est: &AtomicU64) -> (Batch, Vec<(u32, Option<CuResult>)>, u32) {
+    /// Estimates that say every kernel of key 0 takes `ns`.
+    fn known(ns: u64) -> Estimates {
+        let mut e = Estimates::default();
+        e.note(0, ns);
+        e
+    }
+
+    fn batch(sim: &mut Sim, n: u32, est: &mut Estimates) -> (Batch, Vec<(u32, Option<CuResult>)>, u32) {
         let mut next = 1u32;
         let mut out = Vec::new();
         let b = run(
             sim,
             0,
-            || {
-                (next < n).then(|| {
+            |fit| {
+                (next < n && fit(&next)).then(|| {
                     next += 1;
                     next - 1
                 })
@@ -246,13 +309,13 @@ mod tests {
     #[test]
     fn short_kernels_are_queued_ahead_and_end_in_order() {
         let mut sim = Sim::new(|_| Duration::from_micros(20));
-        let est = AtomicU64::new(0);
-        let (b, out, _) = batch(&mut sim, 100, &est);
+        let mut est = Estimates::default();
+        let (b, out, _) = batch(&mut sim, 100, &mut est);
         assert_eq!(out, (0..100).map(|i| (i, None)).collect::<Vec<_>>());
         assert_eq!(b.launches, 100);
         // 20 µs kernels, 1 ms ahead: the batch keeps many in flight.
         assert!(b.deepest > 8, "{b:?}");
-        let e = est.load(Ordering::Relaxed);
+        let e = est.get(0);
         // Each is timed from when the last was seen to end, a little
         // after it did.
         assert!((15_000..1_000_000).contains(&e), "estimate {e} ns for 20 µs kernels");
@@ -261,15 +324,18 @@ mod tests {
     #[test]
     fn one_launch_at_a_time_until_a_kernel_time_is_known_and_for_long_kernels() {
         let mut sim = Sim::new(|_| Duration::from_millis(2));
-        let est = AtomicU64::new(0);
-        let (b, out, _) = batch(&mut sim, 3, &est);
+        let mut est = Estimates::default();
+        let (b, out, _) = batch(&mut sim, 3, &mut est);
         // Two fit in the slice.
         assert_eq!(out.len() as u64, b.launches);
         assert!(b.launches >= 2, "{b:?}");
         assert_eq!(b.deepest, 1, "{b:?}");
-        assert_eq!(depth(0), 1);
-        assert_eq!(depth(2_000_000), 1);
-        assert_eq!(depth(1), MAX_DEPTH);
+        // Alone, anything goes; behind others, only a known kernel that
+        // fits in what is left of AHEAD, and never past MAX_DEPTH.
+        assert!(fits(0, 0, 0) && fits(2_000_000, 0, 0));
+        assert!(!fits(0, 1, 1) && !fits(2_000_000, 1, 1));
+        assert!(fits(500_000, 500_000, 1) && !fits(500_001, 500_000, 1));
+        assert!(fits(1, 0, MAX_DEPTH - 1) && !fits(1, 0, MAX_DEPTH));
     }
 
     #[test]
@@ -277,14 +343,17 @@ mod tests {
         // The estimate says 200 µs (5 in flight), and falls as the 10 µs
         // kernels end, making room; kernel 3 takes 30 ms.
         let mut sim = Sim::new(|i| if i == 3 { Duration::from_millis(30) } else { Duration::from_micros(10) });
-        let est = AtomicU64::new(200_000);
+        let mut est = known(200_000);
         let mut next = 1u32;
         let mut queued_while_long = 0;
         let long_start = std::cell::Cell::new(None::<Instant>);
         let b = run(
             &mut sim,
             0,
-            || {
+            |fit| {
+                if !fit(&next) {
+                    return None;
+                }
                 if let Some(t) = long_start.get() {
                     if t.elapsed() > Duration::from_millis(2) {
                         queued_while_long += 1;
@@ -299,7 +368,7 @@ mod tests {
                 })
             },
             |_, r| assert!(r.is_ok()),
-            &est,
+            &mut est,
         );
         // Launches queued before kernel 3 started may sit behind it; none
         // is taken while it has run for long (and the slice is over by the
@@ -318,7 +387,7 @@ mod tests {
             e = next_estimate(e, 10_000);
         }
         // Ten short kernels later, still more than half way up.
-        assert!(e > 500_000 && depth(e) <= 2, "{e}");
+        assert!(e > 500_000 && !fits(e, e, 1), "{e}");
         assert_eq!(next_estimate(7, 0), 7);
     }
 
@@ -326,8 +395,8 @@ mod tests {
     fn a_fault_ends_the_faulting_launch_and_every_one_after_it() {
         let mut sim = Sim::new(|_| Duration::from_micros(50));
         sim.fault_at = Some(5);
-        let est = AtomicU64::new(50_000);
-        let (_, out, _) = batch(&mut sim, 10, &est);
+        let mut est = known(50_000);
+        let (_, out, _) = batch(&mut sim, 10, &mut est);
         let codes: Vec<_> = out.iter().map(|(_, c)| *c).collect();
         assert_eq!(out.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (0..out.len() as u32).collect::<Vec<_>>());
         assert!(codes[..5].iter().all(Option::is_none), "{out:?}");
@@ -339,8 +408,8 @@ mod tests {
         let mut sim = Sim::new(|_| Duration::from_micros(100));
         sim.refuse = Some(4);
         sim.sync_at = Some(7);
-        let est = AtomicU64::new(50_000);
-        let (_, out, _) = batch(&mut sim, 12, &est);
+        let mut est = known(50_000);
+        let (_, out, _) = batch(&mut sim, 12, &mut est);
         assert_eq!(out.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (0..12).collect::<Vec<_>>());
         assert_eq!(out[4].1, Some(CuResult::CUDA_ERROR_INVALID_VALUE));
         assert!(out.iter().filter(|(i, _)| *i != 4).all(|(_, c)| c.is_none()), "{out:?}");
@@ -350,20 +419,68 @@ mod tests {
     fn a_lane_asked_back_takes_nothing_more() {
         let mut sim = Sim::new(|_| Duration::from_micros(10));
         sim.take = false;
-        let est = AtomicU64::new(10_000);
-        let (b, out, next) = batch(&mut sim, 50, &est);
+        let mut est = known(10_000);
+        let (b, out, next) = batch(&mut sim, 50, &mut est);
         assert_eq!((b.launches, out.len(), next), (1, 1, 1));
     }
 
     #[test]
     fn a_batch_ends_after_its_slice() {
         let mut sim = Sim::new(|_| Duration::from_micros(100));
-        let est = AtomicU64::new(100_000);
-        let (b, out, _) = batch(&mut sim, 100_000, &est);
+        let mut est = known(100_000);
+        let (b, out, _) = batch(&mut sim, 100_000, &mut est);
         assert_eq!(out.len() as u64, b.launches);
         // 100 µs kernels, queued back to back: what fits in the slice, and
         // at most a full queue ahead when it ended.
-        let most = (SLICE.as_micros() / 100) as u64 + depth(100_000) as u64 + 1;
+        let most = (SLICE.as_micros() / 100 + AHEAD.as_micros() / 100) as u64 + 1;
         assert!(b.launches <= most, "{} launches in one slice (at most {most})", b.launches);
+    }
+
+    #[test]
+    fn a_long_kernel_is_not_queued_behind_short_ones_once_its_time_is_known() {
+        // Kernel 1 (every tenth launch) takes 3 ms, the others 10 µs: one
+        // estimate for both would queue the long one behind many short
+        // ones once the short ones had pulled it down.
+        let mut sim = Sim::new(|i| if i % 10 == 5 { Duration::from_millis(3) } else { Duration::from_micros(10) });
+        sim.kernel = |i| u64::from(i % 10 == 5);
+        let mut est = Estimates::default();
+        let mut done = 0;
+        while done < 60 {
+            let start = done;
+            let mut next = start + 1;
+            let b = run(
+                &mut sim,
+                start,
+                |fit| {
+                    (next < 60 && fit(&next)).then(|| {
+                        next += 1;
+                        next - 1
+                    })
+                },
+                |_, r| assert!(r.is_ok()),
+                &mut est,
+            );
+            done = next;
+            assert!(b.launches > 0);
+        }
+        let long: Vec<_> = sim.queued_behind.iter().filter(|(i, _)| i % 10 == 5).collect();
+        assert_eq!(long.len(), 6);
+        assert!(long.iter().all(|(_, behind)| *behind == 0), "long kernels queued behind others: {long:?}");
+        // The short ones were still queued many at a time.
+        assert!(sim.queued_behind.iter().any(|(_, behind)| *behind > 4), "{:?}", sim.queued_behind);
+        assert_eq!(est.len(), 2);
+        assert!(est.get(1) >= 3_000_000 && est.get(0) < 1_000_000, "{est:?}");
+    }
+
+    #[test]
+    fn estimates_forget_one_kernel_for_each_new_one_past_their_bound() {
+        let mut est = Estimates::default();
+        for k in 0..MAX_KERNELS as u64 + 100 {
+            est.note(k, 1_000);
+        }
+        assert_eq!(est.len(), MAX_KERNELS);
+        assert_eq!(est.get(MAX_KERNELS as u64 + 99), 1_000);
+        est.note(MAX_KERNELS as u64 + 99, 5_000);
+        assert_eq!((est.len(), est.get(MAX_KERNELS as u64 + 99)), (MAX_KERNELS, 5_000));
     }
 }

@@ -101,11 +101,10 @@ pub struct Tenant {
     /// in flight is done.
     needs_recovery: AtomicBool,
     kernels: AtomicU64,
-    /// How long the tenant's recent kernels took (ns, 0: none seen yet):
-    /// how far ahead a batch of launches queues (`super::pipeline`).
-    launch_ns: AtomicU64,
-    /// Held by the tenant's batch of launches in flight, if any.
-    batching: Mutex<()>,
+    /// Held by the tenant's batch of launches in flight, if any; holds how
+    /// long its kernels took, which bounds how far ahead a batch queues
+    /// (`super::pipeline`).
+    batching: Mutex<super::pipeline::Estimates>,
     /// Bytes moved by the tenant's copies (either way, and on the device).
     copied: AtomicU64,
     device_ns: AtomicU64,
@@ -426,6 +425,17 @@ impl<I: AsRef<Work>> super::pipeline::Queue<I> for Batch<'_> {
     fn may_take(&self) -> bool {
         !vgpu_arbiter::grant::yield_asked()
     }
+
+    fn kernel(&self, item: &I) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let WorkKind::Launch { module, index, launch, .. } = &item.as_ref().kind else { return 0 };
+        // The module's address names it while the launch holds it; a
+        // later module at the same address inherits a stale estimate,
+        // which its first runs correct.
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (Arc::as_ptr(module) as *const () as usize, *index, launch.grid).hash(&mut h);
+        h.finish()
+    }
 }
 
 pub use virtio_gpu_compute::uuid_text;
@@ -464,8 +474,7 @@ impl DeviceService {
             has_deferred: AtomicBool::new(false),
             needs_recovery: AtomicBool::new(false),
             kernels: AtomicU64::new(0),
-            launch_ns: AtomicU64::new(0),
-            batching: Mutex::new(()),
+            batching: Mutex::new(Default::default()),
             copied: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             scrubbed: AtomicU64::new(0),
@@ -969,16 +978,16 @@ impl DeviceService {
     /// it as one batch under one lane (`super::pipeline`), reporting each
     /// to `done` once its kernel ended. The tenant is charged the time the
     /// lane was held.
-    pub fn launch_batch<I: AsRef<Work>>(&self, t: &Tenant, first: I, mut next: impl FnMut() -> Option<I>, mut done: impl FnMut(I, Result<(), BackendError>)) {
+    pub fn launch_batch<I: AsRef<Work>>(&self, t: &Tenant, first: I, mut next: impl FnMut(&dyn Fn(&I) -> bool) -> Option<I>, mut done: impl FnMut(I, Result<(), BackendError>)) {
         // One batch of the tenant at a time (its streams share one queue on
         // the device): each launch's timeout then counts from the end of
         // the kernel before it. Taken before the lane, never while holding it.
-        let _one = t.batching.lock().unwrap_or_else(|e| e.into_inner());
+        let mut est = t.batching.lock().unwrap_or_else(|e| e.into_inner());
         let mut first = Some(first);
         let ran = self.sched.run(&t.name, || {
             let Some(item) = first.take() else { return };
             let mut q = Batch { svc: self, t };
-            super::pipeline::run(&mut q, item, &mut next, &mut done, &t.launch_ns);
+            super::pipeline::run(&mut q, item, &mut next, &mut done, &mut est);
         });
         match ran {
             Ok(((), dt)) => {
