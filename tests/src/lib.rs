@@ -254,9 +254,14 @@ impl Mediator {
 
     /// A CPU-device mediator whose log (stderr, at `warn`) goes to `log`.
     pub fn start_logging(args: &[&str], log: &Path) -> Mediator {
+        Self::start_logging_at(args, log, "warn")
+    }
+
+    /// As [`Mediator::start_logging`], logging at `level` (`VGPU_LOG`).
+    pub fn start_logging_at(args: &[&str], log: &Path, level: &str) -> Mediator {
         let mut all = vec!["--cuda", "off"];
         all.extend_from_slice(args);
-        Self::spawn(&all, Spawn { log: Some(log), ..Spawn::default() })
+        Self::spawn(&all, Spawn { log: Some(log), env: vec![("VGPU_LOG", level.into())], ..Spawn::default() })
     }
 
     /// A CPU-device mediator that reads its NUMA topology from the fake

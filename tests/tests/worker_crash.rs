@@ -9,7 +9,8 @@ use vgpu_tests::*;
 
 #[test]
 fn killed_worker_errors_its_tenants_restarts_and_serves_again() {
-    let m = Mediator::start(&["--cpu-devices", "2", "--device-memory", "64MiB"]);
+    let log = per_process("worker-crash.log");
+    let m = Mediator::start_logging_at(&["--cpu-devices", "2", "--device-memory", "64MiB"], &log, "info");
     let a = m.tenant("before", "16MiB");
     let (_, v) = m.api("GET", "/tenants/before", None);
     let dev = v["device"].as_str().expect("device").to_string();
@@ -57,6 +58,15 @@ fn killed_worker_errors_its_tenants_restarts_and_serves_again() {
     }
     assert_eq!(m.metric("vgpu_device_worker_restarts_total", &format!("device=\"{dev}\"")), Some(1.0));
     assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"), "existing tenant works again");
+    // With an executor per tenant, the restart gave the tenant one new
+    // executor: the re-population and the old executor's own restart
+    // both ask, and the second finds the first's, instead of replacing it.
+    if served != pid as u32 {
+        std::thread::sleep(Duration::from_millis(500));
+        let text = std::fs::read_to_string(&log).expect("log");
+        let starts = text.lines().filter(|l| l.contains("tenant executor started") && l.contains("tenant=before")).count();
+        assert_eq!(starts, 2, "executor starts for tenant `before` (one at creation, one after the restart):\n{text}");
+    }
     let (_, v) = m.api("POST", "/tenants", Some(serde_json::json!({ "name": "after", "memory": "16MiB", "device": dev })));
     let b = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
     assert!(run_ok(sample("matrixMul", &b).arg("64")).contains("PASSED"), "new tenant works");

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::{call_link, rundir, spawn_worker, Control, ControlError, DeviceSlot, DeviceSpec, Role, TenantPhase, TenantRecord, WorkerLink, COMMAND_TIMEOUT, STATS_TIMEOUT};
 use crate::config::Owner;
@@ -110,6 +110,9 @@ pub struct Exec {
     reaped: Mutex<bool>,
     /// When it was started (restart backoff).
     started: std::time::Instant,
+    /// The generation of the device's arbiter it was handed to (its grant
+    /// channel dies with that arbiter).
+    generation: u64,
     /// Replaced or retired on purpose: its exit is not a crash.
     retired: AtomicBool,
     /// Its end was already passed on to the other clients of its MPS
@@ -131,6 +134,11 @@ impl Exec {
     pub fn kill(&self) {
         self.retired.store(true, Ordering::Release);
         self.signal_kill();
+    }
+
+    /// Whether its process has ended (and was reaped).
+    fn is_reaped(&self) -> bool {
+        *self.reaped.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// SIGKILL, as a crash would: the tenant gets a new executor.
@@ -405,17 +413,30 @@ impl DeviceSlot {
     }
 }
 
+/// What a start of a tenant's executor does with one already running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Start {
+    /// Keeps one handed to the device's current arbiter; replaces older.
+    KeepCurrent,
+    /// Replaces it (for a new share of an MPS server's SMs), without
+    /// rebalancing the others again.
+    Rebalancing,
+}
+
 impl Control {
-    /// Starts (or replaces) `t`'s executor on `slot` and has it serve the
-    /// tenant's socket.
+    /// Has `t` served by an executor on `slot`: one already handed to the
+    /// device's current arbiter is kept (after a worker restart, the
+    /// re-population and a crashed executor's restart both get here, and
+    /// the second finds the first's), any other is replaced.
     pub(super) fn start_executor(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord) -> Result<(), ControlError> {
-        self.start_executor_with(slot, t, true)
+        self.start_executor_with(slot, t, Start::KeepCurrent)
     }
 
-    /// As `start_executor`; with `rebalance`, on a GPU shared under MPS the
-    /// other executors' shares of the SMs are brought in step afterwards
-    /// (control/mps.rs `rebalance_mps`).
-    pub(super) fn start_executor_with(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord, rebalance: bool) -> Result<(), ControlError> {
+    /// Starts `t`'s executor on `slot` and has it serve the tenant's
+    /// socket, as `how` says; on a GPU shared under MPS the other
+    /// executors' shares of the SMs are then brought in step (control/mps.rs
+    /// `rebalance_mps`) unless it is that rebalancing which asks.
+    pub(super) fn start_executor_with(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord, how: Start) -> Result<(), ControlError> {
         // One start at a time on the device: two for one tenant (a crash's
         // restart beside the supervisor's) would leave one orphaned.
         let _one = slot.starting.lock().unwrap_or_else(|e| e.into_inner());
@@ -423,7 +444,18 @@ impl Control {
             Some(TenantPhase::Creating | TenantPhase::Ready) => {}
             _ => return Err(ControlError::Conflict(format!("tenant {} is gone or being deleted", t.name))),
         }
-        let old = slot.execs.lock().unwrap_or_else(|e| e.into_inner()).remove(&t.name);
+        // The arbiter this start hands the executor to: read before the
+        // worker is asked, so a restart in between tags it as older (and
+        // the re-population replaces it) rather than newer.
+        let generation = slot.generation.load(Ordering::Acquire);
+        let old = {
+            let mut execs = slot.execs.lock().unwrap_or_else(|e| e.into_inner());
+            if how == Start::KeepCurrent && execs.get(&t.name).is_some_and(|x| x.generation == generation && !x.is_reaped()) {
+                debug!(tenant = %t.name, device = %slot.spec.name, "the tenant's executor already serves the current arbiter");
+                return Ok(());
+            }
+            execs.remove(&t.name)
+        };
         if let Some(old) = old {
             old.kill();
         }
@@ -560,6 +592,7 @@ impl Control {
             link: link.clone(),
             reaped: Mutex::new(false),
             started: std::time::Instant::now(),
+            generation,
             retired: AtomicBool::new(false),
             peers_ended: AtomicBool::new(false),
             bounds,
@@ -630,7 +663,7 @@ impl Control {
         }
         info!(tenant = %t.name, device = %slot.spec.name, pid, uid, sm_percent = ?exec.bounds.sm_percent, "tenant executor started");
         drop(_one);
-        if rebalance && exec.bounds.sm_percent.is_some() {
+        if how != Start::Rebalancing && exec.bounds.sm_percent.is_some() {
             self.rebalance_mps(slot);
         }
         Ok(())

@@ -417,7 +417,7 @@ impl Control {
             if !slot.exec(&t.name).is_some_and(|cur| Arc::ptr_eq(&cur, &e)) {
                 continue;
             }
-            match self.start_executor_with(slot, &rec, false) {
+            match self.start_executor_with(slot, &rec, super::executors::Start::Rebalancing) {
                 Ok(()) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
                 Err(err) => {
                     // The old one is gone: the tenant must not stay without one.
