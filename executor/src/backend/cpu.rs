@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
-use super::{AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot};
+use super::{piece, AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot, VolatileSlice};
 use vgpu_ptx::{self as ptx, ExecError, GlobalMem, Module};
 
 /// Allocation granule and alignment, as CUDA guarantees 256-byte alignment.
@@ -60,20 +60,21 @@ impl Arena {
         }
     }
 
-    fn write(&self, off: u64, data: &[u8]) -> Result<(), BackendError> {
-        let o = self.check(off, data.len() as u64)?;
-        // SAFETY: [o, o+len) is inside the mapping (checked above) and the
-        // source is a distinct host buffer.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(o), data.len()) };
-        Ok(())
-    }
-
     fn read(&self, off: u64, out: &mut [u8]) -> Result<(), BackendError> {
         let o = self.check(off, out.len() as u64)?;
         // SAFETY: [o, o+len) is inside the mapping (checked above) and the
         // destination is a distinct host buffer.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(o), out.as_mut_ptr(), out.len()) };
         Ok(())
+    }
+
+    /// Bytes `[off, off+n)` of the arena, checked to lie inside it.
+    fn volatile(&self, off: u64, n: usize) -> Result<VolatileSlice<'_>, BackendError> {
+        let o = self.check(off, n as u64)?;
+        // SAFETY: [o, o+n) is inside the mapping (checked above), which
+        // lives as long as `self`; every access to the arena is a raw or
+        // volatile copy, never a Rust reference.
+        Ok(unsafe { VolatileSlice::new(self.ptr.add(o), n) })
     }
 
     fn copy(&self, dst: u64, src: u64, n: u64) -> Result<(), BackendError> {
@@ -941,20 +942,26 @@ impl Backend for CpuBackend {
         self.quarantined.load(Ordering::Relaxed)
     }
 
-    fn write(&self, slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+    fn write(&self, slot: TenantSlot, addr: u64, data: VolatileSlice<'_>) -> Result<(), BackendError> {
         if data.is_empty() {
             return Ok(());
         }
         let (m, rel) = self.resolve(slot, addr, data.len() as u64)?;
-        each_piece(&m, rel, data.len() as u64, |off, r| self.arena.write(off, &data[r]))
+        each_piece(&m, rel, data.len() as u64, |off, r| {
+            piece(&data, r.start, r.len())?.copy_to_volatile_slice(self.arena.volatile(off, r.len())?);
+            Ok(())
+        })
     }
 
-    fn read(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+    fn read(&self, slot: TenantSlot, addr: u64, out: VolatileSlice<'_>) -> Result<(), BackendError> {
         if out.is_empty() {
             return Ok(());
         }
         let (m, rel) = self.resolve(slot, addr, out.len() as u64)?;
-        each_piece(&m, rel, out.len() as u64, |off, r| self.arena.read(off, &mut out[r]))
+        each_piece(&m, rel, out.len() as u64, |off, r| {
+            self.arena.volatile(off, r.len())?.copy_to_volatile_slice(piece(&out, r.start, r.len())?);
+            Ok(())
+        })
     }
 
     fn fill(&self, slot: TenantSlot, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError> {
@@ -1039,8 +1046,8 @@ impl Backend for CpuBackend {
         }
         let g = if m.global_size > 0 { data(m.global_size, false)? } else { 0 };
         let c = if m.const_size > 0 { data(m.const_size, true)? } else { 0 };
-        for (addr, bytes) in m.link(g, c) {
-            self.write(slot, addr, &bytes)?;
+        for (addr, mut bytes) in m.link(g, c) {
+            self.write(slot, addr, VolatileSlice::from(&mut bytes[..]))?;
         }
         Ok(Arc::new(CpuModule(m)))
     }
@@ -1090,6 +1097,23 @@ impl Backend for CpuBackend {
 mod tests {
     use super::*;
 
+    /// Copies to and from plain buffers, as the worker's copies do
+    /// through volatile views.
+    trait Bytes {
+        fn rd(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError>;
+        fn wr(&self, slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError>;
+    }
+
+    impl<B: Backend + ?Sized> Bytes for B {
+        fn rd(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+            self.read(slot, addr, VolatileSlice::from(out))
+        }
+
+        fn wr(&self, slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+            self.write(slot, addr, VolatileSlice::from(&mut data.to_vec()[..]))
+        }
+    }
+
     #[test]
     fn freed_range_is_reused_and_handed_out_zeroed() {
         let b = CpuBackend::new(0, 1 << 20, 0).unwrap();
@@ -1099,7 +1123,7 @@ mod tests {
         let (a2, n2) = b.alloc(0, 100_000).unwrap();
         assert_eq!((a, n), (a2, n2), "first fit reuses the range");
         let mut buf = vec![1u8; n2 as usize];
-        b.read(0, a2, &mut buf).unwrap();
+        b.rd(0, a2, &mut buf).unwrap();
         assert!(buf.iter().all(|x| *x == 0));
         assert_eq!(b.bytes_scrubbed(), 2 * n);
     }
@@ -1139,7 +1163,7 @@ mod tests {
         assert_eq!(b.spill_usage().0, 0);
         assert_eq!(b.spilled(bob), 0);
         let mut out = vec![0u8; b1.1 as usize];
-        b.read(bob, b1.0, &mut out).unwrap();
+        b.rd(bob, b1.0, &mut out).unwrap();
         assert!(out.iter().all(|x| *x == 0x5A), "data is intact after spill and return");
         b.free(bob, b1.0, b1.1);
         b.free(bob, b2.0, b2.1);
@@ -1206,7 +1230,7 @@ mod tests {
         let (g, gsize) = m.global("g").unwrap();
         assert_eq!((csize, gsize), (16, 4));
         let mut buf = [0u8; 16];
-        b.read(0, c, &mut buf).unwrap();
+        b.rd(0, c, &mut buf).unwrap();
         assert_eq!(buf, [1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0]);
         let l = Launch { grid: [1, 1, 1], block: [1, 1, 1], shared_bytes: 0 };
         let e = b.launch(0, &*m, 0, &l, &[], &owned).unwrap_err();
@@ -1214,10 +1238,10 @@ mod tests {
         assert!(e.msg.contains("constant"), "{}", e.msg);
         // The load before the faulting store went through.
         let mut word = [0u8; 4];
-        b.read(0, g, &mut word).unwrap();
+        b.rd(0, g, &mut word).unwrap();
         assert_eq!(u32::from_le_bytes(word), 3);
         // The host writes constant memory through the module's symbol.
-        b.write(0, c, &[9; 16]).unwrap();
+        b.wr(0, c, &[9; 16]).unwrap();
     }
 
     #[test]
@@ -1233,7 +1257,7 @@ mod tests {
             b.fill(0, a, n, &[0]).unwrap();
             b.launch(0, &*m, 0, &l, &a.to_le_bytes(), &owned).unwrap();
             let mut buf = vec![0u8; 8 + 512 * 4];
-            b.read(0, a, &mut buf).unwrap();
+            b.rd(0, a, &mut buf).unwrap();
             assert_eq!(u32::from_le_bytes(buf[0..4].try_into().unwrap()), 512 * 64);
             assert_eq!(f32::from_le_bytes(buf[4..8].try_into().unwrap()), (512 * 64) as f32);
             for blk in 0..512usize {
@@ -1268,7 +1292,7 @@ mod tests {
         // lets go: two free runs of 64 MiB - 256 bytes, A in between.
         let lower = b.alloc(tb, 64 * MIB - GRANULE).unwrap();
         let small = b.alloc(ta, 512).unwrap();
-        b.write(ta, small.0, &[0xA5; 512]).unwrap();
+        b.wr(ta, small.0, &[0xA5; 512]).unwrap();
         b.free(tb, lower.0, lower.1);
         let big = b.alloc(tb, 64 * MIB).expect("a fully backed quota is allocatable in one piece");
         assert_eq!(big.1, 64 * MIB);
@@ -1276,9 +1300,9 @@ mod tests {
         assert_eq!(b.available(), 64 * MIB - 512);
         // Every byte of it holds what B writes.
         let whole: Vec<u8> = (0..big.1).map(|i| (i / 4096) as u8 ^ i as u8).collect();
-        b.write(tb, big.0, &whole).unwrap();
+        b.wr(tb, big.0, &whole).unwrap();
         let mut back = vec![0u8; whole.len()];
-        b.read(tb, big.0, &mut back).unwrap();
+        b.rd(tb, big.0, &mut back).unwrap();
         assert!(back == whole);
         // Two runs: all of the lower one, then a granule past A's bytes.
         assert_eq!(b.runs_of(tb, big.0), vec![(0, 64 * MIB - GRANULE), (64 * MIB + GRANULE, GRANULE)]);
@@ -1290,22 +1314,22 @@ mod tests {
         b.copy(tb, tail, tail + 7, 4000).unwrap();
         model.copy_within(7..4007, 0);
         let mut got = vec![0u8; 4096];
-        b.read(tb, tail, &mut got).unwrap();
+        b.rd(tb, tail, &mut got).unwrap();
         assert_eq!(got, model, "overlapping copies are memmoves");
         b.copy(tb, big.0, tail, 4096).unwrap();
         b.copy(tb, tail, big.0 + 8192, 4096).unwrap();
-        b.read(tb, big.0, &mut got).unwrap();
+        b.rd(tb, big.0, &mut got).unwrap();
         assert_eq!(got, model);
         // Odd start: the seam falls mid-element.
         b.fill(tb, tail + 1, 2047, &[0x34, 0x12]).unwrap();
-        b.read(tb, tail, &mut got).unwrap();
+        b.rd(tb, tail, &mut got).unwrap();
         assert_eq!((got[0], got[4095]), (whole[8192], whole[8192 + 4095]));
         assert!(got[1..4095].chunks(2).all(|c| c == [0x34, 0x12]), "a two-byte fill keeps its phase across the seam");
         let mut owned = AllocTable::default();
         owned.0.insert(big.0, big.1);
         b.fill(tb, tail, 1024, &7u32.to_le_bytes()).unwrap();
         inc(&b, tb, &owned, tail, 1024).unwrap();
-        b.read(tb, tail, &mut got).unwrap();
+        b.rd(tb, tail, &mut got).unwrap();
         assert!(got.chunks(4).all(|w| u32::from_le_bytes(w.try_into().unwrap()) == 9), "kernel loads, stores and atomics");
         // Kernel accesses that straddle the seam are split; an atomic there
         // is misaligned; addresses outside the table's allocations fault.
@@ -1317,7 +1341,7 @@ mod tests {
         view.load(seam - 3, &mut word).unwrap();
         assert_eq!(word, [1, 2, 3, 4, 5, 6, 7, 8]);
         word = [0; 8];
-        b.read(tb, seam - 3, &mut word).unwrap();
+        b.rd(tb, seam - 3, &mut word).unwrap();
         assert_eq!(word, [1, 2, 3, 4, 5, 6, 7, 8]);
         assert!(matches!(view.atomic(seam - 2, 4, &mut |v| v + 1), Err(ExecError::Misaligned { .. })));
         assert_eq!(view.atomic(seam, 4, &mut |v| v + 1).unwrap(), 0x0706_0504);
@@ -1327,16 +1351,16 @@ mod tests {
         }
         // A's bytes are untouched, and not B's to reach.
         let mut mine = [0u8; 512];
-        b.read(ta, small.0, &mut mine).unwrap();
+        b.rd(ta, small.0, &mut mine).unwrap();
         assert_eq!(mine, [0xA5; 512]);
-        assert_eq!(b.read(tb, small.0, &mut mine).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
-        assert_eq!(b.write(tb, small.0, &mine).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
-        assert_eq!(b.read(tb, big.0 + big.1, &mut mine[..1]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(b.rd(tb, small.0, &mut mine).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(b.wr(tb, small.0, &mine).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(b.rd(tb, big.0 + big.1, &mut mine[..1]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
         let mut stolen = owned.clone();
         stolen.0.insert(small.0, small.1);
         assert_eq!(inc(&b, tb, &owned, small.0, 4).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
         assert_eq!(inc(&b, tb, &stolen, small.0, 4).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, "a forged table does not reach another window");
-        b.read(ta, small.0, &mut mine).unwrap();
+        b.rd(ta, small.0, &mut mine).unwrap();
         assert_eq!(mine, [0xA5; 512]);
         b.free(tb, big.0, big.1);
         b.free(ta, small.0, small.1);
@@ -1358,14 +1382,14 @@ mod tests {
         for (i, (a, n)) in firsts.iter().enumerate() {
             assert_eq!((*a, *n), (base + i as u64 * win, GRANULE));
         }
-        assert_eq!(b.read(slots[1], firsts[0].0, &mut [0; 4]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(b.rd(slots[1], firsts[0].0, &mut [0; 4]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
         // A closed window holding an allocation is not handed out; once
         // freed, it is, with nothing of the old tenant in it.
         b.close_tenant(slots[2]);
         assert!(b.open_tenant("late").is_err());
         b.free(slots[2], firsts[2].0, firsts[2].1);
         let again = b.open_tenant("again").unwrap();
-        assert_eq!(b.read(again, firsts[2].0, &mut [0; 4]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(b.rd(again, firsts[2].0, &mut [0; 4]).unwrap_err().code, CuResult::CUDA_ERROR_ILLEGAL_ADDRESS);
         assert_eq!(b.alloc(again, 1).unwrap().0, firsts[2].0);
         // Slots never opened have no window.
         assert_eq!(b.alloc(999, 1).unwrap_err().code, CuResult::CUDA_ERROR_INVALID_CONTEXT);
@@ -1381,7 +1405,7 @@ mod tests {
         assert_ne!(y.0, x.0);
         assert_eq!(d.runs_of(q, y.0), runs, "the same granules");
         let mut buf = vec![1u8; 8192];
-        d.read(q, y.0, &mut buf).unwrap();
+        d.rd(q, y.0, &mut buf).unwrap();
         assert!(buf.iter().all(|b| *b == 0));
         // An arena larger than the device's address range is refused.
         assert!(CpuBackend::new(0, 1 << 39, 0).unwrap().with_spill(1 << 40).is_err());

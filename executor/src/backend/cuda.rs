@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
-use super::{AllocTable, Backend, BackendError, Backoff, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot};
+use super::{piece, AllocTable, Backend, BackendError, Backoff, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot, VolatileSlice};
 
 /// The oldest driver this backend runs on (CUDA 12.2): the level the
 /// cudarc bindings are pinned to.
@@ -869,20 +869,23 @@ impl CudaBackend {
 
     /// Host to device through the staging buffers: the CPU fills one while
     /// the copy engine drains the other.
-    fn staged_write(t: &mut TenantCtx, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+    fn staged_write(t: &mut TenantCtx, addr: u64, data: &VolatileSlice<'_>) -> Result<(), BackendError> {
         let stream = t.stream;
         let r = (|| {
             let (bufs, evs) = t.staging()?;
-            for (k, chunk) in data.chunks(STAGE_BYTES).enumerate() {
+            for k in 0..data.len().div_ceil(STAGE_BYTES) {
+                let off = k * STAGE_BYTES;
+                let chunk = piece(data, off, STAGE_BYTES.min(data.len() - off))?;
                 let b = k % 2;
                 if k >= 2 {
                     // SAFETY: the event was recorded after this buffer's last copy.
                     check(unsafe { cu::cuEventSynchronize(evs[b]) }, "staging wait")?;
                 }
                 // SAFETY: the pinned buffer holds STAGE_BYTES >= chunk.len()
-                // and the copy engine is done with it (waited above).
-                unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), bufs[b].ptr, chunk.len()) };
-                let at = addr + (k * STAGE_BYTES) as u64;
+                // bytes the executor owns, and the copy engine is done with
+                // it (waited above).
+                chunk.copy_to_volatile_slice(unsafe { VolatileSlice::new(bufs[b].ptr, chunk.len()) });
+                let at = addr + off as u64;
                 // SAFETY: destination inside a checked allocation; source is
                 // the pinned buffer, untouched until the event fires.
                 check(unsafe { cu::cuMemcpyHtoDAsync_v2(at, bufs[b].ptr.cast(), chunk.len(), stream) }, "cuMemcpyHtoDAsync")?;
@@ -897,18 +900,19 @@ impl CudaBackend {
 
     /// Device to host through the staging buffers: chunk k+1's DMA runs
     /// while the CPU copies chunk k out.
-    fn staged_read(t: &mut TenantCtx, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+    fn staged_read(t: &mut TenantCtx, addr: u64, out: &VolatileSlice<'_>) -> Result<(), BackendError> {
         let stream = t.stream;
         let r = (|| {
             let (bufs, evs) = t.staging()?;
             let mut pending: Option<(usize, usize, usize)> = None;
-            let drain = |p: (usize, usize, usize), out: &mut [u8]| -> Result<(), BackendError> {
+            let drain = |p: (usize, usize, usize), out: &VolatileSlice<'_>| -> Result<(), BackendError> {
                 let (b, off, n) = p;
                 // SAFETY: the event follows this buffer's DMA.
                 check(unsafe { cu::cuEventSynchronize(evs[b]) }, "staging wait")?;
-                // SAFETY: the DMA into the pinned buffer finished (waited
-                // above) and out[off..off+n] is in bounds by construction.
-                unsafe { std::ptr::copy_nonoverlapping(bufs[b].ptr, out.as_mut_ptr().add(off), n) };
+                // SAFETY: the DMA into the pinned buffer (n <= STAGE_BYTES
+                // bytes the executor owns) finished, waited above.
+                let staged = unsafe { VolatileSlice::new(bufs[b].ptr, n) };
+                staged.copy_to_volatile_slice(piece(out, off, n)?);
                 Ok(())
             };
             let total = out.len();
@@ -1076,37 +1080,39 @@ impl Backend for CudaBackend {
         self.scrubbed.load(Ordering::Relaxed)
     }
 
-    fn write(&self, slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError> {
+    fn write(&self, slot: TenantSlot, addr: u64, data: VolatileSlice<'_>) -> Result<(), BackendError> {
         if data.is_empty() {
             return Ok(());
         }
         self.with(slot, |t| {
-            if self.is_registered(data.as_ptr(), data.len()) {
+            let src = data.ptr_guard();
+            if self.is_registered(src.as_ptr(), data.len()) {
                 // SAFETY: the source is registered (page-locked) host memory
                 // that stays mapped for the call; the destination lies in a
                 // checked allocation.
-                let r = check(unsafe { cu::cuMemcpyHtoDAsync_v2(addr, data.as_ptr().cast(), data.len(), t.stream) }, "cuMemcpyHtoDAsync");
+                let r = check(unsafe { cu::cuMemcpyHtoDAsync_v2(addr, src.as_ptr().cast(), data.len(), t.stream) }, "cuMemcpyHtoDAsync");
                 t.note(r)?;
                 return t.sync("host-to-device copy");
             }
-            Self::staged_write(t, addr, data)
+            Self::staged_write(t, addr, &data)
         })
     }
 
-    fn read(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+    fn read(&self, slot: TenantSlot, addr: u64, out: VolatileSlice<'_>) -> Result<(), BackendError> {
         if out.is_empty() {
             return Ok(());
         }
         self.with(slot, |t| {
             // No device byte reaches the tenant before its scrub is checked.
             self.settle_check(t)?;
-            if self.is_registered(out.as_ptr(), out.len()) {
+            let dst = out.ptr_guard_mut();
+            if self.is_registered(dst.as_ptr(), out.len()) {
                 // SAFETY: as for writes, in the other direction.
-                let r = check(unsafe { cu::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), addr, out.len(), t.stream) }, "cuMemcpyDtoHAsync");
+                let r = check(unsafe { cu::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), addr, out.len(), t.stream) }, "cuMemcpyDtoHAsync");
                 t.note(r)?;
                 return t.sync("device-to-host copy");
             }
-            Self::staged_read(t, addr, out)
+            Self::staged_read(t, addr, &out)
         })
     }
 

@@ -14,6 +14,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
+/// Host memory a copy reads from or writes to. A tenant (through its
+/// shared buffers) or a VM guest (its RAM) may change that memory while a
+/// copy runs, so it is never borrowed as a Rust slice: backends move its
+/// bytes with `copy_to`/`copy_from` or hand its address to the device.
+pub use vm_memory::VolatileSlice;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{msg}")]
@@ -26,6 +31,11 @@ impl BackendError {
     pub fn new(code: CuResult, msg: impl Into<String>) -> Self {
         BackendError { code, msg: msg.into() }
     }
+}
+
+/// Bytes `[at, at+n)` of `s`: a copy's piece.
+pub fn piece<'a>(s: &VolatileSlice<'a>, at: usize, n: usize) -> Result<VolatileSlice<'a>, BackendError> {
+    s.subslice(at, n).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, format!("host range {at}+{n}: {e}")))
 }
 
 /// What a device offers; reported to tenants and the control plane.
@@ -192,8 +202,8 @@ pub trait Backend: Send + Sync {
     /// The memory operations below trust that the caller checked the range
     /// against its tenant's [`AllocTable`]; backends check it against the
     /// device as a second line of defence.
-    fn write(&self, slot: TenantSlot, addr: u64, data: &[u8]) -> Result<(), BackendError>;
-    fn read(&self, slot: TenantSlot, addr: u64, out: &mut [u8]) -> Result<(), BackendError>;
+    fn write(&self, slot: TenantSlot, addr: u64, data: VolatileSlice<'_>) -> Result<(), BackendError>;
+    fn read(&self, slot: TenantSlot, addr: u64, out: VolatileSlice<'_>) -> Result<(), BackendError>;
     fn fill(&self, slot: TenantSlot, addr: u64, count: u64, elem: &[u8]) -> Result<(), BackendError>;
     fn copy(&self, slot: TenantSlot, dst: u64, src: u64, len: u64) -> Result<(), BackendError>;
     /// Loads a module whose host-side form (parsed or kept by the driver)

@@ -12,7 +12,7 @@ use parking_lot::FairMutex;
 use virtio_gpu_compute::*;
 
 use super::shm::Shm;
-use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, Launch, TenantSlot};
+use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, Launch, TenantSlot, VolatileSlice};
 use vgpu_arbiter::ipc::{DeviceStats, TenantStats};
 
 /// Host memory a tenant's objects keep in the worker (parsed modules,
@@ -887,16 +887,18 @@ impl DeviceService {
             WorkKind::HtoD { dst, size, src } => {
                 check(*dst, *size, "copy destination")?;
                 self.timed(t, || match src {
-                    HostMem::Inline(data) => b.write(slot, *dst, data),
-                    HostMem::Shm(shm, off) => shm.with_slice(*off, *size, |s| b.write(slot, *dst, s)),
+                    // A few bytes the executor owns (copied: the work is shared).
+                    HostMem::Inline(data) => b.write(slot, *dst, VolatileSlice::from(&mut data.clone()[..])),
+                    HostMem::Shm(shm, off) => b.write(slot, *dst, shm.volatile(*off, *size)?),
                     HostMem::Blob(blobs, res, off) => {
                         let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
                         each_piece(&pieces.runs, *dst, |at, p, n| {
                             // SAFETY: BlobAccess hands out runs inside guest
                             // RAM mapped for the life of `blobs`; the guest
-                            // may change them concurrently, which only
-                            // changes the bytes copied, as on real DMA.
-                            b.write(slot, at, unsafe { std::slice::from_raw_parts(p, n) })
+                            // may change them concurrently (only the bytes
+                            // copied change, as on real DMA), which the
+                            // volatile view allows.
+                            b.write(slot, at, unsafe { VolatileSlice::new(p, n) })
                         })
                     }
                     HostMem::Reply => Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "a host-to-device copy needs a source")),
@@ -910,15 +912,15 @@ impl DeviceService {
                 self.timed(t, || match dst {
                     HostMem::Reply => {
                         let mut out = vec![0u8; *size as usize];
-                        b.read(slot, *src, &mut out).map(|_| Some(out))
+                        b.read(slot, *src, VolatileSlice::from(&mut out[..])).map(|_| Some(out))
                     }
-                    HostMem::Shm(shm, off) => shm.with_slice_mut(*off, *size, |s| b.read(slot, *src, s)).map(|_| None),
+                    HostMem::Shm(shm, off) => b.read(slot, *src, shm.volatile(*off, *size)?).map(|_| None),
                     HostMem::Blob(blobs, res, off) => {
                         let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
                         each_piece(&pieces.runs, *src, |at, p, n| {
                             // SAFETY: as for HtoD; the runs are writable
-                            // guest RAM that no other host code aliases.
-                            b.read(slot, at, unsafe { std::slice::from_raw_parts_mut(p, n) })
+                            // guest RAM, reached only through this view.
+                            b.read(slot, at, unsafe { VolatileSlice::new(p, n) })
                         })
                         .map(|_| None)
                     }

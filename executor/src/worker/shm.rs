@@ -21,13 +21,10 @@ pub enum ShmError {
 pub struct Shm {
     ptr: *mut u8,
     len: usize,
-    /// Copies on several streams may use one region at once: readers
-    /// share it, a writer has it alone (no aliasing `&mut`).
-    access: std::sync::RwLock<()>,
 }
 
 // SAFETY: the mapping is owned by this value and only reached through the
-// bounds-checked raw-pointer accessors below.
+// bounds-checked volatile views below.
 unsafe impl Send for Shm {}
 // SAFETY: as above.
 unsafe impl Sync for Shm {}
@@ -54,7 +51,7 @@ impl Shm {
         // The mapping keeps the memory; the descriptor can go (a region
         // costs no fd while it is registered).
         drop(file);
-        Ok(Shm { ptr: ptr.cast(), len: size as usize, access: std::sync::RwLock::new(()) })
+        Ok(Shm { ptr: ptr.cast(), len: size as usize })
     }
 
     /// The start of the mapping, for host-memory registration only.
@@ -77,25 +74,15 @@ impl Shm {
         }
     }
 
-    /// Runs `f` over `[off, off+n)`. The tenant may write the buffer
-    /// concurrently; that can only change its own data, and nothing here
-    /// makes decisions on these bytes.
-    pub fn with_slice<T, E: From<crate::backend::BackendError>>(&self, off: u64, n: u64, f: impl FnOnce(&[u8]) -> Result<T, E>) -> Result<T, E> {
-        let o = self.range(off, n).ok_or_else(|| E::from(range_error(off, n)))?;
-        let _g = self.access.read().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: [o, o+n) lies inside the live mapping (checked above), and
-        // no worker thread writes the region while the read guard is held.
-        let s = unsafe { std::slice::from_raw_parts(self.ptr.add(o), n as usize) };
-        f(s)
-    }
-
-    pub fn with_slice_mut<T, E: From<crate::backend::BackendError>>(&self, off: u64, n: u64, f: impl FnOnce(&mut [u8]) -> Result<T, E>) -> Result<T, E> {
-        let o = self.range(off, n).ok_or_else(|| E::from(range_error(off, n)))?;
-        let _g = self.access.write().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: [o, o+n) lies inside the live mapping (checked above); the
-        // write guard keeps every other worker thread off the region.
-        let s = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(o), n as usize) };
-        f(s)
+    /// Bytes `[off, off+n)` of the buffer. The tenant may write them while
+    /// a copy runs: that can only change its own data, nothing here makes
+    /// decisions on them, and they are reached only through the volatile
+    /// view, never as a Rust slice.
+    pub fn volatile(&self, off: u64, n: u64) -> Result<crate::backend::VolatileSlice<'_>, crate::backend::BackendError> {
+        let o = self.range(off, n).ok_or_else(|| range_error(off, n))?;
+        // SAFETY: [o, o+n) lies inside the live mapping (checked above),
+        // which outlives the borrow of `self`.
+        Ok(unsafe { crate::backend::VolatileSlice::new(self.ptr.add(o), n as usize) })
     }
 }
 

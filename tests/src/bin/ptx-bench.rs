@@ -21,7 +21,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use vgpu_mediator::backend::cpu::CpuBackend;
-use vgpu_mediator::backend::{AllocTable, Backend, BackendError, Launch};
+use vgpu_mediator::backend::{AllocTable, Backend, BackendError, Launch, VolatileSlice};
 use vgpu_ptx::{self as ptx, ExecError, GlobalMem, Module};
 use virtio_gpu_compute::{CuResult, ImageFormat};
 
@@ -186,14 +186,14 @@ fn time_launch(src: &str, kernel: &str, cfg: ptx::LaunchConfig, params: &Params,
     let mut par_times = Vec::new();
     for _ in 0..reps {
         reset(mem);
-        dev.write(0, base, &mem.mem).unwrap_or_else(|e| fail(e.msg));
+        dev.write(0, base, VolatileSlice::from(&mut mem.mem[..])).unwrap_or_else(|e| fail(e.msg));
         let t = Instant::now();
         dev.launch(0, &*m, index, &l, &params.0, &owned).unwrap_or_else(|e| fail(format!("{kernel}: device launch failed: {}", e.msg)));
         par_times.push(t.elapsed().as_secs_f64());
     }
     let single = mem.mem.clone();
     let mut back = vec![0u8; single.len()];
-    dev.read(0, base, &mut back).unwrap_or_else(|e| fail(e.msg));
+    dev.read(0, base, VolatileSlice::from(&mut back[..])).unwrap_or_else(|e| fail(e.msg));
     // `reset` then the single-thread launch left `single` before; redo it.
     reset(mem);
     ptx::launch(k, &cfg, &params.0, mem, &ptx::Limits::default()).unwrap_or_else(|e| fail(format!("{kernel}: launch failed: {e}")));
