@@ -100,6 +100,7 @@ pub fn run(lanes: usize, desc: (String, String, String, u64, u64)) -> anyhow::Re
                 lock(&known).remove(&name);
                 WorkerMsg::Ok
             }
+            WorkerCmd::RetireIfIdle { .. } => WorkerMsg::Err("an arbiter serves no clients: ask the tenant's executor".into()),
             WorkerCmd::Stats => WorkerMsg::Stats(DeviceStats {
                 kind: kind.clone(),
                 name: name.clone(),

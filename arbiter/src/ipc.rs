@@ -57,6 +57,14 @@ pub enum WorkerCmd {
         quota: Option<u64>,
     },
     Stats,
+    /// An executor stops accepting its tenant's clients if it serves none:
+    /// `Ok` once it accepts no more (new clients wait in the socket's
+    /// backlog for the process that replaces it), `Err` if it serves some
+    /// (it keeps accepting). Atomic with its accepts: no client is taken
+    /// between the look and the stop.
+    RetireIfIdle {
+        name: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

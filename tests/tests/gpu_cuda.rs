@@ -412,6 +412,22 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
     }
     checks::samples_concurrently(&[&a, &b], "1000000", matrix(&m));
 
+    // A weight change: an executor serving a client keeps its share (and
+    // the client its context); an idle one is replaced with its new share,
+    // and a client that connects while it is replaced is served by the new
+    // one.
+    {
+        let held = Holder::new(&a);
+        let (st, v) = m.api("PATCH", "/tenants/heavy", Some(serde_json::json!({ "weight": 1 })));
+        assert_eq!(st, 200, "{v}");
+        let pid_of = |t: &str| m.device(&gpu)["executors"].as_array().and_then(|e| e.iter().find(|x| x["tenant"] == t).and_then(|x| x["pid"].as_u64()));
+        within(30, "the idle executor is replaced with half of the SMs", || pid_of("heavy").is_some_and(|p| p != u64::from(pb) && mps_env(p as u32).0 == Some(50)));
+        assert!(run_ok(sample("vectorAdd", &b)).contains("PASSED"), "served by the replacement");
+        assert_eq!(m.serving_pid(&gpu, "light"), pa, "the executor serving a client was left alone");
+        drop(held);
+    }
+    let pb = m.serving_pid(&gpu, "heavy");
+
     // One tenant's fault fails the other's open context too; each is then
     // served afresh.
     let relive = Relive::start(&b);

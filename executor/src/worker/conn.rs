@@ -310,6 +310,10 @@ pub struct Pool {
     /// Descriptors tenants sent and the worker does not keep, closed on a
     /// thread of their own: closing one can block (FUSE, lingering sockets).
     closer: Mutex<std::sync::mpsc::Sender<(Arc<Tenant>, OwnedFd)>>,
+    /// Held while clients are accepted and admitted, and while a listener
+    /// is retired for being idle: no client is accepted between that
+    /// look at the tenant's connections and the listener's removal.
+    accepting: Mutex<()>,
 }
 
 fn epoll_ctl(epfd: &OwnedFd, op: i32, fd: i32, events: u32, token: u64) -> std::io::Result<()> {
@@ -346,7 +350,7 @@ impl Pool {
         // SAFETY: a fresh descriptor nothing else owns.
         let epfd = unsafe { OwnedFd::from_raw_fd(fd) };
         let (tx, rx) = std::sync::mpsc::channel::<(Arc<Tenant>, OwnedFd)>();
-        let pool = Arc::new(Pool { epfd, svc, engine, rings: Mutex::new(HashMap::new()), st: Mutex::new(State::default()), work: Condvar::new(), closer: Mutex::new(tx) });
+        let pool = Arc::new(Pool { epfd, svc, engine, rings: Mutex::new(HashMap::new()), st: Mutex::new(State::default()), work: Condvar::new(), closer: Mutex::new(tx), accepting: Mutex::new(()) });
         std::thread::Builder::new().name("tenant-fd-closer".into()).spawn(move || {
             for (t, fd) in rx {
                 drop(fd);
@@ -511,7 +515,23 @@ impl Pool {
         }
     }
 
+    /// Stops accepting on listener `id` if tenant `t` has no connection
+    /// (true); its socket keeps new clients in its backlog for whoever
+    /// listens next.
+    pub fn retire_if_idle(&self, id: u64, t: &Tenant) -> bool {
+        let _one = self.accepting.lock().unwrap_or_else(|e| e.into_inner());
+        if t.connections.load(Ordering::Acquire) != 0 {
+            return false;
+        }
+        let mut st = self.state();
+        if let Some(l) = st.listeners.remove(&id) {
+            let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_DEL, l.sock.as_raw_fd(), 0, 0);
+        }
+        true
+    }
+
     fn accept_all(&self, id: u64) {
+        let _one = self.accepting.lock().unwrap_or_else(|e| e.into_inner());
         let Some((sock, tenant, log, max)) = self.state().listeners.get(&id).map(|l| (l.sock.clone(), l.tenant.clone(), l.log.clone(), l.max_connections)) else { return };
         for _ in 0..ACCEPTS_PER_EVENT {
             match sock.accept() {

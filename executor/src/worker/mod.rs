@@ -299,6 +299,16 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
                     Err(e) => WorkerMsg::Err(e),
                 }
             }
+            WorkerCmd::RetireIfIdle { name } if !executor => WorkerMsg::Err(format!("this worker serves every tenant of its device: it does not retire for {name}")),
+            WorkerCmd::RetireIfIdle { name } => match listening.get(&name).map(|l| (l.pooled, &l.tenant)) {
+                Some((Some(id), t)) if pool.retire_if_idle(id, t) => {
+                    info!(tenant = %name, "the tenant's executor serves no client and accepts no more: it is to be replaced");
+                    WorkerMsg::Ok
+                }
+                Some((Some(_), t)) => WorkerMsg::Err(format!("tenant {name} has {} connections", t.connections.load(Ordering::Acquire))),
+                Some((None, _)) => WorkerMsg::Err(format!("tenant {name} is a VM's: its guest state lives in this process")),
+                None => WorkerMsg::Err(format!("no tenant {name}")),
+            },
             WorkerCmd::RemoveTenant { name } => match listening.remove(&name) {
                 Some(l) => {
                     // Revoked first, on every path at once; the teardown

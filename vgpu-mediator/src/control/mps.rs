@@ -406,16 +406,24 @@ impl Control {
             if e.bounds.sm_percent == Some(want) {
                 continue;
             }
-            let idle = matches!(e.call(WorkerCmd::Stats, STATS_TIMEOUT), Ok(WorkerMsg::Stats(s)) if s.tenants.iter().any(|x| x.name == t.name && x.connections == 0));
-            if !idle {
-                info!(tenant = %t.name, device = %slot.spec.name, now = ?e.bounds.sm_percent, want, "the executor serves connections: it keeps its share of the SMs until its next start");
-                continue;
-            }
             // Its current record (a change may have come since), and only
             // if the executor asked is still the one serving it.
             let Some(rec) = self.registry().get(&t.name).filter(|r| r.state == TenantPhase::Ready).cloned() else { continue };
             if !slot.exec(&t.name).is_some_and(|cur| Arc::ptr_eq(&cur, &e)) {
                 continue;
+            }
+            // It stops accepting only if it serves no client, in one step
+            // with its accepts: a client that connects from here on waits
+            // in the socket's backlog for the replacement.
+            match e.call(WorkerCmd::RetireIfIdle { name: t.name.clone() }, STATS_TIMEOUT) {
+                Ok(WorkerMsg::Ok) => {}
+                Ok(WorkerMsg::Err(why)) => {
+                    info!(tenant = %t.name, device = %slot.spec.name, now = ?e.bounds.sm_percent, want, "the executor keeps its share of the SMs until its next start: {why}");
+                    continue;
+                }
+                // No clear answer: it may accept no more, so it is
+                // replaced rather than left for clients to wait on.
+                other => warn!(tenant = %t.name, device = %slot.spec.name, "asking the executor to retire: {other:?}; replacing it"),
             }
             match self.start_executor_with(slot, &rec, super::executors::Start::Rebalancing) {
                 Ok(()) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
