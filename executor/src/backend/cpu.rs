@@ -72,8 +72,9 @@ impl Arena {
     fn volatile(&self, off: u64, n: usize) -> Result<VolatileSlice<'_>, BackendError> {
         let o = self.check(off, n as u64)?;
         // SAFETY: [o, o+n) is inside the mapping (checked above), which
-        // lives as long as `self`; every access to the arena is a raw or
-        // volatile copy, never a Rust reference.
+        // lives as long as `self`; copies reach the arena only through raw
+        // or volatile accesses, and kernels only through raw pointers and
+        // atomics (`cell`), never a plain Rust slice.
         Ok(unsafe { VolatileSlice::new(self.ptr.add(o), n) })
     }
 

@@ -15,11 +15,12 @@
 //! What a device runs cannot be taken back once queued: only the end of
 //! the executor stops it. So the batch keeps little ahead of the kernel
 //! that runs: about [`AHEAD`] of device time, judged from how long each
-//! kernel took the last times it ran with the same grid (a tenant's short
-//! element-wise kernels and its long matrix products are judged apart),
-//! and nothing behind a kernel that has run for longer than that. A
-//! launch whose time is not known yet is queued only when nothing else is
-//! in flight. A lane asked back is free after the running kernel and at
+//! kernel took the last times it ran with the same launch shape (a
+//! tenant's short element-wise kernels and its long matrix products are
+//! judged apart), or, in a shape not seen yet, the longest the function
+//! recently took in any; and nothing behind a kernel that has run for
+//! longer than that. A function not timed yet is queued only when
+//! nothing else is in flight. A lane asked back is free after the running kernel and at
 //! most that much more. Each kernel's launch timeout counts from when the
 //! kernel before it ended.
 
@@ -35,7 +36,8 @@ pub const SLICE: Duration = Duration::from_millis(4);
 pub const AHEAD: Duration = Duration::from_millis(1);
 /// Launches in flight in one batch, at most.
 pub const MAX_DEPTH: usize = 32;
-/// Kernels (with their grids) a tenant's estimates remember, at most.
+/// Kernels (by launch shape) a tenant's estimates remember, at most; as
+/// many functions.
 pub const MAX_KERNELS: usize = 4096;
 /// The longest nap between two looks at an unfinished kernel.
 const LAST_NAP: Duration = Duration::from_millis(1);
@@ -55,42 +57,55 @@ pub trait Queue<I> {
     /// Whether another launch may be taken (false once the lane is asked
     /// back).
     fn may_take(&self) -> bool;
-    /// Which kernel `item` launches, with its grid: the key of its time
-    /// estimate.
-    fn kernel(&self, item: &I) -> u64;
+    /// Which kernel `item` launches: the key of its time estimate.
+    fn kernel(&self, item: &I) -> Kernel;
 }
 
-/// How long a tenant's kernels took, by kernel and grid (ns), kept from
-/// batch to batch. Bounded: past [`MAX_KERNELS`] keys, one is forgotten
-/// for each new one (a forgotten kernel is queued alone again, once).
+/// A kernel as its estimates know it: (its function, its launch shape:
+/// grid, block and shared memory), each hashed.
+pub type Kernel = (u64, u64);
+
+/// How long a tenant's kernels took (ns), kept from batch to batch: by
+/// function and launch shape, and by function alone for shapes not seen
+/// yet. Bounded: past [`MAX_KERNELS`] keys, one is forgotten for each new
+/// one (a forgotten function is queued alone again, once).
 #[derive(Debug, Default)]
 pub struct Estimates {
-    by_kernel: HashMap<u64, u64>,
+    by_shape: HashMap<Kernel, u64>,
+    by_function: HashMap<u64, u64>,
+}
+
+/// Notes `took_ns` for `key` in `map`, forgetting another key if the map
+/// is full.
+fn note_in<K: std::hash::Hash + Eq + Copy>(map: &mut HashMap<K, u64>, key: K, took_ns: u64) {
+    if !map.contains_key(&key) && map.len() >= MAX_KERNELS {
+        if let Some(&k) = map.keys().next() {
+            map.remove(&k);
+        }
+    }
+    let e = map.entry(key).or_insert(0);
+    *e = next_estimate(*e, took_ns);
 }
 
 impl Estimates {
     /// The estimate for `kernel` (0: not known).
-    pub fn get(&self, kernel: u64) -> u64 {
-        self.by_kernel.get(&kernel).copied().unwrap_or(0)
+    pub fn get(&self, kernel: Kernel) -> u64 {
+        self.by_shape.get(&kernel).or_else(|| self.by_function.get(&kernel.0)).copied().unwrap_or(0)
     }
 
     /// Notes that `kernel` took `took_ns` ([`next_estimate`]).
-    pub fn note(&mut self, kernel: u64, took_ns: u64) {
-        if !self.by_kernel.contains_key(&kernel) && self.by_kernel.len() >= MAX_KERNELS {
-            if let Some(&k) = self.by_kernel.keys().next() {
-                self.by_kernel.remove(&k);
-            }
-        }
-        let e = self.by_kernel.entry(kernel).or_insert(0);
-        *e = next_estimate(*e, took_ns);
+    pub fn note(&mut self, kernel: Kernel, took_ns: u64) {
+        note_in(&mut self.by_shape, kernel, took_ns);
+        note_in(&mut self.by_function, kernel.0, took_ns);
     }
 
+    /// Launch shapes remembered.
     pub fn len(&self) -> usize {
-        self.by_kernel.len()
+        self.by_shape.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_kernel.is_empty()
+        self.by_shape.is_empty()
     }
 }
 
@@ -129,7 +144,7 @@ pub fn run<I>(q: &mut impl Queue<I>, first: I, mut next: impl FnMut(&dyn Fn(&I) 
     let began = Instant::now();
     let mut stats = Batch::default();
     // (launch, ticket, when queued, kernel, its estimate)
-    let mut flight: VecDeque<(I, u64, Instant, u64, u64)> = VecDeque::new();
+    let mut flight: VecDeque<(I, u64, Instant, Kernel, u64)> = VecDeque::new();
     // The estimates of the launches in flight, added up.
     let mut ahead = 0u64;
     let mut first = Some(first);
@@ -276,15 +291,15 @@ mod tests {
             self.take
         }
 
-        fn kernel(&self, item: &u32) -> u64 {
-            (self.kernel)(*item)
+        fn kernel(&self, item: &u32) -> Kernel {
+            ((self.kernel)(*item), 0)
         }
     }
 
     /// Estimates that say every kernel of key 0 takes `ns`.
     fn known(ns: u64) -> Estimates {
         let mut e = Estimates::default();
-        e.note(0, ns);
+        e.note((0, 0), ns);
         e
     }
 
@@ -315,7 +330,7 @@ mod tests {
         assert_eq!(b.launches, 100);
         // 20 µs kernels, 1 ms ahead: the batch keeps many in flight.
         assert!(b.deepest > 8, "{b:?}");
-        let e = est.get(0);
+        let e = est.get((0, 0));
         // Each is timed from when the last was seen to end, a little
         // after it did.
         assert!((15_000..1_000_000).contains(&e), "estimate {e} ns for 20 µs kernels");
@@ -469,18 +484,34 @@ mod tests {
         // The short ones were still queued many at a time.
         assert!(sim.queued_behind.iter().any(|(_, behind)| *behind > 4), "{:?}", sim.queued_behind);
         assert_eq!(est.len(), 2);
-        assert!(est.get(1) >= 3_000_000 && est.get(0) < 1_000_000, "{est:?}");
+        assert!(est.get((1, 0)) >= 3_000_000 && est.get((0, 0)) < est.get((1, 0)), "{est:?}");
     }
 
     #[test]
     fn estimates_forget_one_kernel_for_each_new_one_past_their_bound() {
         let mut est = Estimates::default();
         for k in 0..MAX_KERNELS as u64 + 100 {
-            est.note(k, 1_000);
+            est.note((k, 0), 1_000);
         }
-        assert_eq!(est.len(), MAX_KERNELS);
-        assert_eq!(est.get(MAX_KERNELS as u64 + 99), 1_000);
-        est.note(MAX_KERNELS as u64 + 99, 5_000);
-        assert_eq!((est.len(), est.get(MAX_KERNELS as u64 + 99)), (MAX_KERNELS, 5_000));
+        assert_eq!((est.len(), est.by_function.len()), (MAX_KERNELS, MAX_KERNELS));
+        let last = (MAX_KERNELS as u64 + 99, 0);
+        assert_eq!(est.get(last), 1_000);
+        est.note(last, 5_000);
+        assert_eq!((est.len(), est.get(last)), (MAX_KERNELS, 5_000));
+    }
+
+    #[test]
+    fn a_new_shape_of_a_known_function_takes_the_functions_longest_recent_time() {
+        let mut est = Estimates::default();
+        est.note((7, 1), 20_000);
+        est.note((7, 2), 3_000_000);
+        est.note((7, 1), 20_000);
+        // Each known shape keeps its own time.
+        assert_eq!((est.get((7, 1)), est.get((7, 2))), (20_000, 3_000_000));
+        // A new shape of function 7 is judged long, not unknown, so it is
+        // neither queued behind others as if short nor held back to run
+        // alone for being new.
+        assert!(est.get((7, 3)) > 2_000_000, "{est:?}");
+        assert_eq!(est.get((8, 1)), 0);
     }
 }

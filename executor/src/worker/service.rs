@@ -426,15 +426,19 @@ impl<I: AsRef<Work>> super::pipeline::Queue<I> for Batch<'_> {
         !vgpu_arbiter::grant::yield_asked()
     }
 
-    fn kernel(&self, item: &I) -> u64 {
+    fn kernel(&self, item: &I) -> super::pipeline::Kernel {
         use std::hash::{Hash, Hasher};
-        let WorkKind::Launch { module, index, launch, .. } = &item.as_ref().kind else { return 0 };
+        let WorkKind::Launch { module, index, launch, .. } = &item.as_ref().kind else { return (0, 0) };
+        let hash = |v: &dyn Fn(&mut std::collections::hash_map::DefaultHasher)| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            v(&mut h);
+            h.finish()
+        };
         // The module's address names it while the launch holds it; a
         // later module at the same address inherits a stale estimate,
         // which its first runs correct.
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (Arc::as_ptr(module) as *const () as usize, *index, launch.grid).hash(&mut h);
-        h.finish()
+        let function = hash(&|h| (Arc::as_ptr(module) as *const () as usize, *index).hash(h));
+        (function, hash(&|h| (launch.grid, launch.block, launch.shared_bytes).hash(h)))
     }
 }
 
@@ -887,8 +891,10 @@ impl DeviceService {
             WorkKind::HtoD { dst, size, src } => {
                 check(*dst, *size, "copy destination")?;
                 self.timed(t, || match src {
-                    // A few bytes the executor owns (copied: the work is shared).
-                    HostMem::Inline(data) => b.write(slot, *dst, VolatileSlice::from(&mut data.clone()[..])),
+                    // SAFETY: bytes the executor owns, live for the call;
+                    // a write only reads its source, so the view's
+                    // mutability is never used.
+                    HostMem::Inline(data) => b.write(slot, *dst, unsafe { VolatileSlice::new(data.as_ptr().cast_mut(), data.len()) }),
                     HostMem::Shm(shm, off) => b.write(slot, *dst, shm.volatile(*off, *size)?),
                     HostMem::Blob(blobs, res, off) => {
                         let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
