@@ -413,9 +413,8 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
     checks::samples_concurrently(&[&a, &b], "1000000", matrix(&m));
 
     // A weight change: an executor serving a client keeps its share (and
-    // the client its context); an idle one is replaced with its new share,
-    // and a client that connects while it is replaced is served by the new
-    // one.
+    // the client its context); an idle one stops accepting and is replaced
+    // with its new share, which serves the next client.
     {
         let held = Holder::new(&a);
         let (st, v) = m.api("PATCH", "/tenants/heavy", Some(serde_json::json!({ "weight": 1 })));

@@ -518,16 +518,18 @@ impl Pool {
     /// Stops accepting on listener `id` if tenant `t` has no connection
     /// (true); its socket keeps new clients in its backlog for whoever
     /// listens next.
-    pub fn retire_if_idle(&self, id: u64, t: &Tenant) -> bool {
+    /// Otherwise, the connections it has.
+    pub fn retire_if_idle(&self, id: u64, t: &Tenant) -> Result<(), u32> {
         let _one = self.accepting.lock().unwrap_or_else(|e| e.into_inner());
-        if t.connections.load(Ordering::Acquire) != 0 {
-            return false;
+        let n = t.connections.load(Ordering::Acquire);
+        if n != 0 {
+            return Err(n);
         }
         let mut st = self.state();
         if let Some(l) = st.listeners.remove(&id) {
             let _ = epoll_ctl(&self.epfd, libc::EPOLL_CTL_DEL, l.sock.as_raw_fd(), 0, 0);
         }
-        true
+        Ok(())
     }
 
     fn accept_all(&self, id: u64) {

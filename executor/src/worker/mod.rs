@@ -301,11 +301,13 @@ pub fn run(opts: WorkerOptions) -> anyhow::Result<()> {
             }
             WorkerCmd::RetireIfIdle { name } if !executor => WorkerMsg::Err(format!("this worker serves every tenant of its device: it does not retire for {name}")),
             WorkerCmd::RetireIfIdle { name } => match listening.get(&name).map(|l| (l.pooled, &l.tenant)) {
-                Some((Some(id), t)) if pool.retire_if_idle(id, t) => {
-                    info!(tenant = %name, "the tenant's executor serves no client and accepts no more: it is to be replaced");
-                    WorkerMsg::Ok
-                }
-                Some((Some(_), t)) => WorkerMsg::Err(format!("tenant {name} has {} connections", t.connections.load(Ordering::Acquire))),
+                Some((Some(id), t)) => match pool.retire_if_idle(id, t) {
+                    Ok(()) => {
+                        info!(tenant = %name, "the tenant's executor serves no client and accepts no more: it is to be replaced");
+                        WorkerMsg::Ok
+                    }
+                    Err(n) => WorkerMsg::Err(format!("tenant {name} has {n} connections")),
+                },
                 Some((None, _)) => WorkerMsg::Err(format!("tenant {name} is a VM's: its guest state lives in this process")),
                 None => WorkerMsg::Err(format!("no tenant {name}")),
             },

@@ -414,13 +414,14 @@ impl DeviceSlot {
 }
 
 /// What a start of a tenant's executor does with one already running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Clone)]
 pub(super) enum Start {
     /// Keeps one handed to the device's current arbiter; replaces older.
     KeepCurrent,
-    /// Replaces it (for a new share of an MPS server's SMs), without
-    /// rebalancing the others again.
-    Rebalancing,
+    /// Replaces this one, retired for a new share of an MPS server's SMs,
+    /// without rebalancing the others again; does nothing if another has
+    /// replaced it meanwhile (which may serve clients already).
+    Rebalancing(Arc<Exec>),
 }
 
 impl Control {
@@ -450,9 +451,17 @@ impl Control {
         let generation = slot.generation.load(Ordering::Acquire);
         let old = {
             let mut execs = slot.execs.lock().unwrap_or_else(|e| e.into_inner());
-            if how == Start::KeepCurrent && execs.get(&t.name).is_some_and(|x| x.generation == generation && !x.is_reaped()) {
-                debug!(tenant = %t.name, device = %slot.spec.name, "the tenant's executor already serves the current arbiter");
-                return Ok(());
+            let cur = execs.get(&t.name);
+            match &how {
+                Start::KeepCurrent if cur.is_some_and(|x| x.generation == generation && !x.is_reaped()) => {
+                    debug!(tenant = %t.name, device = %slot.spec.name, "the tenant's executor already serves the current arbiter");
+                    return Ok(());
+                }
+                Start::Rebalancing(retired) if !cur.is_some_and(|x| Arc::ptr_eq(x, retired)) => {
+                    debug!(tenant = %t.name, device = %slot.spec.name, "the retired executor was replaced meanwhile");
+                    return Ok(());
+                }
+                _ => {}
             }
             execs.remove(&t.name)
         };
@@ -663,7 +672,7 @@ impl Control {
         }
         info!(tenant = %t.name, device = %slot.spec.name, pid, uid, sm_percent = ?exec.bounds.sm_percent, "tenant executor started");
         drop(_one);
-        if how != Start::Rebalancing && exec.bounds.sm_percent.is_some() {
+        if matches!(how, Start::KeepCurrent) && exec.bounds.sm_percent.is_some() {
             self.rebalance_mps(slot);
         }
         Ok(())

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use super::pool::{PoolSpec, Sharing};
-use super::{Control, ControlError, DeviceSlot, TenantPhase, TenantRecord, STATS_TIMEOUT};
+use super::{Control, ControlError, DeviceSlot, TenantPhase, TenantRecord, COMMAND_TIMEOUT, STATS_TIMEOUT};
 use crate::config::Owner;
 use crate::ipc::{WorkerCmd, WorkerMsg};
 
@@ -415,17 +415,26 @@ impl Control {
             // It stops accepting only if it serves no client, in one step
             // with its accepts: a client that connects from here on waits
             // in the socket's backlog for the replacement.
-            match e.call(WorkerCmd::RetireIfIdle { name: t.name.clone() }, STATS_TIMEOUT) {
+            // Commands run in order: asked again after a late answer, the
+            // executor answers for both (once retired, it says so again).
+            let retire = |within| e.call(WorkerCmd::RetireIfIdle { name: t.name.clone() }, within);
+            let answer = match retire(STATS_TIMEOUT) {
+                Err(ControlError::Timeout(..)) => retire(COMMAND_TIMEOUT),
+                other => other,
+            };
+            match answer {
                 Ok(WorkerMsg::Ok) => {}
                 Ok(WorkerMsg::Err(why)) => {
                     info!(tenant = %t.name, device = %slot.spec.name, now = ?e.bounds.sm_percent, want, "the executor keeps its share of the SMs until its next start: {why}");
                     continue;
                 }
-                // No clear answer: it may accept no more, so it is
-                // replaced rather than left for clients to wait on.
+                // Gone: its end starts the tenant a new one.
+                Err(ControlError::WorkerDown(_)) => continue,
+                // It may have stopped accepting and no longer answers: it
+                // is replaced rather than left for clients to wait on.
                 other => warn!(tenant = %t.name, device = %slot.spec.name, "asking the executor to retire: {other:?}; replacing it"),
             }
-            match self.start_executor_with(slot, &rec, super::executors::Start::Rebalancing) {
+            match self.start_executor_with(slot, &rec, super::executors::Start::Rebalancing(e.clone())) {
                 Ok(()) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
                 Err(err) => {
                     // The old one is gone: the tenant must not stay without one.
