@@ -30,6 +30,10 @@
  *   streams N           N launches of the bump kernel on each of two streams,
  *                       and between them allocations whose bytes must read
  *                       back zero; then each counter must be N
+ *   copies N            N-byte copies to the device and back, from and to
+ *                       pageable buffers at several offsets in their pages
+ *                       and from pinned memory; prints "copies=ok" if every
+ *                       byte came back, else the first that did not
  */
 #include "common.h"
 
@@ -145,6 +149,47 @@ int main(int argc, char **argv) {
         }
         printf("reuse rounds=%d stale=%d failed=%d\n", n, stale, failed);
         return stale || failed ? 1 : 0;
+    }
+    if (!strcmp(mode, "copies")) {
+        size_t n = strtoull(argv[2], NULL, 10);
+        static const size_t offs[] = {0, 16, 2040, 4080};
+        unsigned char *src = malloc(n + 4096), *back = malloc(n + 4096), *pinned = NULL;
+        CUdeviceptr d;
+        if (!src || !back) {
+            fprintf(stderr, "out of host memory\n");
+            return 1;
+        }
+        CHECK(cuMemAlloc(&d, n));
+        CHECK(cuMemAllocHost((void **)&pinned, n));
+        for (int i = 0; i < 4; i++) {
+            unsigned char *s = src + offs[i], *b = back + offs[3 - i];
+            for (size_t k = 0; k < n; k++) s[k] = (unsigned char)(k * 7 + i * 31 + (k >> 12));
+            memset(b, 0, n);
+            CHECK(cuMemcpyHtoD(d, s, n));
+            CHECK(cuMemcpyDtoH(b, d, n));
+            for (size_t k = 0; k < n; k++) {
+                if (b[k] != s[k]) {
+                    printf("copies: pageable, offsets %zu/%zu: byte %zu is %u, not %u\n", offs[i], offs[3 - i], k, b[k], s[k]);
+                    return 1;
+                }
+            }
+            /* Pinned: the device's copy goes back out through pinned memory. */
+            CHECK(cuMemcpyHtoD(d, s, n));
+            memset(pinned, 0, n);
+            CHECK(cuMemcpyDtoH(pinned, d, n));
+            CHECK(cuMemsetD8(d, 0, n));
+            CHECK(cuMemcpyHtoD(d, pinned, n));
+            memset(b, 0, n);
+            CHECK(cuMemcpyDtoH(b, d, n));
+            for (size_t k = 0; k < n; k++) {
+                if (b[k] != s[k]) {
+                    printf("copies: through pinned memory, offset %zu: byte %zu is %u, not %u\n", offs[i], k, b[k], s[k]);
+                    return 1;
+                }
+            }
+        }
+        printf("copies=ok\n");
+        return 0;
     }
     if (!strcmp(mode, "streams")) {
         int n = atoi(argv[2]), dirty = 0;

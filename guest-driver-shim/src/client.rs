@@ -24,23 +24,6 @@ pub const DEFAULT_SHM: usize = 8 << 20;
 /// so the shim fills one while the worker drains another.
 pub const CHUNK: usize = 256 << 10;
 
-/// Where in a staging slot of `slot_len` bytes a piece of a copy goes, and
-/// how many bytes of the copy each slot takes, for a program's buffer at
-/// `user`. The piece starts half a page away from the program's buffer's
-/// offset in its page: a memcpy whose destination lies a few bytes past
-/// its source modulo 4096 (a buffer from malloc, 16 bytes into its page,
-/// against a page-aligned slot) stalls on every load behind the stores
-/// it seems to alias, 14 times slower on the development machine; half a
-/// page apart, neither this copy nor the worker's between the slot and
-/// (mostly page-aligned) device memory meets that.
-fn staging_place(user: usize, slot_len: usize) -> (usize, usize) {
-    const PAGE: usize = 4096;
-    if slot_len < 2 * PAGE {
-        return (0, slot_len);
-    }
-    ((user + PAGE / 2) % PAGE, slot_len - PAGE)
-}
-
 /// A failed call: the CUDA code and the device's explanation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CallError {
@@ -495,7 +478,7 @@ impl Client {
         };
         let mut s = lock(staging);
         let chunk = if self.ring.is_some() { CHUNK.min(s.len) } else { s.len };
-        let (_, step) = staging_place(0, chunk);
+        let (_, step) = staging::place(0, chunk);
         let mut last = 0;
         for (i, part) in src.chunks(step).enumerate() {
             let slot = if self.ring.is_some() { s.next } else { 0 };
@@ -503,7 +486,7 @@ impl Client {
             if let Some(r) = &self.ring {
                 r.wait(s.slot_seq[slot])?;
             }
-            let off = slot * chunk + staging_place(part.as_ptr() as usize, chunk).0;
+            let off = slot * chunk + staging::place(part.as_ptr() as usize, chunk).0;
             // SAFETY: [off, off+len) lies inside the staging slot (its place
             // plus `step` bytes fit in it), which no entry in flight reads.
             unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), s.ptr.add(off), part.len()) };
@@ -548,7 +531,7 @@ impl Client {
             return Ok(0);
         };
         let chunk = CHUNK.min(s.len);
-        let (_, step) = staging_place(0, chunk);
+        let (_, step) = staging::place(0, chunk);
         let slots = s.slot_seq.len();
         let n = dst.len().div_ceil(step);
         // (piece, its offset in the staging mapping, its entry)
@@ -560,7 +543,7 @@ impl Client {
                 s.next = (s.next + 1) % slots;
                 ring.wait(s.slot_seq[slot])?;
                 let len = step.min(dst.len() - i * step);
-                let off = slot * chunk + staging_place(dst.as_ptr() as usize + i * step, chunk).0;
+                let off = slot * chunk + staging::place(dst.as_ptr() as usize + i * step, chunk).0;
                 let req = MemcpyDtoHReq { ctx, stream, src: src + (i * step) as u64, size: len as u64, loc: loc as u32, blob: id, shm_offset: off as u64 };
                 let seq = self.enqueue(Request::MemcpyDtoH(req))?;
                 s.slot_seq[slot] = seq;
@@ -640,23 +623,4 @@ fn payload_hint(req: &Request) -> usize {
 
 fn unexpected(r: Reply) -> CallError {
     CallError::new(CuResult::CUDA_ERROR_UNKNOWN, format!("unexpected reply {r:?}"))
-}
-
-#[cfg(test)]
-mod staging_tests {
-    use super::*;
-
-    #[test]
-    fn a_staged_piece_lies_half_a_page_from_the_programs_buffer_and_inside_its_slot() {
-        for user in [0usize, 16, 64, 2048, 4080, 0x7f00_0000_1010] {
-            let (at, step) = staging_place(user, CHUNK);
-            assert_eq!(step, CHUNK - 4096);
-            assert!(at + step <= CHUNK, "{user:#x}: {at} + {step}");
-            // The copy's destination minus its source, modulo a page, is
-            // half a page either way.
-            assert_eq!((at + 4096 - user % 4096) % 4096, 2048, "{user:#x}");
-        }
-        // Too small a buffer to move pieces in: used whole, from its start.
-        assert_eq!(staging_place(16, 4096), (0, 4096));
-    }
 }

@@ -656,6 +656,9 @@ pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: c_ui
         if p.is_null() || size == 0 {
             return Err(E::CUDA_ERROR_INVALID_VALUE);
         }
+        if fault("host-register-fails") {
+            return Err(E::CUDA_ERROR_NOT_SUPPORTED);
+        }
         let mut st = d.state();
         let start = p as usize;
         let end = start.checked_add(size).ok_or(E::CUDA_ERROR_INVALID_VALUE)?;
@@ -686,15 +689,22 @@ fn fill_async(dst: CUdeviceptr, elem: Vec<u8>, count: usize, s: Handle) -> CUres
     })
 }
 
-/// Fault injection, not modelled behaviour: with
-/// `VGPU_TESTDRIVER_FAULT=zeroing-writes-ones`, a byte memset of zero
-/// writes 0xFF instead, so tests can watch a scrub's check catch memory
-/// that was not zeroed.
+/// Fault injection, not modelled behaviour: `VGPU_TESTDRIVER_FAULT` names
+/// faults, comma-separated:
+/// - `zeroing-writes-ones`: a byte memset of zero writes 0xFF instead, so
+///   tests can watch a scrub's check catch memory that was not zeroed;
+/// - `host-register-fails`: `cuMemHostRegister` fails with
+///   `CUDA_ERROR_NOT_SUPPORTED`, as NVIDIA's driver does where host memory
+///   cannot be pinned, so tests reach the executor's staged copies.
 pub const FAULT_ENV: &str = "VGPU_TESTDRIVER_FAULT";
 
+fn fault(name: &str) -> bool {
+    static ON: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    ON.get_or_init(|| std::env::var(FAULT_ENV).map(|v| v.split(',').map(str::to_string).collect()).unwrap_or_default()).iter().any(|f| f == name)
+}
+
 fn zeroing_writes_ones() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(FAULT_ENV).is_ok_and(|v| v == "zeroing-writes-ones"))
+    fault("zeroing-writes-ones")
 }
 
 #[no_mangle]

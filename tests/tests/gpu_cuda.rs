@@ -280,6 +280,38 @@ fn gpu_cuda_bench_runs_end_to_end() {
     assert!(out.contains("judge nothing"), "the bench must say its figures here are the test double's:\n{out}");
 }
 
+/// A mediator with executors on the test double told to inject `fault`
+/// (docs/testdriver.md); None (said loudly) where a real GPU is here,
+/// which cannot be told to, or no test driver was built.
+fn faulty_test_driver(test: &str, fault: &str) -> Option<Mediator> {
+    if discover_gpus().is_ok() {
+        report_skip(test, &format!("a real GPU is here, and only the test double can be told to inject {fault}"));
+        return None;
+    }
+    let Some(dir) = test_driver_dir() else {
+        report_skip(test, "no GPU and no test driver built");
+        return None;
+    };
+    let mut env = test_driver_env(&dir);
+    env.push(("VGPU_TESTDRIVER_FAULT", fault.into()));
+    Some(Mediator::start_with_env(&["--cuda", "required", "--cpu-devices", "0", "--isolation", "process"], env))
+}
+
+/// Where the driver cannot pin a tenant's shared memory
+/// (`cuMemHostRegister` fails), every copy goes through the executor's
+/// pinned staging buffers, in pieces placed half a page from the tenant's
+/// bytes: large copies both ways, from buffers at any offset in their
+/// pages, arrive whole and in order.
+#[test]
+fn gpu_copies_staged_when_host_memory_cannot_be_pinned_arrive_whole() {
+    let Some(m) = faulty_test_driver("gpu_copies_staged_when_host_memory_cannot_be_pinned_arrive_whole", "host-register-fails") else { return };
+    let sock = m.tenant_on("staged", "256MiB", "gpu0");
+    // 9 MiB: three of the executor's staging pieces and a tail, and more
+    // than one piece of the shim's slots, both ways.
+    let out = run_ok(sample("tenant_probe", &sock).args(["copies", "9437184"]));
+    assert!(out.contains("copies=ok"), "{out}");
+}
+
 /// An allocation's scrub is checked off the critical path (sample reads
 /// queued behind the memset), but before any byte of the device goes back
 /// to the tenant. With zeroing broken on purpose (the test double's fault
@@ -287,18 +319,7 @@ fn gpu_cuda_bench_runs_end_to_end() {
 /// device is quarantined: later allocations are refused.
 #[test]
 fn gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant() {
-    let test = "gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant";
-    if discover_gpus().is_ok() {
-        report_skip(test, "a real GPU is here, and only the test double can be told to break its memsets");
-        return;
-    }
-    let Some(dir) = test_driver_dir() else {
-        report_skip(test, "no GPU and no test driver built");
-        return;
-    };
-    let mut env = test_driver_env(&dir);
-    env.push(("VGPU_TESTDRIVER_FAULT", "zeroing-writes-ones".into()));
-    let m = Mediator::start_with_env(&["--cuda", "required", "--cpu-devices", "0", "--isolation", "process"], env);
+    let Some(m) = faulty_test_driver("gpu_a_scrub_that_leaves_bytes_quarantines_before_any_reach_the_tenant", "zeroing-writes-ones") else { return };
     let sock = m.tenant_on("victim", "64MiB", "gpu0");
     use virtio_gpu_compute::*;
     let mut raw = Raw::connect(&sock);

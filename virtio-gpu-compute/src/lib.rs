@@ -14,6 +14,7 @@ pub mod fatbin;
 pub mod msg;
 pub mod nvml;
 pub mod ring;
+pub mod staging;
 pub mod virtio_gpu;
 pub mod wire;
 

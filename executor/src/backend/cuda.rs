@@ -873,22 +873,28 @@ impl CudaBackend {
         let stream = t.stream;
         let r = (|| {
             let (bufs, evs) = t.staging()?;
-            for k in 0..data.len().div_ceil(STAGE_BYTES) {
-                let off = k * STAGE_BYTES;
-                let chunk = piece(data, off, STAGE_BYTES.min(data.len() - off))?;
+            let (_, step) = virtio_gpu_compute::staging::place(0, STAGE_BYTES);
+            let src = data.ptr_guard().as_ptr() as usize;
+            for k in 0..data.len().div_ceil(step) {
+                let off = k * step;
+                let chunk = piece(data, off, step.min(data.len() - off))?;
                 let b = k % 2;
                 if k >= 2 {
                     // SAFETY: the event was recorded after this buffer's last copy.
                     check(unsafe { cu::cuEventSynchronize(evs[b]) }, "staging wait")?;
                 }
-                // SAFETY: the pinned buffer holds STAGE_BYTES >= chunk.len()
-                // bytes the executor owns, and the copy engine is done with
-                // it (waited above).
-                chunk.copy_to_volatile_slice(unsafe { VolatileSlice::new(bufs[b].ptr, chunk.len()) });
-                let at = addr + off as u64;
+                // Half a page from the source's offset in its page (no
+                // 4 KiB aliasing in the memcpy); `at + step` fits the buffer.
+                let (at, _) = virtio_gpu_compute::staging::place(src.wrapping_add(off), STAGE_BYTES);
+                // SAFETY: the pinned buffer holds STAGE_BYTES >= at +
+                // chunk.len() bytes the executor owns, and the copy engine
+                // is done with it (waited above).
+                let stage = unsafe { bufs[b].ptr.add(at) };
+                // SAFETY: as above.
+                chunk.copy_to_volatile_slice(unsafe { VolatileSlice::new(stage, chunk.len()) });
                 // SAFETY: destination inside a checked allocation; source is
                 // the pinned buffer, untouched until the event fires.
-                check(unsafe { cu::cuMemcpyHtoDAsync_v2(at, bufs[b].ptr.cast(), chunk.len(), stream) }, "cuMemcpyHtoDAsync")?;
+                check(unsafe { cu::cuMemcpyHtoDAsync_v2(addr + off as u64, stage.cast(), chunk.len(), stream) }, "cuMemcpyHtoDAsync")?;
                 // SAFETY: event and stream belong to the current context.
                 check(unsafe { cu::cuEventRecord(evs[b], stream) }, "cuEventRecord")?;
             }
@@ -904,14 +910,20 @@ impl CudaBackend {
         let stream = t.stream;
         let r = (|| {
             let (bufs, evs) = t.staging()?;
+            let (_, step) = virtio_gpu_compute::staging::place(0, STAGE_BYTES);
+            let dst = out.ptr_guard_mut().as_ptr() as usize;
+            // Where piece `off` of the copy lies in a staging buffer: half
+            // a page from the destination's offset in its page, so the
+            // memcpy out meets no 4 KiB aliasing; `at + step` fits.
+            let at = |off: usize| virtio_gpu_compute::staging::place(dst.wrapping_add(off), STAGE_BYTES).0;
             let mut pending: Option<(usize, usize, usize)> = None;
             let drain = |p: (usize, usize, usize), out: &VolatileSlice<'_>| -> Result<(), BackendError> {
                 let (b, off, n) = p;
                 // SAFETY: the event follows this buffer's DMA.
                 check(unsafe { cu::cuEventSynchronize(evs[b]) }, "staging wait")?;
-                // SAFETY: the DMA into the pinned buffer (n <= STAGE_BYTES
-                // bytes the executor owns) finished, waited above.
-                let staged = unsafe { VolatileSlice::new(bufs[b].ptr, n) };
+                // SAFETY: the DMA into the pinned buffer (at + n <=
+                // STAGE_BYTES bytes the executor owns) finished, waited above.
+                let staged = unsafe { VolatileSlice::new(bufs[b].ptr.add(at(off)), n) };
                 staged.copy_to_volatile_slice(piece(out, off, n)?);
                 Ok(())
             };
@@ -919,11 +931,12 @@ impl CudaBackend {
             let mut off = 0;
             let mut k = 0;
             while off < total {
-                let n = STAGE_BYTES.min(total - off);
+                let n = step.min(total - off);
                 let b = k % 2;
                 // SAFETY: source inside a checked allocation; destination is
-                // a pinned buffer whose previous contents were drained.
-                check(unsafe { cu::cuMemcpyDtoHAsync_v2(bufs[b].ptr.cast(), addr + off as u64, n, stream) }, "cuMemcpyDtoHAsync")?;
+                // a pinned buffer (at + n <= STAGE_BYTES) whose previous
+                // contents were drained.
+                check(unsafe { cu::cuMemcpyDtoHAsync_v2(bufs[b].ptr.add(at(off)).cast(), addr + off as u64, n, stream) }, "cuMemcpyDtoHAsync")?;
                 // SAFETY: event and stream belong to the current context.
                 check(unsafe { cu::cuEventRecord(evs[b], stream) }, "cuEventRecord")?;
                 if let Some(p) = pending.take() {
