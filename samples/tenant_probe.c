@@ -153,16 +153,16 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "copies")) {
         size_t n = strtoull(argv[2], NULL, 10);
         static const size_t offs[] = {0, 16, 2040, 4080};
-        unsigned char *src = malloc(n + 4096), *back = malloc(n + 4096), *pinned = NULL;
+        unsigned char *src = malloc(n + 4096), *back = malloc(n + 4096), *pinned_base = NULL;
         CUdeviceptr d;
         if (!src || !back) {
             fprintf(stderr, "out of host memory\n");
             return 1;
         }
         CHECK(cuMemAlloc(&d, n));
-        CHECK(cuMemAllocHost((void **)&pinned, n));
+        CHECK(cuMemAllocHost((void **)&pinned_base, n + 4096));
         for (int i = 0; i < 4; i++) {
-            unsigned char *s = src + offs[i], *b = back + offs[3 - i];
+            unsigned char *s = src + offs[i], *b = back + offs[3 - i], *pinned = pinned_base + offs[i];
             for (size_t k = 0; k < n; k++) s[k] = (unsigned char)(k * 7 + i * 31 + (k >> 12));
             memset(b, 0, n);
             CHECK(cuMemcpyHtoD(d, s, n));
@@ -173,7 +173,7 @@ int main(int argc, char **argv) {
                     return 1;
                 }
             }
-            /* Pinned: the device's copy goes back out through pinned memory. */
+            /* Through pinned memory, at the same offset in its pages. */
             CHECK(cuMemcpyHtoD(d, s, n));
             memset(pinned, 0, n);
             CHECK(cuMemcpyDtoH(pinned, d, n));

@@ -20,9 +20,12 @@ use crate::transport::{Transport, TransportError, UnixTransport};
 
 /// Default size of the staging buffer (override with `VGPU_SHM_SIZE`).
 pub const DEFAULT_SHM: usize = 8 << 20;
-/// Pageable copies move through the staging buffer in slots of this size,
-/// so the shim fills one while the worker drains another.
+/// Pageable copies move through the staging buffer in pieces of this
+/// size, so the shim fills one slot while the worker drains another.
 pub const CHUNK: usize = 256 << 10;
+/// A staging slot: a piece and the page of room `staging::place` moves it
+/// in.
+const SLOT: usize = CHUNK + 4096;
 
 /// A failed call: the CUDA code and the device's explanation.
 #[derive(Debug, Clone, PartialEq)]
@@ -205,7 +208,7 @@ impl Client {
                 (r, _) => no_ring(&r),
             }
         }
-        let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
+        let staging = t.shared().filter(|s| !s.is_empty()).map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / SLOT).max(1)], next: 0 });
         Ok(Client {
             t: Mutex::new(Box::new(t)),
             seq: AtomicU32::new(1),
@@ -221,7 +224,7 @@ impl Client {
     }
 
     pub fn with_transport(mut t: Box<dyn Transport>) -> Client {
-        let staging = t.shared().map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / CHUNK).max(1)], next: 0 });
+        let staging = t.shared().filter(|s| !s.is_empty()).map(|s| Staging { ptr: s.as_mut_ptr(), len: s.len(), slot_seq: vec![0; (s.len() / SLOT).max(1)], next: 0 });
         Client {
             t: Mutex::new(t),
             seq: AtomicU32::new(1),
@@ -477,7 +480,7 @@ impl Client {
             return Ok(0);
         };
         let mut s = lock(staging);
-        let chunk = if self.ring.is_some() { CHUNK.min(s.len) } else { s.len };
+        let chunk = if self.ring.is_some() { SLOT.min(s.len) } else { s.len };
         let (_, step) = staging::place(0, chunk);
         let mut last = 0;
         for (i, part) in src.chunks(step).enumerate() {
@@ -530,7 +533,7 @@ impl Client {
             }
             return Ok(0);
         };
-        let chunk = CHUNK.min(s.len);
+        let chunk = SLOT.min(s.len);
         let (_, step) = staging::place(0, chunk);
         let slots = s.slot_seq.len();
         let n = dst.len().div_ceil(step);

@@ -306,8 +306,9 @@ fn faulty_test_driver(test: &str, fault: &str) -> Option<Mediator> {
 fn gpu_copies_staged_when_host_memory_cannot_be_pinned_arrive_whole() {
     let Some(m) = faulty_test_driver("gpu_copies_staged_when_host_memory_cannot_be_pinned_arrive_whole", "host-register-fails") else { return };
     let sock = m.tenant_on("staged", "256MiB", "gpu0");
-    // 9 MiB: three of the executor's staging pieces and a tail, and more
-    // than one piece of the shim's slots, both ways.
+    // 9 MiB: two of the executor's 4 MiB staging pieces and a tail
+    // (copies through pinned memory reach it whole; pageable ones, in the
+    // shim's 256 KiB pieces), at several offsets in their pages.
     let out = run_ok(sample("tenant_probe", &sock).args(["copies", "9437184"]));
     assert!(out.contains("copies=ok"), "{out}");
 }

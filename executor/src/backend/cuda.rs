@@ -31,8 +31,12 @@ use super::{piece, AllocTable, Backend, BackendError, Backoff, DeviceDesc, Devic
 pub const MIN_DRIVER_VERSION: i32 = 12020;
 /// Allocation granule, as on the CPU device, so quotas round the same way.
 pub const GRANULE: u64 = 256;
-/// Size of each of a tenant's two pinned staging buffers.
+/// Bytes of a copy each of a tenant's two pinned staging buffers takes at
+/// a time.
 pub const STAGE_BYTES: usize = 4 << 20;
+/// Size of each staging buffer: a piece and the page of room
+/// `staging::place` moves it in.
+const STAGE_BUF: usize = STAGE_BYTES + 4096;
 /// Bytes read back from each sample point of a scrub check.
 const SAMPLE_BYTES: usize = 256;
 /// Sample points per scrubbed allocation: both ends plus random ones.
@@ -311,7 +315,7 @@ impl TenantCtx {
             for ev in &mut evs {
                 let mut p: *mut c_void = std::ptr::null_mut();
                 // SAFETY: the tenant's context is current; valid out-pointers.
-                check(unsafe { cu::cuMemAllocHost_v2(&mut p, STAGE_BYTES) }, "cuMemAllocHost")?;
+                check(unsafe { cu::cuMemAllocHost_v2(&mut p, STAGE_BUF) }, "cuMemAllocHost")?;
                 bufs.push(Pinned { ptr: p.cast() });
                 // SAFETY: as above.
                 check(unsafe { cu::cuEventCreate(ev, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
@@ -873,7 +877,7 @@ impl CudaBackend {
         let stream = t.stream;
         let r = (|| {
             let (bufs, evs) = t.staging()?;
-            let (_, step) = virtio_gpu_compute::staging::place(0, STAGE_BYTES);
+            let (_, step) = virtio_gpu_compute::staging::place(0, STAGE_BUF);
             let src = data.ptr_guard().as_ptr() as usize;
             for k in 0..data.len().div_ceil(step) {
                 let off = k * step;
@@ -885,8 +889,8 @@ impl CudaBackend {
                 }
                 // Half a page from the source's offset in its page (no
                 // 4 KiB aliasing in the memcpy); `at + step` fits the buffer.
-                let (at, _) = virtio_gpu_compute::staging::place(src.wrapping_add(off), STAGE_BYTES);
-                // SAFETY: the pinned buffer holds STAGE_BYTES >= at +
+                let (at, _) = virtio_gpu_compute::staging::place(src.wrapping_add(off), STAGE_BUF);
+                // SAFETY: the pinned buffer holds STAGE_BUF >= at +
                 // chunk.len() bytes the executor owns, and the copy engine
                 // is done with it (waited above).
                 let stage = unsafe { bufs[b].ptr.add(at) };
@@ -910,19 +914,19 @@ impl CudaBackend {
         let stream = t.stream;
         let r = (|| {
             let (bufs, evs) = t.staging()?;
-            let (_, step) = virtio_gpu_compute::staging::place(0, STAGE_BYTES);
+            let (_, step) = virtio_gpu_compute::staging::place(0, STAGE_BUF);
             let dst = out.ptr_guard_mut().as_ptr() as usize;
             // Where piece `off` of the copy lies in a staging buffer: half
             // a page from the destination's offset in its page, so the
             // memcpy out meets no 4 KiB aliasing; `at + step` fits.
-            let at = |off: usize| virtio_gpu_compute::staging::place(dst.wrapping_add(off), STAGE_BYTES).0;
+            let at = |off: usize| virtio_gpu_compute::staging::place(dst.wrapping_add(off), STAGE_BUF).0;
             let mut pending: Option<(usize, usize, usize)> = None;
             let drain = |p: (usize, usize, usize), out: &VolatileSlice<'_>| -> Result<(), BackendError> {
                 let (b, off, n) = p;
                 // SAFETY: the event follows this buffer's DMA.
                 check(unsafe { cu::cuEventSynchronize(evs[b]) }, "staging wait")?;
                 // SAFETY: the DMA into the pinned buffer (at + n <=
-                // STAGE_BYTES bytes the executor owns) finished, waited above.
+                // STAGE_BUF bytes the executor owns) finished, waited above.
                 let staged = unsafe { VolatileSlice::new(bufs[b].ptr.add(at(off)), n) };
                 staged.copy_to_volatile_slice(piece(out, off, n)?);
                 Ok(())
@@ -934,7 +938,7 @@ impl CudaBackend {
                 let n = step.min(total - off);
                 let b = k % 2;
                 // SAFETY: source inside a checked allocation; destination is
-                // a pinned buffer (at + n <= STAGE_BYTES) whose previous
+                // a pinned buffer (at + n <= STAGE_BUF) whose previous
                 // contents were drained.
                 check(unsafe { cu::cuMemcpyDtoHAsync_v2(bufs[b].ptr.add(at(off)).cast(), addr + off as u64, n, stream) }, "cuMemcpyDtoHAsync")?;
                 // SAFETY: event and stream belong to the current context.

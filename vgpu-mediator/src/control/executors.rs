@@ -430,14 +430,15 @@ impl Control {
     /// re-population and a crashed executor's restart both get here, and
     /// the second finds the first's), any other is replaced.
     pub(super) fn start_executor(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord) -> Result<(), ControlError> {
-        self.start_executor_with(slot, t, Start::KeepCurrent)
+        self.start_executor_with(slot, t, Start::KeepCurrent).map(|_| ())
     }
 
     /// Starts `t`'s executor on `slot` and has it serve the tenant's
     /// socket, as `how` says; on a GPU shared under MPS the other
     /// executors' shares of the SMs are then brought in step (control/mps.rs
-    /// `rebalance_mps`) unless it is that rebalancing which asks.
-    pub(super) fn start_executor_with(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord, how: Start) -> Result<(), ControlError> {
+    /// `rebalance_mps`) unless it is that rebalancing which asks. True if
+    /// it started one (false: the one there was kept, as `how` says).
+    pub(super) fn start_executor_with(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord, how: Start) -> Result<bool, ControlError> {
         // One start at a time on the device: two for one tenant (a crash's
         // restart beside the supervisor's) would leave one orphaned.
         let _one = slot.starting.lock().unwrap_or_else(|e| e.into_inner());
@@ -455,11 +456,11 @@ impl Control {
             match &how {
                 Start::KeepCurrent if cur.is_some_and(|x| x.generation == generation && !x.is_reaped()) => {
                     debug!(tenant = %t.name, device = %slot.spec.name, "the tenant's executor already serves the current arbiter");
-                    return Ok(());
+                    return Ok(false);
                 }
                 Start::Rebalancing(retired) if !cur.is_some_and(|x| Arc::ptr_eq(x, retired)) => {
                     debug!(tenant = %t.name, device = %slot.spec.name, "the retired executor was replaced meanwhile");
-                    return Ok(());
+                    return Ok(false);
                 }
                 _ => {}
             }
@@ -675,7 +676,7 @@ impl Control {
         if matches!(how, Start::KeepCurrent) && exec.bounds.sm_percent.is_some() {
             self.rebalance_mps(slot);
         }
-        Ok(())
+        Ok(true)
     }
 
     /// An executor's process ended: a crash gets the tenant a new one; a

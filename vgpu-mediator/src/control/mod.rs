@@ -194,17 +194,26 @@ fn call_link(link: Option<&WorkerLink>, who: &str, cmd: WorkerCmd, timeout: Dura
         link.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
         let line = serde_json::to_string(&CmdLine { id, cmd }).map_err(|e| ControlError::Worker(e.to_string()))? + "\n";
         let deadline = Instant::now() + timeout;
+        let mut wrote = 0;
         let sent = {
-            let w = link.stdin.lock().unwrap_or_else(|e| e.into_inner());
-            match w.as_ref() {
-                Some(w) => write_before(w, line.as_bytes(), deadline),
+            let mut w = link.stdin.lock().unwrap_or_else(|e| e.into_inner());
+            let sent = match w.as_ref() {
+                Some(p) => write_before(p, line.as_bytes(), deadline, &mut wrote),
                 None => Err(std::io::ErrorKind::BrokenPipe.into()),
+            };
+            if sent.is_err() && wrote > 0 {
+                // Part of a command is in the pipe: the next would be read
+                // glued to it. The process's input ends here instead (it
+                // then ends, and is started again).
+                warn!(process = who, "a command could be written only in part before its deadline: the process's input is closed");
+                *w = None;
             }
+            sent
         };
         if let Err(e) = sent {
             link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             return Err(match e.kind() {
-                std::io::ErrorKind::TimedOut => ControlError::Timeout(who.to_string(), timeout),
+                std::io::ErrorKind::TimedOut if wrote == 0 => ControlError::Timeout(who.to_string(), timeout),
                 _ => ControlError::WorkerDown(who.to_string()),
             });
         }
@@ -1210,12 +1219,15 @@ fn read_line_bounded(r: &mut impl BufRead, max: usize) -> std::io::Result<Option
 /// Writes all of `buf` to the worker's (non-blocking) stdin, waiting for
 /// room no later than `deadline`: a worker that stops reading its commands
 /// cannot hold the caller, or the registry, forever.
-fn write_before(w: &ChildStdin, mut buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+fn write_before(w: &ChildStdin, mut buf: &[u8], deadline: Instant, wrote: &mut usize) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     while !buf.is_empty() {
         match (&*w).write(buf) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => buf = &buf[n..],
+            Ok(n) => {
+                *wrote += n;
+                buf = &buf[n..];
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 let left = deadline.saturating_duration_since(Instant::now());

@@ -435,7 +435,8 @@ impl Control {
                 other => warn!(tenant = %t.name, device = %slot.spec.name, "asking the executor to retire: {other:?}; replacing it"),
             }
             match self.start_executor_with(slot, &rec, super::executors::Start::Rebalancing(e.clone())) {
-                Ok(()) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
+                Ok(true) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
+                Ok(false) => {}
                 Err(err) => {
                     // The old one is gone: the tenant must not stay without one.
                     warn!(tenant = %t.name, device = %slot.spec.name, "replacing the executor for its new share of the SMs failed: {err}; starting one again");
