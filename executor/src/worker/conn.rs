@@ -515,10 +515,9 @@ impl Pool {
         }
     }
 
-    /// Stops accepting on listener `id` if tenant `t` has no connection
-    /// (true); its socket keeps new clients in its backlog for whoever
-    /// listens next.
-    /// Otherwise, the connections it has.
+    /// Stops accepting on listener `id` if tenant `t` has no connection;
+    /// its socket keeps new clients in its backlog for whoever listens
+    /// next. Err: the connections it has (it keeps accepting).
     pub fn retire_if_idle(&self, id: u64, t: &Tenant) -> Result<(), u32> {
         let _one = self.accepting.lock().unwrap_or_else(|e| e.into_inner());
         let n = t.connections.load(Ordering::Acquire);

@@ -427,18 +427,13 @@ impl<I: AsRef<Work>> super::pipeline::Queue<I> for Batch<'_> {
     }
 
     fn kernel(&self, item: &I) -> super::pipeline::Kernel {
-        use std::hash::{Hash, Hasher};
+        use std::hash::BuildHasher;
         let WorkKind::Launch { module, index, launch, .. } = &item.as_ref().kind else { return (0, 0) };
-        let hash = |v: &dyn Fn(&mut std::collections::hash_map::DefaultHasher)| {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            v(&mut h);
-            h.finish()
-        };
+        let h = std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default();
         // The module's address names it while the launch holds it; a
         // later module at the same address inherits a stale estimate,
         // which its first runs correct.
-        let function = hash(&|h| (Arc::as_ptr(module) as *const () as usize, *index).hash(h));
-        (function, hash(&|h| (launch.grid, launch.block, launch.shared_bytes).hash(h)))
+        (h.hash_one((Arc::as_ptr(module) as *const () as usize, *index)), h.hash_one((launch.grid, launch.block, launch.shared_bytes)))
     }
 }
 
