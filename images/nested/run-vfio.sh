@@ -34,4 +34,4 @@ exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
     -drive file="$IMAGE",if=none,id=nv,format=raw -device nvme,drive=nv,serial=vgpu-nvme \
     "${extra[@]}" \
     -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/l1.cpio.gz" \
-    -append "console=ttyS0 panic=-1 quiet loglevel=3 intel_iommu=on iommu=pt scenario=$SCENARIO" "${LOG[@]}"
+    -append "console=ttyS0 panic=-1 quiet loglevel=3 intel_iommu=on iommu=pt scenario=$SCENARIO nested_timeout=$TIMEOUT" "${LOG[@]}"

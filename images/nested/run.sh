@@ -11,7 +11,9 @@
 # `-no-reboot` turns into a silent exit) shows as "Triple fault";
 # NESTED_MONITOR names a unix socket for QEMU's human monitor, through
 # which scripts/l1-state.sh reads L1's CPU and local APIC when it stops
-# making progress.
+# making progress. L1 learns the timeout (nested_timeout=), so a
+# scenario can stop waiting in time to print what it has
+# (scenarios/lib.sh, before_deadline).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="$ROOT/target/nested"
@@ -24,4 +26,4 @@ exec timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 \
     -accel "tcg,${NESTED_ACCEL:-thread=multi}" -cpu "${NESTED_CPU:-max,svm=on}" -smp "${NESTED_SMP:-2}" -m 2048 \
     -machine q35 -nographic -no-reboot -nodefaults -serial stdio \
     -kernel "$(cat "$OUT/vmlinuz.path")" -initrd "$OUT/${NESTED_INITRD:-l1.cpio.gz}" \
-    -append "console=ttyS0 panic=-1 quiet loglevel=3 scenario=$SCENARIO ${NESTED_APPEND:-}" "${LOG[@]}"
+    -append "console=ttyS0 panic=-1 quiet loglevel=3 scenario=$SCENARIO nested_timeout=$TIMEOUT ${NESTED_APPEND:-}" "${LOG[@]}"

@@ -131,6 +131,9 @@ pub fn retrying_emulator_faults(scenario: &str, mut attempt: impl FnMut() -> (bo
             }
             None => {
                 assert!(ok, "QEMU failed or timed out (after {} emulator failures):\n{text}", seen.len());
+                // A scenario that gave up waiting on a guest near the
+                // timeout (scenarios/lib.sh, `stalled`) printed why.
+                assert!(!text.contains("SCENARIO-STALLED"), "nested scenario {scenario} stalled (after {} emulator failures):\n{text}", seen.len());
                 return text;
             }
         }

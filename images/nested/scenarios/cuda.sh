@@ -20,9 +20,10 @@ for r in "vectorAdd" "reduction 65536"; do
 done
 # The guest asks for its backend to end under one of its contexts.
 pid=$(vgpuctl --run-dir $run -o json device show cpu0 | tr -d ' \n' | grep -o '"worker_pid":[0-9]*' | cut -d: -f2)
-i=0
-while ! grep -q L2-RELIVE-READY $log 2>/dev/null && kill -0 $vmm 2>/dev/null && [ $i -lt 9000 ]; do sleep 0.1; i=$((i + 1)); done
+while ! grep -q L2-RELIVE-READY $log 2>/dev/null && kill -0 $vmm 2>/dev/null && before_deadline; do sleep 0.2; done
 grep -q L2-RELIVE-READY $log && kill -9 $pid && echo "KILLED-WORKER=$pid"
+while kill -0 $vmm 2>/dev/null && before_deadline; do sleep 0.5; done
+kill -0 $vmm 2>/dev/null && stalled "the guest" $vmm
 wait $vmm
 echo "VMM-EXIT=$?"
 end=$(cut -d' ' -f1 /proc/uptime)

@@ -18,6 +18,24 @@ start_mediator() {
     while ! vgpuctl --run-dir $run -o json device list >/dev/null 2>&1 && [ $i -lt 400 ]; do sleep 0.05; i=$((i + 1)); done
 }
 
+# True while L1 has more than 90 s left before the host's timeout for
+# this run (nested_timeout= on its command line; run.sh sets it; 3600 s
+# without it). A scenario that waits on a guest stops there, so that a
+# stalled run still prints the guest's console and the daemon's log
+# before QEMU is killed, instead of a bare timeout.
+before_deadline() {
+    limit=$(tr ' ' '\n' </proc/cmdline | sed -n 's/^nested_timeout=//p')
+    awk -v limit="${limit:-3600}" '{ exit !($1 < limit - 90) }' /proc/uptime
+}
+
+# Says the scenario stopped waiting for guest $1 at the deadline, with
+# the daemon's last log lines, and kills that guest's VMM (pid $2).
+stalled() {
+    echo "SCENARIO-STALLED: $1 had not finished at L1 uptime $(cut -d' ' -f1 /proc/uptime) s, close to the host's timeout; the daemon's last lines follow, the guest's console after them"
+    tail -n 40 /tmp/mediator.err | sed 's/^/MEDIATOR-LOG: /'
+    kill -9 "$2"
+}
+
 # The driver PCI function $1 is bound to, or "none".
 drv() {
     d=$(busybox readlink /sys/bus/pci/devices/$1/driver)
