@@ -34,6 +34,12 @@
  *                       pageable buffers at several offsets in their pages
  *                       and from pinned memory; prints "copies=ok" if every
  *                       byte came back, else the first that did not
+ *   graph K N           captures on a stream: a memset, K bump launches, a
+ *                       device-to-device copy, a copy into pinned host
+ *                       memory, K more bumps; instantiates it and launches
+ *                       it N times; prints the counter (2*K*N if right), the
+ *                       copied and host values (7 if right) and what the
+ *                       launches cost the transport (vgpuGetConnectionStats)
  */
 #include "common.h"
 
@@ -233,6 +239,43 @@ int main(int argc, char **argv) {
         CHECK(cuMemcpyDtoH(&got, counter, 4));
         printf("launches=%d counter=%u messages=%llu ring_entries=%llu kicks=%llu\n", n, got, (unsigned long long)(m1 - m0), (unsigned long long)(e1 - e0), (unsigned long long)(k1 - k0));
         return got == (unsigned int)n ? 0 : 1;
+    }
+    if (!strcmp(mode, "graph") && argc > 3) {
+        int k = atoi(argv[2]), n = atoi(argv[3]);
+        CUfunction bump = bump_in(bump_ptx);
+        CUdeviceptr counter = counter_of(0), seven, copied;
+        CHECK(cuMemAlloc(&seven, 4));
+        CHECK(cuMemAlloc(&copied, 4));
+        unsigned int *host;
+        CHECK(cuMemAllocHost((void **)&host, 4));
+        *host = 0;
+        CUstream s;
+        CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+        void *args[] = {&counter};
+        CHECK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+        CHECK(cuMemsetD32Async(seven, 7, 1, s));
+        for (int i = 0; i < k; i++) CHECK(cuLaunchKernel(bump, 1, 1, 1, 1, 1, 1, 0, s, args, NULL));
+        CHECK(cuMemcpyDtoDAsync(copied, seven, 4, s));
+        CHECK(cuMemcpyDtoHAsync(host, copied, 4, s));
+        for (int i = 0; i < k; i++) CHECK(cuLaunchKernel(bump, 1, 1, 1, 1, 1, 1, 0, s, args, NULL));
+        CUgraph graph;
+        CUgraphExec exec;
+        CHECK(cuStreamEndCapture(s, &graph));
+        CHECK(cuGraphInstantiate(&exec, graph, 0));
+        cuuint64_t m0, e0, k0, m1, e1, k1;
+        CHECK(vgpuGetConnectionStats(&m0, &e0, &k0));
+        for (int i = 0; i < n; i++) CHECK(cuGraphLaunch(exec, s));
+        CHECK(cuStreamSynchronize(s));
+        CHECK(vgpuGetConnectionStats(&m1, &e1, &k1));
+        unsigned int got = 0, cp = 0;
+        CHECK(cuMemcpyDtoH(&got, counter, 4));
+        CHECK(cuMemcpyDtoH(&cp, copied, 4));
+        printf("graph kernels=%d counter=%u copied=%u host=%u messages=%llu ring_entries=%llu\n", 2 * k * n, got, cp, *host, (unsigned long long)(m1 - m0), (unsigned long long)(e1 - e0));
+        CHECK(cuGraphExecDestroy(exec));
+        CHECK(cuGraphDestroy(graph));
+        /* A destroyed graph is gone. */
+        printf("after_destroy=%s\n", name_of(cuGraphLaunch(exec, s)));
+        return got == (unsigned int)(2 * k * n) && cp == 7 && *host == 7 ? 0 : 1;
     }
     size_t bytes = strtoull(argv[2], NULL, 0);
     if (!strcmp(mode, "fill") || !strcmp(mode, "check") || !strcmp(mode, "hold")) {

@@ -28,6 +28,8 @@ typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef struct CUlinkState_st *CUlinkState;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
 
 typedef enum cudaError_enum {
@@ -246,6 +248,21 @@ CUresult cuEventDestroy_v2(CUevent hEvent);
 /* Extension: what this process's connection cost the transport so far
  * (messages or virtio-gpu submissions as the device counted them, ring
  * entries consumed, wake-ups). */
+/* CUDA graphs, as stream capture makes them. */
+typedef enum CUstreamCaptureMode_enum {
+    CU_STREAM_CAPTURE_MODE_GLOBAL = 0,
+    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2
+} CUstreamCaptureMode;
+#define cuStreamBeginCapture cuStreamBeginCapture_v2
+#define cuGraphInstantiate cuGraphInstantiateWithFlags
+CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode);
+CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags);
+CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
+CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
+CUresult cuGraphDestroy(CUgraph hGraph);
+
 CUresult vgpuGetConnectionStats(cuuint64_t *messages, cuuint64_t *ringEntries, cuuint64_t *kicks);
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,

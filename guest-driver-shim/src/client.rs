@@ -139,7 +139,7 @@ fn env_size(name: &str, default: usize) -> usize {
 /// Whether the ring may carry `req` (descriptors, module images and inline
 /// copies go on the transport).
 fn ring_eligible(req: &Request) -> bool {
-    !matches!(req, Request::RegisterShm(_) | Request::AttachRing(_) | Request::ModuleLoad(..))
+    !matches!(req, Request::RegisterShm(_) | Request::AttachRing(_) | Request::ModuleLoad(..) | Request::GraphCreate(..))
         && !matches!(req, Request::MemcpyHtoD(b, _) if b.loc == DataLoc::Inline as u32)
         && !matches!(req, Request::MemcpyDtoH(b) if b.loc == DataLoc::Inline as u32)
 }

@@ -65,6 +65,9 @@ pub struct State {
     func_ids: HashMap<(u64, usize), u64>,
     pinned: HashMap<usize, Layout>,
     registered: BTreeMap<usize, usize>,
+    /// Graphs a capture made, and executable graphs: (context, the work).
+    graphs: HashMap<u64, (u64, Vec<Op>)>,
+    graph_execs: HashMap<u64, (u64, Vec<Op>)>,
 }
 
 impl State {
@@ -259,6 +262,8 @@ fn destroy_ctx(d: &Driver, c: u64) -> Res {
     let funcs = &st.funcs;
     let live: Vec<(u64, usize)> = st.func_ids.iter().filter(|(_, f)| funcs.contains_key(f)).map(|(key, _)| *key).collect();
     st.func_ids.retain(|key, _| live.contains(key));
+    st.graphs.retain(|_, (gc, _)| *gc != c);
+    st.graph_execs.retain(|_, (gc, _)| *gc != c);
     drop(st);
     d.heap.free_ctx(c);
     if current() == c {
@@ -695,7 +700,10 @@ fn fill_async(dst: CUdeviceptr, elem: Vec<u8>, count: usize, s: Handle) -> CUres
 ///   tests can watch a scrub's check catch memory that was not zeroed;
 /// - `host-register-fails`: `cuMemHostRegister` fails with
 ///   `CUDA_ERROR_NOT_SUPPORTED`, as NVIDIA's driver does where host memory
-///   cannot be pinned, so tests reach the executor's staged copies.
+///   cannot be pinned, so tests reach the executor's staged copies;
+/// - `capture-fails`: `cuStreamBeginCapture` fails with
+///   `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, so tests see a tenant's
+///   graphs run piece by piece where the executor cannot build them.
 pub const FAULT_ENV: &str = "VGPU_TESTDRIVER_FAULT";
 
 fn fault(name: &str) -> bool {
@@ -1056,6 +1064,96 @@ pub extern "C" fn cuLaunchKernel(
         drop(st);
         stream.submit(Op::Kernel { module, index, cfg: vgpu_ptx::LaunchConfig { grid, block, dynamic_shared: shared }, params: block_params });
         Ok(())
+    })
+}
+
+// ---- graphs, as stream capture makes them ----------------------------------
+//
+// Modelled on the documented behaviour: work submitted to a capturing
+// stream is recorded, not run; a capture ends in a graph; an executable
+// graph instantiated from it runs that work in order on the stream it is
+// launched on, after the work queued there before, and may be launched
+// again and again. The null stream cannot capture. Graphs die with their
+// context.
+
+#[no_mangle]
+pub extern "C" fn cuStreamBeginCapture_v2(s: Handle, mode: c_int) -> CUresult {
+    entry(|d| {
+        usable(d)?;
+        if s.is_null() || fault("capture-fails") {
+            return Err(E::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        if !(0..=2).contains(&mode) {
+            return Err(E::CUDA_ERROR_INVALID_VALUE);
+        }
+        let stream = stream_of(&mut d.state(), s)?;
+        if !stream.begin_capture() {
+            return Err(E::CUDA_ERROR_ILLEGAL_STATE);
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamEndCapture(s: Handle, graph: *mut Handle) -> CUresult {
+    entry(|d| {
+        usable(d)?;
+        let mut st = d.state();
+        let stream = stream_of(&mut st, s)?;
+        let ops = stream.end_capture().ok_or(E::CUDA_ERROR_ILLEGAL_STATE)?;
+        let id = st.id();
+        st.graphs.insert(id, (stream.ctx, ops));
+        out(graph, h(id))
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphInstantiateWithFlags(exec: *mut Handle, graph: Handle, flags: u64) -> CUresult {
+    entry(|d| {
+        usable(d)?;
+        if flags != 0 {
+            return Err(E::CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut st = d.state();
+        let g = st.graphs.get(&k(graph)).cloned().ok_or(E::CUDA_ERROR_INVALID_HANDLE)?;
+        let id = st.id();
+        st.graph_execs.insert(id, g);
+        out(exec, h(id))
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphLaunch(exec: Handle, s: Handle) -> CUresult {
+    entry(|d| {
+        usable(d)?;
+        let mut st = d.state();
+        let (ctx, ops) = st.graph_execs.get(&k(exec)).cloned().ok_or(E::CUDA_ERROR_INVALID_HANDLE)?;
+        let stream = stream_of(&mut st, s)?;
+        if stream.ctx != ctx {
+            return Err(E::CUDA_ERROR_INVALID_CONTEXT);
+        }
+        drop(st);
+        for op in ops {
+            stream.submit(op);
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphExecDestroy(exec: Handle) -> CUresult {
+    entry(|d| {
+        inited(d)?;
+        // Launches already queued keep their own copy of the work.
+        d.state().graph_execs.remove(&k(exec)).map(|_| ()).ok_or(E::CUDA_ERROR_INVALID_HANDLE)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphDestroy(graph: Handle) -> CUresult {
+    entry(|d| {
+        inited(d)?;
+        d.state().graphs.remove(&k(graph)).map(|_| ()).ok_or(E::CUDA_ERROR_INVALID_HANDLE)
     })
 }
 

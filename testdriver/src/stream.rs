@@ -10,6 +10,7 @@ use virtio_gpu_compute::CuResult;
 use crate::cuda::LoadedModule;
 use crate::mem::KernelMem;
 
+#[derive(Clone)]
 pub enum Op {
     Kernel { module: Arc<LoadedModule>, index: usize, cfg: LaunchConfig, params: Vec<u8> },
     Fill { dst: u64, elem: Vec<u8>, count: u64 },
@@ -23,6 +24,9 @@ struct Queue {
     queued: u64,
     done: u64,
     closed: bool,
+    /// While the stream captures (`cuStreamBeginCapture`), the work
+    /// submitted to it is recorded here instead of run.
+    capture: Option<Vec<Op>>,
 }
 
 pub struct Stream {
@@ -43,14 +47,34 @@ impl Stream {
         self.q.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues `op`; returns its sequence number.
+    /// Queues `op` (records it, while capturing); returns its sequence
+    /// number.
     pub fn submit(&self, op: Op) -> u64 {
         let mut q = self.lock();
+        if let Some(c) = q.capture.as_mut() {
+            c.push(op);
+            return q.queued;
+        }
         q.queued += 1;
         let seq = q.queued;
         q.ops.push_back((seq, op));
         self.cv.notify_all();
         seq
+    }
+
+    /// Starts recording the work submitted: false if it already captures.
+    pub fn begin_capture(&self) -> bool {
+        let mut q = self.lock();
+        if q.capture.is_some() {
+            return false;
+        }
+        q.capture = Some(Vec::new());
+        true
+    }
+
+    /// Ends a capture: the work it recorded (None: it was not capturing).
+    pub fn end_capture(&self) -> Option<Vec<Op>> {
+        self.lock().capture.take()
     }
 
     /// The sequence number of the last op queued so far.

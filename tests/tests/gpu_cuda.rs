@@ -313,6 +313,33 @@ fn gpu_copies_staged_when_host_memory_cannot_be_pinned_arrive_whole() {
     assert!(out.contains("copies=ok"), "{out}");
 }
 
+/// A captured graph's runs of device work become CUDA graphs the tenant's
+/// executor built (by stream capture on a stream of its own), each
+/// launched whole with one request: the work runs right, again and
+/// again, and every kernel is metered. Where the driver cannot capture
+/// (the test double's `capture-fails`), the shim runs the pieces one by
+/// one: the same results, at a request per piece.
+#[test]
+fn gpu_captured_graphs_run_as_cuda_graphs_of_the_executor() {
+    let test = "gpu_captured_graphs_run_as_cuda_graphs_of_the_executor";
+    let Some((m, gpu)) = gpu_mediator(test, &[]) else { return };
+    let sock = m.tenant_on("grapher", "64MiB", &gpu);
+    let (k, n) = (8u64, if m.on_test_driver { 40u64 } else { 2000 });
+    let run = |sock: &std::path::Path| run_ok(sample("tenant_probe", sock).args(["graph", &k.to_string(), &n.to_string()]));
+    let entries = |out: &str| -> u64 { out.split("ring_entries=").nth(1).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{out}")) };
+    let out = run(&sock);
+    assert!(out.contains(&format!("graph kernels={} counter={} copied=7 host=7 ", 2 * k * n, 2 * k * n)), "{out}");
+    assert!(entries(&out) <= 3 * n + 8, "{out}");
+    let labels = format!("tenant=\"grapher\",device=\"{gpu}\"");
+    assert!(m.metric("vgpu_tenant_kernels_total", &labels).expect("kernels") >= (2 * k * n) as f64);
+    drop(m);
+    let Some(m) = faulty_test_driver(test, "capture-fails") else { return };
+    let sock = m.tenant_on("grapher", "64MiB", "gpu0");
+    let out = run(&sock);
+    assert!(out.contains(&format!("graph kernels={} counter={} copied=7 host=7 ", 2 * k * n, 2 * k * n)), "{out}");
+    assert!(entries(&out) >= (2 * k + 3) * n, "pieces one by one: {out}");
+}
+
 /// An allocation's scrub is checked off the critical path (sample reads
 /// queued behind the memset), but before any byte of the device goes back
 /// to the tenant. With zeroing broken on purpose (the test double's fault

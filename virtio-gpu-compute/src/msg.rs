@@ -27,6 +27,8 @@ pub const MAX_ERROR_TEXT: usize = 1024;
 /// Most contexts one tenant holds on a device (the executor refuses more),
 /// so most processes a `GetProcesses` reply lists.
 pub const MAX_CONTEXTS: usize = 256;
+/// Most nodes one graph holds.
+pub const MAX_GRAPH_NODES: u32 = 1 << 16;
 /// The default (legacy) stream handle.
 pub const DEFAULT_STREAM: u32 = 0;
 
@@ -126,6 +128,9 @@ opcodes! {
     RingKick = 32,
     GetDeviceAttributes = 33,
     GetProcesses = 34,
+    GraphCreate = 35,
+    GraphLaunch = 36,
+    GraphDestroy = 37,
 }
 
 /// Where a copy's host-side bytes live.
@@ -217,6 +222,90 @@ wire_struct! {
     }
 }
 wire_struct! { pub struct HandleReq { pub ctx: u32, pub handle: u32 } }
+wire_struct! {
+    /// Builds an executable graph in `ctx` from `count` nodes, which
+    /// follow in `nodes_len` bytes: each a [`GraphNodeHdr`] and its body.
+    /// The work runs in node order when the graph is launched.
+    pub struct GraphCreateReq { pub ctx: u32, pub count: u32, pub nodes_len: u32, pub reserved: u32 }
+}
+wire_struct! {
+    /// `kind`: [`GRAPH_KERNEL`] (a [`GraphKernel`] and its parameter
+    /// bytes), [`GRAPH_MEMSET`] (a [`GraphMemset`]) or [`GRAPH_COPY`] (a
+    /// [`GraphCopy`], device to device).
+    pub struct GraphNodeHdr { pub kind: u32, pub reserved: u32 }
+}
+wire_struct! {
+    pub struct GraphKernel {
+        pub func: u32, pub shared_bytes: u32,
+        pub grid: [u32; 3], pub block: [u32; 3],
+        pub params_len: u32, pub reserved: u32,
+    }
+}
+wire_struct! {
+    /// As [`MemsetReq`], without context and stream.
+    pub struct GraphMemset { pub dptr: u64, pub value: u32, pub elem_size: u32, pub count: u64 }
+}
+wire_struct! { pub struct GraphCopy { pub dst: u64, pub src: u64, pub size: u64 } }
+wire_struct! {
+    /// Stream-ordered: runs graph `graph` of `ctx` on `stream`.
+    pub struct GraphLaunchReq { pub ctx: u32, pub stream: u32, pub graph: u32, pub reserved: u32 }
+}
+
+/// [`GraphNodeHdr::kind`] of a kernel launch.
+pub const GRAPH_KERNEL: u32 = 1;
+/// [`GraphNodeHdr::kind`] of a memset.
+pub const GRAPH_MEMSET: u32 = 2;
+/// [`GraphNodeHdr::kind`] of a device-to-device copy.
+pub const GRAPH_COPY: u32 = 3;
+
+/// One node of a graph, decoded and checked as its own request would be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GraphNode {
+    Kernel(GraphKernel, Vec<u8>),
+    Memset(GraphMemset),
+    Copy(GraphCopy),
+}
+
+impl GraphNode {
+    fn put(&self, p: &mut Vec<u8>) {
+        let kind = match self {
+            GraphNode::Kernel(..) => GRAPH_KERNEL,
+            GraphNode::Memset(_) => GRAPH_MEMSET,
+            GraphNode::Copy(_) => GRAPH_COPY,
+        };
+        GraphNodeHdr { kind, reserved: 0 }.put(p);
+        match self {
+            GraphNode::Kernel(k, params) => {
+                k.put(p);
+                p.extend_from_slice(params);
+            }
+            GraphNode::Memset(m) => m.put(p),
+            GraphNode::Copy(c) => c.put(p),
+        }
+    }
+
+    fn get(r: &mut Reader<'_>) -> Result<GraphNode, WireError> {
+        let h = GraphNodeHdr::get(r)?;
+        zero(h.reserved, "graph node.reserved")?;
+        Ok(match h.kind {
+            GRAPH_KERNEL => {
+                let k = GraphKernel::get(r)?;
+                zero(k.reserved, "graph kernel.reserved")?;
+                dims(&k.grid, &k.block)?;
+                bounded("kernel parameters", k.params_len as u64, MAX_PARAM_BYTES as u64)?;
+                let params = r.take(k.params_len as usize)?.to_vec();
+                GraphNode::Kernel(k, params)
+            }
+            GRAPH_MEMSET => {
+                let m = GraphMemset::get(r)?;
+                memset_fields(m.value, m.elem_size, m.count)?;
+                GraphNode::Memset(m)
+            }
+            GRAPH_COPY => GraphNode::Copy(GraphCopy::get(r)?),
+            k => return Err(WireError::BadField { what: "graph node kind", value: k as u64 }),
+        })
+    }
+}
 wire_struct! { pub struct EventRecordReq { pub ctx: u32, pub event: u32, pub stream: u32, pub reserved: u32 } }
 wire_struct! { pub struct EventElapsedReq { pub ctx: u32, pub start: u32, pub end: u32, pub reserved: u32 } }
 wire_struct! {
@@ -367,6 +456,10 @@ pub enum Request {
     GetDeviceAttributes,
     /// The tenant's processes holding contexts on the device.
     GetProcesses,
+    GraphCreate(GraphCreateReq, Vec<GraphNode>),
+    GraphLaunch(GraphLaunchReq),
+    /// `handle` is the graph.
+    GraphDestroy(HandleReq),
 }
 
 fn zero(v: u32, what: &'static str) -> Result<(), WireError> {
@@ -421,6 +514,30 @@ fn trailer(r: &mut Reader<'_>, len: u64, what: &'static str) -> Result<Vec<u8>, 
     Ok(r.rest().to_vec())
 }
 
+/// A memset's element size (1, 2 or 4), a value that fits it, and a
+/// byte count that does not overflow.
+fn memset_fields(value: u32, elem_size: u32, count: u64) -> Result<(), WireError> {
+    if !matches!(elem_size, 1 | 2 | 4) {
+        return Err(WireError::BadField { what: "memset element size", value: elem_size as u64 });
+    }
+    if elem_size < 4 && value >> (8 * elem_size) != 0 {
+        return Err(WireError::BadField { what: "memset value", value: value as u64 });
+    }
+    count.checked_mul(elem_size as u64).ok_or(WireError::BadField { what: "memset count", value: count })?;
+    Ok(())
+}
+
+/// A launch's grid and block dimensions: none zero.
+fn dims(grid: &[u32; 3], block: &[u32; 3]) -> Result<(), WireError> {
+    for (i, d) in grid.iter().chain(block.iter()).enumerate() {
+        if *d == 0 {
+            let what = if i < 3 { "grid dimension" } else { "block dimension" };
+            return Err(WireError::BadField { what, value: 0 });
+        }
+    }
+    Ok(())
+}
+
 fn end(r: &Reader<'_>) -> Result<(), WireError> {
     if r.remaining() != 0 {
         return Err(WireError::TrailingBytes(r.remaining()));
@@ -465,7 +582,27 @@ impl Request {
             Request::RingKick => Opcode::RingKick,
             Request::GetDeviceAttributes => Opcode::GetDeviceAttributes,
             Request::GetProcesses => Opcode::GetProcesses,
+            Request::GraphCreate(..) => Opcode::GraphCreate,
+            Request::GraphLaunch(_) => Opcode::GraphLaunch,
+            Request::GraphDestroy(_) => Opcode::GraphDestroy,
         }
+    }
+
+    /// Whether the request is work on a stream, run in that stream's
+    /// order (launches, memsets, copies, event records, stream waits and
+    /// graph launches), rather than answered at once.
+    pub fn is_stream_ordered(&self) -> bool {
+        matches!(
+            self,
+            Request::Memset(_)
+                | Request::MemcpyHtoD(..)
+                | Request::MemcpyDtoH(_)
+                | Request::MemcpyDtoD(_)
+                | Request::LaunchKernel(..)
+                | Request::EventRecord(_)
+                | Request::StreamWait(_)
+                | Request::GraphLaunch(_)
+        )
     }
 
     /// Encodes header + payload.
@@ -512,6 +649,16 @@ impl Request {
             Request::AttachRing(b) => b.put(&mut p),
             Request::UnregisterShm(b) => b.put(&mut p),
             Request::StreamWait(b) => b.put(&mut p),
+            Request::GraphCreate(b, nodes) => {
+                let mut body = Vec::new();
+                for n in nodes {
+                    n.put(&mut body);
+                }
+                GraphCreateReq { count: nodes.len() as u32, nodes_len: body.len() as u32, ..*b }.put(&mut p);
+                p.extend_from_slice(&body);
+            }
+            Request::GraphLaunch(b) => b.put(&mut p),
+            Request::GraphDestroy(b) => b.put(&mut p),
         }
         let mut out = Vec::with_capacity(MsgHeader::SIZE + p.len());
         MsgHeader::new(self.opcode(), seq, 0, p.len() as u32).put(&mut out);
@@ -587,13 +734,7 @@ impl Request {
             }
             Opcode::Memset => {
                 let b = MemsetReq::get(r)?;
-                if !matches!(b.elem_size, 1 | 2 | 4) {
-                    return Err(WireError::BadField { what: "memset element size", value: b.elem_size as u64 });
-                }
-                if b.elem_size < 4 && b.value >> (8 * b.elem_size) != 0 {
-                    return Err(WireError::BadField { what: "memset value", value: b.value as u64 });
-                }
-                b.count.checked_mul(b.elem_size as u64).ok_or(WireError::BadField { what: "memset count", value: b.count })?;
+                memset_fields(b.value, b.elem_size, b.count)?;
                 Request::Memset(b)
             }
             Opcode::MemcpyHtoD => {
@@ -653,12 +794,7 @@ impl Request {
             Opcode::LaunchKernel => {
                 let b = LaunchReq::get(r)?;
                 zero(b.reserved, "launch.reserved")?;
-                for (i, d) in b.grid.iter().chain(b.block.iter()).enumerate() {
-                    if *d == 0 {
-                        let what = if i < 3 { "grid dimension" } else { "block dimension" };
-                        return Err(WireError::BadField { what, value: 0 });
-                    }
-                }
+                dims(&b.grid, &b.block)?;
                 bounded("kernel parameters", b.params_len as u64, MAX_PARAM_BYTES as u64)?;
                 let params = trailer(r, b.params_len as u64, "kernel parameters")?;
                 Request::LaunchKernel(b, params)
@@ -682,6 +818,30 @@ impl Request {
                 zero(b.reserved, "elapsed.reserved")?;
                 Request::EventElapsedTime(b)
             }
+            Opcode::GraphCreate => {
+                let b = GraphCreateReq::get(r)?;
+                zero(b.reserved, "graph.reserved")?;
+                if b.count == 0 {
+                    return Err(WireError::BadField { what: "graph node count", value: 0 });
+                }
+                bounded("graph nodes", b.count as u64, MAX_GRAPH_NODES as u64)?;
+                let body = trailer(r, b.nodes_len as u64, "graph nodes")?;
+                let mut nr = Reader::new(&body);
+                // No more room than the bytes can hold (a copy is the
+                // smallest node), whatever the count claims.
+                let mut nodes = Vec::with_capacity((b.count as usize).min(body.len() / (GraphNodeHdr::SIZE + GraphCopy::SIZE)));
+                for _ in 0..b.count {
+                    nodes.push(GraphNode::get(&mut nr)?);
+                }
+                end(&nr)?;
+                Request::GraphCreate(b, nodes)
+            }
+            Opcode::GraphLaunch => {
+                let b = GraphLaunchReq::get(r)?;
+                zero(b.reserved, "graph launch.reserved")?;
+                Request::GraphLaunch(b)
+            }
+            Opcode::GraphDestroy => Request::GraphDestroy(HandleReq::get(r)?),
             Opcode::RegisterShm => {
                 let b = RegisterShmReq::get(r)?;
                 zero(b.flags, "shm.flags")?;
@@ -784,7 +944,7 @@ impl Reply {
         let reply = match op {
             Opcode::GetDeviceInfo => Reply::DeviceInfo(DeviceInfo::get(&mut r)?),
             Opcode::GetTenantInfo => Reply::TenantInfo(TenantInfo::get(&mut r)?),
-            Opcode::CtxCreate | Opcode::StreamCreate | Opcode::EventCreate | Opcode::ModuleLoad => {
+            Opcode::CtxCreate | Opcode::StreamCreate | Opcode::EventCreate | Opcode::ModuleLoad | Opcode::GraphCreate => {
                 let h = HandleReply::get(&mut r)?;
                 zero(h.reserved, "handle.reserved")?;
                 Reply::Handle(h.handle)

@@ -57,6 +57,46 @@ proptest! {
     }
 }
 
+proptest! {
+    #[test]
+    fn graph_round_trips(kinds in proptest::collection::vec(0u8..3, 1..20), params in proptest::collection::vec(any::<u8>(), 0..64), value in any::<u8>()) {
+        let nodes: Vec<GraphNode> = kinds.iter().map(|k| match k {
+            0 => GraphNode::Kernel(GraphKernel { func: 3, shared_bytes: 0, grid: [2, 1, 1], block: [32, 1, 1], params_len: params.len() as u32, reserved: 0 }, params.clone()),
+            1 => GraphNode::Memset(GraphMemset { dptr: 0x7000_0000_0000, value: value as u32, elem_size: 1, count: 100 }),
+            _ => GraphNode::Copy(GraphCopy { dst: 0x7000_0000_1000, src: 0x7000_0000_0000, size: 64 }),
+        }).collect();
+        let req = Request::GraphCreate(GraphCreateReq { ctx: 1, count: 0, nodes_len: 0, reserved: 0 }, nodes.clone());
+        let (_, back) = Request::decode(&req.encode(3)).unwrap();
+        let Request::GraphCreate(b, got) = back else { panic!("not a graph") };
+        prop_assert_eq!(b.count as usize, nodes.len());
+        prop_assert_eq!(got, nodes);
+    }
+}
+
+#[test]
+fn graph_nodes_are_checked_like_their_own_requests() {
+    let create = |n: GraphNode| Request::decode(&Request::GraphCreate(GraphCreateReq { ctx: 1, count: 0, nodes_len: 0, reserved: 0 }, vec![n]).encode(1));
+    let k = GraphKernel { func: 1, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 0, reserved: 0 };
+    assert!(create(GraphNode::Kernel(k, vec![])).is_ok());
+    assert!(matches!(create(GraphNode::Kernel(GraphKernel { grid: [0, 1, 1], ..k }, vec![])), Err(WireError::BadField { what: "grid dimension", .. })));
+    assert!(matches!(create(GraphNode::Kernel(GraphKernel { params_len: 5000, ..k }, vec![0; 5000])), Err(WireError::TooLarge { .. })));
+    let m = GraphMemset { dptr: 0, value: 256, elem_size: 1, count: 1 };
+    assert!(matches!(create(GraphNode::Memset(m)), Err(WireError::BadField { what: "memset value", .. })));
+    assert!(matches!(create(GraphNode::Memset(GraphMemset { elem_size: 3, value: 0, ..m })), Err(WireError::BadField { what: "memset element size", .. })));
+    // A count that claims more nodes than the bytes hold, and one over the bound.
+    let mut lying = Request::GraphCreate(GraphCreateReq { ctx: 1, count: 0, nodes_len: 0, reserved: 0 }, vec![GraphNode::Kernel(k, vec![])]).encode(1);
+    lying[MsgHeader::SIZE + 4..MsgHeader::SIZE + 8].copy_from_slice(&2u32.to_le_bytes());
+    assert!(matches!(Request::decode(&lying), Err(WireError::Truncated)));
+    lying[MsgHeader::SIZE + 4..MsgHeader::SIZE + 8].copy_from_slice(&(MAX_GRAPH_NODES + 1).to_le_bytes());
+    assert!(matches!(Request::decode(&lying), Err(WireError::TooLarge { .. })));
+    // An unknown kind, and an empty graph.
+    let mut bad = Request::GraphCreate(GraphCreateReq { ctx: 1, count: 0, nodes_len: 0, reserved: 0 }, vec![GraphNode::Kernel(k, vec![])]).encode(1);
+    bad[MsgHeader::SIZE + GraphCreateReq::SIZE] = 9;
+    assert!(matches!(Request::decode(&bad), Err(WireError::BadField { what: "graph node kind", .. })));
+    let empty = Request::GraphCreate(GraphCreateReq { ctx: 1, count: 0, nodes_len: 0, reserved: 0 }, vec![]).encode(1);
+    assert!(matches!(Request::decode(&empty), Err(WireError::BadField { what: "graph node count", .. })));
+}
+
 #[test]
 fn every_opcode_rejects_truncated_body() {
     for op in Opcode::ALL {

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
-use super::{piece, AllocTable, Backend, BackendError, Backoff, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot, VolatileSlice};
+use super::{piece, AllocTable, Backend, BackendError, Backoff, DeviceDesc, DeviceModule, FunctionDesc, GraphOp, Launch, ModuleDataAlloc, TenantSlot, VolatileSlice};
 
 /// The oldest driver this backend runs on (CUDA 12.2): the level the
 /// cudarc bindings are pinned to.
@@ -89,6 +89,15 @@ const REQUIRED: &[&str] = &[
     "cuGetErrorName",
     "cuStreamQuery",
 ];
+
+/// The entry points a tenant's graphs are built and run with (stream
+/// capture, CUDA 10 on). Looked up once: a driver without them has each
+/// graph's work run piece by piece instead.
+const GRAPH_SYMBOLS: &[&str] = &["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphExecDestroy", "cuGraphDestroy"];
+
+/// Most executable graphs one tenant's device context holds (the
+/// executor's own bound, per context and host budget, is tighter).
+const MAX_DEVICE_GRAPHS: usize = 1 << 16;
 
 /// `cuFuncGetParamInfo` (CUDA 12.4+): looked up by name, so older drivers
 /// work and fall back to the PTX `.param` declarations.
@@ -212,6 +221,12 @@ struct TenantCtx {
     /// Events of ended launches, for the next ones.
     spare: Vec<cu::CUevent>,
     tickets: u64,
+    /// The stream graphs are captured on (made on first use): never the
+    /// tenant's own, which keeps running its work meanwhile.
+    capture: cu::CUstream,
+    /// The tenant's executable graphs, by the id `graph_create` gave.
+    graphs: HashMap<u64, cu::CUgraphExec>,
+    next_graph: u64,
 }
 
 // SAFETY: CUDA handles may be used from any thread once their context is
@@ -245,6 +260,9 @@ impl TenantCtx {
             last_end: Instant::now(),
             spare: Vec::new(),
             tickets: 0,
+            capture: std::ptr::null_mut(),
+            graphs: HashMap::new(),
+            next_graph: 0,
         })
     }
 
@@ -367,6 +385,12 @@ impl TenantCtx {
             if let Some((buf, ev)) = self.check_buf.take() {
                 drop(buf);
                 cu::cuEventDestroy_v2(ev);
+            }
+            for (_, g) in self.graphs.drain() {
+                cu::cuGraphExecDestroy(g);
+            }
+            if !self.capture.is_null() {
+                cu::cuStreamDestroy_v2(std::mem::replace(&mut self.capture, std::ptr::null_mut()));
             }
             cu::cuStreamDestroy_v2(self.stream);
             cu::cuCtxDestroy_v2(self.ctx);
@@ -504,6 +528,8 @@ pub struct CudaBackend {
     scrubbed: AtomicU64,
     quarantined: AtomicBool,
     param_info: Option<ParamInfoFn>,
+    /// Whether the driver has [`GRAPH_SYMBOLS`].
+    graphs: bool,
     launch_timeout: Duration,
     sample_seed: AtomicU64,
 }
@@ -604,6 +630,8 @@ impl CudaBackend {
         // SAFETY: looks a symbol up by name; a missing one is None. The
         // signature is cuFuncGetParamInfo's, per the CUDA 12.4 headers.
         let param_info = unsafe { cu::culib().get::<ParamInfoFn>(b"cuFuncGetParamInfo").ok().map(|s| *s) };
+        // SAFETY: only the symbols' presence is checked; nothing is called.
+        let graphs = GRAPH_SYMBOLS.iter().all(|name| unsafe { cu::culib().get::<*const c_void>(name.as_bytes()) }.is_ok());
         Ok(CudaBackend {
             desc,
             dev,
@@ -614,6 +642,7 @@ impl CudaBackend {
             scrubbed: AtomicU64::new(0),
             quarantined: AtomicBool::new(false),
             param_info,
+            graphs,
             launch_timeout,
             sample_seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
         })
@@ -676,12 +705,18 @@ impl CudaBackend {
     /// Puts a kernel on the tenant's stream, once the last scrub was
     /// checked; returns without waiting for it.
     fn submit(&self, t: &mut TenantCtx, m: &CudaModule, f: cu::CUfunction, args: &mut [*mut c_void], l: &Launch) -> Result<(), BackendError> {
-        if t.generation != m.generation {
-            return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to a context that no longer exists"));
-        }
         // A kernel can copy device bytes into the tenant's registered
         // host memory: none runs before the last scrub was checked.
         self.settle_check(t)?;
+        let stream = t.stream;
+        Self::submit_on(t, stream, m, f, args, l)
+    }
+
+    /// Puts a kernel on `stream` of the tenant's context.
+    fn submit_on(t: &mut TenantCtx, stream: cu::CUstream, m: &CudaModule, f: cu::CUfunction, args: &mut [*mut c_void], l: &Launch) -> Result<(), BackendError> {
+        if t.generation != m.generation {
+            return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "module belongs to a context that no longer exists"));
+        }
         // SAFETY: f is live in the current context (same generation);
         // `args` holds one pointer per declared parameter, each to at
         // least its declared size of bytes inside the caller's parameter
@@ -697,7 +732,7 @@ impl CudaBackend {
                 l.block[1],
                 l.block[2],
                 l.shared_bytes,
-                t.stream,
+                stream,
                 if args.is_empty() { std::ptr::null_mut() } else { args.as_mut_ptr() },
                 std::ptr::null_mut(),
             )
@@ -725,6 +760,81 @@ impl CudaBackend {
             return None;
         }
         Some(ev)
+    }
+
+    /// A ticket for the work just queued on the tenant's stream. At most
+    /// MAX_QUEUED events per tenant: past that (or without an event) the
+    /// work is waited for here, after what is before it (`None`).
+    fn ticket(&self, t: &mut TenantCtx) -> Result<Option<u64>, BackendError> {
+        let ev = if t.queued.len() < MAX_QUEUED { Self::mark_queued(t) } else { None };
+        let Some(ev) = ev else {
+            self.quiesce(t)?;
+            self.wait_kernel(t)?;
+            return Ok(None);
+        };
+        t.tickets += 1;
+        t.queued.insert(t.tickets, (ev, Instant::now()));
+        Ok(Some(t.tickets))
+    }
+
+    /// Captures `ops` on the tenant's capture stream into an executable
+    /// graph. The capture always ends, so the stream is usable after an
+    /// error.
+    fn capture(t: &mut TenantCtx, ops: &[GraphOp<'_>], kernels: &mut [(&CudaModule, cu::CUfunction, Vec<*mut c_void>)]) -> Result<cu::CUgraphExec, BackendError> {
+        if t.capture.is_null() {
+            let mut s: cu::CUstream = std::ptr::null_mut();
+            // SAFETY: the tenant's context is current; valid out-pointer.
+            check(unsafe { cu::cuStreamCreate(&mut s, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
+            t.capture = s;
+        }
+        let cs = t.capture;
+        // Relaxed: other threads of the executor (other tenants' work in a
+        // shared worker) are not held to the capture's rules.
+        // SAFETY: cs is a live stream of the current context.
+        check(unsafe { cu::cuStreamBeginCapture_v2(cs, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }, "cuStreamBeginCapture")?;
+        let mut k = kernels.iter_mut();
+        let mut recorded = || -> Result<(), BackendError> {
+            for op in ops {
+                match op {
+                    GraphOp::Kernel { launch, .. } => {
+                        let (m, f, args) = k.next().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error: a graph kernel without arguments"))?;
+                        Self::submit_on(t, cs, m, *f, args, launch)?;
+                    }
+                    GraphOp::Fill { dptr, count, elem } => {
+                        let n = *count as usize;
+                        // SAFETY: captured, not run: the range was checked
+                        // against the tenant's allocations, and is checked
+                        // again at each launch of the graph.
+                        let r = unsafe {
+                            match **elem {
+                                [b] => cu::cuMemsetD8Async(*dptr, b, n, cs),
+                                [a, b] => cu::cuMemsetD16Async(*dptr, u16::from_le_bytes([a, b]), n, cs),
+                                [a, b, c, d] => cu::cuMemsetD32Async(*dptr, u32::from_le_bytes([a, b, c, d]), n, cs),
+                                _ => return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "memset elements are 1, 2 or 4 bytes")),
+                            }
+                        };
+                        check(r, "cuMemset (captured)")?;
+                    }
+                    // SAFETY: as for memsets.
+                    GraphOp::Copy { dst, src, len } => check(unsafe { cu::cuMemcpyDtoDAsync_v2(*dst, *src, *len as usize, cs) }, "cuMemcpyDtoDAsync (captured)")?,
+                }
+            }
+            Ok(())
+        };
+        let body = recorded();
+        let mut graph: cu::CUgraph = std::ptr::null_mut();
+        // SAFETY: the capture began above on cs; valid out-pointer.
+        let ended = check(unsafe { cu::cuStreamEndCapture(cs, &mut graph) }, "cuStreamEndCapture");
+        let made = body.and(ended).and_then(|()| {
+            let mut exec: cu::CUgraphExec = std::ptr::null_mut();
+            // SAFETY: graph is the graph the capture made; valid out-pointer.
+            check(unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }, "cuGraphInstantiate").map(|()| exec)
+        });
+        if !graph.is_null() {
+            // SAFETY: the executable graph (if any) is independent of it.
+            unsafe { cu::cuGraphDestroy(graph) };
+        }
+        made
     }
 
     /// Whether cuFuncGetParamInfo was found in the driver.
@@ -1223,17 +1333,7 @@ impl Backend for CudaBackend {
         let (m, f, mut args) = Self::kernel_args(module, func, params)?;
         self.with_queued(slot, |t| {
             self.submit(t, m, f, &mut args, l)?;
-            // At most MAX_QUEUED events per tenant: past that (or without
-            // an event) the kernel is waited for here, after those before it.
-            let ev = if t.queued.len() < MAX_QUEUED { Self::mark_queued(t) } else { None };
-            let Some(ev) = ev else {
-                self.quiesce(t)?;
-                self.wait_kernel(t)?;
-                return Ok(None);
-            };
-            t.tickets += 1;
-            t.queued.insert(t.tickets, (ev, Instant::now()));
-            Ok(Some(t.tickets))
+            self.ticket(t)
         })
     }
 
@@ -1265,6 +1365,54 @@ impl Backend for CudaBackend {
             }
             t.note(check(r, "kernel")).map(|_| true)
         })
+    }
+
+    fn graph_create(&self, slot: TenantSlot, ops: &[GraphOp<'_>]) -> Result<Option<u64>, BackendError> {
+        if !self.graphs {
+            return Ok(None);
+        }
+        let mut kernels = Vec::new();
+        for op in ops {
+            if let GraphOp::Kernel { module, func, params, .. } = op {
+                kernels.push(Self::kernel_args(*module, *func, params)?);
+            }
+        }
+        self.with(slot, |t| {
+            if t.graphs.len() >= MAX_DEVICE_GRAPHS {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many graphs on the tenant's device context"));
+            }
+            let exec = Self::capture(t, ops, &mut kernels);
+            let exec = t.note(exec)?;
+            t.next_graph += 1;
+            t.graphs.insert(t.next_graph, exec);
+            Ok(Some(t.next_graph))
+        })
+    }
+
+    fn graph_launch_queued(&self, slot: TenantSlot, graph: u64) -> Result<Option<u64>, BackendError> {
+        self.with_queued(slot, |t| {
+            let exec = *t.graphs.get(&graph).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "the graph belonged to a device context that was rebuilt"))?;
+            // Its kernels may copy into registered host memory, as any.
+            self.settle_check(t)?;
+            // SAFETY: exec is live in the current context (the map is
+            // emptied when the context goes); the stream is the tenant's.
+            t.note(check(unsafe { cu::cuGraphLaunch(exec, t.stream) }, "cuGraphLaunch"))?;
+            self.ticket(t)
+        })
+    }
+
+    fn graph_destroy(&self, slot: TenantSlot, graph: u64) {
+        let Ok(t) = self.tenant(slot) else { return };
+        let mut g = t.lock().unwrap_or_else(|e| e.into_inner());
+        // An unusable context keeps it until the context goes (`destroy`).
+        if g.current().is_err() {
+            return;
+        }
+        if let Some(exec) = g.graphs.remove(&graph) {
+            // SAFETY: exec is live in the current context; a launch still
+            // running keeps it until it ends (the driver frees it then).
+            unsafe { cu::cuGraphExecDestroy(exec) };
+        }
     }
 
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), BackendError> {

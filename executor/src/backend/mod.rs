@@ -151,6 +151,14 @@ pub struct Launch {
     pub shared_bytes: u32,
 }
 
+/// One piece of a graph's work, in the order the graph runs it; memory
+/// ranges were checked against the tenant's allocations.
+pub enum GraphOp<'a> {
+    Kernel { module: &'a dyn DeviceModule, func: usize, launch: Launch, params: &'a [u8] },
+    Fill { dptr: u64, count: u64, elem: &'a [u8] },
+    Copy { dst: u64, src: u64, len: u64 },
+}
+
 /// A tenant as a backend knows it: the key of its backend-side state (its
 /// own CUDA context on a GPU). Backends without per-tenant state use 0.
 pub type TenantSlot = u64;
@@ -236,6 +244,32 @@ pub trait Backend: Send + Sync {
     fn launch_finished(&self, _slot: TenantSlot, _ticket: u64, _since: std::time::Instant) -> Result<bool, BackendError> {
         Ok(true)
     }
+    /// Builds an executable graph of `ops` (run in order) on the tenant's
+    /// device context, for [`Backend::graph_launch_queued`]: `Some(id)`.
+    /// `None` (the default): this backend has no graphs of its own, and
+    /// the executor runs a graph's work piece by piece.
+    fn graph_create(&self, _slot: TenantSlot, _ops: &[GraphOp<'_>]) -> Result<Option<u64>, BackendError> {
+        Ok(None)
+    }
+    /// Queues graph `graph` on the tenant's stream as one unit of work, as
+    /// [`Backend::launch_queued`] queues a kernel (its ticket is followed
+    /// with [`Backend::launch_finished`]; the launch timeout covers the
+    /// whole graph); `None`: it ran to completion.
+    fn graph_launch_queued(&self, _slot: TenantSlot, _graph: u64) -> Result<Option<u64>, BackendError> {
+        Err(BackendError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "this device builds no graphs"))
+    }
+    /// Runs graph `graph` to completion.
+    fn graph_launch(&self, slot: TenantSlot, graph: u64, since: std::time::Instant) -> Result<(), BackendError> {
+        let Some(ticket) = self.graph_launch_queued(slot, graph)? else { return Ok(()) };
+        let mut b = Backoff::new(std::time::Duration::from_millis(1));
+        while !self.launch_finished(slot, ticket, since)? {
+            b.pause();
+        }
+        Ok(())
+    }
+    /// Frees graph `graph` (unknown ids, as after the tenant's context was
+    /// rebuilt, are ignored).
+    fn graph_destroy(&self, _slot: TenantSlot, _graph: u64) {}
     /// Host memory that copies will come from again and again (a tenant's
     /// shared buffer, a VM's RAM). A GPU backend page-locks it so the copy
     /// engines reach it directly; the default does nothing.

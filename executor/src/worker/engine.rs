@@ -277,7 +277,7 @@ fn work_is_short(k: &WorkKind) -> bool {
         WorkKind::Record { .. } | WorkKind::Wait { .. } => true,
         WorkKind::Fill { count, elem, .. } => count.saturating_mul(elem.len() as u64) <= SHORT_BYTES,
         WorkKind::HtoD { size, .. } | WorkKind::DtoH { size, .. } | WorkKind::DtoD { size, .. } => *size <= SHORT_BYTES,
-        WorkKind::Launch { .. } => false,
+        WorkKind::Launch { .. } | WorkKind::Graph { .. } => false,
     }
 }
 
@@ -720,7 +720,7 @@ impl Ring {
             q.items.pop_front()
         };
         let Some(item) = item else { return };
-        if matches!(item.work.kind, WorkKind::Launch { .. }) && self.svc.pipelines() {
+        if matches!(item.work.kind, WorkKind::Launch { .. } | WorkKind::Graph { .. }) && self.svc.pipelines() {
             self.run_launches(engine, &stream, item);
         } else {
             self.run_item(engine, item);
@@ -737,7 +737,7 @@ impl Ring {
         let _wake_later = vgpu_arbiter::sched::WakeLater::new();
         let next = |fits: &dyn Fn(&Item) -> bool| {
             let mut q = lock(&stream.q);
-            if q.items.front().is_some_and(|i| matches!(i.work.kind, WorkKind::Launch { .. }) && fits(i)) {
+            if q.items.front().is_some_and(|i| matches!(i.work.kind, WorkKind::Launch { .. } | WorkKind::Graph { .. }) && fits(i)) {
                 q.items.pop_front()
             } else {
                 None

@@ -12,7 +12,7 @@ use parking_lot::FairMutex;
 use virtio_gpu_compute::*;
 
 use super::shm::Shm;
-use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, Launch, TenantSlot, VolatileSlice};
+use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, GraphOp, Launch, TenantSlot, VolatileSlice};
 use vgpu_arbiter::ipc::{DeviceStats, TenantStats};
 
 /// Host memory a tenant's objects keep in the worker (parsed modules,
@@ -33,7 +33,13 @@ pub mod host_cost {
     pub const FUNCTION: u64 = 128;
     pub const PARAM: u64 = 8;
     pub const ALLOCATION: u64 = 96;
+    pub const GRAPH: u64 = 256;
+    /// Per node, besides a kernel's parameter bytes.
+    pub const GRAPH_NODE: u64 = 96;
 }
+
+/// Most graphs one context holds.
+pub const MAX_GRAPHS: usize = 4096;
 
 impl HostBudget {
     pub fn new(limit: u64) -> HostBudget {
@@ -153,6 +159,8 @@ struct Ctx {
     streams: HashSet<u32>,
     /// Each event's newest record: (ring entry, or u64::MAX off a ring; time).
     events: HashMap<u32, Option<(u64, Instant)>>,
+    /// Instantiated graphs (`cuGraphInstantiate`), each charged as it says.
+    graphs: HashMap<u32, Arc<Graph>>,
     /// Set by a kernel fault; every later call on the context returns it.
     sticky: Option<(CuResult, String)>,
     /// The process that made it, as it gave its pid (0: not given).
@@ -241,7 +249,8 @@ impl TenantState {
             }
             let id = self.next;
             let used = self.ctxs.contains_key(&id)
-                || (self.wrapped && self.ctxs.values().any(|c| c.modules.contains_key(&id) || c.funcs.contains_key(&id) || c.streams.contains(&id) || c.events.contains_key(&id)));
+                || (self.wrapped
+                    && self.ctxs.values().any(|c| c.modules.contains_key(&id) || c.funcs.contains_key(&id) || c.streams.contains(&id) || c.events.contains_key(&id) || c.graphs.contains_key(&id)));
             if !used {
                 return id;
             }
@@ -296,6 +305,70 @@ pub enum HostMem {
     Reply,
 }
 
+/// A piece of device work run through a lane: a ticket, or `None` once
+/// it ran ([`DeviceService::start_graph`]).
+type Piece<'a> = dyn FnMut() -> Result<Option<u64>, BackendError> + 'a;
+
+/// A tenant's graph: its work, checked when it was built (kernels hold
+/// their modules), and the backend's own executable graph of it, if the
+/// backend builds them. Launched as one piece of stream work.
+pub struct Graph {
+    nodes: Vec<GraphWork>,
+    native: Option<u64>,
+    kernels: u64,
+    /// Bytes its device-to-device copies move.
+    copied: u64,
+    /// Host bytes charged for it to its context.
+    charged: u64,
+    backend: Arc<dyn Backend>,
+    slot: TenantSlot,
+}
+
+enum GraphWork {
+    Kernel { module: Arc<dyn DeviceModule>, index: usize, launch: Launch, params: Vec<u8> },
+    Fill { dptr: u64, count: u64, elem: Vec<u8> },
+    Copy { dst: u64, src: u64, size: u64 },
+}
+
+impl Graph {
+    fn ops(&self) -> Vec<GraphOp<'_>> {
+        self.nodes
+            .iter()
+            .map(|n| match n {
+                GraphWork::Kernel { module, index, launch, params } => GraphOp::Kernel { module: &**module, func: *index, launch: *launch, params },
+                GraphWork::Fill { dptr, count, elem } => GraphOp::Fill { dptr: *dptr, count: *count, elem },
+                GraphWork::Copy { dst, src, size } => GraphOp::Copy { dst: *dst, src: *src, len: *size },
+            })
+            .collect()
+    }
+
+    /// Its memsets and copies still reach only the tenant's allocations:
+    /// memory freed since it was built fails the launch, and nobody
+    /// else's memory is touched.
+    fn check(&self, owned: &AllocTable) -> Result<(), BackendError> {
+        let ok = |addr: u64, len: u64| len == 0 || owned.find(addr, len).is_some();
+        for (i, n) in self.nodes.iter().enumerate() {
+            let fine = match n {
+                GraphWork::Kernel { .. } => true,
+                GraphWork::Fill { dptr, count, elem } => ok(*dptr, count * elem.len() as u64),
+                GraphWork::Copy { dst, src, size } => ok(*dst, *size) && ok(*src, *size),
+            };
+            if !fine {
+                return Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, format!("graph node {i} reaches memory freed since the graph was built")));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if let Some(id) = self.native {
+            self.backend.graph_destroy(self.slot, id);
+        }
+    }
+}
+
 /// Stream-ordered device work, checked against the tenant's state when it
 /// was submitted and run later, in its stream's order, without the
 /// tenant's lock.
@@ -335,6 +408,10 @@ pub enum WorkKind {
     /// Waits for ring entry `seq` (handled by the stream engine).
     Wait {
         seq: u64,
+    },
+    /// Runs a graph's work, in order.
+    Graph {
+        graph: Arc<Graph>,
     },
 }
 
@@ -402,12 +479,16 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, BackendError>) -> Result<T, BackendE
 impl<I: AsRef<Work>> super::pipeline::Queue<I> for Batch<'_> {
     fn queue(&mut self, item: &I) -> Result<Option<u64>, BackendError> {
         let w = item.as_ref();
-        let WorkKind::Launch { module, index, launch, params } = &w.kind else {
-            return Err(BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error: a batch of launches was given other work"));
-        };
         let owned = DeviceService::runnable(self.t, w.ctx)?;
-        self.t.kernels.fetch_add(1, Ordering::Relaxed);
-        let r = guarded(|| self.svc.backend.launch_queued(self.t.slot, &**module, *index, launch, params, &owned));
+        let r = match &w.kind {
+            WorkKind::Launch { module, index, launch, params } => {
+                self.t.kernels.fetch_add(1, Ordering::Relaxed);
+                guarded(|| self.svc.backend.launch_queued(self.t.slot, &**module, *index, launch, params, &owned))
+            }
+            // The batch holds the lane: pieces run without taking it again.
+            WorkKind::Graph { graph } => guarded(|| self.svc.start_graph(self.t, graph, &owned, true, &mut |f| f())),
+            _ => Err(BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error: a batch of launches was given other work")),
+        };
         if let Err(e) = &r {
             DeviceService::faulted(self.t, w.ctx, e);
         }
@@ -428,8 +509,13 @@ impl<I: AsRef<Work>> super::pipeline::Queue<I> for Batch<'_> {
 
     fn kernel(&self, item: &I) -> super::pipeline::Kernel {
         use std::hash::BuildHasher;
-        let WorkKind::Launch { module, index, launch, .. } = &item.as_ref().kind else { return (0, 0) };
         let h = std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default();
+        let (module, index, launch) = match &item.as_ref().kind {
+            WorkKind::Launch { module, index, launch, .. } => (module, index, launch),
+            // A graph is timed as a whole, by its address while it is held.
+            WorkKind::Graph { graph } => return (h.hash_one(Arc::as_ptr(graph) as usize), u64::MAX),
+            _ => return (0, 0),
+        };
         // The module's address names it while the launch holds it; a
         // later module at the same address inherits a stale estimate,
         // which its first runs correct.
@@ -778,9 +864,7 @@ impl DeviceService {
     /// stream waits) come back as [`Work`] for their stream to run.
     pub fn prepare(&self, t: &Tenant, conn: &mut Conn, req: Request) -> Result<Prepared, Reply> {
         match req {
-            Request::Memset(_) | Request::MemcpyHtoD(..) | Request::MemcpyDtoH(_) | Request::MemcpyDtoD(_) | Request::LaunchKernel(..) | Request::EventRecord(_) | Request::StreamWait(_) => {
-                self.check_work(t, conn, req).map(Prepared::Work)
-            }
+            req if req.is_stream_ordered() => self.check_work(t, conn, req).map(Prepared::Work),
             other => Ok(Prepared::Done(match self.dispatch(t, conn, other) {
                 Ok(r) | Err(r) => r,
             })),
@@ -834,6 +918,11 @@ impl DeviceService {
                 (b.ctx, b.stream, WorkKind::Record { event: b.event, order: u64::MAX })
             }
             Request::StreamWait(b) => (b.ctx, b.stream, WorkKind::Wait { seq: b.seq }),
+            Request::GraphLaunch(b) => {
+                let c = st.ctxs.get(&b.ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {}", b.ctx)))?;
+                let graph = c.graphs.get(&b.graph).cloned().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no graph {}", b.graph)))?;
+                (b.ctx, b.stream, WorkKind::Graph { graph })
+            }
             _ => return Err(err(CuResult::CUDA_ERROR_UNKNOWN, "not a stream-ordered request")),
         };
         let c = st.ctxs.get(&ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {ctx}")))?;
@@ -938,7 +1027,41 @@ impl DeviceService {
                 Ok(None)
             }
             WorkKind::Wait { .. } => Err(BackendError::new(CuResult::CUDA_ERROR_NOT_SUPPORTED, "stream waits need a command ring")),
+            WorkKind::Graph { graph } => {
+                // Each piece takes a lane of its own, as its own request
+                // would; a backend's own graph is waited for under its lane.
+                let r = self.start_graph(t, graph, &owned, false, &mut |f| self.timed(t, &mut *f));
+                if let Err(e) = &r {
+                    Self::faulted(t, w.ctx, e);
+                }
+                r.map(|_| None)
+            }
         }
+    }
+
+    /// Starts a graph's work: checks its memory ranges and counts its
+    /// kernels and bytes; then the backend's own graph runs through
+    /// `lane`, queued (`queue`: its ticket) or to its end, or else each
+    /// piece runs through `lane` in turn (`None`: all ran).
+    fn start_graph(&self, t: &Tenant, g: &Graph, owned: &AllocTable, queue: bool, lane: &mut dyn FnMut(&mut Piece<'_>) -> Result<Option<u64>, BackendError>) -> Result<Option<u64>, BackendError> {
+        g.check(owned)?;
+        t.kernels.fetch_add(g.kernels, Ordering::Relaxed);
+        t.copied.fetch_add(g.copied, Ordering::Relaxed);
+        let (b, slot) = (&self.backend, t.slot);
+        if let Some(id) = g.native {
+            return lane(&mut || if queue { b.graph_launch_queued(slot, id) } else { b.graph_launch(slot, id, Instant::now()).map(|_| None) });
+        }
+        for n in &g.nodes {
+            lane(&mut || {
+                match n {
+                    GraphWork::Kernel { module, index, launch, params } => b.launch(slot, &**module, *index, launch, params, owned).map(|_| ()),
+                    GraphWork::Fill { dptr, count, elem } => b.fill(slot, *dptr, *count, elem),
+                    GraphWork::Copy { dst, src, size } => b.copy(slot, *dst, *src, *size),
+                }
+                .map(|_| None)
+            })?;
+        }
+        Ok(None)
     }
 
     /// Whether work of context `ctx` may run now: the tenant is live and
@@ -1002,6 +1125,58 @@ impl DeviceService {
                 }
             }
         }
+    }
+
+    /// Checks a graph's nodes as their own requests would be checked,
+    /// charges its host memory to context `ctx`, and has the backend build
+    /// its own graph of it where it can.
+    fn build_graph(&self, t: &Tenant, st: &mut TenantState, ctx: u32, nodes: Vec<GraphNode>) -> R<Graph> {
+        if Self::ctx(st, ctx)?.graphs.len() >= MAX_GRAPHS {
+            return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("a context holds at most {MAX_GRAPHS} graphs")));
+        }
+        let c = st.ctxs.get(&ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {ctx}")))?;
+        let mut g = Graph { nodes: Vec::with_capacity(nodes.len()), native: None, kernels: 0, copied: 0, charged: host_cost::GRAPH, backend: self.backend.clone(), slot: t.slot };
+        for (i, n) in nodes.into_iter().enumerate() {
+            let at = |r: Reply| match r {
+                Reply::Error(code, msg) => err(code, format!("graph node {i}: {msg}")),
+                other => other,
+            };
+            g.charged += host_cost::GRAPH_NODE;
+            g.nodes.push(match n {
+                GraphNode::Kernel(k, params) => {
+                    let (mid, f) = c.funcs.get(&k.func).ok_or_else(|| at(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {}", k.func))))?;
+                    if (params.len() as u32) < f.params_size {
+                        return Err(at(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{} parameter bytes given, the kernel takes {}", params.len(), f.params_size))));
+                    }
+                    let module = c.modules.get(mid).cloned().ok_or_else(|| at(err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded")))?;
+                    g.kernels += 1;
+                    g.charged += params.len() as u64;
+                    GraphWork::Kernel { module, index: f.index, launch: Launch { grid: k.grid, block: k.block, shared_bytes: k.shared_bytes }, params }
+                }
+                GraphNode::Memset(m) => {
+                    Self::owned(st, m.dptr, m.count * m.elem_size as u64, "memset").map_err(at)?;
+                    if m.dptr % m.elem_size as u64 != 0 {
+                        return Err(at(err(CuResult::CUDA_ERROR_INVALID_VALUE, "misaligned memset destination")));
+                    }
+                    GraphWork::Fill { dptr: m.dptr, count: m.count, elem: m.value.to_le_bytes()[..m.elem_size as usize].to_vec() }
+                }
+                GraphNode::Copy(cp) => {
+                    Self::owned(st, cp.src, cp.size, "copy source").map_err(at)?;
+                    Self::owned(st, cp.dst, cp.size, "copy destination").map_err(at)?;
+                    g.copied += cp.size;
+                    GraphWork::Copy { dst: cp.dst, src: cp.src, size: cp.size }
+                }
+            });
+        }
+        Self::charge(t, Self::ctx(st, ctx)?, g.charged, "a graph")?;
+        match guarded(|| self.backend.graph_create(t.slot, &g.ops())) {
+            Ok(native) => g.native = native,
+            Err(e) => {
+                Self::uncharge(t, Self::ctx(st, ctx)?, g.charged);
+                return Err(e.into());
+            }
+        }
+        Ok(g)
     }
 
     fn ctx(st: &mut TenantState, id: u32) -> R<&mut Ctx> {
@@ -1148,8 +1323,29 @@ impl DeviceService {
                 self.set_shm(conn, b.id, None);
                 Reply::Empty
             }
-            Request::Memset(_) | Request::MemcpyHtoD(..) | Request::MemcpyDtoH(_) | Request::MemcpyDtoD(_) | Request::LaunchKernel(..) | Request::StreamWait(_) | Request::EventRecord(_) => {
+            // Listed, not guarded: a new request must be placed here.
+            Request::Memset(_)
+            | Request::MemcpyHtoD(..)
+            | Request::MemcpyDtoH(_)
+            | Request::MemcpyDtoD(_)
+            | Request::LaunchKernel(..)
+            | Request::StreamWait(_)
+            | Request::EventRecord(_)
+            | Request::GraphLaunch(_) => {
                 return Err(err(CuResult::CUDA_ERROR_UNKNOWN, "stream-ordered request reached the immediate path"));
+            }
+            Request::GraphCreate(b, nodes) => {
+                let graph = self.build_graph(t, st, b.ctx, nodes)?;
+                let id = st.handle();
+                Self::ctx(st, b.ctx)?.graphs.insert(id, Arc::new(graph));
+                Reply::Handle(id)
+            }
+            Request::GraphDestroy(b) => {
+                let c = Self::ctx(st, b.ctx)?;
+                let g = c.graphs.remove(&b.handle).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no graph {}", b.handle)))?;
+                Self::uncharge(t, c, g.charged);
+                // The backend's graph goes once launches queued with it ran.
+                Reply::Empty
             }
             Request::ModuleLoad(b, image) => {
                 if Self::ctx(st, b.ctx)?.modules.len() >= 1024 {

@@ -3,12 +3,19 @@
 //! copies, host functions, event records) is recorded instead of run; the
 //! capture ends in a graph, an instantiated graph replays its work in
 //! order on any stream of its context, as one stream's work would run.
+//! At instantiation each run of two or more pieces of device-only work
+//! (kernels, memsets, device-to-device copies) becomes a graph held by the
+//! vGPU (`GraphCreate`), which a launch runs with one request
+//! (`GraphLaunch`); on a GPU the executor makes it a CUDA graph of its
+//! own. Copies with host memory, host functions and event records run
+//! from here, in order between those parts. A vGPU that refuses a graph
+//! (one that predates them) gets that run's pieces one by one, as before.
 //! Graphs built node by node (`cuGraphAdd*Node`) and captures that fork
 //! into other streams are not supported yet.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use virtio_gpu_compute::*;
 
@@ -66,10 +73,29 @@ pub(super) enum Node {
 // gave them; they are only used on the application's behalf, from any of
 // its threads, as CUDA uses them.
 unsafe impl Send for Node {}
+// SAFETY: a node is never changed once recorded; threads sharing an
+// instantiated graph only read the addresses and handles it holds.
+unsafe impl Sync for Node {}
 
 struct GraphDef {
     ctx: u32,
     nodes: Vec<Node>,
+}
+
+/// A piece of an instantiated graph.
+enum Part {
+    /// A run of device work the vGPU holds as graph `handle`.
+    Remote {
+        handle: u32,
+    },
+    Local(Node),
+}
+
+struct ExecDef {
+    ctx: u32,
+    parts: Vec<Part>,
+    /// The connection that holds the remote parts.
+    client: std::sync::Weak<crate::client::Client>,
 }
 
 struct Capture {
@@ -84,7 +110,7 @@ struct Graphs {
     /// Capturing streams.
     captures: HashMap<u32, Capture>,
     graphs: HashMap<u32, GraphDef>,
-    execs: HashMap<u32, GraphDef>,
+    execs: HashMap<u32, Arc<ExecDef>>,
 }
 
 static GRAPHS: Mutex<Option<Graphs>> = Mutex::new(None);
@@ -238,27 +264,104 @@ pub unsafe extern "C" fn cuGraphGetNodes(graph: H, nodes: *mut H, count: *mut us
     })
 }
 
-fn instantiate(exec: *mut H, graph: H) -> CallResult<()> {
+/// The node as the vGPU's graph holds it, if it is device-only work.
+fn remote_node(n: &Node) -> Option<GraphNode> {
+    Some(match n {
+        Node::Launch { req, params } => {
+            GraphNode::Kernel(GraphKernel { func: req.func, shared_bytes: req.shared_bytes, grid: req.grid, block: req.block, params_len: params.len() as u32, reserved: 0 }, params.clone())
+        }
+        Node::Memset { dptr, value, elem, count } => GraphNode::Memset(GraphMemset { dptr: *dptr, value: *value, elem_size: *elem, count: *count as u64 }),
+        Node::DtoD { dst, src, n } => GraphNode::Copy(GraphCopy { dst: *dst, src: *src, size: *n as u64 }),
+        _ => return None,
+    })
+}
+
+/// Splits a graph's nodes into parts: each run of two or more
+/// device-only nodes (up to MAX_GRAPH_NODES, MAX_GRAPH_BYTES) becomes a graph the vGPU
+/// holds, where it takes one; every other node stays local.
+fn parts(client: &crate::client::Client, ctx: u32, nodes: Vec<Node>) -> Vec<Part> {
+    let mut parts = Vec::new();
+    let mut run: Vec<(Node, GraphNode)> = Vec::new();
+    let flush = |run: &mut Vec<(Node, GraphNode)>, parts: &mut Vec<Part>| {
+        if run.len() >= 2 {
+            let wire: Vec<GraphNode> = run.iter().map(|(_, w)| w.clone()).collect();
+            if let Ok(Reply::Handle(handle)) = client.call(Request::GraphCreate(GraphCreateReq { ctx, count: 0, nodes_len: 0, reserved: 0 }, wire)) {
+                run.clear();
+                parts.push(Part::Remote { handle });
+                return;
+            }
+        }
+        parts.extend(run.drain(..).map(|(n, _)| Part::Local(n)));
+    };
+    let mut bytes = 0;
+    for n in nodes {
+        match remote_node(&n) {
+            Some(w) => {
+                bytes += 64 + if let GraphNode::Kernel(_, p) = &w { p.len() } else { 0 };
+                run.push((n, w));
+                if run.len() == MAX_GRAPH_NODES as usize || bytes >= MAX_GRAPH_BYTES {
+                    flush(&mut run, &mut parts);
+                    bytes = 0;
+                }
+            }
+            None => {
+                flush(&mut run, &mut parts);
+                bytes = 0;
+                parts.push(Part::Local(n));
+            }
+        }
+    }
+    flush(&mut run, &mut parts);
+    parts
+}
+
+/// The most bytes of nodes one `GraphCreate` carries: well inside what a
+/// VM's submit takes (8 MiB), so a long run becomes several graphs.
+const MAX_GRAPH_BYTES: usize = 4 << 20;
+
+/// Frees the vGPU's graphs of an instantiated graph.
+fn release(e: &ExecDef) {
+    let Some(client) = e.client.upgrade() else { return };
+    for p in &e.parts {
+        if let Part::Remote { handle } = p {
+            // A graph the vGPU no longer knows (its context is gone) is
+            // nothing to free.
+            let _ = client.call(Request::GraphDestroy(HandleReq { ctx: e.ctx, handle: *handle }));
+        }
+    }
+}
+
+fn instantiate(s: &Shim, exec: *mut H, graph: H) -> CallResult<()> {
     let id = dec(TAG_GRAPH, graph).ok_or_else(|| invalid_handle("graph"))?;
+    let (ctx, nodes) = with_graphs(|g| g.graphs.get(&id).map(|d| (d.ctx, d.nodes.clone()))).ok_or_else(|| invalid_handle("graph"))?;
+    if exec.is_null() {
+        return Err(bad("null graph exec pointer"));
+    }
+    let client = s.client();
+    let def = Arc::new(ExecDef { ctx, parts: parts(&client, ctx, nodes), client: Arc::downgrade(&client) });
     let e = with_graphs(|g| {
-        let def = g.graphs.get(&id).ok_or_else(|| invalid_handle("graph"))?;
-        let copy = GraphDef { ctx: def.ctx, nodes: def.nodes.clone() };
         let e = new_id(g)?;
-        g.execs.insert(e, copy);
+        g.execs.insert(e, def.clone());
         Ok::<_, CallError>(e)
-    })?;
-    out(exec, enc(TAG_EXEC, e))
+    });
+    match e {
+        Ok(e) => out(exec, enc(TAG_EXEC, e)),
+        Err(err) => {
+            release(&def);
+            Err(err)
+        }
+    }
 }
 
 #[no_mangle]
 pub extern "C" fn cuGraphInstantiateWithFlags(exec: *mut H, graph: H, _flags: u64) -> CUresult {
-    with("cuGraphInstantiate", |_| instantiate(exec, graph))
+    with("cuGraphInstantiate", |s| instantiate(s, exec, graph))
 }
 
 /// The CUDA 11 form, with an error node and log it never needs to fill.
 #[no_mangle]
 pub extern "C" fn cuGraphInstantiate_v2(exec: *mut H, graph: H, _err_node: *mut H, _log: *mut c_char, _size: usize) -> CUresult {
-    with("cuGraphInstantiate", |_| instantiate(exec, graph))
+    with("cuGraphInstantiate", |s| instantiate(s, exec, graph))
 }
 
 /// The unversioned name, which the driver still exports for libraries
@@ -270,7 +373,7 @@ pub extern "C" fn cuGraphInstantiate_v2(exec: *mut H, graph: H, _err_node: *mut 
 /// registers and stack).
 #[no_mangle]
 pub extern "C" fn cuGraphInstantiate(exec: *mut H, graph: H) -> CUresult {
-    with("cuGraphInstantiate", |_| instantiate(exec, graph))
+    with("cuGraphInstantiate", |s| instantiate(s, exec, graph))
 }
 
 /// `CUDA_GRAPH_INSTANTIATE_PARAMS`.
@@ -284,7 +387,7 @@ pub struct InstantiateParams {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphInstantiateWithParams(exec: *mut H, graph: H, params: *mut InstantiateParams) -> CUresult {
-    let r = with("cuGraphInstantiate", |_| instantiate(exec, graph));
+    let r = with("cuGraphInstantiate", |s| instantiate(s, exec, graph));
     if !params.is_null() {
         // SAFETY: non-null, and the API contract makes it the parameters.
         unsafe { (*params).result = if r == 0 { 0 } else { 1 } };
@@ -296,7 +399,9 @@ pub unsafe extern "C" fn cuGraphInstantiateWithParams(exec: *mut H, graph: H, pa
 pub extern "C" fn cuGraphExecDestroy(exec: H) -> CUresult {
     with("cuGraphExecDestroy", |_| {
         let id = dec(TAG_EXEC, exec).ok_or_else(|| invalid_handle("graph exec"))?;
-        with_graphs(|g| g.execs.remove(&id).map(|_| ()).ok_or_else(|| invalid_handle("graph exec")))
+        let e = with_graphs(|g| g.execs.remove(&id)).ok_or_else(|| invalid_handle("graph exec"))?;
+        release(&e);
+        Ok(())
     })
 }
 
@@ -335,35 +440,50 @@ fn launch_graph(exec: H, stream: H, default: Default) -> CUresult {
     let mut plan = None;
     let r = with("cuGraphLaunch", |s| {
         let id = dec(TAG_EXEC, exec).ok_or_else(|| invalid_handle("graph exec"))?;
-        let (ctx, nodes) = with_graphs(|g| g.execs.get(&id).map(|x| (x.ctx, x.nodes.clone()))).ok_or_else(|| invalid_handle("graph exec"))?;
+        let e = with_graphs(|g| g.execs.get(&id).cloned()).ok_or_else(|| invalid_handle("graph exec"))?;
         let t = s.target(stream, default)?;
-        if t.ctx != ctx {
+        if t.ctx != e.ctx {
             return Err(CallError::new(CuResult::CUDA_ERROR_INVALID_CONTEXT, "the graph belongs to another context"));
         }
-        plan = Some(nodes);
+        plan = Some(e);
         Ok(())
     });
-    let Some(nodes) = plan else { return r };
-    for n in nodes {
-        let r = match n {
-            Node::Launch { req, params } => with("cuGraphLaunch", |s| {
+    let Some(e) = plan else { return r };
+    for p in &e.parts {
+        let r = match p {
+            Part::Remote { handle } => with("cuGraphLaunch", |s| {
                 let t = s.target(stream, default)?;
-                let req = LaunchReq { stream: t.stream, ..req };
-                s.enqueue(t, Request::LaunchKernel(req, params)).map(|_| ())
+                // Its vGPU graph lives on the connection that made it.
+                if !e.client.upgrade().is_some_and(|c| Arc::ptr_eq(&c, &s.client())) {
+                    return Err(CallError::new(CuResult::CUDA_ERROR_CONTEXT_IS_DESTROYED, "the graph was made on a connection to the vGPU that was lost"));
+                }
+                s.enqueue(t, Request::GraphLaunch(GraphLaunchReq { ctx: t.ctx, stream: t.stream, graph: *handle, reserved: 0 })).map(|_| ())
             }),
-            Node::Memset { dptr, value, elem, count } => super::memset("cuGraphLaunch", dptr, value, elem, count, stream, false, default),
-            Node::DtoD { dst, src, n } => super::dtod("cuGraphLaunch", dst, src, n, stream, false, default),
-            Node::HtoD { dst, host, n } => super::host_copy("cuGraphLaunch", true, dst, host as *mut c_void, n, stream, false, default),
-            Node::DtoH { host, src, n } => super::host_copy("cuGraphLaunch", false, src, host as *mut c_void, n, stream, false, default),
-            // SAFETY: the application's host function takes its user data.
-            Node::Host { f, data } => super::library::host_func("cuGraphLaunch", stream, default, |_| unsafe { f(data as *mut c_void) }),
-            Node::Record { event } => super::event_record(event, stream, default),
+            Part::Local(n) => launch_node(n.clone(), stream, default),
         };
         if r != 0 {
             return r;
         }
     }
     0
+}
+
+/// Runs one node of a graph on `stream`, as its own call would.
+fn launch_node(n: Node, stream: H, default: Default) -> CUresult {
+    match n {
+        Node::Launch { req, params } => with("cuGraphLaunch", |s| {
+            let t = s.target(stream, default)?;
+            let req = LaunchReq { stream: t.stream, ..req };
+            s.enqueue(t, Request::LaunchKernel(req, params)).map(|_| ())
+        }),
+        Node::Memset { dptr, value, elem, count } => super::memset("cuGraphLaunch", dptr, value, elem, count, stream, false, default),
+        Node::DtoD { dst, src, n } => super::dtod("cuGraphLaunch", dst, src, n, stream, false, default),
+        Node::HtoD { dst, host, n } => super::host_copy("cuGraphLaunch", true, dst, host as *mut c_void, n, stream, false, default),
+        Node::DtoH { host, src, n } => super::host_copy("cuGraphLaunch", false, src, host as *mut c_void, n, stream, false, default),
+        // SAFETY: the application's host function takes its user data.
+        Node::Host { f, data } => super::library::host_func("cuGraphLaunch", stream, default, |_| unsafe { f(data as *mut c_void) }),
+        Node::Record { event } => super::event_record(event, stream, default),
+    }
 }
 
 #[no_mangle]
