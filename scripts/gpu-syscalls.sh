@@ -4,7 +4,8 @@
 # executors is made from. strace (bundled by scripts/gpu-bundle.sh) attaches
 # to one tenant's executor, with every thread, while the tenant runs the
 # samples, a ring storm (launches kept in flight: cuEventQuery), two
-# streams with allocations between their launches, quota and scrub
+# streams with allocations between their launches, a captured graph (the
+# executor's stream capture and cuGraphLaunch), quota and scrub
 # probes, a kernel fault and a runaway kernel. strace follows the daemon from its start (a running
 # executor, under its own uid, cannot be attached to), so
 # $OUT/syscalls-trace.log.gz holds every process's calls but the hot waits
@@ -43,6 +44,7 @@ t "$tmp/tenant_probe" quota 2147483648
 t "$tmp/tenant_probe" check 268435456
 t "$tmp/tenant_probe" storm 20000
 t "$tmp/tenant_probe" streams 20000
+t "$tmp/tenant_probe" graph 16 500
 t "$tmp/tenant_probe" ptx faults.ptx spin
 t "$tmp/tenant_probe" fault 1099511627776
 sleep 1
