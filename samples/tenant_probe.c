@@ -39,7 +39,9 @@
  *                       memory, K more bumps; instantiates it and launches
  *                       it N times; prints the counter (2*K*N if right), the
  *                       copied and host values (7 if right) and what the
- *                       launches cost the transport (vgpuGetConnectionStats)
+ *                       launches cost the transport (vgpuGetConnectionStats);
+ *                       then what one launch of a graph that captured a
+ *                       launch of it added to the counter (2*K if right)
  */
 #include "common.h"
 
@@ -271,11 +273,29 @@ int main(int argc, char **argv) {
         CHECK(cuMemcpyDtoH(&got, counter, 4));
         CHECK(cuMemcpyDtoH(&cp, copied, 4));
         printf("graph kernels=%d counter=%u copied=%u host=%u messages=%llu ring_entries=%llu\n", 2 * k * n, got, cp, *host, (unsigned long long)(m1 - m0), (unsigned long long)(e1 - e0));
+        /* A graph launched into a capturing stream is recorded there: the
+           outer graph's one launch adds 2*K. */
+        CUstream s2;
+        CUgraph outer;
+        CUgraphExec outer_exec;
+        CHECK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+        CHECK(cuStreamBeginCapture(s2, CU_STREAM_CAPTURE_MODE_GLOBAL));
+        CHECK(cuGraphLaunch(exec, s2));
+        CHECK(cuStreamEndCapture(s2, &outer));
+        unsigned int before = 0, after = 0;
+        CHECK(cuMemcpyDtoH(&before, counter, 4));
+        CHECK(cuGraphInstantiate(&outer_exec, outer, 0));
+        CHECK(cuGraphLaunch(outer_exec, s2));
+        CHECK(cuStreamSynchronize(s2));
+        CHECK(cuMemcpyDtoH(&after, counter, 4));
+        printf("captured_launch=%u\n", after - before);
+        CHECK(cuGraphExecDestroy(outer_exec));
+        CHECK(cuGraphDestroy(outer));
         CHECK(cuGraphExecDestroy(exec));
         CHECK(cuGraphDestroy(graph));
         /* A destroyed graph is gone. */
         printf("after_destroy=%s\n", name_of(cuGraphLaunch(exec, s)));
-        return got == (unsigned int)(2 * k * n) && cp == 7 && *host == 7 ? 0 : 1;
+        return got == (unsigned int)(2 * k * n) && cp == 7 && *host == 7 && after - before == (unsigned int)(2 * k) ? 0 : 1;
     }
     size_t bytes = strtoull(argv[2], NULL, 0);
     if (!strcmp(mode, "fill") || !strcmp(mode, "check") || !strcmp(mode, "hold")) {

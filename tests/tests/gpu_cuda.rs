@@ -330,6 +330,7 @@ fn gpu_captured_graphs_run_as_cuda_graphs_of_the_executor() {
     let out = run(&sock);
     assert!(out.contains(&format!("graph kernels={} counter={} copied=7 host=7 ", 2 * k * n, 2 * k * n)), "{out}");
     assert!(entries(&out) <= 3 * n + 8, "{out}");
+    assert!(out.contains(&format!("captured_launch={}\n", 2 * k)), "{out}");
     let labels = format!("tenant=\"grapher\",device=\"{gpu}\"");
     assert!(m.metric("vgpu_tenant_kernels_total", &labels).expect("kernels") >= (2 * k * n) as f64);
     drop(m);

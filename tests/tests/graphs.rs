@@ -33,6 +33,8 @@ fn a_captured_graph_runs_right_with_one_request_per_run_of_device_work() {
     let entries = field(&out, "ring_entries");
     assert!(entries <= 3 * n + 8, "{entries} ring entries for {n} launches of a graph of {} pieces:\n{out}", 2 * k + 3);
     assert!(out.contains("after_destroy=CUDA_ERROR_INVALID_HANDLE"), "{out}");
+    // Launched into a capturing stream, it is recorded there, whole.
+    assert!(out.contains(&format!("captured_launch={}\n", 2 * k)), "{out}");
     // Every kernel of every launch is metered.
     let kernels = m.metric("vgpu_tenant_kernels_total", "tenant=\"grapher\",device=\"cpu0\"").expect("kernels metric");
     assert!(kernels >= (2 * k * n) as f64, "{kernels} kernels metered");

@@ -95,9 +95,12 @@ const REQUIRED: &[&str] = &[
 /// graph's work run piece by piece instead.
 const GRAPH_SYMBOLS: &[&str] = &["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphExecDestroy", "cuGraphDestroy"];
 
-/// Most executable graphs one tenant's device context holds (the
-/// executor's own bound, per context and host budget, is tighter).
-const MAX_DEVICE_GRAPHS: usize = 1 << 16;
+/// Most nodes of executable graphs one tenant's device context holds at
+/// once. The driver keeps each graph's launch state in device memory the
+/// tenant's quota does not see: this bounds it (about 16 bytes of kernel
+/// parameters and a few hundred of driver state per node, so tens of MiB
+/// at most, besides the quota).
+const MAX_DEVICE_GRAPH_NODES: usize = 1 << 17;
 
 /// `cuFuncGetParamInfo` (CUDA 12.4+): looked up by name, so older drivers
 /// work and fall back to the PTX `.param` declarations.
@@ -224,8 +227,11 @@ struct TenantCtx {
     /// The stream graphs are captured on (made on first use): never the
     /// tenant's own, which keeps running its work meanwhile.
     capture: cu::CUstream,
-    /// The tenant's executable graphs, by the id `graph_create` gave.
-    graphs: HashMap<u64, cu::CUgraphExec>,
+    /// The tenant's executable graphs, by the id `graph_create` gave,
+    /// with their node counts; ids are never given twice (across
+    /// rebuilds too).
+    graphs: HashMap<u64, (cu::CUgraphExec, usize)>,
+    graph_nodes: usize,
     next_graph: u64,
 }
 
@@ -262,6 +268,7 @@ impl TenantCtx {
             tickets: 0,
             capture: std::ptr::null_mut(),
             graphs: HashMap::new(),
+            graph_nodes: 0,
             next_graph: 0,
         })
     }
@@ -386,9 +393,10 @@ impl TenantCtx {
                 drop(buf);
                 cu::cuEventDestroy_v2(ev);
             }
-            for (_, g) in self.graphs.drain() {
+            for (_, (g, _)) in self.graphs.drain() {
                 cu::cuGraphExecDestroy(g);
             }
+            self.graph_nodes = 0;
             if !self.capture.is_null() {
                 cu::cuStreamDestroy_v2(std::mem::replace(&mut self.capture, std::ptr::null_mut()));
             }
@@ -780,7 +788,7 @@ impl CudaBackend {
     /// Captures `ops` on the tenant's capture stream into an executable
     /// graph. The capture always ends, so the stream is usable after an
     /// error.
-    fn capture(t: &mut TenantCtx, ops: &[GraphOp<'_>], kernels: &mut [(&CudaModule, cu::CUfunction, Vec<*mut c_void>)]) -> Result<cu::CUgraphExec, BackendError> {
+    fn capture(t: &mut TenantCtx, ops: &[GraphOp<'_>]) -> Result<cu::CUgraphExec, BackendError> {
         if t.capture.is_null() {
             let mut s: cu::CUstream = std::ptr::null_mut();
             // SAFETY: the tenant's context is current; valid out-pointer.
@@ -792,13 +800,14 @@ impl CudaBackend {
         // shared worker) are not held to the capture's rules.
         // SAFETY: cs is a live stream of the current context.
         check(unsafe { cu::cuStreamBeginCapture_v2(cs, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }, "cuStreamBeginCapture")?;
-        let mut k = kernels.iter_mut();
         let mut recorded = || -> Result<(), BackendError> {
             for op in ops {
                 match op {
-                    GraphOp::Kernel { launch, .. } => {
-                        let (m, f, args) = k.next().ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error: a graph kernel without arguments"))?;
-                        Self::submit_on(t, cs, m, *f, args, launch)?;
+                    GraphOp::Kernel { module, func, launch, params } => {
+                        // One node's argument pointers at a time: the
+                        // driver copies the values as it records.
+                        let (m, f, mut args) = Self::kernel_args(*module, *func, params)?;
+                        Self::submit_on(t, cs, m, f, &mut args, launch)?;
                     }
                     GraphOp::Fill { dptr, count, elem } => {
                         let n = *count as usize;
@@ -825,6 +834,13 @@ impl CudaBackend {
         let mut graph: cu::CUgraph = std::ptr::null_mut();
         // SAFETY: the capture began above on cs; valid out-pointer.
         let ended = check(unsafe { cu::cuStreamEndCapture(cs, &mut graph) }, "cuStreamEndCapture");
+        if ended.is_err() {
+            // A stream whose capture did not end is not used again.
+            // SAFETY: cs is a live stream of the current context, in no
+            // other use (the tenant's lock is held).
+            unsafe { cu::cuStreamDestroy_v2(cs) };
+            t.capture = std::ptr::null_mut();
+        }
         let made = body.and(ended).and_then(|()| {
             let mut exec: cu::CUgraphExec = std::ptr::null_mut();
             // SAFETY: graph is the graph the capture made; valid out-pointer.
@@ -1153,8 +1169,9 @@ impl Backend for CudaBackend {
         let next = TenantCtx::new(self.dev, g.generation + 1);
         match next {
             Ok(mut n) => {
-                // Tickets are never given twice.
+                // Tickets and graph ids are never given twice.
                 n.tickets = g.tickets;
+                n.next_graph = g.next_graph;
                 *g = n;
                 Ok(())
             }
@@ -1371,27 +1388,25 @@ impl Backend for CudaBackend {
         if !self.graphs {
             return Ok(None);
         }
-        let mut kernels = Vec::new();
-        for op in ops {
-            if let GraphOp::Kernel { module, func, params, .. } = op {
-                kernels.push(Self::kernel_args(*module, *func, params)?);
-            }
-        }
         self.with(slot, |t| {
-            if t.graphs.len() >= MAX_DEVICE_GRAPHS {
-                return Err(BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many graphs on the tenant's device context"));
+            if t.graph_nodes + ops.len() > MAX_DEVICE_GRAPH_NODES {
+                return Err(BackendError::new(
+                    CuResult::CUDA_ERROR_OUT_OF_MEMORY,
+                    format!("the tenant's graphs on the device would hold more than {MAX_DEVICE_GRAPH_NODES} nodes; destroy some first"),
+                ));
             }
-            let exec = Self::capture(t, ops, &mut kernels);
+            let exec = Self::capture(t, ops);
             let exec = t.note(exec)?;
             t.next_graph += 1;
-            t.graphs.insert(t.next_graph, exec);
+            t.graph_nodes += ops.len();
+            t.graphs.insert(t.next_graph, (exec, ops.len()));
             Ok(Some(t.next_graph))
         })
     }
 
     fn graph_launch_queued(&self, slot: TenantSlot, graph: u64) -> Result<Option<u64>, BackendError> {
         self.with_queued(slot, |t| {
-            let exec = *t.graphs.get(&graph).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "the graph belonged to a device context that was rebuilt"))?;
+            let (exec, _) = *t.graphs.get(&graph).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_INVALID_HANDLE, "the graph belonged to a device context that was rebuilt"))?;
             // Its kernels may copy into registered host memory, as any.
             self.settle_check(t)?;
             // SAFETY: exec is live in the current context (the map is
@@ -1408,7 +1423,8 @@ impl Backend for CudaBackend {
         if g.current().is_err() {
             return;
         }
-        if let Some(exec) = g.graphs.remove(&graph) {
+        if let Some((exec, nodes)) = g.graphs.remove(&graph) {
+            g.graph_nodes -= nodes;
             // SAFETY: exec is live in the current context; a launch still
             // running keeps it until it ends (the driver frees it then).
             unsafe { cu::cuGraphExecDestroy(exec) };

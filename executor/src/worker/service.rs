@@ -84,7 +84,8 @@ pub struct Tenant {
     /// Weight, cap and class, as last configured (the scheduler has them).
     share: Mutex<vgpu_arbiter::sched::Share>,
     /// Host memory the tenant's objects may keep in the worker.
-    pub host: HostBudget,
+    /// Shared with what outlives its handle (a graph still queued).
+    pub host: Arc<HostBudget>,
     /// Set when the tenant is deleted: every path that serves it refuses
     /// from then on, before its memory is scrubbed and released.
     revoked: AtomicBool,
@@ -318,8 +319,13 @@ pub struct Graph {
     kernels: u64,
     /// Bytes its device-to-device copies move.
     copied: u64,
-    /// Host bytes charged for it to its context.
+    /// Names it for the launch-time estimates (`super::pipeline`): never
+    /// reused, unlike its address.
+    serial: u64,
+    /// Host bytes charged for it, released when the last holder (its
+    /// context, or a launch still queued) lets go.
     charged: u64,
+    budget: Arc<HostBudget>,
     backend: Arc<dyn Backend>,
     slot: TenantSlot,
 }
@@ -366,6 +372,7 @@ impl Drop for Graph {
         if let Some(id) = self.native {
             self.backend.graph_destroy(self.slot, id);
         }
+        self.budget.release(self.charged);
     }
 }
 
@@ -513,7 +520,7 @@ impl<I: AsRef<Work>> super::pipeline::Queue<I> for Batch<'_> {
         let (module, index, launch) = match &item.as_ref().kind {
             WorkKind::Launch { module, index, launch, .. } => (module, index, launch),
             // A graph is timed as a whole, by its address while it is held.
-            WorkKind::Graph { graph } => return (h.hash_one(Arc::as_ptr(graph) as usize), u64::MAX),
+            WorkKind::Graph { graph } => return (h.hash_one(graph.serial), u64::MAX),
             _ => return (0, 0),
         };
         // The module's address names it while the launch holds it; a
@@ -548,7 +555,7 @@ impl DeviceService {
             name: name.to_string(),
             quota: AtomicU64::new(quota),
             share: Mutex::new(share),
-            host: HostBudget::new(host_limit),
+            host: Arc::new(HostBudget::new(host_limit)),
             revoked: AtomicBool::new(false),
             slot,
             backend: self.backend.clone(),
@@ -849,12 +856,17 @@ impl DeviceService {
         match self.prepare(t, conn, req) {
             Ok(Prepared::Done(r)) | Err(r) => r,
             Ok(Prepared::Work(w)) => {
-                let _inflight = t.begin_work();
-                match self.execute(t, &w) {
+                let inflight = t.begin_work();
+                let r = match self.execute(t, &w) {
                     Ok(Some(data)) => Reply::Data(data),
                     Ok(None) => Reply::Empty,
                     Err(e) => e.into(),
-                }
+                };
+                // What the work holds goes before it stops counting as in
+                // flight (a graph's backend half, say, before a rebuild).
+                drop(w);
+                drop(inflight);
+                r
             }
         }
     }
@@ -1135,22 +1147,24 @@ impl DeviceService {
             return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("a context holds at most {MAX_GRAPHS} graphs")));
         }
         let c = st.ctxs.get(&ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {ctx}")))?;
-        let mut g = Graph { nodes: Vec::with_capacity(nodes.len()), native: None, kernels: 0, copied: 0, charged: host_cost::GRAPH, backend: self.backend.clone(), slot: t.slot };
+        static SERIAL: AtomicU64 = AtomicU64::new(0);
+        let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
+        let (mut nodes_out, mut kernels, mut copied, mut charged) = (Vec::with_capacity(nodes.len()), 0, 0, host_cost::GRAPH);
         for (i, n) in nodes.into_iter().enumerate() {
             let at = |r: Reply| match r {
                 Reply::Error(code, msg) => err(code, format!("graph node {i}: {msg}")),
                 other => other,
             };
-            g.charged += host_cost::GRAPH_NODE;
-            g.nodes.push(match n {
+            charged += host_cost::GRAPH_NODE;
+            nodes_out.push(match n {
                 GraphNode::Kernel(k, params) => {
                     let (mid, f) = c.funcs.get(&k.func).ok_or_else(|| at(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {}", k.func))))?;
                     if (params.len() as u32) < f.params_size {
                         return Err(at(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{} parameter bytes given, the kernel takes {}", params.len(), f.params_size))));
                     }
                     let module = c.modules.get(mid).cloned().ok_or_else(|| at(err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded")))?;
-                    g.kernels += 1;
-                    g.charged += params.len() as u64;
+                    kernels += 1;
+                    charged += params.len() as u64;
                     GraphWork::Kernel { module, index: f.index, launch: Launch { grid: k.grid, block: k.block, shared_bytes: k.shared_bytes }, params }
                 }
                 GraphNode::Memset(m) => {
@@ -1163,19 +1177,17 @@ impl DeviceService {
                 GraphNode::Copy(cp) => {
                     Self::owned(st, cp.src, cp.size, "copy source").map_err(at)?;
                     Self::owned(st, cp.dst, cp.size, "copy destination").map_err(at)?;
-                    g.copied += cp.size;
+                    copied += cp.size;
                     GraphWork::Copy { dst: cp.dst, src: cp.src, size: cp.size }
                 }
             });
         }
-        Self::charge(t, Self::ctx(st, ctx)?, g.charged, "a graph")?;
-        match guarded(|| self.backend.graph_create(t.slot, &g.ops())) {
-            Ok(native) => g.native = native,
-            Err(e) => {
-                Self::uncharge(t, Self::ctx(st, ctx)?, g.charged);
-                return Err(e.into());
-            }
-        }
+        // Charged to the tenant, not to the context: a launch still queued
+        // may hold the graph past its context (`Graph::drop` releases it).
+        t.host.reserve(charged, "a graph")?;
+        let mut g = Graph { nodes: nodes_out, native: None, kernels, copied, serial, charged, budget: t.host.clone(), backend: self.backend.clone(), slot: t.slot };
+        // (Dropped on failure: its charge goes back.)
+        g.native = guarded(|| self.backend.graph_create(t.slot, &g.ops()))?;
         Ok(g)
     }
 
@@ -1342,9 +1354,9 @@ impl DeviceService {
             }
             Request::GraphDestroy(b) => {
                 let c = Self::ctx(st, b.ctx)?;
-                let g = c.graphs.remove(&b.handle).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no graph {}", b.handle)))?;
-                Self::uncharge(t, c, g.charged);
-                // The backend's graph goes once launches queued with it ran.
+                c.graphs.remove(&b.handle).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no graph {}", b.handle)))?;
+                // It goes, and its charge with it, once launches queued
+                // with it ran.
                 Reply::Empty
             }
             Request::ModuleLoad(b, image) => {

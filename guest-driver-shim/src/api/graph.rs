@@ -84,9 +84,12 @@ struct GraphDef {
 
 /// A piece of an instantiated graph.
 enum Part {
-    /// A run of device work the vGPU holds as graph `handle`.
+    /// A run of device work the vGPU holds as graph `handle`; `nodes` are
+    /// that work, recorded instead when the graph is launched into a
+    /// capturing stream.
     Remote {
         handle: u32,
+        nodes: Vec<Node>,
     },
     Local(Node),
 }
@@ -277,7 +280,7 @@ fn remote_node(n: &Node) -> Option<GraphNode> {
 }
 
 /// Splits a graph's nodes into parts: each run of two or more
-/// device-only nodes (up to MAX_GRAPH_NODES, MAX_GRAPH_BYTES) becomes a graph the vGPU
+/// device-only nodes (up to MAX_RUN nodes, MAX_GRAPH_BYTES) becomes a graph the vGPU
 /// holds, where it takes one; every other node stays local.
 fn parts(client: &crate::client::Client, ctx: u32, nodes: Vec<Node>) -> Vec<Part> {
     let mut parts = Vec::new();
@@ -286,8 +289,7 @@ fn parts(client: &crate::client::Client, ctx: u32, nodes: Vec<Node>) -> Vec<Part
         if run.len() >= 2 {
             let wire: Vec<GraphNode> = run.iter().map(|(_, w)| w.clone()).collect();
             if let Ok(Reply::Handle(handle)) = client.call(Request::GraphCreate(GraphCreateReq { ctx, count: 0, nodes_len: 0, reserved: 0 }, wire)) {
-                run.clear();
-                parts.push(Part::Remote { handle });
+                parts.push(Part::Remote { handle, nodes: run.drain(..).map(|(n, _)| n).collect() });
                 return;
             }
         }
@@ -299,7 +301,7 @@ fn parts(client: &crate::client::Client, ctx: u32, nodes: Vec<Node>) -> Vec<Part
             Some(w) => {
                 bytes += 64 + if let GraphNode::Kernel(_, p) = &w { p.len() } else { 0 };
                 run.push((n, w));
-                if run.len() == MAX_GRAPH_NODES as usize || bytes >= MAX_GRAPH_BYTES {
+                if run.len() == MAX_RUN || bytes >= MAX_GRAPH_BYTES {
                     flush(&mut run, &mut parts);
                     bytes = 0;
                 }
@@ -315,6 +317,11 @@ fn parts(client: &crate::client::Client, ctx: u32, nodes: Vec<Node>) -> Vec<Part
     parts
 }
 
+/// The most nodes one `GraphCreate` carries. The vGPU runs a graph as one
+/// piece of work, under one launch timeout and without giving the device
+/// back in between, so a long run is cut into graphs of this many.
+const MAX_RUN: usize = 256;
+
 /// The most bytes of nodes one `GraphCreate` carries: well inside what a
 /// VM's submit takes (8 MiB), so a long run becomes several graphs.
 const MAX_GRAPH_BYTES: usize = 4 << 20;
@@ -323,7 +330,7 @@ const MAX_GRAPH_BYTES: usize = 4 << 20;
 fn release(e: &ExecDef) {
     let Some(client) = e.client.upgrade() else { return };
     for p in &e.parts {
-        if let Part::Remote { handle } = p {
+        if let Part::Remote { handle, .. } = p {
             // A graph the vGPU no longer knows (its context is gone) is
             // nothing to free.
             let _ = client.call(Request::GraphDestroy(HandleReq { ctx: e.ctx, handle: *handle }));
@@ -451,7 +458,9 @@ fn launch_graph(exec: H, stream: H, default: Default) -> CUresult {
     let Some(e) = plan else { return r };
     for p in &e.parts {
         let r = match p {
-            Part::Remote { handle } => with("cuGraphLaunch", |s| {
+            // Launched into a capture: its work is recorded there.
+            Part::Remote { nodes, .. } if with_target(stream, default).is_some_and(capturing) => nodes.iter().map(|n| launch_node(n.clone(), stream, default)).find(|r| *r != 0).unwrap_or(0),
+            Part::Remote { handle, .. } => with("cuGraphLaunch", |s| {
                 let t = s.target(stream, default)?;
                 // Its vGPU graph lives on the connection that made it.
                 if !e.client.upgrade().is_some_and(|c| Arc::ptr_eq(&c, &s.client())) {
@@ -468,12 +477,26 @@ fn launch_graph(exec: H, stream: H, default: Default) -> CUresult {
     0
 }
 
+/// The target `stream` names, if any.
+fn with_target(stream: H, default: Default) -> Option<Target> {
+    let mut t = None;
+    with("cuGraphLaunch", |s| {
+        t = Some(s.target(stream, default)?);
+        Ok(())
+    });
+    t
+}
+
 /// Runs one node of a graph on `stream`, as its own call would.
 fn launch_node(n: Node, stream: H, default: Default) -> CUresult {
     match n {
         Node::Launch { req, params } => with("cuGraphLaunch", |s| {
             let t = s.target(stream, default)?;
             let req = LaunchReq { stream: t.stream, ..req };
+            // Into a capturing stream: recorded, as every other node is.
+            if record(t, || Node::Launch { req, params: params.clone() })? {
+                return Ok(());
+            }
             s.enqueue(t, Request::LaunchKernel(req, params)).map(|_| ())
         }),
         Node::Memset { dptr, value, elem, count } => super::memset("cuGraphLaunch", dptr, value, elem, count, stream, false, default),
