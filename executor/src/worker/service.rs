@@ -890,12 +890,8 @@ impl DeviceService {
         }
         let (ctx, stream, kind) = match req {
             Request::Memset(b) => {
-                let n = b.count * b.elem_size as u64;
-                Self::owned(&st, b.dptr, n, "memset")?;
-                if b.dptr % b.elem_size as u64 != 0 {
-                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "misaligned memset destination"));
-                }
-                (b.ctx, b.stream, WorkKind::Fill { dptr: b.dptr, count: b.count, elem: b.value.to_le_bytes()[..b.elem_size as usize].to_vec() })
+                let (dptr, count, elem) = Self::fill(&st, b.dptr, b.value, b.elem_size, b.count)?;
+                (b.ctx, b.stream, WorkKind::Fill { dptr, count, elem })
             }
             Request::MemcpyHtoD(b, data) => {
                 Self::owned(&st, b.dst, b.size, "copy destination")?;
@@ -914,13 +910,9 @@ impl DeviceService {
             }
             Request::LaunchKernel(b, params) => {
                 let c = st.ctxs.get(&b.ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {}", b.ctx)))?;
-                let (mid, f) = c.funcs.get(&b.func).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {}", b.func)))?;
-                if (params.len() as u32) < f.params_size {
-                    return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{} parameter bytes given, the kernel takes {}", params.len(), f.params_size)));
-                }
-                let module = c.modules.get(mid).cloned().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded"))?;
+                let (module, index) = Self::kernel(c, b.func, params.len())?;
                 let launch = Launch { grid: b.grid, block: b.block, shared_bytes: b.shared_bytes };
-                (b.ctx, b.stream, WorkKind::Launch { module, index: f.index, launch, params })
+                (b.ctx, b.stream, WorkKind::Launch { module, index, launch, params })
             }
             Request::EventRecord(b) => {
                 let c = st.ctxs.get(&b.ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {}", b.ctx)))?;
@@ -1139,6 +1131,28 @@ impl DeviceService {
         }
     }
 
+    /// Function `func` of context `c`, given `params` parameter bytes: its
+    /// module and kernel index.
+    fn kernel(c: &Ctx, func: u32, params: usize) -> R<(Arc<dyn DeviceModule>, usize)> {
+        let (mid, f) = c.funcs.get(&func).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {func}")))?;
+        if (params as u32) < f.params_size {
+            return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{params} parameter bytes given, the kernel takes {}", f.params_size)));
+        }
+        let module = c.modules.get(mid).cloned().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded"))?;
+        Ok((module, f.index))
+    }
+
+    /// A memset of `count` elements of `elem_size` bytes (1, 2 or 4, as
+    /// the decoder checked) at `dptr`, inside the tenant's allocations and
+    /// aligned: the destination, count and element bytes.
+    fn fill(st: &TenantState, dptr: u64, value: u32, elem_size: u32, count: u64) -> R<(u64, u64, Vec<u8>)> {
+        Self::owned(st, dptr, count * elem_size as u64, "memset")?;
+        if !dptr.is_multiple_of(elem_size as u64) {
+            return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "misaligned memset destination"));
+        }
+        Ok((dptr, count, value.to_le_bytes()[..elem_size as usize].to_vec()))
+    }
+
     /// Checks a graph's nodes as their own requests would be checked,
     /// charges its host memory to context `ctx`, and has the backend build
     /// its own graph of it where it can.
@@ -1158,21 +1172,14 @@ impl DeviceService {
             charged += host_cost::GRAPH_NODE;
             nodes_out.push(match n {
                 GraphNode::Kernel(k, params) => {
-                    let (mid, f) = c.funcs.get(&k.func).ok_or_else(|| at(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {}", k.func))))?;
-                    if (params.len() as u32) < f.params_size {
-                        return Err(at(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{} parameter bytes given, the kernel takes {}", params.len(), f.params_size))));
-                    }
-                    let module = c.modules.get(mid).cloned().ok_or_else(|| at(err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded")))?;
+                    let (module, index) = Self::kernel(c, k.func, params.len()).map_err(at)?;
                     kernels += 1;
                     charged += params.len() as u64;
-                    GraphWork::Kernel { module, index: f.index, launch: Launch { grid: k.grid, block: k.block, shared_bytes: k.shared_bytes }, params }
+                    GraphWork::Kernel { module, index, launch: Launch { grid: k.grid, block: k.block, shared_bytes: k.shared_bytes }, params }
                 }
                 GraphNode::Memset(m) => {
-                    Self::owned(st, m.dptr, m.count * m.elem_size as u64, "memset").map_err(at)?;
-                    if m.dptr % m.elem_size as u64 != 0 {
-                        return Err(at(err(CuResult::CUDA_ERROR_INVALID_VALUE, "misaligned memset destination")));
-                    }
-                    GraphWork::Fill { dptr: m.dptr, count: m.count, elem: m.value.to_le_bytes()[..m.elem_size as usize].to_vec() }
+                    let (dptr, count, elem) = Self::fill(st, m.dptr, m.value, m.elem_size, m.count).map_err(at)?;
+                    GraphWork::Fill { dptr, count, elem }
                 }
                 GraphNode::Copy(cp) => {
                     Self::owned(st, cp.src, cp.size, "copy source").map_err(at)?;
