@@ -492,6 +492,10 @@ pub struct Grants {
     /// Idle leases, the newest last.
     idle: Mutex<Vec<Idle>>,
     idle_cv: Condvar,
+    /// The lease thread waits for the oldest idle lease to expire (read
+    /// and written under `idle`): a lease given back later expires later,
+    /// so it needs no wake-up.
+    expiry_armed: AtomicBool,
     next: AtomicU64,
     /// The arbiter is gone: no work may run.
     closed: AtomicBool,
@@ -518,6 +522,7 @@ impl Grants {
             slots: Mutex::new(HashMap::new()),
             idle: Mutex::new(Vec::new()),
             idle_cv: Condvar::new(),
+            expiry_armed: AtomicBool::new(false),
             next: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             lanes: lanes.max(1),
@@ -558,7 +563,9 @@ impl Grants {
                 continue;
             }
             let wait = idle.iter().map(|l| (l.since + LINGER).saturating_duration_since(now)).min().unwrap_or(Duration::from_secs(1));
+            self.expiry_armed.store(!idle.is_empty(), Ordering::Relaxed);
             idle = self.idle_cv.wait_timeout(idle, wait).unwrap_or_else(|e| e.into_inner()).0;
+            self.expiry_armed.store(false, Ordering::Relaxed);
         }
     }
 
@@ -672,7 +679,12 @@ impl Grants {
             self.release(id);
         } else {
             idle.push(Idle { id, slot, since: Instant::now() });
-            self.idle_cv.notify_one();
+            // Work that runs back to back takes and returns its lease
+            // every few µs: the lease thread is woken only when it has no
+            // expiry to wait for.
+            if !self.expiry_armed.load(Ordering::Relaxed) {
+                self.idle_cv.notify_one();
+            }
         }
         Ok((out, dt))
     }

@@ -466,7 +466,11 @@ impl Ring {
                             continue;
                         }
                         self.polling.store(false, Ordering::SeqCst);
-                        self.wake(engine);
+                        // One wake-up per queued job: the ring's and any
+                        // others'.
+                        if !self.closed.load(Ordering::Acquire) && !self.polling.swap(true, Ordering::SeqCst) {
+                            engine.push_front_quiet(Job::Ring(self.clone()));
+                        }
                         engine.notify_queued();
                         engine.run_long(job);
                         return;
@@ -947,8 +951,12 @@ impl Engine {
     }
 
     fn push_front(&self, job: Job) {
-        lock(&self.q).jobs.push_front(job);
+        self.push_front_quiet(job);
         self.cv.notify_one();
+    }
+
+    fn push_front_quiet(&self, job: Job) {
+        lock(&self.q).jobs.push_front(job);
     }
 
     /// Runs a job of unbounded length counted in `long` (taken by the
@@ -956,9 +964,17 @@ impl Engine {
     fn run_long(&self, job: Job) {
         let tenant = Self::tenant_of(&job).to_string();
         self.run_job(job);
-        lock(&self.q).give_long(&tenant);
-        // Any waiting thread may now admit long work.
-        self.cv.notify_all();
+        let mut q = lock(&self.q);
+        q.give_long(&tenant);
+        // The slot given back admits at most one more long job: one idle
+        // thread is woken for it, if one waits. Waking every idle thread
+        // (they would all race for that one job) put a dozen context
+        // switches behind each launch on a small machine.
+        let wake = q.idle > 0 && q.jobs.iter().any(|j| self.admissible(&q, j).is_some());
+        drop(q);
+        if wake {
+            self.cv.notify_one();
+        }
     }
 
     /// Whether `job` may start now: Some(long) if so.
