@@ -403,11 +403,21 @@ impl Ring {
     }
 
     fn wake(self: &Arc<Self>, engine: &Engine) {
-        if !self.closed.load(Ordering::Acquire) && !self.polling.swap(true, Ordering::SeqCst) {
+        if self.requeue(engine) {
+            engine.cv.notify_one();
+        }
+    }
+
+    /// Queues a job to poll the ring unless one polls it already (or it
+    /// closed); whether it did. Nobody is woken for it.
+    fn requeue(self: &Arc<Self>, engine: &Engine) -> bool {
+        let queued = !self.closed.load(Ordering::Acquire) && !self.polling.swap(true, Ordering::SeqCst);
+        if queued {
             // Rings go first: their consumers keep every tenant's calls
             // moving, and each takes a thread only while there is work.
-            engine.push_front(Job::Ring(self.clone()));
+            engine.push_front_quiet(Job::Ring(self.clone()));
         }
+        queued
     }
 
     /// Stops serving the ring (the connection is gone, or the guest let go
@@ -468,9 +478,7 @@ impl Ring {
                         self.polling.store(false, Ordering::SeqCst);
                         // One wake-up per queued job: the ring's and any
                         // others'.
-                        if !self.closed.load(Ordering::Acquire) && !self.polling.swap(true, Ordering::SeqCst) {
-                            engine.push_front_quiet(Job::Ring(self.clone()));
-                        }
+                        self.requeue(engine);
                         engine.notify_queued(0);
                         engine.run_long(job);
                         return;
@@ -952,11 +960,6 @@ impl Engine {
 
     fn push_quiet(&self, job: Job) {
         lock(&self.q).jobs.push_back(job);
-    }
-
-    fn push_front(&self, job: Job) {
-        self.push_front_quiet(job);
-        self.cv.notify_one();
     }
 
     fn push_front_quiet(&self, job: Job) {
