@@ -455,8 +455,7 @@ fn hold(p: &Proxy, lane: usize, served: &Served) -> u64 {
 // --------------------------------------------------------------- executor
 
 struct Slot {
-    /// The lane granted (None while waiting for it).
-    lane: Mutex<Option<usize>>,
+    lane: Mutex<Lane>,
     granted: Condvar,
     /// YIELDs the arbiter sent for this work, and how many of them a
     /// PAUSED (or the lane's release) answered: while they differ, the
@@ -465,13 +464,52 @@ struct Slot {
     /// not lost.
     yields: AtomicU64,
     answered: AtomicU64,
+    /// The work stopped for a YIELD and has no lane yet: every thread of
+    /// it waits at its next checkpoint.
+    paused: AtomicBool,
     paused_ns: AtomicU64,
     /// Other work holds lanes of the device too (the arbiter's `CROWD`).
     crowded: AtomicBool,
 }
 
-/// The executor's side of its grant channel.
+/// A slot's lane, under one lock with the pause it ends.
+#[derive(Default)]
+struct Lane {
+    /// The lane granted (None while waiting for it).
+    at: Option<usize>,
+    /// When the work stopped for a `YIELD`, until the next `GRANT`.
+    stopped: Option<Instant>,
+}
+
 impl Slot {
+    fn new() -> Slot {
+        Slot {
+            lane: Mutex::default(),
+            granted: Condvar::new(),
+            yields: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            paused: AtomicBool::new(false),
+            paused_ns: AtomicU64::new(0),
+            crowded: AtomicBool::new(false),
+        }
+    }
+
+    /// Ends a pause that began at `stopped`: counted before any thread of
+    /// the work goes on, so each one's launch deadline (which moves by the
+    /// time paused) sees it.
+    fn resume(&self, lane: &mut Lane) {
+        if let Some(t) = lane.stopped.take() {
+            self.paused_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        self.paused.store(false, Ordering::Release);
+    }
+
+    /// A thread of the work must look under the lock: a YIELD is not
+    /// answered yet, or the work is stopped.
+    fn stop_here(&self) -> bool {
+        self.asked() || self.paused.load(Ordering::Acquire)
+    }
+
     /// The arbiter asked for the lane back and has no answer yet.
     fn asked(&self) -> bool {
         self.yields.load(Ordering::Acquire) != self.answered.load(Ordering::Acquire)
@@ -587,7 +625,10 @@ impl Grants {
             let Some(slot) = slot else { continue };
             match m.kind {
                 GRANT => {
-                    *lock(&slot.lane) = Some(m.value as usize);
+                    let mut lane = lock(&slot.lane);
+                    slot.resume(&mut lane);
+                    lane.at = Some(m.value as usize);
+                    drop(lane);
                     slot.granted.notify_all();
                 }
                 YIELD => {
@@ -646,7 +687,7 @@ impl Grants {
         let lease = lock(&self.idle).pop();
         let (id, slot, lane) = match lease {
             Some(l) => {
-                let lane = *lock(&l.slot.lane);
+                let lane = lock(&l.slot.lane).at;
                 match lane {
                     Some(lane) => (l.id, l.slot, lane),
                     None => {
@@ -691,8 +732,7 @@ impl Grants {
 
     /// Asks the arbiter for a lane for new work and waits for it.
     fn want(&self) -> Result<(u32, Arc<Slot>, usize), GrantError> {
-        let slot =
-            Arc::new(Slot { lane: Mutex::new(None), granted: Condvar::new(), yields: AtomicU64::new(0), answered: AtomicU64::new(0), paused_ns: AtomicU64::new(0), crowded: AtomicBool::new(false) });
+        let slot = Arc::new(Slot::new());
         let id = {
             let mut slots = lock(&self.slots);
             // Ids wrap after 2^32; one still in use is skipped.
@@ -718,7 +758,7 @@ impl Grants {
     fn wait_grant(&self, slot: &Slot) -> Result<usize, GrantError> {
         let mut lane = lock(&slot.lane);
         loop {
-            if let Some(l) = *lane {
+            if let Some(l) = lane.at {
                 return Ok(l);
             }
             if self.is_closed() {
@@ -755,39 +795,47 @@ impl Working {
         // As on a worker's own lane (crate::sched::Running::checkpoint).
         crate::placement::follow(lane, self.slot.crowded.load(Ordering::Acquire));
         crate::placement::settle(lane, None);
-        if !self.slot.asked() {
+        if !self.slot.stop_here() {
             return;
         }
         let _raised = crate::nice::Raised::new();
         let mut lane = lock(&self.slot.lane);
-        // The work stops here: what follows (the message, and a thread
-        // the message's wake-up of the arbiter may push off its core) is
-        // no device time of the tenant's.
-        let stopped = Instant::now();
-        let first = match *lane {
+        match lane.at {
             // Another thread of this work stopped already: wait with it.
-            None => false,
+            None => {}
             Some(_) if !self.slot.asked() => return,
             Some(held) => {
-                // The first thread to stop answers for the work.
+                // The first thread to stop answers for the work. The work
+                // stops here: what follows (the message, and a thread the
+                // message's wake-up of the arbiter may push off its core)
+                // is no device time of the tenant's. The GRANT that ends
+                // the pause counts it (Slot::resume).
+                // Stopped before answered: a thread that sees the answer
+                // sees the stop too, and waits.
+                self.slot.paused.store(true, Ordering::Release);
                 self.slot.answered.store(self.slot.yields.load(Ordering::Acquire), Ordering::Release);
-                *lane = None;
+                lane.at = None;
+                lane.stopped = Some(Instant::now());
                 if self.g.chan.send(Msg { kind: PAUSED, id: self.id, value: 0 }).is_err() {
                     // The arbiter is gone: go on, the executor is ending.
-                    *lane = Some(held);
+                    lane.at = Some(held);
+                    lane.stopped = None;
+                    self.slot.paused.store(false, Ordering::Release);
                     return;
                 }
-                true
             }
-        };
+        }
         drop(lane);
         // Without a grant (the arbiter gone) the work goes on: the
         // executor is ending anyway, and the launch must not hang.
-        let l = self.g.wait_grant(&self.slot).unwrap_or(self.lane.load(Ordering::Relaxed));
-        if first {
-            self.slot.paused_ns.fetch_add(stopped.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            self.lane.store(l, Ordering::Relaxed);
-        }
+        let l = match self.g.wait_grant(&self.slot) {
+            Ok(l) => l,
+            Err(_) => {
+                self.slot.resume(&mut lock(&self.slot.lane));
+                self.lane.load(Ordering::Relaxed)
+            }
+        };
+        self.lane.store(l, Ordering::Relaxed);
         crate::placement::resumed(l);
     }
 
@@ -1125,6 +1173,63 @@ mod tests {
         // The neighbour is served throughout, and after.
         let (n, _) = good.run(|| 42).unwrap();
         assert_eq!(n, 42);
+    }
+
+    #[test]
+    fn every_thread_of_paused_work_counts_the_pause_as_it_goes_on() {
+        // A launch's threads compare its deadline with the time paused
+        // (vgpu_ptx's Meter::clock): a thread that went on from a pause
+        // before the pause was counted would see a long pause as a
+        // runaway launch. The test plays the arbiter.
+        const PAUSE: Duration = Duration::from_millis(300);
+        let (a, e) = Channel::pair().unwrap();
+        let g = Grants::start(e, 1).unwrap();
+        let arbiter = std::thread::spawn(move || {
+            let heard = |kind| loop {
+                match a.recv().unwrap() {
+                    Some(m) if m.kind == kind => break m.id,
+                    Some(_) => continue,
+                    None => panic!("the executor closed its channel"),
+                }
+            };
+            let id = heard(WANT);
+            a.send(Msg { kind: GRANT, id, value: 0 }).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            a.send(Msg { kind: YIELD, id, value: 0 }).unwrap();
+            heard(PAUSED);
+            std::thread::sleep(PAUSE);
+            a.send(Msg { kind: GRANT, id, value: 0 }).unwrap();
+            heard(DONE);
+            a
+        });
+        let ((), _) = g
+            .run(|| {
+                with_current(|w| {
+                    let w = w.expect("inside Grants::run");
+                    std::thread::scope(|s| {
+                        for _ in 0..4 {
+                            s.spawn(|| {
+                                // Checkpoints until the pause stops this
+                                // thread too: what it sees of it then.
+                                let start = Instant::now();
+                                loop {
+                                    let t = Instant::now();
+                                    w.checkpoint();
+                                    if t.elapsed() >= PAUSE / 2 {
+                                        let seen = w.paused();
+                                        assert!(seen >= PAUSE - Duration::from_millis(50), "a thread went on from a pause of {:?} having counted {seen:?} of it", t.elapsed());
+                                        break;
+                                    }
+                                    assert!(start.elapsed() < Duration::from_secs(10), "a thread of the work ran on through the whole pause");
+                                    std::hint::spin_loop();
+                                }
+                            });
+                        }
+                    })
+                })
+            })
+            .unwrap();
+        drop(arbiter.join().unwrap());
     }
 
     #[test]
