@@ -365,7 +365,6 @@ struct Shared {
     lanes: usize,
     policy: Arc<dyn Policy>,
     inner: Mutex<Inner>,
-    cv: Condvar,
     busy_ns: AtomicU64,
     /// Entries in the queue (read without the lock by running work).
     waiting: AtomicUsize,
@@ -389,6 +388,11 @@ struct Inner {
     next: u64,
     /// Lane numbers not held (each lane has a core: crate::placement).
     free: BinaryHeap<Reverse<usize>>,
+    /// The thread waiting for each queued entry (by ticket), woken alone
+    /// when its entry is picked: a lane handed on wakes one thread, not
+    /// every waiter (each of which would look at the queue under the lock
+    /// while the lane stood idle). Kept with the queue by `dequeue`.
+    parked: HashMap<u64, std::thread::Thread>,
 }
 
 impl Shared {
@@ -427,8 +431,33 @@ impl Shared {
     }
 
     fn dequeue(&self, g: &mut Inner, i: usize) {
-        g.queue.remove(i);
+        if let Some(w) = g.queue.remove(i) {
+            g.parked.remove(&w.ticket);
+        }
         self.counted(g);
+    }
+
+    /// The thread to wake now that a lane may be free or the policy may
+    /// have changed its mind: the one whose entry the policy picks, or,
+    /// where every waiting tenant is over its cap, the first waiter, to
+    /// sleep until the soonest of them may run. None if no lane is free.
+    fn next_waiter(&self, g: &Inner) -> Option<std::thread::Thread> {
+        if g.running >= self.lanes || g.queue.is_empty() {
+            return None;
+        }
+        let i = match self.policy.pick(&g.queue) {
+            Pick::Run(i) => i,
+            Pick::Wait(_) => 0,
+        };
+        g.queue.get(i).and_then(|w| g.parked.get(&w.ticket)).cloned()
+    }
+
+    /// Wakes the waiter [`Shared::next_waiter`] names.
+    fn wake_next(&self) {
+        let t = self.next_waiter(&lock(&self.inner));
+        if let Some(t) = t {
+            t.unpark();
+        }
     }
 
     /// Takes the lowest free lane (callers checked `running < lanes`).
@@ -458,6 +487,9 @@ impl Shared {
     /// Waits until the policy picks entry `ticket` while a lane is free,
     /// then takes the lane.
     fn wait_turn<'a>(&'a self, mut g: MutexGuard<'a, Inner>, ticket: u64) -> (MutexGuard<'a, Inner>, usize) {
+        if g.queue.iter().any(|w| w.ticket == ticket) {
+            g.parked.insert(ticket, std::thread::current());
+        }
         loop {
             let mut sleep = RECHECK;
             if g.running < self.lanes {
@@ -465,14 +497,26 @@ impl Shared {
                     Pick::Run(i) if g.queue.get(i).is_some_and(|w| w.ticket == ticket) => {
                         self.dequeue(&mut g, i);
                         let lane = self.take_lane(&mut g);
+                        // Another lane may be free too: its waiter looks.
+                        if let Some(t) = self.next_waiter(&g) {
+                            t.unpark();
+                        }
                         return (g, lane);
                     }
                     // Someone else's turn: make sure they look.
-                    Pick::Run(_) => self.cv.notify_all(),
+                    Pick::Run(i) => {
+                        if let Some(t) = g.queue.get(i).and_then(|w| g.parked.get(&w.ticket)) {
+                            t.unpark();
+                        }
+                    }
                     Pick::Wait(d) => sleep = d.min(RECHECK),
                 }
             }
-            g = self.cv.wait_timeout(g, sleep).unwrap_or_else(|e| e.into_inner()).0;
+            // An unpark between the unlock and the park is not lost: it
+            // makes the park return at once.
+            drop(g);
+            std::thread::park_timeout(sleep);
+            g = lock(&self.inner);
         }
     }
 
@@ -484,7 +528,7 @@ impl Shared {
         // A wake-up costs a system call: only when someone waits; later
         // under a WakeLater.
         if waiting && !wake_later(self) {
-            self.cv.notify_all();
+            self.wake_next();
         }
     }
 }
@@ -588,7 +632,7 @@ impl Drop for WakeLater {
             return;
         }
         for s in DEFERRED.with(|d| d.borrow_mut().take()).unwrap_or_default() {
-            s.cv.notify_all();
+            s.wake_next();
         }
     }
 }
@@ -761,8 +805,9 @@ impl Running {
         // From here the work holds no lane until it has one again; the
         // guard lets its other threads go on whatever happens.
         let _resume = Resume { r: self, ticket };
+        // wait_turn hands the lane to the waiter the policy picks (waking
+        // it) or takes it straight back.
         s.put_lane(&mut g, self.lane.swap(NO_LANE, Ordering::Relaxed));
-        s.cv.notify_all();
         let stopped = Instant::now();
         let (g, lane) = s.wait_turn(g, ticket);
         drop(g);
@@ -849,8 +894,7 @@ impl Scheduler {
         Scheduler(Arc::new(Shared {
             lanes: lanes.max(1),
             policy,
-            inner: Mutex::new(Inner { running: 0, queue: VecDeque::new(), next: 0, free: (0..lanes.max(1)).map(Reverse).collect() }),
-            cv: Condvar::new(),
+            inner: Mutex::new(Inner { running: 0, queue: VecDeque::new(), next: 0, free: (0..lanes.max(1)).map(Reverse).collect(), parked: HashMap::new() }),
             busy_ns: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
             arrivals: AtomicU64::new(0),
@@ -899,7 +943,7 @@ impl Scheduler {
     pub fn configure(&self, tenant: &str, share: Share) {
         self.0.policy.configure(tenant, share);
         // A lifted cap may let waiting work run now.
-        self.0.cv.notify_all();
+        self.0.wake_next();
     }
 
     pub fn forget(&self, tenant: &str) {
