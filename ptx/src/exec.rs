@@ -160,12 +160,22 @@ const SLICE: u64 = 1 << 12;
 /// The body index of a kernel's own frame.
 const KERNEL: u32 = u32::MAX;
 
+/// When a launch runs out of time: `limit` after it started, plus the time
+/// its lane was taken from it since (`Preempt::paused` beyond
+/// `paused_before`, what the work had been paused before this launch).
+#[derive(Clone, Copy)]
+struct Deadline {
+    at: Instant,
+    limit: Duration,
+    paused_before: Duration,
+}
+
 /// What a launch may still spend. A launch on several host threads gives
 /// each its own meter drawing chunks of units from one shared pool.
 struct Meter<'p> {
     left: u64,
     budget: u64,
-    deadline: Option<(Instant, Duration)>,
+    deadline: Option<Deadline>,
     next_clock: u64,
     pool: Option<&'p AtomicU64>,
     /// Units taken from the pool so far (the whole budget without one).
@@ -203,9 +213,9 @@ impl Meter<'_> {
             }
             None => Duration::ZERO,
         };
-        if let Some((at, limit)) = self.deadline {
-            if Instant::now() >= at + paused {
-                return Err(ExecError::Timeout(limit));
+        if let Some(d) = self.deadline {
+            if Instant::now() >= d.at + paused.saturating_sub(d.paused_before) {
+                return Err(ExecError::Timeout(d.limit));
             }
         }
         Ok(())
@@ -435,7 +445,10 @@ pub fn launch(k: &Kernel, cfg: &LaunchConfig, params: &[u8], mem: &mut dyn Globa
     let shared = reserved_base + RESERVED_SMEM;
     let budget = if limits.budget == 0 { u64::MAX } else { limits.budget };
     let start = Instant::now();
-    let deadline = limits.timeout.map(|t| (start + t, t));
+    // Pauses of the work before this launch (an earlier launch's, on the
+    // same lane lease) give it no extra time.
+    let paused_before = limits.preempt.map_or(Duration::ZERO, |p| p.paused());
+    let deadline = limits.timeout.map(|limit| Deadline { at: start + limit, limit, paused_before });
     let block_units = BLOCK_UNITS + nthreads + (regfile + shared + local) / ZERO_BYTES_PER_UNIT;
     let li = LaunchInfo { dyn_base, dyn_size: cfg.dynamic_shared as u64, total_smem, reserved_base, sm_count: limits.sm_count.max(1), start };
     let nblocks = cfg.grid.iter().map(|&g| g as u64).product::<u64>();
@@ -517,7 +530,7 @@ fn launch_parallel(
     params: &[u8],
     views: Vec<Box<dyn GlobalMem + Send + '_>>,
     budget: u64,
-    deadline: Option<(Instant, Duration)>,
+    deadline: Option<Deadline>,
     block_units: u64,
     shared: u64,
     li: &LaunchInfo,

@@ -593,6 +593,48 @@ mod hostile {
         assert!(t.elapsed() < std::time::Duration::from_secs(20), "stopped after {:?}", t.elapsed());
     }
 
+    /// Work paused for 10 s before the launch, as a lane lease reused by
+    /// launch after launch can be; and paused by another 300 ms within it. A
+    /// stand-in for the device scheduler's hold on the lane.
+    struct PausedBefore {
+        began: std::time::Instant,
+        paused: std::sync::Mutex<Option<std::time::Instant>>,
+    }
+
+    impl crate::exec::Preempt for PausedBefore {
+        fn checkpoint(&self) {
+            let mut p = self.paused.lock().unwrap();
+            if p.is_none() && self.began.elapsed() >= std::time::Duration::from_millis(50) {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                *p = Some(std::time::Instant::now());
+            }
+        }
+
+        fn paused(&self) -> std::time::Duration {
+            let before = std::time::Duration::from_secs(10);
+            if self.paused.lock().unwrap().is_some() {
+                before + std::time::Duration::from_millis(300)
+            } else {
+                before
+            }
+        }
+    }
+
+    #[test]
+    fn only_pauses_within_a_launch_extend_its_time_limit() {
+        let m = Module::parse(FAULTS).unwrap();
+        let p = PausedBefore { began: std::time::Instant::now(), paused: std::sync::Mutex::new(None) };
+        let limits = Limits { budget: 0, timeout: Some(std::time::Duration::from_millis(200)), preempt: Some(&p), ..Limits::default() };
+        let t = std::time::Instant::now();
+        let e = launch(m.kernel("spin").unwrap(), &cfg([1, 1, 1], [32, 1, 1]), &[], &mut VecMem::new(), &limits).unwrap_err();
+        assert_eq!(e, ExecError::Timeout(std::time::Duration::from_millis(200)));
+        // 10 s of earlier pauses gave it no more time (it would have run
+        // for 10.5 s); the 300 ms pause within it did.
+        assert!(p.paused.lock().unwrap().is_some(), "the launch was never paused");
+        let took = t.elapsed();
+        assert!(took >= std::time::Duration::from_millis(500) && took < std::time::Duration::from_secs(5), "stopped after {took:?}");
+    }
+
     #[test]
     fn a_module_larger_than_the_host_limit_is_refused_before_it_is_parsed() {
         let src = kernel_with(&" add.u32 %r1, %r1, 1;\n".repeat(10_000));
