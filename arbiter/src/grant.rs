@@ -653,6 +653,9 @@ impl Grants {
         }
         self.closed.store(true, Ordering::Release);
         for s in lock(&self.slots).values() {
+            // Under the lane's lock: a waiter between its look at `closed`
+            // and its wait hears it.
+            let _lane = lock(&s.lane);
             s.granted.notify_all();
         }
         self.idle_cv.notify_all();
@@ -745,7 +748,7 @@ impl Grants {
             slots.insert(id, slot.clone());
             id
         };
-        let asked = self.chan.send(Msg { kind: WANT, id, value: 0 }).map_err(GrantError::Send).and_then(|()| self.wait_grant(&slot));
+        let asked = self.chan.send(Msg { kind: WANT, id, value: 0 }).map_err(GrantError::Send).and_then(|()| self.wait_grant(&slot).1);
         match asked {
             Ok(lane) => Ok((id, slot, lane)),
             Err(e) => {
@@ -755,14 +758,16 @@ impl Grants {
         }
     }
 
-    fn wait_grant(&self, slot: &Slot) -> Result<usize, GrantError> {
+    /// Waits for the slot's lane; returns it with the slot's lock still
+    /// held.
+    fn wait_grant<'s>(&self, slot: &'s Slot) -> (MutexGuard<'s, Lane>, Result<usize, GrantError>) {
         let mut lane = lock(&slot.lane);
         loop {
             if let Some(l) = lane.at {
-                return Ok(l);
+                return (lane, Ok(l));
             }
             if self.is_closed() {
-                return Err(GrantError::ArbiterGone);
+                return (lane, Err(GrantError::ArbiterGone));
             }
             lane = slot.granted.wait_timeout(lane, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -828,14 +833,18 @@ impl Working {
         drop(lane);
         // Without a grant (the arbiter gone) the work goes on: the
         // executor is ending anyway, and the launch must not hang.
-        let l = match self.g.wait_grant(&self.slot) {
+        let (mut held, granted) = self.g.wait_grant(&self.slot);
+        let l = match granted {
             Ok(l) => l,
             Err(_) => {
-                self.slot.resume(&mut lock(&self.slot.lane));
+                self.slot.resume(&mut held);
                 self.lane.load(Ordering::Relaxed)
             }
         };
+        // Under the slot's lock: a thread slow to get here after an
+        // earlier grant never stores its lane over a later one.
         self.lane.store(l, Ordering::Relaxed);
+        drop(held);
         crate::placement::resumed(l);
     }
 
@@ -1180,10 +1189,14 @@ mod tests {
         // A launch's threads compare its deadline with the time paused
         // (vgpu_ptx's Meter::clock): a thread that went on from a pause
         // before the pause was counted would see a long pause as a
-        // runaway launch. The test plays the arbiter.
+        // runaway launch, and one that did not stop would run on a lane
+        // given away. The test plays the arbiter.
         const PAUSE: Duration = Duration::from_millis(300);
         let (a, e) = Channel::pair().unwrap();
         let g = Grants::start(e, 1).unwrap();
+        // The work stopped (PAUSED heard), and the GRANT that ends it.
+        let (stopped, granting) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (st, gr) = (stopped.clone(), granting.clone());
         let arbiter = std::thread::spawn(move || {
             let heard = |kind| loop {
                 match a.recv().unwrap() {
@@ -1197,32 +1210,45 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             a.send(Msg { kind: YIELD, id, value: 0 }).unwrap();
             heard(PAUSED);
+            st.store(true, Ordering::Release);
             std::thread::sleep(PAUSE);
+            gr.store(true, Ordering::Release);
             a.send(Msg { kind: GRANT, id, value: 0 }).unwrap();
-            heard(DONE);
             a
         });
+        // What a thread sees as it goes on: the GRANT sent, the pause counted.
+        let went_on = |w: &Working| {
+            assert!(granting.load(Ordering::Acquire), "a thread went on through the pause");
+            let seen = w.paused();
+            assert!(seen >= PAUSE, "a thread went on from a pause of {PAUSE:?} having counted {seen:?} of it");
+        };
         let ((), _) = g
             .run(|| {
                 with_current(|w| {
                     let w = w.expect("inside Grants::run");
+                    let went_on = &went_on;
+                    let (stopped, granting) = (&stopped, &granting);
                     std::thread::scope(|s| {
-                        for _ in 0..4 {
-                            s.spawn(|| {
-                                // Checkpoints until the pause stops this
-                                // thread too: what it sees of it then.
-                                let start = Instant::now();
-                                loop {
-                                    let t = Instant::now();
-                                    w.checkpoint();
-                                    if t.elapsed() >= PAUSE / 2 {
-                                        let seen = w.paused();
-                                        assert!(seen >= PAUSE - Duration::from_millis(50), "a thread went on from a pause of {:?} having counted {seen:?} of it", t.elapsed());
-                                        break;
-                                    }
-                                    assert!(start.elapsed() < Duration::from_secs(10), "a thread of the work ran on through the whole pause");
+                        // The thread that stops first and answers.
+                        s.spawn(move || {
+                            let start = Instant::now();
+                            loop {
+                                w.checkpoint();
+                                if stopped.load(Ordering::Acquire) {
+                                    break went_on(w);
+                                }
+                                assert!(start.elapsed() < Duration::from_secs(10), "the YIELD never came");
+                                std::hint::spin_loop();
+                            }
+                        });
+                        // The others reach a checkpoint once it stopped.
+                        for _ in 0..3 {
+                            s.spawn(move || {
+                                while !stopped.load(Ordering::Acquire) && !granting.load(Ordering::Acquire) {
                                     std::hint::spin_loop();
                                 }
+                                w.checkpoint();
+                                went_on(w);
                             });
                         }
                     })

@@ -411,7 +411,22 @@ impl Shared {
         for h in lock(&self.elsewhere).iter() {
             h.poke();
         }
+        let _abandon = Abandon(self, ticket);
         self.wait_turn(g, ticket).1
+    }
+
+    /// Work whose thread panicked while it waited for its turn: its entry
+    /// goes (nobody would take the lane it was picked for), and every
+    /// waiter looks again (the policy is not asked whom to wake: it may be
+    /// what panicked, and a second panic while unwinding aborts).
+    fn abandon(&self, ticket: u64) {
+        let mut g = lock(&self.inner);
+        if let Some(i) = g.queue.iter().position(|w| w.ticket == ticket) {
+            self.dequeue(&mut g, i);
+        }
+        for t in g.parked.values() {
+            t.unpark();
+        }
     }
 
     /// Queues new work: running work looks at it at its next checkpoint.
@@ -841,6 +856,18 @@ impl Running {
     }
 }
 
+/// Abandons a queue entry if its thread unwinds while waiting
+/// (`Shared::abandon`).
+struct Abandon<'a>(&'a Shared, u64);
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.abandon(self.1);
+        }
+    }
+}
+
 /// `Running::lane` while preempted work holds none.
 const NO_LANE: usize = usize::MAX;
 
@@ -855,11 +882,7 @@ struct Resume<'a> {
 impl Drop for Resume<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let s = &*self.r.s;
-            let mut g = lock(&s.inner);
-            if let Some(i) = g.queue.iter().position(|w| w.ticket == self.ticket) {
-                s.dequeue(&mut g, i);
-            }
+            self.r.s.abandon(self.ticket);
         }
         let mut d = lock(&self.r.deciding);
         *d = false;
@@ -949,6 +972,8 @@ impl Scheduler {
     pub fn forget(&self, tenant: &str) {
         self.0.policy.forget(tenant);
         lock(&self.0.used).remove(tenant);
+        // Its waiting work, if any, is no longer held back by its account.
+        self.0.wake_next();
     }
 
     /// Lane time charged to `tenant` so far, work in flight included.
