@@ -464,8 +464,9 @@ struct Slot {
     /// not lost.
     yields: AtomicU64,
     answered: AtomicU64,
-    /// The work stopped for a YIELD and has no lane yet: every thread of
-    /// it waits at its next checkpoint.
+    /// The work stopped for a YIELD and has no lane yet (`Lane::stopped`
+    /// is set), readable without the lock: every thread of the work waits
+    /// at its next checkpoint.
     paused: AtomicBool,
     paused_ns: AtomicU64,
     /// Other work holds lanes of the device too (the arbiter's `CROWD`).
@@ -810,16 +811,16 @@ impl Working {
             None => {}
             Some(_) if !self.slot.asked() => return,
             Some(held) => {
-                // The first thread to stop answers for the work. The work
-                // stops here: what follows (the message, and a thread the
-                // message's wake-up of the arbiter may push off its core)
-                // is no device time of the tenant's. The GRANT that ends
-                // the pause counts it (Slot::resume).
-                // Stopped before answered: a thread that sees the answer
-                // sees the stop too, and waits.
+                // The first thread to stop answers for the work. Stopped
+                // before answered: a thread that sees the answer sees the
+                // stop too, and waits.
                 self.slot.paused.store(true, Ordering::Release);
                 self.slot.answered.store(self.slot.yields.load(Ordering::Acquire), Ordering::Release);
                 lane.at = None;
+                // The work stops here: what follows (the message, and a
+                // thread the message's wake-up of the arbiter may push off
+                // its core) is no device time of the tenant's. The GRANT
+                // that ends the pause counts it (Slot::resume).
                 lane.stopped = Some(Instant::now());
                 if self.g.chan.send(Msg { kind: PAUSED, id: self.id, value: 0 }).is_err() {
                     // The arbiter is gone: go on, the executor is ending.

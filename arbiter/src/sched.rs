@@ -464,7 +464,7 @@ impl Shared {
             Pick::Run(i) => i,
             Pick::Wait(_) => 0,
         };
-        g.queue.get(i).and_then(|w| g.parked.get(&w.ticket)).cloned()
+        parked_at(g, i).cloned()
     }
 
     /// Wakes the waiter [`Shared::next_waiter`] names.
@@ -520,7 +520,7 @@ impl Shared {
                     }
                     // Someone else's turn: make sure they look.
                     Pick::Run(i) => {
-                        if let Some(t) = g.queue.get(i).and_then(|w| g.parked.get(&w.ticket)) {
+                        if let Some(t) = parked_at(&g, i) {
                             t.unpark();
                         }
                     }
@@ -854,6 +854,11 @@ impl Running {
         }
         self.ran()
     }
+}
+
+/// The thread waiting for the queue's entry `i`.
+fn parked_at(g: &Inner, i: usize) -> Option<&std::thread::Thread> {
+    g.queue.get(i).and_then(|w| g.parked.get(&w.ticket))
 }
 
 /// Abandons a queue entry if its thread unwinds while waiting
