@@ -18,38 +18,53 @@ if [ "${free_gib:-0}" -lt "$need_gib" ]; then
 fi
 # The suite's own Python environments too (CuPy for CUDA 13, PyTorch).
 export VGPU_SETUP_FOR=tests
+setup_started=$SECONDS
 source "$ROOT/scripts/setup.sh"
+setup_took=$((SECONDS - setup_started))
 cd "$ROOT"
 # Tests start many short-lived daemons; 2 test threads fit the 2-core machines.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-2}"
 SKIPS="$ROOT/target/release/skipped-tests.txt"
 rm -f "$SKIPS"
 status=0
+# Each step's wall time, printed at the end: where the suite's time goes.
+TIMES=()
+step() {
+    local name="$1" t=$SECONDS rc=0
+    shift
+    "$@" || rc=$?
+    TIMES+=("$(printf '%6d s  %s%s' $((SECONDS - t)) "$name" "$([ $rc -eq 0 ] || echo "  (failed: exit $rc)")")")
+    [ $rc -eq 0 ] || status=$rc
+}
 # The gates: formatting, clippy with warnings as errors (which also holds
 # the code to the workspace's rust-version), and that rust-version against
 # the locked dependencies.
+TIMES+=("$(printf '%6d s  %s' "$setup_took" "setup (scripts/setup.sh)")")
 echo "test: cargo fmt --check" >&2
-cargo fmt --all -- --check || status=$?
+step "cargo fmt --check" cargo fmt --all -- --check
 echo "test: cargo clippy -D warnings" >&2
-cargo clippy --release --workspace --all-targets -- -D warnings || status=$?
-python3 scripts/check-msrv.py || status=$?
-cargo test --release --workspace --no-fail-fast || status=$?
+step "cargo clippy" cargo clippy --release --workspace --all-targets -- -D warnings
+step "rust-version check" python3 scripts/check-msrv.py
+step "cargo test" cargo test --release --workspace --no-fail-fast
 # The API conformance check: the served APIs against docs/api/*.yaml, with
 # schemathesis (docs/api/README.md). Skipped, loudly, only where setup.sh
 # could not install schemathesis.
 if cmp -s tests/api/requirements.txt target/apienv/.requirements; then
     echo "test: API conformance (tests/api/conformance.py)" >&2
-    target/apienv/bin/python tests/api/conformance.py || status=$?
+    step "API conformance" target/apienv/bin/python tests/api/conformance.py
 else
     echo "SKIPPED API conformance check (tests/api/conformance.py): schemathesis could not be installed in target/apienv (see setup's output)" | tee -a "$SKIPS" >&2
 fi
 # The README's by-hand steps, exactly as written.
-./scripts/check-readme.sh || status=$?
+step "README steps" ./scripts/check-readme.sh
 # The Debian package: built, unpacked into a clean root, and the README's
 # steps run from its files (docs/install.md).
-./scripts/check-package.sh || status=$?
+step "Debian package" ./scripts/check-package.sh
 # The fuzz smoke: every cargo-fuzz target for 60 s from its committed corpus.
-./scripts/fuzz-smoke.sh || status=$?
+step "fuzz smoke" ./scripts/fuzz-smoke.sh
+echo
+echo "*** where the time went (wall clock, $((SECONDS / 60)) min in all):"
+printf '***   %s\n' "${TIMES[@]}"
 if [ -s "$SKIPS" ]; then
     echo
     echo "*** $(wc -l < "$SKIPS") test(s) skipped on this machine, and why:"
