@@ -114,6 +114,7 @@ fn nested_run_lock(alone: bool) -> std::fs::File {
 pub fn retrying_emulator_faults(scenario: &str, mut attempt: impl FnMut() -> (bool, String)) -> String {
     let mut seen: Vec<String> = Vec::new();
     loop {
+        let started = std::time::Instant::now();
         let (ok, text) = {
             let _running = nested_run_lock(!seen.is_empty());
             attempt()
@@ -124,8 +125,14 @@ pub fn retrying_emulator_faults(scenario: &str, mut attempt: impl FnMut() -> (bo
                 if seen.len() == EMULATOR_ATTEMPTS {
                     panic!("nested scenario {scenario}: the emulator failed {EMULATOR_ATTEMPTS} times in a row ({}):\n{text}", seen.join("; then "));
                 }
-                eprintln!(
-                    "\n*** nested scenario {scenario}: the emulated CPU under the test host failed ({}); running the scenario once more, with no other nested run beside it\n",
+                // Straight to the process's stderr, not through the test
+                // harness's capture: a run again is said in CI's log even
+                // when the test then passes, with what the broken run cost.
+                use std::io::Write;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "\n*** nested scenario {scenario}: the emulated CPU under the test host failed after {:.0} s ({}); running the scenario once more, with no other nested run beside it\n",
+                    started.elapsed().as_secs_f64(),
                     seen.last().map(String::as_str).unwrap_or("")
                 );
             }

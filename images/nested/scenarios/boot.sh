@@ -8,7 +8,7 @@ start=$(cut -d' ' -f1 /proc/uptime)
     --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=boot" 2>/tmp/vmm.err &
 vmm=$!
 i=0
-while ! grep -q L2-MARKER-OK $log && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
+while ! grep -q L2-MARKER-OK $log && kill -0 $vmm 2>/dev/null && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
 marker=$(cut -d' ' -f1 /proc/uptime)
 wait $vmm
 echo "VMM-EXIT=$?"

@@ -28,7 +28,7 @@ echo "ARBITER=$arbiter"
 # vhost-user backend) and by no other process of the daemon's.
 exec_pid=$(vgpuctl --run-dir $run -o json device show gpu0 | tr -d ' \n' | grep -o '"executors":\[[^]]*\]' | grep -o '"pid":[0-9]*' | head -1 | cut -d: -f2)
 i=0
-while ! grep -q L2-SAMPLE $log 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
+while ! grep -q L2-SAMPLE $log 2>/dev/null && kill -0 $vmm 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
 echo "EXEC-GUEST-RAM=$(grep -c vgpu-guest-ram /proc/$exec_pid/maps)"
 echo "ARBITER-GUEST-RAM=$(grep -c vgpu-guest-ram /proc/$arbiter/maps)"
 echo "DAEMON-GUEST-RAM=$(grep -c vgpu-guest-ram /proc/$daemon/maps)"

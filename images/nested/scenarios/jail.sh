@@ -14,7 +14,7 @@ echo "CGROUP-CONTROLLERS=$(cat /sys/fs/cgroup/cgroup.controllers)"
     --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=idle" 2>/tmp/vmm.err &
 sup=$!
 i=0
-while ! grep -q L2-IDLE $log 2>/dev/null && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
+while ! grep -q L2-IDLE $log 2>/dev/null && kill -0 $sup 2>/dev/null && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
 grep -q L2-IDLE $log && echo "SAW-L2-IDLE"
 vmm=$(cat /proc/$sup/task/$sup/children | tr -d ' ')
 echo "JAIL-UID=$(awk '/^Uid:/ {print $2 $3 $4 $5}' /proc/$vmm/status)"

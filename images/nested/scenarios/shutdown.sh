@@ -8,7 +8,7 @@ api=/tmp/vm.sock
     --cmdline "console=ttyS0 reboot=k panic=-1 quiet loglevel=3 l2test=idle" 2>/tmp/vmm.err &
 vmm=$!
 i=0
-while ! grep -q L2-IDLE $log && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
+while ! grep -q L2-IDLE $log && kill -0 $vmm 2>/dev/null && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
 grep -q L2-IDLE $log && echo "SAW-L2-IDLE-BEFORE-API-CALLS"
 vgpuctl vmm --socket $api info
 vgpuctl vmm --socket $api pause

@@ -49,9 +49,9 @@ sed 's/^/SECOND-ERR: /' /tmp/bad.out
 echo "VMS-AFTER-SECOND=$(ctl -o json vm list | grep -c '"api_socket"')"
 # The guest reads, writes and reboots; its restart policy leaves it stopped.
 i=0
-while ! grep -q L2-NVME-READBACK $con 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
+while ! grep -q L2-NVME-READBACK $con 2>/dev/null && ! vm_triple_faulted pt1 && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
 i=0
-while ! ctl -o json vm show pt1 | grep -q '"state": "stopped"' && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+while ! ctl -o json vm show pt1 | grep -q '"state": "stopped"' && ! vm_triple_faulted pt1 && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
 sed 's/^/CONSOLE: /' $con
 # The VMM's own log: how it ended (a guest triple fault is the emulator's).
 tail -n 20 $run/state/vms/pt1/vmm.log 2>/dev/null | sed 's/^/VMM-LOG: /'
@@ -101,11 +101,11 @@ cg=$(sed -n 's/^0:://p' /proc/$vmm/cgroup 2>/dev/null)
 echo "JAILED-MEMORY-MAX=$(cat /sys/fs/cgroup$cg/memory.max 2>/dev/null)"
 echo "JAILED-PIDS-MAX=$(cat /sys/fs/cgroup$cg/pids.max 2>/dev/null)"
 i=0
-while ! grep -q L2-NVME-DONE $con 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
+while ! grep -q L2-NVME-DONE $con 2>/dev/null && ! vm_triple_faulted pt3 && [ $i -lt 3000 ]; do sleep 0.1; i=$((i + 1)); done
 sed 's/^/JAILED-CONSOLE: /' $con
 tail -n 20 $run/state/vms/pt3/vmm.log 2>/dev/null | sed 's/^/JAILED-VMM-LOG: /'
 i=0
-while ! ctl -o json vm show pt3 | grep -q '"state": "stopped"' && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+while ! ctl -o json vm show pt3 | grep -q '"state": "stopped"' && ! vm_triple_faulted pt3 && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
 ctl vm delete pt3 >/dev/null
 i=0
 while [ "$(devstate)" = returning ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done

@@ -14,7 +14,7 @@ now() { cut -d' ' -f1 /proc/uptime; }
 # Waits until the console shows $1 at least $2 times (default once).
 wait_console() {
     i=0
-    while [ "$(grep -c "$1" $con 2>/dev/null)" -lt "${2:-1}" ] && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
+    while [ "$(grep -c "$1" $con 2>/dev/null)" -lt "${2:-1}" ] && ! vm_triple_faulted web && [ $i -lt 6000 ]; do sleep 0.05; i=$((i + 1)); done
     # Said when it gave up: the test then shows what the console had.
     [ "$(grep -c "$1" $con 2>/dev/null)" -ge "${2:-1}" ] || echo "WAIT-TIMEOUT: $1 x${2:-1} after $i polls"
 }
