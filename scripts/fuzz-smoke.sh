@@ -23,17 +23,37 @@ targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(decode ptx fatbin virtio_gpu)
 echo "fuzz: building ${targets[*]} (nightly, AddressSanitizer)" >&2
 cargo +nightly fuzz build -O
+# libFuzzer runs on one thread: the targets run side by side, one a core
+# (FUZZ_JOBS, default the core count), each still for SECS seconds.
+jobs="${FUZZ_JOBS:-$(nproc)}"
+[ "$jobs" -ge 1 ] 2>/dev/null || jobs=1
 status=0
-for t in "${targets[@]}"; do
-    work="$ROOT/target/fuzz-corpus/$t"
+run_one() {
+    local t="$1" work="$ROOT/target/fuzz-corpus/$1"
     mkdir -p "$work" "fuzz/seeds/$t"
-    log="$ROOT/target/fuzz-$t.log"
-    if cargo +nightly fuzz run -O "$t" "$work" "fuzz/seeds/$t" -- -max_total_time="$SECS" -rss_limit_mb=4096 >"$log" 2>&1; then
+    cargo +nightly fuzz run -O "$t" "$work" "fuzz/seeds/$t" -- -max_total_time="$SECS" -rss_limit_mb=4096 >"$ROOT/target/fuzz-$t.log" 2>&1
+}
+report() {
+    local t="$1" rc="$2" log="$ROOT/target/fuzz-$1.log"
+    if [ "$rc" -eq 0 ]; then
         echo "fuzz: $t: $(grep -Eo 'Done [0-9]+ runs in [0-9]+ second' "$log" | tail -1), no crash"
     else
         echo "fuzz: $t FAILED; the end of its log ($log):"
         tail -40 "$log"
         status=1
     fi
+}
+for ((i = 0; i < ${#targets[@]}; i += jobs)); do
+    batch=("${targets[@]:i:jobs}")
+    pids=()
+    for t in "${batch[@]}"; do
+        run_one "$t" &
+        pids+=($!)
+    done
+    for k in "${!batch[@]}"; do
+        rc=0
+        wait "${pids[$k]}" || rc=$?
+        report "${batch[$k]}" "$rc"
+    done
 done
 exit $status
