@@ -86,14 +86,20 @@ if [ "${VGPU_SETUP_FOR:-}" = tests ]; then
     fi
     # PyTorch (PyPI's default wheel) in an environment of its own, pinned in
     # tests/stacks/requirements-torch.txt: about 3 GiB to fetch the first time
-    # (pip's cache keeps it for the next setup), 5 GiB installed.
+    # (pip's cache keeps it for the next setup), 5 GiB installed. It
+    # installs in the background while the steps below run (about 2
+    # minutes from pip's cache, on one core); setup waits for it at the end.
     PYENVTORCH="$ROOT/target/pyenvtorch"
     REQSTORCH="$ROOT/tests/stacks/requirements-torch.txt"
     if [ ! -x "$PYENVTORCH/bin/python" ] || ! cmp -s "$REQSTORCH" "$PYENVTORCH/.requirements"; then
-        echo "setup: installing PyTorch in target/pyenvtorch (about 3 GiB to fetch the first time)" >&2
-        [ -x "$PYENVTORCH/bin/python" ] || python3 -m venv "$PYENVTORCH"
-        "$PYENVTORCH/bin/pip" install --quiet --disable-pip-version-check -r "$REQSTORCH"
-        cp "$REQSTORCH" "$PYENVTORCH/.requirements"
+        echo "setup: installing PyTorch in target/pyenvtorch (about 3 GiB to fetch the first time), beside the steps that follow" >&2
+        rm -f "$PYENVTORCH/.requirements"
+        (
+            [ -x "$PYENVTORCH/bin/python" ] || python3 -m venv "$PYENVTORCH"
+            "$PYENVTORCH/bin/pip" install --quiet --disable-pip-version-check -r "$REQSTORCH"
+            cp "$REQSTORCH" "$PYENVTORCH/.requirements"
+        ) &
+        torch_install=$!
     fi
 fi
 echo "setup: compiling the NVRTC suite's kernels (target/nvrtc)" >&2
@@ -124,6 +130,11 @@ echo "setup: building images/test-guest" >&2
 # Debian's kernel package and the L1/L2 initramfs images of the nested tier.
 echo "setup: building the nested test host images" >&2
 bash "$ROOT/images/nested/build.sh"
+
+if [ -n "${torch_install:-}" ]; then
+    wait "$torch_install" || { echo "setup: installing PyTorch in target/pyenvtorch failed (its pip output is above)" >&2; exit 1; }
+    unset torch_install
+fi
 
 # Programs link and load libcuda.so.1, as they would against NVIDIA's driver.
 ln -sf libcuda.so "$ROOT/target/release/libcuda.so.1"
