@@ -14,10 +14,7 @@ if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
     echo "fuzz: the nightly toolchain is missing (rustup toolchain install nightly); cannot run the fuzz smoke" >&2
     exit 1
 fi
-if ! cargo fuzz --version >/dev/null 2>&1; then
-    echo "fuzz: installing cargo-fuzz" >&2
-    cargo install cargo-fuzz --version 0.13.2 --locked --quiet
-fi
+scripts/cargo-tools.sh fuzz
 
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(decode ptx fatbin virtio_gpu)

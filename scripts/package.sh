@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
 # Builds the host's Debian package, target/package/vgpu_VERSION-1_amd64.deb,
 # from the workspace's release build (made first if missing), with
-# cargo-deb (installed from crates.io, pinned, if missing). Prints the
-# package's path. docs/install.md, "From the Debian package".
+# cargo-deb (installed from crates.io, pinned, if missing, by
+# scripts/cargo-tools.sh). Prints the package's path. docs/install.md,
+# "From the Debian package".
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-CARGO_DEB_VERSION=3.8.0
-if [ "$(cargo deb --version 2>/dev/null)" != "cargo-deb $CARGO_DEB_VERSION" ]; then
-    echo "package: installing cargo-deb $CARGO_DEB_VERSION" >&2
-    cargo install cargo-deb --version "$CARGO_DEB_VERSION" --locked >&2
-fi
+scripts/cargo-tools.sh deb >&2
 for f in vgpu-mediatord vgpu-vmm vgpuctl vgpu-smi vgpu-k8s libcuda.so; do
     if [ ! -e "target/release/$f" ]; then
         cargo build --release --workspace >&2

@@ -51,6 +51,14 @@ done
 # One build, shared by the demo, the tests and the benchmark.
 echo "setup: building the workspace (release)" >&2
 cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
+# The test suite's cargo subcommands (cargo-deb for the package check,
+# cargo-fuzz for the fuzz smoke) build in the background, beside the
+# Python environments below, which leave a core mostly idle; setup waits
+# for them at the end.
+if [ "${VGPU_SETUP_FOR:-}" = tests ]; then
+    "$ROOT/scripts/cargo-tools.sh" &
+    tools_install=$!
+fi
 
 # The NVRTC suite (tests/nvrtc, tests/tests/nvrtc_suite.rs) and the CUDA
 # stacks (tests/stacks, tests/tests/cuda_stacks.rs): NVRTC, the CUDA runtime
@@ -131,6 +139,10 @@ echo "setup: building images/test-guest" >&2
 echo "setup: building the nested test host images" >&2
 bash "$ROOT/images/nested/build.sh"
 
+if [ -n "${tools_install:-}" ]; then
+    wait "$tools_install" || { echo "setup: installing cargo-deb and cargo-fuzz failed (cargo's output is above)" >&2; exit 1; }
+    unset tools_install
+fi
 if [ -n "${torch_install:-}" ]; then
     wait "$torch_install" || { echo "setup: installing PyTorch in target/pyenvtorch failed (its pip output is above)" >&2; exit 1; }
     unset torch_install
