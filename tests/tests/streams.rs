@@ -547,6 +547,93 @@ fn a_tenant_that_corrupts_its_ring_breaks_only_that_ring() {
     assert_eq!(u32::from_le_bytes(status), CuResult::CUDA_ERROR_INVALID_VALUE as u32, "the bad message got an error reply");
 }
 
+/// A tenant that makes its ring's kick blocking and empties it itself
+/// (the eventfd's open file is the worker's too) stalls no other client of
+/// a shared worker: the worker never reads it. A kick that is not an
+/// eventfd is refused.
+#[test]
+fn a_tenant_that_drains_its_own_kick_stalls_no_other_client() {
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let m = Mediator::start(&["--isolation", "shared"]);
+    let sock = m.tenant("drainer", "16MiB");
+    let other = m.tenant("bystander", "16MiB");
+    let r = RawRing::attach(&sock);
+    let kick = r._kick.try_clone().expect("dup");
+    // SAFETY: F_SETFL on our own eventfd: blocking again, for the worker too.
+    assert_eq!(unsafe { libc::fcntl(kick.as_raw_fd(), libc::F_SETFL, 0) }, 0);
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let kicks = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // The tenant kicks and empties the eventfd itself, and ends on a read
+    // of its own: before the fix, the worker's read that lost the race
+    // then waited for a write that never came. Its own read that loses
+    // is let go by a second writer. Neither thread is joined.
+    let (k, s2, d2, n2) = (kick.try_clone().expect("dup"), stop.clone(), done.clone(), kicks.clone());
+    std::thread::spawn(move || {
+        let one = 1u64.to_ne_bytes();
+        let mut b = [0u8; 8];
+        loop {
+            // SAFETY: 8 bytes between locals and our own eventfd.
+            unsafe {
+                libc::write(k.as_raw_fd(), one.as_ptr().cast(), 8);
+                libc::read(k.as_raw_fd(), b.as_mut_ptr().cast(), 8);
+            }
+            n2.fetch_add(1, Ordering::Relaxed);
+            if s2.load(Ordering::Relaxed) {
+                break;
+            }
+        }
+        d2.store(true, Ordering::Release);
+    });
+    let n3 = kicks.clone();
+    let d3 = done.clone();
+    std::thread::spawn(move || {
+        let one = 1u64.to_ne_bytes();
+        let mut last = u64::MAX;
+        while !d3.load(Ordering::Acquire) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let now = n3.load(Ordering::Relaxed);
+            if now == last {
+                // SAFETY: 8 bytes from a local to our own eventfd.
+                unsafe { libc::write(kick.as_raw_fd(), one.as_ptr().cast(), 8) };
+            }
+            last = now;
+        }
+    });
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let t0 = std::time::Instant::now();
+    while !done.load(Ordering::Acquire) {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the tenant's kicking thread ended");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(kicks.load(Ordering::Relaxed) > 100, "the tenant kicked {} times", kicks.load(Ordering::Relaxed));
+    // Bounded: a stalled worker would leave them waiting for ever.
+    let within = |c: std::process::Command| {
+        let mut t = std::process::Command::new("timeout");
+        t.arg("60").arg(c.get_program()).args(c.get_args());
+        for (k, v) in c.get_envs() {
+            if let Some(v) = v {
+                t.env(k, v);
+            }
+        }
+        t
+    };
+    assert!(run_ok(within(sample("vectorAdd", &other))).contains("PASSED"), "the bystander is served after the tenant drained its kick");
+    assert!(run_ok(within(sample("vectorAdd", &sock))).contains("PASSED"), "the tenant's own new connections are served");
+    // A pipe is not an eventfd.
+    let mut fds = [0; 2];
+    // SAFETY: pipe writes two descriptors into the local array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: fresh descriptors we own.
+    let (rd, _wr) = unsafe { (<std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[0]), <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[1])) };
+    let mut t = ::cuda::transport::UnixTransport::connect(sock.to_str().expect("utf8")).expect("connect");
+    let (reply, map) = t.attach_ring(ring::MIN_SQ, &rd, 1).expect("attach");
+    assert!(matches!(&reply, Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, why) if why.contains("eventfd")), "{reply:?}");
+    assert!(map.is_none());
+}
+
 impl RawRing {
     fn t_call(&mut self, req: Request) -> Result<Reply, ::cuda::transport::TransportError> {
         use ::cuda::transport::Transport;

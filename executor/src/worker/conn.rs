@@ -458,13 +458,11 @@ impl Pool {
 
     /// A host tenant woke its sleeping ring.
     fn kicked(&self, id: u64) {
+        // The eventfd is never read: its open file is the tenant's too,
+        // which may make it blocking or drain it first, and a read here
+        // would then stall every client this thread serves. Watched edge
+        // triggered, each write of the tenant's reports it again.
         let Some(r) = self.rings.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned() else { return };
-        if let Some(fd) = &r.kick_fd {
-            let mut b = [0u8; 8];
-            // SAFETY: reads at most 8 bytes into a local buffer from the
-            // ring's non-blocking eventfd, which the ring owns.
-            unsafe { libc::read(fd.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
-        }
         r.kick(&self.engine);
     }
 
@@ -835,6 +833,18 @@ type Outcome = (Vec<u8>, bool, Option<Held>, Vec<OwnedFd>);
 
 /// Whether `fd` is a memfd sealed against shrinking: the only kind the
 /// worker keeps, and one whose close cannot block.
+/// Whether `fd` is an anonymous inode, as an eventfd is: a ring's kick
+/// may be nothing else (not a socket, whose close may linger, nor a pipe
+/// or a file). Which anonymous kind is not told apart by `fstat`; one
+/// that is not an eventfd never reports, and only its own ring sleeps.
+fn is_anon_inode(fd: &OwnedFd) -> bool {
+    // SAFETY: stat is plain data, for which all-zero bytes are valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes only into `st`; the descriptor is one we own.
+    let r = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
+    r == 0 && st.st_mode & libc::S_IFMT == 0
+}
+
 fn sealed_memfd(fd: &OwnedFd) -> bool {
     // SAFETY: F_GET_SEALS only reads the seal set of a descriptor we own.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
@@ -950,6 +960,9 @@ fn attach_ring(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, sq_size
     if !sealed_memfd(&mem) {
         return Err(bad("ring memory must be a memfd sealed with F_SEAL_SHRINK".into()));
     }
+    if !is_anon_inode(&kick) {
+        return Err(bad("the ring's kick descriptor must be an eventfd".into()));
+    }
     let size = virtio_gpu_compute::ring::region_size(sq_size) as u64;
     t.host.reserve(size, "the command ring")?;
     let release = |r: Reply| {
@@ -958,16 +971,12 @@ fn attach_ring(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, sq_size
     };
     let shm = Arc::new(Shm::map(mem.into(), size).map_err(|e| release(bad(e.to_string())))?);
     let rm = RingMem::new(vec![(shm.as_ptr(), shm.len())], Box::new(shm.clone())).map_err(|e| release(bad(e)))?;
-    // SAFETY: F_SETFL on a descriptor we own.
-    if unsafe { libc::fcntl(kick.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
-        return Err(release(bad("the kick descriptor cannot be made non-blocking".into())));
-    }
     let kfd = kick.as_raw_fd();
     let ring = Ring::new(pool.svc.clone(), t.clone(), io.conn.clone(), rm, sq_size, Some(kick)).map_err(|e| release(bad(e)))?;
     pool.rings.lock().unwrap_or_else(|e| e.into_inner()).insert(id, ring.clone());
     if let Err(e) = epoll_ctl(&pool.epfd, libc::EPOLL_CTL_ADD, kfd, (libc::EPOLLIN | libc::EPOLLET) as u32, id | RING) {
         pool.rings.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-        return Err(release(bad(format!("the kick descriptor cannot be watched (an eventfd is needed): {e}"))));
+        return Err(release(bad(format!("the kick descriptor cannot be watched: {e}"))));
     }
     io.shm_held.insert(RING_REGION, size);
     io.ring = Some(ring);
