@@ -151,5 +151,27 @@ fn bad_graphs_get_clear_errors_and_cannot_reach_freed_memory_or_grow_without_bou
     };
     let big: Vec<GraphNode> = big.into_iter().map(|n| if let GraphNode::Kernel(k, pr) = n { GraphNode::Kernel(GraphKernel { func, ..k }, pr) } else { n }).collect();
     assert!(matches!(create(&mut r, ctx, big), Reply::Handle(_)), "the budget came back with the context");
+
+    // A module unloaded while a graph launches one of its kernels stays
+    // in memory for it, and so stays charged until the graph goes: a
+    // tenant cannot keep modules for the price of graphs.
+    assert_eq!(r.call(Request::CtxDestroy(CtxReq { ctx, reserved: 0 })), Reply::Empty);
+    let host = || m.metric("vgpu_tenant_host_memory_bytes", "tenant=\"graphs\",device=\"cpu0\"").expect("metric");
+    let ctx = r.ctx();
+    let idle = host();
+    let module = Raw::handle(r.load(ctx, BUMP));
+    let loaded = host();
+    assert!(loaded > idle, "a loaded module is charged ({idle} -> {loaded})");
+    let func = match r.function(ctx, module, "bump") {
+        Reply::Function(f, _) => f.func,
+        other => panic!("{other:?}"),
+    };
+    let with_func = host();
+    let g = Raw::handle(create(&mut r, ctx, bumps(func, p, 1)));
+    let graph = host() - with_func;
+    assert_eq!(r.call(Request::ModuleUnload(ModuleReq { ctx, module })), Reply::Empty);
+    assert_eq!(host(), loaded + graph, "the unloaded module stays charged while its graph lives (module {} bytes, graph {graph})", loaded - idle);
+    assert_eq!(r.call(Request::GraphDestroy(HandleReq { ctx, handle: g })), Reply::Empty);
+    assert_eq!(host(), idle, "destroying the graph gave the module's charge back");
     assert_eq!(m.device("cpu0")["worker_restarts"], 0);
 }

@@ -145,6 +145,9 @@ struct TenantState {
 #[derive(Default)]
 struct Ctx {
     modules: HashMap<u32, Arc<dyn DeviceModule>>,
+    /// Each module's host charge: held by the context while the module is
+    /// loaded, and by every graph that launches one of its kernels.
+    module_charges: HashMap<u32, Arc<Charge>>,
     /// Device memory holding each module's variables, freed with it.
     module_data: HashMap<u32, Vec<u64>>,
     /// Variables a driver placed itself (GPU backends), made copyable by
@@ -326,6 +329,9 @@ pub struct Graph {
     /// context, or a launch still queued) lets go.
     charged: u64,
     budget: Arc<HostBudget>,
+    /// The charges of the modules its kernels are in, kept while it lives
+    /// (an unloaded module stays in memory for it).
+    _modules: Vec<Arc<Charge>>,
     backend: Arc<dyn Backend>,
     slot: TenantSlot,
 }
@@ -364,6 +370,19 @@ impl Graph {
             }
         }
         Ok(())
+    }
+}
+
+/// Host bytes charged to a tenant for an object that more than one holder
+/// may keep (a module its graphs launch): released when the last lets go.
+struct Charge {
+    budget: Arc<HostBudget>,
+    bytes: u64,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.budget.release(self.bytes);
     }
 }
 
@@ -1164,6 +1183,7 @@ impl DeviceService {
         static SERIAL: AtomicU64 = AtomicU64::new(0);
         let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
         let (mut nodes_out, mut kernels, mut copied, mut charged) = (Vec::with_capacity(nodes.len()), 0, 0, host_cost::GRAPH);
+        let mut modules: Vec<Arc<Charge>> = Vec::new();
         for (i, n) in nodes.into_iter().enumerate() {
             let at = |r: Reply| match r {
                 Reply::Error(code, msg) => err(code, format!("graph node {i}: {msg}")),
@@ -1173,6 +1193,11 @@ impl DeviceService {
             nodes_out.push(match n {
                 GraphNode::Kernel(k, params) => {
                     let (module, index) = Self::kernel(c, k.func, params.len()).map_err(at)?;
+                    if let Some(held) = c.funcs.get(&k.func).and_then(|(mid, _)| c.module_charges.get(mid)) {
+                        if !modules.iter().any(|m| Arc::ptr_eq(m, held)) {
+                            modules.push(held.clone());
+                        }
+                    }
                     kernels += 1;
                     charged += params.len() as u64;
                     GraphWork::Kernel { module, index, launch: Launch { grid: k.grid, block: k.block, shared_bytes: k.shared_bytes }, params }
@@ -1192,7 +1217,7 @@ impl DeviceService {
         // Charged to the tenant, not to the context: a launch still queued
         // may hold the graph past its context (`Graph::drop` releases it).
         t.host.reserve(charged, "a graph")?;
-        let mut g = Graph { nodes: nodes_out, native: None, kernels, copied, serial, charged, budget: t.host.clone(), backend: self.backend.clone(), slot: t.slot };
+        let mut g = Graph { nodes: nodes_out, native: None, kernels, copied, serial, charged, budget: t.host.clone(), _modules: modules, backend: self.backend.clone(), slot: t.slot };
         // (Dropped on failure: its charge goes back.)
         g.native = guarded(|| self.backend.graph_create(t.slot, &g.ops()))?;
         Ok(g)
@@ -1377,12 +1402,14 @@ impl DeviceService {
                     data.push(a);
                     Ok(a)
                 });
+                // Charged to the tenant, not to the context: a graph may
+                // keep the module past its unload (`Charge` releases it).
                 let charged = loaded.and_then(|m| {
-                    let c = Self::ctx(st, b.ctx).map_err(|e| reply_error(e, "the module"))?;
-                    Self::charge(t, c, m.host_bytes(), "the loaded module").map_err(|e| reply_error(e, "the module"))?;
-                    Ok(m)
+                    let bytes = m.host_bytes();
+                    t.host.reserve(bytes, "the loaded module").map_err(|e| reply_error(e, "the module"))?;
+                    Ok((m, Arc::new(Charge { budget: t.host.clone(), bytes })))
                 });
-                let m = match charged {
+                let (m, charge) = match charged {
                     Ok(m) => m,
                     Err(e) => {
                         for a in data {
@@ -1394,6 +1421,7 @@ impl DeviceService {
                 let id = st.handle();
                 let c = Self::ctx(st, b.ctx)?;
                 c.modules.insert(id, m);
+                c.module_charges.insert(id, charge);
                 if !data.is_empty() {
                     c.module_data.insert(id, data);
                 }
@@ -1404,7 +1432,10 @@ impl DeviceService {
                 let Some(m) = c.modules.remove(&b.module) else {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no module {}", b.module)));
                 };
-                let mut freed = m.host_bytes();
+                drop(m);
+                // Its own charge goes with its last holder.
+                c.module_charges.remove(&b.module);
+                let mut freed = 0;
                 c.funcs.retain(|_, (mid, f)| {
                     let keep = *mid != b.module;
                     if !keep {
