@@ -11,7 +11,7 @@
 //! executors (their grant channels close); the device's supervisor starts
 //! a new arbiter and new executors.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -389,8 +389,10 @@ impl DeviceSlot {
     }
 
     /// The arbiter's statistics with each executor's tenant: the tenants'
-    /// memory, copies and scrubs come from their executors.
-    pub(super) fn with_executors(&self, mut s: DeviceStats) -> DeviceStats {
+    /// memory, copies and scrubs come from their executors, whose pids
+    /// come with them.
+    pub(super) fn with_executors(&self, mut s: DeviceStats) -> (DeviceStats, HashMap<String, u32>) {
+        let mut sources = HashMap::new();
         let execs: Vec<Arc<Exec>> = self.execs.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
         let arbiter = std::mem::take(&mut s.tenants);
         for e in execs {
@@ -407,9 +409,10 @@ impl DeviceSlot {
             s.allocated = s.allocated.saturating_add(t.used);
             s.spilled = s.spilled.saturating_add(t.spilled);
             s.bytes_scrubbed = s.bytes_scrubbed.saturating_add(t.bytes_scrubbed);
+            sources.insert(t.name.clone(), e.pid);
             s.tenants.push(t);
         }
-        s
+        (s, sources)
     }
 }
 

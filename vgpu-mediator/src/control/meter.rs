@@ -11,7 +11,7 @@
 //! died (at most one sample period) is lost, for its tenants and its busy
 //! time alike.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -106,7 +106,23 @@ struct Seen {
     pid: u32,
     restarts: u64,
     busy_ns: u64,
-    tenants: HashMap<String, (u64, u64, u64, u64)>,
+    tenants: HashMap<String, Counted>,
+    at: Instant,
+}
+
+/// A tenant's counters when it was last sampled. Its device time is the
+/// worker's (the arbiter's clock, with executors); its kernels and bytes
+/// are counted by whoever holds its state, which starts from zero when an
+/// executor is replaced.
+#[derive(Clone, Copy)]
+struct Counted {
+    device_ns: u64,
+    /// The executor that counted `kernels`, `copied` and `scrubbed` (its
+    /// pid; 0: the device's worker).
+    executor: u32,
+    kernels: u64,
+    copied: u64,
+    scrubbed: u64,
     at: Instant,
 }
 
@@ -208,11 +224,12 @@ impl Meter {
             .map(|slot| {
                 let who = || (slot.pid.load(Ordering::Acquire), slot.restarts.load(Ordering::Acquire));
                 let before = who();
-                let stats = slot.stats()?;
+                let (stats, executors) = slot.sourced_stats()?;
                 // A worker that restarted meanwhile: whose counters these
                 // are is not known, so they are not used (the next sample is).
                 if who() == before {
-                    self.add_sample(&slot.spec.name, before.0, before.1, &stats);
+                    let live: HashSet<String> = control.registry().values().filter(|t| t.device == slot.spec.name).map(|t| t.name.clone()).collect();
+                    self.add_sample(&slot.spec.name, before.0, before.1, &stats, &executors, &live);
                 }
                 Some(stats)
             })
@@ -220,7 +237,12 @@ impl Meter {
     }
 
     /// Adds what a device's counters show since its last sample.
-    fn add_sample(&self, device: &str, pid: u32, restarts: u64, d: &DeviceStats) {
+    /// `executors` names, per tenant, the executor its kernel and byte
+    /// counts came from (absent: the worker's own); `live` are the tenants
+    /// placed on the device, whose last counts are kept while a sample
+    /// misses them (an executor slow to answer, or being replaced), so
+    /// that nothing they used is counted twice.
+    fn add_sample(&self, device: &str, pid: u32, restarts: u64, d: &DeviceStats, executors: &HashMap<String, u32>, live: &HashSet<String>) {
         let now = Instant::now();
         let mut st = self.lock();
         st.labels.insert(device.to_string(), (d.uuid.clone(), d.name.clone(), d.lanes));
@@ -241,20 +263,38 @@ impl Meter {
         *st.pending_busy.entry(device.to_string()).or_default() += busy as f64 / 1e9;
         let mut seen = Seen { pid, restarts, busy_ns: d.busy_ns, tenants: HashMap::new(), at: now };
         for t in &d.tenants {
-            let cur = (t.device_ns, t.kernels, t.bytes_copied, t.bytes_scrubbed);
-            let was = prev.as_ref().and_then(|p| p.tenants.get(&t.name)).copied().filter(|w| w.0 <= cur.0 && w.1 <= cur.1 && w.2 <= cur.2 && w.3 <= cur.3).unwrap_or_default();
+            let executor = executors.get(&t.name).copied().unwrap_or(0);
+            let cur = Counted { device_ns: t.device_ns, executor, kernels: t.kernels, copied: t.bytes_copied, scrubbed: t.bytes_scrubbed, at: now };
+            let last = prev.as_ref().and_then(|p| p.tenants.get(&t.name));
+            // Each source's counts from its own last ones: a count that
+            // went back started again from zero.
+            let ns_was = last.map(|w| w.device_ns).filter(|&w| w <= cur.device_ns).unwrap_or(0);
+            let (k_was, c_was, s_was) =
+                last.filter(|w| w.executor == executor && w.kernels <= cur.kernels && w.copied <= cur.copied && w.scrubbed <= cur.scrubbed).map_or((0, 0, 0), |w| (w.kernels, w.copied, w.scrubbed));
+            // Memory is held for the time since the tenant's own last
+            // sample (the device's, for its first).
+            let held = last.map_or(dt, |w| now.duration_since(w.at).as_secs_f64());
             let u = Usage {
-                device_seconds: (cur.0 - was.0) as f64 / 1e9,
-                memory_byte_seconds: t.used as f64 * dt,
-                spilled_byte_seconds: t.spilled as f64 * dt,
-                kernels: cur.1 - was.1,
-                bytes_copied: cur.2 - was.2,
-                bytes_scrubbed: cur.3 - was.3,
+                device_seconds: (cur.device_ns - ns_was) as f64 / 1e9,
+                memory_byte_seconds: t.used as f64 * held,
+                spilled_byte_seconds: t.spilled as f64 * held,
+                kernels: cur.kernels - k_was,
+                bytes_copied: cur.copied - c_was,
+                bytes_scrubbed: cur.scrubbed - s_was,
             };
             seen.tenants.insert(t.name.clone(), cur);
             let key = (t.name.clone(), device.to_string());
             st.totals.entry(key.clone()).or_default().add(&u);
             st.pending.entry(key).or_default().add(&u);
+        }
+        // Tenants still on the device that this sample missed keep their
+        // last counts; a deleted tenant's are dropped.
+        if let Some(p) = prev {
+            for (name, c) in p.tenants {
+                if live.contains(&name) && !seen.tenants.contains_key(&name) {
+                    seen.tenants.insert(name, c);
+                }
+            }
         }
         st.seen.insert(device.to_string(), seen);
     }
@@ -346,16 +386,23 @@ mod tests {
         }
     }
 
+    /// A sample of a device's worker alone (no executors), every tenant in
+    /// it placed there.
+    fn add(m: &Meter, pid: u32, restarts: u64, d: &DeviceStats) {
+        let live = d.tenants.iter().map(|t| t.name.clone()).collect();
+        m.add_sample("cpu0", pid, restarts, d, &HashMap::new(), &live);
+    }
+
     #[test]
     fn totals_survive_a_worker_restart_and_a_mediator_restart() {
         let dir = std::env::temp_dir().join(format!("vgpu-meter-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let path = dir.join("usage.jsonl");
         let m = Meter::open(&path, SAMPLE).unwrap();
-        m.add_sample("cpu0", 10, 0, &stats(3_000_000_000, &[("a", 1_000_000_000, 0), ("b", 2_000_000_000, 0)]));
-        m.add_sample("cpu0", 10, 0, &stats(5_000_000_000, &[("a", 2_000_000_000, 0), ("b", 3_000_000_000, 0)]));
+        add(&m, 10, 0, &stats(3_000_000_000, &[("a", 1_000_000_000, 0), ("b", 2_000_000_000, 0)]));
+        add(&m, 10, 0, &stats(5_000_000_000, &[("a", 2_000_000_000, 0), ("b", 3_000_000_000, 0)]));
         // The worker restarted: its counters start again from zero.
-        m.add_sample("cpu0", 11, 1, &stats(1_000_000_000, &[("a", 500_000_000, 0), ("b", 500_000_000, 0)]));
+        add(&m, 11, 1, &stats(1_000_000_000, &[("a", 500_000_000, 0), ("b", 500_000_000, 0)]));
         m.flush().unwrap();
         let tot = m.totals();
         let t = tot.tenants;
@@ -381,11 +428,44 @@ mod tests {
     fn memory_is_billed_by_the_byte_second() {
         let dir = std::env::temp_dir().join(format!("vgpu-meter-m-{}", std::process::id()));
         let m = Meter::open(&dir.join("u.jsonl"), SAMPLE).unwrap();
-        m.add_sample("cpu0", 1, 0, &stats(0, &[("a", 0, 1 << 20)]));
+        add(&m, 1, 0, &stats(0, &[("a", 0, 1 << 20)]));
         std::thread::sleep(Duration::from_millis(200));
-        m.add_sample("cpu0", 1, 0, &stats(0, &[("a", 0, 1 << 20)]));
+        add(&m, 1, 0, &stats(0, &[("a", 0, 1 << 20)]));
         let mbs = m.totals().tenants[0].2.memory_byte_seconds;
         assert!(mbs >= 0.2 * (1 << 20) as f64 && mbs < 2.0 * (1 << 20) as f64, "{mbs}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_replaced_or_silent_executor_is_not_billed_twice() {
+        let dir = std::env::temp_dir().join(format!("vgpu-meter-e-{}", std::process::id()));
+        let m = Meter::open(&dir.join("u.jsonl"), SAMPLE).unwrap();
+        let live: HashSet<String> = ["a".to_string()].into();
+        let with = |ns: u64, kernels: u64| {
+            let mut d = stats(ns, &[("a", ns, 0)]);
+            d.tenants[0].kernels = kernels;
+            d
+        };
+        let by = |pid: u32| HashMap::from([("a".to_string(), pid)]);
+        // The arbiter's clock keeps counting; executor 100 counts kernels.
+        m.add_sample("cpu0", 1, 0, &with(2_000_000_000, 10), &by(100), &live);
+        // A sample that missed the tenant (its executor slow to answer).
+        m.add_sample("cpu0", 1, 0, &stats(3_000_000_000, &[]), &HashMap::new(), &live);
+        m.add_sample("cpu0", 1, 0, &with(4_000_000_000, 12), &by(100), &live);
+        // Its executor was replaced: the new one counts kernels from zero,
+        // the arbiter's device time goes on.
+        m.add_sample("cpu0", 1, 0, &with(5_000_000_000, 3), &by(200), &live);
+        // A new executor that already counted more than the old one did.
+        m.add_sample("cpu0", 1, 0, &with(6_000_000_000, 20), &by(300), &live);
+        let t = &m.totals().tenants[0].2;
+        assert_eq!((t.device_seconds, t.kernels), (6.0, 12 + 3 + 20));
+        // A tenant deleted from the device has its counts dropped: made
+        // again under its name, it is billed from its new counts.
+        m.add_sample("cpu0", 1, 0, &stats(6_000_000_000, &[]), &HashMap::new(), &HashSet::new());
+        let mut again = stats(7_000_000_000, &[("a", 1_000_000_000, 0)]);
+        again.tenants[0].kernels = 1;
+        m.add_sample("cpu0", 1, 0, &again, &by(400), &live);
+        assert_eq!(m.totals().tenants[0].2.device_seconds, 7.0);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

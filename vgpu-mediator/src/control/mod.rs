@@ -236,11 +236,18 @@ impl DeviceSlot {
     /// The worker's statistics, or None if it is down or slow to answer.
     /// With executors: the arbiter's, with each executor's tenant.
     pub fn stats(&self) -> Option<DeviceStats> {
+        self.sourced_stats().map(|(s, _)| s)
+    }
+
+    /// The worker's statistics, and for each tenant whose executor
+    /// answered, that executor's pid (whose counts its kernels and bytes
+    /// are).
+    pub fn sourced_stats(&self) -> Option<(DeviceStats, HashMap<String, u32>)> {
         let s = match self.call(WorkerCmd::Stats, STATS_TIMEOUT) {
             Ok(WorkerMsg::Stats(s)) => s,
             _ => return None,
         };
-        Some(if self.spec.executors { self.with_executors(s) } else { s })
+        Some(if self.spec.executors { self.with_executors(s) } else { (s, HashMap::new()) })
     }
 }
 
