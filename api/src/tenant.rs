@@ -131,6 +131,15 @@ pub struct TenantSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1, maximum = 1024)]
     pub max_connections: Option<u32>,
+    /// Put the socket in `RUN_DIR/tenants/hidden/`, a directory only root
+    /// (and the device workers) may enter, so that it is reached only where
+    /// it is bind-mounted (a container, through CDI), never by its path on
+    /// the host. For a socket open to users the admin does not know (mode
+    /// 0666): its name is no secret, since the kernel shows the path of
+    /// every bound socket to every user (`/proc/net/unix`). Process
+    /// tenants only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hidden: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
@@ -188,6 +197,9 @@ impl TenantSpec {
             if c == 0 || c > MAX_CONNECTIONS {
                 return Err(format!("tenant {}: max_connections must be 1..={MAX_CONNECTIONS}, not {c}", self.name));
             }
+        }
+        if self.hidden && self.kind == TenantKind::Vm {
+            return Err(format!("tenant {}: hidden is for process tenants (a socket bind-mounted into a container); a VM's vhost-user socket is opened by its VMM on the host", self.name));
         }
         Ok(())
     }

@@ -372,10 +372,12 @@ pub(crate) fn sweep_orphans(mediator: &Mediator, prefix: &str, known: &BTreeSet<
 }
 
 /// A fresh tenant name: `PREFIX` `N` `-` a 32-bit random tag `-` 64
-/// random bits. The name is the socket's: the last part makes it a secret
-/// that no other user of the host can guess (the tenants' directory is not
-/// listable, the CDI spec is root's only), since the socket must be open
-/// to whatever user the container runs as. The rest (`PREFIX N-TAG`) is
+/// random bits. The name is the socket's, which must be open to whatever
+/// user the container runs as: the socket is hidden (only the container's
+/// bind mount reaches it), and the last part keeps the name, which names
+/// the socket, out of what others read (the CDI spec, root's only, alone
+/// holds it; the kernel shows every user bound sockets' paths, which is
+/// why hiding, not the secret, is what keeps them out). The rest (`PREFIX N-TAG`) is
 /// its public id (CDI names): the tag keeps public ids apart where
 /// counters meet (two drivers on a node, a record lost).
 pub(crate) fn tenant_name(prefix: &str, n: u64) -> Result<String, PluginError> {
@@ -401,6 +403,9 @@ pub(crate) fn container_tenant(name: &str, memory: u64, weight: u32, device: &st
         mode: Some("0666".into()),
         host_memory: None,
         max_connections: None,
+        // Where no host user may reach it by its path: only the
+        // container's bind mount of it.
+        hidden: true,
     }
 }
 

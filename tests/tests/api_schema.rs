@@ -280,6 +280,7 @@ fn mediator_request_schemas_match_the_api_types() {
         mode: Some("0660".into()),
         host_memory: Some(Size(64 << 20)),
         max_connections: Some(8),
+        hidden: true,
     };
     check_request(&doc, "TenantSpec", &tenant);
     check_enum(&doc, "TenantSpec/properties/priority", values::<Priority>());
@@ -422,6 +423,7 @@ fn mediator_response_schemas_match_the_api_types() {
         mode: "0600".into(),
         host_memory: 1 << 28,
         max_connections: 64,
+        hidden: true,
         env: [("CUPY_COMPILE_WITH_PTX".to_string(), "1".to_string())].into(),
     };
     check_response(&doc, "Tenant", &serde_json::to_value(&tenant).expect("serialize"));

@@ -201,6 +201,10 @@ fn the_device_plugin_serves_a_stand_in_kubelet_and_its_tenants_follow_the_pods()
     assert_eq!(tenants(&m), std::slice::from_ref(&tenant));
     let (_, t) = m.api("GET", &format!("/v1/tenants/{tenant}"), None);
     assert_eq!((t["memory"].as_u64(), t["weight"].as_u64(), t["device"].as_str()), (Some(32 << 20), Some(2), Some("cpu1")), "{t}");
+    // Open to any user (the container's is not known), so reached only
+    // through the container's bind mount: hidden from the host's users.
+    assert_eq!((t["mode"].as_str(), t["hidden"].as_bool()), (Some("0666"), Some(true)), "{t}");
+    assert!(t["socket"].as_str().is_some_and(|s| s.contains("/tenants/hidden/")), "{t}");
     let spec_path = spec_file(&root.join("cdi"), device);
     let spec: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
     assert_eq!(std::fs::metadata(&spec_path).map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777).ok(), Some(0o600), "the spec is root's only");

@@ -54,6 +54,40 @@ fn a_tenant_with_an_owner_is_usable_by_that_user_only_across_worker_restarts() {
     }
 }
 
+/// A hidden tenant's socket (mode 0666, as containers get theirs) lies in
+/// a directory no other user may enter: knowing its path, which the
+/// kernel shows every user, is not enough; a bind mount of it, as a
+/// container gets through CDI, is.
+#[test]
+fn a_hidden_tenant_is_reached_through_a_bind_mount_only() {
+    let m = Mediator::start(&[]);
+    let v = m.tenant_with(json!({ "name": "boxed", "memory": "64MiB", "mode": "0666", "hidden": true }));
+    assert_eq!(v["hidden"], true, "{v}");
+    let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
+    assert_eq!(sock.parent(), Some(m.run_dir.join("tenants").join("hidden").as_path()));
+    let shown = std::fs::read_to_string("/proc/net/unix").expect("/proc/net/unix");
+    assert!(shown.contains(sock.to_str().expect("utf8")), "every user can read the bound socket's path");
+    let (ok, out) = vector_add_as(OTHER_UID, &sock);
+    assert!(!ok, "another user reached a hidden socket by its path: {out}");
+    // Through a bind mount in a mount namespace of its own, as a
+    // container runtime makes one.
+    let dir = std::env::temp_dir().join(format!("vgpu-hidden-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::DirBuilder::new().mode(0o755).create(&dir).expect("mkdir");
+    let target = dir.join("vgpu.sock");
+    std::fs::write(&target, b"").expect("mount point");
+    let script =
+        format!("mount --bind '{}' '{}' && exec setpriv --reuid={OTHER_UID} --regid={OTHER_UID} --clear-groups '{}' 4096", sock.display(), target.display(), samples().join("vectorAdd").display());
+    let o = Command::new("unshare").args(["--mount", "sh", "-c", &script]).env("VGPU_SOCKET", &target).env("LD_LIBRARY_PATH", lib_dir()).output().expect("unshare");
+    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success() && out.contains("PASSED"), "the bind-mounted socket did not serve another user: {out}");
+    let _ = std::fs::remove_dir_all(&dir);
+    // Only process tenants can be hidden.
+    let (st, v) = m.api("POST", "/tenants", Some(json!({ "name": "vmh", "memory": "64MiB", "kind": "vm", "hidden": true })));
+    assert_eq!(st, 400, "{v}");
+    assert!(v.to_string().contains("hidden is for process tenants"), "{v}");
+}
+
 #[test]
 fn vgpuctl_sets_owner_and_mode_and_rejects_bad_ones() {
     let m = Mediator::start(&[]);

@@ -607,7 +607,8 @@ memory = 1048576
                 owner: None,
                 mode: None,
                 host_memory: None,
-                max_connections: None
+                max_connections: None,
+                hidden: false
             }
         );
         assert_eq!(c.tenants[1].weight, 1);

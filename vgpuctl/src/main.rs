@@ -245,6 +245,10 @@ enum TenantCmd {
         /// mediator's devices.tenant_connections).
         #[arg(long)]
         max_connections: Option<u32>,
+        /// Put the socket where only root may reach it by its path: for a
+        /// socket bind-mounted into a container (with --mode 0666).
+        #[arg(long)]
+        hidden: bool,
     },
     List,
     Show {
@@ -469,7 +473,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let wide = cli.output == Output::Wide;
     let print_data = |v: &Value| cli.output.print(v);
     match &cli.cmd {
-        Cmd::Tenant(TenantCmd::Create { name, memory, weight, cap, priority, device, pool, numa_node, vm, owner, mode, host_memory, max_connections }) => {
+        Cmd::Tenant(TenantCmd::Create { name, memory, weight, cap, priority, device, pool, numa_node, vm, owner, mode, host_memory, max_connections, hidden }) => {
             let spec = TenantSpec {
                 name: name.clone(),
                 memory: *memory,
@@ -484,6 +488,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 mode: mode.clone(),
                 host_memory: *host_memory,
                 max_connections: *max_connections,
+                hidden: *hidden,
             };
             // The daemon's own checks, here first: a bad request is a usage
             // error, said in the same words.

@@ -295,6 +295,10 @@ pub struct TenantRecord {
     pub host_memory: u64,
     /// Most client connections the tenant may hold at once.
     pub max_connections: u32,
+    /// Its socket lies in `RUN_DIR/tenants/hidden/`, reached only through a
+    /// bind mount.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub hidden: bool,
     /// Settings unmodified CUDA software needs in its environment on this
     /// tenant's device, besides `VGPU_SOCKET` (none on a GPU). On a CPU
     /// reference device: `CUPY_COMPILE_WITH_PTX=1`, since CuPy otherwise
@@ -346,6 +350,7 @@ impl TenantRecord {
             mode: Some(self.mode.clone()),
             host_memory: Some(Size(self.host_memory)),
             max_connections: Some(self.max_connections),
+            hidden: self.hidden,
         }
     }
 }
@@ -856,9 +861,10 @@ impl Control {
     }
 
     /// The tenant's socket path. Process sockets end in `.sock` and VM
-    /// sockets in `.vhost`, so no two tenants' paths can be the same.
-    pub fn socket_for(&self, name: &str, vm: bool) -> PathBuf {
-        let dir = self.run_dir.join("tenants");
+    /// sockets in `.vhost`, so no two tenants' paths can be the same; a
+    /// hidden one lies in `tenants/hidden/` (see [`rundir`]).
+    pub fn socket_for(&self, name: &str, vm: bool, hidden: bool) -> PathBuf {
+        let dir = if hidden { rundir::hidden_dir(&self.run_dir) } else { self.run_dir.join("tenants") };
         if vm {
             crate::gpu::vhost::socket_path(&dir, name)
         } else {
@@ -872,7 +878,7 @@ impl Control {
     pub fn create_tenant(&self, spec: &TenantSpec) -> Result<TenantRecord, ControlError> {
         spec.validate().map_err(ControlError::BadRequest)?;
         let vm = spec.kind == crate::config::TenantKind::Vm;
-        let socket = self.socket_for(&spec.name, vm);
+        let socket = self.socket_for(&spec.name, vm, spec.hidden);
         if socket.as_os_str().len() >= 108 {
             return Err(ControlError::BadRequest(format!("socket path {} is too long for a unix socket; use a shorter run dir or name", socket.display())));
         }
@@ -937,6 +943,7 @@ impl Control {
                 mode: format!("{:04o}", spec.mode_bits()),
                 host_memory: spec.host_memory.map(|s| s.0).unwrap_or(self.defaults.host_memory),
                 max_connections: spec.max_connections.unwrap_or(self.defaults.max_connections),
+                hidden: spec.hidden,
                 env: program_env(&slot.spec),
             };
             tenants.insert(rec.name.clone(), rec.clone());

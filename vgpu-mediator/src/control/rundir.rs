@@ -5,13 +5,16 @@
 //! Layout: `RUN_DIR` (owner us, 0711), `RUN_DIR/api.sock` (0600),
 //! `RUN_DIR/tenants` (owner us, group the workers' group, 0731: workers
 //! bind sockets there, tenants reach their own socket by its name but
-//! cannot list or change the directory).
+//! cannot list or change the directory), `RUN_DIR/tenants/hidden` (owner
+//! us, group the workers' group, 0730: nobody else may enter it, so its
+//! sockets are reached only through bind mounts, as containers reach
+//! theirs).
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::config::Owner;
 
@@ -126,11 +129,23 @@ pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<Held, RunDirErr
     own_dir(run_dir, Some(0o711), None)?;
     let held = hold(run_dir)?;
     let tenants = run_dir.join("tenants");
+    let hidden = hidden_dir(run_dir);
     match workers {
-        Some(w) => own_dir(&tenants, Some(0o731), Some(w.gid))?,
-        None => own_dir(&tenants, Some(0o711), None)?,
+        Some(w) => {
+            own_dir(&tenants, Some(0o731), Some(w.gid))?;
+            own_dir(&hidden, Some(0o730), Some(w.gid))?;
+        }
+        None => {
+            own_dir(&tenants, Some(0o711), None)?;
+            own_dir(&hidden, Some(0o700), None)?;
+        }
     }
     Ok(held)
+}
+
+/// Where hidden tenants' sockets lie (`TenantSpec::hidden`).
+pub fn hidden_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("tenants").join("hidden")
 }
 
 /// Prepares the state directory `dir`: created (0700; its parents as
@@ -251,6 +266,7 @@ mod tests {
         drop(prepare(&d, None).unwrap());
         assert_eq!(std::fs::metadata(&d).unwrap().mode() & 0o7777, 0o711);
         assert_eq!(std::fs::metadata(d.join("tenants")).unwrap().mode() & 0o7777, 0o711);
+        assert_eq!(std::fs::metadata(hidden_dir(&d)).unwrap().mode() & 0o7777, 0o700);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
