@@ -1230,6 +1230,60 @@ fn read_line_bounded(r: &mut impl BufRead, max: usize) -> std::io::Result<Option
     }
 }
 
+/// How long a new worker or executor may take to say it is ready (a GPU
+/// driver's start included): one that takes longer is ended, and the
+/// starts of its device waiting behind it go on.
+const READY_WAIT: Duration = Duration::from_secs(60);
+
+/// The first line a new worker writes, at most 64 KiB, within `within`;
+/// an empty string at EOF. The pipe is read without blocking meanwhile,
+/// so a process that never writes its line (or stops half-way) cannot hold
+/// its device's starts.
+fn read_ready_line(r: &mut BufReader<ChildStdout>, within: Duration) -> std::io::Result<String> {
+    use std::os::fd::AsRawFd;
+    const MAX: usize = 64 << 10;
+    let fd = r.get_ref().as_raw_fd();
+    // SAFETY: F_GETFL/F_SETFL on the pipe we own; only O_NONBLOCK changes.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) };
+    let deadline = Instant::now() + within;
+    let mut line = Vec::new();
+    let res = loop {
+        let (take, end) = match r.fill_buf() {
+            Ok([]) => break Ok(()),
+            Ok(buf) => match buf.iter().position(|b| *b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (buf.len(), false),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no ready line within {within:?}")));
+                }
+                let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                // SAFETY: one pollfd, ours, for the pipe we own.
+                unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, i32::MAX as u128) as i32) };
+                continue;
+            }
+            Err(e) => break Err(e),
+        };
+        if line.len() + take > MAX {
+            break Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a ready line longer than {MAX} bytes")));
+        }
+        line.extend_from_slice(&r.buffer()[..take]);
+        r.consume(take);
+        if end {
+            line.pop();
+            break Ok(());
+        }
+    };
+    // SAFETY: as above: the reply reader that follows blocks.
+    unsafe { libc::fcntl(fd, libc::F_SETFL, flags) };
+    res.map(|()| String::from_utf8_lossy(&line).into_owned())
+}
+
 /// Writes all of `buf` to the worker's (non-blocking) stdin, waiting for
 /// room no later than `deadline`: a worker that stops reading its commands
 /// cannot hold the caller, or the registry, forever.
@@ -1410,13 +1464,15 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
         unsafe { libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK) };
     }
     let mut stdout = BufReader::new(child.stdout.take().ok_or_else(|| std::io::Error::other("no worker stdout"))?);
-    let mut line = String::new();
-    if let Err(e) = stdout.read_line(&mut line) {
-        // Not left running as a uid that is given back.
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(e);
-    }
+    let line = match read_ready_line(&mut stdout, READY_WAIT) {
+        Ok(l) => l,
+        Err(e) => {
+            // Not left running as a uid that is given back.
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+    };
     match serde_json::from_str::<MsgLine>(&line) {
         Ok(MsgLine { msg: WorkerMsg::Ready { pid }, .. }) => Ok((child, stdin, stdout, pid)),
         _ => {
@@ -1424,5 +1480,43 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
             let _ = child.wait();
             Err(std::io::Error::other(format!("worker did not report ready (got {line:?})")))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reader(script: &str) -> (Child, BufReader<ChildStdout>) {
+        let mut c = Command::new("sh").args(["-c", script]).stdout(Stdio::piped()).spawn().expect("sh");
+        let out = BufReader::new(c.stdout.take().expect("stdout"));
+        (c, out)
+    }
+
+    #[test]
+    fn a_ready_line_is_read_and_a_silent_or_half_written_one_times_out() {
+        let (mut c, mut r) = reader("printf 'one\\ntwo\\n'");
+        assert_eq!(read_ready_line(&mut r, Duration::from_secs(10)).unwrap(), "one");
+        // The rest is left for the reply reader, which blocks again.
+        let mut rest = String::new();
+        r.read_line(&mut rest).unwrap();
+        assert_eq!(rest, "two\n");
+        c.wait().unwrap();
+        for script in ["sleep 30", "printf 'half'; sleep 30"] {
+            let (mut c, mut r) = reader(script);
+            let t = Instant::now();
+            let e = read_ready_line(&mut r, Duration::from_millis(300)).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{script}: {e}");
+            assert!(t.elapsed() < Duration::from_secs(10), "{script}: {:?}", t.elapsed());
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let (mut c, mut r) = reader("exit 0");
+        assert_eq!(read_ready_line(&mut r, Duration::from_secs(10)).unwrap(), "");
+        c.wait().unwrap();
+        let (mut c, mut r) = reader("head -c 70000 /dev/zero; sleep 30");
+        assert_eq!(read_ready_line(&mut r, Duration::from_secs(10)).unwrap_err().kind(), std::io::ErrorKind::InvalidData);
+        let _ = c.kill();
+        let _ = c.wait();
     }
 }
