@@ -129,6 +129,10 @@ fn executors_are_bounded_by_the_kernel() {
             assert!(memory >= (32 << 20) + (256 << 20), "device memory and the base: {view}");
             assert_eq!(read("memory.max"), memory.to_string());
             assert_eq!(read("pids.max"), bounds["tasks"].as_u64().expect("tasks").to_string());
+            // A grown quota raises the running executor's bound.
+            let (st, v) = m.api("PATCH", "/tenants/a", Some(serde_json::json!({ "memory": "64MiB" })));
+            assert!(st < 300, "{st} {v}");
+            assert_eq!(read("memory.max"), (memory + (32 << 20)).to_string(), "memory.max after the quota grew");
             drop(_ha);
             let (st, v) = m.api("DELETE", "/tenants/a", None);
             assert!(st < 300, "{st} {v}");

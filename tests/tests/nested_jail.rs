@@ -79,6 +79,13 @@ fn tenant_executors_run_in_cgroups_of_their_own_with_the_bounds_the_view_reports
     // bound, 32 MiB above ta's.
     assert_eq!(memory.get("tb").zip(memory.get("ta")).map(|(b, a)| b - a), Some(32 << 20), "{memory:?}");
     assert!(memory["ta"] >= (32 << 20) + (256 << 20), "{memory:?}");
+    // tb's quota grown by 32 MiB: its running executor's bound with it, in
+    // its cgroup and in the view.
+    let grown = memory["tb"] + (32 << 20);
+    assert_eq!(nested::value(out, "EXEC-GROWN"), Some(grown.to_string().as_str()), "memory.max after the quota grew:\n{out}");
+    let view: serde_json::Value = serde_json::from_str(nested::value(out, "EXEC-GROWN-VIEW").unwrap_or("null")).unwrap_or_else(|e| panic!("EXEC-GROWN-VIEW: {e}\n{out}"));
+    let tb = view.as_array().and_then(|v| v.iter().find(|e| e["tenant"] == "tb")).unwrap_or_else(|| panic!("{view}"));
+    assert_eq!(tb["bounds"]["memory"].as_u64(), Some(grown), "{tb}");
     let left = nested::value(out, "EXEC-CGROUPS-LEFT").unwrap_or_default();
     assert!(!left.contains("cpu0.ta.") && left.contains("cpu0.tb."), "the deleted tenant's cgroup goes with its executor: {left:?}");
 }

@@ -146,6 +146,11 @@ impl Cgroup {
         &self.dir
     }
 
+    /// Sets the group's `memory.max` to `bytes`.
+    pub fn set_memory_max(&self, bytes: u64) -> Result<(), CgroupError> {
+        write_file(&self.dir.join("memory.max"), &bytes.to_string())
+    }
+
     /// Moves process `pid` into the group.
     pub fn add(&self, pid: libc::pid_t) -> Result<(), CgroupError> {
         write_file(&self.dir.join("cgroup.procs"), &pid.to_string())

@@ -61,6 +61,14 @@ for p in /proc/[0-9]*; do
     cg=$(sed -n 's/^0:://p' $p/cgroup)
     echo "EXEC-BOUND=$pid $cg $(cat /sys/fs/cgroup$cg/memory.max) $(cat /sys/fs/cgroup$cg/pids.max) $(awk '/^Max open files/ {print $4 "/" $5}' $p/limits)"
 done
+# A grown quota raises the running executor's memory bound.
+vgpuctl --run-dir $run tenant set tb --memory 96MiB >/dev/null
+for p in /proc/[0-9]*; do
+    tr '\0' ' ' <$p/cmdline 2>/dev/null | grep -q -- '--grant-fd' || continue
+    cg=$(sed -n 's/^0:://p' $p/cgroup)
+    case $cg in */cpu0.tb.*) echo "EXEC-GROWN=$(cat /sys/fs/cgroup$cg/memory.max)" ;; esac
+done
+echo "EXEC-GROWN-VIEW=$(vgpuctl --run-dir $run -o json device show cpu0 | tr -d ' \n' | grep -o '"executors":\[.*\]' | sed 's/^"executors"://')"
 vgpuctl --run-dir $run tenant delete ta >/dev/null
 i=0
 while ls /sys/fs/cgroup/vgpu-mediatord | grep -q '^cpu0\.ta\.' && [ $i -lt 100 ]; do sleep 0.05; i=$((i + 1)); done

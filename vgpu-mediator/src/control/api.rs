@@ -282,7 +282,7 @@ fn device_views(c: &Control) -> Vec<DeviceView> {
                 memory_spilled: st.as_ref().map(|d| d.spilled).unwrap_or(0),
                 spill_budget: s.spec.spill,
                 isolation: if s.spec.executors { "process" } else { "shared" },
-                executors: s.executors().iter().map(|e| ExecutorView { tenant: e.tenant.clone(), pid: e.pid, uid: e.uid, bounds: e.bounds.clone() }).collect(),
+                executors: s.executors().iter().map(|e| ExecutorView { tenant: e.tenant.clone(), pid: e.pid, uid: e.uid, bounds: e.bounds() }).collect(),
             }
         })
         .collect()

@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -119,8 +119,11 @@ pub struct Exec {
     /// server (or it was ended as one of them): its exit fails no one else.
     pub(super) peers_ended: AtomicBool,
     /// What the kernel bounds it to, and its cgroup (removed once it is
-    /// reaped).
-    pub bounds: ExecBounds,
+    /// reaped). Its memory bound as it is now: [`Exec::bounds`].
+    pub(super) bounds: ExecBounds,
+    /// Its cgroup's `memory.max` now (0: none): raised when its tenant's
+    /// quota grows.
+    memory_max: AtomicU64,
     cgroup: Option<vgpu_topology::cgroup::Cgroup>,
 }
 
@@ -151,6 +154,26 @@ impl Exec {
             // have been reused.
             unsafe { libc::kill(self.pid as i32, libc::SIGKILL) };
         }
+    }
+
+    /// What the kernel bounds it to now.
+    pub fn bounds(&self) -> ExecBounds {
+        let memory = Some(self.memory_max.load(Ordering::Acquire)).filter(|m| *m != 0);
+        ExecBounds { memory, ..self.bounds.clone() }
+    }
+
+    /// Raises its cgroup's memory bound to `bytes`, if it has a cgroup and
+    /// a lower bound. Never lowered while it runs: memory it freed may
+    /// still be in its heap, and a bound below what it holds would have
+    /// the kernel kill it; its next start takes the lower one.
+    fn raise_memory_max(&self, bytes: u64) -> Result<(), vgpu_topology::cgroup::CgroupError> {
+        let Some(cg) = &self.cgroup else { return Ok(()) };
+        if self.memory_max.load(Ordering::Acquire) >= bytes {
+            return Ok(());
+        }
+        cg.set_memory_max(bytes)?;
+        self.memory_max.fetch_max(bytes, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Lets the executor end on its own: its stdin closes once the last
@@ -329,8 +352,16 @@ impl DeviceSlot {
 
     /// A tenant's new share goes to the arbiter, its quota (and share, for
     /// its statistics) to its executor, whose answer is the change's.
-    pub(super) fn set_on_executor(&self, name: &str, share: crate::sched::Share, quota: Option<u64>) -> Result<WorkerMsg, ControlError> {
+    /// A grown quota raises the executor's cgroup memory bound first, on
+    /// a device whose memory is host RAM (`after` is the tenant's new
+    /// record).
+    pub(super) fn set_on_executor(&self, after: &TenantRecord, share: crate::sched::Share, quota: Option<u64>) -> Result<WorkerMsg, ControlError> {
+        let name = after.name.as_str();
         let exec = self.exec(name).ok_or_else(|| ControlError::WorkerDown(format!("executor of {name}")))?;
+        if quota.is_some() {
+            let (_, _, memory) = exec_bounds(&self.spec, after, 1);
+            exec.raise_memory_max(memory).map_err(|e| ControlError::Internal(format!("raising the memory bound of {name}'s executor for its new quota: {}", super::passthrough::chain(&e))))?;
+        }
         match exec.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT)? {
             WorkerMsg::Ok => {}
             other => return Ok(other),
@@ -608,6 +639,7 @@ impl Control {
             generation,
             retired: AtomicBool::new(false),
             peers_ended: AtomicBool::new(false),
+            memory_max: AtomicU64::new(bounds.memory.unwrap_or(0)),
             bounds,
             cgroup,
         });

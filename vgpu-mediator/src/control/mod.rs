@@ -1050,7 +1050,8 @@ impl Control {
         let (interim, after) = after;
         let share = crate::sched::Share { weight: after.weight, cap: after.cap, priority: after.priority };
         let quota = (after.memory != before.memory).then_some(after.memory);
-        let call = if slot.spec.executors { slot.set_on_executor(name, share, quota) } else { slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT) };
+        let call =
+            if slot.spec.executors { slot.set_on_executor(&after, share, quota) } else { slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT) };
         match call {
             Ok(WorkerMsg::Ok) => self.replace_if(name, &interim, &after),
             // A worker that is down gets the new values when it re-adds
