@@ -21,6 +21,9 @@ pub const API_MAX_CONNECTIONS: usize = 64;
 pub const METRICS_MAX_CONNECTIONS: usize = 32;
 /// The most `metering.metrics_max_connections` may be set to.
 pub const METRICS_MAX_CONNECTIONS_LIMIT: usize = 4096;
+/// Most execution lanes a CPU device may have: each takes four engine
+/// threads in every process that serves the device.
+pub const MAX_LANES: u32 = 1024;
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -487,6 +490,9 @@ impl Config {
         if self.devices.tenant_connections == 0 || self.devices.tenant_connections > MAX_CONNECTIONS {
             return Err(ConfigError::Invalid(format!("devices.tenant_connections must be 1..={MAX_CONNECTIONS}, not {}", self.devices.tenant_connections)));
         }
+        if self.devices.lanes > MAX_LANES {
+            return Err(ConfigError::Invalid(format!("devices.lanes must be 0 (one per host CPU) to {MAX_LANES}, not {}", self.devices.lanes)));
+        }
         if self.devices.connection_threads == 0 || self.devices.connection_threads > 64 {
             return Err(ConfigError::Invalid(format!("devices.connection_threads must be 1..=64, not {}", self.devices.connection_threads)));
         }
@@ -630,6 +636,8 @@ memory = 1048576
         assert!(toml::from_str::<Config>("[devices]\ncuda = \"sometimes\"\n").is_err());
         let c: Config = toml::from_str("[[pools]]\nname = \"x\"\ndevices = []\n").unwrap();
         assert!(c.validate().unwrap_err().to_string().contains("list at least one device"));
+        let c: Config = toml::from_str("[devices]\nlanes = 5000\n").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("devices.lanes must be 0 (one per host CPU) to 1024"));
         let c: Config = toml::from_str("[devices]\novercommit = 0.5\n").unwrap();
         assert!(c.validate().unwrap_err().to_string().contains("devices.overcommit"));
         assert!(toml::from_str::<Config>("[[pools]]\nname = \"x\"\ndevices = [\"cpu0\"]\nplacement = \"random\"\n").is_err());

@@ -58,11 +58,15 @@ pub struct ExecBounds {
 
 /// The bounds of `t`'s executor on a device like `spec`, on a host with
 /// `cpus` CPUs: descriptors for each connection it may hold (socket, kick,
-/// ring, staging buffers and what a message carries), tasks for its fixed
-/// threads and its device's thread pool, memory for what it holds.
+/// ring, staging buffers and what a message carries), tasks for the
+/// threads it starts, memory for what it holds.
 pub fn exec_bounds(spec: &DeviceSpec, t: &TenantRecord, cpus: u64) -> (u64, u64, u64) {
     let fds = 256 + 16 * u64::from(t.max_connections);
-    let tasks = 256 + 2 * cpus;
+    let lanes = if spec.lanes == 0 { cpus } else { u64::from(spec.lanes) };
+    // Its fixed threads and a driver's; the pool that runs a launch's
+    // blocks, one per CPU; the engine's, four per lane and one (engine.rs
+    // `Engine::start`); its connection threads.
+    let tasks = 256 + cpus + 4 * lanes + 1 + u64::from(spec.connection_threads);
     let memory = match spec.cuda {
         Some(_) => EXEC_BASE_MEMORY_CUDA.saturating_add(t.host_memory),
         None => EXEC_BASE_MEMORY_CPU.saturating_add(t.host_memory).saturating_add(t.memory),
