@@ -435,8 +435,10 @@ impl GpuDevice {
         for (p, n) in reply_pieces {
             let k = n.min(src.len());
             // SAFETY: `p` is a run of guest RAM inside the reply blob, which
-            // pieces() checked against the blob and the guest's regions.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, k) };
+            // pieces() checked against the blob and the guest's regions;
+            // the guest may write it meanwhile, so it is written volatile.
+            let run = unsafe { vm_memory::VolatileSlice::new(p, k) };
+            run.copy_from(&src[..k]);
             src = &src[k..];
             if src.is_empty() {
                 break;
