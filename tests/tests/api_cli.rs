@@ -28,6 +28,16 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     assert_eq!(dir.permissions().mode() & 0o777, 0o731, "tenants dir mode");
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&dir), 0, "tenants dir belongs to the daemon");
 
+    // A name goes into a request's path: one that is not a name is refused
+    // before it reaches the daemon ("web?x" would have deleted web).
+    for bad in ["web?x", "web/../batch", "a\r\nX-Evil: 1"] {
+        let mut c = m.vgpuctl();
+        c.args(["tenant", "delete", bad]);
+        let (ok, text) = out(c);
+        assert!(!ok && text.contains("is not a name"), "{bad:?}: {text}");
+    }
+    assert_eq!(m.api("GET", "/tenants/web", None).0, 200, "web is still there");
+
     // Placement spreads by free memory.
     let mut c = m.vgpuctl();
     c.args(["tenant", "create", "batch", "--memory", "100MiB"]);
@@ -111,7 +121,7 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     // Clear errors.
     for (args, want) in [
         (vec!["tenant", "create", "web", "--memory", "1MiB"], "already exists"),
-        (vec!["tenant", "create", "../evil", "--memory", "1MiB"], "invalid tenant name"),
+        (vec!["tenant", "create", "../evil", "--memory", "1MiB"], "\"../evil\" is not a name"),
         (vec!["tenant", "create", "huge", "--memory", "1TiB"], "more than any device in pool default can hold"),
         (vec!["tenant", "create", "odd", "--memory", "12XB"], "invalid size"),
         (vec!["tenant", "show", "nobody"], "no tenant nobody"),
@@ -141,7 +151,7 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
         (vec!["tenant", "create", "capped", "--memory", "1MiB", "--cap", "0"], "cap must be a percentage"),
         (vec!["tenant", "create", "own", "--memory", "1MiB", "--owner", "alice"], "is not UID:GID"),
         (vec!["tenant", "create", "mod", "--memory", "1MiB", "--mode", "0066"], "must be octal permission bits"),
-        (vec!["tenant", "create", "b@d", "--memory", "1MiB"], "invalid tenant name"),
+        (vec!["tenant", "create", "b@d", "--memory", "1MiB"], "\"b@d\" is not a name"),
         (vec!["tenant", "set", "web", "--weight", "0"], "weight must be 1..=10000"),
         (vec!["pool", "create", "p", "--device", "cpu0", "--device", "cpu0"], "listed twice"),
         (vec!["pool", "set", "p", "--overcommit", "17"], "overcommit must be a ratio"),

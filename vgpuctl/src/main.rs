@@ -127,10 +127,12 @@ enum VmCmd {
     },
     List,
     Show {
+        #[arg(value_parser = object_name)]
         name: String,
     },
     /// Start a stopped VM; the answer comes once its VMM is up.
     Start {
+        #[arg(value_parser = object_name)]
         name: String,
         #[command(flatten)]
         wait: Wait,
@@ -138,6 +140,7 @@ enum VmCmd {
     /// Ask the guest to shut down; kill the VMM if it has not after the
     /// timeout. The answer comes once the VMM has ended.
     Stop {
+        #[arg(value_parser = object_name)]
         name: String,
         /// Seconds to wait for the guest (0: kill at once; default: the daemon's).
         #[arg(long)]
@@ -147,18 +150,21 @@ enum VmCmd {
     },
     /// Reset the VM (its VMM is killed and started again).
     Reboot {
+        #[arg(value_parser = object_name)]
         name: String,
         #[command(flatten)]
         wait: Wait,
     },
     /// Delete the VM and its vGPU (whose memory is scrubbed).
     Delete {
+        #[arg(value_parser = object_name)]
         name: String,
         #[command(flatten)]
         wait: Wait,
     },
     /// The guest's serial console output.
     Console {
+        #[arg(value_parser = object_name)]
         name: String,
         /// Keep printing what the guest writes.
         #[arg(short, long)]
@@ -169,6 +175,7 @@ enum VmCmd {
     },
     /// The VM's VMM log.
     Logs {
+        #[arg(value_parser = object_name)]
         name: String,
         #[arg(long, default_value_t = 65536)]
         bytes: u64,
@@ -203,6 +210,7 @@ enum VmmCmd {
 enum TenantCmd {
     /// Create a tenant and print its socket path.
     Create {
+        #[arg(value_parser = object_name)]
         name: String,
         /// Memory quota: bytes, or a number with a unit (KiB, MiB, GiB,
         /// TiB; KB, MB, GB, TB), such as 256MiB or 1.5GiB.
@@ -252,6 +260,7 @@ enum TenantCmd {
     },
     List,
     Show {
+        #[arg(value_parser = object_name)]
         name: String,
     },
     /// Print what a program needs in its environment to run as this
@@ -259,10 +268,12 @@ enum TenantCmd {
     /// is its socket (`VGPU_SOCKET`) and the settings its device needs
     /// (on a CPU reference device, CuPy's to compile to PTX).
     Env {
+        #[arg(value_parser = object_name)]
         name: String,
     },
     /// Change a tenant's share, cap, class or memory quota while it runs.
     Set {
+        #[arg(value_parser = object_name)]
         name: String,
         #[arg(long)]
         weight: Option<u32>,
@@ -277,6 +288,7 @@ enum TenantCmd {
         memory: Option<Size>,
     },
     Delete {
+        #[arg(value_parser = object_name)]
         name: String,
     },
 }
@@ -286,17 +298,24 @@ enum DeviceCmd {
     /// Every device: those shared by tenants and those lent whole to VMs.
     List,
     /// One device; for a passthrough device, its state and scrub records.
-    Show { name: String },
+    Show {
+        #[arg(value_parser = object_name)]
+        name: String,
+    },
     /// Reset, rebind and scrub a passthrough device that is not lent (one
     /// quarantined after a failed scrub, once its cause is fixed); it is
     /// free again if the scrub passes.
-    Scrub { name: String },
+    Scrub {
+        #[arg(value_parser = object_name)]
+        name: String,
+    },
 }
 
 #[derive(Subcommand)]
 enum PoolCmd {
     /// Group devices (in the default pool, holding no tenants) into a pool.
     Create {
+        #[arg(value_parser = object_name)]
         name: String,
         /// A device of the pool (repeat for more).
         #[arg(long = "device", required = true)]
@@ -322,10 +341,12 @@ enum PoolCmd {
     },
     List,
     Show {
+        #[arg(value_parser = object_name)]
         name: String,
     },
     /// Change a pool's access, allow-list, placement or overcommit.
     Set {
+        #[arg(value_parser = object_name)]
         name: String,
         #[arg(long, conflicts_with = "public")]
         private: bool,
@@ -344,6 +365,7 @@ enum PoolCmd {
     },
     /// Delete a pool without tenants; its devices return to `default`.
     Delete {
+        #[arg(value_parser = object_name)]
         name: String,
     },
 }
@@ -443,6 +465,12 @@ fn patch(cli: &Cli, path: &str, body: Value, flags: &str) -> anyhow::Result<Valu
         return Err(Usage(format!("nothing to change: give {flags}")).into());
     }
     call(cli, "PATCH", path, Some(body))
+}
+
+/// A tenant, VM, pool or device name, as the daemon gives them (it goes
+/// into a request's path: nothing else may reach the daemon in its place).
+fn object_name(s: &str) -> Result<String, String> {
+    vgpu_api::tenant::validate_name(s).map(|()| s.to_string()).map_err(|_| format!("{s:?} is not a name: names are 1-48 letters, digits, '-', '_' or '.', starting with a letter or digit"))
 }
 
 fn call_at(api: &std::path::Path, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
