@@ -184,6 +184,43 @@ impl Module {
         }
         Ok(out)
     }
+
+    /// Device memory a GPU's driver places for this module's variables,
+    /// without decoding bodies: the sizes of its `.global` and `.const`
+    /// definitions (`.extern` declarations place nothing), each at its
+    /// alignment (natural, unless it gives one). Types the interpreter does not know count 16
+    /// bytes an element, the widest PTX has; an unsized array counts the
+    /// elements of its initialiser.
+    pub fn placed_bytes(src: &str, limit: u64) -> Result<u64, PtxError> {
+        let transient = (lex::count(src)? as u64).saturating_mul(lex::TOKEN_BYTES);
+        if transient > limit {
+            return Err(PtxError::over_budget(0, format!("reading this module's variables needs {transient} bytes of host memory; {limit} are left in the tenant's host budget")));
+        }
+        let toks = lex(src)?;
+        let mut p = Parser::new(&toks, u64::MAX);
+        let (mut parens, mut external, mut total) = (0u32, false, 0u64);
+        while p.i < toks.len() {
+            match &toks[p.i].tok {
+                Tok::Punct('(') => parens += 1,
+                Tok::Punct(')') => parens = parens.saturating_sub(1),
+                Tok::Punct(';' | '{' | '}') => external = false,
+                Tok::Word(".extern") => external = true,
+                // (In a parameter list, `.ptr .global` is an attribute.)
+                Tok::Word(w) if parens == 0 && (*w == ".global" || *w == ".const") => {
+                    p.i += 1;
+                    let (size, align) = p.placed_decl()?;
+                    if !external {
+                        total = total.checked_next_multiple_of(align).unwrap_or(u64::MAX).saturating_add(size);
+                    }
+                    external = false;
+                    continue;
+                }
+                _ => {}
+            }
+            p.i += 1;
+        }
+        Ok(total)
+    }
 }
 
 /// A kernel's name and parameter layout.
@@ -581,6 +618,58 @@ impl<'a> Parser<'a> {
                     let align = if align == 0 { ty.bytes() as u32 * vec } else { align };
                     return Ok(Decl { name: name.to_string(), ty, vec, size, align: align.max(1), unsized_ });
                 }
+            }
+        }
+    }
+
+    /// The size and alignment of the variable declared after `.global` or
+    /// `.const`, leniently ([`Module::placed_bytes`]); stops after its name
+    /// and dimensions, or after its initialiser where that sizes it.
+    fn placed_decl(&mut self) -> Result<(u64, u64), PtxError> {
+        let (mut align, mut vec, mut elem) = (None, 1u64, 16u64);
+        loop {
+            match self.next()? {
+                Tok::Word(".align") => align = Some(self.int()?.clamp(1, MAX_ALIGN)),
+                Tok::Word(".v2") => vec = 2,
+                Tok::Word(".v4") => vec = 4,
+                Tok::Word(".v8") => vec = 8,
+                Tok::Word(w) if w.starts_with('.') => {
+                    if let Some(t) = Ty::parse(&w[1..]) {
+                        elem = t.bytes() as u64;
+                    }
+                }
+                // `.attribute(.managed)` and the like.
+                Tok::Punct('(') => {
+                    while !self.is_punct(')') {
+                        self.next()?;
+                    }
+                    self.i += 1;
+                }
+                Tok::Word(_) => {
+                    let (mut count, mut unsized_) = (1u64, false);
+                    while self.is_punct('[') {
+                        self.i += 1;
+                        if self.is_punct(']') {
+                            unsized_ = true;
+                        } else {
+                            count = count.saturating_mul(self.int()?);
+                        }
+                        self.expect_punct(']')?;
+                    }
+                    if unsized_ {
+                        count = 0;
+                        if self.is_punct('=') {
+                            while !self.is_punct(';') {
+                                if !matches!(self.next()?, Tok::Punct(_)) {
+                                    count += 1;
+                                }
+                            }
+                        }
+                    }
+                    // Naturally aligned unless it says otherwise.
+                    return Ok((elem.saturating_mul(vec).saturating_mul(count), align.unwrap_or(elem * vec)));
+                }
+                other => return self.err(format!("expected a variable declaration, found {}", show(other))),
             }
         }
     }

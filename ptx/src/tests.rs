@@ -860,3 +860,31 @@ fn cvt_pack_saturates_and_packs_below_c() {
     // u4: 15 and 0, c shifted by 8.
     assert_eq!(w[3], 0x00AB_CDF0);
 }
+
+#[test]
+fn placed_bytes_size_a_modules_variables_without_decoding_bodies() {
+    let src = r#"
+.version 8.0
+.target sm_90
+.address_size 64
+.extern .global .align 4 .b8 elsewhere[1048576];
+.visible .global .align 8 .b8 big[1000000];
+.global .u32 one = 7;
+.global .align 16 .v4 .f32 quads[3];
+.const .align 4 .b32 table[] = {1, 2, 3, 4, 5};
+.global .attribute(.managed) .u64 shared_with_host;
+.global .b128 wide[2];
+.visible .entry k(.param .u64 .ptr .global .align 1 p)
+{
+    tex.2d.v4.f32.f32 {%f1, %f2, %f3, %f4}, [t, {%f5, %f6}];
+    ret;
+}
+"#;
+    // big 1000000, one 4 (at 1000000), quads 48 (aligned to 1000016),
+    // table 20 (at 1000064), shared_with_host 8 (aligned to 1000088), wide
+    // 2 x 16 (a type the interpreter does not know: 16 an element).
+    assert_eq!(Module::placed_bytes(src, u64::MAX).unwrap(), 1_000_088 + 8 + 32);
+    assert_eq!(Module::placed_bytes(".version 8.0\n.target sm_90\n.address_size 64\n", u64::MAX).unwrap(), 0);
+    // The scan is bounded by the host budget like the others.
+    assert!(Module::placed_bytes(src, 10).unwrap_err().budget);
+}
