@@ -341,6 +341,46 @@ fn gpu_captured_graphs_run_as_cuda_graphs_of_the_executor() {
     assert!(entries(&out) >= (2 * k + 3) * n, "pieces one by one: {out}");
 }
 
+/// Module variables NVIDIA's driver places itself count against the
+/// tenant's quota before they take device memory, and come back when the
+/// module goes, not while a graph still launches one of its kernels.
+#[test]
+fn gpu_module_variables_count_against_the_quota() {
+    let test = "gpu_module_variables_count_against_the_quota";
+    let Some((m, gpu)) = gpu_mediator(test, &[]) else { return };
+    let sock = m.tenant_on("globals", "16MiB", &gpu);
+    use virtio_gpu_compute::*;
+    let mut raw = Raw::connect(&sock);
+    let ctx = raw.ctx();
+    let with = |bytes: u64| format!(".version 7.0\n.target sm_70\n.address_size 64\n.visible .global .align 8 .b8 g[{bytes}];\n.visible .entry k(.param .u64 p)\n{{\n    ret;\n}}\n");
+    let free = |raw: &mut Raw| match raw.call(Request::MemGetInfo) {
+        Reply::MemInfo(i) => i.free,
+        r => panic!("{r:?}"),
+    };
+    match raw.load(ctx, &with(64 << 20)) {
+        Reply::Error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, msg) => assert!(msg.contains("module's variables take 67108864 bytes"), "{msg}"),
+        r => panic!("a module whose variables exceed the quota must be refused: {r:?}"),
+    }
+    let before = free(&mut raw);
+    let module = Raw::handle(raw.load(ctx, &with(4 << 20)));
+    assert_eq!(free(&mut raw), before - (4 << 20), "the module's variables are charged");
+    match raw.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 13 << 20 })) {
+        Reply::Error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, _) => {}
+        r => panic!("the quota left after the module's variables is 12 MiB: {r:?}"),
+    }
+    let func = match raw.function(ctx, module, "k") {
+        Reply::Function(f, _) => f.func,
+        r => panic!("{r:?}"),
+    };
+    let node = GraphNode::Kernel(GraphKernel { func, shared_bytes: 0, grid: [1; 3], block: [1; 3], params_len: 8, reserved: 0 }, vec![0; 8]);
+    let graph = Raw::handle(raw.call(Request::GraphCreate(GraphCreateReq { ctx, count: 0, nodes_len: 0, reserved: 0 }, vec![node])));
+    assert_eq!(raw.call(Request::ModuleUnload(ModuleReq { ctx, module })), Reply::Empty);
+    assert_eq!(free(&mut raw), before - (4 << 20), "a graph still holds the module: its variables stay charged");
+    assert_eq!(raw.call(Request::GraphDestroy(HandleReq { ctx, handle: graph })), Reply::Empty);
+    assert_eq!(free(&mut raw), before, "the module went with its graph, and its variables' charge with it");
+    assert!(matches!(raw.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 15 << 20 })), Reply::Ptr(_)));
+}
+
 /// An allocation's scrub is checked off the critical path (sample reads
 /// queued behind the memset), but before any byte of the device goes back
 /// to the tenant. With zeroing broken on purpose (the test double's fault

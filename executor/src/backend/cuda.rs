@@ -1333,6 +1333,10 @@ impl Backend for CudaBackend {
         Ok(Arc::new(CudaModule { owner, generation, module, ptx_params, param_info: self.param_info, funcs: Mutex::new(Vec::new()), host_bytes, launch_timeout: self.launch_timeout }))
     }
 
+    fn placed_bytes(&self, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<u64, BackendError> {
+        super::placed::placed_bytes(image, format, host_limit)
+    }
+
     fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<u64, BackendError> {
         let (m, f, mut args) = Self::kernel_args(module, func, params)?;
         self.with(slot, |t| {

@@ -8,6 +8,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod discover;
+pub mod placed;
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -221,6 +222,14 @@ pub trait Backend: Send + Sync {
     /// `data`, charged to the tenant (backends whose driver places module
     /// variables itself do not call it).
     fn load_module(&self, slot: TenantSlot, image: &[u8], format: ImageFormat, host_limit: u64, data: &mut ModuleDataAlloc<'_>) -> Result<Arc<dyn DeviceModule>, BackendError>;
+    /// Device memory the driver itself will place for the variables of
+    /// the module `image` (its `.global` and `.const` data), charged to the
+    /// tenant's quota before it is loaded, within `host_limit` bytes of the
+    /// tenant's host budget to work it out. None by default: a backend
+    /// that places variables itself charges them through `data`.
+    fn placed_bytes(&self, _image: &[u8], _format: ImageFormat, _host_limit: u64) -> Result<u64, BackendError> {
+        Ok(0)
+    }
     /// Runs a kernel to completion; on the CPU device every access is
     /// checked against `owned`, on a GPU the tenant's own context confines
     /// it. Returns instructions executed (0 where the backend cannot count).

@@ -133,6 +133,11 @@ struct TenantState {
     deferred: Vec<(u64, u64)>,
     alloc_ctx: HashMap<u64, u32>,
     used: u64,
+    /// Unloaded modules (or those of destroyed contexts) whose variables
+    /// the driver placed, still held by a graph or queued work: (module,
+    /// its context, placed bytes), charged to `used` until the last holder
+    /// lets go ([`DeviceService::sweep_retired`]).
+    retired: Vec<(Arc<dyn DeviceModule>, u32, u64)>,
     ctxs: HashMap<u32, Ctx>,
     next: u32,
     /// A kernel of this tenant faulted; once its last context is gone the
@@ -150,6 +155,9 @@ struct Ctx {
     module_charges: HashMap<u32, Arc<Charge>>,
     /// Device memory holding each module's variables, freed with it.
     module_data: HashMap<u32, Vec<u64>>,
+    /// Device bytes the driver placed for each module's variables
+    /// (`Backend::placed_bytes`), charged to the quota while it is loaded.
+    module_placed: HashMap<u32, u64>,
     /// Variables a driver placed itself (GPU backends), made copyable by
     /// cuModuleGetGlobal: ranges added to the tenant's table until the
     /// module or context goes.
@@ -739,10 +747,18 @@ impl DeviceService {
     fn destroy_ctx(&self, t: &Tenant, st: &mut TenantState, id: u32) -> bool {
         let Some(c) = st.ctxs.remove(&id) else { return false };
         t.host.release(c.charged);
+        // Driver-placed variables stay charged while anything holds their
+        // module.
+        for (mid, placed) in &c.module_placed {
+            if let Some(m) = c.modules.get(mid) {
+                st.retired.push((m.clone(), id, *placed));
+            }
+        }
         for a in c.driver_globals.values().flatten() {
             Arc::make_mut(&mut st.owned).0.remove(a);
         }
         drop(c);
+        self.sweep_retired(t, st);
         let mine: Vec<u64> = st.alloc_ctx.iter().filter(|(_, c)| **c == id).map(|(a, _)| *a).collect();
         for a in mine {
             self.free_alloc(t, st, a);
@@ -759,6 +775,26 @@ impl DeviceService {
             }
         }
         true
+    }
+
+    /// Gives back the quota of retired modules that no graph or queued
+    /// work holds any more (the driver has unloaded them).
+    fn sweep_retired(&self, t: &Tenant, st: &mut TenantState) {
+        let mut freed = 0;
+        st.retired.retain(|(m, ctx, placed)| {
+            if Arc::strong_count(m) > 1 {
+                return true;
+            }
+            freed += placed;
+            if let Some(c) = st.ctxs.get_mut(ctx) {
+                c.used = c.used.saturating_sub(*placed);
+            }
+            false
+        });
+        if freed > 0 {
+            st.used = st.used.saturating_sub(freed);
+            t.used.store(st.used, Ordering::Relaxed);
+        }
     }
 
     /// Takes an allocation out of the tenant's table; its memory goes back
@@ -809,6 +845,9 @@ impl DeviceService {
         // Checked as the device will round it, so an allocation over the
         // quota never takes device memory, even for a moment.
         let rounded = size.checked_next_multiple_of(self.backend.granule().max(1)).unwrap_or(u64::MAX);
+        if rounded > t.quota().saturating_sub(st.used) {
+            self.sweep_retired(t, st);
+        }
         if rounded > t.quota().saturating_sub(st.used) {
             return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("allocation of {size} bytes exceeds the quota ({} of {} bytes used)", st.used, t.quota())));
         }
@@ -1315,7 +1354,10 @@ impl DeviceService {
                 flags: virtio_gpu_compute::msg::TENANT_FLAGS_SET | if self.backend.desc().interprets_ptx() { virtio_gpu_compute::msg::TENANT_INTERPRETS_PTX } else { 0 },
             }),
             Request::GetProcesses => Reply::Processes(Self::processes(st)),
-            Request::MemGetInfo => Reply::MemInfo(MemInfoReply { free: self.free_for(t, st.used), total: t.quota() }),
+            Request::MemGetInfo => {
+                self.sweep_retired(t, st);
+                Reply::MemInfo(MemInfoReply { free: self.free_for(t, st.used), total: t.quota() })
+            }
             Request::RegisterShm(_) => return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, "RegisterShm must carry a memfd")),
             Request::CtxCreate(b) => {
                 if b.flags & !0x1f != 0 {
@@ -1387,6 +1429,7 @@ impl DeviceService {
             Request::GraphDestroy(b) => {
                 let c = Self::ctx(st, b.ctx)?;
                 c.graphs.remove(&b.handle).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no graph {}", b.handle)))?;
+                self.sweep_retired(t, st);
                 // It goes, and its charge with it, once launches queued
                 // with it ran.
                 Reply::Empty
@@ -1396,6 +1439,18 @@ impl DeviceService {
                     return Err(err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, "too many modules"));
                 }
                 let format = ImageFormat::sniff(&image);
+                // Variables the driver places itself count against the
+                // quota before they take device memory.
+                let placed = self.backend.placed_bytes(&image, format, t.host.left())?;
+                if placed > 0 {
+                    self.sweep_retired(t, st);
+                    if placed > t.quota().saturating_sub(st.used) {
+                        return Err(err(
+                            CuResult::CUDA_ERROR_OUT_OF_MEMORY,
+                            format!("the module's variables take {placed} bytes of device memory, more than the quota leaves ({} of {} bytes used)", st.used, t.quota()),
+                        ));
+                    }
+                }
                 let mut data = Vec::new();
                 let loaded = self.backend.load_module(t.slot, &image, format, t.host.left(), &mut |size, read_only| {
                     let a = self.alloc_for(t, st, b.ctx, size, read_only).map_err(|e| reply_error(e, "the module's variables"))?;
@@ -1425,6 +1480,12 @@ impl DeviceService {
                 if !data.is_empty() {
                     c.module_data.insert(id, data);
                 }
+                if placed > 0 {
+                    c.module_placed.insert(id, placed);
+                    c.used += placed;
+                    st.used += placed;
+                    t.used.store(st.used, Ordering::Relaxed);
+                }
                 Reply::Handle(id)
             }
             Request::ModuleUnload(b) => {
@@ -1432,7 +1493,12 @@ impl DeviceService {
                 let Some(m) = c.modules.remove(&b.module) else {
                     return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no module {}", b.module)));
                 };
-                drop(m);
+                if let Some(placed) = c.module_placed.remove(&b.module) {
+                    st.retired.push((m, b.ctx, placed));
+                } else {
+                    drop(m);
+                }
+                let c = Self::ctx(st, b.ctx)?;
                 // Its own charge goes with its last holder.
                 c.module_charges.remove(&b.module);
                 let mut freed = 0;
@@ -1448,6 +1514,7 @@ impl DeviceService {
                 for a in c.driver_globals.remove(&b.module).unwrap_or_default() {
                     Arc::make_mut(&mut st.owned).0.remove(&a);
                 }
+                self.sweep_retired(t, st);
                 let Some(c) = st.ctxs.get_mut(&b.ctx) else { return Ok(Reply::Empty) };
                 let data = c.module_data.remove(&b.module).unwrap_or_default();
                 for a in data {
