@@ -17,6 +17,9 @@ use super::{GpuConfig, GpuDevice};
 use crate::worker::engine::Engine;
 use crate::worker::service::{DeviceService, Tenant};
 
+/// Warnings about guests' unusable queues, at most 20 per 10 s in all.
+static BAD_QUEUE_LOG: std::sync::LazyLock<crate::worker::conn::LogLimiter> = std::sync::LazyLock::new(|| crate::worker::conn::LogLimiter::new(20, std::time::Duration::from_secs(10)));
+
 const QUEUE_SIZE: usize = 256;
 const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
@@ -69,7 +72,10 @@ impl GpuBackend {
             let chains: Vec<_> = match vring.get_mut().get_queue_mut().iter(mem.clone()) {
                 Ok(it) => it.collect(),
                 Err(e) => {
-                    tracing::warn!(tenant = %self.tenant.name, "virtio-gpu queue unusable: {e}");
+                    // The guest decides how often: few are logged.
+                    if let Some(dropped) = BAD_QUEUE_LOG.allow() {
+                        tracing::warn!(tenant = %self.tenant.name, suppressed = dropped, "virtio-gpu queue unusable: {e}");
+                    }
                     return Ok(());
                 }
             };

@@ -525,7 +525,11 @@ impl Ring {
 
     fn break_ring(&self, e: &RingBroken) {
         if !self.broken.swap(true, Ordering::AcqRel) {
-            tracing::warn!(tenant = %self.tenant.name, "command ring no longer served: {e}");
+            // A tenant may break ring after ring: few are logged.
+            static LOG: std::sync::LazyLock<crate::worker::conn::LogLimiter> = std::sync::LazyLock::new(|| crate::worker::conn::LogLimiter::new(20, std::time::Duration::from_secs(10)));
+            if let Some(dropped) = LOG.allow() {
+                tracing::warn!(tenant = %self.tenant.name, suppressed = dropped, "command ring no longer served: {e}");
+            }
             self.report(0, 0, CuResult::CUDA_ERROR_ILLEGAL_STATE, &format!("command ring broken: {e}"));
             self.mem.store32(ring::BROKEN, CuResult::CUDA_ERROR_ILLEGAL_STATE as u32);
             self.wake_waiters();

@@ -39,6 +39,9 @@ fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The guest's bad buffers and rings, counted so that few are logged.
+static BAD: AtomicU64 = AtomicU64::new(0);
+
 /// Serves every available chain; returns whether any was used.
 fn serve(q: &mut Queue, mem: &GuestMemoryMmap, served: &AtomicU64) -> bool {
     let mut used_any = false;
@@ -59,7 +62,9 @@ fn serve(q: &mut Queue, mem: &GuestMemoryMmap, served: &AtomicU64) -> bool {
                     }
                     let part = &mut buf[..len as usize];
                     if getrandom(part).is_err() || mem.write_slice(part, d.addr()).is_err() {
-                        tracing::warn!("virtio-rng: a buffer outside guest memory; returning it empty");
+                        if super::worth_logging(super::bump(&BAD)) {
+                            tracing::warn!("virtio-rng: a buffer outside guest memory; returning it empty");
+                        }
                         break;
                     }
                     written += len;
@@ -67,7 +72,11 @@ fn serve(q: &mut Queue, mem: &GuestMemoryMmap, served: &AtomicU64) -> bool {
                 chains.push((head, written));
             }
         }
-        Err(e) => tracing::warn!("virtio-rng: bad available ring: {e}"),
+        Err(e) => {
+            if super::worth_logging(super::bump(&BAD)) {
+                tracing::warn!("virtio-rng: bad available ring: {e}");
+            }
+        }
     }
     for (head, written) in chains {
         if q.add_used(mem, head, written).is_ok() {
