@@ -198,19 +198,19 @@ impl Module {
         }
         let toks = lex(src)?;
         let mut p = Parser::new(&toks, u64::MAX);
-        let (mut parens, mut external, mut total) = (0u32, false, 0u64);
+        let (mut external, mut total) = (false, 0u64);
         while p.i < toks.len() {
+            // In a parameter, `.ptr .global` is an attribute, not a variable.
+            let after_ptr = p.i > 0 && matches!(toks[p.i - 1].tok, Tok::Word(".ptr"));
             match &toks[p.i].tok {
-                Tok::Punct('(') => parens += 1,
-                Tok::Punct(')') => parens = parens.saturating_sub(1),
                 Tok::Punct(';' | '{' | '}') => external = false,
                 Tok::Word(".extern") => external = true,
-                // (In a parameter list, `.ptr .global` is an attribute.)
-                Tok::Word(w) if parens == 0 && (*w == ".global" || *w == ".const") => {
+                Tok::Word(w) if !after_ptr && (*w == ".global" || *w == ".const") => {
                     p.i += 1;
-                    let (size, align) = p.placed_decl()?;
-                    if !external {
-                        total = total.checked_next_multiple_of(align).unwrap_or(u64::MAX).saturating_add(size);
+                    for (size, align) in p.placed_decl()? {
+                        if !external {
+                            total = total.checked_next_multiple_of(align.max(1)).unwrap_or(u64::MAX).saturating_add(size);
+                        }
                     }
                     external = false;
                     continue;
@@ -622,11 +622,14 @@ impl<'a> Parser<'a> {
         }
     }
 
-    /// The size and alignment of the variable declared after `.global` or
-    /// `.const`, leniently ([`Module::placed_bytes`]); stops after its name
-    /// and dimensions, or after its initialiser where that sizes it.
-    fn placed_decl(&mut self) -> Result<(u64, u64), PtxError> {
+    /// The size and alignment of each variable declared after `.global` or
+    /// `.const` (`.b8 a[4], b<8>;` declares nine), leniently
+    /// ([`Module::placed_bytes`]); consumes the declaration through its
+    /// `;`. Anything it does not understand after a name is an error, so
+    /// nothing is left uncounted.
+    fn placed_decl(&mut self) -> Result<Vec<(u64, u64)>, PtxError> {
         let (mut align, mut vec, mut elem) = (None, 1u64, 16u64);
+        let mut out = Vec::new();
         loop {
             match self.next()? {
                 Tok::Word(".align") => align = Some(self.int()?.clamp(1, MAX_ALIGN)),
@@ -638,36 +641,68 @@ impl<'a> Parser<'a> {
                         elem = t.bytes() as u64;
                     }
                 }
-                // `.attribute(.managed)` and the like.
+                // `.attribute(.managed)` and the like, nested or not.
                 Tok::Punct('(') => {
-                    while !self.is_punct(')') {
-                        self.next()?;
+                    let mut depth = 1u32;
+                    while depth > 0 {
+                        match self.next()? {
+                            Tok::Punct('(') => depth += 1,
+                            Tok::Punct(')') => depth -= 1,
+                            _ => {}
+                        }
                     }
-                    self.i += 1;
                 }
                 Tok::Word(_) => {
-                    let (mut count, mut unsized_) = (1u64, false);
-                    while self.is_punct('[') {
-                        self.i += 1;
-                        if self.is_punct(']') {
-                            unsized_ = true;
-                        } else {
-                            count = count.saturating_mul(self.int()?);
+                    let one = elem.saturating_mul(vec);
+                    // Naturally aligned unless it says otherwise.
+                    let align = align.unwrap_or(one);
+                    loop {
+                        let (mut count, mut unsized_) = (1u64, false);
+                        while self.is_punct('[') {
+                            self.i += 1;
+                            if self.is_punct(']') {
+                                unsized_ = true;
+                            } else {
+                                count = count.saturating_mul(self.int()?);
+                            }
+                            self.expect_punct(']')?;
                         }
-                        self.expect_punct(']')?;
-                    }
-                    if unsized_ {
-                        count = 0;
+                        // `name<N>`: N variables name0 .. name(N-1).
+                        if self.is_punct('<') {
+                            self.i += 1;
+                            count = count.saturating_mul(self.int()?);
+                            self.expect_punct('>')?;
+                        }
+                        let mut elements = 0u64;
                         if self.is_punct('=') {
-                            while !self.is_punct(';') {
-                                if !matches!(self.next()?, Tok::Punct(_)) {
-                                    count += 1;
+                            self.i += 1;
+                            let mut depth = 0u32;
+                            loop {
+                                match self.peek() {
+                                    Some(Tok::Punct('{')) => depth += 1,
+                                    Some(Tok::Punct('}')) => depth = depth.saturating_sub(1),
+                                    Some(Tok::Punct(',' | ';')) if depth == 0 => break,
+                                    Some(Tok::Punct(_)) => {}
+                                    Some(_) => elements += 1,
+                                    None => return self.err("unexpected end of module in an initialiser"),
                                 }
+                                self.i += 1;
                             }
                         }
+                        if unsized_ {
+                            count = elements;
+                        }
+                        out.push((one.saturating_mul(count), align));
+                        match self.next()? {
+                            Tok::Punct(';') => return Ok(out),
+                            Tok::Punct(',') => {}
+                            other => return self.err(format!("expected ',' or ';' after a variable, found {}", show(other))),
+                        }
+                        match self.next()? {
+                            Tok::Word(_) => {}
+                            other => return self.err(format!("expected a variable name, found {}", show(other))),
+                        }
                     }
-                    // Naturally aligned unless it says otherwise.
-                    return Ok((elem.saturating_mul(vec).saturating_mul(count), align.unwrap_or(elem * vec)));
                 }
                 other => return self.err(format!("expected a variable declaration, found {}", show(other))),
             }

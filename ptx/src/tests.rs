@@ -887,4 +887,17 @@ fn placed_bytes_size_a_modules_variables_without_decoding_bodies() {
     assert_eq!(Module::placed_bytes(".version 8.0\n.target sm_90\n.address_size 64\n", u64::MAX).unwrap(), 0);
     // The scan is bounded by the host budget like the others.
     assert!(Module::placed_bytes(src, 10).unwrap_err().budget);
+    let module = |decls: &str| format!(".version 8.0\n.target sm_90\n.address_size 64\n.file 1 \"a\\\"(\"\n{decls}\n.visible .entry k(.param .u64 .ptr .const .align 8 p)\n{{\n    ret;\n}}\n");
+    // Every variable of a list, `name<N>` variables, nested attributes,
+    // and a stray parenthesis before them hides nothing.
+    for (decls, bytes) in [
+        (".global .u32 a, b[1000], c = 5;", 4 + 4000 + 4),
+        (".global .align 8 .b64 g<1000>;", 8000),
+        (".global .attribute(.unified(0x1, 0x2)) .u64 u[100];", 800),
+        (".const .b32 t[] = {1, 2, 3}, s[2];", 12 + 8),
+    ] {
+        assert_eq!(Module::placed_bytes(&module(decls), u64::MAX).unwrap(), bytes, "{decls}");
+    }
+    // What follows a variable is understood or refused, never skipped.
+    assert!(Module::placed_bytes(&module(".global .u32 a b[1000000];"), u64::MAX).is_err());
 }
