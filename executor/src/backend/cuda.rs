@@ -1334,7 +1334,7 @@ impl Backend for CudaBackend {
     }
 
     fn placed_bytes(&self, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<u64, BackendError> {
-        super::placed::placed_bytes(image, format, host_limit)
+        super::placed::placed_bytes(image, format, self.desc.cc.0 * 10 + self.desc.cc.1, host_limit)
     }
 
     fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], _owned: &AllocTable) -> Result<u64, BackendError> {

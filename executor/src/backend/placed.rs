@@ -11,18 +11,21 @@ use virtio_gpu_compute::{CuResult, ImageFormat};
 
 use super::BackendError;
 
-/// The device bytes the driver places for `image`'s variables; reading it
-/// (decompressing fatbin entries, lexing PTX) takes at most `host_limit`
-/// bytes of host memory.
-pub fn placed_bytes(image: &[u8], format: ImageFormat, host_limit: u64) -> Result<u64, BackendError> {
+/// The device bytes the driver places for `image`'s variables on a GPU of
+/// architecture `arch` (10 × major + minor); reading it (decompressing
+/// fatbin entries, lexing PTX) takes at most `host_limit` bytes of host
+/// memory, all entries together.
+pub fn placed_bytes(image: &[u8], format: ImageFormat, arch: u32, host_limit: u64) -> Result<u64, BackendError> {
     match format {
         ImageFormat::Ptx => ptx(image, host_limit),
         ImageFormat::Cubin => elf(image),
         ImageFormat::Fatbin => {
             let bad = |e: fatbin::FatbinError| BackendError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("fatbin: {e}"));
-            let mut most = 0u64;
-            for e in fatbin::entries(image).map_err(bad)? {
-                let bytes = e.contents_within(host_limit).map_err(bad)?;
+            let (mut most, mut left) = (0u64, host_limit);
+            // Only what the driver could pick for this GPU.
+            for e in fatbin::entries(image).map_err(bad)?.into_iter().filter(|e| e.runs_on(arch)) {
+                let bytes = e.contents_within(left).map_err(bad)?;
+                left = left.saturating_sub(bytes.len() as u64);
                 let placed = match e.kind {
                     Kind::Ptx => ptx(&bytes, host_limit)?,
                     Kind::Elf => elf(&bytes)?,
@@ -48,8 +51,9 @@ fn elf(image: &[u8]) -> Result<u64, BackendError> {
     let f = object::File::parse(image).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("cubin: {e}")))?;
     let mut total = 0u64;
     for s in f.sections() {
-        let Ok(name) = s.name() else { continue };
-        if name.starts_with(".nv.global") || name.starts_with(".nv.constant") {
+        // By bytes: a name that is not UTF-8 is still compared.
+        let name = s.name_bytes().unwrap_or_default();
+        if name.starts_with(b".nv.global") || name.starts_with(b".nv.constant") {
             total = total.checked_next_multiple_of(s.align().max(1)).unwrap_or(u64::MAX).saturating_add(s.size());
         }
     }
@@ -79,8 +83,8 @@ mod tests {
     #[test]
     fn a_cubins_global_and_constant_sections_are_counted() {
         let img = elf_with(&[(".text.k", 1, 64, 128), (".nv.global", 8, 1 << 30, 16), (".nv.global.init", 1, 100, 8), (".nv.constant0.k", 1, 400, 4), (".nv.constant3", 1, 10, 4)]);
-        assert_eq!(placed_bytes(&img, ImageFormat::Cubin, u64::MAX).unwrap(), (1 << 30) + 510);
-        assert!(placed_bytes(b"not an elf", ImageFormat::Cubin, u64::MAX).is_err());
+        assert_eq!(placed_bytes(&img, ImageFormat::Cubin, 90, u64::MAX).unwrap(), (1 << 30) + 510);
+        assert!(placed_bytes(b"not an elf", ImageFormat::Cubin, 90, u64::MAX).is_err());
     }
 
     #[test]
@@ -88,7 +92,9 @@ mod tests {
         let ptx = b".version 8.0\n.target sm_90\n.address_size 64\n.global .b8 g[4096];\n".to_vec();
         let cubin = elf_with(&[(".nv.global", 8, 1 << 20, 8)]);
         let image = fatbin::build::image(&[fatbin::build::entry(fatbin::KIND_PTX, 90, 0, &ptx, 0), fatbin::build::entry(fatbin::KIND_ELF, 90, 0, &cubin, 0)]);
-        assert_eq!(placed_bytes(&image, ImageFormat::Fatbin, u64::MAX).unwrap(), 1 << 20);
-        assert_eq!(placed_bytes(&ptx, ImageFormat::Ptx, u64::MAX).unwrap(), 4096);
+        assert_eq!(placed_bytes(&image, ImageFormat::Fatbin, 90, u64::MAX).unwrap(), 1 << 20);
+        // A cubin for another architecture is not what the driver picks.
+        assert_eq!(placed_bytes(&image, ImageFormat::Fatbin, 100, u64::MAX).unwrap(), 4096);
+        assert_eq!(placed_bytes(&ptx, ImageFormat::Ptx, 90, u64::MAX).unwrap(), 4096);
     }
 }

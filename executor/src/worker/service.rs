@@ -615,7 +615,8 @@ impl DeviceService {
             // Shrinking: under the state lock, which allocations hold while
             // they check the quota, so none lands between check and store.
             Some(q) if q < t.quota() => {
-                let st = t.state.lock();
+                let mut st = t.state.lock();
+                self.sweep_retired(&t, &mut st);
                 if st.used > q {
                     return Err(format!("tenant {name} has {} bytes allocated; it must free below {q} bytes before its quota can shrink to that", st.used));
                 }
