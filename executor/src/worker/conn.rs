@@ -831,20 +831,26 @@ fn write_some(s: &UnixStream, tx: &mut Option<Tx>) -> std::io::Result<bool> {
 /// the descriptors the worker does not keep.
 type Outcome = (Vec<u8>, bool, Option<Held>, Vec<OwnedFd>);
 
-/// Whether `fd` is a memfd sealed against shrinking: the only kind the
-/// worker keeps, and one whose close cannot block.
+/// anon_inodefs, the file system of eventfds (and timerfds, signalfds,
+/// epoll descriptors).
+const ANON_INODE_FS_MAGIC: i64 = 0x0904_1934;
+
 /// Whether `fd` is an anonymous inode, as an eventfd is: a ring's kick
 /// may be nothing else (not a socket, whose close may linger, nor a pipe
-/// or a file). Which anonymous kind is not told apart by `fstat`; one
-/// that is not an eventfd never reports, and only its own ring sleeps.
+/// or a file). Told by its file system, which every kernel reports the
+/// same way (an anonymous inode's mode is not). Which anonymous kind is
+/// not told apart; one that is not an eventfd never reports, and only its
+/// own ring sleeps.
 fn is_anon_inode(fd: &OwnedFd) -> bool {
-    // SAFETY: stat is plain data, for which all-zero bytes are valid.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat writes only into `st`; the descriptor is one we own.
-    let r = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
-    r == 0 && st.st_mode & libc::S_IFMT == 0
+    // SAFETY: statfs is plain data, for which all-zero bytes are valid.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes only into `st`; the descriptor is one we own.
+    let r = unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) };
+    r == 0 && st.f_type as i64 == ANON_INODE_FS_MAGIC
 }
 
+/// Whether `fd` is a memfd sealed against shrinking: the only kind the
+/// worker keeps, and one whose close cannot block.
 fn sealed_memfd(fd: &OwnedFd) -> bool {
     // SAFETY: F_GET_SEALS only reads the seal set of a descriptor we own.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
