@@ -131,7 +131,7 @@ pub struct TenantSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1, maximum = 1024)]
     pub max_connections: Option<u32>,
-    /// Put the socket in `RUN_DIR/tenants/hidden/`, a directory only root
+    /// Put the socket in `RUN_DIR/hidden/`, a directory only root
     /// (and the device workers) may enter, so that it is reached only where
     /// it is bind-mounted (a container, through CDI), never by its path on
     /// the host. For a socket open to users the admin does not know (mode

@@ -517,7 +517,7 @@ fn the_dra_driver_publishes_slices_and_prepares_claims_for_a_stand_in_kubelet() 
     let spec_path = spec_file(&root.join("cdi"), cdi_id);
     let spec: Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("the CDI spec")).expect("JSON");
     assert_eq!(spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"], t["socket"], "{spec}");
-    assert!(t["hidden"].as_bool() == Some(true) && t["socket"].as_str().is_some_and(|s| s.contains("/tenants/hidden/")), "reached only through the bind mount: {t}");
+    assert!(t["hidden"].as_bool() == Some(true) && t["socket"].as_str().is_some_and(|s| s.contains("/hidden/")), "reached only through the bind mount: {t}");
     // The CPU device's setting for CuPy is in the spec, as the daemon says.
     assert_eq!(spec["devices"][0]["containerEdits"]["env"], json!(["VGPU_SOCKET=/run/vgpu/vgpu.sock", "CUPY_COMPILE_WITH_PTX=1"]), "{spec}");
     assert_sample_passes_with_cdi(&spec);

@@ -295,7 +295,7 @@ pub struct TenantRecord {
     pub host_memory: u64,
     /// Most client connections the tenant may hold at once.
     pub max_connections: u32,
-    /// Its socket lies in `RUN_DIR/tenants/hidden/`, reached only through a
+    /// Its socket lies in `RUN_DIR/hidden/`, reached only through a
     /// bind mount.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub hidden: bool,
@@ -862,7 +862,7 @@ impl Control {
 
     /// The tenant's socket path. Process sockets end in `.sock` and VM
     /// sockets in `.vhost`, so no two tenants' paths can be the same; a
-    /// hidden one lies in `tenants/hidden/` (see [`rundir`]).
+    /// hidden one lies in `hidden/` (see [`rundir`]).
     pub fn socket_for(&self, name: &str, vm: bool, hidden: bool) -> PathBuf {
         let dir = if hidden { rundir::hidden_dir(&self.run_dir) } else { self.run_dir.join("tenants") };
         if vm {
@@ -1246,6 +1246,9 @@ fn read_ready_line(r: &mut BufReader<ChildStdout>, within: Duration) -> std::io:
     let fd = r.get_ref().as_raw_fd();
     // SAFETY: F_GETFL/F_SETFL on the pipe we own; only O_NONBLOCK changes.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     // SAFETY: as above.
     unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) };
     let deadline = Instant::now() + within;

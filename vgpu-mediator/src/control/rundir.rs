@@ -5,10 +5,11 @@
 //! Layout: `RUN_DIR` (owner us, 0711), `RUN_DIR/api.sock` (0600),
 //! `RUN_DIR/tenants` (owner us, group the workers' group, 0731: workers
 //! bind sockets there, tenants reach their own socket by its name but
-//! cannot list or change the directory), `RUN_DIR/tenants/hidden` (owner
-//! us, group the workers' group, 0730: nobody else may enter it, so its
+//! cannot list or change the directory), `RUN_DIR/hidden` (owner us,
+//! group the workers' group, 0730: nobody else may enter it, so its
 //! sockets are reached only through bind mounts, as containers reach
-//! theirs).
+//! theirs; beside `tenants`, not in it, where the workers could rename
+//! it).
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -145,7 +146,7 @@ pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<Held, RunDirErr
 
 /// Where hidden tenants' sockets lie (`TenantSpec::hidden`).
 pub fn hidden_dir(run_dir: &Path) -> PathBuf {
-    run_dir.join("tenants").join("hidden")
+    run_dir.join("hidden")
 }
 
 /// Prepares the state directory `dir`: created (0700; its parents as
