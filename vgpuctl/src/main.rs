@@ -78,7 +78,7 @@ enum Cmd {
         #[arg(long, default_value_t = 0.0)]
         since: f64,
         /// Only this tenant's records.
-        #[arg(long)]
+        #[arg(long, value_parser = object_name)]
         tenant: Option<String>,
     },
     /// Managed VMs: a VM and its vGPU made, run and deleted together.
