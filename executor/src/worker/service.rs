@@ -335,8 +335,7 @@ pub struct Graph {
     serial: u64,
     /// Host bytes charged for it, released when the last holder (its
     /// context, or a launch still queued) lets go.
-    charged: u64,
-    budget: Arc<HostBudget>,
+    _charge: Charge,
     /// The charges of the modules its kernels are in, kept while it lives
     /// (an unloaded module stays in memory for it).
     _modules: Vec<Arc<Charge>>,
@@ -381,8 +380,9 @@ impl Graph {
     }
 }
 
-/// Host bytes charged to a tenant for an object that more than one holder
-/// may keep (a module its graphs launch): released when the last lets go.
+/// Host bytes charged to a tenant for an object, given back when it is
+/// dropped: with a graph, or with the last holder of a module's (its
+/// context and the graphs that launch it).
 struct Charge {
     budget: Arc<HostBudget>,
     bytes: u64,
@@ -399,7 +399,6 @@ impl Drop for Graph {
         if let Some(id) = self.native {
             self.backend.graph_destroy(self.slot, id);
         }
-        self.budget.release(self.charged);
     }
 }
 
@@ -1257,7 +1256,17 @@ impl DeviceService {
         // Charged to the tenant, not to the context: a launch still queued
         // may hold the graph past its context (`Graph::drop` releases it).
         t.host.reserve(charged, "a graph")?;
-        let mut g = Graph { nodes: nodes_out, native: None, kernels, copied, serial, charged, budget: t.host.clone(), _modules: modules, backend: self.backend.clone(), slot: t.slot };
+        let mut g = Graph {
+            nodes: nodes_out,
+            native: None,
+            kernels,
+            copied,
+            serial,
+            _charge: Charge { budget: t.host.clone(), bytes: charged },
+            _modules: modules,
+            backend: self.backend.clone(),
+            slot: t.slot,
+        };
         // (Dropped on failure: its charge goes back.)
         g.native = guarded(|| self.backend.graph_create(t.slot, &g.ops()))?;
         Ok(g)
