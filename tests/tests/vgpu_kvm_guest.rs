@@ -4,7 +4,8 @@
 //! vectorAdd through SUBMIT_3D on the mediator's CPU device over
 //! vhost-user. Also: malformed commands from the guest, a host tenant on
 //! the same device meanwhile, the backend dying under a running VM (the
-//! VMM reconnects to the one the daemon starts again), and
+//! VMM reconnects to the one the daemon starts again), a device reset
+//! (the backend forgets the guest's contexts, resources and memory), and
 //! the same guest on the `cuda` backend (a GPU, or the test double of
 //! NVIDIA's driver), its vhost-user backend in its tenant's executor.
 
@@ -20,6 +21,16 @@ fn vm_tenant(m: &Mediator, name: &str, memory: &str) -> PathBuf {
     assert_eq!(code, 201, "{v}");
     assert_eq!(v["kind"], "vm");
     PathBuf::from(v["socket"].as_str().expect("socket"))
+}
+
+/// Waits for a VM tenant's device memory on cpu0 to be freed (its VM is
+/// gone, and its contexts and memory with its connection).
+fn memory_freed(m: &Mediator, tenant: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while m.metric("vgpu_tenant_memory_used_bytes", &format!("tenant=\"{tenant}\",device=\"cpu0\"")) != Some(0.0) {
+        assert!(std::time::Instant::now() < deadline, "VM tenant {tenant}'s memory not freed after the VM exited");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 fn vgpu_arg(sock: &std::path::Path) -> String {
@@ -43,16 +54,35 @@ fn guest_runs_vector_add_through_the_virtio_gpu_compute_context() {
     assert!(out.contains("VGPU vectorAdd PASSED n=1024 c[1023]=453fd000"), "{out}");
     assert_eq!(m.metric("vgpu_tenant_kernels_total", "tenant=\"vm1\",device=\"cpu0\""), Some(1.0));
     // The VM is gone: its contexts and memory went with its connection.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while m.metric("vgpu_tenant_memory_used_bytes", "tenant=\"vm1\",device=\"cpu0\"") != Some(0.0) {
-        assert!(std::time::Instant::now() < deadline, "VM tenant memory not freed after the VM exited");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    memory_freed(&m, "vm1");
     // The same tenant serves the next VM.
     let g = Guest::start("vgpu", &["--vgpu", &arg]);
     let (st, err, out) = g.wait_exit(Duration::from_secs(120));
     assert_eq!(st.code(), Some(0), "{err}\n{out}");
     assert!(out.contains("TEST PASSED vgpu"), "{out}");
+}
+
+#[test]
+fn a_device_reset_frees_what_the_guest_had_and_its_ids() {
+    if !kvm_available("a_device_reset_frees_what_the_guest_had_and_its_ids") {
+        return;
+    }
+    let m = Mediator::start(&[]);
+    let sock = vm_tenant(&m, "vm1", "64MiB");
+    // Three rounds, each after a device reset, each reusing the context
+    // and resource ids of the one before and leaving 40 MiB allocated:
+    // the second fails unless the reset gave back the first's contexts,
+    // resources and memory.
+    let g = Guest::start("vgpu-reset", &["--vgpu", &vgpu_arg(&sock)]);
+    let (st, err, out) = g.wait_exit(Duration::from_secs(180));
+    assert_eq!(st.code(), Some(0), "{err}\n{out}");
+    for round in 1..=3 {
+        assert!(out.contains(&format!("reset round {round} PASSED")), "round {round}:\n{out}");
+    }
+    assert!(out.contains("TEST PASSED vgpu-reset"), "{out}");
+    assert!(!err.contains("RESET_DEVICE"), "{err}");
+    assert_eq!(m.device("cpu0")["worker_restarts"], 0, "the worker must not have crashed");
+    memory_freed(&m, "vm1");
 }
 
 #[test]

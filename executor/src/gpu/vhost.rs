@@ -150,7 +150,9 @@ impl VhostUserBackendMut for GpuBackend {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ
+        // RESET_DEVICE: a guest that resets the device (its driver
+        // unloaded, a kexec) starts again with no contexts or resources.
+        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::RESET_DEVICE
     }
 
     fn set_event_idx(&mut self, enabled: bool) {

@@ -986,6 +986,28 @@ fn vgpu_again() {
     }
 }
 
+/// Resets the device and drives it again, three times, with the same
+/// context and resource ids each time, and each time leaves 40 MiB of
+/// device memory allocated: only a device that forgets everything at a
+/// reset (as a driver reload or a kexec expects) passes every round in a
+/// 64 MiB quota.
+fn vgpu_reset() {
+    for round in 1..=3u64 {
+        let mut g = gpu_init();
+        vgpu_setup(&mut g).unwrap_or_else(|e| fail(e));
+        vector_add(&mut g).unwrap_or_else(|e| fail(e));
+        let body = MSG + 24;
+        W(body).u32(0).u32(0);
+        g.ok(4, 8, "cuCtxCreate").unwrap_or_else(|e| fail(e));
+        let ctx = rd32(REPLY_BLOB + 24);
+        W(body).u32(ctx).u32(0).u64(40 << 20);
+        g.ok(7, 16, "cuMemAlloc 40 MiB").unwrap_or_else(|e| fail(e));
+        puts("reset round ");
+        put_dec(round);
+        puts(" PASSED\n");
+    }
+}
+
 fn count_test() {
     let mut n = 0u64;
     loop {
@@ -1025,6 +1047,9 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
         vgpu_watch();
     } else if has(cmd, b"test=vgpu-again") {
         vgpu_again();
+    } else if has(cmd, b"test=vgpu-reset") {
+        vgpu_reset();
+        puts("TEST PASSED vgpu-reset\n");
     } else if has(cmd, b"test=vgpu-hostile") {
         vgpu_test(true);
         puts("TEST PASSED vgpu-hostile\n");

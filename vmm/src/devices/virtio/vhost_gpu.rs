@@ -18,6 +18,10 @@
 //! stops. Only when no backend comes back within `reconnect` seconds does
 //! the device report NEEDS_RESET and raise its config interrupt; the VM
 //! keeps running either way.
+//!
+//! A guest's device reset (its driver unloaded, a kexec) is passed on as
+//! VHOST_USER_RESET_DEVICE: the backend forgets the guest's contexts and
+//! blobs, so the next driver finds the device new.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -93,7 +97,7 @@ fn handshake(path: &Path, patience: Option<Duration>) -> Result<Link, String> {
         // PROTOCOL_FEATURES must be acked before GET_PROTOCOL_FEATURES.
         frontend.set_features(VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()).map_err(|e| e.to_string())?;
         let offered = frontend.get_protocol_features().map_err(|e| e.to_string())?;
-        protocol = offered & (VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ);
+        protocol = offered & (VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::RESET_DEVICE);
         frontend.set_protocol_features(protocol).map_err(|e| e.to_string())?;
     }
     Ok(Link { frontend, watch, offered: backend & want, protocol })
@@ -196,6 +200,7 @@ pub struct VhostGpu {
     link_ctl: EventFd,
     link_thread: Option<std::thread::JoinHandle<()>>,
     forwarder: Option<DeviceThread>,
+    reset_warned: bool,
 }
 
 impl VhostGpu {
@@ -211,7 +216,7 @@ impl VhostGpu {
         let ctl = link_ctl.try_clone().map_err(VhostGpuError::Thread)?;
         let s = shared.clone();
         let link_thread = std::thread::Builder::new().name("vgpu-link".into()).spawn(move || keep_linked(s, ctl, watch, offered)).map_err(VhostGpuError::Thread)?;
-        Ok(VhostGpu { shared, offered, num_scanouts: if headless { 0 } else { 1 }, link_ctl, link_thread: Some(link_thread), forwarder: None })
+        Ok(VhostGpu { shared, offered, num_scanouts: if headless { 0 } else { 1 }, link_ctl, link_thread: Some(link_thread), forwarder: None, reset_warned: false })
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -285,12 +290,32 @@ impl VirtioDevice for VhostGpu {
 
     fn reset(&mut self) {
         self.forwarder = None;
-        let mut st = self.state();
-        st.active = None;
-        // GET_VRING_BASE stops each ring on the backend.
-        if let Some(l) = st.link.as_mut() {
-            for i in 0..QUEUES {
-                let _ = l.frontend.get_vring_base(i);
+        let failed = {
+            let mut st = self.state();
+            st.active = None;
+            // GET_VRING_BASE stops each ring on the backend; RESET_DEVICE
+            // makes it forget the guest's contexts and resources (and free
+            // their device memory), so a driver that starts again (a module
+            // reload, a kexec) finds the device as new: its context and
+            // resource ids free, its quota whole.
+            match st.link.as_mut() {
+                None => None,
+                Some(l) => {
+                    for i in 0..QUEUES {
+                        let _ = l.frontend.get_vring_base(i);
+                    }
+                    if l.protocol.contains(VhostUserProtocolFeatures::RESET_DEVICE) {
+                        l.frontend.reset_device().err().map(|e| format!("RESET_DEVICE failed ({e}); the guest's earlier contexts stay until the backend reconnects"))
+                    } else {
+                        Some("the backend does not offer RESET_DEVICE: the guest's earlier contexts and resources outlive the reset".to_string())
+                    }
+                }
+            }
+        };
+        // The guest resets at will: one warning per device, not a flood.
+        if let Some(why) = failed {
+            if !std::mem::replace(&mut self.reset_warned, true) {
+                tracing::warn!("vGPU device reset: {why}");
             }
         }
     }
