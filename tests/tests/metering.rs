@@ -99,6 +99,32 @@ fn usage_records_add_up_and_survive_a_worker_kill() {
     // The metrics carry the device's uuid and model.
     let metrics = m.metrics();
     assert!(metrics.lines().any(|l| l.starts_with("vgpu_device_busy_seconds_total{device=\"cpu0\",uuid=\"GPU-") && l.contains("model=")), "{metrics}");
+
+    // A deleted tenant leaves /metrics at once, and its end is recorded
+    // after its usage.
+    let (st, v) = m.api("DELETE", "/tenants/payg", None);
+    assert!(st == 204 || st == 202, "{st} {v}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while m.api("GET", "/tenants/payg", None).0 != 404 {
+        assert!(Instant::now() < deadline, "payg was not deleted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let metrics = m.metrics();
+    assert!(!metrics.contains("tenant=\"payg\""), "a deleted tenant stays in /metrics:\n{metrics}");
+    assert!(metrics.contains("tenant=\"reserved\""), "{metrics}");
+    let recs = loop {
+        let (_, recs) = m.api("GET", &format!("/usage?since={start}&tenant=payg"), None);
+        if recs.as_array().unwrap().iter().any(|r| r["type"] == "deleted") {
+            break recs;
+        }
+        assert!(Instant::now() < deadline, "no deleted record for payg: {recs}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let last = recs.as_array().unwrap().last().unwrap();
+    assert!(last["type"] == "deleted" && last["tenant"] == "payg" && last["at"].as_f64().unwrap() > start, "{recs}");
+    let o = m.vgpuctl().args(["usage", "--tenant", "payg"]).output().expect("vgpuctl usage");
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && text.lines().last().unwrap_or("").contains("(deleted)"), "{text}");
 }
 
 fn http_tcp(addr: &str, req: &str) -> String {

@@ -496,6 +496,7 @@ fn run() -> anyhow::Result<()> {
             p.recover(|vm| v.owns_tenant(vm));
         }
     }
+    control.prune_usage();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = rt.block_on(serve(control.clone(), api_path.clone(), api_limits, metrics));
     if let Some(m) = control.meter.get() {

@@ -671,6 +671,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                     let end = format!("{:.0}", f(r, "end"));
                     if s(r, "type") == "device" {
                         rows.push(vec![end, "(busy)".into(), s(r, "device").into(), format!("{:.3}", f(r, "busy_seconds")), String::new(), String::new(), String::new(), String::new()]);
+                    } else if s(r, "type") == "deleted" {
+                        rows.push(vec![format!("{:.0}", f(r, "at")), s(r, "tenant").into(), "(deleted)".into(), String::new(), String::new(), String::new(), String::new(), String::new()]);
                     } else {
                         rows.push(vec![
                             end,

@@ -56,7 +56,7 @@ impl Usage {
 }
 
 /// One line of the usage file: a tenant's usage or a device's busy time
-/// over an interval.
+/// over an interval, or the end of a tenant.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "lowercase")]
 #[schema(as = UsageRecord)]
@@ -73,18 +73,23 @@ pub enum Record {
     },
     /// A device's busy lane time over `[start, end)`.
     Device { start: f64, end: f64, device: String, uuid: String, model: String, busy_seconds: f64, lanes: u32 },
+    /// The tenant was deleted at `at` (UNIX seconds): its usage records
+    /// come before this one (all but at most one sample's), and a tenant
+    /// made later under the same name is counted from zero.
+    Deleted { at: f64, tenant: String },
 }
 
 impl Record {
     pub fn end(&self) -> f64 {
         match self {
             Record::Tenant { end, .. } | Record::Device { end, .. } => *end,
+            Record::Deleted { at, .. } => *at,
         }
     }
 
     fn tenant(&self) -> Option<&str> {
         match self {
-            Record::Tenant { tenant, .. } => Some(tenant),
+            Record::Tenant { tenant, .. } | Record::Deleted { tenant, .. } => Some(tenant),
             Record::Device { .. } => None,
         }
     }
@@ -135,6 +140,8 @@ struct State {
     /// Not yet written to the file.
     pending: BTreeMap<(String, String), Usage>,
     pending_busy: BTreeMap<String, f64>,
+    /// Tenants deleted since the last write, and when.
+    pending_deleted: Vec<(String, f64)>,
     /// UUID, model and lanes per device, from the last sample.
     labels: HashMap<String, (String, String, u32)>,
     since: f64,
@@ -179,6 +186,7 @@ impl Meter {
                     match serde_json::from_str::<Record>(&line) {
                         Ok(Record::Tenant { tenant, device, usage, .. }) => st.totals.entry((tenant, device)).or_default().add(&usage),
                         Ok(Record::Device { device, busy_seconds, .. }) => *st.busy.entry(device).or_default() += busy_seconds,
+                        Ok(Record::Deleted { tenant, .. }) => st.totals.retain(|(t, _), _| *t != tenant),
                         // A torn last line (a crash mid-write) is skipped.
                         Err(e) => warn!(line = n + 1, "usage file {}: unreadable record skipped: {e}", path.display()),
                     }
@@ -236,12 +244,34 @@ impl Meter {
             .collect()
     }
 
+    /// A tenant is gone: its totals leave the meter (and `/metrics`) once
+    /// the usage it had not yet written is, and the file records its end,
+    /// so that neither a daemon restart nor a new tenant of the same name
+    /// brings them back. Without this, every tenant ever made (a container
+    /// orchestrator makes one per workload) would stay in memory and in
+    /// every scrape for good.
+    pub fn tenant_deleted(&self, name: &str) {
+        let mut st = self.lock();
+        st.totals.retain(|(t, _), _| t != name);
+        // Its last counts stay until the next sample (which drops them):
+        // one taken before the delete is billed from them, not from zero.
+        st.pending_deleted.push((name.to_string(), unix_now()));
+    }
+
+    /// Keeps the totals of these tenants only: at start, the tenants the
+    /// daemon still has (one deleted while it was down, or whose end was
+    /// not yet written when it stopped, is dropped).
+    pub fn retain_tenants(&self, live: &HashSet<String>) {
+        self.lock().totals.retain(|(t, _), _| live.contains(t));
+    }
+
     /// Adds what a device's counters show since its last sample.
     /// `executors` names, per tenant, the executor its kernel and byte
     /// counts came from (absent: the worker's own); `live` are the tenants
     /// placed on the device, whose last counts are kept while a sample
     /// misses them (an executor slow to answer, or being replaced), so
-    /// that nothing they used is counted twice.
+    /// that nothing they used is counted twice. A tenant no longer live
+    /// (deleted while the sample was taken) is billed but not totalled.
     fn add_sample(&self, device: &str, pid: u32, restarts: u64, d: &DeviceStats, executors: &HashMap<String, u32>, live: &HashSet<String>) {
         let now = Instant::now();
         let mut st = self.lock();
@@ -282,9 +312,11 @@ impl Meter {
                 bytes_copied: cur.copied - c_was,
                 bytes_scrubbed: cur.scrubbed - s_was,
             };
-            seen.tenants.insert(t.name.clone(), cur);
             let key = (t.name.clone(), device.to_string());
-            st.totals.entry(key.clone()).or_default().add(&u);
+            if live.contains(&t.name) {
+                seen.tenants.insert(t.name.clone(), cur);
+                st.totals.entry(key.clone()).or_default().add(&u);
+            }
             st.pending.entry(key).or_default().add(&u);
         }
         // Tenants still on the device that this sample missed keep their
@@ -321,6 +353,10 @@ impl Meter {
             let r = Record::Device { start, end, device: device.clone(), uuid, model, busy_seconds: *busy, lanes };
             lines += &(serde_json::to_string(&r).unwrap_or_default() + "\n");
         }
+        for (tenant, at) in &st.pending_deleted {
+            let r = Record::Deleted { at: *at, tenant: tenant.clone() };
+            lines += &(serde_json::to_string(&r).unwrap_or_default() + "\n");
+        }
         if !lines.is_empty() {
             // Opened for each batch, so an operator's log rotation (rename)
             // takes effect at the next one.
@@ -331,6 +367,7 @@ impl Meter {
         }
         st.pending.clear();
         st.pending_busy.clear();
+        st.pending_deleted.clear();
         st.since = end;
         Ok(())
     }
@@ -466,6 +503,46 @@ mod tests {
         again.tenants[0].kernels = 1;
         m.add_sample("cpu0", 1, 0, &again, &by(400), &live);
         assert_eq!(m.totals().tenants[0].2.device_seconds, 7.0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_deleted_tenant_leaves_the_totals_and_stays_gone_after_a_restart() {
+        let dir = std::env::temp_dir().join(format!("vgpu-meter-d-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("u.jsonl");
+        let m = Meter::open(&path, SAMPLE).unwrap();
+        let names = |m: &Meter| m.totals().tenants.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
+        add(&m, 1, 0, &stats(3_000_000_000, &[("a", 1_000_000_000, 0), ("b", 2_000_000_000, 0)]));
+        m.flush().unwrap();
+        // "a" used a second more, then was deleted before the next write.
+        add(&m, 1, 0, &stats(4_000_000_000, &[("a", 2_000_000_000, 0), ("b", 2_000_000_000, 0)]));
+        m.tenant_deleted("a");
+        assert_eq!(names(&m), ["b"], "a deleted tenant stays in /metrics");
+        // A sample taken before the delete and applied after it is billed,
+        // and totals nothing.
+        let live: HashSet<String> = ["b".to_string()].into();
+        m.add_sample("cpu0", 1, 0, &stats(5_000_000_000, &[("a", 3_000_000_000, 0), ("b", 2_000_000_000, 0)]), &HashMap::new(), &live);
+        assert_eq!(names(&m), ["b"]);
+        m.flush().unwrap();
+        // Every second "a" used is in the file, and its end after them.
+        let recs = m.records(0.0, Some("a"), 100).unwrap();
+        let billed: f64 = recs.iter().map(|r| if let Record::Tenant { usage, .. } = r { usage.device_seconds } else { 0.0 }).sum();
+        assert_eq!(billed, 2.0 + 1.0, "{recs:?}");
+        assert!(matches!(recs.last(), Some(Record::Deleted { tenant, .. }) if tenant == "a"), "{recs:?}");
+        let line = std::fs::read_to_string(&path).unwrap();
+        assert!(line.lines().any(|l| l.starts_with("{\"type\":\"deleted\"") && l.contains("\"tenant\":\"a\"")), "{line}");
+        // A new "a" is counted from zero, and a restart does not bring the
+        // old one's totals back.
+        add(&m, 1, 0, &stats(6_000_000_000, &[("a", 500_000_000, 0), ("b", 2_000_000_000, 0)]));
+        m.flush().unwrap();
+        let a = |m: &Meter| m.totals().tenants.iter().find(|t| t.0 == "a").map(|t| t.2.device_seconds);
+        assert_eq!(a(&m), Some(0.5));
+        let m2 = Meter::open(&path, SAMPLE).unwrap();
+        assert_eq!(a(&m2), Some(0.5), "the deleted tenant's usage came back after a restart");
+        // At start, tenants the daemon no longer has are dropped.
+        m2.retain_tenants(&live);
+        assert_eq!(names(&m2), ["b"]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -694,6 +694,15 @@ impl Control {
         }
     }
 
+    /// At start, once every tenant is back: the meter forgets the usage
+    /// totals of tenants the daemon no longer has.
+    pub fn prune_usage(&self) {
+        if let Some(m) = self.meter.get() {
+            let live: std::collections::HashSet<String> = self.registry().keys().cloned().collect();
+            m.retain_tenants(&live);
+        }
+    }
+
     fn registry(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, TenantRecord>> {
         self.tenants.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -1174,6 +1183,9 @@ impl Control {
                 let _ = std::fs::remove_file(&t.socket);
             }
             info!(tenant = name, "tenant deleted; its memory is released");
+            if let Some(m) = self.meter.get() {
+                m.tenant_deleted(name);
+            }
         }
         drop(tenants);
         self.removed.notify_all();
