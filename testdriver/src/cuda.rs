@@ -41,6 +41,8 @@ pub struct Ctx {
     dev: usize,
     /// The stream a null `CUstream` means, made on first use.
     null_stream: Option<Arc<Stream>>,
+    /// Device memory kept for kernels' local memory ([`local_need`]).
+    local: u64,
 }
 
 pub struct LoadedModule {
@@ -231,7 +233,7 @@ fn make_ctx(d: &Driver, st: &mut State, dev: CUdevice) -> Result<u64, E> {
     let x = device(d, dev)?;
     let dev = d.devices.iter().position(|y| y == x).ok_or(E::CUDA_ERROR_INVALID_DEVICE)?;
     let c = st.id();
-    st.ctxs.insert(c, Ctx { dev, null_stream: None });
+    st.ctxs.insert(c, Ctx { dev, null_stream: None, local: 0 });
     Ok(c)
 }
 
@@ -246,9 +248,10 @@ fn destroy_ctx(d: &Driver, c: u64) -> Res {
         s.wait_idle();
     }
     let mut st = d.state();
-    if st.ctxs.remove(&c).is_none() {
+    let Some(gone) = st.ctxs.remove(&c) else {
         return Err(E::CUDA_ERROR_INVALID_CONTEXT);
-    }
+    };
+    d.heap.unreserve(gone.local);
     for s in &streams {
         s.close();
     }
@@ -1026,6 +1029,41 @@ unsafe fn param_block(k: &vgpu_ptx::Kernel, params: *mut *mut c_void, extra: *mu
     }
 }
 
+/// Threads an SM holds at once (CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR).
+const THREADS_PER_SM: u64 = 2048;
+
+/// The device memory a launch of `kern` needs the context to keep for
+/// local memory, modelled on the documented driver: the kernel's local
+/// bytes a thread (CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES) for every thread the
+/// device holds at once, taken at the launch, and not given back before
+/// the context goes (the CU_CTX_LMEM_RESIZE_TO_MAX behaviour, the default).
+fn local_need(kern: &vgpu_ptx::Kernel, sms: u32) -> u64 {
+    u64::from(kern.local_size) * u64::from(sms) * THREADS_PER_SM
+}
+
+/// `cuFuncGetAttribute`, for the attributes the PTX gives: threads a block
+/// (0), static shared (1), local (3) bytes, registers (4). Others are
+/// refused with CUDA_ERROR_INVALID_VALUE.
+#[no_mangle]
+pub extern "C" fn cuFuncGetAttribute(pi: *mut c_int, attrib: c_int, f: Handle) -> CUresult {
+    entry(|d| {
+        usable(d)?;
+        let st = d.state();
+        let (module, index) = st.funcs.get(&k(f)).cloned().ok_or(E::CUDA_ERROR_INVALID_HANDLE)?;
+        drop(st);
+        let kern = &module.ptx.kernels[index];
+        let clamp = |v: u64| c_int::try_from(v).unwrap_or(c_int::MAX);
+        let v = match attrib {
+            0 => clamp(u64::from(MAX_THREADS)),
+            1 => clamp(u64::from(kern.shared_bytes)),
+            3 => clamp(u64::from(kern.local_size)),
+            4 => clamp(u64::from(kern.num_regs)),
+            _ => return Err(E::CUDA_ERROR_INVALID_VALUE),
+        };
+        out(pi, v)
+    })
+}
+
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "C" fn cuLaunchKernel(
@@ -1060,6 +1098,14 @@ pub extern "C" fn cuLaunchKernel(
         }
         // SAFETY: the caller follows cuLaunchKernel's contract for both.
         let block_params = unsafe { param_block(kern, params, extra) }?;
+        let need = local_need(kern, module.sms);
+        let ctx = st.ctxs.get_mut(&module.ctx).ok_or(E::CUDA_ERROR_INVALID_CONTEXT)?;
+        if need > ctx.local {
+            if !d.heap.reserve(need - ctx.local, d.devices[ctx.dev].memory) {
+                return Err(E::CUDA_ERROR_OUT_OF_MEMORY);
+            }
+            ctx.local = need;
+        }
         let stream = stream_of(&mut st, s)?;
         drop(st);
         stream.submit(Op::Kernel { module, index, cfg: vgpu_ptx::LaunchConfig { grid, block, dynamic_shared: shared }, params: block_params });

@@ -94,6 +94,22 @@ impl Heap {
         Some(base)
     }
 
+    /// Takes `len` bytes of the device's memory that no allocation names
+    /// (what the driver keeps for itself, as kernels' local memory), if
+    /// `limit` allows.
+    pub fn reserve(&self, len: u64, limit: u64) -> bool {
+        if self.used.fetch_add(len, Ordering::Relaxed).saturating_add(len) > limit {
+            self.used.fetch_sub(len, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Gives back what [`Heap::reserve`] took.
+    pub fn unreserve(&self, len: u64) {
+        self.used.fetch_sub(len, Ordering::Relaxed);
+    }
+
     /// Frees the allocation starting exactly at `base`.
     pub fn free(&self, base: u64) -> bool {
         let gone = self.map.write().unwrap_or_else(|e| e.into_inner()).remove(&base);
