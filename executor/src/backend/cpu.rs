@@ -582,7 +582,7 @@ impl DeviceModule for CpuModule {
     fn function(&self, name: &str) -> Option<FunctionDesc> {
         let index = self.0.kernels.iter().position(|k| k.name == name)?;
         let k = &self.0.kernels[index];
-        Some(FunctionDesc { index, params: k.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), params_size: k.params_size })
+        Some(FunctionDesc { index, params: k.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), params_size: k.params_size, local_reserve: 0 })
     }
     fn host_bytes(&self) -> u64 {
         self.0.host_bytes()

@@ -85,6 +85,7 @@ const REQUIRED: &[&str] = &[
     "cuModuleLoadData",
     "cuModuleUnload",
     "cuModuleGetFunction",
+    "cuFuncGetAttribute",
     "cuLaunchKernel",
     "cuGetErrorName",
     "cuStreamQuery",
@@ -431,6 +432,9 @@ struct CudaModule {
     /// The device's launch timeout, for the kernels it waits for before
     /// it unloads.
     launch_timeout: Duration,
+    /// Threads the device holds at once (SMs × threads an SM holds): the
+    /// driver keeps a kernel's local memory for each of them.
+    resident_threads: u64,
 }
 
 // SAFETY: the module and function handles are only used with their
@@ -479,12 +483,19 @@ impl DeviceModule for CudaModule {
             return None;
         }
         let (params, params_size) = self.layout(f, name)?;
+        let mut local = 0i32;
+        // SAFETY: f is a live function of the current context (above);
+        // valid out-pointer.
+        if unsafe { cu::cuFuncGetAttribute(&mut local, cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f) } != cu::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let local_reserve = u64::try_from(local).unwrap_or(0).saturating_mul(self.resident_threads);
         let mut funcs = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
         let index = funcs.iter().position(|x| x.0 == f).unwrap_or_else(|| {
             funcs.push((f, params.clone()));
             funcs.len() - 1
         });
-        Some(FunctionDesc { index, params, params_size })
+        Some(FunctionDesc { index, params, params_size, local_reserve })
     }
 
     fn host_bytes(&self) -> u64 {
@@ -540,6 +551,8 @@ pub struct CudaBackend {
     graphs: bool,
     launch_timeout: Duration,
     sample_seed: AtomicU64,
+    /// Threads the device holds at once, for [`CudaModule::resident_threads`].
+    resident_threads: u64,
 }
 
 // SAFETY: `home` is only used with cuCtxSetCurrent, which is thread-safe;
@@ -640,6 +653,8 @@ impl CudaBackend {
         let param_info = unsafe { cu::culib().get::<ParamInfoFn>(b"cuFuncGetParamInfo").ok().map(|s| *s) };
         // SAFETY: only the symbols' presence is checked; nothing is called.
         let graphs = GRAPH_SYMBOLS.iter().all(|name| unsafe { cu::culib().get::<*const c_void>(name.as_bytes()) }.is_ok());
+        let per_sm = attr(dev, cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
+        let resident_threads = u64::from(desc.sm_count) * u64::from(per_sm);
         Ok(CudaBackend {
             desc,
             dev,
@@ -653,6 +668,7 @@ impl CudaBackend {
             graphs,
             launch_timeout,
             sample_seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
+            resident_threads,
         })
     }
 
@@ -1330,7 +1346,17 @@ impl Backend for CudaBackend {
         check(unsafe { cu::cuModuleLoadData(&mut module, image.as_ptr().cast()) }, "cuModuleLoadData")?;
         let generation = g.generation;
         drop(g);
-        Ok(Arc::new(CudaModule { owner, generation, module, ptx_params, param_info: self.param_info, funcs: Mutex::new(Vec::new()), host_bytes, launch_timeout: self.launch_timeout }))
+        Ok(Arc::new(CudaModule {
+            owner,
+            generation,
+            module,
+            ptx_params,
+            param_info: self.param_info,
+            funcs: Mutex::new(Vec::new()),
+            host_bytes,
+            launch_timeout: self.launch_timeout,
+            resident_threads: self.resident_threads,
+        }))
     }
 
     fn placed_bytes(&self, image: &[u8], format: ImageFormat, host_limit: u64) -> Result<u64, BackendError> {

@@ -103,6 +103,13 @@ pub struct FunctionDesc {
     pub index: usize,
     pub params: Vec<ParamDesc>,
     pub params_size: u32,
+    /// Device memory the driver takes for the kernel's local memory when
+    /// it is launched: its bytes a thread for every thread the device can
+    /// hold at once (a GPU driver keeps the most any launch needed until
+    /// the context goes). Charged to the tenant's quota before the
+    /// launch. 0 where the backend's local memory is its own host memory
+    /// (the CPU device charges it to the host budget as it runs).
+    pub local_reserve: u64,
 }
 
 /// A module loaded on a device.

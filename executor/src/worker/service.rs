@@ -145,6 +145,22 @@ struct TenantState {
     faulted: bool,
     /// The handle counter has wrapped: new handles are checked for reuse.
     wrapped: bool,
+    /// Device memory charged (in `used`) for the local memory the driver
+    /// keeps for this tenant's kernels: the most any launch needed
+    /// ([`FunctionDesc::local_reserve`]), since the driver grows its
+    /// reservation and does not shrink it. Given back when the tenant's
+    /// device context is rebuilt.
+    local: u64,
+}
+
+impl TenantState {
+    /// The tenant's device context was rebuilt: the local memory the
+    /// driver kept in the old one went with it.
+    fn recovered(&mut self, t: &Tenant) {
+        self.faulted = false;
+        self.used = self.used.saturating_sub(std::mem::take(&mut self.local));
+        t.used.store(self.used, Ordering::Relaxed);
+    }
 }
 
 #[derive(Default)]
@@ -240,7 +256,7 @@ impl Drop for WorkGuard {
             }
             if t.needs_recovery.swap(false, Ordering::AcqRel) && st.faulted && st.ctxs.is_empty() {
                 match t.backend.recover_tenant(t.slot) {
-                    Ok(()) => st.faulted = false,
+                    Ok(()) => st.recovered(t),
                     Err(e) => tracing::error!(tenant = %t.name, "rebuilding the tenant's device context failed: {}", e.msg),
                 }
             }
@@ -333,6 +349,9 @@ pub struct Graph {
     /// Names it for the launch-time estimates (`super::pipeline`): never
     /// reused, unlike its address.
     serial: u64,
+    /// The most local memory its kernels make the driver keep
+    /// ([`FunctionDesc::local_reserve`]).
+    local_reserve: u64,
     /// Host bytes charged for it, released when the last holder (its
     /// context, or a launch still queued) lets go.
     _charge: Charge,
@@ -770,7 +789,7 @@ impl DeviceService {
             // Modules and allocations of the poisoned context are gone
             // (none is still deferred: no work is in flight).
             match self.backend.recover_tenant(t.slot) {
-                Ok(()) => st.faulted = false,
+                Ok(()) => st.recovered(t),
                 Err(e) => tracing::error!(tenant = %t.name, "rebuilding the tenant's device context failed: {}", e.msg),
             }
         }
@@ -942,7 +961,9 @@ impl DeviceService {
     }
 
     fn check_work(&self, t: &Tenant, conn: &Conn, req: Request) -> R<Work> {
-        let st = t.state.lock();
+        let mut st = t.state.lock();
+        // Device memory the driver will keep for the kernels' local memory.
+        let mut local = 0;
         if t.revoked.load(Ordering::Acquire) {
             return Err(err(CuResult::CUDA_ERROR_DEVICE_UNAVAILABLE, format!("tenant {} was deleted", t.name)));
         }
@@ -968,7 +989,8 @@ impl DeviceService {
             }
             Request::LaunchKernel(b, params) => {
                 let c = st.ctxs.get(&b.ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {}", b.ctx)))?;
-                let (module, index) = Self::kernel(c, b.func, params.len())?;
+                let (module, index, reserve) = Self::kernel(c, b.func, params.len())?;
+                local = reserve;
                 let launch = Launch { grid: b.grid, block: b.block, shared_bytes: b.shared_bytes };
                 (b.ctx, b.stream, WorkKind::Launch { module, index, launch, params })
             }
@@ -983,6 +1005,7 @@ impl DeviceService {
             Request::GraphLaunch(b) => {
                 let c = st.ctxs.get(&b.ctx).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_CONTEXT, format!("no context {}", b.ctx)))?;
                 let graph = c.graphs.get(&b.graph).cloned().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no graph {}", b.graph)))?;
+                local = graph.local_reserve;
                 (b.ctx, b.stream, WorkKind::Graph { graph })
             }
             _ => return Err(err(CuResult::CUDA_ERROR_UNKNOWN, "not a stream-ordered request")),
@@ -994,6 +1017,7 @@ impl DeviceService {
         if stream != DEFAULT_STREAM && !c.streams.contains(&stream) {
             return Err(err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no stream {stream}")));
         }
+        self.reserve_local(t, &mut st, local)?;
         Ok(Work { ctx, stream, kind })
     }
 
@@ -1191,13 +1215,39 @@ impl DeviceService {
 
     /// Function `func` of context `c`, given `params` parameter bytes: its
     /// module and kernel index.
-    fn kernel(c: &Ctx, func: u32, params: usize) -> R<(Arc<dyn DeviceModule>, usize)> {
+    /// Charges the device memory a kernel's local memory makes the driver
+    /// keep (`need`, see [`FunctionDesc::local_reserve`]) before the
+    /// launch that would take it: only what it needs beyond the most a
+    /// launch needed so far, refused past the quota.
+    fn reserve_local(&self, t: &Tenant, st: &mut TenantState, need: u64) -> R<()> {
+        if need <= st.local {
+            return Ok(());
+        }
+        let more = need - st.local;
+        if more > t.quota().saturating_sub(st.used) {
+            self.sweep_retired(t, st);
+        }
+        if more > t.quota().saturating_sub(st.used) {
+            return Err(err(
+                CuResult::CUDA_ERROR_OUT_OF_MEMORY,
+                format!("the kernel's local memory makes the driver keep {need} bytes of device memory (its bytes a thread for every thread the device holds at once), more than the quota leaves ({} of {} bytes used)", st.used, t.quota()),
+            ));
+        }
+        st.local = need;
+        st.used += more;
+        t.used.store(st.used, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// A launchable kernel of context `c`: its module, index and
+    /// [`FunctionDesc::local_reserve`].
+    fn kernel(c: &Ctx, func: u32, params: usize) -> R<(Arc<dyn DeviceModule>, usize, u64)> {
         let (mid, f) = c.funcs.get(&func).ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, format!("no function {func}")))?;
         if (params as u32) < f.params_size {
             return Err(err(CuResult::CUDA_ERROR_INVALID_VALUE, format!("{params} parameter bytes given, the kernel takes {}", f.params_size)));
         }
         let module = c.modules.get(mid).cloned().ok_or_else(|| err(CuResult::CUDA_ERROR_INVALID_HANDLE, "module was unloaded"))?;
-        Ok((module, f.index))
+        Ok((module, f.index, f.local_reserve))
     }
 
     /// A memset of `count` elements of `elem_size` bytes (1, 2 or 4, as
@@ -1223,6 +1273,7 @@ impl DeviceService {
         let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
         let (mut nodes_out, mut kernels, mut copied, mut charged) = (Vec::with_capacity(nodes.len()), 0, 0, host_cost::GRAPH);
         let mut modules: Vec<Arc<Charge>> = Vec::new();
+        let mut local_reserve = 0;
         for (i, n) in nodes.into_iter().enumerate() {
             let at = |r: Reply| match r {
                 Reply::Error(code, msg) => err(code, format!("graph node {i}: {msg}")),
@@ -1231,7 +1282,8 @@ impl DeviceService {
             charged += host_cost::GRAPH_NODE;
             nodes_out.push(match n {
                 GraphNode::Kernel(k, params) => {
-                    let (module, index) = Self::kernel(c, k.func, params.len()).map_err(at)?;
+                    let (module, index, reserve) = Self::kernel(c, k.func, params.len()).map_err(at)?;
+                    local_reserve = local_reserve.max(reserve);
                     if let Some(held) = c.funcs.get(&k.func).and_then(|(mid, _)| c.module_charges.get(mid)) {
                         if !modules.iter().any(|m| Arc::ptr_eq(m, held)) {
                             modules.push(held.clone());
@@ -1253,6 +1305,9 @@ impl DeviceService {
                 }
             });
         }
+        // Its kernels' local memory before the driver builds it (it may
+        // take it then).
+        self.reserve_local(t, st, local_reserve)?;
         // Charged to the tenant, not to the context: a launch still queued
         // may hold the graph past its context (`Graph::drop` releases it).
         t.host.reserve(charged, "a graph")?;
@@ -1262,6 +1317,7 @@ impl DeviceService {
             kernels,
             copied,
             serial,
+            local_reserve,
             _charge: Charge { budget: t.host.clone(), bytes: charged },
             _modules: modules,
             backend: self.backend.clone(),
