@@ -425,6 +425,7 @@ fn run() -> anyhow::Result<()> {
     // second mediator on this host never gives out the same ones.
     let exec_uids = match worker_user {
         Some(_) => {
+            vgpu_mediator::control::executors::check_uid_range(std::path::Path::new("/etc"), exec_uids.0, exec_uids.1)?;
             let dir = std::path::Path::new(vgpu_mediator::control::executors::HOST_CLAIMS);
             vgpu_mediator::control::executors::UidRange::claimed_in(exec_uids.0, exec_uids.1, dir).context("preparing the host-wide executor uid claims")?
         }

@@ -306,6 +306,64 @@ impl UidRange {
     }
 }
 
+/// Why the executor uid range cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum UidRangeError {
+    #[error("reading {path}")]
+    Read {
+        path: String,
+        #[source]
+        err: std::io::Error,
+    },
+    #[error(
+        "devices.executor_uids {first}-{last} overlaps ids this host already gives out: {}. Executors run as these uids (and gids); a process with one of them could signal or trace a tenant's executor. Choose a range no user, group or subordinate id range in /etc uses",
+        .conflicts.join("; ")
+    )]
+    Taken { first: u32, last: u32, conflicts: Vec<String> },
+}
+
+/// Checks that no user or group in `etc`'s passwd and group files, and
+/// no subordinate id range in its subuid and subgid files (rootless
+/// containers run as those), has an id in `first..first+count`: executors
+/// run as those uids, with the same gids. A file that is missing is
+/// empty; one that cannot be read fails the check. Users from other
+/// sources (LDAP, say) are not listed here: the range must stay clear of
+/// them by choice.
+pub fn check_uid_range(etc: &Path, first: u32, count: u32) -> Result<(), UidRangeError> {
+    let end = u64::from(first) + u64::from(count);
+    let inside = |id: u64| (u64::from(first)..end).contains(&id);
+    let mut conflicts = Vec::new();
+    for (file, what) in [("passwd", "user"), ("group", "group"), ("subuid", "subordinate uids"), ("subgid", "subordinate gids")] {
+        let path = etc.join(file);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(err) => return Err(UidRangeError::Read { path: path.display().to_string(), err }),
+        };
+        for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
+            let f: Vec<&str> = line.split(':').collect();
+            let name = f.first().copied().unwrap_or("");
+            if file.starts_with("sub") {
+                // NAME:START:COUNT
+                let (Some(Ok(start)), Some(Ok(n))) = (f.get(1).map(|x| x.trim().parse::<u64>()), f.get(2).map(|x| x.trim().parse::<u64>())) else { continue };
+                if n > 0 && start < end && u64::from(first) < start.saturating_add(n) {
+                    conflicts.push(format!("{what} {start}-{} of {name} in {}", start.saturating_add(n) - 1, path.display()));
+                }
+            } else if let Some(Ok(id)) = f.get(2).map(|x| x.trim().parse::<u64>()) {
+                // NAME:PASSWORD:ID:...
+                if inside(id) {
+                    conflicts.push(format!("{what} {name} ({id}) in {}", path.display()));
+                }
+            }
+        }
+    }
+    if conflicts.is_empty() {
+        return Ok(());
+    }
+    conflicts.truncate(8);
+    Err(UidRangeError::Taken { first, last: first.saturating_add(count.saturating_sub(1)), conflicts })
+}
+
 /// The uids of `first..first+count` any process on the host runs as
 /// (real, effective, saved or filesystem uid), read from /proc. Fails
 /// when /proc cannot be read: a free uid is never guessed.
@@ -810,6 +868,33 @@ impl Control {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_executor_uid_range_that_meets_host_ids_is_refused() {
+        let etc = std::env::temp_dir().join(format!("vgpu-etc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&etc);
+        std::fs::create_dir_all(&etc).unwrap();
+        let (first, count) = (2_000_000, 65_536);
+        // Nothing there, or ids around the range but not in it: allowed.
+        check_uid_range(&etc, first, count).unwrap();
+        std::fs::write(etc.join("passwd"), "root:x:0:0::/root:/bin/sh\nnobody:x:65534:65534::/:/usr/sbin/nologin\n# a comment\nbad line\n").unwrap();
+        std::fs::write(etc.join("subuid"), "alice:1934464:65536\nbob:2065536:65536\n").unwrap();
+        check_uid_range(&etc, first, count).unwrap();
+        // A user, a group and a subordinate range inside it: each named.
+        std::fs::write(etc.join("passwd"), "ldapish:x:2000005:100::/home/l:/bin/sh\n").unwrap();
+        std::fs::write(etc.join("group"), "g:x:2065535:\n").unwrap();
+        std::fs::write(etc.join("subgid"), "carol:1999000:2000\n").unwrap();
+        let e = check_uid_range(&etc, first, count).unwrap_err().to_string();
+        for want in ["2000000-2065535", "user ldapish (2000005)", "group g (2065535)", "subordinate gids 1999000-2000999 of carol"] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        assert!(!e.contains("alice") && !e.contains("bob"), "{e}");
+        // An unreadable file fails the check rather than passing it.
+        std::fs::remove_file(etc.join("group")).unwrap();
+        std::fs::create_dir(etc.join("group")).unwrap();
+        assert!(matches!(check_uid_range(&etc, 5_000_000, 10), Err(UidRangeError::Read { .. })));
+        let _ = std::fs::remove_dir_all(&etc);
+    }
+
     use super::*;
 
     #[test]
