@@ -661,7 +661,8 @@ impl Control {
         let nproc = if procs.is_none() { uid.map(|_| uid_tasks) } else { None };
         let spawn_bounds = SpawnBounds { fds, nproc, cgroup_procs: procs };
         let env = mps.as_ref().map(|(d, p)| d.client_env(*p).to_vec()).unwrap_or_default();
-        let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window, bounds: spawn_bounds, env };
+        let log_as = format!("tenant {} on {}", t.name, slot.spec.name);
+        let role = Role::Executor { grant: executor_end.into_fd(), listen: listener.into(), window, bounds: spawn_bounds, env, log_as };
         let (mut child, stdin, stdout, _) = match spawn_worker(&self.exe, &slot.spec, user, role) {
             Ok(c) => c,
             Err(e) => {

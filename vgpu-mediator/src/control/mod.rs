@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod executors;
+pub mod logrelay;
 pub mod meter;
 pub mod mps;
 pub mod passthrough;
@@ -1336,9 +1337,10 @@ enum Role {
     /// with this many lanes.
     Arbiter(std::os::fd::OwnedFd, u32),
     /// One tenant's executor: its grant channel, its listening socket, its
-    /// address window, what the kernel bounds it to, and what it adds to
-    /// its environment (an MPS client's settings).
-    Executor { grant: std::os::fd::OwnedFd, listen: std::os::fd::OwnedFd, window: u64, bounds: executors::SpawnBounds, env: Vec<(&'static str, String)> },
+    /// address window, what the kernel bounds it to, what it adds to its
+    /// environment (an MPS client's settings), and how the daemon names it
+    /// when it relays its log ([`logrelay`]).
+    Executor { grant: std::os::fd::OwnedFd, listen: std::os::fd::OwnedFd, window: u64, bounds: executors::SpawnBounds, env: Vec<(&'static str, String)>, log_as: String },
 }
 
 /// Applies an executor's bounds between fork and exec: it joins its
@@ -1413,6 +1415,9 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
     // Descriptors the child gets at fixed numbers (3, and 4), duplicated
     // between fork and exec; ours stay close-on-exec.
     let mut bounded = None;
+    // An executor's stderr goes through the log relay; a worker's and an
+    // arbiter's (which serve every tenant of the device) are the daemon's.
+    let mut relayed = None;
     // An MPS client only where its GPU is shared under MPS (an executor's
     // `env`), never through settings the daemon's own environment carries.
     for v in ["CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] {
@@ -1424,7 +1429,8 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
             cmd.arg("--arbiter");
             vec![intake]
         }
-        Role::Executor { grant, listen, window, bounds, env } => {
+        Role::Executor { grant, listen, window, bounds, env, log_as } => {
+            relayed = Some(log_as);
             cmd.args(["--grant-fd", "3", "--listen-fd", "4", "--window", &window.to_string()]);
             cmd.envs(env);
             bounded = Some(bounds);
@@ -1470,8 +1476,11 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
         .env("CUDA_VISIBLE_DEVICES", spec.cuda.as_ref().map(|c| c.visible_devices.as_str()).unwrap_or(""))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(if relayed.is_some() { Stdio::piped() } else { Stdio::inherit() })
         .spawn()?;
+    if let (Some(who), Some(err)) = (relayed, child.stderr.take()) {
+        logrelay::relay(err, who);
+    }
     let stdin = child.stdin.take().ok_or_else(|| std::io::Error::other("no worker stdin"))?;
     {
         use std::os::fd::AsRawFd;
