@@ -17,8 +17,9 @@ use virtio_gpu_compute::virtio_gpu::*;
 use virtio_gpu_compute::{CuResult, Opcode, Reply, Request, Wire, MAX_PAYLOAD, VERSION};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
+use crate::worker::conn::CONN_HOST_BYTES;
 use crate::worker::engine::{Engine, Ring, RingMem};
-use crate::worker::service::{BlobAccess, Conn, DeviceService, Pieces, Tenant};
+use crate::worker::service::{host_cost, BlobAccess, Charge, Conn, DeviceService, HostBudget, Pieces, Tenant};
 
 /// How the device presents itself.
 #[derive(Debug, Clone)]
@@ -51,6 +52,8 @@ struct Blob {
     /// answers only once the last one is gone (the guest frees the pages
     /// on that answer).
     lease: Arc<()>,
+    /// Its table entry and entries, on the tenant's host budget.
+    _charge: Charge,
 }
 
 type Resources = Arc<RwLock<HashMap<u32, Blob>>>;
@@ -60,6 +63,43 @@ struct CtxBlobs {
     mem: RwLock<GuestMemoryMmap>,
     resources: Resources,
     attached: RwLock<HashSet<u32>>,
+    /// Each attachment costs the tenant's host budget
+    /// [`host_cost::ATTACHMENT`] while it lasts.
+    budget: Arc<HostBudget>,
+}
+
+impl CtxBlobs {
+    /// Attaches blob `res` (once: attaching it again costs nothing).
+    fn attach(&self, res: u32) -> Result<(), String> {
+        let mut set = self.attached.write().unwrap_or_else(|e| e.into_inner());
+        if set.contains(&res) {
+            return Ok(());
+        }
+        if let Err(Reply::Error(_, why)) = self.budget.reserve(host_cost::ATTACHMENT, "a blob attachment") {
+            return Err(why);
+        }
+        set.insert(res);
+        Ok(())
+    }
+
+    /// Detaches blob `res`, if it was attached.
+    fn detach(&self, res: u32) {
+        let mut set = self.attached.write().unwrap_or_else(|e| e.into_inner());
+        if set.remove(&res) {
+            self.budget.release(host_cost::ATTACHMENT);
+            // The set's memory follows it down.
+            if set.capacity() > 64 && set.len() < set.capacity() / 4 {
+                set.shrink_to_fit();
+            }
+        }
+    }
+}
+
+impl Drop for CtxBlobs {
+    fn drop(&mut self) {
+        let n = self.attached.get_mut().map(|s| s.len()).unwrap_or_else(|e| e.into_inner().len());
+        self.budget.release(n as u64 * host_cost::ATTACHMENT);
+    }
 }
 
 impl BlobAccess for CtxBlobs {
@@ -106,13 +146,16 @@ struct GpuCtx {
     /// context for display clients): it may hold resources, not compute.
     compute: bool,
     conn: Arc<Mutex<Conn>>,
-    /// The context's command ring and the blob it lives in, once attached.
-    ring: Option<(u32, Arc<Ring>)>,
+    /// The context's command ring, the blob it lives in, and its host
+    /// charge, once attached.
+    ring: Option<(u32, Arc<Ring>, Charge)>,
     /// SUBMIT_3D commands this context sent (one per guest EXECBUFFER).
     submits: u64,
     blobs: Arc<CtxBlobs>,
     /// Last fence signalled on each ring of this context.
     fences: HashMap<u8, u64>,
+    /// The context on the tenant's host budget, as a connection is.
+    _charge: Charge,
 }
 
 /// A rejected command: the response type and why (logged).
@@ -122,6 +165,14 @@ type Res<T> = Result<T, Refusal>;
 
 fn refuse<T>(ty: u32, why: impl Into<String>) -> Res<T> {
     Err(Refusal(ty, why.into()))
+}
+
+/// What an error reply says.
+fn reply_text(r: Reply) -> String {
+    match r {
+        Reply::Error(_, why) => why,
+        other => format!("{other:?}"),
+    }
 }
 
 pub struct GpuDevice {
@@ -268,9 +319,13 @@ impl GpuDevice {
                 if self.ctxs.len() >= MAX_CONTEXTS {
                     return refuse(ty::RESP_ERR_OUT_OF_MEMORY, format!("at most {MAX_CONTEXTS} contexts"));
                 }
-                let blobs = Arc::new(CtxBlobs { mem: RwLock::new(self.mem.clone()), resources: self.resources.clone(), attached: RwLock::new(HashSet::new()) });
+                let charge = match Charge::take(&self.tenant.host, CONN_HOST_BYTES, "a virtio-gpu context") {
+                    Ok(c) => c,
+                    Err(r) => return refuse(ty::RESP_ERR_OUT_OF_MEMORY, reply_text(r)),
+                };
+                let blobs = Arc::new(CtxBlobs { mem: RwLock::new(self.mem.clone()), resources: self.resources.clone(), attached: RwLock::new(HashSet::new()), budget: self.tenant.host.clone() });
                 let conn = Arc::new(Mutex::new(Conn { blobs: Some(blobs.clone()), ..Default::default() }));
-                self.ctxs.insert(hdr.ctx_id, GpuCtx { compute: capset != 0, conn, ring: None, submits: 0, blobs, fences: HashMap::new() });
+                self.ctxs.insert(hdr.ctx_id, GpuCtx { compute: capset != 0, conn, ring: None, submits: 0, blobs, fences: HashMap::new(), _charge: charge });
                 Ok(Self::ok(hdr))
             }
             GpuCommand::CtxDestroy => {
@@ -291,9 +346,11 @@ impl GpuDevice {
                     return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id));
                 }
                 if attach {
-                    c.blobs.attached.write().unwrap_or_else(|e| e.into_inner()).insert(b.resource_id);
+                    if let Err(why) = c.blobs.attach(b.resource_id) {
+                        return refuse(ty::RESP_ERR_OUT_OF_MEMORY, why);
+                    }
                 } else {
-                    c.blobs.attached.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id);
+                    c.blobs.detach(b.resource_id);
                     Self::drop_ring_in(c, b.resource_id);
                 }
                 Ok(Self::ok(hdr))
@@ -309,7 +366,7 @@ impl GpuDevice {
                 let removed = self.resources.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id);
                 let Some(blob) = removed else { return refuse(ty::RESP_ERR_INVALID_RESOURCE_ID, format!("no resource {}", b.resource_id)) };
                 for c in self.ctxs.values_mut() {
-                    c.blobs.attached.write().unwrap_or_else(|e| e.into_inner()).remove(&b.resource_id);
+                    c.blobs.detach(b.resource_id);
                     Self::drop_ring_in(c, b.resource_id);
                 }
                 // The guest frees the pages when it reads this answer: no
@@ -384,7 +441,12 @@ impl GpuDevice {
         if total != b.size {
             return bad(format!("blob entries cover {total} bytes, the blob is {}", b.size));
         }
-        self.resources.write().unwrap_or_else(|e| e.into_inner()).insert(b.resource_id, Blob { entries: runs, size: b.size, lease: Arc::new(()) });
+        let cost = host_cost::BLOB + host_cost::BLOB_ENTRY * runs.len() as u64;
+        let charge = match Charge::take(&self.tenant.host, cost, "a blob") {
+            Ok(c) => c,
+            Err(r) => return refuse(ty::RESP_ERR_OUT_OF_MEMORY, reply_text(r)),
+        };
+        self.resources.write().unwrap_or_else(|e| e.into_inner()).insert(b.resource_id, Blob { entries: runs, size: b.size, lease: Arc::new(()), _charge: charge });
         Ok(())
     }
 
@@ -408,7 +470,7 @@ impl GpuDevice {
             Ok((h, Request::RegisterShm(_))) => (h.opcode(), h.seq, Reply::error(CuResult::CUDA_ERROR_NOT_SUPPORTED, "VM contexts move data through blobs, not shared buffers")),
             Ok((h, Request::AttachRing(b))) => (h.opcode(), h.seq, Self::attach_ring(&self.svc, self.engine.is_some(), &self.tenant, c, b.sq_size, b.blob)),
             Ok((h, Request::RingKick)) => {
-                if let (Some((_, r)), Some(e)) = (&c.ring, &self.engine) {
+                if let (Some((_, r, _)), Some(e)) = (&c.ring, &self.engine) {
                     r.kick(e);
                 }
                 (h.opcode(), h.seq, Reply::Empty)
@@ -482,13 +544,17 @@ impl GpuDevice {
             Ok(p) => p,
             Err(e) => return bad(format!("ring blob: {e}")),
         };
+        let charge = match Charge::take(&tenant.host, host_cost::RING + host_cost::RING_RUN * pieces.runs.len() as u64, "a command ring") {
+            Ok(c) => c,
+            Err(r) => return r,
+        };
         let mem = match RingMem::new(pieces.runs.clone(), Box::new(pieces)) {
             Ok(m) => m,
             Err(e) => return bad(format!("ring blob: {e}")),
         };
         match Ring::new(svc.clone(), tenant.clone(), c.conn.clone(), mem, sq_size, None) {
             Ok(r) => {
-                c.ring = Some((res, r));
+                c.ring = Some((res, r, charge));
                 Reply::Empty
             }
             Err(e) => bad(e),
@@ -498,8 +564,8 @@ impl GpuDevice {
     /// Closes the context's ring if it lives in blob `res`: from then on
     /// nothing reads or writes that memory.
     fn drop_ring_in(c: &mut GpuCtx, res: u32) {
-        if c.ring.as_ref().is_some_and(|(r, _)| *r == res) {
-            if let Some((_, ring)) = c.ring.take() {
+        if c.ring.as_ref().is_some_and(|(r, _, _)| *r == res) {
+            if let Some((_, ring, _charge)) = c.ring.take() {
                 ring.close();
             }
         }
@@ -520,7 +586,7 @@ impl GpuDevice {
     }
 
     fn close_ctx(svc: &DeviceService, tenant: &Tenant, c: GpuCtx) {
-        if let Some((_, r)) = &c.ring {
+        if let Some((_, r, _)) = &c.ring {
             r.close();
         }
         svc.disconnect(tenant, &mut c.conn.lock().unwrap_or_else(|e| e.into_inner()));

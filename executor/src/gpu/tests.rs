@@ -553,3 +553,89 @@ fn a_ring_blob_is_never_written_after_the_guest_unrefs_it() {
     // The context lives on without its ring and still answers.
     assert_eq!(call(&mut dev, &mem, Request::Ping), Reply::Empty);
 }
+
+/// What a guest makes its executor hold through the device (contexts,
+/// blobs and their entries, attachments, a command ring, each stream its
+/// ring queued work on) is charged to the tenant's host budget, refused
+/// past it, and given back when it goes: the budget bounds a VM as it
+/// bounds a process.
+#[test]
+fn what_a_guest_makes_the_executor_hold_is_on_its_host_budget() {
+    use crate::worker::conn::CONN_HOST_BYTES;
+    use crate::worker::service::host_cost::*;
+    use virtio_gpu_compute::ring;
+    let svc = service();
+    let engine = crate::worker::engine::Engine::start(1, false, None).unwrap();
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM)]).unwrap();
+    let t = svc.add_tenant("hostvm", 8 << 20, Default::default(), 512 << 10).unwrap();
+    let mut dev = GpuDevice::new(GpuConfig::default(), mem.clone(), svc.clone(), Some(engine), t.clone());
+    let used = || t.host.used();
+    let base = used();
+    ready(&mut dev);
+    assert_eq!(used() - base, CONN_HOST_BYTES + 2 * BLOB + 3 * BLOB_ENTRY + 2 * ATTACHMENT);
+    let before = used();
+    assert_eq!(attach(&mut dev, DATA), ty::RESP_OK_NODATA);
+    assert_eq!(used(), before, "attaching a blob again costs nothing more");
+    // A command ring in a blob of one entry.
+    const RINGBLOB: u32 = 30;
+    let sq = ring::MIN_SQ;
+    let size = ring::region_size(sq) as u64;
+    let at = 0x90_0000u64;
+    assert_eq!(create_blob(&mut dev, RINGBLOB, &[(at, size as u32)]), ty::RESP_OK_NODATA);
+    assert_eq!(attach(&mut dev, RINGBLOB), ty::RESP_OK_NODATA);
+    let before = used();
+    assert_eq!(call(&mut dev, &mem, Request::AttachRing(AttachRingReq { sq_size: sq, flags: 0, blob: RINGBLOB, reserved: 0 })), Reply::Empty);
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
+    let dptr = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })));
+    let with_ring = used();
+    assert!(with_ring - before >= RING + RING_RUN, "the ring was not charged: {} bytes", with_ring - before);
+    // One memset through the ring: its stream's queue is charged.
+    let seq = ring::FIRST_SEQ;
+    let msg = Request::Memset(MemsetReq { ctx, stream: 0, dptr, value: 7, elem_size: 1, count: 4096 }).encode(seq as u32);
+    let len = ring::entry_len(msg.len());
+    let mut e = Vec::new();
+    ring::EntryHeader { len: len as u32, flags: 0, reply: ring::NO_REPLY, seq }.put(&mut e);
+    e.extend_from_slice(&msg);
+    e.resize(len, 0);
+    mem.write_slice(&e, GuestAddress(at + ring::SQ as u64)).unwrap();
+    mem.write_obj(len as u64, GuestAddress(at + ring::SQ_TAIL as u64)).unwrap();
+    assert_eq!(call(&mut dev, &mem, Request::RingKick), Reply::Empty);
+    let t0 = std::time::Instant::now();
+    while mem.read_obj::<u64>(GuestAddress(at + ring::done_offset(seq) as u64)).unwrap() < seq {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the ring was not served");
+        std::thread::yield_now();
+    }
+    assert_eq!(used() - with_ring, RING_STREAM, "the ring's stream was not charged");
+    // Contexts until the budget is spent: refused well before the
+    // device's own limit of 1024, and each given back when destroyed.
+    let before = used();
+    let mut made = Vec::new();
+    for id in 100..1100 {
+        match ctx_create(&mut dev, id, 24) {
+            ty::RESP_OK_NODATA => made.push(id),
+            r => {
+                assert_eq!(r, ty::RESP_ERR_OUT_OF_MEMORY);
+                break;
+            }
+        }
+    }
+    assert!(!made.is_empty() && made.len() < 32, "{} contexts in a 512 KiB host budget", made.len());
+    assert!(used() <= 512 << 10);
+    for id in made {
+        let m = hdr(ty::CTX_DESTROY, id, 0, 0);
+        assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    }
+    assert_eq!(used(), before);
+    // A blob's unref gives back its entries and its attachments.
+    let mut m = hdr(ty::RESOURCE_UNREF, CTX, 0, 0);
+    ResourceIdBody { resource_id: DATA, padding: 0 }.put(&mut m);
+    assert_eq!(resp_type(&dev.process(&m)), ty::RESP_OK_NODATA);
+    assert_eq!(before - used(), BLOB + 2 * BLOB_ENTRY + ATTACHMENT);
+    // The device's end (the VM's, or its reset) gives back the rest.
+    drop(dev);
+    let t0 = std::time::Instant::now();
+    while used() != base {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "{} host bytes still charged after the device went", used() - base);
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}

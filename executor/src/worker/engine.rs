@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use virtio_gpu_compute::ring::{self, EntryHeader};
 use virtio_gpu_compute::*;
 
-use super::service::{Conn, DeviceService, Prepared, Tenant, Work, WorkGuard, WorkKind};
+use super::service::{host_cost, Charge as HostCharge, Conn, DeviceService, Prepared, Tenant, Work, WorkGuard, WorkKind};
 use crate::backend::BackendError;
 
 /// How long a ring job keeps spinning on an empty ring, while no other job
@@ -262,9 +262,25 @@ struct StreamQ {
     scheduled: bool,
 }
 
-#[derive(Default)]
+/// Queue capacity an idle stream keeps; a burst's larger one is given
+/// back when the stream runs dry.
+const IDLE_QUEUE: usize = 16;
+
 pub struct Stream {
     q: Mutex<StreamQ>,
+    /// The stream's entry in its ring's map, charged while it is there.
+    _charge: HostCharge,
+}
+
+impl StreamQ {
+    /// The stream ran dry: idle, with its queue's memory back to
+    /// [`IDLE_QUEUE`] items.
+    fn idle(&mut self) {
+        self.scheduled = false;
+        if self.items.capacity() > 4 * IDLE_QUEUE {
+            self.items.shrink_to(IDLE_QUEUE);
+        }
+    }
 }
 
 /// Copies and memsets up to this size count as short work.
@@ -683,7 +699,16 @@ impl Ring {
                 drop(m);
                 return self.finish(engine, seq, ring::NO_REPLY, Err(Reply::error(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("more than {MAX_STREAMS} streams with work queued"))), Opcode::Ping);
             }
-            m.entry(key).or_default().clone()
+            match m.get(&key) {
+                Some(s) => s.clone(),
+                None => match HostCharge::take(&self.tenant.host, host_cost::RING_STREAM, "a stream's queue") {
+                    Ok(charge) => m.entry(key).or_insert_with(|| Arc::new(Stream { q: Mutex::new(StreamQ::default()), _charge: charge })).clone(),
+                    Err(r) => {
+                        drop(m);
+                        return self.finish(engine, seq, reply, Err(r), op);
+                    }
+                },
+            }
         };
         let short = work_is_short(&work.kind) && !matches!(work.kind, WorkKind::Wait { .. });
         let inflight = self.tenant.begin_work();
@@ -723,7 +748,7 @@ impl Ring {
             let mut q = lock(&stream.q);
             let wait = match q.items.front() {
                 None => {
-                    q.scheduled = false;
+                    q.idle();
                     return;
                 }
                 Some(Item { work: Work { kind: WorkKind::Wait { seq }, .. }, .. }) => Some(*seq),
@@ -771,7 +796,7 @@ impl Ring {
     fn reschedule(self: &Arc<Self>, engine: &Engine, stream: Arc<Stream>, wake: bool) {
         let mut q = lock(&stream.q);
         if q.items.is_empty() {
-            q.scheduled = false;
+            q.idle();
             return;
         }
         drop(q);

@@ -36,6 +36,18 @@ pub mod host_cost {
     pub const GRAPH: u64 = 256;
     /// Per node, besides a kernel's parameter bytes.
     pub const GRAPH_NODE: u64 = 96;
+    /// A stream a command ring has queued work on (its queue, kept while
+    /// the ring knows the stream).
+    pub const RING_STREAM: u64 = 128;
+    /// A VM's GUEST blob, and each of its guest-memory entries.
+    pub const BLOB: u64 = 128;
+    pub const BLOB_ENTRY: u64 = 16;
+    /// A blob attached to one of a VM's contexts.
+    pub const ATTACHMENT: u64 = 16;
+    /// A command ring in a VM's blob: its completion table and state,
+    /// and each run of guest memory it spans.
+    pub const RING: u64 = virtio_gpu_compute::ring::ENTRY_SLOTS * 8 + 1024;
+    pub const RING_RUN: u64 = 48;
 }
 
 /// Most graphs one context holds.
@@ -402,9 +414,18 @@ impl Graph {
 /// Host bytes charged to a tenant for an object, given back when it is
 /// dropped: with a graph, or with the last holder of a module's (its
 /// context and the graphs that launch it).
-struct Charge {
+pub(crate) struct Charge {
     budget: Arc<HostBudget>,
     bytes: u64,
+}
+
+impl Charge {
+    /// Takes `bytes` from `budget` until the charge is dropped, or fails
+    /// with CUDA_ERROR_OUT_OF_MEMORY naming `what`.
+    pub(crate) fn take(budget: &Arc<HostBudget>, bytes: u64, what: &str) -> Result<Charge, Reply> {
+        budget.reserve(bytes, what)?;
+        Ok(Charge { budget: budget.clone(), bytes })
+    }
 }
 
 impl Drop for Charge {
