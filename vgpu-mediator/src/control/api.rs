@@ -183,12 +183,12 @@ async fn usage(State(c): St, q: Result<axum::extract::Query<UsageQuery>, axum::e
         return Err(ControlError::BadRequest(format!("limit must be 1 to {}, not {limit}", super::meter::MAX_RECORDS)));
     }
     let meter = c.meter.get().cloned().ok_or_else(|| ControlError::NotFound("metering is not running".into()))?;
-    let recs = blocking(move || meter.records(q.since, q.tenant.as_deref(), limit)).await?.map_err(|e| ControlError::Worker(e.to_string()))?;
+    let recs = blocking(move || meter.records(q.since, q.tenant.as_deref(), limit)).await?.map_err(|e| ControlError::Internal(e.to_string()))?;
     Ok(Json(recs))
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ControlError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| ControlError::Worker(e.to_string()))
+    tokio::task::spawn_blocking(f).await.map_err(|e| ControlError::Internal(e.to_string()))
 }
 
 /// A device tenants share, with its worker.

@@ -744,7 +744,7 @@ impl Control {
         let started = reader.and(reaper).map_err(|e| fail("starting its threads", e)).and_then(|_| match exec.call(WorkerCmd::AddTenant(t.cmd()), COMMAND_TIMEOUT) {
             Ok(WorkerMsg::Ok) => {
                 let owner = t.owner.unwrap_or(Owner { uid: 0, gid: 0 });
-                rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Worker(format!("setting the owner of {}: {e}", t.socket.display())))
+                rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Internal(format!("setting the owner of {}: {e}", t.socket.display())))
             }
             Ok(WorkerMsg::Err(e)) => Err(ControlError::Worker(e)),
             Ok(other) => Err(ControlError::Worker(format!("unexpected reply {other:?}"))),

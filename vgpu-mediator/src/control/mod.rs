@@ -193,7 +193,7 @@ fn call_link(link: Option<&WorkerLink>, who: &str, cmd: WorkerCmd, timeout: Dura
         let id = link.next.fetch_add(1, Ordering::Relaxed) + 1;
         let (tx, rx) = mpsc::channel();
         link.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
-        let line = serde_json::to_string(&CmdLine { id, cmd }).map_err(|e| ControlError::Worker(e.to_string()))? + "\n";
+        let line = serde_json::to_string(&CmdLine { id, cmd }).map_err(|e| ControlError::Internal(e.to_string()))? + "\n";
         let deadline = Instant::now() + timeout;
         let mut wrote = 0;
         let sent = {
@@ -1210,7 +1210,7 @@ impl Control {
             other => return Err(ControlError::Worker(format!("unexpected reply {other:?}"))),
         }
         let owner = t.owner.unwrap_or(Owner { uid: 0, gid: 0 });
-        rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Worker(format!("setting the owner of {}: {e}", t.socket.display())))
+        rundir::set_socket_owner(&t.socket, owner, t.mode_bits()).map_err(|e| ControlError::Internal(format!("setting the owner of {}: {e}", t.socket.display())))
     }
 }
 

@@ -145,8 +145,8 @@ impl Vm {
             (r.desired, r.huge.clone())
         };
         let s = Saved { spec: self.spec.clone(), desired, hugepages_reserved: huge };
-        let text = serde_json::to_vec_pretty(&s).map_err(|e| ControlError::Worker(e.to_string()))?;
-        let io = |e: std::io::Error| ControlError::Worker(format!("saving {}: {e}", self.dir.join("vm.json").display()));
+        let text = serde_json::to_vec_pretty(&s).map_err(|e| ControlError::Internal(e.to_string()))?;
+        let io = |e: std::io::Error| ControlError::Internal(format!("saving {}: {e}", self.dir.join("vm.json").display()));
         super::store::write_atomically(&self.dir.join("vm.json"), &text).map_err(io)
     }
 
@@ -570,7 +570,7 @@ impl Vms {
             .name(format!("vm-{}", vm.spec.name))
             .spawn(move || supervise(&c, &vm2, &cfg))
             .map(|_| ())
-            .map_err(|e| ControlError::Worker(format!("starting the VM's supervisor: {e}")))
+            .map_err(|e| ControlError::Internal(format!("starting the VM's supervisor: {e}")))
     }
 
     /// Brings back the VMs saved in the state directory (at daemon start).
@@ -661,7 +661,7 @@ impl Vms {
             return Err(e);
         }
         let made = std::fs::create_dir_all(&vm.dir).and_then(|()| std::fs::create_dir_all(vm.api_socket.parent().unwrap_or(Path::new("/"))));
-        if let Err(e) = made.map_err(|e| ControlError::Worker(format!("making {}: {e}", vm.dir.display()))).and_then(|()| vm.save()) {
+        if let Err(e) = made.map_err(|e| ControlError::Internal(format!("making {}: {e}", vm.dir.display()))).and_then(|()| vm.save()) {
             undo(&vm);
             return Err(e);
         }
@@ -734,7 +734,7 @@ impl Vms {
         vm.wait_for(READY_WAIT + Duration::from_secs(5), |r| r.starts > before && r.state != VmState::Starting);
         let v = view(c, &vm);
         if v.state != VmState::Running {
-            return Err(ControlError::Worker(format!("VM {name} did not start: {}", v.error.clone().or(v.last_exit.clone()).unwrap_or_default())));
+            return Err(ControlError::Internal(format!("VM {name} did not start: {}", v.error.clone().or(v.last_exit.clone()).unwrap_or_default())));
         }
         Ok(v)
     }
@@ -770,12 +770,12 @@ impl Vms {
 
     pub fn console(&self, name: &str, bytes: u64) -> Result<Vec<u8>, ControlError> {
         let vm = self.get(name)?;
-        tail(&vm.console_log(), bytes.min(2 * LOG_CAP)).map_err(|e| ControlError::Worker(format!("reading the console log: {e}")))
+        tail(&vm.console_log(), bytes.min(2 * LOG_CAP)).map_err(|e| ControlError::Internal(format!("reading the console log: {e}")))
     }
 
     pub fn logs(&self, name: &str, bytes: u64) -> Result<Vec<u8>, ControlError> {
         let vm = self.get(name)?;
-        tail(&vm.dir.join("vmm.log"), bytes.min(2 * LOG_CAP)).map_err(|e| ControlError::Worker(format!("reading the VMM log: {e}")))
+        tail(&vm.dir.join("vmm.log"), bytes.min(2 * LOG_CAP)).map_err(|e| ControlError::Internal(format!("reading the VMM log: {e}")))
     }
 
     /// Daemon shutdown: VMMs end with it (their vGPUs do).
@@ -970,7 +970,7 @@ fn make_taps(spec: &VmSpec, jail: Option<crate::config::Owner>) -> Result<(), Co
     let owner = jail.map_or(0, |j| j.uid);
     for (n, tap) in spec.nets.iter().zip(tap_names(spec)) {
         if let Ok(NetAttach::Bridge(b)) = n.attach() {
-            super::tap::make_bridged(Path::new("/sys"), &tap, b, owner).map_err(|e| ControlError::Worker(format!("tap {tap} for bridge {b}: {e}")))?;
+            super::tap::make_bridged(Path::new("/sys"), &tap, b, owner).map_err(|e| ControlError::Internal(format!("tap {tap} for bridge {b}: {e}")))?;
         }
     }
     Ok(())
@@ -1132,7 +1132,7 @@ fn supervise(c: &Arc<Control>, vm: &Arc<Vm>, cfg: &VmsConfig) {
             if vfio.len() != vm.spec.passthrough.len() {
                 return Err(ControlError::Conflict(format!("the VM has {} of its {} passthrough devices (one was returned); delete it and create it again", vfio.len(), vm.spec.passthrough.len())));
             }
-            spawn_vmm(cfg, vm, t.as_ref(), node, &vfio).map_err(|e| ControlError::Worker(format!("starting {}: {e}", cfg.vmm.display())))
+            spawn_vmm(cfg, vm, t.as_ref(), node, &vfio).map_err(|e| ControlError::Internal(format!("starting {}: {e}", cfg.vmm.display())))
         });
         let mut child = match started {
             Ok(child) => child,
