@@ -17,6 +17,9 @@
 //!   own time slicing) or tenant (mediated) that floods long kernels
 //!   shares: tenants weighted 1:3 saturating the device (mediated only)
 //!   matrixMul end to end: the C sample, run to completion both ways
+//!   local memory (native only): what the driver takes from device memory
+//!   when kernels with 1, 4 and 16 KiB of local memory a thread run,
+//!   against what the executor charges the quota for them
 //!
 //! Usage: vgpu-cuda-bench [--quick] [--isolation process|shared] (process
 //! by default). Without a GPU it runs on the test double of NVIDIA's
@@ -177,6 +180,64 @@ fn copies(host: *mut c_void, size: usize, n: usize) -> Value {
 }
 
 /// One role's figures, measured with whatever libcuda this process loaded.
+/// A kernel whose threads each use `bytes` of local memory (an array
+/// indexed by thread id, so it stays in local memory).
+fn local_ptx(bytes: u32) -> String {
+    format!(
+        ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k(.param .u64 out)\n{{\n .local .align 8 .b8 buf[{bytes}];\n .reg .b64 %rd<6>;\n .reg .b32 %r<3>;\n mov.u32 %r1, %tid.x;\n and.b32 %r1, %r1, 7;\n xor.b32 %r2, %r1, 1;\n mov.u64 %rd1, buf;\n mul.wide.u32 %rd2, %r1, 8;\n add.u64 %rd2, %rd1, %rd2;\n cvt.u64.u32 %rd3, %r1;\n st.local.u64 [%rd2], %rd3;\n mul.wide.u32 %rd4, %r2, 8;\n add.u64 %rd4, %rd1, %rd4;\n ld.local.u64 %rd5, [%rd4];\n ld.param.u64 %rd1, [out];\n st.global.u64 [%rd1], %rd5;\n ret;\n}}\n\0"
+    )
+}
+
+/// What the driver takes from device memory for kernels' local memory:
+/// kernels of growing local size run one after the other in one context,
+/// and after each the device's free memory is read. `charged` is what the
+/// executor charges a tenant's quota for the largest so far (its local
+/// bytes a thread × SMs × threads an SM holds).
+fn local_memory() -> Value {
+    let mut rows = Vec::new();
+    // SAFETY: driver API calls with valid out-pointers on a context this
+    // function makes and destroys; each image is a NUL-terminated PTX text
+    // that outlives its load; the kernel's one parameter is read through
+    // args[0] during the launch.
+    unsafe {
+        ck(cu::cuInit(0), "cuInit");
+        let mut dev = 0;
+        ck(cu::cuDeviceGet(&mut dev, 0), "cuDeviceGet");
+        let attr = |a| {
+            let mut v = 0;
+            ck(cu::cuDeviceGetAttribute(&mut v, a, dev), "cuDeviceGetAttribute");
+            v as u64
+        };
+        let threads = attr(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) * attr(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR);
+        let mut ctx = std::ptr::null_mut();
+        ck(cu::cuCtxCreate_v2(&mut ctx, 0, dev), "cuCtxCreate");
+        let mut out = 0;
+        ck(cu::cuMemAlloc_v2(&mut out, 4096), "cuMemAlloc");
+        let free = || {
+            let (mut f, mut t) = (0usize, 0usize);
+            ck(cu::cuMemGetInfo_v2(&mut f, &mut t), "cuMemGetInfo");
+            f as u64
+        };
+        let start = free();
+        for bytes in [1024u32, 4096, 16384] {
+            let ptx = local_ptx(bytes);
+            let mut module = std::ptr::null_mut();
+            ck(cu::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "cuModuleLoadData");
+            let mut f = std::ptr::null_mut();
+            ck(cu::cuModuleGetFunction(&mut f, module, c"k".as_ptr()), "cuModuleGetFunction");
+            let mut local = 0;
+            ck(cu::cuFuncGetAttribute(&mut local, cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f), "cuFuncGetAttribute");
+            let mut p = out;
+            let mut args = [(&mut p as *mut u64).cast::<c_void>()];
+            ck(cu::cuLaunchKernel(f, 2, 1, 1, 64, 1, 1, 0, std::ptr::null_mut(), args.as_mut_ptr(), std::ptr::null_mut()), "cuLaunchKernel");
+            ck(cu::cuCtxSynchronize(), "cuCtxSynchronize");
+            rows.push(json!({ "declared": bytes, "local_size_bytes": local, "driver_took": start.saturating_sub(free()), "charged": local as u64 * threads }));
+        }
+        cu::cuCtxDestroy_v2(ctx);
+    }
+    json!({ "rows": rows })
+}
+
 fn measure(quick: bool, s: Scale) -> Value {
     let reps = if quick { 200 } else { 2000 };
     let k = Kernels::new();
@@ -434,6 +495,7 @@ fn main() {
         match args.get(i + 1).map(String::as_str) {
             Some("victim") => println!("{}", victim(quick, scale)),
             Some("flood") => flood(scale),
+            Some("local") => println!("{}", local_memory()),
             _ => println!("{}", measure(quick, scale)),
         }
         return;
@@ -458,6 +520,19 @@ fn main() {
     println!("device {} ({}), driver {}, CUDA {}", gpu, info["devices"][0]["model"], info["driver_version"], info["cuda_driver_version"]);
     let native_via = Via::Native(&env);
     let native = run_role("native", quick, &native_via);
+    let local = run_role("local", quick, &native_via);
+    for row in local["rows"].as_array().into_iter().flatten() {
+        let n = |k: &str| row[k].as_u64().expect(k);
+        let (took, charged) = (n("driver_took"), n("charged"));
+        println!(
+            "{:<46} local {:>6} B a thread: driver took {:>9.1} MiB, executor charges {:>9.1} MiB, charge/took {:>6.2}",
+            format!("local memory, {} B declared (native)", n("declared")),
+            n("local_size_bytes"),
+            took as f64 / (1 << 20) as f64,
+            charged as f64 / (1 << 20) as f64,
+            charged as f64 / took.max(1) as f64
+        );
+    }
     // --isolation process (the default here: a tenant's executor of its
     // own, as on every GPU a tenant shares) or shared.
     let isolation = args.iter().skip_while(|a| *a != "--isolation").nth(1).cloned().unwrap_or_else(|| "process".into());
