@@ -140,8 +140,10 @@ struct State {
     /// Not yet written to the file.
     pending: BTreeMap<(String, String), Usage>,
     pending_busy: BTreeMap<String, f64>,
-    /// Tenants deleted since the last write, and when.
-    pending_deleted: Vec<(String, f64)>,
+    /// Records of deleted tenants, ready to be written before the rest:
+    /// each one's last usage, then its end. Written apart from `pending`,
+    /// where a new tenant of the same name starts afresh.
+    ended: String,
     /// UUID, model and lanes per device, from the last sample.
     labels: HashMap<String, (String, String, u32)>,
     since: f64,
@@ -154,6 +156,11 @@ pub struct Meter {
     /// One sampler at a time, from reading the workers to applying what
     /// they said: samples are applied in the order they were taken.
     sampling: Mutex<()>,
+}
+
+/// One line of the usage file.
+fn record_line(r: &Record) -> String {
+    serde_json::to_string(r).unwrap_or_default() + "\n"
 }
 
 fn unix_now() -> f64 {
@@ -236,7 +243,12 @@ impl Meter {
                 // A worker that restarted meanwhile: whose counters these
                 // are is not known, so they are not used (the next sample is).
                 if who() == before {
-                    let live: HashSet<String> = control.registry().values().filter(|t| t.device == slot.spec.name).map(|t| t.name.clone()).collect();
+                    // Applied under the registry's lock, as a delete is
+                    // (`Control::finish_delete`): a tenant deleted after
+                    // this sample was taken is not live here, and one
+                    // live here is not deleted until it is applied.
+                    let registry = control.registry();
+                    let live: HashSet<String> = registry.values().filter(|t| t.device == slot.spec.name).map(|t| t.name.clone()).collect();
                     self.add_sample(&slot.spec.name, before.0, before.1, &stats, &executors, &live);
                 }
                 Some(stats)
@@ -251,11 +263,22 @@ impl Meter {
     /// orchestrator makes one per workload) would stay in memory and in
     /// every scrape for good.
     pub fn tenant_deleted(&self, name: &str) {
+        let now = unix_now();
         let mut st = self.lock();
         st.totals.retain(|(t, _), _| t != name);
-        // Its last counts stay until the next sample (which drops them):
-        // one taken before the delete is billed from them, not from zero.
-        st.pending_deleted.push((name.to_string(), unix_now()));
+        for seen in st.seen.values_mut() {
+            seen.tenants.remove(name);
+        }
+        let start = st.since;
+        let mine: Vec<(String, Usage)> = st.pending.iter().filter(|((t, _), u)| t == name && !u.is_zero()).map(|((_, d), u)| (d.clone(), u.clone())).collect();
+        st.pending.retain(|(t, _), _| t != name);
+        let mut lines = String::new();
+        for (device, usage) in mine {
+            let uuid = st.labels.get(&device).map(|l| l.0.clone()).unwrap_or_default();
+            lines += &record_line(&Record::Tenant { start, end: now, tenant: name.to_string(), device, uuid, usage });
+        }
+        lines += &record_line(&Record::Deleted { at: now, tenant: name.to_string() });
+        st.ended += &lines;
     }
 
     /// Keeps the totals of these tenants only: at start, the tenants the
@@ -271,7 +294,9 @@ impl Meter {
     /// placed on the device, whose last counts are kept while a sample
     /// misses them (an executor slow to answer, or being replaced), so
     /// that nothing they used is counted twice. A tenant no longer live
-    /// (deleted while the sample was taken) is billed but not totalled.
+    /// (deleted after the sample was taken) is left out: its end is
+    /// already recorded, and what it did in that last second is lost, as
+    /// a dying worker's last second is.
     fn add_sample(&self, device: &str, pid: u32, restarts: u64, d: &DeviceStats, executors: &HashMap<String, u32>, live: &HashSet<String>) {
         let now = Instant::now();
         let mut st = self.lock();
@@ -292,7 +317,7 @@ impl Meter {
         *st.busy.entry(device.to_string()).or_default() += busy as f64 / 1e9;
         *st.pending_busy.entry(device.to_string()).or_default() += busy as f64 / 1e9;
         let mut seen = Seen { pid, restarts, busy_ns: d.busy_ns, tenants: HashMap::new(), at: now };
-        for t in &d.tenants {
+        for t in d.tenants.iter().filter(|t| live.contains(&t.name)) {
             let executor = executors.get(&t.name).copied().unwrap_or(0);
             let cur = Counted { device_ns: t.device_ns, executor, kernels: t.kernels, copied: t.bytes_copied, scrubbed: t.bytes_scrubbed, at: now };
             let last = prev.as_ref().and_then(|p| p.tenants.get(&t.name));
@@ -312,11 +337,9 @@ impl Meter {
                 bytes_copied: cur.copied - c_was,
                 bytes_scrubbed: cur.scrubbed - s_was,
             };
+            seen.tenants.insert(t.name.clone(), cur);
             let key = (t.name.clone(), device.to_string());
-            if live.contains(&t.name) {
-                seen.tenants.insert(t.name.clone(), cur);
-                st.totals.entry(key.clone()).or_default().add(&u);
-            }
+            st.totals.entry(key.clone()).or_default().add(&u);
             st.pending.entry(key).or_default().add(&u);
         }
         // Tenants still on the device that this sample missed keep their
@@ -336,26 +359,22 @@ impl Meter {
         let end = unix_now();
         let mut st = self.lock();
         let start = st.since;
-        let mut lines = String::new();
+        // Deleted tenants' last records first: everything after a tenant's
+        // end is a new tenant's of the same name.
+        let mut lines = st.ended.clone();
         for ((tenant, device), usage) in &st.pending {
             if usage.is_zero() {
                 continue;
             }
             let uuid = st.labels.get(device).map(|l| l.0.clone()).unwrap_or_default();
-            let r = Record::Tenant { start, end, tenant: tenant.clone(), device: device.clone(), uuid, usage: usage.clone() };
-            lines += &(serde_json::to_string(&r).unwrap_or_default() + "\n");
+            lines += &record_line(&Record::Tenant { start, end, tenant: tenant.clone(), device: device.clone(), uuid, usage: usage.clone() });
         }
         for (device, busy) in &st.pending_busy {
             if *busy == 0.0 {
                 continue;
             }
             let (uuid, model, lanes) = st.labels.get(device).cloned().unwrap_or_default();
-            let r = Record::Device { start, end, device: device.clone(), uuid, model, busy_seconds: *busy, lanes };
-            lines += &(serde_json::to_string(&r).unwrap_or_default() + "\n");
-        }
-        for (tenant, at) in &st.pending_deleted {
-            let r = Record::Deleted { at: *at, tenant: tenant.clone() };
-            lines += &(serde_json::to_string(&r).unwrap_or_default() + "\n");
+            lines += &record_line(&Record::Device { start, end, device: device.clone(), uuid, model, busy_seconds: *busy, lanes });
         }
         if !lines.is_empty() {
             // Opened for each batch, so an operator's log rotation (rename)
@@ -365,9 +384,9 @@ impl Meter {
             f.write_all(lines.as_bytes()).map_err(io)?;
             f.sync_data().map_err(io)?;
         }
+        st.ended.clear();
         st.pending.clear();
         st.pending_busy.clear();
-        st.pending_deleted.clear();
         st.since = end;
         Ok(())
     }
@@ -519,25 +538,24 @@ mod tests {
         add(&m, 1, 0, &stats(4_000_000_000, &[("a", 2_000_000_000, 0), ("b", 2_000_000_000, 0)]));
         m.tenant_deleted("a");
         assert_eq!(names(&m), ["b"], "a deleted tenant stays in /metrics");
-        // A sample taken before the delete and applied after it is billed,
-        // and totals nothing.
+        // A sample taken before the delete and applied after it adds
+        // nothing: the tenant's end is already recorded.
         let live: HashSet<String> = ["b".to_string()].into();
         m.add_sample("cpu0", 1, 0, &stats(5_000_000_000, &[("a", 3_000_000_000, 0), ("b", 2_000_000_000, 0)]), &HashMap::new(), &live);
         assert_eq!(names(&m), ["b"]);
-        m.flush().unwrap();
-        // Every second "a" used is in the file, and its end after them.
-        let recs = m.records(0.0, Some("a"), 100).unwrap();
-        let billed: f64 = recs.iter().map(|r| if let Record::Tenant { usage, .. } = r { usage.device_seconds } else { 0.0 }).sum();
-        assert_eq!(billed, 2.0 + 1.0, "{recs:?}");
-        assert!(matches!(recs.last(), Some(Record::Deleted { tenant, .. }) if tenant == "a"), "{recs:?}");
-        let line = std::fs::read_to_string(&path).unwrap();
-        assert!(line.lines().any(|l| l.starts_with("{\"type\":\"deleted\"") && l.contains("\"tenant\":\"a\"")), "{line}");
-        // A new "a" is counted from zero, and a restart does not bring the
-        // old one's totals back.
+        // A new "a", in the same interval, is counted from zero and apart.
         add(&m, 1, 0, &stats(6_000_000_000, &[("a", 500_000_000, 0), ("b", 2_000_000_000, 0)]));
         m.flush().unwrap();
         let a = |m: &Meter| m.totals().tenants.iter().find(|t| t.0 == "a").map(|t| t.2.device_seconds);
         assert_eq!(a(&m), Some(0.5));
+        // In the file: the old "a"'s seconds, its end, then the new one's.
+        let recs = m.records(0.0, Some("a"), 100).unwrap();
+        let secs: Vec<f64> = recs.iter().map(|r| if let Record::Tenant { usage, .. } = r { usage.device_seconds } else { -1.0 }).collect();
+        assert_eq!(secs, [1.0, 1.0, -1.0, 0.5], "{recs:?}");
+        assert!(matches!(&recs[2], Record::Deleted { tenant, .. } if tenant == "a"), "{recs:?}");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.lines().any(|l| l.starts_with("{\"type\":\"deleted\"") && l.contains("\"tenant\":\"a\"")), "{text}");
+        // A restart does not bring the old one's totals back.
         let m2 = Meter::open(&path, SAMPLE).unwrap();
         assert_eq!(a(&m2), Some(0.5), "the deleted tenant's usage came back after a restart");
         // At start, tenants the daemon no longer has are dropped.
