@@ -598,5 +598,12 @@ impl Drop for GpuDevice {
         for (_, c) in self.ctxs.drain() {
             Self::close_ctx(&self.svc, &self.tenant, c);
         }
+        // A device reset or the VM's end: the guest may reuse every blob's
+        // pages once it is over, so copies still running through them end
+        // first (queued ones fail: their contexts are gone).
+        let table = self.resources.read().unwrap_or_else(|e| e.into_inner());
+        for (res, blob) in table.iter() {
+            Self::wait_for_copies(*res, &blob.lease);
+        }
     }
 }

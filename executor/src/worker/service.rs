@@ -657,7 +657,8 @@ impl DeviceService {
                 let mut st = t.state.lock();
                 self.sweep_retired(&t, &mut st);
                 if st.used > q {
-                    return Err(format!("tenant {name} has {} bytes allocated; it must free below {q} bytes before its quota can shrink to that", st.used));
+                    let local = if st.local > 0 { format!(" ({} of them the local memory the driver keeps for its kernels, until its device context is rebuilt)", st.local) } else { String::new() };
+                    return Err(format!("tenant {name} has {} bytes allocated{local}; it must free below {q} bytes before its quota can shrink to that", st.used));
                 }
                 t.quota.store(q, Ordering::Release);
             }
