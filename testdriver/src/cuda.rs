@@ -1098,6 +1098,7 @@ pub extern "C" fn cuLaunchKernel(
         }
         // SAFETY: the caller follows cuLaunchKernel's contract for both.
         let block_params = unsafe { param_block(kern, params, extra) }?;
+        let stream = stream_of(&mut st, s)?;
         let need = local_need(kern, module.sms);
         let ctx = st.ctxs.get_mut(&module.ctx).ok_or(E::CUDA_ERROR_INVALID_CONTEXT)?;
         if need > ctx.local {
@@ -1106,7 +1107,6 @@ pub extern "C" fn cuLaunchKernel(
             }
             ctx.local = need;
         }
-        let stream = stream_of(&mut st, s)?;
         drop(st);
         stream.submit(Op::Kernel { module, index, cfg: vgpu_ptx::LaunchConfig { grid, block, dynamic_shared: shared }, params: block_params });
         Ok(())
