@@ -349,10 +349,19 @@ pub fn check_uid_range(etc: &Path, first: u32, count: u32) -> Result<(), UidRang
                 if n > 0 && start < end && u64::from(first) < start.saturating_add(n) {
                     conflicts.push(format!("{what} {start}-{} of {name} in {}", start.saturating_add(n) - 1, path.display()));
                 }
-            } else if let Some(Ok(id)) = f.get(2).map(|x| x.trim().parse::<u64>()) {
-                // NAME:PASSWORD:ID:...
-                if inside(id) {
-                    conflicts.push(format!("{what} {name} ({id}) in {}", path.display()));
+            } else {
+                // NAME:PASSWORD:ID:... (and a user's primary gid next).
+                if let Some(Ok(id)) = f.get(2).map(|x| x.trim().parse::<u64>()) {
+                    if inside(id) {
+                        conflicts.push(format!("{what} {name} ({id}) in {}", path.display()));
+                    }
+                }
+                if file == "passwd" {
+                    if let Some(Ok(gid)) = f.get(3).map(|x| x.trim().parse::<u64>()) {
+                        if inside(gid) {
+                            conflicts.push(format!("primary gid {gid} of user {name} in {}", path.display()));
+                        }
+                    }
                 }
             }
         }
@@ -881,11 +890,11 @@ mod tests {
         std::fs::write(etc.join("subuid"), "alice:1934464:65536\nbob:2065536:65536\n").unwrap();
         check_uid_range(&etc, first, count).unwrap();
         // A user, a group and a subordinate range inside it: each named.
-        std::fs::write(etc.join("passwd"), "ldapish:x:2000005:100::/home/l:/bin/sh\n").unwrap();
+        std::fs::write(etc.join("passwd"), "ldapish:x:2000005:100::/home/l:/bin/sh\nsvc:x:900:2000007::/:/bin/sh\n").unwrap();
         std::fs::write(etc.join("group"), "g:x:2065535:\n").unwrap();
         std::fs::write(etc.join("subgid"), "carol:1999000:2000\n").unwrap();
         let e = check_uid_range(&etc, first, count).unwrap_err().to_string();
-        for want in ["2000000-2065535", "user ldapish (2000005)", "group g (2065535)", "subordinate gids 1999000-2000999 of carol"] {
+        for want in ["2000000-2065535", "user ldapish (2000005)", "primary gid 2000007 of user svc", "group g (2065535)", "subordinate gids 1999000-2000999 of carol"] {
             assert!(e.contains(want), "{want}: {e}");
         }
         assert!(!e.contains("alice") && !e.contains("bob"), "{e}");
