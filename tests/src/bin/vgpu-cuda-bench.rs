@@ -179,7 +179,6 @@ fn copies(host: *mut c_void, size: usize, n: usize) -> Value {
     }
 }
 
-/// One role's figures, measured with whatever libcuda this process loaded.
 /// A kernel whose threads each use `bytes` of local memory (an array
 /// indexed by thread id, so it stays in local memory).
 fn local_ptx(bytes: u32) -> String {
@@ -238,6 +237,7 @@ fn local_memory() -> Value {
     json!({ "rows": rows })
 }
 
+/// One role's figures, measured with whatever libcuda this process loaded.
 fn measure(quick: bool, s: Scale) -> Value {
     let reps = if quick { 200 } else { 2000 };
     let k = Kernels::new();
