@@ -438,13 +438,14 @@ fn mediator_response_schemas_match_the_api_types() {
     let stats = TenantStats { name: "web".into(), cap: Some(50), ..TenantStats::default() };
     check_response(&doc, "TenantUsage", &serde_json::to_value(&stats).expect("serialize"));
 
-    // Both kinds of usage record, each one of the document's: its fields,
+    // Every kind of usage record, each one of the document's: its fields,
     // all of them required, and its `type`.
     let t = serde_json::to_value(Record::Tenant { start: 0.0, end: 60.0, tenant: "web".into(), device: "cpu0".into(), uuid: "u".into(), usage: Usage::default() }).expect("serialize");
     let d = serde_json::to_value(Record::Device { start: 0.0, end: 60.0, device: "cpu0".into(), uuid: "u".into(), model: "m".into(), busy_seconds: 1.0, lanes: 2 }).expect("serialize");
+    let x = serde_json::to_value(Record::Deleted { at: 61.0, tenant: "web".into() }).expect("serialize");
     let kinds = schema(&doc, "UsageRecord")["oneOf"].as_array().expect("UsageRecord is one of its kinds");
-    assert_eq!(kinds.len(), 2, "UsageRecord: two kinds");
-    for (r, s) in [&t, &d].into_iter().zip(kinds) {
+    assert_eq!(kinds.len(), 3, "UsageRecord: three kinds");
+    for (r, s) in [&t, &d, &x].into_iter().zip(kinds) {
         let s = deref(&doc, s);
         let what = format!("UsageRecord ({})", r["type"]);
         same_fields(&what, &keys(r), &all_props(&doc, s));
