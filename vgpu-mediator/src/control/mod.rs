@@ -1222,20 +1222,32 @@ const MAX_REPLY_LINE: usize = 16 << 20;
 /// A longer line is an error: a worker cannot make the control plane
 /// buffer without bound.
 fn read_line_bounded(r: &mut impl BufRead, max: usize) -> std::io::Result<Option<String>> {
+    read_line_within(r, max, "a reply line", Err)
+}
+
+/// As [`read_line_bounded`], for a reader that may have nothing yet:
+/// `wait` is called with each WouldBlock, and either waits for more (Ok)
+/// or gives up (its error).
+fn read_line_within(r: &mut impl BufRead, max: usize, what: &str, mut wait: impl FnMut(std::io::Error) -> std::io::Result<()>) -> std::io::Result<Option<String>> {
     let mut line = Vec::new();
     loop {
-        let buf = r.fill_buf()?;
-        if buf.is_empty() {
-            return Ok((!line.is_empty()).then(|| String::from_utf8_lossy(&line).into_owned()));
-        }
-        let (take, end) = match buf.iter().position(|b| *b == b'\n') {
-            Some(i) => (i + 1, true),
-            None => (buf.len(), false),
+        let (take, end) = match r.fill_buf() {
+            Ok([]) => return Ok((!line.is_empty()).then(|| String::from_utf8_lossy(&line).into_owned())),
+            Ok(buf) => match buf.iter().position(|b| *b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (buf.len(), false),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                wait(e)?;
+                continue;
+            }
+            Err(e) => return Err(e),
         };
         if line.len() + take > max + 1 {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a reply line longer than {max} bytes")));
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what} longer than {max} bytes")));
         }
-        line.extend_from_slice(&buf[..take]);
+        line.extend_from_slice(&r.fill_buf()?[..take]);
         r.consume(take);
         if end {
             line.pop();
@@ -1265,40 +1277,19 @@ fn read_ready_line(r: &mut BufReader<ChildStdout>, within: Duration) -> std::io:
     // SAFETY: as above.
     unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) };
     let deadline = Instant::now() + within;
-    let mut line = Vec::new();
-    let res = loop {
-        let (take, end) = match r.fill_buf() {
-            Ok([]) => break Ok(()),
-            Ok(buf) => match buf.iter().position(|b| *b == b'\n') {
-                Some(i) => (i + 1, true),
-                None => (buf.len(), false),
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no ready line within {within:?}")));
-                }
-                let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-                // SAFETY: one pollfd, ours, for the pipe we own.
-                unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, i32::MAX as u128) as i32) };
-                continue;
-            }
-            Err(e) => break Err(e),
-        };
-        if line.len() + take > MAX {
-            break Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a ready line longer than {MAX} bytes")));
+    let res = read_line_within(r, MAX, "a ready line", |_| {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no ready line within {within:?}")));
         }
-        line.extend_from_slice(&r.buffer()[..take]);
-        r.consume(take);
-        if end {
-            line.pop();
-            break Ok(());
-        }
-    };
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd, ours, for the pipe we own.
+        unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, i32::MAX as u128) as i32) };
+        Ok(())
+    });
     // SAFETY: as above: the reply reader that follows blocks.
     unsafe { libc::fcntl(fd, libc::F_SETFL, flags) };
-    res.map(|()| String::from_utf8_lossy(&line).into_owned())
+    res.map(Option::unwrap_or_default)
 }
 
 /// Writes all of `buf` to the worker's (non-blocking) stdin, waiting for
@@ -1511,6 +1502,18 @@ fn spawn_worker(exe: &Path, spec: &DeviceSpec, user: Option<Owner>, role: Role) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reply_line_is_bounded_and_a_last_one_without_newline_is_kept() {
+        let mut r = std::io::Cursor::new(b"short\n12345678\n123456789\n".to_vec());
+        assert_eq!(read_line_bounded(&mut r, 8).unwrap().as_deref(), Some("short"));
+        assert_eq!(read_line_bounded(&mut r, 8).unwrap().as_deref(), Some("12345678"));
+        let e = read_line_bounded(&mut r, 8).unwrap_err();
+        assert!(e.to_string().contains("a reply line longer than 8 bytes"), "{e}");
+        let mut r = std::io::Cursor::new(b"tail".to_vec());
+        assert_eq!(read_line_bounded(&mut r, 8).unwrap().as_deref(), Some("tail"));
+        assert_eq!(read_line_bounded(&mut r, 8).unwrap(), None);
+    }
 
     fn reader(script: &str) -> (Child, BufReader<ChildStdout>) {
         let mut c = Command::new("sh").args(["-c", script]).stdout(Stdio::piped()).spawn().expect("sh");
