@@ -301,10 +301,10 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "fill") || !strcmp(mode, "check") || !strcmp(mode, "hold")) {
         CUdeviceptr p;
         CHECK(cuMemAlloc(&p, bytes));
-        printf("ptr=0x%llx\n", (unsigned long long)p);
-        fflush(stdout);
         unsigned char *h = malloc(bytes);
         if (!strcmp(mode, "check")) {
+            printf("ptr=0x%llx\n", (unsigned long long)p);
+            fflush(stdout);
             CHECK(cuMemcpyDtoH(h, p, bytes));
             for (size_t i = 0; i < bytes; i++) {
                 if (h[i] != 0) {
@@ -317,6 +317,10 @@ int main(int argc, char **argv) {
         }
         unsigned char pat = !strcmp(mode, "fill") ? 0xA5 : 0x5A;
         CHECK(cuMemsetD8(p, pat, bytes));
+        /* Said once the pattern is in: whoever reads the line next may end
+         * the device under it. */
+        printf("ptr=0x%llx\n", (unsigned long long)p);
+        fflush(stdout);
         if (!strcmp(mode, "fill")) {
             CHECK(cuMemFree(p));
             return 0;
