@@ -22,10 +22,10 @@ fn vgpuctl_manages_tenants_and_lists_devices() {
     assert!(sock.ends_with("tenants/web.sock"));
     let mode = std::fs::metadata(&sock).expect("socket").permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "tenant socket must be 0600");
-    // Workers (their group) bind sockets there; others may only reach a
-    // socket by its name: no listing, no writing.
+    // The daemon binds executors' sockets there; others may only reach a
+    // socket by its name: no listing, no writing (nor the workers).
     let dir = std::fs::metadata(sock.parent().expect("dir")).expect("dir");
-    assert_eq!(dir.permissions().mode() & 0o777, 0o731, "tenants dir mode");
+    assert_eq!(dir.permissions().mode() & 0o777, 0o711, "tenants dir mode");
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&dir), 0, "tenants dir belongs to the daemon");
 
     // A name goes into a request's path: one that is not a name is refused

@@ -357,7 +357,10 @@ fn run() -> anyhow::Result<()> {
     // Held until this process ends: a second mediator on this run
     // directory stops here, before it touches a directory, a socket, a
     // device or an MPS daemon of this one.
-    let run_dir_held = rundir::prepare(&run_dir, worker_user).context("preparing the run directory")?;
+    // Only a shared worker binds its tenants' sockets itself; executors'
+    // are bound by the daemon.
+    let shared_workers = (cfg.devices.cpu > 0 && cfg.devices.cpu_isolation() == config::Isolation::Shared) || cfg.devices.gpu_isolation() == config::Isolation::Shared;
+    let run_dir_held = rundir::prepare(&run_dir, worker_user, shared_workers).context("preparing the run directory")?;
     let api_path = run_dir.join("api.sock");
     if api_path.exists() {
         if std::os::unix::net::UnixStream::connect(&api_path).is_ok() {

@@ -3,13 +3,14 @@
 //! already exist, so another local user cannot plant or swap a socket.
 //!
 //! Layout: `RUN_DIR` (owner us, 0711), `RUN_DIR/api.sock` (0600),
-//! `RUN_DIR/tenants` (owner us, group the workers' group, 0731: workers
-//! bind sockets there, tenants reach their own socket by its name but
-//! cannot list or change the directory), `RUN_DIR/hidden` (owner us,
-//! group the workers' group, 0730: nobody else may enter it, so its
-//! sockets are reached only through bind mounts, as containers reach
-//! theirs; beside `tenants`, not in it, where the workers could rename
-//! it).
+//! `RUN_DIR/tenants` (owner us, 0711: tenants reach their own socket by
+//! its name but cannot list or change the directory), `RUN_DIR/hidden`
+//! (owner us, 0700: nobody else may enter it, so its sockets are reached
+//! only through bind mounts, as containers reach theirs). The daemon binds
+//! executors' sockets itself; only where a shared worker (isolation
+//! "shared") binds its tenants' sockets does the workers' group get write
+//! access, `tenants` 0731 and `hidden` 0730 (`hidden` beside `tenants`,
+//! not in it, where the workers could rename it).
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -124,23 +125,20 @@ fn open_nofollow(path: &Path, flags: i32) -> Result<OwnedFd, RunDirError> {
 /// Prepares `run_dir` and `run_dir/tenants` (see the module doc) and
 /// holds `run_dir` for this daemon ([`hold`]) before it changes anything
 /// inside: a second daemon on the directory stops there. With `workers`
-/// set, the workers' group may create sockets in `tenants`.
-pub fn prepare(run_dir: &Path, workers: Option<Owner>) -> Result<Held, RunDirError> {
+/// set and `shared_workers` (some device's worker binds its tenants'
+/// sockets), the workers' group may create sockets in `tenants` and
+/// `hidden`; otherwise only the daemon may (a group write an earlier run
+/// gave the workers is taken back).
+pub fn prepare(run_dir: &Path, workers: Option<Owner>, shared_workers: bool) -> Result<Held, RunDirError> {
     parents(run_dir)?;
     own_dir(run_dir, Some(0o711), None)?;
     let held = hold(run_dir)?;
     let tenants = run_dir.join("tenants");
     let hidden = hidden_dir(run_dir);
-    match workers {
-        Some(w) => {
-            own_dir(&tenants, Some(0o731), Some(w.gid))?;
-            own_dir(&hidden, Some(0o730), Some(w.gid))?;
-        }
-        None => {
-            own_dir(&tenants, Some(0o711), None)?;
-            own_dir(&hidden, Some(0o700), None)?;
-        }
-    }
+    let (t, h) = if workers.is_some() && shared_workers { (0o731, 0o730) } else { (0o711, 0o700) };
+    let gid = workers.map(|w| w.gid);
+    own_dir(&tenants, Some(t), gid)?;
+    own_dir(&hidden, Some(h), gid)?;
     Ok(held)
 }
 
@@ -264,10 +262,19 @@ mod tests {
     #[test]
     fn run_dir_is_created_with_restrictive_modes() {
         let d = tmp("fresh");
-        drop(prepare(&d, None).unwrap());
-        assert_eq!(std::fs::metadata(&d).unwrap().mode() & 0o7777, 0o711);
-        assert_eq!(std::fs::metadata(d.join("tenants")).unwrap().mode() & 0o7777, 0o711);
-        assert_eq!(std::fs::metadata(hidden_dir(&d)).unwrap().mode() & 0o7777, 0o700);
+        drop(prepare(&d, None, false).unwrap());
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+        assert_eq!(mode(&d), 0o711);
+        assert_eq!(mode(&d.join("tenants")), 0o711);
+        assert_eq!(mode(&hidden_dir(&d)), 0o700);
+        // Workers that bind sockets get the group's write; without them,
+        // an earlier run's grant is taken back.
+        // SAFETY: getegid has no preconditions.
+        let w = Owner { uid: 4242, gid: unsafe { libc::getegid() } };
+        drop(prepare(&d, Some(w), true).unwrap());
+        assert_eq!((mode(&d.join("tenants")), mode(&hidden_dir(&d))), (0o731, 0o730));
+        drop(prepare(&d, Some(w), false).unwrap());
+        assert_eq!((mode(&d.join("tenants")), mode(&hidden_dir(&d))), (0o711, 0o700));
         std::fs::remove_dir_all(&d).unwrap();
     }
 
@@ -276,24 +283,24 @@ mod tests {
         let d = tmp("planted");
         std::fs::create_dir_all(d.join("tenants")).unwrap();
         std::fs::set_permissions(d.join("tenants"), std::fs::Permissions::from_mode(0o777)).unwrap();
-        assert!(matches!(prepare(&d, None), Err(RunDirError::Writable { .. })), "a world-writable tenants dir must be refused");
+        assert!(matches!(prepare(&d, None, false), Err(RunDirError::Writable { .. })), "a world-writable tenants dir must be refused");
         std::fs::remove_dir(d.join("tenants")).unwrap();
         std::os::unix::fs::symlink("/tmp", d.join("tenants")).unwrap();
-        assert!(matches!(prepare(&d, None), Err(RunDirError::Symlink { .. })), "a symlinked tenants dir must be refused");
+        assert!(matches!(prepare(&d, None, false), Err(RunDirError::Symlink { .. })), "a symlinked tenants dir must be refused");
         std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_held_directory_refuses_a_second_holder_until_the_first_lets_go() {
         let d = tmp("held");
-        let first = prepare(&d, None).unwrap();
+        let first = prepare(&d, None, false).unwrap();
         assert_eq!(std::fs::read_to_string(d.join(LOCK_FILE)).unwrap().trim(), std::process::id().to_string());
         let group = |d: &Path| std::fs::metadata(d.join("tenants")).unwrap().gid();
         let before = group(&d);
         // flock conflicts between two open files, even in one process. A
         // second daemon whose workers have another group stops before it
         // gives them the first one's tenants directory.
-        match prepare(&d, Some(Owner { uid: 4242, gid: before + 4343 })) {
+        match prepare(&d, Some(Owner { uid: 4242, gid: before + 4343 }), true) {
             Err(e @ RunDirError::Held { pid: Some(p), .. }) if p == std::process::id() => assert!(e.to_string().contains(&format!("another mediator (pid {p}) holds")), "{e}"),
             other => panic!("a second holder got {other:?}"),
         }
