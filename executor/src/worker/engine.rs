@@ -234,7 +234,8 @@ struct Item {
     seq: u64,
     work: Work,
     _inflight: WorkGuard,
-    _charge: Charge,
+    /// Its host budget, held while it is queued (none when it ran at once).
+    _charge: Option<HostCharge>,
 }
 
 impl AsRef<Work> for Item {
@@ -245,15 +246,6 @@ impl AsRef<Work> for Item {
 
 /// Host bytes one queued item costs besides its message.
 const QUEUED_ITEM_BYTES: u64 = 256;
-
-/// Host budget held by queued work until it is dropped.
-struct Charge(Arc<Tenant>, u64);
-
-impl Drop for Charge {
-    fn drop(&mut self) {
-        self.0.host.release(self.1);
-    }
-}
 
 #[derive(Default)]
 struct StreamQ {
@@ -714,7 +706,7 @@ impl Ring {
         let inflight = self.tenant.begin_work();
         let mut q = lock(&stream.q);
         if short && !q.scheduled {
-            let item = Item { seq, work, _inflight: inflight, _charge: Charge(self.tenant.clone(), 0) };
+            let item = Item { seq, work, _inflight: inflight, _charge: None };
             // The stream is idle and the work bounded: run it now, on the
             // polling thread, the cheapest way to the device (stream order
             // holds: nothing of this stream is queued or running).
@@ -724,14 +716,17 @@ impl Ring {
             return self.reschedule(engine, stream, false);
         }
         // Queued work is charged to the tenant's host budget until it ran.
-        if let Err(r) = self.tenant.host.reserve(cost, "queued stream work") {
-            drop(q);
-            // Not in flight once the tenant sees the entry done.
-            drop(inflight);
-            drop(work);
-            return self.finish(engine, seq, reply, Err(r), op);
-        }
-        let item = Item { seq, work, _inflight: inflight, _charge: Charge(self.tenant.clone(), cost) };
+        let charge = match HostCharge::take(&self.tenant.host, cost, "queued stream work") {
+            Ok(c) => c,
+            Err(r) => {
+                drop(q);
+                // Not in flight once the tenant sees the entry done.
+                drop(inflight);
+                drop(work);
+                return self.finish(engine, seq, reply, Err(r), op);
+            }
+        };
+        let item = Item { seq, work, _inflight: inflight, _charge: Some(charge) };
         q.items.push_back(item);
         if !q.scheduled {
             q.scheduled = true;
