@@ -789,6 +789,16 @@ impl Raw {
     }
 }
 
+/// A PTX entry `name(.param .u64 out)` whose threads each use `bytes`
+/// (at least 256) of local memory: an array indexed by thread id, each
+/// thread storing one slot and reading another, so a GPU's compiler keeps
+/// it in local memory. Without the module header.
+pub fn local_memory_kernel(name: &str, bytes: u32) -> String {
+    format!(
+        ".visible .entry {name}(.param .u64 out)\n{{\n .local .align 8 .b8 buf[{bytes}];\n .reg .b64 %rd<6>;\n .reg .b32 %r<3>;\n mov.u32 %r1, %tid.x;\n and.b32 %r1, %r1, 31;\n xor.b32 %r2, %r1, 1;\n mov.u64 %rd1, buf;\n mul.wide.u32 %rd2, %r1, 8;\n add.u64 %rd2, %rd1, %rd2;\n cvt.u64.u32 %rd3, %r1;\n st.local.u64 [%rd2], %rd3;\n mul.wide.u32 %rd4, %r2, 8;\n add.u64 %rd4, %rd1, %rd4;\n ld.local.u64 %rd5, [%rd4];\n ld.param.u64 %rd1, [out];\n st.global.u64 [%rd1], %rd5;\n ret;\n}}\n"
+    )
+}
+
 /// The misbehaving kernels of samples/kernels/faults.ptx.
 pub fn faults_ptx() -> String {
     std::fs::read_to_string(workspace().join("samples/kernels/faults.ptx")).expect("faults.ptx")

@@ -397,14 +397,7 @@ fn gpu_kernel_local_memory_counts_against_the_quota() {
         Reply::DeviceInfo(i) => u64::from(i.sm_count),
         r => panic!("{r:?}"),
     };
-    // Each thread stores into its array and reads another slot back
-    // (indexed by its thread id, so the array stays in local memory).
-    let kernel = |name: &str, bytes: u32| {
-        format!(
-            ".visible .entry {name}(.param .u64 out)\n{{\n .local .align 8 .b8 buf[{bytes}];\n .reg .b64 %rd<6>;\n .reg .b32 %r<3>;\n mov.u32 %r1, %tid.x;\n and.b32 %r1, %r1, 31;\n xor.b32 %r2, %r1, 1;\n mov.u64 %rd1, buf;\n mul.wide.u32 %rd2, %r1, 8;\n add.u64 %rd2, %rd1, %rd2;\n cvt.u64.u32 %rd3, %r1;\n st.local.u64 [%rd2], %rd3;\n mul.wide.u32 %rd4, %r2, 8;\n add.u64 %rd4, %rd1, %rd4;\n ld.local.u64 %rd5, [%rd4];\n ld.param.u64 %rd1, [out];\n st.global.u64 [%rd1], %rd5;\n ret;\n}}\n"
-        )
-    };
-    let src = format!(".version 7.0\n.target sm_70\n.address_size 64\n{}{}", kernel("small", 256), kernel("big", 16384));
+    let src = format!(".version 7.0\n.target sm_70\n.address_size 64\n{}{}", local_memory_kernel("small", 256), local_memory_kernel("big", 16384));
     let module = Raw::handle(raw.load(ctx, &src));
     let func = |raw: &mut Raw, name: &str| match raw.function(ctx, module, name) {
         Reply::Function(f, _) => f.func,

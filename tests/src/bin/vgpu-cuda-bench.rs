@@ -179,14 +179,6 @@ fn copies(host: *mut c_void, size: usize, n: usize) -> Value {
     }
 }
 
-/// A kernel whose threads each use `bytes` of local memory (an array
-/// indexed by thread id, so it stays in local memory).
-fn local_ptx(bytes: u32) -> String {
-    format!(
-        ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k(.param .u64 out)\n{{\n .local .align 8 .b8 buf[{bytes}];\n .reg .b64 %rd<6>;\n .reg .b32 %r<3>;\n mov.u32 %r1, %tid.x;\n and.b32 %r1, %r1, 7;\n xor.b32 %r2, %r1, 1;\n mov.u64 %rd1, buf;\n mul.wide.u32 %rd2, %r1, 8;\n add.u64 %rd2, %rd1, %rd2;\n cvt.u64.u32 %rd3, %r1;\n st.local.u64 [%rd2], %rd3;\n mul.wide.u32 %rd4, %r2, 8;\n add.u64 %rd4, %rd1, %rd4;\n ld.local.u64 %rd5, [%rd4];\n ld.param.u64 %rd1, [out];\n st.global.u64 [%rd1], %rd5;\n ret;\n}}\n\0"
-    )
-}
-
 /// What the driver takes from device memory for kernels' local memory:
 /// kernels of growing local size run one after the other in one context,
 /// and after each the device's free memory is read. `charged` is what the
@@ -219,7 +211,7 @@ fn local_memory() -> Value {
         };
         let start = free();
         for bytes in [1024u32, 4096, 16384] {
-            let ptx = local_ptx(bytes);
+            let ptx = format!(".version 7.0\n.target sm_70\n.address_size 64\n{}\0", local_memory_kernel("k", bytes));
             let mut module = std::ptr::null_mut();
             ck(cu::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "cuModuleLoadData");
             let mut f = std::ptr::null_mut();
