@@ -100,6 +100,46 @@ fn killing_an_executor_leaves_the_other_tenants_running_work_correct() {
     assert_eq!(m.device("cpu0")["state"], "running");
 }
 
+/// An executor and the arbiter, stopped and continued (a debugger, `kill
+/// -STOP`, a freezer) go on serving: the kernel resumes their interrupted
+/// sleeps and waits with `restart_syscall`, which their seccomp lists
+/// allow. The client's context and memory are still there afterwards.
+#[test]
+fn a_stopped_and_continued_executor_goes_on_serving() {
+    use std::io::{BufRead, Write};
+    let m = process_mediator();
+    let a = m.tenant("paused", "32MiB");
+    let mut holder = sample("tenant_probe", &a);
+    holder.args(["hold", "4096"]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+    let mut child = holder.spawn().expect("spawn tenant_probe hold");
+    let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("ptr line");
+    assert!(line.starts_with("ptr="), "{line}");
+    let (exec, arbiter) = (executor_of(&m, "paused"), m.worker_pid("cpu0"));
+    let restarts = m.device("cpu0")["restarts"].clone();
+    for _ in 0..3 {
+        for pid in [exec, arbiter] {
+            // SAFETY: signals processes the test's daemon started.
+            assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        for pid in [exec, arbiter] {
+            // SAFETY: as above.
+            assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGCONT) }, 0);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    child.stdin.take().expect("stdin").write_all(b"go\n").expect("go");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).expect("the holder's result");
+    assert!(child.wait().expect("wait").success(), "{rest}");
+    assert_eq!(rest.trim(), "intact=4096", "the held context and memory work on after the stops");
+    assert_eq!((executor_of(&m, "paused"), m.worker_pid("cpu0")), (exec, arbiter), "the same processes serve");
+    assert_eq!(m.device("cpu0")["restarts"], restarts);
+    assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED"));
+}
+
 #[test]
 fn executors_are_bounded_by_the_kernel() {
     let test = "executors_are_bounded_by_the_kernel";

@@ -57,6 +57,10 @@ const BASE: &[i64] = &[
     libc::SYS_rt_sigaction,
     libc::SYS_rt_sigprocmask,
     libc::SYS_rt_sigreturn,
+    // A sleep or a timed wait interrupted by a stop (SIGSTOP then SIGCONT:
+    // a debugger, a freezer, `kill -STOP`) is resumed by the kernel through
+    // it; without it a stopped worker dies of SIGSYS when continued.
+    libc::SYS_restart_syscall,
     libc::SYS_sigaltstack,
     libc::SYS_futex,
     libc::SYS_set_robust_list,
