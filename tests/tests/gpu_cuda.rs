@@ -546,7 +546,9 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
     assert!(v.to_string().contains("mps_max_clients"), "{v}");
     let (a, b) = (m.run_dir.join("tenants/light.sock"), m.run_dir.join("tenants/heavy.sock"));
     // Shares of the SMs from the weights: the first tenant's idle executor
-    // was replaced when the second came (it had started with all of them).
+    // is replaced once the second comes (it had started with all of them).
+    let pid_of = |t: &str| m.device(&gpu)["executors"].as_array().and_then(|e| e.iter().find(|x| x["tenant"] == t).and_then(|x| x["pid"].as_u64()));
+    within(30, "the first tenant's idle executor is replaced with its weight's share", || pid_of("light").is_some_and(|p| mps_env(p as u32).0 == Some(25)));
     let (pa, pb) = (m.serving_pid(&gpu, "light"), m.serving_pid(&gpu, "heavy"));
     let (ea, eb) = (mps_env(pa), mps_env(pb));
     assert_eq!((ea.0, eb.0), (Some(25), Some(75)), "light {ea:?}, heavy {eb:?}");
@@ -569,11 +571,33 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
         let held = Holder::new(&a);
         let (st, v) = m.api("PATCH", "/tenants/heavy", Some(serde_json::json!({ "weight": 1 })));
         assert_eq!(st, 200, "{v}");
-        let pid_of = |t: &str| m.device(&gpu)["executors"].as_array().and_then(|e| e.iter().find(|x| x["tenant"] == t).and_then(|x| x["pid"].as_u64()));
         within(30, "the idle executor is replaced with half of the SMs", || pid_of("heavy").is_some_and(|p| p != u64::from(pb) && mps_env(p as u32).0 == Some(50)));
         assert!(run_ok(sample("vectorAdd", &b)).contains("PASSED"), "served by the replacement");
         assert_eq!(m.serving_pid(&gpu, "light"), pa, "the executor serving a client was left alone");
         drop(held);
+    }
+    // An executor that does not answer (stopped here; on a GPU, one stuck
+    // in the driver) delays no other's new share: each is asked on its
+    // own. The stopped one is replaced once it has not answered in time.
+    {
+        let (la, hb) = (pid_of("light").expect("light's executor"), pid_of("heavy").expect("heavy's executor"));
+        // SAFETY: signals the heavy tenant's executor, a live child of the mediator.
+        unsafe { libc::kill(hb as i32, libc::SIGSTOP) };
+        let (st, v) = m.api("PATCH", "/tenants/light", Some(serde_json::json!({ "weight": 3 })));
+        assert_eq!(st, 200, "{v}");
+        let mut heavy_then = None;
+        within(60, "the idle light executor is replaced with 75% of the SMs", || {
+            let done = pid_of("light").is_some_and(|p| p != la && mps_env(p as u32).0 == Some(75));
+            if done {
+                heavy_then = pid_of("heavy");
+            }
+            done
+        });
+        // SAFETY: as above; lets the stopped executor go on.
+        unsafe { libc::kill(hb as i32, libc::SIGCONT) };
+        assert_eq!(heavy_then, Some(hb), "the light executor was replaced while the heavy one, stopped, was still being asked");
+        within(60, "the heavy executor gets its new share too", || pid_of("heavy").is_some_and(|p| p != hb && mps_env(p as u32).0 == Some(25)));
+        assert!(run_ok(sample("vectorAdd", &a)).contains("PASSED") && run_ok(sample("vectorAdd", &b)).contains("PASSED"));
     }
     let pb = m.serving_pid(&gpu, "heavy");
 
@@ -592,7 +616,6 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
     // An executor that ends without a word (killed, as by the OOM killer)
     // may have left the server failed too: its co-client is ended with
     // it, once, and both are served afresh.
-    let pid_of = |t: &str| m.device(&gpu)["executors"].as_array().and_then(|e| e.iter().find(|x| x["tenant"] == t).and_then(|x| x["pid"].as_u64()));
     let (la, hb) = (pid_of("light").expect("light's executor"), pid_of("heavy").expect("heavy's executor"));
     // SAFETY: signals the light tenant's executor, a live child of the mediator.
     unsafe { libc::kill(la as i32, libc::SIGKILL) };

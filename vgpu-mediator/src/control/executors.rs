@@ -540,8 +540,9 @@ impl Control {
 
     /// Starts `t`'s executor on `slot` and has it serve the tenant's
     /// socket, as `how` says; on a GPU shared under MPS the other
-    /// executors' shares of the SMs are then brought in step (control/mps.rs
-    /// `rebalance_mps`) unless it is that rebalancing which asks. True if
+    /// executors' shares of the SMs are then brought in step, in the
+    /// background (control/mps.rs `request_rebalance`), unless it is that
+    /// rebalancing which asks. True if
     /// it started one (false: the one there was kept, as `how` says).
     pub(super) fn start_executor_with(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord, how: Start) -> Result<bool, ControlError> {
         // One start at a time on the device: two for one tenant (a crash's
@@ -781,7 +782,7 @@ impl Control {
         info!(tenant = %t.name, device = %slot.spec.name, pid, uid, sm_percent = ?exec.bounds.sm_percent, "tenant executor started");
         drop(_one);
         if matches!(how, Start::KeepCurrent) && exec.bounds.sm_percent.is_some() {
-            self.rebalance_mps(slot);
+            self.request_rebalance(slot);
         }
         Ok(true)
     }

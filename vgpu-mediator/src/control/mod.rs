@@ -173,6 +173,8 @@ pub struct DeviceSlot {
     mps_uid: Mutex<Option<u32>>,
     /// When an MPS client's unexplained end last ended its co-clients.
     mps_cascade_at: Mutex<Option<std::time::Instant>>,
+    /// Its MPS rebalancer: (one runs, another pass is wanted).
+    mps_rebalance: Mutex<(bool, bool)>,
     /// Set while its arbiter is restarted on purpose (its pool's sharing
     /// changed its lanes): not a crash.
     relaunching: AtomicBool,
@@ -436,6 +438,7 @@ impl Control {
                         mps: Mutex::new(None),
                         mps_uid: Mutex::new(None),
                         mps_cascade_at: Mutex::new(None),
+                        mps_rebalance: Mutex::new((false, false)),
                         relaunching: AtomicBool::new(false),
                     })
                 })
@@ -1086,11 +1089,9 @@ impl Control {
         }
         info!(tenant = %name, weight = after.weight, cap = ?after.cap, priority = after.priority.as_str(), memory = after.memory, "tenant changed");
         if (after.weight, after.cap) != (before.weight, before.cap) && self.sharing_of(&slot.spec.name) == pool::Sharing::Mps {
-            // Under MPS the shares of the SMs follow the weights; not
-            // while every tenant change waits on this one.
+            // Under MPS the shares of the SMs follow the weights.
             if let Some(me) = self.me.upgrade() {
-                let s2 = slot.clone();
-                let _ = std::thread::Builder::new().name("mps-rebalance".into()).spawn(move || me.rebalance_mps(&s2));
+                me.request_rebalance(&slot);
             }
         }
         // The change is live; said plainly when a restart would undo it.
@@ -1191,11 +1192,8 @@ impl Control {
         drop(tenants);
         self.removed.notify_all();
         if let (Some(slot), Some(me)) = (left, self.me.upgrade()) {
-            // Under MPS the others' shares of the SMs grow; not on the
-            // thread that reads the leaving executor's replies.
-            if me.sharing_of(&slot.spec.name) == pool::Sharing::Mps {
-                let _ = std::thread::Builder::new().name("mps-rebalance".into()).spawn(move || me.rebalance_mps(&slot));
-            }
+            // Under MPS the others' shares of the SMs grow.
+            me.request_rebalance(&slot);
         }
     }
 

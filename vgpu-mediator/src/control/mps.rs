@@ -387,12 +387,51 @@ impl Control {
         }
     }
 
+    /// Has `slot`'s executors' shares of the SMs brought in step with the
+    /// tenants' weights (`rebalance_mps`) on a thread of its own, if the
+    /// GPU is shared under MPS. Whoever asks (a tenant's creation, change
+    /// or delete) never waits on another tenant's executor; requests that
+    /// come while a pass runs make one more pass, so there is at most one
+    /// rebalancing thread per GPU and none is lost.
+    pub(super) fn request_rebalance(self: &Arc<Self>, slot: &Arc<DeviceSlot>) {
+        if self.sharing_of(&slot.spec.name) != Sharing::Mps {
+            return;
+        }
+        {
+            let mut r = slot.mps_rebalance.lock().unwrap_or_else(|e| e.into_inner());
+            r.1 = true;
+            if r.0 {
+                return;
+            }
+            r.0 = true;
+        }
+        let (me, s2) = (self.clone(), slot.clone());
+        let spawned = std::thread::Builder::new().name("mps-rebalance".into()).spawn(move || loop {
+            {
+                let mut r = s2.mps_rebalance.lock().unwrap_or_else(|e| e.into_inner());
+                if !r.1 {
+                    r.0 = false;
+                    return;
+                }
+                r.1 = false;
+            }
+            me.rebalance_mps(&s2);
+        });
+        if let Err(e) = spawned {
+            // The shares stay as they are until the next request.
+            *slot.mps_rebalance.lock().unwrap_or_else(|e| e.into_inner()) = (false, false);
+            warn!(device = %slot.spec.name, "no thread to rebalance the shares of the SMs: {e}");
+        }
+    }
+
     /// Keeps the shares of the SMs of a GPU's executors in step with the
     /// weights of the tenants on it. MPS fixes a client's share when it
     /// starts, so an executor whose share changed is replaced if it serves
     /// no connection when asked (no context or allocation is lost); one
-    /// that serves connections keeps its share until its next start.
-    pub(super) fn rebalance_mps(self: &Arc<Self>, slot: &Arc<DeviceSlot>) {
+    /// that serves connections keeps its share until its next start. Each
+    /// executor is asked on a thread of its own, so one that does not
+    /// answer delays no other's.
+    fn rebalance_mps(self: &Arc<Self>, slot: &Arc<DeviceSlot>) {
         if self.sharing_of(&slot.spec.name) != Sharing::Mps {
             return;
         }
@@ -400,48 +439,65 @@ impl Control {
         let total: u64 = tenants.iter().map(|t| u64::from(t.weight)).sum();
         // A VM's guest state lives in its executor whether or not a
         // process connection is counted: VM tenants keep their share.
-        for t in tenants.iter().filter(|t| t.state == TenantPhase::Ready && t.kind != "vm") {
-            let Some(e) = slot.exec(&t.name) else { continue };
-            let want = thread_percent(t.weight, total, t.cap);
-            if e.bounds.sm_percent == Some(want) {
-                continue;
-            }
-            // Its current record (a change may have come since), and only
-            // if the executor asked is still the one serving it.
-            let Some(rec) = self.registry().get(&t.name).filter(|r| r.state == TenantPhase::Ready).cloned() else { continue };
-            if !slot.exec(&t.name).is_some_and(|cur| Arc::ptr_eq(&cur, &e)) {
-                continue;
-            }
-            // It stops accepting only if it serves no client, in one step
-            // with its accepts: a client that connects from here on waits
-            // in the socket's backlog for the replacement.
-            // Commands run in order: asked again after a late answer, the
-            // executor answers for both (once retired, it says so again).
-            let retire = |within| e.call(WorkerCmd::RetireIfIdle { name: t.name.clone() }, within);
-            let answer = match retire(STATS_TIMEOUT) {
-                Err(ControlError::Timeout(..)) => retire(COMMAND_TIMEOUT),
-                other => other,
-            };
-            match answer {
-                Ok(WorkerMsg::Ok) => {}
-                Ok(WorkerMsg::Err(why)) => {
-                    info!(tenant = %t.name, device = %slot.spec.name, now = ?e.bounds.sm_percent, want, "the executor keeps its share of the SMs until its next start: {why}");
-                    continue;
+        let stale: Vec<_> = tenants
+            .iter()
+            .filter(|t| t.state == TenantPhase::Ready && t.kind != "vm")
+            .filter_map(|t| {
+                let e = slot.exec(&t.name)?;
+                let want = thread_percent(t.weight, total, t.cap);
+                (e.bounds.sm_percent != Some(want)).then_some((t, e, want))
+            })
+            .collect();
+        // At most devices.mps_max_clients (48) threads, for one pass.
+        std::thread::scope(|s| {
+            for (t, e, want) in stale {
+                let one = move || self.reshare(slot, t, e, want);
+                if let Err(err) = std::thread::Builder::new().name("mps-reshare".into()).spawn_scoped(s, one.clone()) {
+                    warn!(device = %slot.spec.name, "no thread to ask an executor for its new share: {err}; asking on this one");
+                    one();
                 }
-                // Gone: its end starts the tenant a new one.
-                Err(ControlError::WorkerDown(_)) => continue,
-                // It may have stopped accepting and no longer answers: it
-                // is replaced rather than left for clients to wait on.
-                other => warn!(tenant = %t.name, device = %slot.spec.name, "asking the executor to retire: {other:?}; replacing it"),
             }
-            match self.start_executor_with(slot, &rec, super::executors::Start::Rebalancing(e.clone())) {
-                Ok(true) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
-                Ok(false) => {}
-                Err(err) => {
-                    // The old one is gone: the tenant must not stay without one.
-                    warn!(tenant = %t.name, device = %slot.spec.name, "replacing the executor for its new share of the SMs failed: {err}; starting one again");
-                    self.clone().keep_starting(slot.clone(), t.name.clone());
-                }
+        });
+    }
+
+    /// Replaces `e`, `t`'s executor, with one that has `want` percent of
+    /// the SMs, if it serves no client.
+    fn reshare(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord, e: Arc<super::executors::Exec>, want: u32) {
+        // Its current record (a change may have come since), and only
+        // if the executor asked is still the one serving it.
+        let Some(rec) = self.registry().get(&t.name).filter(|r| r.state == TenantPhase::Ready).cloned() else { return };
+        if !slot.exec(&t.name).is_some_and(|cur| Arc::ptr_eq(&cur, &e)) {
+            return;
+        }
+        // It stops accepting only if it serves no client, in one step
+        // with its accepts: a client that connects from here on waits
+        // in the socket's backlog for the replacement.
+        // Commands run in order: asked again after a late answer, the
+        // executor answers for both (once retired, it says so again).
+        let retire = |within| e.call(WorkerCmd::RetireIfIdle { name: t.name.clone() }, within);
+        let answer = match retire(STATS_TIMEOUT) {
+            Err(ControlError::Timeout(..)) => retire(COMMAND_TIMEOUT),
+            other => other,
+        };
+        match answer {
+            Ok(WorkerMsg::Ok) => {}
+            Ok(WorkerMsg::Err(why)) => {
+                info!(tenant = %t.name, device = %slot.spec.name, now = ?e.bounds.sm_percent, want, "the executor keeps its share of the SMs until its next start: {why}");
+                return;
+            }
+            // Gone: its end starts the tenant a new one.
+            Err(ControlError::WorkerDown(_)) => return,
+            // It may have stopped accepting and no longer answers: it
+            // is replaced rather than left for clients to wait on.
+            other => warn!(tenant = %t.name, device = %slot.spec.name, "asking the executor to retire: {other:?}; replacing it"),
+        }
+        match self.start_executor_with(slot, &rec, super::executors::Start::Rebalancing(e.clone())) {
+            Ok(true) => info!(tenant = %t.name, device = %slot.spec.name, sm_percent = want, "idle executor replaced for its new share of the SMs"),
+            Ok(false) => {}
+            Err(err) => {
+                // The old one is gone: the tenant must not stay without one.
+                warn!(tenant = %t.name, device = %slot.spec.name, "replacing the executor for its new share of the SMs failed: {err}; starting one again");
+                self.clone().keep_starting(slot.clone(), t.name.clone());
             }
         }
     }
