@@ -991,6 +991,11 @@ impl Scheduler {
         Duration::from_nanos(self.0.busy_ns.load(Ordering::Relaxed))
     }
 
+    /// How much work waits for a lane now.
+    pub fn queued(&self) -> usize {
+        self.0.waiting.load(Ordering::Acquire)
+    }
+
     pub fn lanes(&self) -> usize {
         self.0.lanes
     }

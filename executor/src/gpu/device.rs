@@ -599,10 +599,13 @@ impl Drop for GpuDevice {
             Self::close_ctx(&self.svc, &self.tenant, c);
         }
         // A device reset or the VM's end: the guest may reuse every blob's
-        // pages once it is over, so copies still running through them end
-        // first (queued ones fail: their contexts are gone).
-        let table = self.resources.read().unwrap_or_else(|e| e.into_inner());
-        for (res, blob) in table.iter() {
+        // pages once it is over. The blobs leave the table first, so no
+        // copy can reach them from here on, not even one already past its
+        // context's checks and waiting for a lane (contexts' work holds
+        // the table, not this device); the copies already running through
+        // them end, as at RESOURCE_UNREF.
+        let gone: Vec<_> = self.resources.write().unwrap_or_else(|e| e.into_inner()).drain().collect();
+        for (res, blob) in &gone {
             Self::wait_for_copies(*res, &blob.lease);
         }
     }

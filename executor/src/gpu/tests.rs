@@ -554,6 +554,73 @@ fn a_ring_blob_is_never_written_after_the_guest_unrefs_it() {
     assert_eq!(call(&mut dev, &mem, Request::Ping), Reply::Empty);
 }
 
+/// A device reset (or the VM's end) answers only once no copy can write
+/// a blob's pages again: the guest may reuse them the moment it is told.
+/// A copy queued on a command ring that already waits for a lane when the
+/// reset comes must not go on to write them once it gets one.
+#[test]
+fn a_copy_waiting_for_a_lane_never_writes_guest_pages_after_a_reset() {
+    use virtio_gpu_compute::ring;
+    let sched = Scheduler::new(1, Arc::new(Fifo));
+    let backend = Arc::new(CpuBackend::new(0, 64 << 20, 100_000_000).unwrap());
+    let svc = Arc::new(DeviceService::new(0, backend, vgpu_arbiter::grant::Lanes::Local(sched.clone())));
+    let engine = crate::worker::engine::Engine::start(1, false, None).unwrap();
+    let (mut dev, mem, _t) = device_with(&svc, Some(engine), "resetcopy", 8 << 20);
+    ready(&mut dev);
+    const RING: u32 = 22;
+    let sq = ring::MIN_SQ;
+    let base = 0x90_0000u64;
+    assert_eq!(create_blob(&mut dev, RING, &[(base, ring::region_size(sq) as u32)]), ty::RESP_OK_NODATA);
+    assert_eq!(attach(&mut dev, RING), ty::RESP_OK_NODATA);
+    assert_eq!(call(&mut dev, &mem, Request::AttachRing(AttachRingReq { sq_size: sq, flags: 0, blob: RING, reserved: 0 })), Reply::Empty);
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
+    let d = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })));
+    assert_eq!(call(&mut dev, &mem, Request::Memset(MemsetReq { ctx, stream: 0, dptr: d, value: 0x77, elem_size: 1, count: 4096 })), Reply::Empty);
+    // Another tenant holds the device's one lane.
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (free_tx, free_rx) = std::sync::mpsc::channel::<()>();
+    let hog_sched = sched.clone();
+    let hog = std::thread::spawn(move || {
+        hog_sched.run("hog", || {
+            held_tx.send(()).unwrap();
+            let _ = free_rx.recv();
+        })
+    });
+    held_rx.recv().unwrap();
+    // The ring's copy of the device memory into the data blob waits for it.
+    let seq = ring::FIRST_SEQ;
+    let msg = Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: d, size: 4096, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: 0 }).encode(seq as u32);
+    let len = ring::entry_len(msg.len());
+    let mut e = Vec::new();
+    ring::EntryHeader { len: len as u32, flags: 0, reply: ring::NO_REPLY, seq }.put(&mut e);
+    e.extend_from_slice(&msg);
+    e.resize(len, 0);
+    mem.write_slice(&e, GuestAddress(base + ring::SQ as u64)).unwrap();
+    mem.write_obj(len as u64, GuestAddress(base + ring::SQ_TAIL as u64)).unwrap();
+    assert_eq!(call(&mut dev, &mem, Request::RingKick), Reply::Empty);
+    let t = std::time::Instant::now();
+    while sched.queued() == 0 {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the copy never waited for the lane");
+        std::thread::yield_now();
+    }
+    // The reset; then the guest reuses the blob's pages at once.
+    drop(dev);
+    let pattern = vec![0xa5u8; 0x8000];
+    mem.write_slice(&pattern, GuestAddress(data_gpa(0))).unwrap();
+    // The lane comes free: whatever the copy does now, it must not write.
+    free_tx.send(()).unwrap();
+    hog.join().unwrap();
+    let t = std::time::Instant::now();
+    while sched.queued() > 0 && t.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::yield_now();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let mut now = vec![0u8; 0x8000];
+    mem.read_slice(&mut now, GuestAddress(data_gpa(0))).unwrap();
+    let changed: Vec<usize> = (0..now.len()).filter(|&i| now[i] != 0xa5).collect();
+    assert!(changed.is_empty(), "a copy wrote {} bytes of the guest's pages after the reset, first at offset {:#x}", changed.len(), changed[0]);
+}
+
 /// What a guest makes its executor hold through the device (contexts,
 /// blobs and their entries, attachments, a command ring, each stream its
 /// ring queued work on) is charged to the tenant's host budget, refused
