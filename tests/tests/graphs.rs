@@ -175,3 +175,55 @@ fn bad_graphs_get_clear_errors_and_cannot_reach_freed_memory_or_grow_without_bou
     assert_eq!(host(), idle, "destroying the graph gave the module's charge back");
     assert_eq!(m.device("cpu0")["worker_restarts"], 0);
 }
+
+const COUNT: &str = ".version 7.0\n.target sm_70\n.address_size 64\n\
+.visible .entry count(.param .u32 n)\n{\n    .reg .u32 %r<1>;\n    .reg .pred %p<1>;\n\
+    ld.param.u32 %r0, [n];\n$L_top:\n    setp.eq.u32 %p0, %r0, 0;\n    @%p0 bra $L_end;\n\
+    sub.u32 %r0, %r0, 1;\n    bra.uni $L_top;\n$L_end:\n    ret;\n}\n";
+
+/// One launch of a graph is held to the launch timeout as one launch is:
+/// a graph of many kernels, each well within the limit, stops with
+/// CUDA_ERROR_LAUNCH_TIMEOUT once they have run past it together, rather
+/// than hold a lane (and its tenant's teardown) for nodes × the limit.
+#[test]
+fn a_graph_launch_is_held_to_one_launch_timeout() {
+    let m = Mediator::start(&["--launch-timeout-ms", "1000", "--instruction-budget", "0"]);
+    let sock = m.tenant("longgraph", "16MiB");
+    let mut r = Raw::connect(&sock);
+    let ctx = r.ctx();
+    let module = Raw::handle(r.load(ctx, COUNT));
+    let func = match r.function(ctx, module, "count") {
+        Reply::Function(f, _) => f.func,
+        other => panic!("{other:?}"),
+    };
+    // A count that keeps one launch busy for 100 ms to 500 ms here.
+    let mut n = 1u32 << 14;
+    let ran = loop {
+        let t = std::time::Instant::now();
+        assert_eq!(r.launch(ctx, func, [1; 3], [1; 3], &n.to_le_bytes()), Reply::Empty);
+        let ran = t.elapsed();
+        if ran >= std::time::Duration::from_millis(100) {
+            break ran;
+        }
+        assert!(n < 1 << 30, "a count of {n} still runs in {ran:?}");
+        n *= 2;
+    };
+    assert!(ran < std::time::Duration::from_millis(900), "one launch of the calibrated count ran {ran:?}, too near the limit");
+    let k = GraphKernel { func, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 4, reserved: 0 };
+    let nodes = 40;
+    let g = Raw::handle(create(&mut r, ctx, (0..nodes).map(|_| GraphNode::Kernel(k, n.to_le_bytes().to_vec())).collect()));
+    match launch(&mut r, ctx, g) {
+        Reply::Error(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, msg) => {
+            assert!(msg.contains("graph ran past the 1s launch timeout"), "{msg}");
+            let done: usize = msg.split("after ").nth(1).and_then(|s| s.split(' ').next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{msg}"));
+            assert!(done < nodes, "{msg}");
+        }
+        other => panic!("a graph of {nodes} launches of {ran:?} each: {other:?}"),
+    }
+    // As after a kernel's own timeout, the context is unusable; the
+    // tenant's next context works.
+    error(launch(&mut r, ctx, g), CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, "unusable");
+    assert_eq!(r.call(Request::CtxDestroy(CtxReq { ctx, reserved: 0 })), Reply::Empty);
+    let ctx = r.ctx();
+    assert!(matches!(r.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: 4096 })), Reply::Ptr(_)));
+}

@@ -804,6 +804,10 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    fn launch_timeout(&self) -> Option<Duration> {
+        self.launch_timeout
+    }
+
     fn desc(&self) -> &DeviceDesc {
         &self.desc
     }

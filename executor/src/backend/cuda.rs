@@ -1121,6 +1121,10 @@ impl Drop for CudaBackend {
 const WARM_PTX: &[u8] = b".version 6.0\n.target sm_50\n.address_size 64\n.visible .entry vgpu_warm() { ret; }\n\0";
 
 impl Backend for CudaBackend {
+    fn launch_timeout(&self) -> Option<Duration> {
+        Some(self.launch_timeout)
+    }
+
     fn desc(&self) -> &DeviceDesc {
         &self.desc
     }

@@ -241,6 +241,12 @@ pub trait Backend: Send + Sync {
     /// checked against `owned`, on a GPU the tenant's own context confines
     /// it. Returns instructions executed (0 where the backend cannot count).
     fn launch(&self, slot: TenantSlot, module: &dyn DeviceModule, func: usize, l: &Launch, params: &[u8], owned: &AllocTable) -> Result<u64, BackendError>;
+    /// The longest a launch may run before it fails with
+    /// CUDA_ERROR_LAUNCH_TIMEOUT, if the backend stops them. A graph run
+    /// node by node is held to it as a whole, as one launch would be.
+    fn launch_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// Whether [`Backend::launch_queued`] queues kernels without waiting
     /// for them (a GPU): the executor then keeps several in flight
     /// (`worker::pipeline`).

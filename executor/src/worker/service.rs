@@ -559,7 +559,7 @@ impl<I: AsRef<Work>> super::pipeline::Queue<I> for Batch<'_> {
                 guarded(|| self.svc.backend.launch_queued(self.t.slot, &**module, *index, launch, params, &owned))
             }
             // The batch holds the lane: pieces run without taking it again.
-            WorkKind::Graph { graph } => guarded(|| self.svc.start_graph(self.t, graph, &owned, true, &mut |f| f())),
+            WorkKind::Graph { graph } => guarded(|| self.svc.start_graph(self.t, w.ctx, graph, &owned, true, &mut |f| f())),
             _ => Err(BackendError::new(CuResult::CUDA_ERROR_UNKNOWN, "internal error: a batch of launches was given other work")),
         };
         if let Err(e) = &r {
@@ -1138,7 +1138,7 @@ impl DeviceService {
             WorkKind::Graph { graph } => {
                 // Each piece takes a lane of its own, as its own request
                 // would; a backend's own graph is waited for under its lane.
-                let r = self.start_graph(t, graph, &owned, false, &mut |f| self.timed(t, &mut *f));
+                let r = self.start_graph(t, w.ctx, graph, &owned, false, &mut |f| self.timed(t, &mut *f));
                 if let Err(e) = &r {
                     Self::faulted(t, w.ctx, e);
                 }
@@ -1147,11 +1147,23 @@ impl DeviceService {
         }
     }
 
-    /// Starts a graph's work: checks its memory ranges and counts its
-    /// kernels and bytes; then the backend's own graph runs through
-    /// `lane`, queued (`queue`: its ticket) or to its end, or else each
-    /// piece runs through `lane` in turn (`None`: all ran).
-    fn start_graph(&self, t: &Tenant, g: &Graph, owned: &AllocTable, queue: bool, lane: &mut dyn FnMut(&mut Piece<'_>) -> Result<Option<u64>, BackendError>) -> Result<Option<u64>, BackendError> {
+    /// Starts a graph's work (of context `ctx`): checks its memory ranges
+    /// and counts its kernels and bytes; then the backend's own graph runs
+    /// through `lane`, queued (`queue`: its ticket) or to its end, or else
+    /// each piece runs through `lane` in turn (`None`: all ran). Piece by
+    /// piece, the graph stops at the first piece once the tenant is
+    /// deleted or the context destroyed or faulted, and once its pieces
+    /// have run longer than the backend's launch timeout in all: one
+    /// launch of a graph is held to the limit of one launch.
+    fn start_graph(
+        &self,
+        t: &Tenant,
+        ctx: u32,
+        g: &Graph,
+        owned: &AllocTable,
+        queue: bool,
+        lane: &mut dyn FnMut(&mut Piece<'_>) -> Result<Option<u64>, BackendError>,
+    ) -> Result<Option<u64>, BackendError> {
         g.check(owned)?;
         t.kernels.fetch_add(g.kernels, Ordering::Relaxed);
         t.copied.fetch_add(g.copied, Ordering::Relaxed);
@@ -1159,14 +1171,24 @@ impl DeviceService {
         if let Some(id) = g.native {
             return lane(&mut || if queue { b.graph_launch_queued(slot, id) } else { b.graph_launch(slot, id, Instant::now()).map(|_| None) });
         }
-        for n in &g.nodes {
+        let limit = b.launch_timeout();
+        let mut ran = Duration::ZERO;
+        for (i, n) in g.nodes.iter().enumerate() {
+            if i > 0 {
+                Self::runnable(t, ctx)?;
+                if let Some(l) = limit.filter(|l| ran > *l) {
+                    return Err(BackendError::new(CuResult::CUDA_ERROR_LAUNCH_TIMEOUT, format!("graph ran past the {l:?} launch timeout after {i} of its {} nodes", g.nodes.len())));
+                }
+            }
             lane(&mut || {
-                match n {
+                let began = Instant::now();
+                let r = match n {
                     GraphWork::Kernel { module, index, launch, params } => b.launch(slot, &**module, *index, launch, params, owned).map(|_| ()),
                     GraphWork::Fill { dptr, count, elem } => b.fill(slot, *dptr, *count, elem),
                     GraphWork::Copy { dst, src, size } => b.copy(slot, *dst, *src, *size),
-                }
-                .map(|_| None)
+                };
+                ran += began.elapsed();
+                r.map(|_| None)
             })?;
         }
         Ok(None)
