@@ -381,13 +381,17 @@ struct RawRing {
 
 impl RawRing {
     fn attach(sock: &std::path::Path) -> RawRing {
+        Self::attach_sized(sock, ring::MIN_SQ)
+    }
+
+    fn attach_sized(sock: &std::path::Path, sq: u32) -> RawRing {
         let mut t = ::cuda::transport::UnixTransport::connect(sock.to_str().expect("utf8")).expect("connect");
         // SAFETY: eventfd takes no memory arguments.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         assert!(efd >= 0);
         // SAFETY: a fresh descriptor we own.
         let kick = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(efd) };
-        let (r, map) = t.attach_ring(ring::MIN_SQ, &kick, 1).expect("attach");
+        let (r, map) = t.attach_ring(sq, &kick, 1).expect("attach");
         assert_eq!(r, Reply::Empty);
         let (base, _) = map.expect("mapping");
         RawRing { t, base, _kick: kick }
@@ -404,7 +408,7 @@ impl RawRing {
     }
 
     fn write(&self, off: usize, b: &[u8]) {
-        // SAFETY: inside the mapping (the queue starts at SQ and is MIN_SQ long).
+        // SAFETY: inside the mapping (the queue starts at SQ and is at least MIN_SQ long).
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.base.add(off), b.len()) };
     }
 
@@ -679,4 +683,40 @@ fn a_tenants_long_kernels_do_not_stop_another_tenants_ring() {
     for s in last {
         a.wait(s).expect("the flooder's kernels finish");
     }
+}
+
+/// Entry s reuses the completion slot of entry s - ENTRY_SLOTS, so a
+/// tenant may write it only once that one is complete (the shim waits for
+/// it). A ring that runs ahead is broken, and the slot of the entry still
+/// running never says it is done.
+#[test]
+fn an_entry_that_would_take_a_running_entrys_completion_slot_breaks_the_ring() {
+    let m = Mediator::start(&["--instruction-budget", "0"]);
+    let sock = m.tenant("lapper", "16MiB");
+    let mut r = RawRing::attach_sized(&sock, ring::DEFAULT_SQ);
+    let handle = |rep: Result<Reply, ::cuda::transport::TransportError>| match rep {
+        Ok(Reply::Handle(h)) => h,
+        other => panic!("{other:?}"),
+    };
+    let ctx = handle(r.t_call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
+    let img = BUSY.as_bytes().to_vec();
+    let module = handle(r.t_call(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)));
+    let func = match r.t_call(Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: 4, reserved: 0 }, "busy".into())) {
+        Ok(Reply::Function(f, _)) => f.func,
+        other => panic!("{other:?}"),
+    };
+    // A long kernel, then ENTRY_SLOTS pings: the last one's slot is the
+    // kernel's.
+    let launch = LaunchReq { ctx, func, stream: 0, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 4, reserved: 0 };
+    let mut q = entry(ring::FIRST_SEQ, ring::NO_REPLY, &Request::LaunchKernel(launch, 60_000_000u32.to_le_bytes().to_vec()));
+    for i in 1..=ring::ENTRY_SLOTS {
+        q.extend_from_slice(&entry(ring::FIRST_SEQ + i, ring::NO_REPLY, &Request::Ping));
+    }
+    assert!(q.len() <= ring::DEFAULT_SQ as usize);
+    r.write(ring::SQ, &q);
+    r.publish(q.len() as u64);
+    assert!(r.wait_broken(), "the entry that ran a whole lap ahead was taken");
+    let slot = r.u64(ring::done_offset(ring::FIRST_SEQ)).load(std::sync::atomic::Ordering::Acquire);
+    assert!(slot <= ring::FIRST_SEQ, "the running kernel's completion slot says {slot}");
+    assert!(matches!(r.t_call(Request::Ping), Ok(Reply::Empty)), "the socket still answers");
 }

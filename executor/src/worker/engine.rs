@@ -586,8 +586,11 @@ impl Ring {
                 }
                 {
                     let mut d = lock(&self.done);
-                    if d.pending >= ring::ENTRY_SLOTS {
-                        return Err(RingBroken(format!("more than {} entries in flight", ring::ENTRY_SLOTS)));
+                    // Its completion slot is entry seq - ENTRY_SLOTS's:
+                    // taken before that one is complete, the slot would
+                    // say the older one is done while it still runs.
+                    if d.pending >= ring::ENTRY_SLOTS || !d.is_done(seq - ring::ENTRY_SLOTS) {
+                        return Err(RingBroken(format!("entry {seq} before entry {} completed (more than {} entries in flight)", seq - ring::ENTRY_SLOTS, ring::ENTRY_SLOTS)));
                     }
                     d.pending += 1;
                 }
