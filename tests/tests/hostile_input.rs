@@ -122,6 +122,28 @@ fn hostile_client_gets_errors_while_the_other_tenant_is_served() {
     }
     assert!(r.ping());
 
+    // So is a sealed hugetlbfs memfd: a hole punched in it would fault the
+    // worker once huge pages run out.
+    // SAFETY: memfd_create with a static name; the fd is owned below.
+    let raw = unsafe { libc::memfd_create(c"huge".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        report_skip("hostile_input: a hugetlbfs memfd", &format!("this kernel makes none: {}", std::io::Error::last_os_error()));
+    } else {
+        // SAFETY: fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: resizing and sealing our own memfd.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), 2 << 20), 0, "{}", std::io::Error::last_os_error());
+            assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+        }
+        send_with_fd(&r.s, &Request::RegisterShm(RegisterShmReq { size: 2 << 20, id: 0, flags: 0 }).encode(51), fd.as_raw_fd());
+        match r.read_reply() {
+            Some((_, Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, msg))) => assert!(msg.contains("MFD_HUGETLB"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(r.ping());
+    }
+
     // Random well-framed messages: every one answered, nothing dies.
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     for i in 0..3000u32 {

@@ -849,14 +849,6 @@ fn is_anon_inode(fd: &OwnedFd) -> bool {
     r == 0 && st.f_type as i64 == ANON_INODE_FS_MAGIC
 }
 
-/// Whether `fd` is a memfd sealed against shrinking: the only kind the
-/// worker keeps, and one whose close cannot block.
-fn sealed_memfd(fd: &OwnedFd) -> bool {
-    // SAFETY: F_GET_SEALS only reads the seal set of a descriptor we own.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
-}
-
 /// Runs one complete message.
 fn handle_message(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, h: &MsgHeader, msg: Vec<u8>, mut fds: Vec<OwnedFd>) -> Outcome {
     let svc = &pool.svc;
@@ -929,8 +921,8 @@ fn take_fds<const N: usize>(fds: &mut Vec<OwnedFd>) -> Result<[OwnedFd; N], Stri
 /// replaces the old one).
 fn register_region(svc: &DeviceService, t: &Arc<Tenant>, io: &mut ClientIo, rid: u32, size: u64, f: OwnedFd) -> Result<Reply, Reply> {
     let bad = |why: String| Reply::error(CuResult::CUDA_ERROR_INVALID_VALUE, why);
-    if !sealed_memfd(&f) {
-        return Err(bad("shared region must be a memfd sealed with F_SEAL_SHRINK".into()));
+    if let Err(e) = super::shm::check_memfd(&f) {
+        return Err(bad(format!("shared region: {e}")));
     }
     if rid == RING_REGION {
         return Err(bad(format!("shared region id {rid} is reserved")));
@@ -963,8 +955,8 @@ fn attach_ring(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, sq_size
     if io.ring.is_some() {
         return Err(bad("the connection already has a ring".into()));
     }
-    if !sealed_memfd(&mem) {
-        return Err(bad("ring memory must be a memfd sealed with F_SEAL_SHRINK".into()));
+    if let Err(e) = super::shm::check_memfd(&mem) {
+        return Err(bad(format!("ring memory: {e}")));
     }
     if !is_anon_inode(&kick) {
         return Err(bad("the ring's kick descriptor must be an eventfd".into()));

@@ -3,7 +3,10 @@
 //! memory.
 //!
 //! The memfd must carry F_SEAL_SHRINK: otherwise the tenant could truncate
-//! it under a copy and fault the worker with SIGBUS.
+//! it under a copy and fault the worker with SIGBUS. It must also be
+//! ordinary shared memory: a hole the tenant punches in a hugetlbfs memfd
+//! (the seal allows that) faults with SIGBUS once the host's huge pages
+//! run out, where shared memory refills it with zeroes.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -12,10 +15,30 @@ use std::os::fd::AsRawFd;
 pub enum ShmError {
     #[error("shared buffer must be a memfd sealed with F_SEAL_SHRINK")]
     NotSealed,
+    #[error("shared buffer must be ordinary shared memory (a memfd made without MFD_HUGETLB)")]
+    NotShmem,
     #[error("shared buffer is {actual} bytes, {stated} were stated")]
     TooSmall { stated: u64, actual: u64 },
     #[error("mapping the shared buffer failed: {0}")]
     Map(std::io::Error),
+}
+
+/// Whether `fd` may back memory the worker maps from a tenant: a memfd
+/// sealed against shrinking, of ordinary shared memory.
+pub fn check_memfd(fd: &impl AsRawFd) -> Result<(), ShmError> {
+    // SAFETY: F_GET_SEALS only reads the seal set of a descriptor the
+    // caller holds.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(ShmError::NotSealed);
+    }
+    // SAFETY: an all-zero statfs is a valid value for fstatfs to fill.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes only into `st`, which lives for the call.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) } != 0 || st.f_type as i64 != libc::TMPFS_MAGIC {
+        return Err(ShmError::NotShmem);
+    }
+    Ok(())
 }
 
 pub struct Shm {
@@ -32,11 +55,7 @@ unsafe impl Sync for Shm {}
 impl Shm {
     pub fn map(file: File, size: u64) -> Result<Shm, ShmError> {
         let fd = file.as_raw_fd();
-        // SAFETY: F_GET_SEALS only reads the seal set of an fd we own.
-        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(ShmError::NotSealed);
-        }
+        check_memfd(&file)?;
         let actual = file.metadata().map_err(ShmError::Map)?.len();
         if actual < size || size == 0 || size > isize::MAX as u64 {
             return Err(ShmError::TooSmall { stated: size, actual });
