@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, NoDatamatch};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::GuestMemoryMmap;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
@@ -222,10 +222,16 @@ impl VirtioPci {
                 Ok(q) => q,
                 Err(_) => return self.needs_reset("queue creation failed"),
             };
-            q.set_size(r.size);
-            q.set_desc_table_address(Some(r.desc as u32), Some((r.desc >> 32) as u32));
-            q.set_avail_ring_address(Some(r.avail as u32), Some((r.avail >> 32) as u32));
-            q.set_used_ring_address(Some(r.used as u32), Some((r.used >> 32) as u32));
+            // As the driver wrote them: a size or a ring address the queue
+            // refuses is the driver's error, never replaced by a default.
+            let set = q
+                .try_set_size(r.size)
+                .and_then(|()| q.try_set_desc_table_address(GuestAddress(r.desc)))
+                .and_then(|()| q.try_set_avail_ring_address(GuestAddress(r.avail)))
+                .and_then(|()| q.try_set_used_ring_address(GuestAddress(r.used)));
+            if let Err(e) = set {
+                return self.needs_reset(&format!("queue {i}: {e}"));
+            }
             q.set_ready(true);
             if !q.is_valid(&self.mem) {
                 return self.needs_reset("a queue's size or rings are invalid or outside guest memory");
@@ -268,7 +274,9 @@ impl VirtioPci {
         }
         let was_ok = self.status & STATUS_DRIVER_OK != 0;
         self.status = v | (self.status & STATUS_NEEDS_RESET);
-        if !was_ok && v & STATUS_DRIVER_OK != 0 && v & STATUS_FEATURES_OK != 0 && v & STATUS_FAILED == 0 {
+        // Once per reset: a driver that clears DRIVER_OK and sets it again
+        // (only a reset may clear it) does not start the device twice.
+        if !was_ok && !self.active && v & STATUS_DRIVER_OK != 0 && v & STATUS_FEATURES_OK != 0 && v & STATUS_FAILED == 0 {
             self.activate();
         }
     }
@@ -471,5 +479,97 @@ impl PciDevice for VirtioPci {
         if bar == 0 {
             self.place_notify(addr);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A device that counts its activations.
+    struct Counting(Arc<AtomicUsize>);
+
+    impl VirtioDevice for Counting {
+        fn device_type(&self) -> u16 {
+            4
+        }
+        fn features(&self) -> u64 {
+            VIRTIO_F_VERSION_1
+        }
+        fn queue_max_sizes(&self) -> Vec<u16> {
+            vec![16]
+        }
+        fn activate(&mut self, _mem: GuestMemoryMmap, _queues: Vec<Queue>, _kicks: Vec<EventFd>, _irq: Arc<dyn Interrupt>) -> Result<(), String> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        fn reset(&mut self) {}
+    }
+
+    /// A transport over a counting device in a fresh VM, or None (said)
+    /// where this host has no KVM.
+    fn transport() -> Option<(VirtioPci, Arc<AtomicUsize>)> {
+        let vm = match kvm_ioctls::Kvm::new().and_then(|k| k.create_vm()) {
+            Ok(vm) => vm,
+            Err(e) => {
+                eprintln!("SKIPPED: the virtio PCI transport tests need /dev/kvm: {e}");
+                return None;
+            }
+        };
+        vm.create_irq_chip().expect("KVM_CREATE_IRQCHIP");
+        let routing = Arc::new(IrqRouting::new(Arc::new(vm)));
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let n = Arc::new(AtomicUsize::new(0));
+        Some((VirtioPci::new(Box::new(Counting(n.clone())), mem, routing).unwrap(), n))
+    }
+
+    /// Negotiates VERSION_1 and sets queue 0 up with `size` entries at
+    /// aligned addresses.
+    fn set_up(p: &mut VirtioPci, size: u16) {
+        p.common_write(0x14, &[1 | 2]);
+        p.common_write(0x08, &1u32.to_le_bytes());
+        p.common_write(0x0c, &1u32.to_le_bytes());
+        p.common_write(0x14, &[1 | 2 | STATUS_FEATURES_OK]);
+        p.common_write(0x16, &0u16.to_le_bytes());
+        p.common_write(0x18, &size.to_le_bytes());
+        p.common_write(0x20, &0x1000u64.to_le_bytes());
+        p.common_write(0x28, &0x2000u64.to_le_bytes());
+        p.common_write(0x30, &0x3000u64.to_le_bytes());
+        p.common_write(0x1c, &1u16.to_le_bytes());
+    }
+
+    #[test]
+    fn a_device_starts_once_per_reset_however_the_driver_toggles_driver_ok() {
+        let Some((mut p, n)) = transport() else { return };
+        set_up(&mut p, 16);
+        p.common_write(0x14, &[1 | 2 | STATUS_FEATURES_OK | STATUS_DRIVER_OK]);
+        assert_eq!(n.load(Ordering::SeqCst), 1);
+        // DRIVER_OK cleared without a reset, then set again: not restarted.
+        p.common_write(0x14, &[1 | 2 | STATUS_FEATURES_OK]);
+        p.common_write(0x14, &[1 | 2 | STATUS_FEATURES_OK | STATUS_DRIVER_OK]);
+        assert_eq!(n.load(Ordering::SeqCst), 1, "started twice without a reset");
+        // After a reset it starts again.
+        p.common_write(0x14, &[0]);
+        set_up(&mut p, 16);
+        p.common_write(0x14, &[1 | 2 | STATUS_FEATURES_OK | STATUS_DRIVER_OK]);
+        assert_eq!(n.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_queue_size_the_queue_refuses_is_the_drivers_error_not_replaced() {
+        let Some((mut p, n)) = transport() else { return };
+        set_up(&mut p, 12);
+        p.common_write(0x14, &[1 | 2 | STATUS_FEATURES_OK | STATUS_DRIVER_OK]);
+        assert_eq!(n.load(Ordering::SeqCst), 0, "a 12-entry queue was started");
+        let mut status = [0u8];
+        p.common_read(0x14, &mut status);
+        assert_ne!(status[0] & STATUS_NEEDS_RESET, 0, "status {:#x}", status[0]);
+        // A misaligned ring is refused too.
+        p.common_write(0x14, &[0]);
+        set_up(&mut p, 16);
+        p.common_write(0x20, &0x1001u64.to_le_bytes());
+        p.common_write(0x14, &[1 | 2 | STATUS_FEATURES_OK | STATUS_DRIVER_OK]);
+        assert_eq!(n.load(Ordering::SeqCst), 0, "a misaligned descriptor table was used");
     }
 }
