@@ -452,11 +452,18 @@ impl Ring {
         state(ring::STATE_AWAKE);
         let idle_for = lock(&self.idle).0;
         let mut last = Instant::now();
+        // Entries consumed this turn, over every drain: a tenant that keeps
+        // a few entries queued at a time still gives its thread up.
+        let mut taken = 0usize;
         loop {
             if self.closed.load(Ordering::Acquire) || self.is_broken() {
                 break;
             }
-            match self.drain(engine) {
+            let drained = self.drain(engine);
+            if let Ok(n) = drained {
+                taken = taken.saturating_add(n);
+            }
+            match drained {
                 // A ring closed meanwhile reads as empty memory: not the
                 // tenant's fault, and nothing to report.
                 Err(_) if self.closed.load(Ordering::Acquire) => break,
@@ -464,7 +471,7 @@ impl Ring {
                     self.break_ring(&e);
                     break;
                 }
-                Ok(n) if n >= ENTRIES_PER_TURN && engine.others_waiting() => {
+                Ok(n) if n > 0 && taken >= ENTRIES_PER_TURN && engine.others_waiting() => {
                     // Busy: go to the back of the queue, still awake.
                     engine.push(Job::Ring(self.clone()));
                     return;
