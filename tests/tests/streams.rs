@@ -720,3 +720,45 @@ fn an_entry_that_would_take_a_running_entrys_completion_slot_breaks_the_ring() {
     assert!(slot <= ring::FIRST_SEQ, "the running kernel's completion slot says {slot}");
     assert!(matches!(r.t_call(Request::Ping), Ok(Reply::Empty)), "the socket still answers");
 }
+
+/// A long kernel sent on a connection's socket runs without holding the
+/// connection: the connection's own ring is served meanwhile (in a shared
+/// worker, every ring so held would also hold an engine thread that other
+/// tenants' rings need).
+#[test]
+fn a_long_kernel_on_the_socket_does_not_hold_up_the_connections_ring() {
+    use std::io::{Read, Write};
+    let m = Mediator::start(&["--instruction-budget", "0"]);
+    let sock = m.tenant("both", "16MiB");
+    let mut r = RawRing::attach(&sock);
+    let handle = |rep: Result<Reply, ::cuda::transport::TransportError>| match rep {
+        Ok(Reply::Handle(h)) => h,
+        other => panic!("{other:?}"),
+    };
+    let ctx = handle(r.t_call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
+    let img = BUSY.as_bytes().to_vec();
+    let module = handle(r.t_call(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)));
+    let func = match r.t_call(Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: 4, reserved: 0 }, "busy".into())) {
+        Ok(Reply::Function(f, _)) => f.func,
+        other => panic!("{other:?}"),
+    };
+    let mut s = std::os::unix::net::UnixStream::from(r.t.socket_clone().expect("the connection's socket"));
+    let launch = LaunchReq { ctx, func, stream: 0, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 4, reserved: 0 };
+    s.write_all(&Request::LaunchKernel(launch, 150_000_000u32.to_le_bytes().to_vec()).encode(90)).expect("send the launch");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let e = entry(ring::FIRST_SEQ, 0, &Request::GetDeviceInfo);
+    r.write(ring::SQ, &e);
+    r.publish(e.len() as u64);
+    let t = std::time::Instant::now();
+    while r.u64(ring::done_offset(ring::FIRST_SEQ)).load(std::sync::atomic::Ordering::Acquire) < ring::FIRST_SEQ {
+        assert!(t.elapsed() < std::time::Duration::from_secs(60), "the ring entry was never served");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let mut b = [0u8; 1];
+    // SAFETY: a non-blocking peek into a local byte.
+    let waiting = unsafe { libc::recv(std::os::fd::AsRawFd::as_raw_fd(&s), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    assert!(waiting < 0, "the ring entry was served only once the socket's kernel had ended");
+    // The kernel's reply comes in the end.
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).expect("timeout");
+    s.read_exact(&mut b).expect("the launch's reply");
+}

@@ -479,7 +479,7 @@ impl GpuDevice {
             Ok((h, req)) => {
                 let (svc, tenant) = (self.svc.clone(), self.tenant.clone());
                 let conn = c.conn.clone();
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(&tenant, &mut conn.lock().unwrap_or_else(|e| e.into_inner()), req)));
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(&tenant, &conn, req)));
                 (h.opcode(), h.seq, r.unwrap_or_else(|_| Reply::error(CuResult::CUDA_ERROR_UNKNOWN, "internal error")))
             }
         };

@@ -894,7 +894,7 @@ fn handle_message(pool: &Pool, id: u64, t: &Arc<Tenant>, io: &mut ClientIo, h: &
             // Fds on any other message go to the closer, unused.
             // Defence in depth: a bug must cost this request, not the worker.
             let conn = io.conn.clone();
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(t, &mut conn.lock().unwrap_or_else(|e| e.into_inner()), req))) {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.handle(t, &conn, req))) {
                 Ok(r) => r,
                 Err(_) => {
                     tracing::error!(tenant = %t.name, "request handler panicked; disconnecting the client");

@@ -951,8 +951,13 @@ impl DeviceService {
     /// Handles one request from tenant `t` to completion: stream-ordered
     /// work runs now, before the reply. Never panics on bad input: every
     /// handle, pointer and length is checked against the tenant's own state.
-    pub fn handle(&self, t: &Arc<Tenant>, conn: &mut Conn, req: Request) -> Reply {
-        match self.prepare(t, conn, req) {
+    pub fn handle(&self, t: &Arc<Tenant>, conn: &std::sync::Mutex<Conn>, req: Request) -> Reply {
+        // The connection is held only while the request is checked: its
+        // work (which holds what it needs of the connection) runs without
+        // it, so the connection's command ring, polled on an engine
+        // thread, is not held up by a long kernel sent on the socket.
+        let prepared = self.prepare(t, &mut conn.lock().unwrap_or_else(|e| e.into_inner()), req);
+        match prepared {
             Ok(Prepared::Done(r)) | Err(r) => r,
             Ok(Prepared::Work(w)) => {
                 let inflight = t.begin_work();
