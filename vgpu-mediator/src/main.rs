@@ -197,8 +197,10 @@ enum Cmd {
 }
 
 fn main() {
+    // virtio-queue logs every bad descriptor a guest writes, unbounded;
+    // the devices report bad queues themselves, rate-limited.
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("VGPU_LOG").unwrap_or_else(|_| "info".into()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("VGPU_LOG").unwrap_or_else(|_| "info,virtio_queue=off".into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();

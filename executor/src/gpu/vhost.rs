@@ -85,7 +85,9 @@ impl GpuBackend {
                 let written = serve_chain(dev, chain, &mem);
                 self.commands += 1;
                 if let Err(e) = vring.add_used(head, written) {
-                    tracing::warn!(tenant = %self.tenant.name, "virtio-gpu used ring: {e}");
+                    if let Some(dropped) = BAD_QUEUE_LOG.allow() {
+                        tracing::warn!(tenant = %self.tenant.name, suppressed = dropped, "virtio-gpu used ring: {e}");
+                    }
                 }
             }
             // With EVENT_IDX, re-arming notifications reports buffers that

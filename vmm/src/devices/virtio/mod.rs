@@ -36,11 +36,7 @@ pub(crate) fn bump(c: &std::sync::atomic::AtomicU64) -> u64 {
     c.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Whether the `n`th event of a kind (from 0) is logged: the first 16,
-/// then every 1024th, so a guest cannot flood the log.
-pub(crate) fn worth_logging(n: u64) -> bool {
-    n < 16 || n.is_multiple_of(1024)
-}
+pub(crate) use crate::bus::worth_logging;
 
 /// A device's worker thread and the eventfd that tells it to stop:
 /// dropping it stops the thread and waits for it to end.

@@ -255,7 +255,11 @@ impl VirtioPci {
     }
 
     fn needs_reset(&mut self, why: &str) {
-        tracing::warn!(device = self.dev.device_type(), "virtio device cannot start: {why}");
+        // The guest decides how often: few are logged.
+        static SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        if super::worth_logging(super::bump(&SAID)) {
+            tracing::warn!(device = self.dev.device_type(), "virtio device cannot start: {why}");
+        }
         self.status |= STATUS_NEEDS_RESET;
     }
 
@@ -415,7 +419,12 @@ impl VirtioPci {
         for (i, k) in self.kicks.iter().enumerate() {
             if let Err(e) = vm.register_ioevent(k, &IoEventAddress::Mmio(bar_addr + NOTIFY + i as u64 * NOTIFY_MULT), NoDatamatch) {
                 // Notifications still work through MMIO exits (bar_write).
-                tracing::warn!("ioeventfd for queue {i}: {e}");
+                // The guest places the BAR as often as it likes: few are
+                // logged.
+                static SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                if super::worth_logging(super::bump(&SAID)) {
+                    tracing::warn!("ioeventfd for queue {i}: {e}");
+                }
             }
         }
         self.notify_base = Some(bar_addr);
