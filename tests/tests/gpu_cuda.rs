@@ -580,6 +580,9 @@ fn gpu_an_mps_pool_shares_the_gpu_at_once_and_shares_one_fault() {
     // in the driver) delays no other's new share: each is asked on its
     // own. The stopped one is replaced once it has not answered in time.
     {
+        // The holder's connection is gone first: an executor serving a
+        // client keeps its share.
+        within(30, "the light tenant has no connection", || m.metric("vgpu_tenant_connections", &format!("tenant=\"light\",device=\"{gpu}\"")) == Some(0.0));
         let (la, hb) = (pid_of("light").expect("light's executor"), pid_of("heavy").expect("heavy's executor"));
         // SAFETY: signals the heavy tenant's executor, a live child of the mediator.
         unsafe { libc::kill(hb as i32, libc::SIGSTOP) };

@@ -173,11 +173,25 @@ pub struct DeviceSlot {
     mps_uid: Mutex<Option<u32>>,
     /// When an MPS client's unexplained end last ended its co-clients.
     mps_cascade_at: Mutex<Option<std::time::Instant>>,
-    /// Its MPS rebalancer: (one runs, another pass is wanted).
-    mps_rebalance: Mutex<(bool, bool)>,
+    /// Its MPS rebalancer (control/mps.rs `request_rebalance`).
+    mps_rebalance: Mutex<Rebalancer>,
+    /// Tenants whose executors are being asked for a new share of the
+    /// SMs, each with whether a pass skipped it meanwhile.
+    mps_asking: Mutex<HashMap<String, bool>>,
+    /// Held while one of its executors is retired and replaced for a new
+    /// share of the SMs.
+    mps_turn: Mutex<()>,
     /// Set while its arbiter is restarted on purpose (its pool's sharing
     /// changed its lanes): not a crash.
     relaunching: AtomicBool,
+}
+
+/// A GPU's MPS rebalancer: whether its thread runs, and whether another
+/// pass is wanted.
+#[derive(Default)]
+struct Rebalancer {
+    running: bool,
+    again: bool,
 }
 
 impl DeviceSlot {
@@ -438,7 +452,9 @@ impl Control {
                         mps: Mutex::new(None),
                         mps_uid: Mutex::new(None),
                         mps_cascade_at: Mutex::new(None),
-                        mps_rebalance: Mutex::new((false, false)),
+                        mps_rebalance: Mutex::new(Rebalancer::default()),
+                        mps_asking: Mutex::new(HashMap::new()),
+                        mps_turn: Mutex::new(()),
                         relaunching: AtomicBool::new(false),
                     })
                 })

@@ -390,36 +390,39 @@ impl Control {
     /// Has `slot`'s executors' shares of the SMs brought in step with the
     /// tenants' weights (`rebalance_mps`) on a thread of its own, if the
     /// GPU is shared under MPS. Whoever asks (a tenant's creation, change
-    /// or delete) never waits on another tenant's executor; requests that
-    /// come while a pass runs make one more pass, so there is at most one
-    /// rebalancing thread per GPU and none is lost.
+    /// or delete) never waits on an executor; requests that come while a
+    /// pass runs make one more pass, so there is at most one rebalancing
+    /// thread per GPU and none is lost.
     pub(super) fn request_rebalance(self: &Arc<Self>, slot: &Arc<DeviceSlot>) {
         if self.sharing_of(&slot.spec.name) != Sharing::Mps {
             return;
         }
         {
             let mut r = slot.mps_rebalance.lock().unwrap_or_else(|e| e.into_inner());
-            r.1 = true;
-            if r.0 {
+            r.again = true;
+            if r.running {
                 return;
             }
-            r.0 = true;
+            r.running = true;
         }
         let (me, s2) = (self.clone(), slot.clone());
         let spawned = std::thread::Builder::new().name("mps-rebalance".into()).spawn(move || loop {
             {
                 let mut r = s2.mps_rebalance.lock().unwrap_or_else(|e| e.into_inner());
-                if !r.1 {
-                    r.0 = false;
+                if !r.again {
+                    r.running = false;
                     return;
                 }
-                r.1 = false;
+                r.again = false;
             }
-            me.rebalance_mps(&s2);
+            // A bug in a pass must not leave the GPU without rebalancing.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.rebalance_mps(&s2))).is_err() {
+                warn!(device = %s2.spec.name, "a pass rebalancing the shares of the SMs failed; the next request makes another");
+            }
         });
         if let Err(e) = spawned {
             // The shares stay as they are until the next request.
-            *slot.mps_rebalance.lock().unwrap_or_else(|e| e.into_inner()) = (false, false);
+            slot.mps_rebalance.lock().unwrap_or_else(|e| e.into_inner()).running = false;
             warn!(device = %slot.spec.name, "no thread to rebalance the shares of the SMs: {e}");
         }
     }
@@ -429,8 +432,10 @@ impl Control {
     /// starts, so an executor whose share changed is replaced if it serves
     /// no connection when asked (no context or allocation is lost); one
     /// that serves connections keeps its share until its next start. Each
-    /// executor is asked on a thread of its own, so one that does not
-    /// answer delays no other's.
+    /// executor is asked on a thread of its own, which the pass does not
+    /// wait for: one that does not answer delays no other's new share,
+    /// and a later pass leaves it to the thread still asking it (which
+    /// asks for another pass when it is done).
     fn rebalance_mps(self: &Arc<Self>, slot: &Arc<DeviceSlot>) {
         if self.sharing_of(&slot.spec.name) != Sharing::Mps {
             return;
@@ -439,30 +444,49 @@ impl Control {
         let total: u64 = tenants.iter().map(|t| u64::from(t.weight)).sum();
         // A VM's guest state lives in its executor whether or not a
         // process connection is counted: VM tenants keep their share.
-        let stale: Vec<_> = tenants
-            .iter()
-            .filter(|t| t.state == TenantPhase::Ready && t.kind != "vm")
-            .filter_map(|t| {
-                let e = slot.exec(&t.name)?;
-                let want = thread_percent(t.weight, total, t.cap);
-                (e.bounds.sm_percent != Some(want)).then_some((t, e, want))
-            })
-            .collect();
-        // At most devices.mps_max_clients (48) threads, for one pass.
-        std::thread::scope(|s| {
-            for (t, e, want) in stale {
-                let one = move || self.reshare(slot, t, e, want);
-                if let Err(err) = std::thread::Builder::new().name("mps-reshare".into()).spawn_scoped(s, one.clone()) {
-                    warn!(device = %slot.spec.name, "no thread to ask an executor for its new share: {err}; asking on this one");
-                    one();
-                }
+        for t in tenants.into_iter().filter(|t| t.state == TenantPhase::Ready && t.kind != "vm") {
+            let Some(e) = slot.exec(&t.name) else { continue };
+            let want = thread_percent(t.weight, total, t.cap);
+            if e.bounds.sm_percent == Some(want) {
+                continue;
             }
-        });
+            {
+                // At most one thread per tenant (at most
+                // devices.mps_max_clients, 48, per GPU).
+                let mut asking = slot.mps_asking.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(skipped) = asking.get_mut(&t.name) {
+                    *skipped = true;
+                    continue;
+                }
+                asking.insert(t.name.clone(), false);
+            }
+            let (me, s2, name) = (self.clone(), slot.clone(), t.name.clone());
+            let spawned = std::thread::Builder::new().name("mps-reshare".into()).spawn(move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.reshare(&s2, &t, e, want)));
+                if r.is_err() {
+                    warn!(tenant = %t.name, device = %s2.spec.name, "asking the executor for its new share of the SMs failed");
+                }
+                let skipped = s2.mps_asking.lock().unwrap_or_else(|e| e.into_inner()).remove(&t.name).unwrap_or(false);
+                if skipped {
+                    // A pass came while it was asked: its share may have
+                    // changed again.
+                    me.request_rebalance(&s2);
+                }
+            });
+            if let Err(err) = spawned {
+                slot.mps_asking.lock().unwrap_or_else(|e| e.into_inner()).remove(&name);
+                warn!(tenant = %name, device = %slot.spec.name, "no thread to ask the executor for its new share of the SMs: {err}; it keeps its share until its next start");
+            }
+        }
     }
 
     /// Replaces `e`, `t`'s executor, with one that has `want` percent of
-    /// the SMs, if it serves no client.
+    /// the SMs, if it serves no client. The GPU's executors stop accepting
+    /// one at a time, each replaced before the next is asked, so a client
+    /// waits for one start at most; one slow to answer is waited for
+    /// outside that turn.
     fn reshare(self: &Arc<Self>, slot: &Arc<DeviceSlot>, t: &TenantRecord, e: Arc<super::executors::Exec>, want: u32) {
+        let mut turn = Some(slot.mps_turn.lock().unwrap_or_else(|e| e.into_inner()));
         // Its current record (a change may have come since), and only
         // if the executor asked is still the one serving it.
         let Some(rec) = self.registry().get(&t.name).filter(|r| r.state == TenantPhase::Ready).cloned() else { return };
@@ -476,7 +500,12 @@ impl Control {
         // executor answers for both (once retired, it says so again).
         let retire = |within| e.call(WorkerCmd::RetireIfIdle { name: t.name.clone() }, within);
         let answer = match retire(STATS_TIMEOUT) {
-            Err(ControlError::Timeout(..)) => retire(COMMAND_TIMEOUT),
+            Err(ControlError::Timeout(..)) => {
+                drop(turn.take());
+                let a = retire(COMMAND_TIMEOUT);
+                turn = Some(slot.mps_turn.lock().unwrap_or_else(|e| e.into_inner()));
+                a
+            }
             other => other,
         };
         match answer {
@@ -500,6 +529,7 @@ impl Control {
                 self.clone().keep_starting(slot.clone(), t.name.clone());
             }
         }
+        drop(turn);
     }
 
     /// An executor of `slot` ends on an error its device state cannot
