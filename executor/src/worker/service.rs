@@ -1186,13 +1186,16 @@ impl DeviceService {
                 }
             }
             lane(&mut || {
-                let began = Instant::now();
+                // Time its lane was taken from it does not count, as for
+                // one launch's timeout.
+                let paused = || vgpu_arbiter::grant::with_preempt(|p| p.map_or(Duration::ZERO, |p| p.paused()));
+                let (began, before) = (Instant::now(), paused());
                 let r = match n {
                     GraphWork::Kernel { module, index, launch, params } => b.launch(slot, &**module, *index, launch, params, owned).map(|_| ()),
                     GraphWork::Fill { dptr, count, elem } => b.fill(slot, *dptr, *count, elem),
                     GraphWork::Copy { dst, src, size } => b.copy(slot, *dst, *src, *size),
                 };
-                ran += began.elapsed();
+                ran += began.elapsed().saturating_sub(paused().saturating_sub(before));
                 r.map(|_| None)
             })?;
         }
@@ -1214,13 +1217,13 @@ impl DeviceService {
     }
 
     /// A launch of context `ctx` failed with `e`: a sticky error makes the
-    /// context unusable, as on CUDA.
+    /// context unusable, as on CUDA. The first one stays its reason.
     fn faulted(t: &Tenant, ctx: u32, e: &BackendError) {
         if e.code.is_sticky() {
             let mut st = t.state.lock();
             st.faulted = true;
             if let Some(c) = st.ctxs.get_mut(&ctx) {
-                c.sticky = Some((e.code, e.msg.clone()));
+                c.sticky.get_or_insert_with(|| (e.code, e.msg.clone()));
             }
         }
     }
