@@ -131,12 +131,18 @@ fn hostile_client_gets_errors_while_the_other_tenant_is_served() {
     } else {
         // SAFETY: fresh fd we own.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // A size of whole huge pages (the default size need not be 2 MiB).
+        // SAFETY: an all-zero statfs is a valid value for fstatfs to fill.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: fstatfs writes only into `st`.
+        assert_eq!(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) }, 0);
+        let huge = (st.f_bsize as i64).max(1 << 21);
         // SAFETY: resizing and sealing our own memfd.
         unsafe {
-            assert_eq!(libc::ftruncate(fd.as_raw_fd(), 2 << 20), 0, "{}", std::io::Error::last_os_error());
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), huge), 0, "{}", std::io::Error::last_os_error());
             assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
         }
-        send_with_fd(&r.s, &Request::RegisterShm(RegisterShmReq { size: 2 << 20, id: 0, flags: 0 }).encode(51), fd.as_raw_fd());
+        send_with_fd(&r.s, &Request::RegisterShm(RegisterShmReq { size: huge as u64, id: 0, flags: 0 }).encode(51), fd.as_raw_fd());
         match r.read_reply() {
             Some((_, Reply::Error(CuResult::CUDA_ERROR_INVALID_VALUE, msg))) => assert!(msg.contains("MFD_HUGETLB"), "{msg}"),
             other => panic!("{other:?}"),

@@ -328,8 +328,9 @@ impl VirtioPci {
         let mut b = [0u8; 8];
         b[..data.len()].copy_from_slice(data);
         let v = u64::from_le_bytes(b);
-        // Queue registers are frozen once the driver is running.
-        let running = self.status & STATUS_DRIVER_OK != 0;
+        // Queue registers are frozen once the driver is running, and while
+        // the device runs on them (until a reset).
+        let running = self.status & STATUS_DRIVER_OK != 0 || self.active;
         let sel = self.queue_select as usize;
         let nvec = self.vectors.fds.len() as u64;
         match (off, data.len()) {
@@ -526,7 +527,10 @@ mod tests {
                 return None;
             }
         };
-        vm.create_irq_chip().expect("KVM_CREATE_IRQCHIP");
+        if let Err(e) = vm.create_irq_chip() {
+            eprintln!("SKIPPED: the virtio PCI transport tests need an in-kernel irqchip: {e}");
+            return None;
+        }
         let routing = Arc::new(IrqRouting::new(Arc::new(vm)));
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let n = Arc::new(AtomicUsize::new(0));
