@@ -27,7 +27,7 @@ pub fn placed_bytes(image: &[u8], format: ImageFormat, arch: u32, host_limit: u6
                 let bytes = e.contents_within(left).map_err(bad)?;
                 left = left.saturating_sub(bytes.len() as u64);
                 let placed = match e.kind {
-                    Kind::Ptx => ptx(&bytes, left)?,
+                    Kind::Ptx => ptx(&bytes, host_limit)?,
                     Kind::Elf => elf(&bytes)?,
                     _ => 0,
                 };
