@@ -643,6 +643,21 @@ impl RawRing {
         use ::cuda::transport::Transport;
         self.t.call(&req, 77)
     }
+
+    /// A context and the `busy` kernel ([`BUSY`]) loaded in it.
+    fn busy(&mut self) -> (u32, u32) {
+        let handle = |rep: Result<Reply, ::cuda::transport::TransportError>| match rep {
+            Ok(Reply::Handle(h)) => h,
+            other => panic!("{other:?}"),
+        };
+        let ctx = handle(self.t_call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
+        let img = BUSY.as_bytes().to_vec();
+        let module = handle(self.t_call(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)));
+        match self.t_call(Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: 4, reserved: 0 }, "busy".into())) {
+            Ok(Reply::Function(f, _)) => (ctx, f.func),
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 const BUSY: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry busy(.param .u32 n)\n{\n    .reg .u32 %r<2>;\n    .reg .pred %p<1>;\n    ld.param.u32 %r0, [n];\n    mov.u32 %r1, 0;\nL:\n    add.u32 %r1, %r1, 1;\n    setp.lt.u32 %p0, %r1, %r0;\n    @%p0 bra L;\n    ret;\n}\n";
@@ -694,17 +709,7 @@ fn an_entry_that_would_take_a_running_entrys_completion_slot_breaks_the_ring() {
     let m = Mediator::start(&["--instruction-budget", "0"]);
     let sock = m.tenant("lapper", "16MiB");
     let mut r = RawRing::attach_sized(&sock, ring::DEFAULT_SQ);
-    let handle = |rep: Result<Reply, ::cuda::transport::TransportError>| match rep {
-        Ok(Reply::Handle(h)) => h,
-        other => panic!("{other:?}"),
-    };
-    let ctx = handle(r.t_call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
-    let img = BUSY.as_bytes().to_vec();
-    let module = handle(r.t_call(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)));
-    let func = match r.t_call(Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: 4, reserved: 0 }, "busy".into())) {
-        Ok(Reply::Function(f, _)) => f.func,
-        other => panic!("{other:?}"),
-    };
+    let (ctx, func) = r.busy();
     // A long kernel, then ENTRY_SLOTS pings: the last one's slot is the
     // kernel's.
     let launch = LaunchReq { ctx, func, stream: 0, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 4, reserved: 0 };
@@ -731,17 +736,7 @@ fn a_long_kernel_on_the_socket_does_not_hold_up_the_connections_ring() {
     let m = Mediator::start(&["--instruction-budget", "0"]);
     let sock = m.tenant("both", "16MiB");
     let mut r = RawRing::attach(&sock);
-    let handle = |rep: Result<Reply, ::cuda::transport::TransportError>| match rep {
-        Ok(Reply::Handle(h)) => h,
-        other => panic!("{other:?}"),
-    };
-    let ctx = handle(r.t_call(Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
-    let img = BUSY.as_bytes().to_vec();
-    let module = handle(r.t_call(Request::ModuleLoad(ModuleLoadReq { ctx, format: 0, image_len: img.len() as u64 }, img)));
-    let func = match r.t_call(Request::ModuleGetFunction(GetFunctionReq { ctx, module, name_len: 4, reserved: 0 }, "busy".into())) {
-        Ok(Reply::Function(f, _)) => f.func,
-        other => panic!("{other:?}"),
-    };
+    let (ctx, func) = r.busy();
     let mut s = std::os::unix::net::UnixStream::from(r.t.socket_clone().expect("the connection's socket"));
     let launch = LaunchReq { ctx, func, stream: 0, shared_bytes: 0, grid: [1, 1, 1], block: [1, 1, 1], params_len: 4, reserved: 0 };
     s.write_all(&Request::LaunchKernel(launch, 150_000_000u32.to_le_bytes().to_vec()).encode(90)).expect("send the launch");

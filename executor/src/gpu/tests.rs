@@ -100,6 +100,17 @@ fn call(dev: &mut GpuDevice, mem: &GuestMemoryMmap, req: Request) -> Reply {
     Reply::decode_payload(op, h.status, &body).unwrap()
 }
 
+/// Ring entry `seq` carrying `req`, wanting its reply in slot `reply`.
+fn ring_entry(seq: u64, reply: u16, req: &Request) -> Vec<u8> {
+    let msg = req.encode(seq as u32);
+    let len = virtio_gpu_compute::ring::entry_len(msg.len());
+    let mut e = Vec::new();
+    virtio_gpu_compute::ring::EntryHeader { len: len as u32, flags: 0, reply, seq }.put(&mut e);
+    e.extend_from_slice(&msg);
+    e.resize(len, 0);
+    e
+}
+
 fn handle(r: Reply) -> u32 {
     match r {
         Reply::Handle(h) => h,
@@ -521,12 +532,8 @@ fn a_ring_blob_is_never_written_after_the_guest_unrefs_it() {
     // One entry with a reply, so the ring's poller is awake and idling
     // when the guest lets go of the blob.
     let seq = ring::FIRST_SEQ;
-    let msg = Request::MemGetInfo.encode(seq as u32);
-    let len = ring::entry_len(msg.len());
-    let mut e = Vec::new();
-    ring::EntryHeader { len: len as u32, flags: 0, reply: 0, seq }.put(&mut e);
-    e.extend_from_slice(&msg);
-    e.resize(len, 0);
+    let e = ring_entry(seq, 0, &Request::MemGetInfo);
+    let len = e.len();
     mem.write_slice(&e, GuestAddress(base + ring::SQ as u64)).unwrap();
     mem.write_obj(len as u64, GuestAddress(base + ring::SQ_TAIL as u64)).unwrap();
     assert_eq!(call(&mut dev, &mem, Request::RingKick), Reply::Empty);
@@ -589,12 +596,8 @@ fn a_copy_waiting_for_a_lane_never_writes_guest_pages_after_a_reset() {
     held_rx.recv().unwrap();
     // The ring's copy of the device memory into the data blob waits for it.
     let seq = ring::FIRST_SEQ;
-    let msg = Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: d, size: 4096, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: 0 }).encode(seq as u32);
-    let len = ring::entry_len(msg.len());
-    let mut e = Vec::new();
-    ring::EntryHeader { len: len as u32, flags: 0, reply: ring::NO_REPLY, seq }.put(&mut e);
-    e.extend_from_slice(&msg);
-    e.resize(len, 0);
+    let e = ring_entry(seq, ring::NO_REPLY, &Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: d, size: 4096, loc: DataLoc::Blob as u32, blob: DATA, shm_offset: 0 }));
+    let len = e.len();
     mem.write_slice(&e, GuestAddress(base + ring::SQ as u64)).unwrap();
     mem.write_obj(len as u64, GuestAddress(base + ring::SQ_TAIL as u64)).unwrap();
     assert_eq!(call(&mut dev, &mem, Request::RingKick), Reply::Empty);
@@ -658,12 +661,8 @@ fn what_a_guest_makes_the_executor_hold_is_on_its_host_budget() {
     assert!(with_ring - before >= RING + RING_RUN, "the ring was not charged: {} bytes", with_ring - before);
     // One memset through the ring: its stream's queue is charged.
     let seq = ring::FIRST_SEQ;
-    let msg = Request::Memset(MemsetReq { ctx, stream: 0, dptr, value: 7, elem_size: 1, count: 4096 }).encode(seq as u32);
-    let len = ring::entry_len(msg.len());
-    let mut e = Vec::new();
-    ring::EntryHeader { len: len as u32, flags: 0, reply: ring::NO_REPLY, seq }.put(&mut e);
-    e.extend_from_slice(&msg);
-    e.resize(len, 0);
+    let e = ring_entry(seq, ring::NO_REPLY, &Request::Memset(MemsetReq { ctx, stream: 0, dptr, value: 7, elem_size: 1, count: 4096 }));
+    let len = e.len();
     mem.write_slice(&e, GuestAddress(at + ring::SQ as u64)).unwrap();
     mem.write_obj(len as u64, GuestAddress(at + ring::SQ_TAIL as u64)).unwrap();
     assert_eq!(call(&mut dev, &mem, Request::RingKick), Reply::Empty);
