@@ -1,9 +1,10 @@
 //! PTX tokenizer. Comments are dropped; every token keeps its line for
 //! error messages.
 //!
-//! Tokens borrow their text from the source, and the token vector is sized
-//! by a counting pass before it is allocated, so a module's transient parse
-//! memory is known (and can be charged to its tenant) before it is taken.
+//! Tokens borrow their text from the source. A parser takes them one
+//! module-scope statement at a time ([`Statements`]), so what it holds
+//! while it parses is one statement's tokens, not the module's, and it
+//! charges them to the tenant as they are taken.
 
 use super::PtxError;
 
@@ -37,90 +38,177 @@ fn word_char(c: u8) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'%' | b'$')
 }
 
-/// Walks `src` once, handing each token to `emit`.
-fn scan<'a>(src: &'a str, mut emit: impl FnMut(Token<'a>)) -> Result<(), PtxError> {
-    let b = src.as_bytes();
-    let mut i = 0;
-    let mut line = 1u32;
-    // Slices below start and end on ASCII bytes, so they are char boundaries.
-    let text = |s: usize, e: usize| src.get(s..e).unwrap_or("");
-    while i < b.len() {
-        let c = b[i];
-        if c == b'\n' {
-            line = line.saturating_add(1);
-            i += 1;
-        } else if c.is_ascii_whitespace() {
-            i += 1;
-        } else if c == b'/' && b.get(i + 1) == Some(&b'/') {
-            while i < b.len() && b[i] != b'\n' {
+/// A resumable walk over a module's text: one token at a time, so a
+/// parser holds only the tokens it is working on.
+#[derive(Debug, Clone)]
+pub struct Lexer<'a> {
+    src: &'a str,
+    i: usize,
+    line: u32,
+}
+
+impl<'a> Lexer<'a> {
+    pub fn new(src: &'a str) -> Lexer<'a> {
+        Lexer { src, i: 0, line: 1 }
+    }
+
+    /// The line the walk has reached.
+    pub fn line(&self) -> u32 {
+        self.line
+    }
+
+    /// The next token, or `None` at the end of the text.
+    pub fn next_token(&mut self) -> Result<Option<Token<'a>>, PtxError> {
+        let (src, b) = (self.src, self.src.as_bytes());
+        let mut i = self.i;
+        // Slices below start and end on ASCII bytes, so they are char boundaries.
+        let text = |s: usize, e: usize| src.get(s..e).unwrap_or("");
+        let tok = loop {
+            let Some(&c) = b.get(i) else { break None };
+            if c == b'\n' {
+                self.line = self.line.saturating_add(1);
                 i += 1;
-            }
-        } else if c == b'/' && b.get(i + 1) == Some(&b'*') {
-            i += 2;
-            while i < b.len() && !(b[i] == b'*' && b.get(i + 1) == Some(&b'/')) {
-                if b[i] == b'\n' {
-                    line = line.saturating_add(1);
-                }
+            } else if c.is_ascii_whitespace() {
                 i += 1;
-            }
-            i += 2;
-        } else if c == b'"' {
-            // Strings appear only in .file / .pragma; keep them as words.
-            let start = i;
-            i += 1;
-            while i < b.len() && b[i] != b'"' && b[i] != b'\n' {
-                i += 1;
-            }
-            i = (i + 1).min(b.len());
-            emit(Token { tok: Tok::Word(text(start, i)), line });
-        } else if c.is_ascii_digit() {
-            let start = i;
-            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'.' || ((b[i] == b'+' || b[i] == b'-') && matches!(b[i - 1], b'e' | b'E') && !is_hex_prefix(&b[start..i]))) {
-                i += 1;
-            }
-            emit(Token { tok: number(text(start, i), line)?, line });
-        } else if word_start(c) {
-            let start = i;
-            // Whether the word has a '.' so far, kept as it grows so that a
-            // long word is scanned once.
-            let mut dotted = false;
-            loop {
-                while i < b.len() && word_char(b[i]) {
-                    dotted |= b[i] == b'.';
+            } else if c == b'/' && b.get(i + 1) == Some(&b'/') {
+                while i < b.len() && b[i] != b'\n' {
                     i += 1;
                 }
-                // Qualified modifiers (`.shared::cta`, `.L1::no_allocate`)
-                // belong to the word; a label's ':' does not.
-                if dotted && b.get(i) == Some(&b':') && b.get(i + 1) == Some(&b':') && b.get(i + 2).is_some_and(|c| word_char(*c)) {
-                    i += 2;
-                    continue;
+            } else if c == b'/' && b.get(i + 1) == Some(&b'*') {
+                i += 2;
+                while i < b.len() && !(b[i] == b'*' && b.get(i + 1) == Some(&b'/')) {
+                    if b[i] == b'\n' {
+                        self.line = self.line.saturating_add(1);
+                    }
+                    i += 1;
                 }
-                break;
+                i = (i + 2).min(b.len());
+            } else if c == b'"' {
+                // Strings appear only in .file / .pragma; keep them as words.
+                let start = i;
+                i += 1;
+                while i < b.len() && b[i] != b'"' && b[i] != b'\n' {
+                    i += 1;
+                }
+                i = (i + 1).min(b.len());
+                break Some(Tok::Word(text(start, i)));
+            } else if c.is_ascii_digit() {
+                let start = i;
+                while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'.' || ((b[i] == b'+' || b[i] == b'-') && matches!(b[i - 1], b'e' | b'E') && !is_hex_prefix(&b[start..i]))) {
+                    i += 1;
+                }
+                break Some(number(text(start, i), self.line)?);
+            } else if word_start(c) {
+                let start = i;
+                // Whether the word has a '.' so far, kept as it grows so that a
+                // long word is scanned once.
+                let mut dotted = false;
+                loop {
+                    while i < b.len() && word_char(b[i]) {
+                        dotted |= b[i] == b'.';
+                        i += 1;
+                    }
+                    // Qualified modifiers (`.shared::cta`, `.L1::no_allocate`)
+                    // belong to the word; a label's ':' does not.
+                    if dotted && b.get(i) == Some(&b':') && b.get(i + 1) == Some(&b':') && b.get(i + 2).is_some_and(|c| word_char(*c)) {
+                        i += 2;
+                        continue;
+                    }
+                    break;
+                }
+                break Some(Tok::Word(text(start, i)));
+            } else if b",;:[]{}()+-!@<>|=".contains(&c) {
+                i += 1;
+                break Some(Tok::Punct(c as char));
+            } else {
+                let ch = src.get(i..).and_then(|s| s.chars().next()).unwrap_or('?');
+                return Err(PtxError::at(self.line, format!("unexpected character {ch:?}")));
             }
-            emit(Token { tok: Tok::Word(text(start, i)), line });
-        } else if b",;:[]{}()+-!@<>|=".contains(&c) {
-            emit(Token { tok: Tok::Punct(c as char), line });
-            i += 1;
-        } else {
-            let ch = src.get(i..).and_then(|s| s.chars().next()).unwrap_or('?');
-            return Err(PtxError::at(line, format!("unexpected character {ch:?}")));
+        };
+        self.i = i;
+        Ok(tok.map(|tok| Token { tok, line: self.line }))
+    }
+}
+
+/// Module-scope statements, one after another: where a parser may let go
+/// of the tokens before and take the next statement's. A statement ends
+/// after a `;` or `}` outside braces, where a word (the next directive)
+/// follows; so `= {1, 2};` and a body's closing brace stay with theirs.
+#[derive(Debug, Clone)]
+pub struct Statements<'a> {
+    lexer: Lexer<'a>,
+    /// The first token of the next statement, read to find this one's end.
+    ahead: Option<Token<'a>>,
+}
+
+impl<'a> Statements<'a> {
+    pub fn new(src: &'a str) -> Statements<'a> {
+        Statements { lexer: Lexer::new(src), ahead: None }
+    }
+
+    /// Appends the next statement's tokens to `out`, if it has at most
+    /// `room` of them: they are counted first, so `out` grows once, by
+    /// exactly that many (`Err(None)` past `room`, nothing taken). Returns
+    /// whether there was a statement.
+    pub fn next_into(&mut self, out: &mut Vec<Token<'a>>, room: usize) -> Result<bool, Option<PtxError>> {
+        let mut n = 0usize;
+        self.clone().walk(|_| {
+            n += 1;
+            n <= room
+        })?;
+        out.reserve_exact(n);
+        self.walk(|t| {
+            out.push(t);
+            true
+        })
+    }
+
+    /// Hands the next statement's tokens to `take`, while it says go on
+    /// (`Err(None)` once it says stop).
+    fn walk(&mut self, mut take: impl FnMut(Token<'a>) -> bool) -> Result<bool, Option<PtxError>> {
+        let mut depth = 0u32;
+        let mut ended = false;
+        let mut any = false;
+        loop {
+            let t = match self.ahead.take() {
+                Some(t) => t,
+                None => match self.lexer.next_token().map_err(Some)? {
+                    Some(t) => t,
+                    None => return Ok(any),
+                },
+            };
+            if ended && depth == 0 && matches!(t.tok, Tok::Word(_)) {
+                self.ahead = Some(t);
+                return Ok(true);
+            }
+            match t.tok {
+                Tok::Punct('{') => depth = depth.saturating_add(1),
+                Tok::Punct('}') => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            ended = depth == 0 && matches!(t.tok, Tok::Punct(';' | '}'));
+            if !take(t) {
+                return Err(None);
+            }
+            any = true;
         }
     }
-    Ok(())
+
+    /// The line the walk has reached.
+    pub fn line(&self) -> u32 {
+        self.ahead.map_or(self.lexer.line(), |t| t.line)
+    }
 }
 
 /// The number of tokens in `src`, without allocating them.
+#[cfg(test)]
 pub fn count(src: &str) -> Result<usize, PtxError> {
+    let mut l = Lexer::new(src);
     let mut n = 0usize;
-    scan(src, |_| n += 1)?;
+    while l.next_token()?.is_some() {
+        n += 1;
+    }
     Ok(n)
-}
-
-/// Tokenizes `src` into a vector of exactly `count(src)` tokens.
-pub fn lex(src: &str) -> Result<Vec<Token<'_>>, PtxError> {
-    let mut out = Vec::with_capacity(count(src)?);
-    scan(src, |t| out.push(t))?;
-    Ok(out)
 }
 
 fn is_hex_prefix(s: &[u8]) -> bool {

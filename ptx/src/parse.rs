@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use super::exec::{FUNC_WINDOW, LOCAL_WINDOW, PARAM_WINDOW, SHARED_WINDOW};
 use super::ir::*;
-use super::lex::{self, lex, Tok, Token};
+use super::lex::{self, Statements, Tok, Token};
 use super::PtxError;
 
 /// Where a module variable lives.
@@ -86,17 +86,11 @@ impl Module {
     }
 
     /// Parses `src` if its transient and retained host memory fit in
-    /// `limit` bytes: the token count is taken before tokens are allocated,
-    /// and the decoded form is measured while it grows.
+    /// `limit` bytes: the tokens of the statement being parsed (the
+    /// parser holds one module-scope statement's at a time) and the
+    /// decoded form, both measured as they grow.
     pub fn parse_within(src: &str, limit: u64) -> Result<Module, PtxError> {
-        let tokens = lex::count(src)? as u64;
-        let transient = tokens.saturating_mul(lex::TOKEN_BYTES);
-        if transient > limit {
-            return Err(PtxError::over_budget(0, format!("parsing this module needs {transient} bytes of host memory for its {tokens} tokens; {limit} are left in the tenant's host budget")));
-        }
-        let toks = lex(src)?;
-        let mut p = Parser::new(&toks, limit - transient);
-        p.module()
+        Parser::new(src, limit).module()
     }
 
     /// Host bytes the decoded module keeps, as charged to its tenant.
@@ -166,15 +160,10 @@ impl Module {
     /// what a GPU backend needs to lay out launch parameters for PTX the
     /// interpreter itself may not support.
     pub fn signatures(src: &str, limit: u64) -> Result<Vec<Signature>, PtxError> {
-        let transient = (lex::count(src)? as u64).saturating_mul(lex::TOKEN_BYTES);
-        if transient > limit {
-            return Err(PtxError::over_budget(0, format!("reading this module's signatures needs {transient} bytes of host memory; {limit} are left in the tenant's host budget")));
-        }
-        let toks = lex(src)?;
-        let mut p = Parser::new(&toks, u64::MAX);
+        let mut p = Parser::new(src, limit);
         let mut out = Vec::new();
-        while p.i < toks.len() {
-            let entry = matches!(&toks[p.i].tok, Tok::Word(w) if *w == ".entry");
+        while p.more()? {
+            let entry = matches!(p.t[p.i].tok, Tok::Word(".entry"));
             p.i += 1;
             if entry {
                 let name = p.word()?.to_string();
@@ -192,20 +181,15 @@ impl Module {
     /// bytes an element, the widest PTX has; an unsized array counts the
     /// elements of its initialiser.
     pub fn placed_bytes(src: &str, limit: u64) -> Result<u64, PtxError> {
-        let transient = (lex::count(src)? as u64).saturating_mul(lex::TOKEN_BYTES);
-        if transient > limit {
-            return Err(PtxError::over_budget(0, format!("reading this module's variables needs {transient} bytes of host memory; {limit} are left in the tenant's host budget")));
-        }
-        let toks = lex(src)?;
-        let mut p = Parser::new(&toks, u64::MAX);
+        let mut p = Parser::new(src, limit);
         let (mut external, mut total) = (false, 0u64);
-        while p.i < toks.len() {
+        while p.more()? {
             // In a parameter, `.ptr .global` is an attribute, not a variable.
-            let after_ptr = p.i > 0 && matches!(toks[p.i - 1].tok, Tok::Word(".ptr"));
-            match &toks[p.i].tok {
+            let after_ptr = p.i > 0 && matches!(p.t[p.i - 1].tok, Tok::Word(".ptr"));
+            match p.t[p.i].tok {
                 Tok::Punct(';' | '{' | '}') => external = false,
                 Tok::Word(".extern") => external = true,
-                Tok::Word(w) if !after_ptr && (*w == ".global" || *w == ".const") => {
+                Tok::Word(w) if !after_ptr && (w == ".global" || w == ".const") => {
                     p.i += 1;
                     for (size, align) in p.placed_decl()? {
                         if !external {
@@ -253,8 +237,11 @@ enum SharedVar {
 }
 
 struct Parser<'a> {
-    t: &'a [Token<'a>],
+    /// The tokens of the module-scope statement being parsed (and of any
+    /// whole statements before it in the same window), and the next one.
+    t: Vec<Token<'a>>,
     i: usize,
+    stmts: Statements<'a>,
     module_shared: HashMap<String, SharedVar>,
     module_shared_bytes: u32,
     vars: Vec<Var>,
@@ -387,10 +374,11 @@ struct Decl {
 }
 
 impl<'a> Parser<'a> {
-    fn new(t: &'a [Token<'a>], limit: u64) -> Parser<'a> {
+    fn new(src: &'a str, limit: u64) -> Parser<'a> {
         Parser {
-            t,
+            t: Vec::new(),
             i: 0,
+            stmts: Statements::new(src),
             module_shared: HashMap::new(),
             module_shared_bytes: 0,
             vars: Vec::new(),
@@ -414,8 +402,41 @@ impl<'a> Parser<'a> {
         Err(PtxError::at(self.line(), msg))
     }
 
-    fn peek(&self) -> Option<&'a Tok<'a>> {
-        self.t.get(self.i).map(|t| &t.tok)
+    fn peek(&self) -> Option<Tok<'a>> {
+        self.t.get(self.i).map(|t| t.tok)
+    }
+
+    /// Host bytes the token window holds.
+    fn held(&self) -> u64 {
+        (self.t.capacity() as u64).saturating_mul(lex::TOKEN_BYTES)
+    }
+
+    /// Whether tokens are left: when the window is used up, it takes the
+    /// next module-scope statement's, within what the decoded module
+    /// leaves of the budget.
+    fn more(&mut self) -> Result<bool, PtxError> {
+        if self.i < self.t.len() {
+            return Ok(true);
+        }
+        let room = self.limit.saturating_sub(self.decoded) / lex::TOKEN_BYTES;
+        let room = usize::try_from(room).unwrap_or(usize::MAX);
+        self.t.clear();
+        if self.t.capacity() > room {
+            self.t.shrink_to(room);
+        }
+        self.i = 0;
+        match self.stmts.next_into(&mut self.t, room) {
+            Ok(any) => Ok(any),
+            Err(Some(e)) => Err(e),
+            Err(None) => Err(PtxError::over_budget(
+                self.stmts.line(),
+                format!(
+                    "the tokens of one statement of this module need more than the {} bytes of host memory the tenant's host budget leaves beside its decoded part ({} bytes)",
+                    room as u64 * lex::TOKEN_BYTES,
+                    self.decoded
+                ),
+            )),
+        }
     }
 
     fn peek_word(&self) -> Option<&'a str> {
@@ -425,8 +446,8 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn next(&mut self) -> Result<&'a Tok<'a>, PtxError> {
-        let t = self.t.get(self.i).map(|t| &t.tok);
+    fn next(&mut self) -> Result<Tok<'a>, PtxError> {
+        let t = self.peek();
         match t {
             Some(t) => {
                 self.i += 1;
@@ -437,12 +458,12 @@ impl<'a> Parser<'a> {
     }
 
     fn is_punct(&self, c: char) -> bool {
-        self.peek() == Some(&Tok::Punct(c))
+        self.peek() == Some(Tok::Punct(c))
     }
 
     fn expect_punct(&mut self, c: char) -> Result<(), PtxError> {
         match self.next()? {
-            Tok::Punct(x) if *x == c => Ok(()),
+            Tok::Punct(x) if x == c => Ok(()),
             other => self.err(format!("expected '{c}', found {}", show(other))),
         }
     }
@@ -456,7 +477,7 @@ impl<'a> Parser<'a> {
 
     fn int(&mut self) -> Result<u64, PtxError> {
         match self.next()? {
-            Tok::Int(v) => Ok(*v),
+            Tok::Int(v) => Ok(v),
             other => self.err(format!("expected an integer, found {}", show(other))),
         }
     }
@@ -490,7 +511,7 @@ impl<'a> Parser<'a> {
 
     fn charge(&mut self, bytes: u64) -> Result<(), PtxError> {
         self.decoded = self.decoded.saturating_add(bytes);
-        if self.decoded > self.limit {
+        if self.decoded.saturating_add(self.held()) > self.limit {
             return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
         }
         Ok(())
@@ -498,11 +519,12 @@ impl<'a> Parser<'a> {
 
     fn module(&mut self) -> Result<Module, PtxError> {
         let mut kernels = Vec::new();
-        while let Some(t) = self.peek() {
+        while self.more()? {
+            let t = self.t[self.i].tok;
             let Tok::Word(w) = t else {
                 return self.err(format!("unexpected {} at module scope", show(t)));
             };
-            match *w {
+            match w {
                 ".version" | ".file" | ".loc" => self.skip_line(),
                 ".target" => {
                     self.i += 1;
@@ -792,16 +814,16 @@ impl<'a> Parser<'a> {
         };
         let bits: u64 = match self.next()? {
             Tok::Int(mag) => {
-                let f = if neg { -(*mag as f64) } else { *mag as f64 };
+                let f = if neg { -(mag as f64) } else { mag as f64 };
                 match ty {
                     Ty::F32 => (f as f32).to_bits() as u64,
                     Ty::F64 => f.to_bits(),
                     _ if neg => mag.wrapping_neg(),
-                    _ => *mag,
+                    _ => mag,
                 }
             }
             Tok::F32(b) => {
-                let b = if neg { b ^ 0x8000_0000 } else { *b };
+                let b = if neg { b ^ 0x8000_0000 } else { b };
                 if ty == Ty::F64 {
                     (f32::from_bits(b) as f64).to_bits()
                 } else {
@@ -809,7 +831,7 @@ impl<'a> Parser<'a> {
                 }
             }
             Tok::F64(b) => {
-                let b = if neg { b ^ (1 << 63) } else { *b };
+                let b = if neg { b ^ (1 << 63) } else { b };
                 if ty == Ty::F32 {
                     (f64::from_bits(b) as f32).to_bits() as u64
                 } else {
@@ -818,7 +840,7 @@ impl<'a> Parser<'a> {
             }
             Tok::Word(w) => {
                 // `sym`, `generic(sym)`, `sym + k`: an address, 64-bit only.
-                let mut name = *w;
+                let mut name = w;
                 let mut paren = false;
                 if (name == "generic" || name == "mask") && self.is_punct('(') {
                     if name == "mask" {
@@ -1006,7 +1028,7 @@ impl<'a> Parser<'a> {
                 Tok::Word(".reqnctapercluster") => {
                     let mut n = 1u64;
                     while let Some(Tok::Int(v)) = self.peek() {
-                        n = n.saturating_mul(*v);
+                        n = n.saturating_mul(v);
                         self.i += 1;
                         if self.is_punct(',') {
                             self.i += 1;
@@ -1035,7 +1057,7 @@ impl<'a> Parser<'a> {
         while depth > 0 {
             if self.code.len() % 1024 == 1023 {
                 let bytes = (self.code.capacity() * std::mem::size_of::<Inst>()) as u64;
-                if self.decoded.saturating_add(bytes) > self.limit {
+                if self.decoded.saturating_add(bytes).saturating_add(self.held()) > self.limit {
                     return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
                 }
             }
@@ -1074,7 +1096,7 @@ impl<'a> Parser<'a> {
                     let opw = self.word()?;
                     self.instruction(b, opw, Some((slot, neg)), line)?;
                 }
-                Tok::Word(w) => match *w {
+                Tok::Word(w) => match w {
                     ".reg" => self.reg_decl(b)?,
                     ".shared" => {
                         if !kernel {
@@ -1222,7 +1244,7 @@ impl<'a> Parser<'a> {
             Tok::Punct('[') => {
                 let base = match self.next()? {
                     Tok::Word(w) => Raw::Name(w.to_string()),
-                    Tok::Int(v) => Raw::Int(*v as i128),
+                    Tok::Int(v) => Raw::Int(v as i128),
                     other => return self.err(format!("bad address base {}", show(other))),
                 };
                 let mut off = 0i64;
@@ -1257,15 +1279,15 @@ impl<'a> Parser<'a> {
             }
             Tok::Punct('!') => Raw::Not(Box::new(self.operand_at(depth + 1)?)),
             Tok::Punct('-') => match self.next()? {
-                Tok::Int(v) => Raw::Int(-(*v as i128)),
+                Tok::Int(v) => Raw::Int(-(v as i128)),
                 Tok::F32(b) => Raw::F32(b ^ 0x8000_0000),
                 Tok::F64(b) => Raw::F64(b ^ (1 << 63)),
                 other => return self.err(format!("bad negative operand {}", show(other))),
             },
-            Tok::Int(v) => Raw::Int(*v as i128),
-            Tok::F32(b) => Raw::F32(*b),
-            Tok::F64(b) => Raw::F64(*b),
-            Tok::Word(w) if *w == "_" => Raw::Sink,
+            Tok::Int(v) => Raw::Int(v as i128),
+            Tok::F32(b) => Raw::F32(b),
+            Tok::F64(b) => Raw::F64(b),
+            Tok::Word("_") => Raw::Sink,
             Tok::Word(w) => {
                 // `sym+8` as a plain operand (an address constant).
                 let name = Raw::Name(w.to_string());
@@ -1528,8 +1550,8 @@ enum Label {
     Table(String),
 }
 
-fn show(t: &Tok) -> String {
-    match t {
+fn show<'b>(t: impl std::borrow::Borrow<Tok<'b>>) -> String {
+    match *t.borrow() {
         Tok::Word(w) => format!("'{w}'"),
         Tok::Int(v) => format!("'{v}'"),
         Tok::F32(v) => format!("'0f{v:08X}'"),

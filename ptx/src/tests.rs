@@ -650,6 +650,40 @@ mod hostile {
         assert!(Module::parse_within(&src, tokens + full.host_bytes() * 2).is_ok());
     }
 
+    /// The parser holds one module-scope statement's tokens at a time: a
+    /// module of many kernels (as libraries ship them) parses within
+    /// much less than all its tokens would take, and initialisers in
+    /// braces, prototypes, `.file` lines and comments between statements
+    /// keep their meaning.
+    #[test]
+    fn a_module_of_many_kernels_is_parsed_one_statement_at_a_time() {
+        let mut src = format!("{HEAD}.file 1 \"a.cu\"\n.global .align 4 .u32 table[3] = {{7, 8, 9}};\n.extern .func (.param .b32 r) helper (.param .b32 x);\n");
+        src += ".func (.param .b32 r) helper (.param .b32 x)\n{\n .reg .b32 %r<2>;\n ld.param.b32 %r1, [x];\n add.u32 %r1, %r1, 1;\n st.param.b32 [r], %r1;\n ret;\n}\n";
+        for k in 0..400 {
+            src += &format!("// kernel {k}\n.visible .entry k{k}(.param .u64 out)\n{{\n .reg .b64 %rd<4>;\n .reg .b32 %r<4>;\n ld.param.u64 %rd1, [out];\n ld.global.u32 %r1, [table+4];\n add.u32 %r1, %r1, {k};\n {{\n .param .b32 a;\n .param .b32 r;\n st.param.b32 [a], %r1;\n call.uni (r), helper, (a);\n ld.param.b32 %r2, [r];\n }}\n st.global.u32 [%rd1], %r2;\n ret;\n}}\n/* between */\n");
+        }
+        let full = Module::parse(&src).unwrap();
+        assert_eq!(full.kernels.len(), 400);
+        let all_tokens = lex::count(&src).unwrap() as u64 * lex::TOKEN_BYTES;
+        let one = all_tokens / 400;
+        // Far less than all the tokens: the decoded module and a few
+        // statements' worth.
+        let limit = full.host_bytes() * 2 + one * 4;
+        assert!(limit < all_tokens, "{limit} {all_tokens}");
+        let mut m = Module::parse_within(&src, limit).unwrap();
+        let mut mem = VecMem::new();
+        let seg = mem.alloc(&[0; 16]);
+        let out = mem.alloc(&[0; 4]);
+        for (addr, bytes) in m.link(seg, 0) {
+            mem.find(addr, bytes.len()).unwrap().copy_from_slice(&bytes);
+        }
+        launch(m.kernel("k399").unwrap(), &cfg([1, 1, 1], [1, 1, 1]), &out.to_le_bytes(), &mut mem, &Limits::default()).unwrap();
+        assert_eq!(mem.bytes(out), (8u32 + 399 + 1).to_le_bytes());
+        // A statement the budget leaves no room for is refused, and says so.
+        let e = Module::parse_within(&src, one / 2).unwrap_err();
+        assert!(e.budget && e.msg.contains("tokens of one statement"), "{e}");
+    }
+
     fn one_warp() -> LaunchConfig {
         cfg([1, 1, 1], [32, 1, 1])
     }
