@@ -1019,6 +1019,8 @@ impl Backend for CpuBackend {
         // for a real GPU) cannot run at all.
         let ptx;
         let mut newer = false;
+        // Bytes of text decompressed from a fatbin, held while it is parsed.
+        let mut decompressed = 0u64;
         let image = match format {
             ImageFormat::Ptx => image,
             ImageFormat::Cubin => {
@@ -1028,24 +1030,19 @@ impl Backend for CpuBackend {
                 ));
             }
             ImageFormat::Fatbin => {
-                let bad = |e: virtio_gpu_compute::fatbin::FatbinError| {
-                    let code = if matches!(e, virtio_gpu_compute::fatbin::FatbinError::TooLarge { .. }) { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_IMAGE };
-                    BackendError::new(code, e.to_string())
-                };
                 // The decompressed text counts against the tenant's host
                 // memory budget, like the module parsed from it.
                 let (text, is_newer) = virtio_gpu_compute::fatbin::ptx_for_interpreter(image, arch, host_limit)
-                    .map_err(bad)?
+                    .map_err(BackendError::fatbin)?
                     .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "the fatbin carries no PTX (its cubins cannot run on the CPU reference device)"))?;
                 (ptx, newer) = (text, is_newer);
+                decompressed = ptx.len() as u64;
                 &ptx[..]
             }
         };
         let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image)).map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
-        let mut m = Module::parse_within(text, host_limit).map_err(|e| {
-            let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
-            BackendError::new(code, e.to_string())
-        })?;
+        // The parse gets what the decompressed text leaves of the budget.
+        let mut m = Module::parse_within(text, host_limit.saturating_sub(decompressed)).map_err(BackendError::ptx)?;
         if m.target > arch && !newer {
             return Err(BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, format!("the module targets sm_{}, newer than this device's compute capability {major}.{minor}", m.target)));
         }
@@ -1276,6 +1273,34 @@ mod tests {
     }
 
     const INC_PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry inc(.param .u64 p, .param .u32 n) {\n .reg .pred %p1;\n .reg .b32 %r<7>;\n .reg .b64 %rd<4>;\n ld.param.u64 %rd1, [p];\n ld.param.u32 %r6, [n];\n mov.u32 %r2, %ctaid.x;\n mov.u32 %r3, %ntid.x;\n mov.u32 %r4, %tid.x;\n mad.lo.s32 %r2, %r2, %r3, %r4;\n setp.ge.u32 %p1, %r2, %r6;\n @%p1 bra DONE;\n mul.wide.u32 %rd2, %r2, 4;\n add.s64 %rd3, %rd1, %rd2;\n ld.global.u32 %r5, [%rd3];\n add.s32 %r5, %r5, 1;\n st.global.u32 [%rd3], %r5;\n atom.global.add.u32 %r5, [%rd3], 1;\nDONE:\n ret;\n}\n";
+
+    /// The text a fatbin's PTX decompresses to is held while it is
+    /// parsed: the two share the load's host budget, never getting it
+    /// twice over.
+    #[test]
+    fn a_fatbins_ptx_text_and_its_parse_share_one_host_budget() {
+        use virtio_gpu_compute::fatbin::{build, KIND_PTX};
+        let b = CpuBackend::new(0, 1 << 20, 0).unwrap();
+        let text = INC_PTX.as_bytes();
+        let load = |image: &[u8], format, limit| b.load_module(0, image, format, limit, &mut |_, _| unreachable!());
+        // The least budget the PTX parses within on its own.
+        let (mut lo, mut hi) = (0u64, 1 << 24);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if load(text, ImageFormat::Ptx, mid).is_ok() {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        let (parse, t) = (lo, text.len() as u64);
+        assert!(parse > 0);
+        let fat = build::image(&[build::entry(KIND_PTX, 70, 0x11, text, 0)]);
+        // Enough for the text, and enough for the parse, but not for both.
+        let e = load(&fat, ImageFormat::Fatbin, parse.max(t)).err().expect("a load within the larger of the two");
+        assert_eq!(e.code, CuResult::CUDA_ERROR_OUT_OF_MEMORY, "{}", e.msg);
+        assert!(load(&fat, ImageFormat::Fatbin, parse + t + 16).is_ok());
+    }
 
     fn inc(b: &CpuBackend, slot: TenantSlot, owned: &AllocTable, p: u64, words: u32) -> Result<u64, BackendError> {
         let m = b.load_module(slot, INC_PTX.as_bytes(), ImageFormat::Ptx, u64::MAX, &mut |_, _| unreachable!()).unwrap();

@@ -1313,15 +1313,12 @@ impl Backend for CudaBackend {
         // The driver keeps (at least) a copy of the image on the host.
         let host_bytes = image.len() as u64;
         if host_bytes > host_limit {
-            return Err(BackendError::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("a {host_bytes}-byte module exceeds the {host_limit} bytes left in the tenant's host budget")));
+            return Err(BackendError::over_host_budget(format!("a {host_bytes}-byte module exceeds the {host_limit} bytes left in the tenant's host budget")));
         }
         let ptx_params = match format {
             ImageFormat::Ptx => {
                 let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image)).map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
-                let sigs = vgpu_ptx::Module::signatures(text, host_limit - host_bytes).map_err(|e| {
-                    let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
-                    BackendError::new(code, e.to_string())
-                })?;
+                let sigs = vgpu_ptx::Module::signatures(text, host_limit - host_bytes).map_err(BackendError::ptx)?;
                 Some(sigs.into_iter().map(|s| (s.name, (s.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), s.params_size))).collect())
             }
             _ if self.param_info.is_none() => {

@@ -26,11 +26,38 @@ pub use vm_memory::VolatileSlice;
 pub struct BackendError {
     pub code: CuResult,
     pub msg: String,
+    /// The tenant's host budget refused it (`CUDA_ERROR_OUT_OF_MEMORY`
+    /// that is not the device's or the quota's).
+    pub host_budget: bool,
 }
 
 impl BackendError {
     pub fn new(code: CuResult, msg: impl Into<String>) -> Self {
-        BackendError { code, msg: msg.into() }
+        BackendError { code, msg: msg.into(), host_budget: false }
+    }
+
+    /// `CUDA_ERROR_OUT_OF_MEMORY` from the tenant's host budget.
+    pub fn over_host_budget(msg: impl Into<String>) -> Self {
+        BackendError { code: CuResult::CUDA_ERROR_OUT_OF_MEMORY, msg: msg.into(), host_budget: true }
+    }
+
+    /// A module's PTX that did not parse, or did not fit the host budget.
+    pub fn ptx(e: vgpu_ptx::PtxError) -> Self {
+        if e.budget {
+            Self::over_host_budget(e.to_string())
+        } else {
+            Self::new(CuResult::CUDA_ERROR_INVALID_PTX, e.to_string())
+        }
+    }
+
+    /// A fatbin that is malformed, or whose entry decompresses past the
+    /// host budget.
+    pub fn fatbin(e: virtio_gpu_compute::fatbin::FatbinError) -> Self {
+        if matches!(e, virtio_gpu_compute::fatbin::FatbinError::TooLarge { .. }) {
+            Self::over_host_budget(format!("fatbin: {e}"))
+        } else {
+            Self::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("fatbin: {e}"))
+        }
     }
 }
 

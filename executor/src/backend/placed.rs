@@ -20,14 +20,13 @@ pub fn placed_bytes(image: &[u8], format: ImageFormat, arch: u32, host_limit: u6
         ImageFormat::Ptx => ptx(image, host_limit),
         ImageFormat::Cubin => elf(image),
         ImageFormat::Fatbin => {
-            let bad = |e: fatbin::FatbinError| BackendError::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("fatbin: {e}"));
             let (mut most, mut left) = (0u64, host_limit);
             // Only what the driver could pick for this GPU.
-            for e in fatbin::entries(image).map_err(bad)?.into_iter().filter(|e| e.runs_on(arch)) {
-                let bytes = e.contents_within(left).map_err(bad)?;
+            for e in fatbin::entries(image).map_err(BackendError::fatbin)?.into_iter().filter(|e| e.runs_on(arch)) {
+                let bytes = e.contents_within(left).map_err(BackendError::fatbin)?;
                 left = left.saturating_sub(bytes.len() as u64);
                 let placed = match e.kind {
-                    Kind::Ptx => ptx(&bytes, host_limit)?,
+                    Kind::Ptx => ptx(&bytes, left)?,
                     Kind::Elf => elf(&bytes)?,
                     _ => 0,
                 };
@@ -40,10 +39,7 @@ pub fn placed_bytes(image: &[u8], format: ImageFormat, arch: u32, host_limit: u6
 
 fn ptx(image: &[u8], host_limit: u64) -> Result<u64, BackendError> {
     let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image)).map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
-    vgpu_ptx::Module::placed_bytes(text, host_limit).map_err(|e| {
-        let code = if e.budget { CuResult::CUDA_ERROR_OUT_OF_MEMORY } else { CuResult::CUDA_ERROR_INVALID_PTX };
-        BackendError::new(code, e.to_string())
-    })
+    vgpu_ptx::Module::placed_bytes(text, host_limit).map_err(BackendError::ptx)
 }
 
 fn elf(image: &[u8]) -> Result<u64, BackendError> {
