@@ -142,6 +142,9 @@ pub struct TenantStats {
     /// What `host_used` may reach.
     #[serde(default)]
     pub host_limit: u64,
+    /// Requests the host budget refused (`CUDA_ERROR_OUT_OF_MEMORY`).
+    #[serde(default)]
+    pub host_refused: u64,
 }
 
 impl TenantCmd {

@@ -118,7 +118,8 @@ fn host_used(m: &Mediator, name: &str) -> u64 {
 
 #[test]
 fn modules_and_events_are_charged_to_the_host_budget() {
-    let m = Mediator::start(&[]);
+    let log = vgpu_tests::per_process("hoarder.log");
+    let m = Mediator::start_logging(&[], &log);
     let v = m.tenant_with(json!({ "name": "hoarder", "memory": "16MiB", "host_memory": "4MiB" }));
     assert_eq!(v["host_memory"], 4 << 20);
     let sock = std::path::PathBuf::from(v["socket"].as_str().expect("socket"));
@@ -146,6 +147,14 @@ fn modules_and_events_are_charged_to_the_host_budget() {
     assert!(full <= 4 << 20 && full > base + (1 << 20), "host_used {full}");
     let metric = m.metric("vgpu_tenant_host_memory_bytes", "tenant=\"hoarder\",device=\"cpu0\"").expect("metric");
     assert_eq!(metric as u64, full);
+    // The refusal is counted and logged, so an operator can tell it from
+    // a fault (a library may drop the error it got).
+    let refusals = || m.metric("vgpu_tenant_host_memory_refusals_total", "tenant=\"hoarder\",device=\"cpu0\"").expect("refusals metric") as u64;
+    assert_eq!(refusals(), 1);
+    let show = String::from_utf8(m.vgpuctl().args(["tenant", "show", "hoarder"]).output().expect("vgpuctl").stdout).unwrap();
+    assert!(show.contains("(1 requests refused)"), "{show}");
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(logged.contains("hoarder") && logged.contains("host budget (4194304 bytes, its host_memory) refused a request"), "{logged}");
     // One function handle per kernel, however often it is looked up.
     let first = r.function(ctx, modules[0], "big");
     let Reply::Function(f, _) = first else { panic!("{first:?}") };
@@ -175,6 +184,7 @@ fn modules_and_events_are_charged_to_the_host_budget() {
         }
         assert!(events < 65536, "events were never charged");
     }
+    assert_eq!(refusals(), 2);
     assert!(host_used(&m, "hoarder") <= 4 << 20);
     // The connection closing releases everything its contexts held.
     drop(r);

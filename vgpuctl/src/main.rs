@@ -585,10 +585,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 }
                 match v.get("usage").filter(|x| !x.is_null()) {
                     Some(us) => println!(
-                        "used:      {} ({} spilled to host RAM)\nhost used: {}\nkernels:   {}\ndevice-s:  {:.3}\nscrubbed:  {}\nclients:   {}",
+                        "used:      {} ({} spilled to host RAM)\nhost used: {} ({} requests refused)\nkernels:   {}\ndevice-s:  {:.3}\nscrubbed:  {}\nclients:   {}",
                         human(u(us, "used")),
                         human(u(us, "spilled")),
                         human(u(us, "host_used")),
+                        u(us, "host_refused"),
                         u(us, "kernels"),
                         u(us, "device_ns") as f64 / 1e9,
                         human(u(us, "bytes_scrubbed")),

@@ -18,10 +18,14 @@ use vgpu_arbiter::ipc::{DeviceStats, TenantStats};
 /// Host memory a tenant's objects keep in the worker (parsed modules,
 /// function tables, contexts, streams, events, allocation records,
 /// connections and in-flight payloads): charged when they are made,
-/// released when they go, and never past `limit`.
+/// released when they go, and never past `limit`. What it refuses is
+/// counted, and logged, so an operator can tell a tenant's failures (a
+/// library that drops the error among them) from a fault.
 pub struct HostBudget {
     limit: u64,
     used: AtomicU64,
+    tenant: String,
+    refused: AtomicU64,
 }
 
 /// What each kind of object costs the host budget, in bytes: its table
@@ -54,8 +58,8 @@ pub mod host_cost {
 pub const MAX_GRAPHS: usize = 4096;
 
 impl HostBudget {
-    pub fn new(limit: u64) -> HostBudget {
-        HostBudget { limit, used: AtomicU64::new(0) }
+    pub fn new(limit: u64, tenant: &str) -> HostBudget {
+        HostBudget { limit, used: AtomicU64::new(0), tenant: tenant.to_string(), refused: AtomicU64::new(0) }
     }
 
     /// Takes `n` bytes, or fails with CUDA_ERROR_OUT_OF_MEMORY naming `what`.
@@ -63,7 +67,9 @@ impl HostBudget {
         let mut cur = self.used.load(Ordering::Relaxed);
         loop {
             let next = cur.checked_add(n).filter(|v| *v <= self.limit).ok_or_else(|| {
-                err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("{what} needs {n} bytes of host memory; the tenant's host budget has {} of {} bytes left", self.limit.saturating_sub(cur), self.limit))
+                let msg = format!("{what} needs {n} bytes of host memory; the tenant's host budget has {} of {} bytes left", self.limit.saturating_sub(cur), self.limit);
+                self.note_refusal(&msg);
+                err(CuResult::CUDA_ERROR_OUT_OF_MEMORY, msg)
             })?;
             match self.used.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed) {
                 Ok(_) => return Ok(()),
@@ -86,6 +92,21 @@ impl HostBudget {
 
     pub fn left(&self) -> u64 {
         self.limit.saturating_sub(self.used())
+    }
+
+    /// Counts a request the budget refused and logs it: the 1st, 2nd,
+    /// 4th, 8th, ... of them, so a tenant that keeps asking cannot fill
+    /// the log.
+    pub fn note_refusal(&self, msg: &str) {
+        let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!(tenant = %self.tenant, refusals = n, "the tenant's host budget ({} bytes, its host_memory) refused a request: {msg}", self.limit);
+        }
+    }
+
+    /// Requests refused so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
     }
 }
 
@@ -621,7 +642,7 @@ impl DeviceService {
             name: name.to_string(),
             quota: AtomicU64::new(quota),
             share: Mutex::new(share),
-            host: Arc::new(HostBudget::new(host_limit)),
+            host: Arc::new(HostBudget::new(host_limit, name)),
             revoked: AtomicBool::new(false),
             slot,
             backend: self.backend.clone(),
@@ -735,6 +756,7 @@ impl DeviceService {
                 connections: t.connections.load(Ordering::Relaxed),
                 host_used: t.host.used(),
                 host_limit: t.host.limit(),
+                host_refused: t.host.refused(),
             })
             .collect();
         DeviceStats {
@@ -1559,7 +1581,11 @@ impl DeviceService {
                 let format = ImageFormat::sniff(&image);
                 // Variables the driver places itself count against the
                 // quota before they take device memory.
-                let placed = self.backend.placed_bytes(&image, format, t.host.left())?;
+                let placed = self.backend.placed_bytes(&image, format, t.host.left()).inspect_err(|e| {
+                    if e.host_budget {
+                        t.host.note_refusal(&e.msg);
+                    }
+                })?;
                 if placed > 0 {
                     self.sweep_retired(t, st);
                     if placed > t.quota().saturating_sub(st.used) {
@@ -1575,6 +1601,11 @@ impl DeviceService {
                     data.push(a);
                     Ok(a)
                 });
+                if let Err(e) = &loaded {
+                    if e.host_budget {
+                        t.host.note_refusal(&e.msg);
+                    }
+                }
                 // Charged to the tenant, not to the context: a graph may
                 // keep the module past its unload (`Charge` releases it).
                 let charged = loaded.and_then(|m| {

@@ -504,8 +504,8 @@ async fn delete_tenant(State(c): St, Path(name): Path<String>) -> Result<StatusC
 /// device's): vgpu_tenant_memory_quota_bytes, vgpu_tenant_memory_used_bytes,
 /// vgpu_tenant_kernels_total, vgpu_tenant_device_seconds_total,
 /// vgpu_tenant_scrubbed_bytes_total, vgpu_tenant_connections,
-/// vgpu_tenant_host_memory_bytes, vgpu_tenant_host_memory_limit_bytes and
-/// more; passthrough families (labels device, address).
+/// vgpu_tenant_host_memory_bytes, vgpu_tenant_host_memory_limit_bytes,
+/// vgpu_tenant_host_memory_refusals_total and more; passthrough families (labels device, address).
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Metrics", body = String, content_type = "text/plain")))]
 async fn metrics(State(c): St) -> Result<Response, ControlError> {
     let text = blocking(move || render_metrics(&c)).await?;
@@ -579,6 +579,12 @@ pub fn render_metrics(c: &Control) -> String {
     family("vgpu_tenant_connections", "gauge", "Open client connections of the tenant.", ten(&|t| t.connections as f64));
     family("vgpu_tenant_host_memory_bytes", "gauge", "Host memory the tenant's objects keep in its device worker.", ten(&|t| t.host_used as f64));
     family("vgpu_tenant_host_memory_limit_bytes", "gauge", "The tenant's host memory budget in its device worker.", ten(&|t| t.host_limit as f64));
+    family(
+        "vgpu_tenant_host_memory_refusals_total",
+        "counter",
+        "Requests the tenant's host memory budget refused (module loads among them), since its device process started.",
+        ten(&|t| t.host_refused as f64),
+    );
     let pass = pass_views(c);
     let pl = |v: &super::passthrough::PassView| format!("device=\"{}\",address=\"{}\"", esc(&v.name), esc(&v.address));
     let states = ["free", "lent", "returning", "quarantined"];
