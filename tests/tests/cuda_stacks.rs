@@ -373,6 +373,40 @@ fn cubins_are_refused_with_no_binary_for_gpu() {
     assert!(text.contains("cubin images are machine code for a real GPU"), "{text}");
 }
 
+/// CuPy's CUB wrapper drops the error CUB returns, so a tenant whose host
+/// budget cannot hold CUB's module gets a wrong sum and no exception. The
+/// refusal is still there for the operator: counted in the tenant's
+/// metrics and `vgpuctl tenant show`, and logged with the tenant's name
+/// (docs/cuda-stacks.md). With the default budget the same sum is right.
+#[test]
+fn a_cupy_tenant_short_of_host_memory_shows_the_refused_load() {
+    let log = vgpu_tests::per_process("cupy-short.log");
+    let m = Mediator::start_logging(&["--device-memory", "256MiB"], &log);
+    let script = "import cupy as cp\na = cp.arange(200000, dtype=cp.float64)\nprint('sum', float(a.sum()))\n";
+    let sum = |tenant: &str| {
+        let env = run_ok(m.vgpuctl().args(["tenant", "env", tenant]));
+        let mut c = Command::new(pyenv().join("bin/python"));
+        c.args(["-c", script]).env("LD_LIBRARY_PATH", lib_dir()).env("CUPY_CACHE_DIR", vgpu_tests::per_process("cupy-cache-short"));
+        for line in env.lines() {
+            let (k, v) = line.strip_prefix("export ").and_then(|l| l.split_once('=')).unwrap_or_else(|| panic!("not an export line: {line}"));
+            c.env(k, v.trim_matches('\''));
+        }
+        run(c, "cupy sum", "sum ")
+    };
+    let refusals = |tenant: &str| m.metric("vgpu_tenant_host_memory_refusals_total", &format!("tenant=\"{tenant}\",device=\"cpu0\"")).expect("refusals metric") as u64;
+    m.tenant_with(json!({ "name": "short", "memory": "64MiB", "host_memory": "96MiB" }));
+    sum("short");
+    assert!(refusals("short") >= 1, "the refused module load was not counted");
+    let show = run_ok(m.vgpuctl().args(["tenant", "show", "short"]));
+    assert!(!show.contains("(0 requests refused)"), "{show}");
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(logged.lines().any(|l| l.contains("short") && l.contains("refused a request")), "{logged}");
+    m.tenant("ample", "64MiB");
+    let text = sum("ample");
+    assert!(text.contains("sum 19999900000.0"), "{text}");
+    assert_eq!(refusals("ample"), 0);
+}
+
 /// The device worker answers the whole `CUdevice_attribute` table the shim
 /// hands runtimes (on a GPU, the hardware's own values), with what the
 /// vGPU does not offer reading 0.
