@@ -146,17 +146,23 @@ impl<'a> Statements<'a> {
         Statements { lexer: Lexer::new(src), ahead: None }
     }
 
-    /// Appends the next statement's tokens to `out`, if it has at most
-    /// `room` of them: they are counted first, so `out` grows once, by
-    /// exactly that many (`Err(None)` past `room`, nothing taken). Returns
-    /// whether there was a statement.
+    /// Puts the next statement's tokens in `out` (in place of what it
+    /// held), if it has at most `room` of them: they are counted first, so
+    /// `out` is allocated at most once, for exactly that many, after its
+    /// old buffer is freed (`Err(None)` past `room`, nothing taken).
+    /// Returns whether there was a statement.
     pub fn next_into(&mut self, out: &mut Vec<Token<'a>>, room: usize) -> Result<bool, Option<PtxError>> {
         let mut n = 0usize;
         self.clone().walk(|_| {
             n += 1;
             n <= room
         })?;
-        out.reserve_exact(n);
+        out.clear();
+        if out.capacity() < n {
+            // Freed before the larger one is taken, never both at once.
+            *out = Vec::new();
+            out.reserve_exact(n);
+        }
         self.walk(|t| {
             out.push(t);
             true

@@ -168,6 +168,11 @@ impl Module {
             if entry {
                 let name = p.word()?.to_string();
                 let (params, params_size) = if p.is_punct('(') { p.params()? } else { (Vec::new(), 0) };
+                // What is returned is charged as it grows (its vector's
+                // slack included): a module of bare `.entry a;` lines
+                // makes more of it than its tokens.
+                let names: usize = params.iter().map(|p| std::mem::size_of::<Param>() + p.name.capacity()).sum();
+                p.charge((2 * std::mem::size_of::<Signature>() + name.capacity() + names) as u64)?;
                 out.push(Signature { name, params, params_size });
             }
         }
@@ -411,6 +416,18 @@ impl<'a> Parser<'a> {
         (self.t.capacity() as u64).saturating_mul(lex::TOKEN_BYTES)
     }
 
+    /// Host bytes of the instruction array, its unused capacity included
+    /// (the rest of the decoded form is in `decoded`).
+    fn code_bytes(&self) -> u64 {
+        (self.code.capacity() as u64).saturating_mul(std::mem::size_of::<Inst>() as u64)
+    }
+
+    /// Whether the decoded form, the instruction array and the token
+    /// window together are past the limit.
+    fn over_limit(&self) -> bool {
+        self.decoded.saturating_add(self.code_bytes()).saturating_add(self.held()) > self.limit
+    }
+
     /// Whether tokens are left: when the window is used up, it takes the
     /// next module-scope statement's, within what the decoded module
     /// leaves of the budget.
@@ -418,7 +435,7 @@ impl<'a> Parser<'a> {
         if self.i < self.t.len() {
             return Ok(true);
         }
-        let room = self.limit.saturating_sub(self.decoded) / lex::TOKEN_BYTES;
+        let room = self.limit.saturating_sub(self.decoded).saturating_sub(self.code_bytes()) / lex::TOKEN_BYTES;
         let room = usize::try_from(room).unwrap_or(usize::MAX);
         self.t.clear();
         if self.t.capacity() > room {
@@ -511,7 +528,7 @@ impl<'a> Parser<'a> {
 
     fn charge(&mut self, bytes: u64) -> Result<(), PtxError> {
         self.decoded = self.decoded.saturating_add(bytes);
-        if self.decoded.saturating_add(self.held()) > self.limit {
+        if self.over_limit() {
             return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
         }
         Ok(())
@@ -1055,11 +1072,8 @@ impl<'a> Parser<'a> {
     fn body(&mut self, b: &mut Body, kernel: bool) -> Result<(), PtxError> {
         let mut depth = 1;
         while depth > 0 {
-            if self.code.len() % 1024 == 1023 {
-                let bytes = (self.code.capacity() * std::mem::size_of::<Inst>()) as u64;
-                if self.decoded.saturating_add(bytes).saturating_add(self.held()) > self.limit {
-                    return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
-                }
+            if self.code.len() % 1024 == 1023 && self.over_limit() {
+                return Err(PtxError::over_budget(self.line(), format!("the decoded module needs more than {} bytes of host memory, the rest of the tenant's host budget", self.limit)));
             }
             let line = self.line();
             match self.next()? {

@@ -684,6 +684,17 @@ mod hostile {
         assert!(e.budget && e.msg.contains("tokens of one statement"), "{e}");
     }
 
+    /// What `signatures` returns is charged as it grows: bare `.entry a;`
+    /// lines, three tokens each, would otherwise make ten times the text
+    /// in memory, uncharged.
+    #[test]
+    fn signatures_are_charged_as_they_are_collected() {
+        let src = format!("{HEAD}{}", ".entry a;\n".repeat(100_000));
+        assert_eq!(Module::signatures(&src, u64::MAX).unwrap().len(), 100_000);
+        let e = Module::signatures(&src, 4 << 20).unwrap_err();
+        assert!(e.budget, "{e}");
+    }
+
     fn one_warp() -> LaunchConfig {
         cfg([1, 1, 1], [32, 1, 1])
     }
