@@ -132,7 +132,10 @@ impl Entry<'_> {
     /// more than `limit` bytes.
     pub fn contents_within(&self, limit: u64) -> Result<Vec<u8>, FatbinError> {
         let mut data = if self.compressed() {
-            if self.uncompressed == 0 || self.uncompressed > MAX_UNCOMPRESSED.min(limit) {
+            if self.uncompressed == 0 {
+                return Err(FatbinError::BadEntry { index: self.index, what: "compressed entry states no uncompressed size" });
+            }
+            if self.uncompressed > MAX_UNCOMPRESSED.min(limit) {
                 return Err(FatbinError::TooLarge { index: self.index, size: self.uncompressed, limit: MAX_UNCOMPRESSED.min(limit) });
             }
             let size = self.uncompressed as usize;
@@ -145,6 +148,9 @@ impl Entry<'_> {
             while data.last() == Some(&0) {
                 data.pop();
             }
+            // Padding gone, its memory goes too: what a caller holds is
+            // what it measures.
+            data.shrink_to_fit();
         }
         Ok(data)
     }
@@ -429,6 +435,29 @@ mod tests {
         assert!(lz4_block(&[0x35, b'a', b'b', b'c', 9, 0, 0x10, b'!'], 13).is_err());
         assert!(lz4_block(&[0xF0, 255, 255], 100).is_err());
         assert!(lz4_block(&[0x10], 1).is_err());
+    }
+
+    /// PTX padded with NULs (a whole budget of them compresses to a few
+    /// bytes) comes back trimmed and holding no more memory than its text,
+    /// which is what a caller charges; a compressed entry that states no
+    /// size is malformed, not too large.
+    #[test]
+    fn padded_ptx_is_trimmed_to_its_text_in_memory_too() {
+        // "ab\0", then a match at offset 1 copying the NUL 1 MiB over
+        // (length 4 + 15 + 255 × k + r), then five NULs as the last
+        // literals.
+        let extra = (1usize << 20) - 4 - 15;
+        let mut block = vec![0x3F, b'a', b'b', 0, 1, 0];
+        block.extend(std::iter::repeat_n(255u8, extra / 255));
+        block.push((extra % 255) as u8);
+        block.extend_from_slice(&[0x50, 0, 0, 0, 0, 0]);
+        let size = 3 + (1 << 20) + 5;
+        let f = fatbin(&[entry(KIND_PTX, 80, 0x2011, &block, size as u64)]);
+        let (text, _) = ptx_for_interpreter(&f, 80, MAX_UNCOMPRESSED).unwrap().unwrap();
+        assert_eq!(text, b"ab");
+        assert!(text.capacity() < 64, "the trimmed text holds {} bytes", text.capacity());
+        let f = fatbin(&[entry(KIND_PTX, 80, 0x2011, &block, 0)]);
+        assert!(matches!(ptx_for_interpreter(&f, 80, MAX_UNCOMPRESSED), Err(FatbinError::BadEntry { .. })));
     }
 
     #[test]
