@@ -1036,7 +1036,7 @@ impl Backend for CpuBackend {
                     .map_err(BackendError::fatbin)?
                     .ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_NO_BINARY_FOR_GPU, "the fatbin carries no PTX (its cubins cannot run on the CPU reference device)"))?;
                 (ptx, newer) = (text, is_newer);
-                decompressed = ptx.len() as u64;
+                decompressed = ptx.capacity() as u64;
                 &ptx[..]
             }
         };

@@ -1311,7 +1311,7 @@ impl Backend for CudaBackend {
         // context; `_data` is for backends that place them themselves.
         let owner = self.tenant(slot)?;
         // The driver keeps (at least) a copy of the image on the host.
-        let host_bytes = image.len() as u64;
+        let mut host_bytes = image.len() as u64;
         if host_bytes > host_limit {
             return Err(BackendError::over_host_budget(format!("a {host_bytes}-byte module exceeds the {host_limit} bytes left in the tenant's host budget")));
         }
@@ -1319,6 +1319,9 @@ impl Backend for CudaBackend {
             ImageFormat::Ptx => {
                 let text = std::str::from_utf8(image.strip_suffix(&[0]).unwrap_or(image)).map_err(|_| BackendError::new(CuResult::CUDA_ERROR_INVALID_PTX, "PTX image is not valid UTF-8 text"))?;
                 let sigs = vgpu_ptx::Module::signatures(text, host_limit - host_bytes).map_err(BackendError::ptx)?;
+                // The layouts the module keeps, charged with it (a map
+                // entry's own overhead counted as 64 bytes).
+                host_bytes += sigs.iter().map(|s| 64 + s.name.len() as u64 + (s.params.len() * std::mem::size_of::<ParamDesc>()) as u64).sum::<u64>();
                 Some(sigs.into_iter().map(|s| (s.name, (s.params.iter().map(|p| ParamDesc { offset: p.offset, size: p.size }).collect(), s.params_size))).collect())
             }
             _ if self.param_info.is_none() => {

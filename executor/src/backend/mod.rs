@@ -51,12 +51,14 @@ impl BackendError {
     }
 
     /// A fatbin that is malformed, or whose entry decompresses past the
-    /// host budget.
+    /// host budget (`CUDA_ERROR_OUT_OF_MEMORY`; past the fixed cap on any
+    /// entry, whatever the budget, it is not the budget's refusal).
     pub fn fatbin(e: virtio_gpu_compute::fatbin::FatbinError) -> Self {
-        if matches!(e, virtio_gpu_compute::fatbin::FatbinError::TooLarge { .. }) {
-            Self::over_host_budget(format!("fatbin: {e}"))
-        } else {
-            Self::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("fatbin: {e}"))
+        use virtio_gpu_compute::fatbin::{FatbinError, MAX_UNCOMPRESSED};
+        match e {
+            FatbinError::TooLarge { size, .. } if size <= MAX_UNCOMPRESSED => Self::over_host_budget(format!("fatbin: {e}")),
+            FatbinError::TooLarge { .. } => Self::new(CuResult::CUDA_ERROR_OUT_OF_MEMORY, format!("fatbin: {e}")),
+            _ => Self::new(CuResult::CUDA_ERROR_INVALID_IMAGE, format!("fatbin: {e}")),
         }
     }
 }

@@ -23,10 +23,13 @@ pub fn placed_bytes(image: &[u8], format: ImageFormat, arch: u32, host_limit: u6
             let (mut most, mut left) = (0u64, host_limit);
             // Only what the driver could pick for this GPU.
             for e in fatbin::entries(image).map_err(BackendError::fatbin)?.into_iter().filter(|e| e.runs_on(arch)) {
+                // Decompression is bounded for all entries together; each
+                // entry is freed before the next, so its parse gets what
+                // its own text leaves.
                 let bytes = e.contents_within(left).map_err(BackendError::fatbin)?;
-                left = left.saturating_sub(bytes.len() as u64);
+                left = left.saturating_sub(bytes.capacity() as u64);
                 let placed = match e.kind {
-                    Kind::Ptx => ptx(&bytes, left)?,
+                    Kind::Ptx => ptx(&bytes, host_limit.saturating_sub(bytes.capacity() as u64))?,
                     Kind::Elf => elf(&bytes)?,
                     _ => 0,
                 };
