@@ -53,3 +53,68 @@ fn a_victims_short_launches_preempt_an_aggressors_long_ones() {
     let p99 = shares::percentile(&got, 99.0);
     assert!(p99 * 4 < long, "victim p99 {p99:?} behind aggressor launches of {long:?}");
 }
+
+/// A memset or copy on the CPU device stops to be preempted every 16 MiB,
+/// as a kernel does at its checkpoints: a latency-class victim's short
+/// launches are not stuck behind memsets of 256 MiB (of a 4-byte pattern,
+/// which the device writes an element at a time) that an aggressor keeps on
+/// its lane. Before such checkpoints, each memset held its lane to the
+/// end.
+#[test]
+fn a_victims_short_launches_preempt_aggressors_long_memsets() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    use vgpu_tests::Raw;
+    use virtio_gpu_compute::{MemAllocReq, MemsetReq, Reply, Request};
+    const SIZE: u64 = 256 << 20;
+    // One lane, which one aggressor keeps busy.
+    let m = Mediator::start(&["--device-memory", "1GiB", "--lanes", "1"]);
+    let lanes = 1;
+    let agg: Vec<String> = (0..lanes).map(|i| m.tenant_with(json!({"name": format!("aggressor{i}"), "memory": "260MiB"}))["socket"].as_str().unwrap().to_string()).collect();
+    let vic = m.tenant_with(json!({"name": "victim", "memory": "16MiB", "priority": "latency"}))["socket"].as_str().unwrap().to_string();
+    let memsetter = |sock: &str| {
+        let mut r = Raw::connect(std::path::Path::new(sock));
+        let ctx = r.ctx();
+        let Reply::Ptr(p) = r.call(Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size: SIZE })) else { panic!("alloc") };
+        let set = MemsetReq { ctx, stream: 0, dptr: p, value: 0x1234_5678, elem_size: 4, count: SIZE / 4 };
+        assert!(matches!(r.call(Request::Memset(set)), Reply::Empty));
+        (r, set)
+    };
+    // One memset alone, its pages touched: how long it takes.
+    let (mut r, set) = memsetter(&agg[0]);
+    let t = Instant::now();
+    assert!(matches!(r.call(Request::Memset(set)), Reply::Empty));
+    let long = t.elapsed();
+    drop(r);
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood: Vec<_> = agg
+        .iter()
+        .map(|sock| {
+            let (mut r, set) = memsetter(sock);
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    assert!(matches!(r.call(Request::Memset(set)), Reply::Empty));
+                }
+            })
+        })
+        .collect();
+    // The victim's launches come a while apart, so that the aggressor has
+    // the lane again each time (the victim's class would otherwise keep
+    // it through a burst).
+    let v = shares::Spinner::new(&vic, 1);
+    v.timed(3_000);
+    let got: Vec<Duration> = (0..30)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(15));
+            v.timed(3_000)
+        })
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    for t in flood {
+        t.join().expect("aggressor thread");
+    }
+    let p99 = shares::percentile(&got, 99.0);
+    assert!(p99 * 4 < long, "victim p99 {p99:?} behind aggressor memsets of {long:?}");
+}

@@ -384,6 +384,39 @@ fn each_piece(m: &Mapping, rel: u64, n: u64, mut f: impl FnMut(u64, std::ops::Ra
     Ok(())
 }
 
+/// [`each_piece`] for a copy or memset: in pieces of at most
+/// [`CHECKPOINT_BYTES`], stopping between them where the lane is asked
+/// back. (A kernel's own accesses use `each_piece`: they never stop
+/// midway.)
+fn each_piece_preemptible(m: &Mapping, rel: u64, n: u64, mut f: impl FnMut(u64, std::ops::Range<usize>) -> Result<(), BackendError>) -> Result<(), BackendError> {
+    let mut pos = 0;
+    while pos < n {
+        if pos > 0 {
+            preempt_point();
+        }
+        let (off, avail) = m.piece(rel + pos).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, format!("byte {} is outside its allocation", rel + pos)))?;
+        let c = avail.min(n - pos).min(CHECKPOINT_BYTES);
+        f(off, pos as usize..(pos + c) as usize)?;
+        pos += c;
+    }
+    Ok(())
+}
+
+/// Copies and memsets stop to be preempted after this many bytes, as
+/// kernels do at their checkpoints: a memset of a whole quota holds a
+/// lane for a millisecond or two at a time, not for seconds.
+const CHECKPOINT_BYTES: u64 = 16 << 20;
+
+/// Where a long copy or memset may give its lane up (when the scheduler
+/// or the device's arbiter asked for it) until it is granted one again.
+fn preempt_point() {
+    vgpu_arbiter::grant::with_preempt(|p| {
+        if let Some(p) = p {
+            p.checkpoint();
+        }
+    });
+}
+
 /// Device addresses of a window are aligned to this.
 const WINDOW_ALIGN: u64 = 2 << 20;
 
@@ -952,7 +985,7 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let (m, rel) = self.resolve(slot, addr, data.len() as u64)?;
-        each_piece(&m, rel, data.len() as u64, |off, r| {
+        each_piece_preemptible(&m, rel, data.len() as u64, |off, r| {
             piece(&data, r.start, r.len())?.copy_to_volatile_slice(self.arena.volatile(off, r.len())?);
             Ok(())
         })
@@ -963,7 +996,7 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let (m, rel) = self.resolve(slot, addr, out.len() as u64)?;
-        each_piece(&m, rel, out.len() as u64, |off, r| {
+        each_piece_preemptible(&m, rel, out.len() as u64, |off, r| {
             self.arena.volatile(off, r.len())?.copy_to_volatile_slice(piece(&out, r.start, r.len())?);
             Ok(())
         })
@@ -975,7 +1008,7 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let (m, rel) = self.resolve(slot, addr, n)?;
-        each_piece(&m, rel, n, |off, r| self.arena.fill_from(off, r.len() as u64, elem, r.start % elem.len()))
+        each_piece_preemptible(&m, rel, n, |off, r| self.arena.fill_from(off, r.len() as u64, elem, r.start % elem.len()))
     }
 
     fn copy(&self, slot: TenantSlot, dst: u64, src: u64, len: u64) -> Result<(), BackendError> {
@@ -991,18 +1024,24 @@ impl Backend for CpuBackend {
         if Arc::ptr_eq(&dm, &sm) && drel > srel && drel < srel + len {
             let mut end = len;
             while end > 0 {
+                if end < len {
+                    preempt_point();
+                }
                 let (d, da) = dm.piece_before(drel + end).ok_or_else(outside)?;
                 let (s, sa) = sm.piece_before(srel + end).ok_or_else(outside)?;
-                let c = da.min(sa).min(end);
+                let c = da.min(sa).min(end).min(CHECKPOINT_BYTES);
                 self.arena.copy(d - c, s - c, c)?;
                 end -= c;
             }
         } else {
             let mut pos = 0;
             while pos < len {
+                if pos > 0 {
+                    preempt_point();
+                }
                 let (d, da) = dm.piece(drel + pos).ok_or_else(outside)?;
                 let (s, sa) = sm.piece(srel + pos).ok_or_else(outside)?;
-                let c = da.min(sa).min(len - pos);
+                let c = da.min(sa).min(len - pos).min(CHECKPOINT_BYTES);
                 self.arena.copy(d, s, c)?;
                 pos += c;
             }
