@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use virtio_gpu_compute::{CuResult, ImageFormat, ParamDesc};
 
-use super::{piece, AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot, VolatileSlice};
+use super::{piece, preempt_point, AllocTable, Backend, BackendError, DeviceDesc, DeviceModule, FunctionDesc, Launch, ModuleDataAlloc, TenantSlot, VolatileSlice, CHECKPOINT_BYTES};
 use vgpu_ptx::{self as ptx, ExecError, GlobalMem, Module};
 
 /// Allocation granule and alignment, as CUDA guarantees 256-byte alignment.
@@ -386,35 +386,23 @@ fn each_piece(m: &Mapping, rel: u64, n: u64, mut f: impl FnMut(u64, std::ops::Ra
 
 /// [`each_piece`] for a copy or memset: in pieces of at most
 /// [`CHECKPOINT_BYTES`], stopping between them where the lane is asked
-/// back. (A kernel's own accesses use `each_piece`: they never stop
-/// midway.)
+/// back once that many bytes were done since the last stop. (A kernel's
+/// own accesses use `each_piece`: they never stop midway; nor does a copy
+/// of at most `CHECKPOINT_BYTES`.)
 fn each_piece_preemptible(m: &Mapping, rel: u64, n: u64, mut f: impl FnMut(u64, std::ops::Range<usize>) -> Result<(), BackendError>) -> Result<(), BackendError> {
-    let mut pos = 0;
+    let (mut pos, mut since) = (0, 0);
     while pos < n {
-        if pos > 0 {
+        if since >= CHECKPOINT_BYTES {
             preempt_point();
+            since = 0;
         }
         let (off, avail) = m.piece(rel + pos).ok_or_else(|| BackendError::new(CuResult::CUDA_ERROR_ILLEGAL_ADDRESS, format!("byte {} is outside its allocation", rel + pos)))?;
-        let c = avail.min(n - pos).min(CHECKPOINT_BYTES);
+        let c = avail.min(n - pos).min(CHECKPOINT_BYTES - since);
         f(off, pos as usize..(pos + c) as usize)?;
         pos += c;
+        since += c;
     }
     Ok(())
-}
-
-/// Copies and memsets stop to be preempted after this many bytes, as
-/// kernels do at their checkpoints: a memset of a whole quota holds a
-/// lane for a millisecond or two at a time, not for seconds.
-const CHECKPOINT_BYTES: u64 = 16 << 20;
-
-/// Where a long copy or memset may give its lane up (when the scheduler
-/// or the device's arbiter asked for it) until it is granted one again.
-fn preempt_point() {
-    vgpu_arbiter::grant::with_preempt(|p| {
-        if let Some(p) = p {
-            p.checkpoint();
-        }
-    });
 }
 
 /// Device addresses of a window are aligned to this.
@@ -1021,29 +1009,38 @@ impl Backend for CpuBackend {
         // Piece by piece, split where either side's extent ends. Within one
         // allocation the same address is the same arena byte, so a copy
         // onto its own later bytes runs back to front, as memmove does.
+        // Bytes copied since the copy last stopped to be preempted.
+        let mut since = 0;
+        let mut stop = |c: u64| {
+            since += c;
+            if since >= CHECKPOINT_BYTES {
+                preempt_point();
+                since = 0;
+            }
+        };
         if Arc::ptr_eq(&dm, &sm) && drel > srel && drel < srel + len {
             let mut end = len;
             while end > 0 {
-                if end < len {
-                    preempt_point();
-                }
                 let (d, da) = dm.piece_before(drel + end).ok_or_else(outside)?;
                 let (s, sa) = sm.piece_before(srel + end).ok_or_else(outside)?;
                 let c = da.min(sa).min(end).min(CHECKPOINT_BYTES);
                 self.arena.copy(d - c, s - c, c)?;
                 end -= c;
+                if end > 0 {
+                    stop(c);
+                }
             }
         } else {
             let mut pos = 0;
             while pos < len {
-                if pos > 0 {
-                    preempt_point();
-                }
                 let (d, da) = dm.piece(drel + pos).ok_or_else(outside)?;
                 let (s, sa) = sm.piece(srel + pos).ok_or_else(outside)?;
                 let c = da.min(sa).min(len - pos).min(CHECKPOINT_BYTES);
                 self.arena.copy(d, s, c)?;
                 pos += c;
+                if pos < len {
+                    stop(c);
+                }
             }
         }
         Ok(())

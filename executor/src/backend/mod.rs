@@ -63,6 +63,23 @@ impl BackendError {
     }
 }
 
+/// Copies and memsets stop to be preempted after this many bytes, as
+/// kernels do at their checkpoints: on the CPU device a memset of a whole
+/// quota holds a lane for a few milliseconds at a time, not for seconds.
+/// One of at most this many bytes never stops.
+pub const CHECKPOINT_BYTES: u64 = 4 << 20;
+
+/// Where a long copy or memset may give its lane up (when the scheduler
+/// or the device's arbiter asked for it) until it is granted one again.
+/// Nothing happens off a lane.
+pub fn preempt_point() {
+    vgpu_arbiter::grant::with_preempt(|p| {
+        if let Some(p) = p {
+            p.checkpoint();
+        }
+    });
+}
+
 /// Bytes `[at, at+n)` of `s`: a copy's piece.
 pub fn piece<'a>(s: &VolatileSlice<'a>, at: usize, n: usize) -> Result<VolatileSlice<'a>, BackendError> {
     s.subslice(at, n).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, format!("host range {at}+{n}: {e}")))

@@ -705,3 +705,40 @@ fn what_a_guest_makes_the_executor_hold_is_on_its_host_budget() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
+
+/// A copy between device memory and a guest blob larger than one copy
+/// window (4 MiB) moves every byte to its place, across the windows and
+/// the blob's pieces.
+#[test]
+fn a_blob_copy_larger_than_a_window_moves_every_byte() {
+    const BIG: u32 = 12;
+    let svc = service();
+    let (mut dev, mem, _t) = device_on(&svc, "bigcopy", 32 << 20);
+    ready(&mut dev);
+    // 10 MiB in two pieces of guest RAM: 6 MiB, then 4 MiB.
+    let pieces = [(0x40_0000u64, 6u32 << 20), (0xA0_0000, 4 << 20)];
+    assert_eq!(create_blob(&mut dev, BIG, &pieces), ty::RESP_OK_NODATA);
+    assert_eq!(attach(&mut dev, BIG), ty::RESP_OK_NODATA);
+    let size = 10u64 << 20;
+    let gpa = |off: u64| if off < 6 << 20 { 0x40_0000 + off } else { 0xA0_0000 + off - (6 << 20) };
+    let byte = |i: u64| (i.wrapping_mul(2_654_435_761) >> 13) as u8;
+    let fill = |f: &dyn Fn(u64) -> u8| {
+        for (start, len) in pieces {
+            let base = if start == 0x40_0000 { 0 } else { 6 << 20 };
+            let v: Vec<u8> = (0..len as u64).map(|i| f(base + i)).collect();
+            mem.write_slice(&v, GuestAddress(start)).unwrap();
+        }
+    };
+    fill(&byte);
+    let ctx = handle(call(&mut dev, &mem, Request::CtxCreate(CtxCreateReq { flags: 0, pid: 0 })));
+    let d = ptr(call(&mut dev, &mem, Request::MemAlloc(MemAllocReq { ctx, reserved: 0, size })));
+    let r = call(&mut dev, &mem, Request::MemcpyHtoD(MemcpyHtoDReq { ctx, stream: 0, dst: d, size, loc: DataLoc::Blob as u32, blob: BIG, shm_offset: 0 }, vec![]));
+    assert_eq!(r, Reply::Empty);
+    fill(&|_| 0);
+    let r = call(&mut dev, &mem, Request::MemcpyDtoH(MemcpyDtoHReq { ctx, stream: 0, src: d, size, loc: DataLoc::Blob as u32, blob: BIG, shm_offset: 0 }));
+    assert!(matches!(&r, Reply::Data(v) if v.is_empty()), "{r:?}");
+    for off in (0..size).step_by(4093).chain([size - 1, (4 << 20) - 1, 4 << 20, (6 << 20) - 1, 6 << 20, 8 << 20]) {
+        let got: u8 = mem.read_obj(GuestAddress(gpa(off))).unwrap();
+        assert_eq!(got, byte(off), "byte {off:#x}");
+    }
+}

@@ -12,7 +12,7 @@ use parking_lot::FairMutex;
 use virtio_gpu_compute::*;
 
 use super::shm::Shm;
-use crate::backend::{AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, GraphOp, Launch, TenantSlot, VolatileSlice};
+use crate::backend::{preempt_point, AllocTable, Backend, BackendError, DeviceModule, FunctionDesc, GraphOp, Launch, TenantSlot, VolatileSlice, CHECKPOINT_BYTES};
 use vgpu_arbiter::ipc::{DeviceStats, TenantStats};
 
 /// Host memory a tenant's objects keep in the worker (parsed modules,
@@ -523,6 +523,28 @@ fn each_piece(pieces: &[(*mut u8, usize)], mut at: u64, mut f: impl FnMut(u64, *
     for &(p, n) in pieces {
         f(at, p, n)?;
         at += n as u64;
+    }
+    Ok(())
+}
+
+/// A copy between device memory at `at` and bytes `[off, off+size)` of a
+/// guest's blob `res`, in windows of at most [`CHECKPOINT_BYTES`]: the
+/// guest memory of each window is resolved (and its lease held) only
+/// while the window is copied, which never stops midway; between windows
+/// the copy may give its lane up. So a preempted copy holds no lease, and
+/// the guest's RESOURCE_UNREF or a device reset never waits on it; a blob
+/// gone meanwhile fails the rest of the copy.
+fn blob_windows(blobs: &dyn BlobAccess, res: u32, off: u64, size: u64, at: u64, mut f: impl FnMut(u64, *mut u8, usize) -> Result<(), BackendError>) -> Result<(), BackendError> {
+    let mut done = 0;
+    while done < size {
+        if done > 0 {
+            preempt_point();
+        }
+        let n = (size - done).min(CHECKPOINT_BYTES);
+        let pieces = blobs.pieces(res, off + done, n).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
+        each_piece(&pieces.runs, at + done, &mut f)?;
+        drop(pieces);
+        done += n;
     }
     Ok(())
 }
@@ -1115,17 +1137,14 @@ impl DeviceService {
                     // mutability is never used.
                     HostMem::Inline(data) => b.write(slot, *dst, unsafe { VolatileSlice::new(data.as_ptr().cast_mut(), data.len()) }),
                     HostMem::Shm(shm, off) => b.write(slot, *dst, shm.volatile(*off, *size)?),
-                    HostMem::Blob(blobs, res, off) => {
-                        let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
-                        each_piece(&pieces.runs, *dst, |at, p, n| {
-                            // SAFETY: BlobAccess hands out runs inside guest
-                            // RAM mapped for the life of `blobs`; the guest
-                            // may change them concurrently (only the bytes
-                            // copied change, as on real DMA), which the
-                            // volatile view allows.
-                            b.write(slot, at, unsafe { VolatileSlice::new(p, n) })
-                        })
-                    }
+                    HostMem::Blob(blobs, res, off) => blob_windows(&**blobs, *res, *off, *size, *dst, |at, p, n| {
+                        // SAFETY: BlobAccess hands out runs inside guest
+                        // RAM mapped while the window's pieces live; the
+                        // guest may change them concurrently (only the
+                        // bytes copied change, as on real DMA), which the
+                        // volatile view allows.
+                        b.write(slot, at, unsafe { VolatileSlice::new(p, n) })
+                    }),
                     HostMem::Reply => Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "a host-to-device copy needs a source")),
                 })?;
                 t.copied.fetch_add(*size, Ordering::Relaxed);
@@ -1140,15 +1159,12 @@ impl DeviceService {
                         b.read(slot, *src, VolatileSlice::from(&mut out[..])).map(|_| Some(out))
                     }
                     HostMem::Shm(shm, off) => b.read(slot, *src, shm.volatile(*off, *size)?).map(|_| None),
-                    HostMem::Blob(blobs, res, off) => {
-                        let pieces = blobs.pieces(*res, *off, *size).map_err(|e| BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, e))?;
-                        each_piece(&pieces.runs, *src, |at, p, n| {
-                            // SAFETY: as for HtoD; the runs are writable
-                            // guest RAM, reached only through this view.
-                            b.read(slot, at, unsafe { VolatileSlice::new(p, n) })
-                        })
-                        .map(|_| None)
-                    }
+                    HostMem::Blob(blobs, res, off) => blob_windows(&**blobs, *res, *off, *size, *src, |at, p, n| {
+                        // SAFETY: as for HtoD; the runs are writable
+                        // guest RAM, reached only through this view.
+                        b.read(slot, at, unsafe { VolatileSlice::new(p, n) })
+                    })
+                    .map(|_| None),
                     HostMem::Inline(_) => Err(BackendError::new(CuResult::CUDA_ERROR_INVALID_VALUE, "a device-to-host copy has no inline destination")),
                 })
             }
