@@ -421,6 +421,16 @@ impl RawRing {
         unsafe { libc::write(self._kick.as_raw_fd(), one.as_ptr().cast(), 8) };
     }
 
+    /// Waits until the ring says entry `seq` is complete, failing with
+    /// `what` after `within`.
+    fn wait_done(&self, seq: u64, within: std::time::Duration, what: &str) {
+        let t = std::time::Instant::now();
+        while self.u64(ring::done_offset(seq)).load(std::sync::atomic::Ordering::Acquire) < seq {
+            assert!(t.elapsed() < within, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
     fn wait_broken(&self) -> bool {
         let t = std::time::Instant::now();
         while t.elapsed() < std::time::Duration::from_secs(10) {
@@ -501,11 +511,7 @@ fn a_tenant_that_corrupts_its_ring_breaks_only_that_ring() {
         let e = entry(ring::FIRST_SEQ, 0, &Request::GetDeviceInfo);
         r.write(ring::SQ, &e);
         r.publish(e.len() as u64);
-        let t = std::time::Instant::now();
-        while r.u64(ring::done_offset(ring::FIRST_SEQ)).load(std::sync::atomic::Ordering::Acquire) < ring::FIRST_SEQ {
-            assert!(t.elapsed() < std::time::Duration::from_secs(10), "{what}: the good entry was never completed");
-            std::thread::yield_now();
-        }
+        r.wait_done(ring::FIRST_SEQ, std::time::Duration::from_secs(10), &format!("{what}: the good entry was never completed"));
         // Then the ring is corrupted from a fresh start (as a new ring).
         drop(r);
         r = RawRing::attach(&sock);
@@ -526,11 +532,7 @@ fn a_tenant_that_corrupts_its_ring_breaks_only_that_ring() {
     let e2 = entry(ring::FIRST_SEQ + 1, 2, &Request::GetDeviceInfo);
     r.write(ring::SQ + e.len(), &e2);
     r.publish((e.len() + e2.len()) as u64);
-    let t = std::time::Instant::now();
-    while r.u64(ring::done_offset(ring::FIRST_SEQ + 1)).load(std::sync::atomic::Ordering::Acquire) < ring::FIRST_SEQ + 1 {
-        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the entry after a bad message was not served");
-        std::thread::yield_now();
-    }
+    r.wait_done(ring::FIRST_SEQ + 1, std::time::Duration::from_secs(10), "the entry after a bad message was not served");
     assert_eq!(r.u32(ring::BROKEN).load(std::sync::atomic::Ordering::Acquire), 0, "a bad message does not break the ring");
     // A stream wait for an entry not yet written is refused, not parked
     // forever (waits never form a cycle).
@@ -539,11 +541,7 @@ fn a_tenant_that_corrupts_its_ring_breaks_only_that_ring() {
     let at = (e.len() + e2.len()) as u64;
     r.write(ring::SQ + at as usize, &w);
     r.publish(at + w.len() as u64);
-    let t = std::time::Instant::now();
-    while r.u64(ring::done_offset(ring::FIRST_SEQ + 2)).load(std::sync::atomic::Ordering::Acquire) < ring::FIRST_SEQ + 2 {
-        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the forward wait was never completed");
-        std::thread::yield_now();
-    }
+    r.wait_done(ring::FIRST_SEQ + 2, std::time::Duration::from_secs(10), "the forward wait was never completed");
     assert!(r.u32(ring::ERR_COUNT).load(std::sync::atomic::Ordering::Acquire) > before, "the forward wait was reported as an error");
     let mut status = [0u8; 4];
     // SAFETY: inside the reply area of the mapping.
@@ -744,11 +742,7 @@ fn a_long_kernel_on_the_socket_does_not_hold_up_the_connections_ring() {
     let e = entry(ring::FIRST_SEQ, 0, &Request::GetDeviceInfo);
     r.write(ring::SQ, &e);
     r.publish(e.len() as u64);
-    let t = std::time::Instant::now();
-    while r.u64(ring::done_offset(ring::FIRST_SEQ)).load(std::sync::atomic::Ordering::Acquire) < ring::FIRST_SEQ {
-        assert!(t.elapsed() < std::time::Duration::from_secs(60), "the ring entry was never served");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    r.wait_done(ring::FIRST_SEQ, std::time::Duration::from_secs(60), "the ring entry was never served");
     let mut b = [0u8; 1];
     // SAFETY: a non-blocking peek into a local byte.
     let waiting = unsafe { libc::recv(std::os::fd::AsRawFd::as_raw_fd(&s), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
