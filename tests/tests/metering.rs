@@ -152,3 +152,37 @@ fn metrics_are_served_over_tcp_only_when_asked_and_only_metrics() {
     assert!(std::net::TcpStream::connect(&addr).is_err(), "no listener unless asked");
     drop(plain);
 }
+
+/// A long usage file: `GET /usage` answers in pages cut between
+/// intervals, and `vgpuctl usage` reads them all, each record once.
+#[test]
+fn a_long_usage_file_is_served_in_pages_that_miss_nothing() {
+    let dir = std::path::PathBuf::from(format!("/tmp/vgpu-usage-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // 8000 intervals of 3 tenants, ending at 1000, 1001, ... (a long
+    // history, older than anything the daemon writes itself).
+    let mut text = String::new();
+    for i in 0..8000 {
+        for t in ["a", "b", "c"] {
+            let r = json!({"type": "tenant", "start": 999 + i, "end": 1000 + i, "tenant": t, "device": "cpu0", "uuid": "GPU-x",
+                "device_seconds": 1.0, "memory_byte_seconds": 0.0, "spilled_byte_seconds": 0.0, "kernels": i, "bytes_copied": 0, "bytes_scrubbed": 0});
+            text += &format!("{r}\n");
+        }
+    }
+    std::fs::write(dir.join("usage.jsonl"), text).unwrap();
+    let m = Mediator::start_in(dir, &[]);
+    // A page of 10 ends where an interval does: 9 records, 3 intervals.
+    let (st, page) = m.api("GET", "/usage?since=4000&limit=10", None);
+    assert_eq!(st, 200, "{page}");
+    let ends: Vec<f64> = page.as_array().unwrap().iter().map(|r| r["end"].as_f64().unwrap()).collect();
+    assert_eq!(ends, [4001.0, 4001.0, 4001.0, 4002.0, 4002.0, 4002.0, 4003.0, 4003.0, 4003.0], "{page}");
+    // vgpuctl pages through everything since a time, each record once.
+    let o = m.vgpuctl().args(["-o", "json", "usage", "--since", "1000"]).output().expect("vgpuctl usage");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let all: Value = serde_json::from_slice(&o.stdout).expect("json");
+    let all = all.as_array().unwrap();
+    let old: Vec<&Value> = all.iter().filter(|r| r["end"].as_f64().is_some_and(|e| e < 9000.0)).collect();
+    assert_eq!(old.len(), 3 * 7999, "records after 1000 of the 8000 intervals");
+    assert!(old.windows(2).all(|w| (w[0]["end"].as_f64(), w[0]["tenant"].as_str()) < (w[1]["end"].as_f64(), w[1]["tenant"].as_str())), "out of order or twice");
+}

@@ -72,7 +72,8 @@ enum Cmd {
     Metrics,
     /// vgpuctl's version and the daemon's, and whether the daemon is healthy.
     Version,
-    /// Usage records (the billing file), oldest first.
+    /// Usage records (the billing file), oldest first: every one since
+    /// `--since`, asked for page by page.
     Usage {
         /// Records whose interval ends after this time (UNIX seconds).
         #[arg(long, default_value_t = 0.0)]
@@ -658,11 +659,30 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Usage { since, tenant } => {
-            let mut path = format!("/v1/usage?since={since}");
-            if let Some(t) = tenant {
-                path += &format!("&tenant={t}");
+            // Page by page: each answer ends where an interval does, so the
+            // next starts after its last record's end; an empty one ends it.
+            let mut since = *since;
+            let mut all = Vec::new();
+            loop {
+                let mut path = format!("/v1/usage?since={since}&limit=10000");
+                if let Some(t) = tenant {
+                    path += &format!("&tenant={t}");
+                }
+                let page = match call(cli, "GET", &path, None)? {
+                    Value::Array(a) => a,
+                    other => anyhow::bail!("the daemon answered usage with {other}, not a list of records"),
+                };
+                let Some(last) = page.last() else { break };
+                let end = last.get("end").or_else(|| last.get("at")).and_then(Value::as_f64).unwrap_or(f64::NAN);
+                // A daemon that answers records it was not asked for
+                // would otherwise be asked again forever.
+                if end.partial_cmp(&since) != Some(std::cmp::Ordering::Greater) {
+                    anyhow::bail!("the daemon answered usage since {since} with a record that ends at {end}");
+                }
+                since = end;
+                all.extend(page);
             }
-            let v = call(cli, "GET", &path, None)?;
+            let v = Value::Array(all);
             if data_out {
                 print_data(&v);
             } else {

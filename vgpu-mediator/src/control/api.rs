@@ -166,7 +166,10 @@ struct UsageQuery {
     since: f64,
     /// Only this tenant's records (device records are left out).
     tenant: Option<String>,
-    /// Most records to answer with.
+    /// Most records to answer with. An answer cut by the limit ends where
+    /// an interval's records end (one interval with more records than the
+    /// limit is answered whole, up to 100000): ask again with `since` set
+    /// to the last record's end until an answer is empty.
     #[param(minimum = 1, maximum = 100000, default = 10000)]
     limit: Option<usize>,
 }

@@ -12,7 +12,7 @@
 //! time alike.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -147,6 +147,19 @@ struct State {
     /// UUID, model and lanes per device, from the last sample.
     labels: HashMap<String, (String, String, u32)>,
     since: f64,
+    /// The latest time stamped on a record (written or pending), so that
+    /// the file stays in the order of [`Record::end`] even when the wall
+    /// clock is stepped back: `GET /usage` searches it by that order.
+    last: f64,
+}
+
+impl State {
+    /// Now, or the latest time already stamped if the clock went back.
+    fn stamp(&mut self) -> f64 {
+        let t = unix_now().max(self.last);
+        self.last = t;
+        t
+    }
 }
 
 pub struct Meter {
@@ -185,23 +198,45 @@ impl Meter {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
-        let mut st = State { since: unix_now(), ..State::default() };
+        let mut st = State::default();
+        let mut torn = false;
         match std::fs::File::open(path) {
             Ok(f) => {
-                for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
-                    let line = line.map_err(io)?;
-                    match serde_json::from_str::<Record>(&line) {
-                        Ok(Record::Tenant { tenant, device, usage, .. }) => st.totals.entry((tenant, device)).or_default().add(&usage),
-                        Ok(Record::Device { device, busy_seconds, .. }) => *st.busy.entry(device).or_default() += busy_seconds,
-                        Ok(Record::Deleted { tenant, .. }) => st.totals.retain(|(t, _), _| *t != tenant),
+                let mut f = std::io::BufReader::new(f);
+                let mut line = Vec::new();
+                let mut n = 0;
+                loop {
+                    line.clear();
+                    if f.read_until(b'\n', &mut line).map_err(io)? == 0 {
+                        break;
+                    }
+                    n += 1;
+                    torn = line.last() != Some(&b'\n');
+                    let r = match serde_json::from_slice::<Record>(&line) {
+                        Ok(r) => r,
                         // A torn last line (a crash mid-write) is skipped.
-                        Err(e) => warn!(line = n + 1, "usage file {}: unreadable record skipped: {e}", path.display()),
+                        Err(e) => {
+                            warn!(line = n, "usage file {}: unreadable record skipped: {e}", path.display());
+                            continue;
+                        }
+                    };
+                    st.last = st.last.max(r.end());
+                    match r {
+                        Record::Tenant { tenant, device, usage, .. } => st.totals.entry((tenant, device)).or_default().add(&usage),
+                        Record::Device { device, busy_seconds, .. } => *st.busy.entry(device).or_default() += busy_seconds,
+                        Record::Deleted { tenant, .. } => st.totals.retain(|(t, _), _| *t != tenant),
                     }
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io(e)),
         }
+        // A line torn by a crash is ended, so that the next record starts
+        // a line of its own instead of joining it.
+        if torn {
+            std::fs::OpenOptions::new().append(true).open(path).and_then(|mut f| f.write_all(b"\n")).map_err(io)?;
+        }
+        st.since = st.stamp();
         Ok(Arc::new(Meter { path: path.to_path_buf(), interval: interval.max(SAMPLE), state: Mutex::new(st), sampling: Mutex::new(()) }))
     }
 
@@ -263,8 +298,8 @@ impl Meter {
     /// orchestrator makes one per workload) would stay in memory and in
     /// every scrape for good.
     pub fn tenant_deleted(&self, name: &str) {
-        let now = unix_now();
         let mut st = self.lock();
+        let now = st.stamp();
         st.totals.retain(|(t, _), _| t != name);
         for seen in st.seen.values_mut() {
             seen.tenants.remove(name);
@@ -356,8 +391,8 @@ impl Meter {
 
     /// Appends the records of the interval that ends now and syncs them.
     pub fn flush(&self) -> Result<(), MeterError> {
-        let end = unix_now();
         let mut st = self.lock();
+        let end = st.stamp();
         let start = st.since;
         // Deleted tenants' last records first: everything after a tenant's
         // end is a new tenant's of the same name.
@@ -402,27 +437,99 @@ impl Meter {
     }
 
     /// Records whose interval ends after `since` (UNIX seconds), of one
-    /// tenant if given, at most `limit`.
+    /// tenant if given, oldest first: at most `limit`, cut where one
+    /// interval's records end and the next one's start, so that asking
+    /// again with `since` set to the last record's end misses nothing.
+    /// (An interval with more than `limit` records of its own is answered
+    /// whole, up to [`MAX_RECORDS`].) The file is in the order of
+    /// [`Record::end`], so the first record is found by bisection: the
+    /// time taken grows with the answer, not with the file.
     pub fn records(&self, since: f64, tenant: Option<&str>, limit: usize) -> Result<Vec<Record>, MeterError> {
         let io = |source| MeterError::Io { path: self.path.display().to_string(), source };
-        let f = match std::fs::File::open(&self.path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(io(e)),
-        };
-        let mut out = Vec::new();
-        for line in std::io::BufReader::new(f).lines() {
-            let line = line.map_err(io)?;
-            let Ok(r) = serde_json::from_str::<Record>(&line) else { continue };
-            if r.end() > since && tenant.is_none_or(|t| r.tenant() == Some(t)) {
-                out.push(r);
-                if out.len() >= limit {
-                    break;
+        match std::fs::File::open(&self.path) {
+            Ok(f) => records_in(f, since, tenant, limit).map_err(io),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(io(e)),
+        }
+    }
+}
+
+/// Below this many bytes between its bounds, the search reads on instead
+/// of bisecting further.
+const SCAN_BYTES: u64 = 64 << 10;
+
+/// The first record that starts at or after byte `at` and parses, with
+/// where its line starts; None at the end of the file.
+fn record_from<R: BufRead + Seek>(r: &mut R, at: u64, line: &mut Vec<u8>) -> std::io::Result<Option<(u64, Record)>> {
+    // Unless `at` starts the file, the line holding byte `at - 1` is
+    // skipped: it started before `at`.
+    let mut pos = at.saturating_sub(1);
+    r.seek(std::io::SeekFrom::Start(pos))?;
+    if at > 0 {
+        line.clear();
+        pos += r.read_until(b'\n', line)? as u64;
+    }
+    loop {
+        line.clear();
+        let n = r.read_until(b'\n', line)? as u64;
+        if n == 0 {
+            return Ok(None);
+        }
+        if let Ok(rec) = serde_json::from_slice::<Record>(line) {
+            return Ok(Some((pos, rec)));
+        }
+        pos += n;
+    }
+}
+
+/// [`Meter::records`] over a usage file's bytes.
+fn records_in<R: std::io::Read + Seek>(r: R, since: f64, tenant: Option<&str>, limit: usize) -> std::io::Result<Vec<Record>> {
+    let mut r = std::io::BufReader::with_capacity(8 << 10, r);
+    let mut line = Vec::new();
+    // Every record that starts before `lo` ends at or before `since`.
+    let (mut lo, mut hi) = (0, r.seek(std::io::SeekFrom::End(0))?);
+    while hi - lo > SCAN_BYTES {
+        let mid = lo + (hi - lo) / 2;
+        match record_from(&mut r, mid, &mut line)? {
+            Some((at, rec)) if rec.end() <= since => lo = at.max(mid),
+            _ => hi = mid,
+        }
+    }
+    let mut out: Vec<Record> = Vec::new();
+    // Set once `limit` is reached inside one interval that is the whole
+    // answer: it goes on to that interval's end.
+    let mut whole = false;
+    // `lo` starts a line: from there the file is read in order.
+    r.seek(std::io::SeekFrom::Start(lo))?;
+    loop {
+        line.clear();
+        if r.read_until(b'\n', &mut line)? == 0 {
+            break;
+        }
+        let Ok(rec) = serde_json::from_slice::<Record>(&line) else { continue };
+        if rec.end() <= since || tenant.is_some_and(|t| rec.tenant() != Some(t)) {
+            continue;
+        }
+        if out.len() >= limit {
+            let e = out.last().map(Record::end);
+            if e != Some(rec.end()) || out.len() >= MAX_RECORDS {
+                break;
+            }
+            // The limit falls inside an interval: the answer ends before
+            // it, unless it is the only one.
+            if !whole {
+                match out.iter().rposition(|x| Some(x.end()) != e) {
+                    Some(i) => {
+                        out.truncate(i + 1);
+                        break;
+                    }
+                    None => whole = true,
                 }
             }
         }
-        Ok(out)
+        out.push(rec);
     }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -477,6 +584,108 @@ mod tests {
         // A torn line is skipped, not fatal.
         std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"type\":\"ten").unwrap();
         assert_eq!(Meter::open(&path, SAMPLE).unwrap().totals().tenants, t);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A reader that counts the bytes read through it.
+    struct Counting<R> {
+        inner: R,
+        read: std::rc::Rc<std::cell::Cell<u64>>,
+    }
+
+    impl<R: std::io::Read> std::io::Read for Counting<R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.read.set(self.read.get() + n as u64);
+            Ok(n)
+        }
+    }
+
+    impl<R: Seek> Seek for Counting<R> {
+        fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
+            self.inner.seek(to)
+        }
+    }
+
+    /// A usage file of `intervals` intervals of `per` tenant records each
+    /// (interval `i` ends at second `1000 + i`), with an unreadable line
+    /// now and then.
+    fn usage_file(intervals: u32, per: u32) -> (Vec<u8>, Vec<Record>) {
+        let (mut bytes, mut all) = (Vec::new(), Vec::new());
+        for i in 0..intervals {
+            if i % 97 == 0 {
+                bytes.extend_from_slice(b"{\"type\":\"ten\n");
+            }
+            for t in 0..per {
+                let r = Record::Tenant {
+                    start: 999.0 + i as f64,
+                    end: 1000.0 + i as f64,
+                    tenant: format!("t{t}"),
+                    device: "cpu0".into(),
+                    uuid: "GPU-x".into(),
+                    usage: Usage { kernels: (i * per + t) as u64, ..Usage::default() },
+                };
+                bytes.extend_from_slice(record_line(&r).as_bytes());
+                all.push(r);
+            }
+        }
+        (bytes, all)
+    }
+
+    #[test]
+    fn a_usage_query_reads_what_it_answers_not_the_whole_file() {
+        let (bytes, all) = usage_file(40_000, 3);
+        assert!(bytes.len() > 15 << 20, "{}", bytes.len());
+        for since in [0.0, 999.0, 1000.0, 1000.5, 5123.0, 20_000.0, 40_998.0, 40_999.0, 1e12] {
+            let want: Vec<&Record> = all.iter().filter(|r| r.end() > since).take(30).collect();
+            let read = std::rc::Rc::new(std::cell::Cell::new(0));
+            let got = records_in(Counting { inner: std::io::Cursor::new(&bytes), read: read.clone() }, since, None, 30).unwrap();
+            assert_eq!(got.iter().collect::<Vec<_>>(), want, "since {since}");
+            // A bisection's probes and one scan window, not 15 MiB.
+            assert!(read.get() < 1 << 20, "since {since}: read {} bytes", read.get());
+        }
+        let t1: Vec<Record> = all.iter().filter(|r| r.end() > 30_000.0 && r.tenant() == Some("t1")).take(5).cloned().collect();
+        assert_eq!(records_in(std::io::Cursor::new(&bytes), 30_000.0, Some("t1"), 5).unwrap(), t1);
+    }
+
+    #[test]
+    fn paging_by_the_last_records_end_misses_nothing() {
+        let (bytes, all) = usage_file(50, 3);
+        for limit in [1, 2, 3, 4, 5, 7, 100] {
+            let (mut since, mut got) = (0.0, Vec::new());
+            loop {
+                let page = records_in(std::io::Cursor::new(&bytes), since, None, limit).unwrap();
+                let Some(last) = page.last() else { break };
+                // Cut between intervals; one interval whole where it alone
+                // is more than the limit.
+                assert!(page.len() <= limit.max(3), "limit {limit}: {} records", page.len());
+                since = last.end();
+                got.extend(page);
+            }
+            assert_eq!(got, all, "limit {limit}");
+        }
+    }
+
+    #[test]
+    fn records_stay_in_time_order_when_the_clock_goes_back() {
+        let dir = std::env::temp_dir().join(format!("vgpu-meter-c-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("u.jsonl");
+        // Written by a clock 1000 s ahead of this one, and torn by a crash.
+        let ahead = unix_now() + 1000.0;
+        let r = Record::Device { start: ahead - 1.0, end: ahead, device: "cpu0".into(), uuid: "GPU-x".into(), model: "m".into(), busy_seconds: 1.0, lanes: 2 };
+        std::fs::write(&path, record_line(&r) + "{\"type\":\"ten").unwrap();
+        let m = Meter::open(&path, SAMPLE).unwrap();
+        add(&m, 1, 0, &stats(1_000_000_000, &[("a", 1_000_000_000, 0), ("b", 1_000_000_000, 0)]));
+        m.tenant_deleted("a");
+        m.flush().unwrap();
+        let recs = m.records(0.0, None, 100).unwrap();
+        let ends: Vec<f64> = recs.iter().map(Record::end).collect();
+        // The torn line stays unreadable; the records after it are whole.
+        assert_eq!(recs.len(), 5, "{recs:?}");
+        assert!(ends.windows(2).all(|w| w[0] <= w[1]) && ends[1] >= ahead, "{ends:?}");
+        assert_eq!(Meter::open(&path, SAMPLE).unwrap().totals().busy, [("cpu0".to_string(), 2.0)]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
