@@ -153,7 +153,66 @@ struct State {
     last: f64,
 }
 
+/// The meter's totals as of the end of the usage file's last batch, kept
+/// beside it (`FILE.totals`): a start reads the records after them only,
+/// not the whole history, and the totals outlive a rotated file.
+#[derive(Serialize, Deserialize)]
+struct Snapshot {
+    /// The usage file they were taken against (its device and inode), and
+    /// its length then.
+    dev: u64,
+    ino: u64,
+    len: u64,
+    last: f64,
+    tenants: Vec<(String, String, Usage)>,
+    busy: Vec<(String, f64)>,
+}
+
+fn snapshot_path(usage: &Path) -> PathBuf {
+    let mut name = usage.file_name().unwrap_or_default().to_os_string();
+    name.push(".totals");
+    usage.with_file_name(name)
+}
+
 impl State {
+    /// Takes the totals from the snapshot beside the usage file where it
+    /// was taken against that file; returns the offset in the file where
+    /// the records it does not cover start (0: the whole file).
+    fn restore(&mut self, usage: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let at = snapshot_path(usage);
+        let snap = match std::fs::read(&at) {
+            Ok(b) => match serde_json::from_slice::<Snapshot>(&b) {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!("usage totals {}: unreadable ({e}); the totals are read from the usage file", at.display());
+                    return 0;
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return 0,
+            Err(e) => {
+                warn!("usage totals {}: {e}; the totals are read from the usage file", at.display());
+                return 0;
+            }
+        };
+        let from = match std::fs::metadata(usage) {
+            Ok(m) if (m.dev(), m.ino()) == (snap.dev, snap.ino) && m.len() >= snap.len => snap.len,
+            // Rotated away after the last batch: the totals stand, and a
+            // new file's records (in time order) come after them where its
+            // first does.
+            Ok(_) if first_end(usage).is_none_or(|e| e > snap.last) => 0,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            _ => {
+                warn!("usage totals {} were taken against another usage file, or a longer one; the totals are read from the usage file", at.display());
+                return 0;
+            }
+        };
+        self.totals = snap.tenants.into_iter().map(|(t, d, u)| ((t, d), u)).collect();
+        self.busy = snap.busy.into_iter().collect();
+        self.last = snap.last;
+        from
+    }
+
     /// Now, or the latest time already stamped if the clock went back.
     fn stamp(&mut self) -> f64 {
         let t = unix_now().max(self.last);
@@ -199,10 +258,12 @@ impl Meter {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
         let mut st = State::default();
+        let from = st.restore(path);
         let mut torn = false;
         match std::fs::File::open(path) {
             Ok(f) => {
                 let mut f = std::io::BufReader::new(f);
+                f.seek(std::io::SeekFrom::Start(from)).map_err(io)?;
                 let mut line = Vec::new();
                 let mut n = 0;
                 loop {
@@ -216,7 +277,7 @@ impl Meter {
                         Ok(r) => r,
                         // A torn last line (a crash mid-write) is skipped.
                         Err(e) => {
-                            warn!(line = n, "usage file {}: unreadable record skipped: {e}", path.display());
+                            warn!(line = n, from, "usage file {}: unreadable record skipped: {e}", path.display());
                             continue;
                         }
                     };
@@ -235,6 +296,13 @@ impl Meter {
         // a line of its own instead of joining it.
         if torn {
             std::fs::OpenOptions::new().append(true).open(path).and_then(|mut f| f.write_all(b"\n")).map_err(io)?;
+        }
+        // What was read is not read again at the next start, even if this
+        // run writes nothing.
+        if let Some(meta) = std::fs::metadata(path).ok().filter(|m| m.len() > from) {
+            if let Err(e) = save_snapshot(path, &st, &meta) {
+                warn!("usage totals {}: {e}; a start reads the whole usage file", snapshot_path(path).display());
+            }
         }
         st.since = st.stamp();
         Ok(Arc::new(Meter { path: path.to_path_buf(), interval: interval.max(SAMPLE), state: Mutex::new(st), sampling: Mutex::new(()) }))
@@ -418,6 +486,12 @@ impl Meter {
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).map_err(io)?;
             f.write_all(lines.as_bytes()).map_err(io)?;
             f.sync_data().map_err(io)?;
+            // The file now holds what the totals count (they change under
+            // this lock only).
+            let meta = f.metadata().map_err(io)?;
+            if let Err(e) = save_snapshot(&self.path, &st, &meta) {
+                warn!("usage totals {}: {e}; a start reads the whole usage file", snapshot_path(&self.path).display());
+            }
         }
         st.ended.clear();
         st.pending.clear();
@@ -454,6 +528,30 @@ impl Meter {
     }
 }
 
+/// Writes the totals beside the usage file, whole or not at all (a new file
+/// renamed over the old one).
+fn save_snapshot(path: &Path, st: &State, usage: &std::fs::Metadata) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let snap = Snapshot {
+        dev: usage.dev(),
+        ino: usage.ino(),
+        len: usage.len(),
+        last: st.last,
+        tenants: st.totals.iter().map(|((t, d), u)| (t.clone(), d.clone(), u.clone())).collect(),
+        busy: st.busy.iter().map(|(d, b)| (d.clone(), *b)).collect(),
+    };
+    let at = snapshot_path(path);
+    let mut tmp = at.clone().into_os_string();
+    tmp.push(".new");
+    let tmp = PathBuf::from(tmp);
+    // Made afresh (never through a link left at its name).
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+    f.write_all(&serde_json::to_vec(&snap).map_err(std::io::Error::other)?)?;
+    f.sync_data()?;
+    std::fs::rename(&tmp, &at)
+}
+
 /// Below this many bytes between its bounds, the search reads on instead
 /// of bisecting further.
 const SCAN_BYTES: u64 = 64 << 10;
@@ -480,6 +578,14 @@ fn record_from<R: BufRead + Seek>(r: &mut R, at: u64, line: &mut Vec<u8>) -> std
         }
         pos += n;
     }
+}
+
+/// The end of a usage file's first record; None where it has none (or
+/// cannot be read).
+fn first_end(usage: &Path) -> Option<f64> {
+    let f = std::fs::File::open(usage).ok()?;
+    let (_, r) = record_from(&mut std::io::BufReader::new(f), 0, &mut Vec::new()).ok()??;
+    Some(r.end())
 }
 
 /// [`Meter::records`] over a usage file's bytes.
@@ -686,6 +792,53 @@ mod tests {
         assert_eq!(recs.len(), 5, "{recs:?}");
         assert!(ends.windows(2).all(|w| w[0] <= w[1]) && ends[1] >= ahead, "{ends:?}");
         assert_eq!(Meter::open(&path, SAMPLE).unwrap().totals().busy, [("cpu0".to_string(), 2.0)]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_start_reads_the_records_after_its_snapshot_and_totals_outlive_a_rotated_file() {
+        let dir = std::env::temp_dir().join(format!("vgpu-meter-s-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("u.jsonl");
+        let m = Meter::open(&path, SAMPLE).unwrap();
+        add(&m, 1, 0, &stats(3_000_000_000, &[("a", 1_000_000_000, 0), ("b", 2_000_000_000, 0)]));
+        m.flush().unwrap();
+        add(&m, 1, 0, &stats(4_000_000_000, &[("a", 2_000_000_000, 0), ("b", 2_000_000_000, 0)]));
+        m.flush().unwrap();
+        let want = (m.totals().tenants, m.totals().busy);
+        assert_eq!((want.0.len(), want.1[0].1), (2, 4.0));
+        let now = |m: &Meter| (m.totals().tenants, m.totals().busy);
+        // The records the snapshot covers are not read again: blanked in
+        // place, the totals still come back whole.
+        let len = std::fs::metadata(&path).unwrap().len() as usize;
+        std::fs::write(&path, " ".repeat(len - 1) + "\n").unwrap();
+        assert_eq!(now(&Meter::open(&path, SAMPLE).unwrap()), want);
+        // Rotated away: the totals stand, and a new file adds to them.
+        std::fs::rename(&path, dir.join("u.jsonl.1")).unwrap();
+        let m = Meter::open(&path, SAMPLE).unwrap();
+        assert_eq!(now(&m), want, "the totals went with the rotated file");
+        add(&m, 2, 0, &stats(1_000_000_000, &[("a", 1_000_000_000, 0)]));
+        m.flush().unwrap();
+        let a = |m: &Meter| m.totals().tenants.iter().find(|t| t.0 == "a").map(|t| t.2.device_seconds);
+        assert_eq!(a(&Meter::open(&path, SAMPLE).unwrap()), Some(3.0));
+        // Rotated after the last batch, and a new file started by another
+        // writer since: its records add too.
+        std::fs::rename(&path, dir.join("u.jsonl.2")).unwrap();
+        let later =
+            Record::Tenant { start: unix_now() + 5.0, end: unix_now() + 6.0, tenant: "a".into(), device: "cpu0".into(), uuid: String::new(), usage: Usage { device_seconds: 1.0, ..Usage::default() } };
+        std::fs::write(&path, record_line(&later)).unwrap();
+        assert_eq!(a(&Meter::open(&path, SAMPLE).unwrap()), Some(4.0));
+        // A file put in its place with older records, or a snapshot that
+        // cannot be read: the totals are the file's own.
+        let older = Record::Tenant { start: 1.0, end: 2.0, tenant: "a".into(), device: "cpu0".into(), uuid: String::new(), usage: Usage { device_seconds: 0.25, ..Usage::default() } };
+        std::fs::write(&path, record_line(&older)).unwrap();
+        assert_eq!(a(&Meter::open(&path, SAMPLE).unwrap()), Some(0.25));
+        std::fs::write(dir.join("u.jsonl.totals"), "{").unwrap();
+        std::fs::write(&path, record_line(&later)).unwrap();
+        assert_eq!(a(&Meter::open(&path, SAMPLE).unwrap()), Some(1.0));
+        // That start read the file: the next does not read it again.
+        std::fs::write(&path, " ".repeat(record_line(&later).len() - 1) + "\n").unwrap();
+        assert_eq!(a(&Meter::open(&path, SAMPLE).unwrap()), Some(1.0));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
