@@ -483,9 +483,23 @@ impl Meter {
             // Opened for each batch, so an operator's log rotation (rename)
             // takes effect at the next one.
             let io = |source| MeterError::Io { path: self.path.display().to_string(), source };
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).map_err(io)?;
-            f.write_all(lines.as_bytes()).map_err(io)?;
-            f.sync_data().map_err(io)?;
+            let mut f = std::fs::OpenOptions::new().create(true).read(true).append(true).open(&self.path).map_err(io)?;
+            let before = f.metadata().map_err(io)?.len();
+            // After a torn line (a batch that could not be taken back) the
+            // batch starts a line of its own.
+            let mut last = [b'\n'];
+            if before > 0 {
+                std::os::unix::fs::FileExt::read_at(&f, &mut last, before - 1).map_err(io)?;
+            }
+            let batch = if last[0] == b'\n' { lines } else { format!("\n{lines}") };
+            if let Err(e) = f.write_all(batch.as_bytes()).and_then(|()| f.sync_data()) {
+                // What reached the file is taken back: the batch is kept
+                // and written once, whole, with the next one.
+                if let Err(t) = f.set_len(before) {
+                    warn!("usage file {}: a failed write could not be taken back ({t}): its records may be written twice", self.path.display());
+                }
+                return Err(io(e));
+            }
             // The file now holds what the totals count (they change under
             // this lock only).
             let meta = f.metadata().map_err(io)?;
@@ -840,6 +854,62 @@ mod tests {
         std::fs::write(&path, " ".repeat(record_line(&later).len() - 1) + "\n").unwrap();
         assert_eq!(a(&Meter::open(&path, SAMPLE).unwrap()), Some(1.0));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A usage file on a full file system: the batch that did not fit is
+    /// written once and whole when there is room again, and the file adds
+    /// up to the totals. Needs root (a small tmpfs is mounted).
+    #[test]
+    fn a_batch_that_does_not_fit_is_written_once_and_whole_later() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED: mounting a full tmpfs needs root");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("vgpu-meter-full-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = |s: &str| std::ffi::CString::new(s).unwrap();
+        let (fs, target, opts) = (c("tmpfs"), c(dir.to_str().unwrap()), c("size=64k"));
+        // SAFETY: the strings are NUL-terminated and outlive the call.
+        if unsafe { libc::mount(fs.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, opts.as_ptr().cast()) } != 0 {
+            eprintln!("SKIPPED: cannot mount a tmpfs here: {}", std::io::Error::last_os_error());
+            return;
+        }
+        struct Unmount(std::ffi::CString, PathBuf);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                // SAFETY: the path is NUL-terminated; a lazy unmount of our own mount.
+                unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+                let _ = std::fs::remove_dir(&self.1);
+            }
+        }
+        let _unmount = Unmount(target.clone(), dir.clone());
+        let path = dir.join("u.jsonl");
+        let m = Meter::open(&path, SAMPLE).unwrap();
+        let names: Vec<String> = (0..60).map(|i| format!("tenant-with-a-long-name-{i:03}")).collect();
+        let sample = |busy: u64| {
+            let ts: Vec<(&str, u64, u64)> = names.iter().map(|n| (n.as_str(), busy, 0)).collect();
+            stats(busy * 60, &ts)
+        };
+        add(&m, 1, 0, &sample(1_000_000_000));
+        m.flush().unwrap();
+        // Fill the file system, then a batch of 60 records (over 10 KiB)
+        // finds room for part of itself.
+        let filler = dir.join("filler");
+        let mut f = std::fs::File::create(&filler).unwrap();
+        while f.write_all(&[0u8; 512]).is_ok() {}
+        drop(f);
+        add(&m, 1, 0, &sample(2_000_000_000));
+        assert!(m.flush().is_err(), "the batch fitted");
+        std::fs::remove_file(&filler).unwrap();
+        add(&m, 1, 0, &sample(3_000_000_000));
+        m.flush().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.lines().all(|l| serde_json::from_str::<Record>(l).is_ok()), "{text}");
+        let in_file: f64 = m.records(0.0, None, 1000).unwrap().iter().map(|r| if let Record::Tenant { usage, .. } = r { usage.device_seconds } else { 0.0 }).sum();
+        let counted: f64 = m.totals().tenants.iter().map(|t| t.2.device_seconds).sum();
+        assert_eq!((in_file, counted), (180.0, 180.0));
     }
 
     #[test]
