@@ -283,3 +283,92 @@ fn process_isolation_refuses_overcommit_it_cannot_honour() {
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not support memory overcommit"), "{out:?}");
 }
+
+/// Stalled executors (stopped, or a hijacked one that stays silent) do
+/// not hold up the views of their device: their statistics are asked for
+/// together and, once late, waited for briefly; once they answer again,
+/// they are counted again.
+#[test]
+fn stalled_executors_do_not_hold_up_the_api() {
+    let m = process_mediator();
+    m.tenant("healthy", "16MiB");
+    let stalled: Vec<u32> = (0..3)
+        .map(|i| {
+            let name = format!("stalled{i}");
+            m.tenant(&name, "16MiB");
+            executor_of(&m, &name)
+        })
+        .collect();
+    for pid in &stalled {
+        // SAFETY: signals processes the test's daemon started.
+        assert_eq!(unsafe { libc::kill(*pid as i32, libc::SIGSTOP) }, 0);
+    }
+    let timed = || {
+        let t = Instant::now();
+        let (st, v) = m.api("GET", "/tenants/healthy", None);
+        assert_eq!(st, 200, "{v}");
+        t.elapsed()
+    };
+    // One wait for all three (2 s), not one each (6 s); then a short one.
+    let (first, second) = (timed(), timed());
+    for pid in &stalled {
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(*pid as i32, libc::SIGCONT) }, 0);
+    }
+    assert!(first < Duration::from_millis(4500), "the first view took {first:?}");
+    assert!(second < Duration::from_millis(1500), "the next view took {second:?}");
+    // Continued, they answer (late at first) and are counted again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, v) = m.api("GET", "/tenants/stalled0", None);
+        if !v["usage"].is_null() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a continued executor's statistics did not come back: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The pipe an executor answers the daemon on: a descriptor of the
+/// executor's that the daemon reads, other than its stderr (`fd 2`).
+fn reply_pipe(exec: u32, daemon: u32) -> std::path::PathBuf {
+    let link = |p: &std::path::Path| std::fs::read_link(p).ok().map(|l| l.to_string_lossy().into_owned());
+    let daemon_pipes: Vec<String> = std::fs::read_dir(format!("/proc/{daemon}/fd")).expect("daemon fds").flatten().filter_map(|e| link(&e.path())).collect();
+    let skip = [link(std::path::Path::new(&format!("/proc/{exec}/fd/0"))), link(std::path::Path::new(&format!("/proc/{exec}/fd/2")))];
+    std::fs::read_dir(format!("/proc/{exec}/fd"))
+        .expect("executor fds")
+        .flatten()
+        .find(|e| {
+            let l = link(&e.path());
+            l.as_deref().is_some_and(|l| l.starts_with("pipe:") && daemon_pipes.iter().any(|d| d == l)) && !skip.contains(&l)
+        })
+        .map(|e| e.path())
+        .expect("the executor's reply pipe")
+}
+
+/// What an executor sends the daemon reaches its log bounded: a flood of
+/// unreadable lines is a few lines, and a message cannot forge a line.
+#[test]
+fn an_executors_messages_cannot_flood_or_forge_the_daemons_log() {
+    use std::io::Write;
+    let log = std::env::temp_dir().join(format!("vgpu-exec-flood-{}.log", std::process::id()));
+    let _ = std::fs::remove_file(&log);
+    let m = Mediator::start_logging(&["--isolation", "process", "--device-memory", "256MiB"], &log);
+    m.tenant("loud", "16MiB");
+    let exec = executor_of(&m, "loud");
+    let mut pipe = std::fs::OpenOptions::new().write(true).open(reply_pipe(exec, m.pid())).expect("open the reply pipe");
+    let forged = "INFO vgpu_mediatord: forged-line tenant deleted";
+    let err = serde_json::json!({"id": 0, "msg": {"Err": format!("oops\n{forged}\n{}", "x".repeat(100_000))}});
+    pipe.write_all(format!("{err}\n").as_bytes()).expect("write");
+    for _ in 0..20_000 {
+        pipe.write_all(b"junk\n").expect("write");
+    }
+    drop(pipe);
+    std::thread::sleep(Duration::from_millis(1500));
+    let text = std::fs::read_to_string(&log).expect("log");
+    let junk = text.lines().filter(|l| l.contains("unreadable worker message")).count();
+    assert!((1..=40).contains(&junk), "{junk} lines of junk logged");
+    assert!(!text.lines().any(|l| l.starts_with(forged) || l.contains(&"x".repeat(2000))), "a forged or unbounded line");
+    assert!(text.contains("oops\\n"), "the message, escaped: {text}");
+    let _ = std::fs::remove_file(&log);
+}

@@ -20,7 +20,9 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
-use super::{call_link, rundir, spawn_worker, Control, ControlError, DeviceSlot, DeviceSpec, Role, TenantPhase, TenantRecord, WorkerLink, COMMAND_TIMEOUT, STATS_TIMEOUT};
+use super::{
+    call_link, rundir, send_link, spawn_worker, wait_link, Control, ControlError, DeviceSlot, DeviceSpec, Role, TenantPhase, TenantRecord, WorkerLink, COMMAND_TIMEOUT, SLOW_STATS_WAIT, STATS_TIMEOUT,
+};
 use crate::config::Owner;
 use crate::ipc::{DeviceStats, WorkerCmd, WorkerMsg};
 
@@ -119,6 +121,11 @@ pub struct Exec {
     generation: u64,
     /// Replaced or retired on purpose: its exit is not a crash.
     retired: AtomicBool,
+    /// Its last statistics came late (or not at all): they are waited for
+    /// [`SLOW_STATS_WAIT`] only, until it answers in time again or a late
+    /// answer shows it slow rather than stalled. Holds its link's count of
+    /// late answers when it was marked; `u64::MAX`: not marked.
+    slow: AtomicU64,
     /// Its end was already passed on to the other clients of its MPS
     /// server (or it was ended as one of them): its exit fails no one else.
     pub(super) peers_ended: AtomicBool,
@@ -497,8 +504,35 @@ impl DeviceSlot {
         let mut sources = HashMap::new();
         let execs: Vec<Arc<Exec>> = self.execs.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
         let arbiter = std::mem::take(&mut s.tenants);
-        for e in execs {
-            let Ok(WorkerMsg::Stats(x)) = e.call(WorkerCmd::Stats, STATS_TIMEOUT) else { continue };
+        // Asked all at once, then waited for together: executors that do
+        // not answer cost one wait, not one each.
+        let now = std::time::Instant::now();
+        let asked: Vec<_> = execs
+            .into_iter()
+            .map(|e| {
+                let who = format!("executor of {}", e.tenant);
+                let sent = send_link(&e.link, &who, WorkerCmd::Stats, now + STATS_TIMEOUT, STATS_TIMEOUT);
+                (e, who, sent)
+            })
+            .collect();
+        for (e, who, sent) in asked {
+            let Ok(sent) = sent else { continue };
+            let late = e.link.late.load(Ordering::Relaxed);
+            // Marked, and no answer has come since, late or not.
+            let marked = e.slow.load(Ordering::Relaxed);
+            let stalled = marked != u64::MAX && marked >= late;
+            let wait = if stalled { SLOW_STATS_WAIT } else { STATS_TIMEOUT };
+            let x = match wait_link(&e.link, &who, sent, now + wait, wait) {
+                Ok(WorkerMsg::Stats(x)) => {
+                    e.slow.store(u64::MAX, Ordering::Relaxed);
+                    x
+                }
+                Err(ControlError::Timeout(..)) => {
+                    e.slow.store(late, Ordering::Relaxed);
+                    continue;
+                }
+                _ => continue,
+            };
             // A scrub that failed its check in any executor marks the
             // device: its memory cannot be trusted for anyone.
             s.quarantined |= x.quarantined;
@@ -711,6 +745,7 @@ impl Control {
             started: std::time::Instant::now(),
             generation,
             retired: AtomicBool::new(false),
+            slow: AtomicU64::new(u64::MAX),
             peers_ended: AtomicBool::new(false),
             memory_max: AtomicU64::new(bounds.memory.unwrap_or(0)),
             bounds,

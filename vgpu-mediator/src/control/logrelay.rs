@@ -46,6 +46,31 @@ impl Bucket {
         self.tokens = (self.tokens + now.saturating_duration_since(self.last).as_secs_f64() * self.rate).min(self.burst);
         self.last = now;
     }
+
+    /// Takes one line's token at `now`, if there is one.
+    pub fn try_take(&mut self, now: Instant) -> bool {
+        self.refill(now);
+        let ok = self.tokens >= 1.0;
+        if ok {
+            self.tokens -= 1.0;
+        }
+        ok
+    }
+}
+
+/// Text a process sent, made fit for one log line: at most `max` bytes
+/// (cut at a character), control characters escaped, so that it can
+/// neither flood the log nor forge a line of its own.
+pub fn fit_for_log(text: &str, max: usize) -> String {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut out: String = text[..end].chars().flat_map(char::escape_default).collect();
+    if end < text.len() {
+        out += &format!("... ({} more bytes)", text.len() - end);
+    }
+    out
 }
 
 /// The budget every executor's lines share.

@@ -33,6 +33,15 @@ use crate::size::Size;
 /// How long the control plane waits for a worker's answer. No lock of the
 /// registry is held meanwhile, so a slow worker delays only its own call.
 pub const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+/// Lines a worker's or executor's messages may put in the log at once,
+/// and a second after that; the longest message logged.
+const REPLY_LOG_BURST: f64 = 20.0;
+const REPLY_LOG_PER_SEC: f64 = 1.0;
+const REPLY_LOG_MAX: usize = 1024;
+/// How long statistics are waited for from an executor whose last answer
+/// was late: one stalled executor does not hold up every view of its
+/// device (a healthy one answers in well under a millisecond).
+pub const SLOW_STATS_WAIT: Duration = Duration::from_millis(100);
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long `DELETE /tenants/NAME` waits for the teardown before it
 /// answers 202 (still releasing) instead of 204.
@@ -128,11 +137,14 @@ struct WorkerLink {
     stdin: Mutex<Option<ChildStdin>>,
     pending: Mutex<HashMap<u64, mpsc::Sender<WorkerMsg>>>,
     next: AtomicU64,
+    /// Replies that came after their caller had stopped waiting: the
+    /// process is slow, not stalled.
+    late: AtomicU64,
 }
 
 impl WorkerLink {
     fn new(stdin: ChildStdin) -> WorkerLink {
-        WorkerLink { stdin: Mutex::new(Some(stdin)), pending: Mutex::new(HashMap::new()), next: AtomicU64::new(0) }
+        WorkerLink { stdin: Mutex::new(Some(stdin)), pending: Mutex::new(HashMap::new()), next: AtomicU64::new(0), late: AtomicU64::new(0) }
     }
 
     /// Closes the process's stdin: it finishes what it does and ends.
@@ -204,44 +216,70 @@ impl DeviceSlot {
 /// Sends `cmd` to a worker, arbiter or executor (`who`, for errors) and
 /// waits up to `timeout` for its reply.
 fn call_link(link: Option<&WorkerLink>, who: &str, cmd: WorkerCmd, timeout: Duration) -> Result<WorkerMsg, ControlError> {
-    {
-        let link = link.ok_or_else(|| ControlError::WorkerDown(who.to_string()))?;
-        let id = link.next.fetch_add(1, Ordering::Relaxed) + 1;
-        let (tx, rx) = mpsc::channel();
-        link.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
-        let line = serde_json::to_string(&CmdLine { id, cmd }).map_err(|e| ControlError::Internal(e.to_string()))? + "\n";
-        let deadline = Instant::now() + timeout;
-        let mut wrote = 0;
-        let sent = {
-            let mut w = link.stdin.lock().unwrap_or_else(|e| e.into_inner());
-            let sent = match w.as_ref() {
-                Some(p) => write_before(p, line.as_bytes(), deadline, &mut wrote),
-                None => Err(std::io::ErrorKind::BrokenPipe.into()),
-            };
-            if sent.is_err() && wrote > 0 {
-                // Part of a command is in the pipe: the next would be read
-                // glued to it. The process's input ends here instead (it
-                // then ends, and is started again).
-                warn!(process = who, "a command could be written only in part before its deadline: the process's input is closed");
-                *w = None;
-            }
-            sent
+    let link = link.ok_or_else(|| ControlError::WorkerDown(who.to_string()))?;
+    let deadline = Instant::now() + timeout;
+    let sent = send_link(link, who, cmd, deadline, timeout)?;
+    wait_link(link, who, sent, deadline, timeout)
+}
+
+/// A command written to a process, its reply to come.
+struct Sent {
+    id: u64,
+    rx: mpsc::Receiver<WorkerMsg>,
+}
+
+/// Writes `cmd` to the process by `deadline` (`timeout` names it in the
+/// error); [`wait_link`] takes its reply.
+fn send_link(link: &WorkerLink, who: &str, cmd: WorkerCmd, deadline: Instant, timeout: Duration) -> Result<Sent, ControlError> {
+    let id = link.next.fetch_add(1, Ordering::Relaxed) + 1;
+    let (tx, rx) = mpsc::channel();
+    link.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
+    let forget = || {
+        link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    };
+    let line = match serde_json::to_string(&CmdLine { id, cmd }) {
+        Ok(l) => l + "\n",
+        Err(e) => {
+            forget();
+            return Err(ControlError::Internal(e.to_string()));
+        }
+    };
+    let mut wrote = 0;
+    let sent = {
+        let mut w = link.stdin.lock().unwrap_or_else(|e| e.into_inner());
+        let sent = match w.as_ref() {
+            Some(p) => write_before(p, line.as_bytes(), deadline, &mut wrote),
+            None => Err(std::io::ErrorKind::BrokenPipe.into()),
         };
-        if let Err(e) = sent {
-            link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-            return Err(match e.kind() {
-                std::io::ErrorKind::TimedOut if wrote == 0 => ControlError::Timeout(who.to_string(), timeout),
-                _ => ControlError::WorkerDown(who.to_string()),
-            });
+        if sent.is_err() && wrote > 0 {
+            // Part of a command is in the pipe: the next would be read
+            // glued to it. The process's input ends here instead (it
+            // then ends, and is started again).
+            warn!(process = who, "a command could be written only in part before its deadline: the process's input is closed");
+            *w = None;
         }
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(m) => Ok(m),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                Err(ControlError::Timeout(who.to_string(), timeout))
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(ControlError::WorkerDown(who.to_string())),
+        sent
+    };
+    if let Err(e) = sent {
+        forget();
+        return Err(match e.kind() {
+            std::io::ErrorKind::TimedOut if wrote == 0 => ControlError::Timeout(who.to_string(), timeout),
+            _ => ControlError::WorkerDown(who.to_string()),
+        });
+    }
+    Ok(Sent { id, rx })
+}
+
+/// The reply to a command [`send_link`] wrote, if it comes by `deadline`
+/// (`timeout` names it in the error); a reply later than that is dropped.
+fn wait_link(link: &WorkerLink, who: &str, sent: Sent, deadline: Instant, timeout: Duration) -> Result<WorkerMsg, ControlError> {
+    match sent.rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(m) => Ok(m),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&sent.id);
+            Err(ControlError::Timeout(who.to_string(), timeout))
         }
+        Err(mpsc::RecvTimeoutError::Disconnected) => Err(ControlError::WorkerDown(who.to_string())),
     }
 }
 
@@ -768,6 +806,23 @@ impl Control {
     /// With `only` (an executor), events about any other tenant are
     /// ignored.
     fn read_replies_then(&self, device: &str, mut stdout: BufReader<ChildStdout>, link: &WorkerLink, only: Option<&str>, removed: impl Fn(&str), fatal: impl Fn(&str)) {
+        // What the process says that reaches the log, bounded: an executor
+        // may be a tenant's (hijacked) process.
+        let mut budget = logrelay::Bucket::new(REPLY_LOG_BURST, REPLY_LOG_PER_SEC, Instant::now());
+        let mut dropped = 0u64;
+        let mut fatal_seen = false;
+        let mut note = |what: std::fmt::Arguments<'_>| {
+            if !budget.try_take(Instant::now()) {
+                dropped += 1;
+                return;
+            }
+            if dropped > 0 {
+                warn!(device, dropped, "{what} ({dropped} more such lines were not logged)");
+                dropped = 0;
+            } else {
+                warn!(device, "{what}");
+            }
+        };
         loop {
             let line = match read_line_bounded(&mut stdout, MAX_REPLY_LINE) {
                 Ok(Some(l)) => l,
@@ -780,13 +835,18 @@ impl Control {
             let m = match serde_json::from_str::<MsgLine>(&line) {
                 Ok(m) => m,
                 Err(e) => {
-                    warn!(device, "unreadable worker message: {e}");
+                    note(format_args!("unreadable worker message: {e}"));
                     continue;
                 }
             };
             if m.id != 0 {
-                if let Some(tx) = link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&m.id) {
-                    let _ = tx.send(m.msg);
+                match link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&m.id) {
+                    Some(tx) => {
+                        let _ = tx.send(m.msg);
+                    }
+                    None => {
+                        link.late.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 continue;
             }
@@ -795,10 +855,16 @@ impl Control {
                     self.finish_delete(&name);
                     removed(&name);
                 }
-                WorkerMsg::Removed { name } => warn!(device, "an executor reported another tenant ({name}) removed; ignored"),
-                WorkerMsg::Fatal { why } => fatal(&why),
-                WorkerMsg::Err(e) => warn!(device, "worker: {e}"),
-                other => warn!(device, "unexpected worker event {other:?}"),
+                WorkerMsg::Removed { name } => note(format_args!("an executor reported another tenant ({}) removed; ignored", logrelay::fit_for_log(&name, 256))),
+                // Acted on once; a process that keeps saying it is only
+                // logged, within the budget.
+                WorkerMsg::Fatal { why } if !fatal_seen => {
+                    fatal_seen = true;
+                    fatal(&logrelay::fit_for_log(&why, REPLY_LOG_MAX))
+                }
+                WorkerMsg::Fatal { why } => note(format_args!("fatal again: {}", logrelay::fit_for_log(&why, REPLY_LOG_MAX))),
+                WorkerMsg::Err(e) => note(format_args!("worker: {}", logrelay::fit_for_log(&e, REPLY_LOG_MAX))),
+                other => note(format_args!("unexpected worker event {}", logrelay::fit_for_log(&format!("{other:?}"), REPLY_LOG_MAX))),
             }
         }
         // Callers still waiting see the worker as down.
