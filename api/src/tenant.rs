@@ -183,8 +183,11 @@ impl TenantSpec {
             validate_name(p).map_err(|e| format!("tenant {}: pool: {e}", self.name))?;
         }
         if let Some(m) = &self.mode {
+            // As documented: three octal digits, or four starting with 0
+            // (`from_str_radix` alone also takes a sign and any run of 0s).
+            let digits = m.strip_prefix('0').filter(|r| r.len() == 3).unwrap_or(m);
             match u32::from_str_radix(m, 8) {
-                Ok(v) if v & !0o777 == 0 && v & 0o600 == 0o600 => {}
+                Ok(v) if digits.len() == 3 && digits.bytes().all(|b| (b'0'..=b'7').contains(&b)) && v & 0o600 == 0o600 => {}
                 _ => return Err(format!("tenant {}: mode {m:?} must be octal permission bits (at most 0777) that include 0600", self.name)),
             }
         }

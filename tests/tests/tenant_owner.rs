@@ -97,7 +97,7 @@ fn vgpuctl_sets_owner_and_mode_and_rejects_bad_ones() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let meta = std::fs::metadata(String::from_utf8_lossy(&o.stdout).trim()).expect("socket");
     assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (0, 4242, 0o660));
-    for (owner, mode) in [("alice", "0600"), ("1:2:3", "0600"), ("0:0", "4777"), ("0:0", "0066"), ("0:0", "9")] {
+    for (owner, mode) in [("alice", "0600"), ("1:2:3", "0600"), ("0:0", "4777"), ("0:0", "0066"), ("0:0", "9"), ("0:0", "+600"), ("0:0", "00000600"), ("0:0", "60"), ("0:0", "")] {
         let (st, v) = m.api("POST", "/tenants", Some(json!({ "name": "bad", "memory": "16MiB", "owner": owner, "mode": mode })));
         assert_eq!(st, 400, "owner {owner} mode {mode}: {v}");
     }

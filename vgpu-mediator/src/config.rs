@@ -55,7 +55,7 @@ pub struct VmsConfig {
     #[serde(default)]
     pub state_dir: Option<PathBuf>,
     /// Seconds a stop waits for the guest to end before its VMM is killed
-    /// (default 10).
+    /// (default 10; 1 to 3600, as a stop's own `timeout`).
     #[serde(default)]
     pub stop_timeout_s: Option<u64>,
     /// Run every VMM in `vgpu-vmm`'s jail as this `UID:GID` (not 0): its
@@ -520,6 +520,11 @@ impl Config {
         if let Some(n) = self.metering.metrics_max_connections {
             if n == 0 || n > METRICS_MAX_CONNECTIONS_LIMIT {
                 return Err(ConfigError::Invalid(format!("metering.metrics_max_connections must be 1..={METRICS_MAX_CONNECTIONS_LIMIT}, not {n}")));
+            }
+        }
+        if let Some(t) = self.vms.stop_timeout_s {
+            if t == 0 || t > 3600 {
+                return Err(ConfigError::Invalid(format!("vms.stop_timeout_s must be 1..=3600, not {t}")));
             }
         }
         for (key, v) in [("metrics_header_timeout_ms", self.metering.metrics_header_timeout_ms), ("metrics_idle_timeout_ms", self.metering.metrics_idle_timeout_ms)] {

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use vgpu_api::serve::Limits;
 use vgpu_mediator::backend::discover;
-use vgpu_mediator::config::{self, Config, CudaMode, Owner, DEFAULT_DEVICE_MEMORY};
+use vgpu_mediator::config::{self, Config, CudaMode, Owner};
 use vgpu_mediator::control::meter::Meter;
 use vgpu_mediator::control::passthrough::{self, Passthrough};
 use vgpu_mediator::control::store::Store;
@@ -287,9 +287,12 @@ fn run() -> anyhow::Result<()> {
     if let Some(n) = cli.cpu_devices {
         cfg.devices.cpu = n;
     }
-    cfg.devices.memory = cli.device_memory.unwrap_or(cfg.devices.memory);
-    if cfg.devices.memory.0 == 0 {
-        cfg.devices.memory = Size(DEFAULT_DEVICE_MEMORY);
+    if let Some(m) = cli.device_memory {
+        // As the config file's devices.memory, in the flag's own words.
+        if !(1 << 20..=1 << 40).contains(&m.0) {
+            anyhow::bail!("--device-memory must be between 1MiB and 1TiB, not {m}");
+        }
+        cfg.devices.memory = m;
     }
     if let Some(b) = cli.instruction_budget {
         cfg.devices.instruction_budget = b;

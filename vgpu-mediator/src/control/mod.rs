@@ -997,7 +997,7 @@ impl Control {
             }
             let slots: Vec<&Arc<DeviceSlot>> = match &spec.device {
                 Some(d) => {
-                    let s = self.slot(d).ok_or_else(|| ControlError::BadRequest(format!("no device named {d}")))?;
+                    let s = self.slot(d).ok_or_else(|| ControlError::NotFound(format!("no device named {d}")))?;
                     if !pool.devices.contains(d) {
                         return Err(ControlError::BadRequest(format!("device {d} is not in pool {}", pool.name)));
                     }

@@ -152,7 +152,7 @@ impl Vm {
 
     /// Waits until `done` holds or `limit` passes; returns whether it held.
     fn wait_for(&self, limit: Duration, done: impl Fn(&Run) -> bool) -> bool {
-        let deadline = Instant::now() + limit;
+        let deadline = Instant::now() + limit.min(Duration::from_secs(3600));
         let mut r = self.lock();
         while !done(&r) {
             let left = deadline.saturating_duration_since(Instant::now());
