@@ -134,3 +134,55 @@ fn the_config_file_wins_over_a_saved_tenant_or_pool_of_the_same_name() {
     assert_eq!(m.api("GET", "/tenants/dup", None).0, 404);
     assert_eq!(m.api("GET", "/pools/pdup", None).0, 404);
 }
+
+/// Where the state directory cannot record a change (read-only, full or
+/// failing), the change is refused and taken back, so that what runs is
+/// what a restart brings back: a quota or weight change, a new tenant (and
+/// its socket), a delete. Needs root (a read-only bind mount).
+#[test]
+fn a_change_the_state_directory_cannot_record_is_taken_back() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        report_skip("a_change_the_state_directory_cannot_record_is_taken_back", "a read-only bind mount needs root");
+        return;
+    }
+    let m = Mediator::start(&[]);
+    let a = m.tenant_with(json!({ "name": "kept", "memory": "16MiB", "weight": 1 }));
+    let dir = m.run_dir.join("state/tenants");
+    assert!(dir.join("kept.json").exists(), "the state directory is not where this test looks");
+    let c = |p: &std::path::Path| std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+    let d = c(&dir);
+    // SAFETY: NUL-terminated paths that outlive the calls; a bind mount of
+    // the test's own directory over itself, made read-only.
+    let ro = unsafe {
+        libc::mount(d.as_ptr(), d.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) == 0
+            && libc::mount(std::ptr::null(), d.as_ptr(), std::ptr::null(), libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY, std::ptr::null()) == 0
+    };
+    struct Unmount(std::ffi::CString);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            // SAFETY: the path is NUL-terminated; our own bind mount.
+            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+    let guard = Unmount(d.clone());
+    if !ro {
+        report_skip("a_change_the_state_directory_cannot_record_is_taken_back", &format!("cannot make a read-only bind mount here: {}", std::io::Error::last_os_error()));
+        return;
+    }
+    let (st, v) = m.api("PATCH", "/tenants/kept", Some(json!({ "weight": 7, "memory": "32MiB" })));
+    assert!(st == 500 && v["error"].as_str().is_some_and(|e| e.contains("nothing changed")), "{st} {v}");
+    let t = tenant(&m, "kept");
+    assert_eq!((t["weight"].as_u64(), t["memory"].as_u64()), (Some(1), Some(16 << 20)), "the change was not taken back: {t}");
+    let (st, v) = m.api("POST", "/tenants", Some(json!({ "name": "unsaved", "memory": "16MiB" })));
+    assert_eq!(st, 500, "{v}");
+    assert_eq!(m.api("GET", "/tenants/unsaved", None).0, 404);
+    assert!(!m.run_dir.join("tenants/unsaved.sock").exists(), "a failed create left its socket");
+    let (st, v) = m.api("DELETE", "/tenants/kept", None);
+    assert!(st == 500 && v["error"].as_str().is_some_and(|e| e.contains("nothing changed")), "{st} {v}");
+    assert_eq!(tenant(&m, "kept")["state"], "ready");
+    assert!(run_ok(sample("vectorAdd", std::path::Path::new(a["socket"].as_str().unwrap()))).contains("PASSED"));
+    drop(guard);
+    let (st, v) = m.api("DELETE", "/tenants/kept", None);
+    assert!(st == 204 || st == 202, "{st} {v}");
+}

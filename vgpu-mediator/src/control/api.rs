@@ -29,7 +29,7 @@ impl IntoResponse for ControlError {
             ControlError::WorkerDown(_) => StatusCode::SERVICE_UNAVAILABLE,
             ControlError::Timeout(..) => StatusCode::GATEWAY_TIMEOUT,
             ControlError::Uid { err: super::executors::UidError::Exhausted { .. }, .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ControlError::Worker(_) | ControlError::Internal(_) | ControlError::Store(_) | ControlError::Uid { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ControlError::Worker(_) | ControlError::Internal(_) | ControlError::Store(_) | ControlError::NotSaved { .. } | ControlError::Uid { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         };
         (code, Json(ErrorBody { error: self.to_string() })).into_response()
     }
@@ -381,7 +381,7 @@ async fn show_tenant(State(c): St, Path(name): Path<String>) -> Result<Json<Tena
 }
 
 /// Create a tenant and its socket.
-#[utoipa::path(post, path = "/tenants", request_body = TenantSpec, responses((status = 201, description = "Created; `socket` is the tenant's capability", body = TenantRecord), (status = 400, description = "The request was refused", body = ErrorBody), (status = 403, description = "The pool (named, or the named device's) is private and the tenant is not on its allow-list", body = ErrorBody), (status = 404, description = "No such pool or device", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 503, description = "The request was refused", body = ErrorBody), (status = 507, description = "The quota is more than any device of the pool can hold, or no device of the pool has that much unreserved capacity now", body = ErrorBody)))]
+#[utoipa::path(post, path = "/tenants", request_body = TenantSpec, responses((status = 201, description = "Created; `socket` is the tenant's capability", body = TenantRecord), (status = 400, description = "The request was refused", body = ErrorBody), (status = 403, description = "The pool (named, or the named device's) is private and the tenant is not on its allow-list", body = ErrorBody), (status = 404, description = "No such pool or device", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 503, description = "The request was refused", body = ErrorBody), (status = 507, description = "The quota is more than any device of the pool can hold, or no device of the pool has that much unreserved capacity now", body = ErrorBody), (status = 500, description = "The state directory could not record it (nothing changed), or the host failed", body = ErrorBody)))]
 async fn create_tenant(State(c): St, body: axum::body::Bytes) -> Result<(StatusCode, Json<TenantRecord>), ControlError> {
     let spec: TenantSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad tenant description: {e}")))?;
     let rec = blocking(move || c.create_tenant(&spec)).await??;
@@ -476,7 +476,7 @@ async fn delete_pool(State(c): St, Path(name): Path<String>) -> Result<StatusCod
 /// quota must fit the device's unreserved capacity (409 or 507
 /// otherwise); a smaller one must still cover what the tenant has
 /// allocated (409 otherwise), so the memory it gives back is free.
-#[utoipa::path(patch, path = "/tenants/{name}", params(("name" = String, Path, example = "web")), request_body = super::TenantChange, responses((status = 200, description = "The tenant as changed", body = TenantRecord), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 507, description = "The request was refused", body = ErrorBody)))]
+#[utoipa::path(patch, path = "/tenants/{name}", params(("name" = String, Path, example = "web")), request_body = super::TenantChange, responses((status = 200, description = "The tenant as changed", body = TenantRecord), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 507, description = "The request was refused", body = ErrorBody), (status = 500, description = "The state directory could not record it (nothing changed), or the host failed", body = ErrorBody)))]
 async fn set_tenant(State(c): St, Path(name): Path<String>, body: axum::body::Bytes) -> Result<Json<TenantRecord>, ControlError> {
     let change: super::TenantChange = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad tenant change: {e}")))?;
     Ok(Json(blocking(move || c.set_tenant(&name, &change)).await??))
@@ -488,7 +488,7 @@ async fn set_tenant(State(c): St, Path(name): Path<String>, body: axum::body::By
 /// VM context fails from then on, and its connections are closed. Its
 /// worker then frees its memory; the quota stays reserved (state
 /// `deleting`) until that is done: 204 once it is, 202 before.
-#[utoipa::path(delete, path = "/tenants/{name}", params(("name" = String, Path, example = "web")), responses((status = 204, description = "Deleted, its memory released and its quota free"), (status = 202, description = "Revoked; its memory is still being released (state deleting)"), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody)))]
+#[utoipa::path(delete, path = "/tenants/{name}", params(("name" = String, Path, example = "web")), responses((status = 204, description = "Deleted, its memory released and its quota free"), (status = 202, description = "Revoked; its memory is still being released (state deleting)"), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "The request was refused", body = ErrorBody), (status = 500, description = "The state directory could not record it (nothing changed), or the host failed", body = ErrorBody)))]
 async fn delete_tenant(State(c): St, Path(name): Path<String>) -> Result<StatusCode, ControlError> {
     if c.vms.get().is_some_and(|v| v.owns_tenant(&name)) {
         return Err(ControlError::Conflict(format!("tenant {name} is VM {name}'s vGPU: delete the VM")));

@@ -71,6 +71,15 @@ pub enum ControlError {
     /// The state directory could not record a change.
     #[error("saving to the state directory: {0}")]
     Store(#[from] store::StoreError),
+    /// The state directory could not record a change to a live tenant: it
+    /// was taken back (`live` false), or could not be and runs until a
+    /// restart of the daemon undoes it.
+    #[error("{}: {source}", if *live { "the change is live but could not be saved, so a restart of the daemon undoes it" } else { "nothing changed: the change could not be saved" })]
+    NotSaved {
+        live: bool,
+        #[source]
+        source: store::StoreError,
+    },
     /// No executor uid could be given out for `who`.
     #[error("no executor uid for {who}: {err}")]
     Uid {
@@ -1048,7 +1057,7 @@ impl Control {
         if let Err(e) = self.add_on_worker(&slot, &rec) {
             self.registry().remove(&rec.name);
             // The worker may have set it up after all (a late answer).
-            let _ = slot.call(WorkerCmd::RemoveTenant { name: rec.name.clone() }, STATS_TIMEOUT);
+            Self::undo_create(&slot, &rec);
             return Err(e);
         }
         // A worker restart in between re-added only ready tenants.
@@ -1064,11 +1073,7 @@ impl Control {
         if let Err(e) = self.save_tenant(&rec) {
             tenants.remove(&rec.name);
             drop(tenants);
-            if slot.spec.executors {
-                let _ = slot.remove_on_executor(&rec.name);
-            } else {
-                let _ = slot.call(WorkerCmd::RemoveTenant { name: rec.name.clone() }, STATS_TIMEOUT);
-            }
+            Self::undo_create(&slot, &rec);
             return Err(e);
         }
         let Some(r) = tenants.get_mut(&rec.name) else {
@@ -1079,6 +1084,18 @@ impl Control {
         drop(tenants);
         info!(tenant = %rec.name, device = %rec.device, quota = rec.memory, "tenant created");
         Ok(rec)
+    }
+
+    /// Takes back what a create that failed set up on the device: the
+    /// tenant on its worker or executor, and its socket.
+    fn undo_create(slot: &DeviceSlot, rec: &TenantRecord) {
+        if slot.spec.executors {
+            let _ = slot.remove_on_executor(&rec.name);
+        } else {
+            let _ = slot.call(WorkerCmd::RemoveTenant { name: rec.name.clone() }, STATS_TIMEOUT);
+        }
+        slot.forget_socket(&rec.name);
+        let _ = std::fs::remove_file(&rec.socket);
     }
 
     /// Changes a tenant's weight, cap, class or memory quota live. A larger
@@ -1180,11 +1197,29 @@ impl Control {
         // Saved under the registry's lock, only while the tenant is still
         // there: a delete that ran meanwhile is not undone.
         let tenants = self.registry();
-        if tenants.get(name).is_some_and(|t| t.state == TenantPhase::Ready) {
-            self.save_tenant(&after)?;
-        }
+        let saved = if tenants.get(name).is_some_and(|t| t.state == TenantPhase::Ready) { self.save_tenant(&after) } else { Ok(()) };
         drop(tenants);
-        Ok(after)
+        match saved {
+            Ok(()) => Ok(after),
+            Err(ControlError::Store(source)) => {
+                // Taken back where the device agrees, so that what runs is
+                // what a restart brings back.
+                let share = crate::sched::Share { weight: before.weight, cap: before.cap, priority: before.priority };
+                let quota = (after.memory != before.memory).then_some(before.memory);
+                let back = if slot.spec.executors {
+                    slot.set_on_executor(&before, share, quota)
+                } else {
+                    slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT)
+                };
+                let undone = matches!(back, Ok(WorkerMsg::Ok));
+                if undone {
+                    self.replace_if(name, &after, &before);
+                }
+                warn!(tenant = name, undone, "a change could not be saved: {source}");
+                Err(ControlError::NotSaved { live: !undone, source })
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Sets a tenant's share and quota to `to`'s, only if the record is
@@ -1226,15 +1261,16 @@ impl Control {
                 TenantPhase::Creating => return Err(ControlError::Conflict(format!("tenant {name} is still being created"))),
                 TenantPhase::Deleting => None,
                 TenantPhase::Ready => {
+                    // A delete once accepted does not come undone by a
+                    // restart: its saved file goes first, or nothing does.
+                    if let Some(Err(source)) = self.store.get().map(|s| s.remove_tenant(name)) {
+                        return Err(ControlError::NotSaved { live: false, source });
+                    }
                     rec.state = TenantPhase::Deleting;
                     Some(self.slot(&rec.device).cloned())
                 }
             }
         };
-        // A delete once accepted does not come undone by a restart.
-        if let Some(Err(e)) = self.store.get().map(|s| s.remove_tenant(name)) {
-            warn!(tenant = name, "{e}");
-        }
         if let Some(slot) = slot {
             match slot.map(|s| if s.spec.executors { s.remove_on_executor(name) } else { s.call(WorkerCmd::RemoveTenant { name: name.to_string() }, COMMAND_TIMEOUT) }) {
                 Some(Ok(WorkerMsg::Ok)) | Some(Err(ControlError::Timeout(..))) => {}
