@@ -245,6 +245,31 @@ fn api_rejects_malformed_requests() {
     }
     let (st, _) = m.api("GET", "/nothing", None);
     assert_eq!(st, 404);
+    // Refusals made before a handler runs are JSON too: a name that is
+    // not UTF-8, a body over the limit (refused from its length alone).
+    use std::io::{Read, Write};
+    for head in [
+        "GET /v1/tenants/%FF HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "POST /v1/tenants HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 3145728\r\nConnection: close\r\n\r\n",
+    ] {
+        let mut s = std::os::unix::net::UnixStream::connect(m.api_path()).expect("connect");
+        s.write_all(head.as_bytes()).expect("write");
+        if head.starts_with("POST") {
+            // Sent while the answer is read: the daemon stops reading it
+            // past the limit.
+            let mut w = s.try_clone().expect("clone");
+            std::thread::spawn(move || {
+                let _ = w.write_all(&vec![b' '; 3 << 20]);
+            });
+        }
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10))).expect("timeout");
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        let (top, body) = answer.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{head}: {answer}"));
+        assert!(top.starts_with("HTTP/1.1 4") && top.to_ascii_lowercase().contains("content-type: application/json"), "{head}: {answer}");
+        let v: serde_json::Value = serde_json::from_str(body.trim()).unwrap_or_else(|e| panic!("{head}: {body} is not JSON ({e})"));
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+    }
 }
 
 /// The API is versioned: every path answers under /v1 as at the root, the

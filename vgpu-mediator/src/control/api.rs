@@ -101,7 +101,21 @@ async fn spec() -> Response {
 /// made before it had one, at the root.
 pub fn router(c: Arc<Control>) -> Router {
     let api = routes().0.method_not_allowed_fallback(method_not_allowed);
-    Router::new().nest("/v1", api.clone()).merge(api).fallback(no_such_path).with_state(c)
+    Router::new().nest("/v1", api.clone()).merge(api).fallback(no_such_path).with_state(c).layer(axum::middleware::map_response(json_errors))
+}
+
+/// Refusals axum makes before a handler runs (a path that is not UTF-8, a
+/// body over the limit, a missing or wrong content type) come as plain
+/// text: they are answered as JSON, as every other refusal is.
+async fn json_errors(r: Response) -> Response {
+    let json = r.headers().get(axum::http::header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if json || !(r.status().is_client_error() || r.status().is_server_error()) {
+        return r;
+    }
+    let (parts, body) = r.into_parts();
+    let text = axum::body::to_bytes(body, 64 << 10).await.map(|b| String::from_utf8_lossy(&b).trim().to_string()).unwrap_or_default();
+    let error = if text.is_empty() { parts.status.canonical_reason().unwrap_or("refused").to_string() } else { text };
+    (parts.status, Json(ErrorBody { error })).into_response()
 }
 
 /// Every answer is JSON, an unknown path's and a wrong method's included.
