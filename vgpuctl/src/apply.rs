@@ -3,7 +3,8 @@
 //! when missing and brought to the description when they exist.
 //!
 //! An object is the API's create body with a `kind` (`tenant`, `pool` or
-//! `vm`); a VM may also say `state: running|stopped`. A field equal to the
+//! `vm`, or `vm-tenant` for a VM tenant whose VMM the operator runs); a
+//! VM may also say `state: running|stopped`. A field equal to the
 //! live value (sizes compared in bytes) is left alone; one that differs is
 //! changed where the API can change it on a live object (a tenant's
 //! weight, cap, priority and quota; a pool's access, allow-list,
@@ -94,8 +95,14 @@ fn plan(i: usize, v: Value) -> Result<Planned, Usage> {
     let at = |msg: String| Usage(format!("object {}: {msg}", i + 1));
     let Value::Object(mut o) = v else { return Err(at("not an object with a kind and a name".into())) };
     let kind = match o.remove("kind") {
-        Some(Value::String(k)) => Kind::parse(&k).ok_or_else(|| at(format!("kind {k:?} is none of tenant, pool, vm")))?,
-        _ => return Err(at("no kind (tenant, pool or vm)".into())),
+        // A tenant for a VM the operator runs (its body's own `kind`,
+        // which the object's kind would otherwise hide).
+        Some(Value::String(k)) if k.eq_ignore_ascii_case("vm-tenant") => {
+            o.insert("kind".into(), "vm".into());
+            Kind::Tenant
+        }
+        Some(Value::String(k)) => Kind::parse(&k).ok_or_else(|| at(format!("kind {k:?} is none of tenant, vm-tenant, pool, vm")))?,
+        _ => return Err(at("no kind (tenant, vm-tenant, pool or vm)".into())),
     };
     let name = o.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()).ok_or_else(|| at(format!("a {} needs a name", kind.word())))?.to_string();
     let state = match (kind, o.remove("state")) {
@@ -159,7 +166,15 @@ fn apply_one(cli: &Cli, p: &Planned) -> anyhow::Result<Value> {
         let now = current.get(k).unwrap_or(&Value::Null);
         // A tenant without a cap reads as none; 100 % is none too.
         let uncapped = p.kind == Kind::Tenant && k == "cap" && now.is_null() && want.as_f64() == Some(100.0);
-        if k == "name" || uncapped || matches(want, now) {
+        // A flag left out of the live record is off.
+        let off = want == &Value::Bool(false) && now.is_null();
+        // A socket mode is its bits, however many digits say them.
+        let octal = |v: &Value| v.as_str().and_then(|m| u32::from_str_radix(m, 8).ok());
+        let same_mode = p.kind == Kind::Tenant && k == "mode" && octal(want).is_some() && octal(want) == octal(now);
+        // A NUMA node asked for is a preference for placement, not a
+        // property of the tenant placed.
+        let preference = p.kind == Kind::Tenant && k == "numa_node";
+        if k == "name" || uncapped || off || same_mode || preference || matches(want, now) {
             continue;
         }
         if p.kind.changeable().contains(&k.as_str()) {
