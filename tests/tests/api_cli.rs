@@ -390,6 +390,31 @@ fn vgpuctl_prints_shell_completions_and_a_manual_page_from_its_definition() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The daemon holds at most `devices.max_tenants` tenants: a create past
+/// it is refused by name, and a delete makes room again.
+#[test]
+fn tenants_past_the_daemons_most_are_refused() {
+    let dir = std::env::temp_dir().join(format!("vgpu-most-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let cfg = dir.join("most.toml");
+    std::fs::write(&cfg, "[devices]\nmax_tenants = 2\n").expect("write");
+    let m = Mediator::start(&["--config", cfg.to_str().unwrap()]);
+    for n in ["one", "two"] {
+        m.tenant(n, "1MiB");
+    }
+    let (st, v) = m.api("POST", "/tenants", Some(json!({"name": "three", "memory": "1MiB"})));
+    assert!(st == 409 && v["error"].as_str().is_some_and(|e| e.contains("devices.max_tenants")), "{st} {v}");
+    let (st, _) = m.api("DELETE", "/tenants/one", None);
+    assert!(st == 204 || st == 202);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while m.api("POST", "/tenants", Some(json!({"name": "three", "memory": "1MiB"}))).0 != 201 {
+        assert!(std::time::Instant::now() < deadline, "no room after a delete");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `vgpuctl apply` twice on the same file changes nothing, whichever way
 /// the file spells a value the daemon reads back another way (a mode's
 /// digits, a flag left off, a NUMA preference), and a tenant for an

@@ -217,6 +217,11 @@ pub struct DevicesConfig {
     /// tenant's description says otherwise.
     #[serde(default = "default_tenant_connections")]
     pub tenant_connections: u32,
+    /// Most tenants (VM tenants and managed VMs' included) the daemon
+    /// holds at once: each costs an executor process, daemon threads and
+    /// descriptors, and a state file.
+    #[serde(default = "default_max_tenants")]
+    pub max_tenants: u32,
     /// The unprivileged user device workers run as once their device is
     /// open: a user name or `UID:GID`. Used when the mediator runs as root.
     #[serde(default = "default_worker_user")]
@@ -408,6 +413,11 @@ fn default_tenant_host_memory() -> Size {
 fn default_tenant_connections() -> u32 {
     64
 }
+fn default_max_tenants() -> u32 {
+    1024
+}
+/// The highest `devices.max_tenants`.
+pub const MAX_TENANTS_LIMIT: u32 = 65536;
 fn default_worker_user() -> String {
     "vgpu".into()
 }
@@ -436,6 +446,7 @@ impl Default for DevicesConfig {
             compute_capability: default_compute_capability(),
             tenant_host_memory: default_tenant_host_memory(),
             tenant_connections: default_tenant_connections(),
+            max_tenants: default_max_tenants(),
             worker_user: default_worker_user(),
             seccomp: true,
             connection_threads: default_connection_threads(),
@@ -489,6 +500,9 @@ impl Config {
         }
         if self.devices.tenant_connections == 0 || self.devices.tenant_connections > MAX_CONNECTIONS {
             return Err(ConfigError::Invalid(format!("devices.tenant_connections must be 1..={MAX_CONNECTIONS}, not {}", self.devices.tenant_connections)));
+        }
+        if self.devices.max_tenants == 0 || self.devices.max_tenants > MAX_TENANTS_LIMIT {
+            return Err(ConfigError::Invalid(format!("devices.max_tenants must be 1..={MAX_TENANTS_LIMIT}, not {}", self.devices.max_tenants)));
         }
         if self.devices.lanes > MAX_LANES {
             return Err(ConfigError::Invalid(format!("devices.lanes must be 0 (one per host CPU) to {MAX_LANES}, not {}", self.devices.lanes)));

@@ -410,7 +410,7 @@ fn run() -> anyhow::Result<()> {
         d.compute_nice = if d.cuda.is_none() { cfg.devices.compute_nice } else { 0 };
         d.pin_lanes = d.cuda.is_none() && cfg.devices.pin_lanes;
     }
-    let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections };
+    let defaults = TenantDefaults { host_memory: cfg.devices.tenant_host_memory.0, max_connections: cfg.devices.tenant_connections, max_tenants: cfg.devices.max_tenants as usize };
     if cfg.devices.cpu_isolation() == config::Isolation::Process && cfg.devices.cpu > 0 {
         // Device memory is brokered between executors only per tenant so
         // far: no device-wide backing to overcommit or spill from.

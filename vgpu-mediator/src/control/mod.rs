@@ -426,6 +426,8 @@ pub use vgpu_api::tenant::TenantChange;
 pub struct TenantDefaults {
     pub host_memory: u64,
     pub max_connections: u32,
+    /// Most tenants held at once (`devices.max_tenants`).
+    pub max_tenants: usize,
 }
 
 pub struct Control {
@@ -1050,6 +1052,9 @@ impl Control {
                 hidden: spec.hidden,
                 env: program_env(&slot.spec),
             };
+            if tenants.len() >= self.defaults.max_tenants {
+                return Err(ControlError::Conflict(format!("the daemon holds its most tenants, {} (devices.max_tenants); delete one first", self.defaults.max_tenants)));
+            }
             tenants.insert(rec.name.clone(), rec.clone());
             (slot, rec)
         };
