@@ -115,7 +115,14 @@ async fn json_errors(r: Response) -> Response {
     let (parts, body) = r.into_parts();
     let text = axum::body::to_bytes(body, 64 << 10).await.map(|b| String::from_utf8_lossy(&b).trim().to_string()).unwrap_or_default();
     let error = if text.is_empty() { parts.status.canonical_reason().unwrap_or("refused").to_string() } else { text };
-    (parts.status, Json(ErrorBody { error })).into_response()
+    let mut out = (parts.status, Json(ErrorBody { error })).into_response();
+    // Its other headers (Allow, Retry-After, ...) stay.
+    for (k, v) in &parts.headers {
+        if k != axum::http::header::CONTENT_TYPE && k != axum::http::header::CONTENT_LENGTH {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    out
 }
 
 /// Every answer is JSON, an unknown path's and a wrong method's included.
@@ -182,7 +189,7 @@ struct UsageQuery {
     tenant: Option<String>,
     /// Most records to answer with. An answer cut by the limit ends where
     /// an interval's records end (one interval with more records than the
-    /// limit is answered whole, up to 100000): ask again with `since` set
+    /// limit is answered whole; one of more than 100000 is a 500): ask again with `since` set
     /// to the last record's end until an answer is empty.
     #[param(minimum = 1, maximum = 100000, default = 10000)]
     limit: Option<usize>,

@@ -509,19 +509,25 @@ impl DeviceSlot {
         let now = std::time::Instant::now();
         let asked: Vec<_> = execs
             .into_iter()
-            .map(|e| {
+            .filter_map(|e| {
+                let late = e.link.late.load(Ordering::Relaxed);
+                // Marked, and no answer has come since, late or not: it is
+                // not asked again (its input would fill with requests it
+                // does not read) until it answers one it was asked.
+                let marked = e.slow.load(Ordering::Relaxed);
+                if marked != u64::MAX && marked >= late {
+                    return None;
+                }
                 let who = format!("executor of {}", e.tenant);
                 let sent = send_link(&e.link, &who, WorkerCmd::Stats, now + STATS_TIMEOUT, STATS_TIMEOUT);
-                (e, who, sent)
+                // Answered late before: a short wait, until it answers
+                // in time again.
+                let wait = if marked != u64::MAX { SLOW_STATS_WAIT } else { STATS_TIMEOUT };
+                Some((e, who, sent, late, wait))
             })
             .collect();
-        for (e, who, sent) in asked {
+        for (e, who, sent, late, wait) in asked {
             let Ok(sent) = sent else { continue };
-            let late = e.link.late.load(Ordering::Relaxed);
-            // Marked, and no answer has come since, late or not.
-            let marked = e.slow.load(Ordering::Relaxed);
-            let stalled = marked != u64::MAX && marked >= late;
-            let wait = if stalled { SLOW_STATS_WAIT } else { STATS_TIMEOUT };
             let x = match wait_link(&e.link, &who, sent, now + wait, wait) {
                 Ok(WorkerMsg::Stats(x)) => {
                     e.slow.store(u64::MAX, Ordering::Relaxed);

@@ -28,6 +28,9 @@ use crate::ipc::DeviceStats;
 pub const SAMPLE: Duration = Duration::from_secs(1);
 /// Most records one `GET /usage` answers with.
 pub const MAX_RECORDS: usize = 100_000;
+/// The furthest the wall clock may go back and records still be stamped
+/// with the latest time already written (seconds).
+const MAX_STEP_BACK: f64 = 3600.0;
 
 /// Usage of one tenant on one device.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -213,9 +216,21 @@ impl State {
         from
     }
 
-    /// Now, or the latest time already stamped if the clock went back.
+    /// Now, or the latest time already stamped if the clock went back by
+    /// at most [`MAX_STEP_BACK`]. A clock further behind than that (the
+    /// file was written by a clock far ahead, or edited) is taken as it
+    /// is, with a warning, rather than holding every record to come at
+    /// that time.
     fn stamp(&mut self) -> f64 {
-        let t = unix_now().max(self.last);
+        let now = unix_now();
+        if self.last - now > MAX_STEP_BACK {
+            warn!(
+                behind_s = self.last - now,
+                "the clock is behind the usage file's latest record by more than an hour: records are stamped with the clock's time, and queries by time may miss records around that point"
+            );
+            self.last = now;
+        }
+        let t = now.max(self.last);
         self.last = t;
         t
     }
@@ -247,6 +262,8 @@ pub enum MeterError {
         #[source]
         source: std::io::Error,
     },
+    #[error("usage file {path}: more than {MAX_RECORDS} records end at {end}, more than one answer holds; read them from the file")]
+    IntervalTooLarge { path: String, end: f64 },
 }
 
 impl Meter {
@@ -529,13 +546,16 @@ impl Meter {
     /// interval's records end and the next one's start, so that asking
     /// again with `since` set to the last record's end misses nothing.
     /// (An interval with more than `limit` records of its own is answered
-    /// whole, up to [`MAX_RECORDS`].) The file is in the order of
+    /// whole; one of more than [`MAX_RECORDS`] is an error.) The file is in the order of
     /// [`Record::end`], so the first record is found by bisection: the
     /// time taken grows with the answer, not with the file.
     pub fn records(&self, since: f64, tenant: Option<&str>, limit: usize) -> Result<Vec<Record>, MeterError> {
         let io = |source| MeterError::Io { path: self.path.display().to_string(), source };
         match std::fs::File::open(&self.path) {
-            Ok(f) => records_in(f, since, tenant, limit).map_err(io),
+            Ok(f) => match records_in(f, since, tenant, limit).map_err(io)? {
+                Ok(recs) => Ok(recs),
+                Err(TooLarge(end)) => Err(MeterError::IntervalTooLarge { path: self.path.display().to_string(), end }),
+            },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
             Err(e) => Err(io(e)),
         }
@@ -602,8 +622,13 @@ fn first_end(usage: &Path) -> Option<f64> {
     Some(r.end())
 }
 
+/// More records end at this time than one answer holds: paging by time
+/// cannot pass them.
+#[derive(Debug, PartialEq)]
+struct TooLarge(f64);
+
 /// [`Meter::records`] over a usage file's bytes.
-fn records_in<R: std::io::Read + Seek>(r: R, since: f64, tenant: Option<&str>, limit: usize) -> std::io::Result<Vec<Record>> {
+fn records_in<R: std::io::Read + Seek>(r: R, since: f64, tenant: Option<&str>, limit: usize) -> std::io::Result<Result<Vec<Record>, TooLarge>> {
     let mut r = std::io::BufReader::with_capacity(8 << 10, r);
     let mut line = Vec::new();
     // Every record that starts before `lo` ends at or before `since`.
@@ -611,7 +636,8 @@ fn records_in<R: std::io::Read + Seek>(r: R, since: f64, tenant: Option<&str>, l
     while hi - lo > SCAN_BYTES {
         let mid = lo + (hi - lo) / 2;
         match record_from(&mut r, mid, &mut line)? {
-            Some((at, rec)) if rec.end() <= since => lo = at.max(mid),
+            // (The file may have grown since its length was read.)
+            Some((at, rec)) if rec.end() <= since => lo = at.max(mid).min(hi),
             _ => hi = mid,
         }
     }
@@ -632,8 +658,11 @@ fn records_in<R: std::io::Read + Seek>(r: R, since: f64, tenant: Option<&str>, l
         }
         if out.len() >= limit {
             let e = out.last().map(Record::end);
-            if e != Some(rec.end()) || out.len() >= MAX_RECORDS {
+            if e != Some(rec.end()) {
                 break;
+            }
+            if whole && out.len() >= MAX_RECORDS {
+                return Ok(Err(TooLarge(rec.end())));
             }
             // The limit falls inside an interval: the answer ends before
             // it, unless it is the only one.
@@ -649,7 +678,7 @@ fn records_in<R: std::io::Read + Seek>(r: R, since: f64, tenant: Option<&str>, l
         }
         out.push(rec);
     }
-    Ok(out)
+    Ok(Ok(out))
 }
 
 #[cfg(test)]
@@ -759,13 +788,13 @@ mod tests {
         for since in [0.0, 999.0, 1000.0, 1000.5, 5123.0, 20_000.0, 40_998.0, 40_999.0, 1e12] {
             let want: Vec<&Record> = all.iter().filter(|r| r.end() > since).take(30).collect();
             let read = std::rc::Rc::new(std::cell::Cell::new(0));
-            let got = records_in(Counting { inner: std::io::Cursor::new(&bytes), read: read.clone() }, since, None, 30).unwrap();
+            let got = records_in(Counting { inner: std::io::Cursor::new(&bytes), read: read.clone() }, since, None, 30).unwrap().unwrap();
             assert_eq!(got.iter().collect::<Vec<_>>(), want, "since {since}");
             // A bisection's probes and one scan window, not 15 MiB.
             assert!(read.get() < 1 << 20, "since {since}: read {} bytes", read.get());
         }
         let t1: Vec<Record> = all.iter().filter(|r| r.end() > 30_000.0 && r.tenant() == Some("t1")).take(5).cloned().collect();
-        assert_eq!(records_in(std::io::Cursor::new(&bytes), 30_000.0, Some("t1"), 5).unwrap(), t1);
+        assert_eq!(records_in(std::io::Cursor::new(&bytes), 30_000.0, Some("t1"), 5).unwrap().unwrap(), t1);
     }
 
     #[test]
@@ -774,7 +803,7 @@ mod tests {
         for limit in [1, 2, 3, 4, 5, 7, 100] {
             let (mut since, mut got) = (0.0, Vec::new());
             loop {
-                let page = records_in(std::io::Cursor::new(&bytes), since, None, limit).unwrap();
+                let page = records_in(std::io::Cursor::new(&bytes), since, None, limit).unwrap().unwrap();
                 let Some(last) = page.last() else { break };
                 // Cut between intervals; one interval whole where it alone
                 // is more than the limit.
@@ -784,6 +813,31 @@ mod tests {
             }
             assert_eq!(got, all, "limit {limit}");
         }
+    }
+
+    #[test]
+    fn an_interval_larger_than_an_answer_is_an_error_not_a_loss() {
+        let (bytes, _) = usage_file(1, (MAX_RECORDS + 1) as u32);
+        assert_eq!(records_in(std::io::Cursor::new(&bytes), 0.0, None, 10).unwrap(), Err(TooLarge(1000.0)));
+        // One that fits is answered whole.
+        let (bytes, all) = usage_file(1, 5000);
+        assert_eq!(records_in(std::io::Cursor::new(&bytes), 0.0, None, 10).unwrap(), Ok(all));
+    }
+
+    #[test]
+    fn a_record_from_a_clock_far_ahead_does_not_hold_the_ones_after_it() {
+        let dir = std::env::temp_dir().join(format!("vgpu-meter-f-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("u.jsonl");
+        let far = unix_now() + 10.0 * MAX_STEP_BACK;
+        std::fs::write(&path, record_line(&Record::Deleted { at: far, tenant: "x".into() })).unwrap();
+        let m = Meter::open(&path, SAMPLE).unwrap();
+        m.tenant_deleted("a");
+        m.flush().unwrap();
+        let ends: Vec<f64> = m.records(0.0, None, 100).unwrap().iter().map(Record::end).collect();
+        assert!(ends.len() == 2 && ends[1] < far - MAX_STEP_BACK, "{ends:?}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

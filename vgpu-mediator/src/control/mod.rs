@@ -147,13 +147,19 @@ struct WorkerLink {
     pending: Mutex<HashMap<u64, mpsc::Sender<WorkerMsg>>>,
     next: AtomicU64,
     /// Replies that came after their caller had stopped waiting: the
-    /// process is slow, not stalled.
+    /// process is slow, not stalled. Counted only for commands given up
+    /// on (`abandoned`, the latest [`MAX_ABANDONED`]), so that a process
+    /// cannot count made-up answers.
     late: AtomicU64,
+    abandoned: Mutex<std::collections::VecDeque<u64>>,
 }
+
+/// Commands given up on that a process's late answers are matched to.
+const MAX_ABANDONED: usize = 64;
 
 impl WorkerLink {
     fn new(stdin: ChildStdin) -> WorkerLink {
-        WorkerLink { stdin: Mutex::new(Some(stdin)), pending: Mutex::new(HashMap::new()), next: AtomicU64::new(0), late: AtomicU64::new(0) }
+        WorkerLink { stdin: Mutex::new(Some(stdin)), pending: Mutex::new(HashMap::new()), next: AtomicU64::new(0), late: AtomicU64::new(0), abandoned: Mutex::new(std::collections::VecDeque::new()) }
     }
 
     /// Closes the process's stdin: it finishes what it does and ends.
@@ -286,6 +292,11 @@ fn wait_link(link: &WorkerLink, who: &str, sent: Sent, deadline: Instant, timeou
         Ok(m) => Ok(m),
         Err(mpsc::RecvTimeoutError::Timeout) => {
             link.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&sent.id);
+            let mut given_up = link.abandoned.lock().unwrap_or_else(|e| e.into_inner());
+            if given_up.len() >= MAX_ABANDONED {
+                given_up.pop_front();
+            }
+            given_up.push_back(sent.id);
             Err(ControlError::Timeout(who.to_string(), timeout))
         }
         Err(mpsc::RecvTimeoutError::Disconnected) => Err(ControlError::WorkerDown(who.to_string())),
@@ -734,7 +745,9 @@ impl Control {
             if self.tenant(&spec.name).is_some() {
                 continue;
             }
-            self.create_tenant(spec).map_err(|e| format!("restoring tenant {} from {}: {e}; fix the cause, or move the file away to drop the tenant", spec.name, path.display()))?;
+            // Tenants already made come back even past devices.max_tenants
+            // (lowered since): only new ones are refused.
+            self.create_tenant_within(spec, usize::MAX).map_err(|e| format!("restoring tenant {} from {}: {e}; fix the cause, or move the file away to drop the tenant", spec.name, path.display()))?;
             info!(tenant = %spec.name, device = ?spec.device, "tenant restored from the state directory");
         }
         Ok(())
@@ -856,7 +869,11 @@ impl Control {
                         let _ = tx.send(m.msg);
                     }
                     None => {
-                        link.late.fetch_add(1, Ordering::Relaxed);
+                        let mut given_up = link.abandoned.lock().unwrap_or_else(|e| e.into_inner());
+                        if let Some(i) = given_up.iter().position(|id| *id == m.id) {
+                            given_up.remove(i);
+                            link.late.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
                 continue;
@@ -982,6 +999,11 @@ impl Control {
     /// memory), and has the device worker open its socket. The registry is
     /// not held while the worker works.
     pub fn create_tenant(&self, spec: &TenantSpec) -> Result<TenantRecord, ControlError> {
+        self.create_tenant_within(spec, self.defaults.max_tenants)
+    }
+
+    /// [`Control::create_tenant`], refused where `most` tenants are held.
+    fn create_tenant_within(&self, spec: &TenantSpec, most: usize) -> Result<TenantRecord, ControlError> {
         spec.validate().map_err(ControlError::BadRequest)?;
         let vm = spec.kind == crate::config::TenantKind::Vm;
         let socket = self.socket_for(&spec.name, vm, spec.hidden);
@@ -1052,7 +1074,7 @@ impl Control {
                 hidden: spec.hidden,
                 env: program_env(&slot.spec),
             };
-            if tenants.len() >= self.defaults.max_tenants {
+            if tenants.len() >= most {
                 return Err(ControlError::Conflict(format!("the daemon holds its most tenants, {} (devices.max_tenants); delete one first", self.defaults.max_tenants)));
             }
             tenants.insert(rec.name.clone(), rec.clone());
@@ -1060,9 +1082,11 @@ impl Control {
         };
         let generation = slot.generation.load(Ordering::Acquire);
         if let Err(e) = self.add_on_worker(&slot, &rec) {
-            self.registry().remove(&rec.name);
             // The worker may have set it up after all (a late answer).
+            // Undone before the name is free again, so that a create that
+            // takes it next is not undone with it.
             Self::undo_create(&slot, &rec);
+            self.registry().remove(&rec.name);
             return Err(e);
         }
         // A worker restart in between re-added only ready tenants.
@@ -1076,9 +1100,9 @@ impl Control {
         // Saved while it is still being created (no delete can run then),
         // so a tenant is kept only if it would come back after a restart.
         if let Err(e) = self.save_tenant(&rec) {
-            tenants.remove(&rec.name);
             drop(tenants);
             Self::undo_create(&slot, &rec);
+            self.registry().remove(&rec.name);
             return Err(e);
         }
         let Some(r) = tenants.get_mut(&rec.name) else {
@@ -1206,6 +1230,12 @@ impl Control {
         drop(tenants);
         match saved {
             Ok(()) => Ok(after),
+            // A smaller quota freed capacity that another tenant may
+            // have taken since: it is not grown back unchecked.
+            Err(ControlError::Store(source)) if after.memory < before.memory => {
+                warn!(tenant = name, "a change could not be saved: {source}");
+                Err(ControlError::NotSaved { live: true, source })
+            }
             Err(ControlError::Store(source)) => {
                 // Taken back where the device agrees, so that what runs is
                 // what a restart brings back.
