@@ -378,8 +378,10 @@ async fn scrub_device(State(c): St, Path(name): Path<String>) -> Result<Json<sup
 
 /// List tenants.
 #[utoipa::path(get, path = "/tenants", responses((status = 200, description = "Every tenant", body = Vec<TenantRecord>)))]
-async fn list_tenants(State(c): St) -> Json<Vec<TenantRecord>> {
-    Json(c.tenants())
+async fn list_tenants(State(c): St) -> Result<Json<Vec<TenantRecord>>, ControlError> {
+    // The registry's lock may be held across a state-directory sync: not
+    // waited for on an async worker.
+    Ok(Json(blocking(move || c.tenants()).await?))
 }
 
 /// A tenant with its live usage.
@@ -395,9 +397,12 @@ struct TenantView {
 /// One tenant with its live usage.
 #[utoipa::path(get, path = "/tenants/{name}", params(("name" = String, Path, example = "web")), responses((status = 200, description = "The tenant; `usage` is null while its worker restarts", body = TenantView), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn show_tenant(State(c): St, Path(name): Path<String>) -> Result<Json<TenantView>, ControlError> {
-    let record = c.tenant(&name).ok_or_else(|| ControlError::NotFound(format!("no tenant {name}")))?;
-    let dev = record.device.clone();
-    let usage = blocking(move || c.slot(&dev).and_then(|s| s.stats()).and_then(|d| d.tenants.into_iter().find(|t| t.name == name))).await?;
+    let (record, usage) = blocking(move || {
+        let record = c.tenant(&name).ok_or_else(|| ControlError::NotFound(format!("no tenant {name}")))?;
+        let usage = c.slot(&record.device).and_then(|s| s.stats()).and_then(|d| d.tenants.into_iter().find(|t| t.name == name));
+        Ok::<_, ControlError>((record, usage))
+    })
+    .await??;
     Ok(Json(TenantView { record, usage }))
 }
 
@@ -453,15 +458,15 @@ fn pool_view(c: &Control, spec: super::pool::PoolSpec) -> PoolView {
 
 /// List pools, the default one first.
 #[utoipa::path(get, path = "/pools", responses((status = 200, description = "Every pool", body = Vec<PoolView>)))]
-async fn list_pools(State(c): St) -> Json<Vec<PoolView>> {
-    Json(c.pools().into_iter().map(|p| pool_view(&c, p)).collect())
+async fn list_pools(State(c): St) -> Result<Json<Vec<PoolView>>, ControlError> {
+    Ok(Json(blocking(move || c.pools().into_iter().map(|p| pool_view(&c, p)).collect()).await?))
 }
 
 /// One pool.
 #[utoipa::path(get, path = "/pools/{name}", params(("name" = String, Path, example = "pool-a")), responses((status = 200, description = "The pool", body = PoolView), (status = 404, description = "The request was refused", body = ErrorBody)))]
 async fn show_pool(State(c): St, Path(name): Path<String>) -> Result<Json<PoolView>, ControlError> {
-    let p = c.pool(&name).ok_or_else(|| ControlError::NotFound(format!("no pool {name}")))?;
-    Ok(Json(pool_view(&c, p)))
+    let view = blocking(move || c.pool(&name).map(|p| pool_view(&c, p)).ok_or_else(|| ControlError::NotFound(format!("no pool {name}")))).await??;
+    Ok(Json(view))
 }
 
 /// Create a pool of devices that are in the default pool and hold no tenants.
@@ -469,17 +474,17 @@ async fn show_pool(State(c): St, Path(name): Path<String>) -> Result<Json<PoolVi
 async fn create_pool(State(c): St, body: axum::body::Bytes) -> Result<(StatusCode, Json<PoolView>), ControlError> {
     let spec: super::pool::PoolSpec = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad pool description: {e}")))?;
     // It may restart the devices' arbiters (MPS): not on an async worker.
-    let c2 = c.clone();
-    let p = blocking(move || c2.create_pool(&spec)).await??;
-    Ok((StatusCode::CREATED, Json(pool_view(&c, p))))
+    let view = blocking(move || c.create_pool(&spec).map(|p| pool_view(&c, p))).await??;
+    Ok((StatusCode::CREATED, Json(view)))
 }
 
 /// Change a pool's access, allow-list, placement or overcommit; tenants placed stay where they are.
 #[utoipa::path(patch, path = "/pools/{name}", params(("name" = String, Path, example = "pool-a")), request_body = super::pool::PoolChange, responses((status = 200, description = "The changed pool", body = PoolView), (status = 400, description = "The request was refused", body = ErrorBody), (status = 404, description = "The request was refused", body = ErrorBody), (status = 409, description = "A lower overcommit would not cover the quotas placed on a device", body = ErrorBody)))]
 async fn set_pool(State(c): St, Path(name): Path<String>, body: axum::body::Bytes) -> Result<Json<PoolView>, ControlError> {
     let change: super::pool::PoolChange = serde_json::from_slice(&body).map_err(|e| ControlError::BadRequest(format!("bad pool change: {e}")))?;
-    let p = c.set_pool(&name, &change)?;
-    Ok(Json(pool_view(&c, p)))
+    // It writes and syncs the saved pools: not on an async worker.
+    let view = blocking(move || c.set_pool(&name, &change).map(|p| pool_view(&c, p))).await??;
+    Ok(Json(view))
 }
 
 /// Delete a pool without tenants; its devices return to the default pool.
