@@ -317,9 +317,7 @@ impl Meter {
         // What was read is not read again at the next start, even if this
         // run writes nothing.
         if let Some(meta) = std::fs::metadata(path).ok().filter(|m| m.len() > from) {
-            if let Err(e) = save_snapshot(path, &st, &meta) {
-                warn!("usage totals {}: {e}; a start reads the whole usage file", snapshot_path(path).display());
-            }
+            save_snapshot(path, &st, &meta);
         }
         st.since = st.stamp();
         Ok(Arc::new(Meter { path: path.to_path_buf(), interval: interval.max(SAMPLE), state: Mutex::new(st), sampling: Mutex::new(()) }))
@@ -520,9 +518,7 @@ impl Meter {
             // The file now holds what the totals count (they change under
             // this lock only).
             let meta = f.metadata().map_err(io)?;
-            if let Err(e) = save_snapshot(&self.path, &st, &meta) {
-                warn!("usage totals {}: {e}; a start reads the whole usage file", snapshot_path(&self.path).display());
-            }
+            save_snapshot(&self.path, &st, &meta);
         }
         st.ended.clear();
         st.pending.clear();
@@ -563,8 +559,15 @@ impl Meter {
 }
 
 /// Writes the totals beside the usage file, whole or not at all (a new file
-/// renamed over the old one).
-fn save_snapshot(path: &Path, st: &State, usage: &std::fs::Metadata) -> std::io::Result<()> {
+/// renamed over the old one); a failure is a warning (the next start reads
+/// the whole usage file).
+fn save_snapshot(path: &Path, st: &State, usage: &std::fs::Metadata) {
+    if let Err(e) = write_snapshot(path, st, usage) {
+        warn!("usage totals {}: {e}; a start reads the whole usage file", snapshot_path(path).display());
+    }
+}
+
+fn write_snapshot(path: &Path, st: &State, usage: &std::fs::Metadata) -> std::io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     let snap = Snapshot {
         dev: usage.dev(),

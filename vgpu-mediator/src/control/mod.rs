@@ -304,6 +304,18 @@ fn wait_link(link: &WorkerLink, who: &str, sent: Sent, deadline: Instant, timeou
 }
 
 impl DeviceSlot {
+    /// Gives the tenant `to`'s share on the device, and its quota where it
+    /// differs from `was`: through its executor, or the device's worker.
+    fn set_share(&self, to: &TenantRecord, was: u64) -> Result<WorkerMsg, ControlError> {
+        let share = crate::sched::Share { weight: to.weight, cap: to.cap, priority: to.priority };
+        let quota = (to.memory != was).then_some(to.memory);
+        if self.spec.executors {
+            self.set_on_executor(to, share, quota)
+        } else {
+            self.call(WorkerCmd::SetTenant { name: to.name.clone(), share: Some(share), quota }, COMMAND_TIMEOUT)
+        }
+    }
+
     pub fn is_up(&self) -> bool {
         self.link.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
@@ -1189,11 +1201,7 @@ impl Control {
             (slot, before, (interim, next))
         };
         let (interim, after) = after;
-        let share = crate::sched::Share { weight: after.weight, cap: after.cap, priority: after.priority };
-        let quota = (after.memory != before.memory).then_some(after.memory);
-        let call =
-            if slot.spec.executors { slot.set_on_executor(&after, share, quota) } else { slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT) };
-        match call {
+        match slot.set_share(&after, before.memory) {
             Ok(WorkerMsg::Ok) => self.replace_if(name, &interim, &after),
             // A worker that is down gets the new values when it re-adds
             // the tenant.
@@ -1239,14 +1247,7 @@ impl Control {
             Err(ControlError::Store(source)) => {
                 // Taken back where the device agrees, so that what runs is
                 // what a restart brings back.
-                let share = crate::sched::Share { weight: before.weight, cap: before.cap, priority: before.priority };
-                let quota = (after.memory != before.memory).then_some(before.memory);
-                let back = if slot.spec.executors {
-                    slot.set_on_executor(&before, share, quota)
-                } else {
-                    slot.call(WorkerCmd::SetTenant { name: name.to_string(), share: Some(share), quota }, COMMAND_TIMEOUT)
-                };
-                let undone = matches!(back, Ok(WorkerMsg::Ok));
+                let undone = matches!(slot.set_share(&before, after.memory), Ok(WorkerMsg::Ok));
                 if undone {
                     self.replace_if(name, &after, &before);
                 }
